@@ -1,0 +1,57 @@
+"""`nanoeuler <command>`: one program, one module per command group in this package.
+
+Each command module defines `register(subparsers)`, which adds its parser and sets `run=<function>`;
+the function takes the parsed `argparse.Namespace` and returns an exit code (or None for 0).
+Heavy imports (numpy, numba, ...) happen inside the run functions so that `--help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import UserError
+
+COMMAND_MODULES = ["check", "info", "tokenizer", "prepare", "train", "sample", "sft", "dpo", "chat", "data",
+                   "bench", "demo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoeuler",
+        description="A GPT-2-class language model and its whole training pipeline, in NumPy with hand-written "
+                    "backward passes: tokenizer -> prepare -> train -> sft -> dpo -> chat.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}":
+                continue  # a command group not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        code = args.run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Model configuration: the SPEC presets and the validated config dataclass.
+
+    >>> Config.preset("small").n_params()
+    1049728
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    ctx_len: int        # T, the context length
+    ffn_hidden: int     # F, the SwiGLU hidden width
+    n_mtp: int          # K, the number of multi-token-prediction heads (head k predicts k+1 ahead)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"config: head_dim {self.head_dim} (dim / n_heads) must be even for RoPE")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise UserError("config: rope_theta and norm_eps must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's SPEC name and shape ([out, in] for matrices), in checkpoint order."""
+        d, hd, V, F = self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
+        shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, d)}
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            shapes[p + "attn_norm.weight"] = (d,)
+            shapes[p + "attn.wq.weight"] = (self.n_heads * hd, d)
+            shapes[p + "attn.wk.weight"] = (self.n_kv_heads * hd, d)
+            shapes[p + "attn.wv.weight"] = (self.n_kv_heads * hd, d)
+            shapes[p + "attn.wo.weight"] = (d, self.n_heads * hd)
+            shapes[p + "ffn_norm.weight"] = (d,)
+            shapes[p + "ffn.gate.weight"] = (F, d)
+            shapes[p + "ffn.up.weight"] = (F, d)
+            shapes[p + "ffn.down.weight"] = (d, F)
+        shapes["norm.weight"] = (d,)
+        for k in range(self.n_mtp):
+            shapes[f"heads.{k}.weight"] = (V, d)
+        return shapes
+
+    def n_params(self) -> int:
+        total = 0
+        for shape in self.param_shapes().values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, the 6·N rule (forward 2·N, backward 4·N) used for MFU."""
+        return 6 * self.n_params()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        if not isinstance(d, dict):
+            raise UserError("config: expected a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"config: unknown field(s) {', '.join(unknown)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING)
+        if missing:
+            raise UserError(f"config: missing field(s) {', '.join(missing)}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Config":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"config: {path} not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"config: {path} is not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "Config":
+        if name not in PRESETS:
+            raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+
+PRESETS: dict[str, Config] = {
+    "small": Config(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx_len=128, ffn_hidden=384, n_mtp=3),
+    "big": Config(vocab_size=4096, dim=384, n_heads=6, n_kv_heads=2, n_layers=4, ctx_len=256, ffn_hidden=1024, n_mtp=2),
+    "gpt": Config(vocab_size=4096, dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx_len=512, ffn_hidden=2048, n_mtp=4),
+}
