@@ -1,0 +1,52 @@
+"""`nanoeuler info PRESET|RUN`: config, exact parameter count, memory of one training step."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="config, parameter count and training memory of a preset or run",
+                       description="Show a preset's (small, big, gpt), a config.json's or a checkpoint's config, its "
+                                   "exact parameter count, and the memory one float32 training step needs "
+                                   "(weights, gradients, AdamW moments, activations) at the given batch and context.")
+    p.add_argument("target", help="preset name, config.json, or checkpoint directory")
+    p.add_argument("--batch", type=int, default=32, help="batch size for the memory estimate (default 32)")
+    p.add_argument("--ctx", type=int, default=None, help="context length for the memory estimate (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def resolve_config(target: str):
+    """A preset name, a config.json path, or a checkpoint directory -> Config."""
+    from ..config import PRESETS, Config
+    from ..errors import UserError
+    if target in PRESETS:
+        return PRESETS[target]
+    path = Path(target)
+    if path.is_dir():
+        return Config.load(path / "config.json")
+    if path.is_file():
+        return Config.load(path)
+    raise UserError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
+
+
+def run(args) -> int:
+    from ..errors import UserError
+    from ..memory import training_memory
+    cfg = resolve_config(args.target)
+    T = args.ctx or cfg.ctx_len
+    if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
+        raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
+    mem = training_memory(cfg, args.batch, T)
+    if args.json:
+        print(json.dumps({"config": cfg.to_dict(), "n_params": cfg.n_params(), "batch": args.batch, "ctx": T,
+                          "memory_bytes": mem}))
+        return 0
+    for k, v in cfg.to_dict().items():
+        print(f"{k:<12} {v}")
+    print(f"{'params':<12} {cfg.n_params():,}")
+    print(f"training step memory at batch {args.batch} x ctx {T} (float32):")
+    for k, v in mem.items():
+        print(f"  {k:<12} {v / 2**20:10.1f} MiB")
+    return 0

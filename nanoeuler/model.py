@@ -1,0 +1,220 @@
+"""The transformer of the SPEC, composed from the forward/backward pairs in `ops/`.
+
+Each of n_layers blocks: x = x + attn(rmsnorm(x)), then x = x + swiglu(rmsnorm(x)); a final RMSNorm,
+then K untied output heads (multi-token prediction). The backward pass is the forward read backwards:
+every `*_forward` call leaves a cache, and `backward` walks those caches in reverse.
+
+    model = Model.from_preset("small", seed=0)
+    head0_loss, objective, grads = model.loss_and_grads(tokens)   # tokens int [B, T+K]
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import ops
+from .config import PRESETS, Config
+from .errors import UserError
+
+
+class Model:
+    """Parameters (SPEC names -> arrays) plus the config; forward, backward, save and load."""
+
+    def __init__(self, config: Config, params: dict[str, np.ndarray]):
+        check_params(config, params)
+        self.config = config
+        self.params = params
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def init(cls, config: Config, seed: int = 0, dtype=np.float32) -> "Model":
+        """SPEC initialisation: N(0, 0.02); wo and down scaled by 1/sqrt(2·n_layers); norm weights 1."""
+        rng = np.random.default_rng(seed)
+        residual_scale = 1.0 / np.sqrt(2 * config.n_layers)
+        params = {}
+        for name, shape in config.param_shapes().items():
+            if name.endswith("norm.weight"):
+                params[name] = np.ones(shape, dtype=dtype)
+            else:
+                w = rng.normal(0.0, 0.02, size=shape)
+                if name.endswith(("attn.wo.weight", "ffn.down.weight")):
+                    w *= residual_scale
+                params[name] = w.astype(dtype)
+        return cls(config, params)
+
+    @classmethod
+    def from_preset(cls, name: str, seed: int = 0, dtype=np.float32) -> "Model":
+        if name not in PRESETS:
+            raise UserError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls.init(PRESETS[name], seed=seed, dtype=dtype)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "Model":
+        from .checkpoint import load_model
+        config, params = load_model(run_dir)
+        return cls(config, params)
+
+    def save(self, run_dir: str | Path, tokenizer=None) -> None:
+        from .checkpoint import save_model
+        save_model(run_dir, self.config, self.params, tokenizer)
+
+    def astype(self, dtype) -> "Model":
+        return Model(self.config, {n: p.astype(dtype) for n, p in self.params.items()})
+
+    @property
+    def dtype(self):
+        return self.params["embed.weight"].dtype
+
+    def n_params(self) -> int:
+        return sum(p.size for p in self.params.values())
+
+    # ---- forward / backward -------------------------------------------------------------------
+    def logits(self, inputs: np.ndarray) -> np.ndarray:
+        """inputs int [B, T] -> logits of every head [K, B, T, V]."""
+        check_tokens(self.config, inputs, extra=0)
+        return forward(self.config, self.params, inputs)[0]
+
+    def loss_and_grads(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None):
+        """tokens int [B, T+K] (loss_mask bool [B, T+K]: True where a target counts)
+        -> (head-0 loss, objective = mean of the K heads' losses, grads keyed like params)."""
+        cfg = self.config
+        check_tokens(cfg, tokens, extra=cfg.n_mtp)
+        T = tokens.shape[1] - cfg.n_mtp
+        targets = ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
+        logits, caches = forward(cfg, self.params, tokens[:, :T])
+        objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, targets)
+        dlogits = ops.mtp_loss_backward(1.0, loss_cache)
+        grads = backward(cfg, self.params, dlogits, caches)
+        return head_losses[0], objective, grads
+
+    def loss(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, float]:
+        """Forward only: (head-0 loss, objective)."""
+        cfg = self.config
+        check_tokens(cfg, tokens, extra=cfg.n_mtp)
+        T = tokens.shape[1] - cfg.n_mtp
+        targets = ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
+        logits, _ = forward(cfg, self.params, tokens[:, :T])
+        objective, head_losses, _ = ops.mtp_loss_forward(logits, targets)
+        return head_losses[0], objective
+
+
+def forward(cfg: Config, P: dict, inputs: np.ndarray):
+    """inputs int [B, T] -> (logits [K, B, T, V], caches for backward)."""
+    B, T = inputs.shape
+    dtype = P["embed.weight"].dtype
+    rope = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype)
+    x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
+    block_caches = []
+    for i in range(cfg.n_layers):
+        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope)
+        block_caches.append(cache)
+    h, norm_cache = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)  # [B, T, d]
+    logits = np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, T, V]
+    return logits, (emb_cache, block_caches, norm_cache, h)
+
+
+def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches) -> dict[str, np.ndarray]:
+    """dlogits [K, B, T, V] -> gradient of every parameter."""
+    emb_cache, block_caches, norm_cache, h = caches
+    grads = {}
+    dh = np.zeros_like(h)
+    for k in range(cfg.n_mtp):
+        dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, P[f"heads.{k}.weight"]))
+        dh += dhk
+    dx, grads["norm.weight"] = ops.rmsnorm_backward(dh, norm_cache)
+    for i in reversed(range(cfg.n_layers)):
+        dx = block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads)
+    grads["embed.weight"] = ops.embedding_backward(dx, emb_cache)
+    return {name: grads[name] for name in P}  # SPEC order
+
+
+def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope):
+    """One transformer block. x [B, T, d] -> x [B, T, d]."""
+    B, T, d = x.shape
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    cos, sin = rope
+    # attention sub-block
+    h, c_norm1 = ops.rmsnorm_forward(x, P[prefix + "attn_norm.weight"], cfg.norm_eps)
+    q, c_q = ops.linear_forward(h, P[prefix + "attn.wq.weight"])  # [B, T, H·hd]
+    k, c_k = ops.linear_forward(h, P[prefix + "attn.wk.weight"])  # [B, T, Hkv·hd]
+    v, c_v = ops.linear_forward(h, P[prefix + "attn.wv.weight"])
+    q = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    k = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+    v = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
+    q, c_rq = ops.rope_forward(q, cos, sin)
+    k, c_rk = ops.rope_forward(k, cos, sin)
+    a, c_att = ops.attention_forward(q, k, v)  # [B, H, T, hd]
+    a = a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    o, c_o = ops.linear_forward(a, P[prefix + "attn.wo.weight"])  # [B, T, d]
+    x = x + o
+    # feed-forward sub-block
+    h2, c_norm2 = ops.rmsnorm_forward(x, P[prefix + "ffn_norm.weight"], cfg.norm_eps)
+    g, c_g = ops.linear_forward(h2, P[prefix + "ffn.gate.weight"])  # [B, T, F]
+    u, c_u = ops.linear_forward(h2, P[prefix + "ffn.up.weight"])
+    s, c_s = ops.swiglu_forward(g, u)
+    f, c_d = ops.linear_forward(s, P[prefix + "ffn.down.weight"])  # [B, T, d]
+    x = x + f
+    return x, (c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d)
+
+
+def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict) -> np.ndarray:
+    """dx [B, T, d] (gradient of the block output) -> gradient of the block input; fills grads."""
+    c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d = cache
+    B, T, d = dx.shape
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # feed-forward sub-block (x = x + f)
+    ds, grads[prefix + "ffn.down.weight"] = ops.linear_backward(dx, c_d)
+    dg, du = ops.swiglu_backward(ds, c_s)
+    dh2, grads[prefix + "ffn.gate.weight"] = ops.linear_backward(dg, c_g)
+    dh2u, grads[prefix + "ffn.up.weight"] = ops.linear_backward(du, c_u)
+    dx_norm, grads[prefix + "ffn_norm.weight"] = ops.rmsnorm_backward(dh2 + dh2u, c_norm2)
+    dx = dx + dx_norm
+    # attention sub-block (x = x + o)
+    da, grads[prefix + "attn.wo.weight"] = ops.linear_backward(dx, c_o)
+    da = da.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    dq, dk, dv = ops.attention_backward(da, c_att)
+    dq = ops.rope_backward(dq, c_rq)
+    dk = ops.rope_backward(dk, c_rk)
+    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
+    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
+    dh, grads[prefix + "attn.wq.weight"] = ops.linear_backward(dq, c_q)
+    dhk, grads[prefix + "attn.wk.weight"] = ops.linear_backward(dk, c_k)
+    dhv, grads[prefix + "attn.wv.weight"] = ops.linear_backward(dv, c_v)
+    dx_norm, grads[prefix + "attn_norm.weight"] = ops.rmsnorm_backward(dh + dhk + dhv, c_norm1)
+    return dx + dx_norm
+
+
+def check_params(config: Config, params: dict[str, np.ndarray]) -> None:
+    """Every SPEC tensor present with its exact shape, one float dtype throughout, nothing extra."""
+    expected = config.param_shapes()
+    missing = [n for n in expected if n not in params]
+    if missing:
+        raise UserError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = [n for n in params if n not in expected]
+    if extra:
+        raise UserError(f"unexpected tensor {extra[0]} for this config")
+    dtypes = set()
+    for name, shape in expected.items():
+        p = params[name]
+        if tuple(p.shape) != shape:
+            raise UserError(f"tensor {name} has shape {list(p.shape)}, expected {list(shape)}")
+        dtypes.add(np.dtype(p.dtype))
+    if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise UserError("parameters must all be float32 or all float64")
+
+
+def check_tokens(config: Config, tokens: np.ndarray, extra: int) -> None:
+    """tokens int [B, T + extra] with 1 <= T <= ctx_len and every id in [0, vocab_size)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"tokens must be a 2-D integer array [B, T{'+K' if extra else ''}], got {tokens.dtype} {list(tokens.shape)}")
+    T = tokens.shape[1] - extra
+    if T < 1:
+        raise UserError(f"sequence of {tokens.shape[1]} tokens is too short: need at least {extra + 1}")
+    if T > config.ctx_len:
+        raise UserError(f"sequence of {T} tokens is longer than the context ({config.ctx_len})")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
+        raise UserError(f"token id out of range: ids must lie in [0, {config.vocab_size}), got "
+                        f"[{tokens.min()}, {tokens.max()}]")

@@ -1,0 +1,21 @@
+"""Forward/backward pairs as plain functions on arrays (the reference implementation).
+
+Every op is two functions, `X_forward(inputs..., params...) -> (out, cache)` and
+`X_backward(dout, cache) -> (dinputs..., dparams...)`, with no hidden state: the cache is passed
+explicitly. Each works in float32 and float64 (dtype in = dtype out) and each pair has a float64
+finite-difference test (`nanoeuler check`, tests/test_ops.py).
+"""
+from .attention import attention_backward, attention_forward
+from .cross_entropy import cross_entropy_backward, cross_entropy_forward, mtp_loss_backward, mtp_loss_forward, mtp_targets
+from .embedding import embedding_backward, embedding_forward
+from .linear import linear_backward, linear_forward
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .rope import rope_backward, rope_forward, rope_tables
+from .swiglu import swiglu_backward, swiglu_forward
+
+__all__ = [
+    "attention_forward", "attention_backward", "cross_entropy_forward", "cross_entropy_backward",
+    "mtp_targets", "mtp_loss_forward", "mtp_loss_backward", "embedding_forward", "embedding_backward",
+    "linear_forward", "linear_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
+    "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
+]

@@ -1,0 +1,42 @@
+"""Causal grouped-query attention: q head h reads kv head h // G, with G = H / Hkv queries per kv head.
+
+Forward, per (batch, kv head, group member): S = q·kᵀ/√hd with the future masked to −∞,
+P = softmax(S), y = P·v. Backward: dv = Pᵀ·dy, dP = dy·vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
+dq = dS·k/√hd, dk = dSᵀ·q/√hd; dk and dv sum over the G query heads that share a kv head.
+Grouping is done by reshaping q to [B, Hkv, G, T, hd] so k and v are broadcast, never copied.
+"""
+import numpy as np
+
+
+def _causal_mask(Tq, Tk):
+    """True where query i may NOT look at key j (j in the future). Queries are the last Tq positions."""
+    return np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)
+
+
+def attention_forward(q, k, v):
+    """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (Tq <= Tk; queries are the last Tq positions) -> y [B, H, Tq, hd]."""
+    B, H, Tq, hd = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G, Tq, hd)
+    scale = q.dtype.type(1.0 / np.sqrt(hd))
+    S = (qg @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, Hkv, G, Tq, Tk]
+    S[..., _causal_mask(Tq, Tk)] = -np.inf
+    S -= S.max(axis=-1, keepdims=True)
+    P = np.exp(S)
+    P /= P.sum(axis=-1, keepdims=True)
+    y = P @ v[:, :, None]  # [B, Hkv, G, Tq, hd]
+    return y.reshape(B, H, Tq, hd), (qg, k, v, P, scale)
+
+
+def attention_backward(dy, cache):
+    """dy [B, H, Tq, hd] -> dq [B, H, Tq, hd], dk [B, Hkv, Tk, hd], dv [B, Hkv, Tk, hd]."""
+    qg, k, v, P, scale = cache
+    B, Hkv, G, Tq, hd = qg.shape
+    dyg = dy.reshape(B, Hkv, G, Tq, hd)
+    dv = np.sum(P.swapaxes(-1, -2) @ dyg, axis=2)  # [B, Hkv, Tk, hd]
+    dP = dyg @ v[:, :, None].swapaxes(-1, -2)  # [B, Hkv, G, Tq, Tk]
+    dS = P * (dP - np.sum(dP * P, axis=-1, keepdims=True)) * scale
+    dq = (dS @ k[:, :, None]).reshape(B, Hkv * G, Tq, hd)
+    dk = np.sum(dS.swapaxes(-1, -2) @ qg, axis=2)  # [B, Hkv, Tk, hd]
+    return dq, dk, dv

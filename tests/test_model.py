@@ -1,0 +1,139 @@
+"""The model: presets, initialisation, whole-model gradient check, bad input, save/load."""
+import json
+
+import numpy as np
+import pytest
+
+from nanoeuler import PRESETS, Config, Model, UserError
+from nanoeuler.check import TOLERANCE, check_model
+
+SPEC_COUNTS = {"small": 1_049_728, "big": 11_013_504, "gpt": 116_417_280}
+TINY = Config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2)
+
+
+@pytest.mark.parametrize("name", list(SPEC_COUNTS))
+def test_preset_parameter_counts_equal_spec(name):
+    assert PRESETS[name].n_params() == SPEC_COUNTS[name]
+    assert sum(int(np.prod(s)) for s in PRESETS[name].param_shapes().values()) == SPEC_COUNTS[name]
+
+
+def test_small_model_params_have_spec_names_and_shapes():
+    m = Model.from_preset("small", seed=0)
+    assert m.n_params() == SPEC_COUNTS["small"]
+    assert m.params["layers.3.attn.wk.weight"].shape == (64, 128)
+    assert m.params["heads.2.weight"].shape == (512, 128)
+    assert list(m.params)[0] == "embed.weight" and list(m.params)[-1] == "heads.2.weight"
+
+
+def test_init_follows_spec():
+    m = Model.init(PRESETS["big"], seed=0)
+    assert np.all(m.params["norm.weight"] == 1) and np.all(m.params["layers.0.ffn_norm.weight"] == 1)
+    assert m.params["embed.weight"].std() == pytest.approx(0.02, rel=0.01)
+    assert m.params["layers.1.attn.wo.weight"].std() == pytest.approx(0.02 / np.sqrt(8), rel=0.02)
+    assert m.params["layers.1.ffn.down.weight"].std() == pytest.approx(0.02 / np.sqrt(8), rel=0.02)
+    assert m.params["embed.weight"].dtype == np.float32
+    same = Model.init(PRESETS["small"], seed=7).params["embed.weight"]
+    assert np.array_equal(same, Model.init(PRESETS["small"], seed=7).params["embed.weight"])
+    assert not np.array_equal(same, Model.init(PRESETS["small"], seed=8).params["embed.weight"])
+
+
+def test_loss_at_init_is_near_log_vocab():
+    m = Model.from_preset("small", seed=0)
+    tokens = np.random.default_rng(0).integers(0, 512, (2, 64 + 3))
+    head0, objective, grads = m.loss_and_grads(tokens)
+    assert head0 == pytest.approx(np.log(512), abs=0.05)
+    assert objective == pytest.approx(np.log(512), abs=0.05)
+    assert set(grads) == set(m.params)
+    assert all(grads[n].shape == p.shape and grads[n].dtype == np.float32 for n, p in m.params.items())
+
+
+@pytest.mark.parametrize("config", [
+    TINY,
+    TINY.replace(n_kv_heads=4),          # plain multi-head attention
+    TINY.replace(n_mtp=1, n_layers=1),   # no MTP
+])
+def test_whole_model_gradient_check(config):
+    rows = check_model(seed=2, n_samples=6, config=config)
+    assert len(rows) == len(config.param_shapes())
+    for row in rows:
+        assert row.max_rel_error < TOLERANCE, row
+
+
+def test_masked_positions_get_no_gradient_signal():
+    m = Model.init(TINY, seed=0, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 40, (2, 10))
+    mask = np.ones_like(tokens, dtype=bool)
+    mask[:, 5:] = False
+    _, _, g1 = m.loss_and_grads(tokens, mask)
+    tokens2 = tokens.copy()
+    tokens2[:, 7:] = (tokens[:, 7:] + 1) % 40  # these only feed, or are, targets at masked positions (>= 5)
+    _, _, g2 = m.loss_and_grads(tokens2, mask)
+    for n in g1:
+        np.testing.assert_array_equal(g1[n], g2[n])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dim=30), "not divisible by n_heads"),
+    (dict(n_kv_heads=3), "not divisible by n_kv_heads"),
+    (dict(dim=20, n_heads=4, n_kv_heads=2), "must be even"),
+    (dict(n_layers=0), "positive integer"),
+])
+def test_bad_config_is_a_clear_error(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        TINY.replace(**kwargs)
+
+
+def test_unknown_config_field_is_a_clear_error(tmp_path):
+    d = TINY.to_dict() | {"n_experts": 4}
+    with pytest.raises(UserError, match="unknown field.*n_experts"):
+        Config.from_dict(d)
+    with pytest.raises(UserError, match="missing field.*dim"):
+        Config.from_dict({k: v for k, v in TINY.to_dict().items() if k != "dim"})
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (np.full((1, 10), 40), "out of range"),
+    (np.full((1, 10), -1), "out of range"),
+    (np.zeros((1, 11), dtype=np.int64), "longer than the context"),
+    (np.zeros((1, 2), dtype=np.int64), "too short"),
+    (np.zeros((1, 10)), "integer"),
+    (np.zeros(10, dtype=np.int64), "2-D"),
+])
+def test_bad_tokens_are_a_clear_error(tokens, message):
+    with pytest.raises(UserError, match=message):
+        Model.init(TINY).loss_and_grads(tokens)
+
+
+def test_save_load_round_trip(tmp_path):
+    m = Model.init(TINY, seed=3)
+    m.save(tmp_path / "run")
+    loaded = Model.load(tmp_path / "run")
+    assert loaded.config == m.config
+    for n, p in m.params.items():
+        assert np.array_equal(loaded.params[n], p) and loaded.params[n].flags.writeable
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == TINY.to_dict()
+
+
+def test_checkpoint_defects_are_clear_errors(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match="not found"):
+        Model.load(run)
+    Model.init(TINY).save(run)
+    tensors = load_file(str(run / "model.safetensors"))
+    bad = dict(tensors)
+    del bad["layers.1.ffn.up.weight"]
+    save_file(bad, str(run / "model.safetensors"))
+    with pytest.raises(UserError, match="missing tensor layers.1.ffn.up.weight"):
+        Model.load(run)
+    bad = dict(tensors) | {"norm.weight": np.ones(5, dtype=np.float32)}
+    save_file(bad, str(run / "model.safetensors"))
+    with pytest.raises(UserError, match=r"norm.weight has shape \[5\], expected \[16\]"):
+        Model.load(run)
+    (run / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(UserError, match="corrupt"):
+        Model.load(run)
+    (run / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        Model.load(run)
