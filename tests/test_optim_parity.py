@@ -40,7 +40,7 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), TINY))
 
 
-def lr_at(step: int, peak: float = 1e-2) -> float:
+def lr_at(step: int, peak: float = 3e-3) -> float:
     """Linear warmup over 3 steps, then cosine to 10% at step 10 (any varying schedule will do)."""
     if step < 3:
         return peak * (step + 1) / 3
@@ -148,36 +148,59 @@ def batch(step: int):
 
 
 def training_errors(dtype) -> dict[str, float]:
+    """10 steps of our Model + AdamW; at each step our gradients vs the oracle's at the same params, and
+    torch AdamW fed our gradients vs our AdamW. In float64 also a fully independent torch run (oracle
+    gradients + torch AdamW on its own params) vs ours."""
     from nanoeuler import Model
     from nanoeuler.optim import AdamW
     model = Model.init(SMALL, seed=7, dtype=dtype)
     p0 = {n: np.array(a, copy=True) for n, a in model.params.items()}
     params = model.params
     opt = AdamW(params, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)
-    tm = TorchModel(SMALL, p0)
-    topt = make_adamw(tm.params, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)
-    errs = {"loss": 0.0, "params": 0.0, "update": 0.0}
+    fed = {n: to_torch(a, requires_grad=True) for n, a in p0.items()}        # torch AdamW fed our grads
+    fed_opt = make_adamw(fed, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)
+    indep = TorchModel(SMALL, p0) if dtype == np.float64 else None           # its own grads, own params
+    indep_opt = indep and make_adamw(indep.params, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)
+    errs = {"loss": 0.0, "grads": 0.0, "params": 0.0}
+    if indep:
+        errs.update({"indep_loss": 0.0, "indep_params": 0.0, "indep_update": 0.0})
     for step in range(STEPS):
         tokens, mask = batch(step)
         h0, obj, grads = model.loss_and_grads(tokens, loss_mask=mask)
-        opt.step(params, grads, lr=lr_at(step))
-        th0, tobj, _ = tm.loss_and_grads(tokens, loss_mask=mask)      # fills .grad
-        set_lr(topt, lr_at(step))
-        topt.step()
+        th0, tobj, tgrads = TorchModel(SMALL, params).loss_and_grads(tokens, loss_mask=mask)
         errs["loss"] = max(errs["loss"], abs(h0 - th0) / abs(th0), abs(obj - tobj) / abs(tobj))
-    ref = tm.numpy_params()
-    for n in p0:
-        errs["params"] = max(errs["params"], rel_err(model.params[n], ref[n]))
-        errs["update"] = max(errs["update"], rel_err(model.params[n] - p0[n], ref[n] - p0[n]))
+        errs["grads"] = max(errs["grads"], *(rel_err(grads[n], tgrads[n]) for n in grads))
+        opt.step(params, grads, lr=lr_at(step))
+        for n, g in grads.items():
+            fed[n].grad = to_torch(g)
+        set_lr(fed_opt, lr_at(step))
+        fed_opt.step()
+        errs["params"] = max(errs["params"], *(rel_err(params[n], fed[n].detach().numpy()) for n in p0))
+        if indep:
+            ih0, iobj, _ = indep.loss_and_grads(tokens, loss_mask=mask)
+            errs["indep_loss"] = max(errs["indep_loss"], abs(h0 - ih0) / abs(ih0), abs(obj - iobj) / abs(iobj))
+            set_lr(indep_opt, lr_at(step))
+            indep_opt.step()
+    if indep:
+        ref = indep.numpy_params()
+        for n in p0:
+            errs["indep_params"] = max(errs["indep_params"], rel_err(params[n], ref[n]))
+            errs["indep_update"] = max(errs["indep_update"], rel_err(params[n] - p0[n], ref[n] - p0[n]))
     return errs
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_training_steps_match_torch(dtype):
+    """Why float32 is not also run as two independent trajectories: Adam divides each gradient entry by
+    its own running RMS, so entries whose gradient is at the float32 rounding level of the tensor
+    (|g| ~ 1e-7 max|g|) move by ~lr with a rounding-decided sign. Two float32 runs (even torch float32
+    vs torch float64) drift apart by ~1e-1 relative in 10 steps that way; that is Adam, not a bug."""
     errs = training_errors(dtype)
-    assert errs["loss"] <= TOL[dtype] and errs["params"] <= TOL[dtype], errs
+    tol = TOL[dtype]
+    assert errs["loss"] <= tol and errs["grads"] <= tol and errs["params"] <= tol, errs
     if dtype == np.float64:
-        assert errs["update"] <= TOL_UPDATE, errs
+        # independent run: the same amplification, at float64 rounding (~1e-10 measured)
+        assert errs["indep_loss"] <= tol and errs["indep_params"] <= 1e-5 and errs["indep_update"] <= 1e-6, errs
 
 
 if __name__ == "__main__":
@@ -188,5 +211,4 @@ if __name__ == "__main__":
                   f"update {e['update']:.2e}")
     for dtype in (np.float32, np.float64):
         e = training_errors(dtype)
-        print(f"training {np.dtype(dtype).name:8s}: loss {e['loss']:.2e}  params {e['params']:.2e}  "
-              f"update {e['update']:.2e}")
+        print(f"training {np.dtype(dtype).name:8s}: " + "  ".join(f"{k} {v:.2e}" for k, v in e.items()))

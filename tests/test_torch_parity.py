@@ -185,7 +185,7 @@ def test_oracle_rope_is_complex_rotation_of_half_pairs():
     x = torch.randn(1, 1, T_, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cos, sin = rope_cos_sin(T_, hd, 10000.0, torch.float64)
     z = torch.complex(x[..., : hd // 2], x[..., hd // 2:])
-    ang = torch.arange(T_, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)
+    ang = torch.arange(T_, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     z = z * torch.exp(1j * ang)
     assert (apply_rope(x, cos, sin) - torch.cat([z.real, z.imag], -1)).abs().max() < 1e-14
 
