@@ -1,0 +1,171 @@
+"""`nanoeuler train` (pretraining) and `nanoeuler eval` (validation loss and bits per byte)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BUNDLED_DATA = Path("data/shakespeare")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train", help="pretrain a model on token shards",
+        description="Pretrain a model (AdamW, linear warm-up then cosine decay to 10%%, gradient clipping at 1.0) on "
+                    "token shards from `nanoeuler prepare`. With no arguments: trains `small` on the bundled "
+                    "Shakespeare corpus (its tokenizer and shards are made first in data/shakespeare if missing) "
+                    "into runs/small. Checkpoints are written every --ckpt-every steps, at the end and on "
+                    "Ctrl-C/SIGTERM; --resume continues a run bit-for-bit.")
+    p.add_argument("config", nargs="?", default=None,
+                   help="preset (small, big, gpt) or a config.json (default: small; on --resume: the run's)")
+    p.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: DATA/tokenizer.json)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop (with a checkpoint) after N steps of this invocation; --steps stays the planned total")
+    add_hyperparameters(p)
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.set_defaults(run=run_train)
+
+    e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint",
+                       description="Head-0 validation loss (nats) and bits per byte of a checkpoint on the "
+                                   "validation split of a token shard directory (all of it by default).")
+    e.add_argument("--ckpt", required=True, help="checkpoint directory")
+    e.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--max-batches", type=int, default=0, help="evaluate only this many batches (0 = all)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(run=run_eval)
+
+
+def add_hyperparameters(p) -> None:
+    """The TrainConfig fields as flags; unset flags take the TrainConfig (or preset) default."""
+    g = p.add_argument_group("hyper-parameters (defaults: nanoeuler.train.TrainConfig)")
+    g.add_argument("--steps", type=int, help="planned total number of optimizer steps")
+    g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per step (batch-size must divide by it)")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--warmup", type=int, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
+    g.add_argument("--grad-clip", type=float, help="global gradient-norm clip")
+    g.add_argument("--seed", type=int, help="seed of the data order")
+    g.add_argument("--eval-every", type=int, help="steps between validation evals")
+    g.add_argument("--eval-batches", type=int, help="validation batches per periodic eval (0 = all)")
+    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+
+
+def train_config_from_args(args, defaults: dict | None = None):
+    from ..train import TrainConfig
+    values = dict(defaults or {})
+    for field in TrainConfig.__dataclass_fields__:
+        v = getattr(args, field, None)
+        if v is not None:
+            values[field] = v
+    return TrainConfig(**values)
+
+
+# Preset-specific defaults: what the default `nanoeuler train <preset>` does.
+PRESET_DEFAULTS = {
+    "small": dict(steps=6000, batch_size=32, lr=3e-3, warmup=100, eval_every=250, ckpt_every=500),
+    "big": dict(steps=4000, batch_size=16, lr=2e-3, warmup=200, eval_every=250, ckpt_every=250),
+    "gpt": dict(steps=20000, batch_size=32, lr=6e-4, warmup=1000, eval_every=500, ckpt_every=1000),
+}
+
+
+def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress: bool = True) -> Path:
+    """Train the bundled corpus's tokenizer and token shards in data_dir unless they exist already."""
+    from ..corpus import bundled_split, bundled_works
+    from ..shards import prepare_bundled
+    from ..tokenizer import Tokenizer
+    tok_path = data_dir / "tokenizer.json"
+    if (data_dir / "manifest.json").exists() and tok_path.exists():
+        return data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if not tok_path.exists():
+        works = bundled_works()
+        train_names, _ = bundled_split()
+        print(f"training a {vocab_size}-token BPE tokenizer on the bundled corpus -> {tok_path}")
+        tok = Tokenizer.train((works[n] for n in train_names), vocab_size, progress=progress)
+        tok.save(tok_path)
+    print(f"preparing token shards of the bundled corpus -> {data_dir}")
+    prepare_bundled(Tokenizer.load(tok_path), data_dir, progress=progress)
+    return data_dir
+
+
+def run_train(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..config import PRESETS, Config
+    from ..errors import UserError
+    from ..model import Model
+    from ..tokenizer import Tokenizer
+    from ..train import PretrainSource, run_training
+
+    preset = args.config if args.config in PRESETS else None
+    out = Path(args.out or f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
+    if args.resume:
+        model = Model.load(out)
+        if args.config and model.config != (PRESETS[preset] if preset else Config.load(args.config)):
+            raise UserError(f"{out} was trained with a different config than {args.config}")
+        cfg = model.config
+        saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
+        tcfg = train_config_from_args(args, saved)
+    else:
+        cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
+        tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
+        model = Model.init(cfg, seed=args.init_seed)
+    data = Path(args.data) if args.data else ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
+    if args.resume:
+        tok = load_tokenizer(out)
+    else:
+        tok_path = Path(args.tokenizer) if args.tokenizer else data / "tokenizer.json"
+        if not tok_path.exists():
+            raise UserError(f"no tokenizer: {tok_path} does not exist; pass --tokenizer")
+        tok = Tokenizer.load(tok_path)
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size} embeddings")
+    source = PretrainSource(data, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp)
+    source.train.check_tokenizer(tok.fingerprint())
+    if source.train.vocab_size > cfg.vocab_size:
+        raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
+    print(f"{'resuming' if args.resume else 'training'} {cfg.n_params():,} parameters -> {out} "
+          f"({tcfg.steps} steps x {tcfg.batch_size} x {cfg.ctx_len} tokens)")
+    summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
+                           progress=not args.no_progress)
+    report(summary, out, args.json)
+    return 130 if summary["interrupted"] else 0
+
+
+def report(summary: dict, out: Path, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary | {"out": str(out)}))
+        return
+    state = "finished" if summary["finished"] else "interrupted" if summary["interrupted"] else "stopped"
+    line = f"{state} at step {summary['step']}/{summary['steps']}; checkpoint in {out}"
+    if "val_bpb" in summary:
+        line += f"; val loss {summary['val_loss']:.4f}, {summary['val_bpb']:.4f} bits/byte"
+    print(line)
+    if not summary["finished"]:
+        print(f"continue with: nanoeuler train --out {out} --resume")
+
+
+def run_eval(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..errors import UserError
+    from ..model import Model
+    from ..train import PretrainSource, evaluate
+    model = Model.load(args.ckpt)
+    data = Path(args.data) if args.data else BUNDLED_DATA
+    if not (data / "manifest.json").exists():
+        raise UserError(f"no token shards in {data}; run `nanoeuler prepare` (or `nanoeuler train` for the bundled corpus)")
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    source = PretrainSource(data, args.batch_size, model.config.ctx_len, model.config.n_mtp)
+    source.val.check_tokenizer(load_tokenizer(args.ckpt).fingerprint())
+    result = evaluate(model, source, args.max_batches)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"val loss {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte")
+    return 0

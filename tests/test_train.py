@@ -1,0 +1,146 @@
+"""The training loop: exact resume (stop-after and SIGINT), NaN guard, incompatible resume, logs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from nanoeuler import UserError
+from nanoeuler.optim import lr_schedule
+from nanoeuler.train import TrainingDiverged
+
+from train_fixtures import run
+
+TESTS = Path(__file__).parent
+
+
+def _assert_identical_runs(a: Path, b: Path):
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert np.array_equal(ta[k], tb[k]), (name, k)  # bitwise
+    sa, sb = (json.loads((p / "trainer.json").read_text()) for p in (a, b))
+    assert sa["step"] == sb["step"] and sa["rng"] == sb["rng"] and sa["optimizer"] == sb["optimizer"]
+
+
+def test_schedule_warmup_then_cosine_to_ten_percent():
+    assert lr_schedule(0, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_schedule(9, 1.0, 10, 100) == pytest.approx(1.0)
+    assert lr_schedule(55, 1.0, 10, 100) == pytest.approx(0.55)
+    assert lr_schedule(100, 1.0, 10, 100) == pytest.approx(0.1)
+
+
+def test_training_reduces_loss_and_writes_a_checkpoint(tmp_path):
+    model, summary = run(tmp_path / "run", steps=12)
+    assert summary["finished"] and summary["step"] == 12
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert log[-1]["loss"] < log[0]["loss"] - 0.3
+    assert "val_bpb" in log[-1] and (tmp_path / "run" / "curves.png").stat().st_size > 1000
+    for f in ("model.safetensors", "config.json", "optimizer.safetensors", "trainer.json"):
+        assert (tmp_path / "run" / f).is_file()
+
+
+def test_stop_after_then_resume_is_bitwise_identical(tmp_path):
+    run(tmp_path / "straight", steps=10)
+    _, s1 = run(tmp_path / "split", steps=10, stop_after=4)
+    assert s1["step"] == 4 and not s1["finished"]
+    _, s2 = run(tmp_path / "split", steps=10, resume=True, stop_after=3)
+    assert s2["step"] == 7
+    _, s3 = run(tmp_path / "split", steps=10, resume=True)
+    assert s3["finished"]
+    _assert_identical_runs(tmp_path / "straight", tmp_path / "split")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+
+
+def test_grad_accum_and_masks_resume_exactly(tmp_path):
+    run(tmp_path / "a", steps=6, grad_accum=2)
+    run(tmp_path / "b", steps=6, grad_accum=2, stop_after=3)
+    run(tmp_path / "b", steps=6, grad_accum=2, resume=True)
+    _assert_identical_runs(tmp_path / "a", tmp_path / "b")
+
+
+SIGINT_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import train_fixtures, nanoeuler.train as t
+real = t.accumulate
+def slow(*a, **k):
+    time.sleep(0.05)
+    return real(*a, **k)
+t.accumulate = slow
+train_fixtures.run({out!r}, steps=60, resume={resume}, ckpt_every=1000)
+"""
+
+
+def test_sigint_at_any_moment_then_resume_is_bitwise_identical(tmp_path):
+    run(tmp_path / "straight", steps=60, ckpt_every=1000)
+    out = tmp_path / "interrupted"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", SIGINT_SCRIPT.format(tests=str(TESTS), out=str(out), resume=False)],
+                            env=env, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (out / "log.jsonl").exists() or len((out / "log.jsonl").read_text().splitlines()) < 5:
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    time.sleep(0.013)  # somewhere inside a step
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    state = json.loads((out / "trainer.json").read_text())
+    assert 5 <= state["step"] < 60
+    run(out, steps=60, resume=True, ckpt_every=1000)
+    _assert_identical_runs(tmp_path / "straight", out)
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run(out, steps=10, stop_after=3)
+    before = {f: (out / f).read_bytes() for f in ("model.safetensors", "optimizer.safetensors", "trainer.json")}
+    import nanoeuler.model as m
+    real = m.Model.loss_and_grads
+    calls = {"n": 0}
+
+    def poisoned(self, tokens, loss_mask=None):
+        calls["n"] += 1
+        h0, obj, g = real(self, tokens, loss_mask)
+        return (float("nan"), obj, g) if calls["n"] == 2 else (h0, obj, g)
+
+    monkeypatch.setattr(m.Model, "loss_and_grads", poisoned)
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 5"):
+        run(out, steps=10, resume=True, ckpt_every=1)
+    # step 4 was checkpointed (ckpt_every=1) before the NaN at step 5; that checkpoint is intact and loadable
+    state = json.loads((out / "trainer.json").read_text())
+    assert state["step"] == 4
+    assert before["trainer.json"] != (out / "trainer.json").read_bytes()
+    monkeypatch.setattr(m.Model, "loss_and_grads", real)
+    _, summary = run(out, steps=10, resume=True, ckpt_every=1)
+    assert summary["finished"]
+
+
+def test_resume_refuses_a_different_run(tmp_path):
+    run(tmp_path / "run", steps=10, stop_after=2)
+    with pytest.raises(UserError, match="different settings: lr"):
+        _resume_with_lr(tmp_path / "run")
+    with pytest.raises(UserError, match="already holds a training run"):
+        run(tmp_path / "run", steps=10)
+    with pytest.raises(UserError, match="nothing to resume"):
+        (tmp_path / "empty").mkdir()
+        from nanoeuler import Model
+        Model.init(__import__("train_fixtures").TINY).save(tmp_path / "empty")
+        run(tmp_path / "empty", steps=10, resume=True)
+
+
+def _resume_with_lr(out):
+    from nanoeuler import Model
+    from nanoeuler.train import TrainConfig, run_training
+    from train_fixtures import SyntheticSource
+    tcfg = TrainConfig(steps=10, batch_size=4, lr=5e-3, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
+    run_training(Model.load(out), None, SyntheticSource(), out, tcfg, resume=True, progress=False)
