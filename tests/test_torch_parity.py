@@ -44,7 +44,8 @@ def rel_err(a, b) -> float:
 
 def random_params(config, seed: int, dtype) -> dict[str, np.ndarray]:
     """Weights far from init (norm weights != 1, larger matrices, so attention is far from uniform and
-    every term of every gradient matters), drawn here independently of nanoeuler's init."""
+    every term of every gradient matters), drawn here independently of nanoeuler's init. Matrices are
+    scaled by sqrt(128 / fan_in) so that wider configs are as well-conditioned as `small`."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in config.param_shapes().items():
@@ -53,24 +54,24 @@ def random_params(config, seed: int, dtype) -> dict[str, np.ndarray]:
         elif name == "embed.weight":
             a = 0.5 * rng.standard_normal(shape)
         elif ".attn.w" in name and not name.endswith("wo.weight"):
-            a = 0.1 * rng.standard_normal(shape)
+            a = 0.1 * math.sqrt(128 / shape[1]) * rng.standard_normal(shape)
         else:
-            a = 0.06 * rng.standard_normal(shape)
+            a = 0.06 * math.sqrt(128 / shape[1]) * rng.standard_normal(shape)
         out[name] = a.astype(dtype)
     return out
 
 
-def make_tokens(config, seed: int) -> np.ndarray:
+def make_tokens(config, seed: int, b: int = B, t: int = T) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return rng.integers(0, config.vocab_size, (B, T + config.n_mtp)).astype(np.int64)
+    return rng.integers(0, config.vocab_size, (b, t + config.n_mtp)).astype(np.int64)
 
 
-def make_mask(config, seed: int) -> np.ndarray:
+def make_mask(config, seed: int, b: int = B, t: int = T) -> np.ndarray:
     """A partial loss mask like SFT's: a prompt prefix off, then ~70% of the remaining targets on."""
     rng = np.random.default_rng(seed)
-    mask = rng.random((B, T + config.n_mtp)) < 0.7
+    mask = rng.random((b, t + config.n_mtp)) < 0.7
     mask[0, :9] = False
-    mask[1, :4] = False
+    mask[-1, :4] = False
     mask[:, -1] = True          # every head keeps at least one counted target
     return mask
 
@@ -86,9 +87,10 @@ def compare(config, params, dtype, tokens, mask) -> dict[str, float]:
     tm = TorchModel(config, params)
     errs = {}
     K = config.n_mtp
-    inputs = tokens[:, :T]
+    b, t = tokens.shape[0], tokens.shape[1] - K
+    inputs = tokens[:, :t]
     lg = np.asarray(model.logits(inputs))
-    assert lg.shape == (K, B, T, config.vocab_size)
+    assert lg.shape == (K, b, t, config.vocab_size)
     assert lg.dtype == dtype, f"logits dtype {lg.dtype}, expected {np.dtype(dtype)}"
     errs["logits"] = rel_err(lg, tm.logits(inputs).detach().numpy())
 
@@ -128,6 +130,32 @@ def test_parity_with_torch(name, case, dtype):
     errs = compare(config, params, dtype, tokens, mask)
     bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
     assert not bad, f"{name}/{case}/{np.dtype(dtype)}: over {TOL[dtype]:g}: {bad}"
+
+
+EXTRA = {
+    # 6 q heads on 2 kv heads (group of 3), head_dim 64, V 4096
+    "big": (Config.preset("big"), 1, 16),
+    # every RoPE position of the context, and a sequence as long as the context
+    "small-full-ctx": (SMALL, 1, SMALL.ctx_len),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", list(EXTRA))
+def test_parity_with_torch_extra(name, dtype):
+    config, b, t = EXTRA[name]
+    params = random_params(config, 4, dtype)
+    errs = compare(config, params, dtype, make_tokens(config, 5, b, t), make_mask(config, 6, b, t))
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, f"{name}/{np.dtype(dtype)}: over {TOL[dtype]:g}: {bad}"
+
+
+def test_full_mask_equals_no_mask():
+    config, params, tokens, _ = case_inputs("small", "random", np.float64)
+    a = ours(config, params).loss_and_grads(tokens)
+    b = ours(config, params).loss_and_grads(tokens, loss_mask=np.ones(tokens.shape, bool))
+    assert a[0] == pytest.approx(b[0], rel=1e-14) and a[1] == pytest.approx(b[1], rel=1e-14)
+    assert max(rel_err(a[2][n], b[2][n]) for n in a[2]) < 1e-13
 
 
 # ---------------------------------------------------------------- the comparison can fail
@@ -214,3 +242,9 @@ if __name__ == "__main__":   # print every measured error
                 print(f"{np.dtype(dtype).name:8s} {name:6s} {case:12s} logits {errs['logits']:.2e}  "
                       f"head0 {errs['head0_loss']:.2e}  objective {errs['objective']:.2e}  "
                       f"max grad {grad_max:.2e} ({worst_grad[5:]})  tol {TOL[dtype]:g}")
+        for name, (config, b, t) in EXTRA.items():
+            errs = compare(config, random_params(config, 4, dtype), dtype, make_tokens(config, 5, b, t),
+                           make_mask(config, 6, b, t))
+            grad_max = max(v for k, v in errs.items() if k.startswith("grad "))
+            print(f"{np.dtype(dtype).name:8s} {name:14s} +mask  logits {errs['logits']:.2e}  "
+                  f"head0 {errs['head0_loss']:.2e}  objective {errs['objective']:.2e}  max grad {grad_max:.2e}")
