@@ -1,0 +1,308 @@
+"""Text generation: a KV-cache forward, sampling, and self-speculative decoding with the MTP heads.
+
+Generation runs the model once over the prompt (prefill), keeping every layer's rotated keys and values
+in a cache, then feeds one token at a time: each new token attends to the cached keys/values instead of
+recomputing the whole prefix. `forward_cached` is that forward (inference only, no backward caches);
+its logits equal `model.forward`'s full recomputation (tests/test_generate.py checks ≤ 1e-5).
+
+Self-speculative decoding (greedy only) uses the K multi-token-prediction heads as a free draft model.
+At the last processed position, head 0 gives the next token t1 for certain and heads 1..K-1 guess the
+tokens after it, d2..dK. One forward over [t1, d2, .., dK] then verifies every guess with head 0:
+
+    fed:       t1    d2    d3          (K = 3)
+    head 0:    a2    a3    a4          a2 == d2?  a3 == d3?  accept the longest agreeing prefix
+    d2 == a2, d3 != a3  ->  emit t1, d2; next round starts from certain token a3 (no extra forward)
+
+The cache is rolled back to the accepted tokens (rejected drafts are simply overwritten later), so the
+output is token for token the greedy output of head 0 alone, in fewer forwards.
+
+Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
+the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
+them. Every mode (full recomputation, KV cache, speculative) applies the same rule, so their outputs agree.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import ops
+from .config import Config
+from .errors import UserError
+
+MODES = ("full", "cache", "speculative")
+
+
+# ---- the KV-cache forward ------------------------------------------------------------------------
+@dataclass
+class KVCache:
+    """Rotated keys and values of every layer for the first `length` positions of the window."""
+    k: list[np.ndarray]  # per layer [B, Hkv, max_len, hd]
+    v: list[np.ndarray]
+    cos: np.ndarray      # RoPE tables for positions 0 .. max_len-1, [max_len, hd/2]
+    sin: np.ndarray
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
+    """An empty cache for up to max_len (default ctx_len) positions."""
+    max_len = max_len or cfg.ctx_len
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    cos, sin = ops.rope_tables(max_len, cfg.head_dim, cfg.rope_theta, dtype)
+    return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layers)],
+                   [np.zeros(shape, dtype) for _ in range(cfg.n_layers)], cos, sin)
+
+
+def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    """inputs int [B, Tn], the tokens at positions cache.length .. cache.length+Tn-1
+    -> logits [K, B, Tn, V] (or [K, B, 1, V] with last_only); the cache grows by Tn."""
+    B, Tn = inputs.shape
+    L = cache.length
+    if L + Tn > cache.max_len:
+        raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    cos, sin = cache.cos[L:L + Tn], cache.sin[L:L + Tn]  # [Tn, hd/2]
+    x = P["embed.weight"][inputs]  # [B, Tn, d]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        h, _ = ops.rmsnorm_forward(x, P[p + "attn_norm.weight"], cfg.norm_eps)
+        q = (h @ P[p + "attn.wq.weight"].T).reshape(B, Tn, H, hd).transpose(0, 2, 1, 3)  # [B, H, Tn, hd]
+        k = (h @ P[p + "attn.wk.weight"].T).reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, Tn, hd]
+        v = (h @ P[p + "attn.wv.weight"].T).reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)
+        q, _ = ops.rope_forward(q, cos, sin)
+        k, _ = ops.rope_forward(k, cos, sin)
+        cache.k[i][:, :, L:L + Tn] = k
+        cache.v[i][:, :, L:L + Tn] = v
+        a, _ = ops.attention_forward(q, cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn])  # [B, H, Tn, hd]
+        x = x + a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd) @ P[p + "attn.wo.weight"].T
+        h2, _ = ops.rmsnorm_forward(x, P[p + "ffn_norm.weight"], cfg.norm_eps)
+        s, _ = ops.swiglu_forward(h2 @ P[p + "ffn.gate.weight"].T, h2 @ P[p + "ffn.up.weight"].T)  # [B, Tn, F]
+        x = x + s @ P[p + "ffn.down.weight"].T
+    cache.length = L + Tn
+    if last_only:
+        x = x[:, -1:]
+    h, _ = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)
+    return np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, Tn|1, V]
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, rng: np.random.Generator | None = None) -> int:
+    """logits [V] -> one token id. temperature 0 is greedy (argmax); top_k keeps the k most likely
+    tokens, top_p the smallest set whose probability reaches p (nucleus), both before sampling.
+
+        sample_token(np.array([1.0, 3.0, 2.0]), temperature=0)  -> 1
+        sample_token(np.array([1.0, 3.0, 2.0]), top_k=1, rng=np.random.default_rng(0))  -> 1
+    """
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and 0 < top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        n_keep = int(np.searchsorted(cum, top_p)) + 1  # the first n_keep tokens reach top_p
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[:n_keep]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    rng = rng if rng is not None else np.random.default_rng()
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), p.size - 1))
+
+
+# ---- the generation loop -------------------------------------------------------------------------
+@dataclass
+class Generation:
+    """What `generate` returns: the new ids (without the stop token) and how they were made."""
+    ids: list[int]
+    stopped: bool = False          # ended on a stop token (rather than max_new_tokens)
+    forwards: int = 0              # model calls, prefill included
+    drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1
+    accepted: int = 0              # speculative: draft tokens head 0 agreed with
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = len(self.ids) + self.stopped
+        return n / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+class _Window:
+    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full."""
+
+    def __init__(self, model, seq: list[int], mode: str):
+        self.cfg, self.P = model.config, model.params
+        self.mode, self.seq, self.forwards = mode, seq, 0
+        self.start = max(0, len(seq) - self.cfg.ctx_len)
+        self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
+        self.logits = self._refill()  # [K, V] at the last position
+
+    def _refill(self) -> np.ndarray:
+        """Recompute the cache (and last-position logits) from seq[start:]."""
+        self.cache.length = 0
+        self.forwards += 1
+        window = np.asarray(self.seq[self.start:], dtype=np.int64)[None]
+        return forward_cached(self.cfg, self.P, window, self.cache, last_only=True)[:, 0, 0]
+
+    def room(self) -> int:
+        """Positions left before the window must jump."""
+        return self.cfg.ctx_len - (len(self.seq) - self.start)
+
+    def push(self, token: int) -> np.ndarray:
+        """Append one token; return logits [K, V] for the position after it."""
+        self.seq.append(token)
+        if len(self.seq) - self.start > self.cfg.ctx_len:
+            self.start = len(self.seq) - self.cfg.ctx_len // 2
+            self.logits = self._refill()
+        elif self.mode == "full":
+            self.logits = self._refill()
+        else:
+            self.forwards += 1
+            self.logits = forward_cached(self.cfg, self.P, np.array([[token]]), self.cache, last_only=True)[:, 0, 0]
+        return self.logits
+
+    def verify(self, block: list[int]) -> np.ndarray:
+        """Feed tokens block (must fit: len(block) <= room()) in one forward -> logits [K, len(block), V].
+        The caller then calls `keep(n)` to keep only the first n of them."""
+        self.forwards += 1
+        out = forward_cached(self.cfg, self.P, np.asarray(block, dtype=np.int64)[None], self.cache)
+        self.seq.extend(block)
+        return out[:, 0]
+
+    def keep(self, n_total: int, logits_last: np.ndarray) -> None:
+        """Roll back seq and cache to n_total tokens of the window; logits_last [K, V] is the output there."""
+        drop = (len(self.seq) - self.start) - n_total
+        if drop:
+            del self.seq[len(self.seq) - drop:]
+        self.cache.length = n_total
+        self.logits = logits_last
+
+
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_ids: Sequence[int] = (), mode: str = "cache",
+             on_token: Callable[[int], None] | None = None) -> Generation:
+    """Continue prompt_ids with up to max_new_tokens tokens, stopping after any of stop_ids.
+
+    mode: "cache" (KV cache, one token per forward), "full" (recompute the whole window every token:
+    the slow reference) or "speculative" (greedy only: MTP drafts verified by head 0; same output as
+    greedy "cache"). on_token(id) is called for each new token as soon as it is known (streaming).
+    """
+    if mode not in MODES:
+        raise UserError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not len(prompt_ids):
+        raise UserError("the prompt is empty: give at least one token")
+    V = model.config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= V:
+        raise UserError(f"prompt token id out of range [0, {V})")
+    if max_new_tokens < 0:
+        raise UserError("max_new_tokens must be >= 0")
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 0):
+        raise UserError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    if mode == "speculative" and temperature > 0:
+        raise UserError("speculative decoding is greedy: use temperature 0")
+    rng = np.random.default_rng(seed)
+    stop = set(int(s) for s in stop_ids)
+    out = Generation([])
+    t0 = time.perf_counter()
+    win = _Window(model, [int(t) for t in prompt_ids], mode)
+    out.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+
+    def emit(token: int) -> bool:
+        """Record a new token; True when generation must end."""
+        if token in stop:
+            out.stopped = True
+            if on_token:
+                on_token(token)
+            return True
+        out.ids.append(token)
+        if on_token:
+            on_token(token)
+        return len(out.ids) >= max_new_tokens
+
+    if max_new_tokens > 0:
+        if mode == "speculative" and model.config.n_mtp > 1:
+            _speculate(win, emit, out)
+        else:
+            logits = win.logits
+            while True:
+                token = sample_token(logits[0], temperature, top_k, top_p, rng)
+                if emit(token):
+                    break
+                logits = win.push(token)
+    out.decode_s = time.perf_counter() - t0
+    out.forwards = win.forwards
+    return out
+
+
+def _speculate(win: _Window, emit, out: Generation) -> None:
+    """Greedy decoding with MTP drafts (see the module docstring). Ends when emit() says so."""
+    K = win.cfg.n_mtp
+    logits = win.logits  # [K, V] at the last position of the window
+    while True:
+        t1 = int(np.argmax(logits[0]))
+        drafts = [int(np.argmax(logits[k])) for k in range(1, K)]
+        if emit(t1):
+            return
+        if win.room() < 1 + len(drafts):  # the window is (nearly) full: do what plain greedy would
+            drafts = drafts[:max(0, win.room() - 1)]
+        if not drafts:
+            logits = win.push(t1)
+            continue
+        n_before = len(win.seq) - win.start
+        block_logits = win.verify([t1] + drafts)  # [K, 1 + len(drafts), V]
+        out.drafted += len(drafts)
+        n_ok = 0
+        for j, d in enumerate(drafts):
+            if int(np.argmax(block_logits[0, j])) != d:
+                break
+            n_ok += 1
+        out.accepted += n_ok
+        win.keep(n_before + 1 + n_ok, block_logits[:, n_ok])
+        for d in drafts[:n_ok]:
+            if emit(d):
+                return
+        logits = win.logits
+
+
+# ---- text in, text out ---------------------------------------------------------------------------
+class StreamDecoder:
+    """Turn a stream of token ids into text pieces, never splitting a UTF-8 character.
+
+        dec = StreamDecoder(tok); dec.feed(id1) + dec.feed(id2) + dec.flush() == tok.decode([id1, id2])
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self.dec.decode(self.tok.token_bytes(token))
+
+    def flush(self) -> str:
+        return self.dec.decode(b"", final=True)
+
+
+def truncate_left(ids: list[int], limit: int) -> tuple[list[int], int]:
+    """Keep the last `limit` ids; return (kept, number dropped).  truncate_left([1, 2, 3], 2) -> ([2, 3], 1)"""
+    dropped = max(0, len(ids) - limit)
+    return ids[dropped:], dropped
