@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ops
+from . import ops as reference_ops
 from .config import PRESETS, Config
 from .errors import UserError
 
@@ -81,10 +81,10 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
-        targets = ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
+        targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
         logits, caches = forward(cfg, self.params, tokens[:, :T])
-        objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, targets)
-        dlogits = ops.mtp_loss_backward(1.0, loss_cache)
+        objective, head_losses, loss_cache = reference_ops.mtp_loss_forward(logits, targets)
+        dlogits = reference_ops.mtp_loss_backward(1.0, loss_cache)
         grads = backward(cfg, self.params, dlogits, caches)
         return head_losses[0], objective, grads
 
@@ -93,28 +93,32 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
-        targets = ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
+        targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
         logits, _ = forward(cfg, self.params, tokens[:, :T])
-        objective, head_losses, _ = ops.mtp_loss_forward(logits, targets)
+        objective, head_losses, _ = reference_ops.mtp_loss_forward(logits, targets)
         return head_losses[0], objective
 
 
-def forward(cfg: Config, P: dict, inputs: np.ndarray):
-    """inputs int [B, T] -> (logits [K, B, T, V], caches for backward)."""
+def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops):
+    """inputs int [B, T] -> (logits [K, B, T, V], caches for backward).
+
+    `ops` is the namespace of forward/backward pairs: the NumPy reference, or another backend's kernels
+    with the same signatures (the GPU one) — the array-module switch, not a second model.
+    """
     B, T = inputs.shape
     dtype = P["embed.weight"].dtype
     rope = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype)
     x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
     block_caches = []
     for i in range(cfg.n_layers):
-        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope)
+        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope, ops)
         block_caches.append(cache)
     h, norm_cache = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)  # [B, T, d]
     logits = np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, T, V]
     return logits, (emb_cache, block_caches, norm_cache, h)
 
 
-def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches) -> dict[str, np.ndarray]:
+def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
     """dlogits [K, B, T, V] -> gradient of every parameter."""
     emb_cache, block_caches, norm_cache, h = caches
     grads = {}
@@ -124,12 +128,12 @@ def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches) -> dict[str, np.
         dh += dhk
     dx, grads["norm.weight"] = ops.rmsnorm_backward(dh, norm_cache)
     for i in reversed(range(cfg.n_layers)):
-        dx = block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads)
+        dx = block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads, ops)
     grads["embed.weight"] = ops.embedding_backward(dx, emb_cache)
     return {name: grads[name] for name in P}  # SPEC order
 
 
-def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope):
+def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=reference_ops):
     """One transformer block. x [B, T, d] -> x [B, T, d]."""
     B, T, d = x.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -158,7 +162,7 @@ def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope):
     return x, (c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d)
 
 
-def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict) -> np.ndarray:
+def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict, ops=reference_ops) -> np.ndarray:
     """dx [B, T, d] (gradient of the block output) -> gradient of the block input; fills grads."""
     c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d = cache
     B, T, d = dx.shape
