@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # a test dependency (the `test` extra): a missing torch must fail, not skip
 torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
