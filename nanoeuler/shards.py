@@ -544,11 +544,12 @@ def _interleave(streams: list[Iterator[Iterator[tuple[str, str, bool]]]], planne
 
 
 def _encode_stream(tok, texts: Iterator[str], processes: int | None) -> Iterator[np.ndarray]:
-    """Token ids of each text, in order: in this process for processes=1, else a pool of workers."""
-    if processes == 1:
-        return (np.asarray(tok.encode(t), dtype=np.int64) for t in texts)
-    from .tokenizer import encode_parallel
-    return encode_parallel(tok, texts, processes=processes)
+    """Token ids of each text, in order: `tokenizer.encode_parallel` (a process pool; in-process for
+    processes=1). Any other object with an `encode` method (a test stand-in) is run in this process."""
+    from .tokenizer import Tokenizer, encode_parallel
+    if isinstance(tok, Tokenizer):
+        return encode_parallel(tok, texts, processes=processes)
+    return (np.asarray(tok.encode(t), dtype=np.int64) for t in texts)
 
 
 def _load_tokenizer(tokenizer):

@@ -209,3 +209,45 @@ def test_prepare_bundled_holds_out_whole_works(tmp_path):
     assert _docs(_all_ids(tmp_path / "d", "val")) == [works[n] for n in val]
     assert m["splits"]["train"]["documents"] == len(train)
     assert m["splits"]["train"]["bytes"] == sum(len(works[n].encode()) for n in train)
+
+
+def _real_tokenizer(vocab_size=300):
+    from nanoeuler.corpus import bundled_works
+    from nanoeuler.tokenizer import Tokenizer
+    works = bundled_works()
+    return Tokenizer.train([works[n][:50_000] for n in list(works)[:4]], vocab_size, progress=False)
+
+
+def test_real_tokenizer_same_shards_for_any_process_count(tmp_path):
+    tok = _real_tokenizer()
+    texts = [f"Scene {i}. Enter HAMLET.\n\nHAMLET. To be, or not to be — é {i}\n" * (i % 4 + 1) for i in range(30)]
+    src = _jsonl(tmp_path / "a.jsonl", texts)
+    m1 = prepare([src], tok, tmp_path / "p1", processes=1, shard_tokens=500, progress=False)
+    m2 = prepare([src], tok, tmp_path / "p2", processes=2, shard_tokens=500, progress=False)
+    assert m1["splits"] == m2["splits"] and m1["tokenizer_fingerprint"] == tok.fingerprint()
+    for s in m1["splits"]["train"]["shards"] + m1["splits"]["val"]["shards"]:
+        assert (tmp_path / "p1" / s["file"]).read_bytes() == (tmp_path / "p2" / s["file"]).read_bytes()
+    ids = _all_ids(tmp_path / "p1", "train")
+    docs = [tok.decode(d.tolist()) for d in np.split(ids, np.flatnonzero(ids == tok.eos_id) + 1)[:-1]]
+    assert [d.removesuffix("</s>") for d in docs] == [t for i, t in enumerate(texts) if i % 10]
+    assert int((ids == tok.eos_id).sum()) == 27
+
+
+def test_cli_prepare_json(tmp_path, capsys):
+    from nanoeuler.cli import main
+    tok = _real_tokenizer()
+    tok.save(tmp_path / "tok.json")
+    a = _jsonl(tmp_path / "a.jsonl", [f"doc {i} " * 20 for i in range(20)])
+    b = tmp_path / "b.txt"
+    b.write_text("A single book.\n\n" * 500)
+    code = main(["prepare", str(a), str(b), "--mix", "1,2", "--tokenizer", str(tmp_path / "tok.json"),
+                 "--out", str(tmp_path / "d"), "--processes", "1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["train_tokens"] > 0 and out["val_tokens"] > 0 and out["shards"] == 2
+    m = read_manifest(tmp_path / "d")
+    assert [s["weight"] for s in m["sources"]] == [1.0, 2.0]
+    assert main(["prepare", str(a), "--mix", "1,2", "--tokenizer", str(tmp_path / "tok.json"),
+                 "--out", str(tmp_path / "e")]) == 2
+    assert "one per argument" in capsys.readouterr().err
+    assert main(["prepare", str(a), "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "e")]) == 2
+    assert "does not exist" in capsys.readouterr().err
