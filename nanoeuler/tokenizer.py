@@ -1,0 +1,543 @@
+"""Byte-level BPE tokenizer: train, encode, decode, save, load, export (the tokenizer of SPEC.md).
+
+Ids 0..255 are the raw bytes, id 256 + i is merge i, and the special tokens (at least `</s>`) come last:
+
+    tok = Tokenizer.train(["low lower lowest"], vocab_size=260, progress=False)
+    tok.encode(" lowest")        # -> a few ids, e.g. [258, 101, 115, 116]
+    tok.decode(tok.encode(s)) == s        # for every string s; decode_bytes(encode_bytes(b)) == b too
+
+Text is first cut into pre-tokens with the GPT-2 pattern (contractions, letter runs, number runs,
+punctuation runs, whitespace; one leading space sticks to the next word), then each pre-token's bytes
+are merged by BPE. Training counts unique pre-tokens once and updates pair counts incrementally per
+merge; encoding caches the ids of every pre-token it has seen. The hot loops are compiled with numba
+(`nanoeuler.bpe_fast`); the plain-Python reference versions below (`get_stats`, `merge`, `bpe`) define
+what they compute, and the tests hold the two equal.
+
+`tokenizer.json` is our own readable format (pattern, merges as id pairs, specials); `save` also
+writes a `tokenizer.vocab` beside it, one token per line, for people. `to_hf_json()` exports to the
+Hugging Face `tokenizers` format, which then encodes identically.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import regex
+
+from .errors import UserError
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+FORMAT = "nanoeuler-bpe"
+VERSION = 1
+MAX_CACHED_PIECE = 64  # pre-tokens longer than this (bytes) are not cached when encoding
+
+
+# ------------------------------------------------------------------- reference algorithms (readable)
+
+def get_stats(ids: list[int], counts: dict | None = None, weight: int = 1) -> dict:
+    """Count adjacent pairs.  get_stats([1, 2, 3, 1, 2]) -> {(1, 2): 2, (2, 3): 1, (3, 1): 1}"""
+    counts = {} if counts is None else counts
+    for pair in zip(ids, ids[1:]):
+        counts[pair] = counts.get(pair, 0) + weight
+    return counts
+
+
+def merge(ids: list[int], pair: tuple[int, int], idx: int) -> list[int]:
+    """Replace every occurrence of pair, left to right.  merge([1, 2, 3, 1, 2], (1, 2), 4) -> [4, 3, 4]"""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(idx)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def bpe(piece: bytes, ranks: dict[tuple[int, int], int]) -> list[int]:
+    """Encode one pre-token: apply the earliest-learned merge present, until none applies.
+
+        bpe(b"aaab", {(97, 97): 256, (256, 97): 257})  ->  [256, 97, 98] -> [257, 98]
+    """
+    ids = list(piece)
+    while len(ids) >= 2:
+        pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, 1 << 62))
+        if pair not in ranks:
+            break
+        ids = merge(ids, pair, ranks[pair])
+    return ids
+
+
+def pretokenize(text: str, pattern: str = GPT2_PATTERN) -> list[str]:
+    """The pre-tokens of text.  pretokenize("Hello  world's") -> ['Hello', ' ', ' world', "'s"]"""
+    return regex.findall(pattern, text)
+
+
+def train_reference(texts: Iterable[str], vocab_size: int, specials=("</s>",)) -> list[tuple[int, int]]:
+    """Slow, obvious BPE training (recount everything per merge): the definition the fast trainer meets.
+    Same tie-break: the most frequent pair, then the smallest (left, right); merges never repeat bytes."""
+    words: dict[bytes, int] = {}
+    for text in texts:
+        for piece in pretokenize(text):
+            b = piece.encode("utf-8", "surrogatepass")
+            words[b] = words.get(b, 0) + 1
+    seqs = {w: list(w) for w in words}
+    vocab = {i: bytes([i]) for i in range(256)}
+    seen = set(vocab.values())
+    merges, banned = [], set()
+    while 256 + len(merges) + len(specials) < vocab_size:
+        stats: dict = {}
+        for w, ids in seqs.items():
+            get_stats(ids, stats, words[w])
+        stats = {p: c for p, c in stats.items() if p not in banned}
+        if not stats:
+            break
+        pair = min(stats, key=lambda p: (-stats[p], p))
+        new = vocab[pair[0]] + vocab[pair[1]]
+        if new in seen:
+            banned.add(pair)
+            continue
+        idx = 256 + len(merges)
+        vocab[idx] = new
+        seen.add(new)
+        merges.append(pair)
+        seqs = {w: merge(ids, pair, idx) for w, ids in seqs.items()}
+    return merges
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+class Tokenizer:
+    """A trained byte-level BPE tokenizer (immutable once built)."""
+
+    def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
+                 pattern: str = GPT2_PATTERN):
+        self.pattern = pattern
+        self.merges = [(int(a), int(b)) for a, b in merges]
+        self._vocab = [bytes([i]) for i in range(256)]
+        for a, b in self.merges:
+            self._vocab.append(self._vocab[a] + self._vocab[b])
+        n = len(self._vocab)
+        self.special_tokens = {s: n + i for i, s in enumerate(specials)}
+        for s in self.special_tokens:
+            self._vocab.append(s.encode("utf-8"))
+        self._ranks = {pair: 256 + i for i, pair in enumerate(self.merges)}
+        self._regex = regex.compile(pattern)
+        self._special_regex = (regex.compile("(" + "|".join(regex.escape(s) for s in
+                                                             sorted(self.special_tokens, key=len, reverse=True)) + ")")
+                               if self.special_tokens else None)
+        self._fast = None   # numba tables, built on first encode
+        self._cache: dict[bytes, list[int]] = {}  # for the pure-Python path (non-GPT-2 patterns)
+
+    # -- basic facts -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def eos_id(self) -> int:
+        if "</s>" not in self.special_tokens:
+            raise UserError("this tokenizer has no </s> special token")
+        return self.special_tokens["</s>"]
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes of token i.  token_bytes(104) -> b'h'"""
+        if not 0 <= int(i) < self.vocab_size:
+            raise UserError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
+        return self._vocab[int(i)]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, specials={list(self.special_tokens)})"
+
+    # -- training -----------------------------------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, specials=("</s>",), progress: bool = True) -> Tokenizer:
+        """Learn vocab_size - 256 - len(specials) merges from texts (any iterable of str, streamed).
+
+        Unique pre-tokens are counted once (compiled scanner + hash table), then every merge updates only
+        the pair counts around the positions it touches. Ties: the smallest (left id, right id) wins.
+        """
+        from tqdm import tqdm
+
+        from . import bpe_fast as bf
+
+        specials = tuple(specials)
+        if len(set(specials)) != len(specials) or any(not isinstance(s, str) or not s for s in specials):
+            raise UserError(f"special tokens must be distinct non-empty strings, got {list(specials)}")
+        n_merges = int(vocab_size) - 256 - len(specials)
+        if n_merges < 0:
+            raise UserError(f"vocab size {vocab_size} is too small: it must be at least 256 byte tokens + "
+                            f"{len(specials)} special token(s) = {256 + len(specials)}")
+        table = bf.char_classes()
+        cap = 1 << 16
+        h_hash, h_off = np.zeros(cap, np.uint64), np.zeros(cap, np.int64)
+        h_len, h_cnt = np.zeros(cap, np.int64), np.zeros(cap, np.int64)
+        pool = np.empty(1 << 20, np.uint8)
+        state = np.zeros(3, np.int64)
+        content = False
+        bar = tqdm(desc="count pre-tokens", unit="B", unit_scale=True, disable=not progress)
+        for text in texts:
+            if not isinstance(text, str):
+                raise UserError(f"training texts must be str, got {type(text).__name__}")
+            if not content and text and not text.isspace():
+                content = True
+            buf = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+            state[2] = 0
+            while bf.count_pieces(buf, table, h_hash, h_off, h_len, h_cnt, pool, state):
+                if state[0] * 2 >= len(h_hash):
+                    h_hash, h_off, h_len, h_cnt = bf.rehash(h_hash, h_off, h_len, h_cnt, 2 * len(h_hash))
+                else:
+                    pool = np.concatenate([pool, np.empty(len(pool) + len(buf), np.uint8)])
+            bar.update(len(buf))
+        bar.close()
+        if not content:
+            raise UserError("the training text is empty or only whitespace: nothing to learn a vocabulary from")
+        used = h_hash != 0
+        w_off, w_len, w_cnt = h_off[used], h_len[used], h_cnt[used]
+
+        st = list(bf.train_init(pool, w_off, w_len, w_cnt))
+        h_c, h_p, h_size = bf.heap_build(st[5], st[6], st[10])
+        toks = list(bf.token_tables(256 + n_merges))
+        banned = np.zeros(0, np.bool_)
+        done = 0
+        bar = tqdm(total=n_merges, desc="learn merges", unit="merge", disable=not progress)
+        while done < n_merges:
+            stop = min(n_merges, done + 256)
+            out = bf.train_merges(*st, h_c, h_p, h_size, *toks, banned, done, stop)
+            st = list(out[:12])
+            h_c, h_p, h_size = out[12:15]
+            toks = list(out[15:21])
+            banned = out[21]
+            bar.update(out[22] - done)
+            if out[22] < stop:  # no pair left: the corpus is too small for this vocabulary
+                done = out[22]
+                break
+            done = out[22]
+        bar.close()
+        left, right = toks[0], toks[1]
+        merges = list(zip(left[256:256 + done].tolist(), right[256:256 + done].tolist()))
+        return cls(merges, specials)
+
+    @classmethod
+    def train_files(cls, paths: Iterable[str | Path], vocab_size: int, specials=("</s>",),
+                    progress: bool = True) -> Tokenizer:
+        """Train on text files, read in ~4 MB pieces cut at line ends (files of any size)."""
+        paths = [Path(p) for p in paths]
+        for p in paths:
+            if not p.is_file():
+                raise UserError(f"training file not found: {p}")
+        return cls.train(_read_chunks(paths), vocab_size, specials, progress)
+
+    # -- encoding -----------------------------------------------------------------------------------
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """text -> ids. Special-token strings in text are ordinary text unless allow_special=True."""
+        return self.encode_array(text, allow_special).tolist()
+
+    def encode_array(self, text: str, allow_special: bool = False) -> np.ndarray:
+        """Like encode, as an int32 array (no Python list: the fast path for bulk work)."""
+        if not isinstance(text, str):
+            raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
+        if allow_special and self._special_regex is not None:
+            parts = self._special_regex.split(text)
+            if len(parts) > 1:
+                out = []
+                for i, part in enumerate(parts):
+                    if i % 2:
+                        out.append(np.array([self.special_tokens[part]], np.int32))
+                    elif part:
+                        out.append(self._encode_utf8(part.encode("utf-8", "surrogatepass"), part))
+                return np.concatenate(out) if out else np.zeros(0, np.int32)
+        return self._encode_utf8(text.encode("utf-8", "surrogatepass"), text)
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Any bytes -> ids (invalid UTF-8 included); decode_bytes(encode_bytes(b)) == b exactly."""
+        return self._encode_utf8(bytes(data), None).tolist()
+
+    def _encode_utf8(self, data: bytes, text: str | None) -> np.ndarray:
+        if self.pattern == GPT2_PATTERN:
+            return self._encode_fast(data)
+        if text is None:
+            text, errors = data.decode("utf-8", "surrogateescape"), "surrogateescape"
+        else:
+            errors = "surrogatepass"
+        out: list[int] = []
+        cache = self._cache
+        for piece in self._regex.findall(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = cache[piece] = bpe(piece.encode("utf-8", errors), self._ranks)
+            out.extend(ids)
+        return np.array(out, np.int32)
+
+    def _encode_fast(self, data: bytes) -> np.ndarray:
+        from . import bpe_fast as bf
+
+        if self._fast is None:
+            merges = np.array(self.merges, np.int64).reshape(-1, 2)
+            keys, vals = bf.pair_table(merges)
+            cap = 1 << 15
+            self._fast = dict(table=bf.char_classes(), keys=keys, vals=vals,
+                              c_hash=np.zeros(cap, np.uint64), c_koff=np.zeros(cap, np.int64),
+                              c_klen=np.zeros(cap, np.int64), c_voff=np.zeros(cap, np.int64),
+                              c_vlen=np.zeros(cap, np.int64), k_pool=np.empty(cap * 16, np.uint8),
+                              v_pool=np.empty(cap * 8, np.int32), c_state=np.zeros(3, np.int64))
+        f = self._fast
+        buf = np.frombuffer(data, np.uint8)
+        out = np.empty(len(buf), np.int32)
+        k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_koff"], f["c_klen"],
+                          f["c_voff"], f["c_vlen"], f["k_pool"], f["v_pool"], f["c_state"], out, MAX_CACHED_PIECE)
+        if f["c_state"][0] * 4 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
+            self._grow_cache()
+        return out[:k].copy() if k < len(out) // 2 else out[:k]
+
+    def _grow_cache(self):
+        """Double the encode cache (it restarts empty; entries are recomputed on demand)."""
+        f = self._fast
+        cap = 2 * len(f["c_hash"])
+        f.update(c_hash=np.zeros(cap, np.uint64), c_koff=np.zeros(cap, np.int64), c_klen=np.zeros(cap, np.int64),
+                 c_voff=np.zeros(cap, np.int64), c_vlen=np.zeros(cap, np.int64),
+                 k_pool=np.empty(cap * 16, np.uint8), v_pool=np.empty(cap * 8, np.int32),
+                 c_state=np.zeros(3, np.int64))
+
+    # -- decoding -----------------------------------------------------------------------------------
+    def decode_bytes(self, ids) -> bytes:
+        """ids -> the exact bytes (no replacement characters).  decode_bytes([104, 105]) -> b'hi'"""
+        ids = np.asarray(ids)
+        if ids.size == 0:
+            return b""
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise UserError("decode takes a flat sequence of integer token ids")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise UserError(f"token id {bad} is out of range (vocabulary size {self.vocab_size})")
+        vocab = self._vocab
+        return b"".join([vocab[i] for i in ids.tolist()])
+
+    def decode(self, ids) -> str:
+        """ids -> text. Bytes that do not form UTF-8 (say ids that split a character) become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", "replace")
+
+    # -- persistence --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}."""
+        return {"format": FORMAT, "version": VERSION, "pattern": self.pattern,
+                "vocab_size": self.vocab_size, "specials": dict(self.special_tokens),
+                "merges": [list(m) for m in self.merges]}
+
+    @classmethod
+    def from_dict(cls, d) -> Tokenizer:
+        """Rebuild from to_dict() output, checking every field (a corrupt file gives a UserError)."""
+        if not isinstance(d, dict):
+            raise UserError("tokenizer data must be a JSON object")
+        if d.get("format") != FORMAT:
+            if "model" in d and "pre_tokenizer" in d:
+                raise UserError("this is a Hugging Face tokenizers file, not a nanoeuler tokenizer.json "
+                                "(make one with `nanoeuler tokenizer train`)")
+            raise UserError(f"not a nanoeuler tokenizer (expected \"format\": \"{FORMAT}\")")
+        if d.get("version") != VERSION:
+            raise UserError(f"unsupported tokenizer version {d.get('version')!r} (this nanoeuler reads {VERSION})")
+        pattern, merges, specials = d.get("pattern"), d.get("merges"), d.get("specials")
+        if not isinstance(pattern, str):
+            raise UserError("tokenizer.json: \"pattern\" must be a string")
+        try:
+            regex.compile(pattern)
+        except regex.error as e:
+            raise UserError(f"tokenizer.json: bad pre-tokenization pattern: {e}") from None
+        if not isinstance(merges, list):
+            raise UserError("tokenizer.json: \"merges\" must be a list of [left, right] id pairs")
+        for i, m in enumerate(merges):
+            if not (isinstance(m, list) and len(m) == 2 and all(type(x) is int and 0 <= x < 256 + i for x in m)):
+                raise UserError(f"tokenizer.json: merge {i} is {m!r}; each merge must be [left, right] with ids "
+                                f"of earlier tokens (below {256 + i})")
+        if not isinstance(specials, dict) or not all(isinstance(k, str) and k for k in specials):
+            raise UserError("tokenizer.json: \"specials\" must map token strings to ids")
+        order = sorted(specials, key=lambda s: specials[s])
+        if [specials[s] for s in order] != list(range(256 + len(merges), 256 + len(merges) + len(order))):
+            raise UserError("tokenizer.json: special token ids must follow the merges consecutively")
+        tok = cls([tuple(m) for m in merges], order, pattern)
+        if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
+            raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
+                            f"specials ({tok.vocab_size})")
+        return tok
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json (atomically) and a readable tokenizer.vocab beside it."""
+        from .fileio import atomic_write_json, atomic_write_text
+
+        path = Path(path)
+        atomic_write_json(path, self.to_dict())
+        atomic_write_text(path.with_suffix(".vocab"), self.vocab_text())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"tokenizer file not found: {path}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path} is not valid JSON ({e}); is it a tokenizer.json?") from None
+        try:
+            return cls.from_dict(d)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
+        canon = json.dumps({"pattern": self.pattern, "merges": self.merges, "specials": self.special_tokens},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canon.encode("ascii")).hexdigest()
+
+    def vocab_text(self) -> str:
+        """One line per token: id, the token shown readably, and for merges the two parts.
+
+            256  ' t'  = ' ' + 't'
+        """
+        lines = [f"# nanoeuler byte-level BPE: {self.vocab_size} tokens; fingerprint {self.fingerprint()[:16]}"]
+        for i in range(self.vocab_size):
+            line = f"{i}\t{_show(self._vocab[i])}"
+            if 256 <= i < 256 + len(self.merges):
+                a, b = self.merges[i - 256]
+                line += f"\t= {_show(self._vocab[a])} + {_show(self._vocab[b])}"
+            elif i >= 256:
+                line += "\t(special)"
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    # -- export -------------------------------------------------------------------------------------
+    def to_hf_json(self) -> str:
+        """A Hugging Face `tokenizers` JSON string (Tokenizer.from_str loads it; it encodes identically).
+
+        Bytes become the GPT-2 printable alphabet (byte 32 ' ' -> 'Ġ'), merges become "left right" strings.
+        """
+        alphabet = bytes_to_unicode()
+        tok_str = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(256 + len(self.merges))]
+        vocab = {s: i for i, s in enumerate(tok_str)}
+        merges = [[tok_str[a], tok_str[b]] for a, b in self.merges]
+        if self.pattern == GPT2_PATTERN:
+            pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        else:
+            pre = {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+        d = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for s, i in self.special_tokens.items()],
+            "normalizer": None, "pre_tokenizer": pre, "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": False, "vocab": vocab, "merges": merges},
+        }
+        return json.dumps(d, ensure_ascii=False)
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to
+    chr(256 + k).  bytes_to_unicode()[ord('a')] -> 'a', bytes_to_unicode()[32] -> 'Ġ'"""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, k = [""] * 256, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + k)
+            k += 1
+    return table
+
+
+def _show(b: bytes) -> str:
+    """A token for humans: valid UTF-8 shown as text (control characters escaped), other bytes as \\xNN."""
+    s = b.decode("utf-8", "backslashreplace")
+    return repr(s)[1:-1] if not s.isprintable() or "'" in s else f"'{s}'"
+
+
+def _read_chunks(paths: list[Path], size: int = 1 << 22) -> Iterator[str]:
+    """The files' text in ~size pieces, each ending at a line end (so no word is cut in two)."""
+    for path in paths:
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            rest = ""
+            while True:
+                block = f.read(size)
+                if not block:
+                    break
+                block = rest + block
+                cut = block.rfind("\n") + 1
+                if cut == 0:
+                    rest = block
+                    continue
+                rest = block[cut:]
+                yield block[:cut]
+            if rest:
+                yield rest
+
+
+# ------------------------------------------------------------------------------ parallel encoding
+
+_worker_tok: Tokenizer | None = None
+
+
+def _worker_init(d: dict) -> None:
+    global _worker_tok
+    _worker_tok = Tokenizer.from_dict(d)
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+    return [_worker_tok.encode_array(t) for t in texts]
+
+
+def encode_parallel(tokenizer: Tokenizer, texts: Iterable[str], processes: int | None = None,
+                    batch_bytes: int = 1 << 20) -> Iterator[np.ndarray]:
+    """Encode texts across processes; yield one int32 id array per text, in input order, streaming.
+
+    Texts are grouped into batches of about batch_bytes and at most 2 * processes batches are in flight,
+    so memory stays bounded whatever the corpus size. processes=1 encodes in this process.
+
+        for ids in encode_parallel(tok, ["a b", "c"], processes=2): ...   # array([...]), array([...])
+    """
+    processes = processes or os.cpu_count() or 1
+
+    def batches():
+        batch, size = [], 0
+        for t in texts:
+            if not isinstance(t, str):
+                raise UserError(f"encode_parallel takes str texts, got {type(t).__name__}")
+            batch.append(t)
+            size += len(t)
+            if size >= batch_bytes:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+    if processes <= 1:
+        for batch in batches():
+            for t in batch:
+                yield tokenizer.encode_array(t)
+        return
+
+    import multiprocessing as mp
+    from collections import deque
+
+    from . import bpe_fast
+
+    bpe_fast.char_classes()  # build once here; forked workers inherit it
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    with ctx.Pool(processes, initializer=_worker_init, initargs=(tokenizer.to_dict(),)) as pool:
+        pending: deque = deque()
+        for batch in batches():
+            pending.append(pool.apply_async(_worker_encode, (batch,)))
+            while len(pending) >= 2 * processes:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
