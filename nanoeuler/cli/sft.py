@@ -1,0 +1,166 @@
+"""`nanoeuler sft` (instruction tuning), `nanoeuler sft-eval` (answer format and task accuracy) and
+`nanoeuler sft-data` (write the offline instruction set as Alpaca JSON).
+
+    nanoeuler sft --base runs/small --out runs/small-sft              # offline set from the bundled corpus
+    nanoeuler sft --base runs/big --data data/alpaca/alpaca.json --out runs/big-sft
+    nanoeuler sft-eval --ckpt runs/small-sft                           # held-out offline prompts
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .train import add_hyperparameters, report, train_config_from_args
+
+SFT_DEFAULTS = dict(steps=400, batch_size=16, lr=1e-3, warmup=20, weight_decay=0.0, eval_every=50, eval_batches=0,
+                    ckpt_every=100)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "sft", help="supervised fine-tuning on instructions (loss on the response only)",
+        description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the SPEC "
+                    "template; the loss covers only the response and its </s>. Examples are packed back to back "
+                    "into rows of the context (--no-pack: one per row); longer ones are truncated or dropped and "
+                    "counted. A batch with no trainable position is skipped and counted. Checkpoints and "
+                    "--resume work as in `nanoeuler train`.")
+    p.add_argument("--base", help="pretrained checkpoint directory (not needed with --resume)")
+    p.add_argument("--data", default="offline",
+                   help="Alpaca JSON / JSON Lines file, or 'offline' (default): the instruction set generated "
+                        "from the bundled corpus")
+    p.add_argument("--val", default=None,
+                   help="validation file (default: 1 in 50 records of --data, chosen by hash; offline: its held-out split)")
+    p.add_argument("--out", required=True, help="run directory of the fine-tuned model")
+    p.add_argument("--resume", action="store_true", help="continue the SFT run in --out")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
+    p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
+    add_hyperparameters(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.set_defaults(run=run_sft)
+
+    e = sub.add_parser("sft-eval", help="answer format (stops with </s>) and task accuracy on held-out prompts",
+                       description="Greedy answers of a checkpoint to held-out instructions: the share that is "
+                                   "in format (non-empty, ends with </s>) and the task accuracy (exact match, "
+                                   "case and surrounding punctuation ignored). Works on base models too.")
+    e.add_argument("--ckpt", required=True, help="checkpoint directory")
+    e.add_argument("--data", default="offline", help="Alpaca JSON file of held-out records, or 'offline' (default)")
+    e.add_argument("--limit", type=int, default=0, help="score only the first N records (0 = all)")
+    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--show", type=int, default=0, metavar="N", help="print the first N answers")
+    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(run=run_eval)
+
+    d = sub.add_parser("sft-data", help="write the offline instruction set (train + held-out) as Alpaca JSON",
+                       description="Generate the offline instruction set from the bundled Shakespeare (first/last "
+                                   "word of a line, which play, which character, continue the speech) and write "
+                                   "OUT/offline_train.json and OUT/offline_heldout.json.")
+    d.add_argument("--out", default="data/sft", help="output directory (default data/sft)")
+    d.add_argument("--n-train", type=int, default=6000)
+    d.add_argument("--n-heldout", type=int, default=400)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(run=run_data)
+
+
+def sft_records(data: str, val: str | None):
+    """(train records, validation records, data id, number of bad records skipped)."""
+    from ..sft import load_examples, offline_instructions, split_heldout
+    if data == "offline":
+        train, held = offline_instructions()
+        bad = 0
+        data_id = "offline-v1"
+    else:
+        records, problems = load_examples(data)
+        bad = len(problems)
+        if problems:
+            print(f"warning: skipped {len(problems)} invalid record(s) in {data}, e.g. {problems[0]}")
+        data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
+        if val:
+            train, held = records, load_examples(val)[0]
+            data_id += "+" + hashlib.sha1(Path(val).read_bytes()).hexdigest()[:16]
+        else:
+            train, held = split_heldout(records)
+    return train, held, data_id, bad
+
+
+def run_sft(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..errors import UserError
+    from ..model import Model
+    from ..sft import SFTSource
+    from ..train import run_training
+
+    out = Path(args.out)
+    if args.resume:
+        model, tok = Model.load(out), load_tokenizer(out)
+        saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
+        tcfg = train_config_from_args(args, saved)
+    else:
+        if not args.base:
+            raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
+        model, tok = Model.load(args.base), load_tokenizer(args.base)
+        tcfg = train_config_from_args(args, SFT_DEFAULTS)
+    cfg = model.config
+    train, held, data_id, _ = sft_records(args.data, args.val)
+    source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,
+                       pack=not args.no_pack, data_id=data_id)
+    d = source.describe()
+    print(f"{'resuming' if args.resume else 'fine-tuning'} {args.base or out} -> {out}: {d['train_examples']} train / "
+          f"{d['val_examples']} validation examples, {d['truncated']} truncated, {d['dropped']} dropped "
+          f"(longer than {d['length']} tokens)")
+    summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
+                           progress=not args.no_progress, kind="sft")
+    summary |= {"truncated": d["truncated"], "dropped": d["dropped"]}
+    if args.json:
+        print(json.dumps(summary | {"out": str(out)}))
+    else:
+        report(summary, out, False)
+        if "val_loss" in summary:
+            print(f"validation loss on responses: {summary['val_loss']:.4f} nats/token; "
+                  f"{summary['skipped_batches']} batch(es) without a trainable position skipped")
+    return 130 if summary["interrupted"] else 0
+
+
+def run_eval(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..errors import UserError
+    from ..model import Model
+    from ..sft import load_examples, offline_instructions, score_answers
+    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    if args.limit < 0 or args.max_new_tokens < 1:
+        raise UserError("--limit must be >= 0 and --max-new-tokens >= 1")
+    records = offline_instructions()[1] if args.data == "offline" else load_examples(args.data)[0]
+    if args.limit:
+        records = records[:args.limit]
+    result = score_answers(model, tok, records, args.max_new_tokens, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "examples"} | {"ckpt": args.ckpt}))
+        return 0
+    for row in result["examples"][:args.show]:
+        mark = "ok " if row["correct"] else "   "
+        print(f"{mark}[{row['task']}] expected {row['expected']!r}, got {row['answer']!r}"
+              f"{'' if row['in_format'] else '  (not in format)'}")
+    print(f"{args.ckpt}: {result['n']} prompts, in format (ends with </s>) {result['in_format']:.1%}, "
+          f"task accuracy {result['accuracy']:.1%}")
+    for task, r in result["per_task"].items():
+        print(f"  {task:<11} n={r['n']:<4} in format {r['in_format']:.1%}  accuracy {r['accuracy']:.1%}")
+    return 0
+
+
+def run_data(args) -> int:
+    from ..fileio import atomic_write_text
+    from ..sft import offline_instructions
+    train, held = offline_instructions(args.n_train, args.n_heldout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, recs in (("offline_train.json", train), ("offline_heldout.json", held)):
+        atomic_write_text(out / name, json.dumps(recs, ensure_ascii=False, indent=1) + "\n")
+        paths[name] = str(out / name)
+    if args.json:
+        print(json.dumps({"train": len(train), "heldout": len(held), "files": list(paths.values())}))
+    else:
+        print(f"wrote {len(train)} train and {len(held)} held-out instructions to {out}")
+    return 0

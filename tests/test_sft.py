@@ -1,0 +1,181 @@
+"""SFT: the template and its mask, masked positions carry no gradient, packing/truncation, the Alpaca
+loader, the offline instruction set, the batch source, and `nanoeuler sft` end to end (with resume)."""
+import json
+
+import numpy as np
+import pytest
+
+from nanoeuler import Config, Model, UserError, ops
+from nanoeuler.corpus import bundled_works
+from nanoeuler.sft import (HEADER, SFTSource, load_examples, offline_instructions, pack_rows, prompt_text, render,
+                           render_all, split_heldout)
+from nanoeuler.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train([bundled_works()["hamlet"][:60000]], 320, progress=False)
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_mask_covers_exactly_the_response_and_eos(tok, with_input):
+    inp = "To be, or not to be" if with_input else ""
+    ids, mask = render(tok, "What is the first word of this line?", inp, "To")
+    ids, mask = np.array(ids), np.array(mask)
+    assert len(ids) == len(mask)
+    n_prompt = int(np.argmax(mask))
+    assert not mask[:n_prompt].any() and mask[n_prompt:].all()  # one contiguous block at the end
+    assert ids[-1] == tok.eos_id and mask[-1]
+    assert tok.decode(ids[mask]) == "To</s>"
+    prompt = tok.decode(ids[~mask])
+    assert prompt == prompt_text("What is the first word of this line?", inp)
+    assert prompt.startswith(HEADER + "### Instruction:\nWhat is the first word of this line?\n\n")
+    assert prompt.endswith("### Response:\n")
+    assert ("### Input:\nTo be, or not to be\n\n" in prompt) == with_input
+    # output=None renders the prompt alone, identical to the prompt part above
+    p_ids, p_mask = render(tok, "What is the first word of this line?", inp)
+    assert p_ids == list(ids[:n_prompt]) and not any(p_mask)
+
+
+def test_exact_template_text():
+    assert prompt_text("Say hi.", "") == ("Below is an instruction that describes a task. Write a response that "
+                                          "appropriately completes the request.\n\n### Instruction:\nSay hi.\n\n"
+                                          "### Response:\n")
+    assert prompt_text("Add.", "2 3").endswith("### Instruction:\nAdd.\n\n### Input:\n2 3\n\n### Response:\n")
+
+
+def test_masked_positions_get_zero_gradient():
+    cfg = Config(vocab_size=30, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=12, ffn_hidden=24, n_mtp=2)
+    model = Model.init(cfg, seed=0).astype(np.float64)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 30, (2, 14))
+    mask = np.zeros((2, 14), dtype=bool)
+    mask[0, 5:9] = True   # a response + </s> inside row 0
+    mask[1, 10:] = True
+    T, K = 12, 2
+    targets = ops.mtp_targets(tokens, T, K, mask)  # [K, B, T]
+    from nanoeuler.model import forward
+    out, _ = forward(cfg, model.params, tokens[:, :T])
+    _, _, cache = ops.mtp_loss_forward(out, targets)
+    dlogits = ops.mtp_loss_backward(1.0, cache)  # [K, B, T, V]
+    for k in range(K):
+        counted = mask[:, 1 + k:T + 1 + k]  # target of input t for head k is token t+1+k
+        assert np.all(dlogits[k][~counted] == 0)
+        assert np.all(np.abs(dlogits[k][counted]).sum(-1) > 0)
+    # end to end: changing tokens that are neither inputs before a counted target nor counted targets
+    # (here: a prompt-only extra row) leaves the gradient unchanged
+    _, _, g1 = model.loss_and_grads(tokens, mask)
+    extra = rng.integers(0, 30, (1, 14))
+    _, _, g2 = model.loss_and_grads(np.concatenate([tokens, extra]), np.concatenate([mask, np.zeros((1, 14), bool)]))
+    for name in g1:
+        np.testing.assert_allclose(g1[name], g2[name], rtol=1e-10, atol=1e-14)
+    # and the masked loss equals the mean cross-entropy over the counted head-0 targets only
+    head0, _, _ = model.loss_and_grads(tokens, mask)
+    z = out[0] - out[0].max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    counted = mask[:, 1:T + 1]
+    picked = np.take_along_axis(logp, tokens[:, 1:T + 1, None], -1)[..., 0]
+    assert head0 == pytest.approx(-picked[counted].mean(), rel=1e-10)
+
+
+def test_batch_without_trainable_position_is_skipped_not_nan():
+    from nanoeuler.train import accumulate
+    cfg = Config(vocab_size=30, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=24, n_mtp=2)
+    model = Model.init(cfg, seed=0)
+
+    class Empty:
+        def next_batch(self, rng):
+            return np.ones((2, 10), dtype=np.int64), np.zeros((2, 10), dtype=bool)
+    loss, objective, grads, n_tokens, skipped = accumulate(model, Empty(), np.random.default_rng(0), 2)
+    assert grads is None and skipped == 2 and np.isfinite(loss) and np.isfinite(objective)
+
+
+def test_pack_rows_and_truncation(tok):
+    F, T_ = False, True
+    tokens, mask = pack_rows([([1, 2], [F, T_]), ([3], [T_]), ([4, 5], [F, T_])], 4, pad_id=0)
+    assert tokens.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0]]
+    assert mask.tolist() == [[F, T_, T_, F], [F, T_, F, F]]
+    tokens, mask = pack_rows([([1, 2], [F, T_]), ([3], [T_])], 4, pad_id=9, pack=False)
+    assert tokens.tolist() == [[1, 2, 9, 9], [3, 9, 9, 9]]
+    recs = [{"instruction": "Say a word.", "input": "", "output": "word"},
+            {"instruction": "Say many words.", "input": "", "output": " ".join(["word"] * 200)},
+            {"instruction": "Long prompt " * 100, "input": "", "output": "x"}]
+    n_prompt = len(render(tok, "Say many words.")[0])
+    r = render_all(tok, recs, n_prompt + 10)
+    assert (len(r.examples), r.truncated, r.dropped) == (2, 1, 1)
+    ids, mask = r.examples[1]
+    assert len(ids) == n_prompt + 10 and mask[n_prompt:].all() and not mask[:n_prompt].any()
+
+
+def test_load_examples_validates(tmp_path):
+    good = {"instruction": "Hi", "input": "", "output": "Hello"}
+    p = tmp_path / "a.json"
+    p.write_text(json.dumps([good, {"instruction": 3, "output": "x"}, {"instruction": "x"}, {"instruction": "A", "output": "B"}]))
+    recs, bad = load_examples(p)
+    assert len(recs) == 2 and len(bad) == 2 and recs[1]["input"] == ""
+    (tmp_path / "b.jsonl").write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n")
+    assert len(load_examples(tmp_path / "b.jsonl")[0]) == 2
+    (tmp_path / "c.json").write_text("[{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_examples(tmp_path / "c.json")
+    (tmp_path / "d.json").write_text(json.dumps([{"instruction": ""}]))
+    with pytest.raises(UserError, match="no valid record"):
+        load_examples(tmp_path / "d.json")
+    with pytest.raises(UserError, match="not found"):
+        load_examples(tmp_path / "missing.json")
+    train, held = split_heldout([{"instruction": f"q{i}", "input": "", "output": "a"} for i in range(500)], every=10)
+    assert 20 < len(held) < 90 and len(train) + len(held) == 500
+
+
+def test_offline_instruction_set_has_a_clean_heldout_split():
+    train, held = offline_instructions(n_train=600, n_heldout=100)
+    assert (len(train), len(held)) == (600, 100)
+    assert {r["task"] for r in held} == {"first_word", "last_word", "play", "speaker", "continue"}
+    train_lines = {r["input"] for r in train} | {r["output"] for r in train if r["task"] == "continue"}
+    assert not any(r["input"] in train_lines for r in held)
+    assert offline_instructions(n_train=600, n_heldout=100) == (train, held)  # deterministic
+    r = next(r for r in held if r["task"] == "first_word")
+    assert r["input"].startswith(r["output"])
+    r = next(r for r in held if r["task"] == "last_word")
+    assert r["output"] in r["input"]
+
+
+def test_sft_source_batches(tok):
+    train, held = offline_instructions(n_train=200, n_heldout=20)
+    src = SFTSource(tok, train, held, batch_size=4, ctx=400, n_mtp=2)
+    t1, m1 = src.next_batch(np.random.default_rng(3))
+    t2, m2 = src.next_batch(np.random.default_rng(3))
+    assert t1.shape == (4, 402) and m1.dtype == bool and np.array_equal(t1, t2) and np.array_equal(m1, m2)
+    assert m1[:, 1:].any(axis=1).all()  # every row has trainable targets
+    assert np.all(t1[~m1 & (np.cumsum(m1[:, ::-1], 1)[:, ::-1] == 0)] == tok.eos_id)  # tail padding is </s>
+    # packed rows hold several examples: more than one </s> counted per row on average
+    assert (m1 & (t1 == tok.eos_id)).sum() > 4
+    rows = sum(len(t) for t, _ in src.eval_batches())
+    assert rows <= len(src.val.examples)
+    d = src.describe()
+    assert d["train_examples"] == 200 and d["length"] == 402
+
+
+def test_sft_cli_trains_and_resumes(tmp_path, tok, capsys):
+    from nanoeuler.cli import main
+    cfg = Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=160,
+                 ffn_hidden=32, n_mtp=2)
+    Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
+    train, held = offline_instructions(n_train=60, n_heldout=10)
+    data = tmp_path / "sft.json"
+    data.write_text(json.dumps(train))
+    (tmp_path / "val.json").write_text(json.dumps(held))
+    common = ["sft", "--base", str(tmp_path / "base"), "--data", str(data), "--val", str(tmp_path / "val.json"), "--steps", "4", "--batch-size", "2",
+              "--eval-every", "2", "--no-progress", "--json"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert full["finished"] and np.isfinite(full["loss"]) and full["step"] == 4
+    assert main(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    a, b = Model.load(tmp_path / "a"), Model.load(tmp_path / "b")
+    assert all(np.array_equal(a.params[n], b.params[n]) for n in a.params)  # bit-for-bit
+    assert resumed["loss"] == full["loss"]
+    assert main(["sft", "--base", str(tmp_path / "missing"), "--data", str(data), "--out", str(tmp_path / "c")]) == 2
+    assert "error:" in capsys.readouterr().err
