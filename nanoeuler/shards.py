@@ -641,6 +641,8 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
     streams = [_source_documents(s, n, c) for s, n, c in zip(srcs, n_docs, chunk_chars)]
     total = int(sum(planned))
 
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file, not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     writers = {split: _ShardWriter(out_dir, split, shard_tokens) for split in SPLITS}
     n_bytes = dict.fromkeys(SPLITS, 0)
@@ -648,23 +650,22 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
     eos = np.array([tok.eos_id], dtype=np.int64)
     meta: deque = deque()
 
-    def texts():
+    def texts():                       # feeds the encoder; meta remembers, in order, where each text goes
         for split, text, last in _interleave(streams, planned):
-            meta.append((split, text, last))
+            meta.append((split, len(text.encode("utf-8", "surrogatepass")), len(text), last))
             yield text
 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress, smoothing=0.05)
     try:
         for ids in _encode_stream(tok, texts(), processes):
-            split, text, last = meta.popleft()
+            split, nbytes, nchars, last = meta.popleft()
             w = writers[split]
             w.write(ids)
             if last:
                 w.write(eos)
                 n_docs_out[split] += 1
-            nb = len(text.encode("utf-8"))
-            n_bytes[split] += nb
-            bar.update(len(text))
+            n_bytes[split] += nbytes
+            bar.update(nchars)
             bar.set_postfix_str(f"{w.tokens + writers['train' if split == 'val' else 'val'].tokens:,} tok",
                                 refresh=False)
         shards = {split: w.finish() for split, w in writers.items()}
