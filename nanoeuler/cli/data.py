@@ -61,7 +61,8 @@ def run(args) -> int:
             books = books[:max(0, args.limit)]
         s = sources.fetch_gutenberg(args.out, books, url_template=args.url or sources.GUTENBERG_URL,
                                     mirror=args.mirror, **kw)
-        line = f"{s['books']} books, {s['bytes']:,} bytes -> {', '.join(s['files'])}"
+        line = (f"{s['books']} books, {s['bytes']:,} bytes -> {', '.join(s['files'])}\n"
+                f"next: nanoeuler prepare {s['files'][1]} --tokenizer T --out DATA   (the .jsonl holds out whole books)")
         for f in s["failed"]:
             print(f"warning: book {f['id']} ({f['title']}) skipped: {f['error']}", file=sys.stderr)
         code = 1 if s["failed"] else 0
