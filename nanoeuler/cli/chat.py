@@ -1,0 +1,179 @@
+"""`nanoeuler chat --ckpt RUN`: a REPL around an instruction-tuned model.
+
+Each line you type becomes the instruction of the SPEC template (sft.render); the reply streams until
+</s>. Earlier turns (prompt + reply + </s>, exactly as in packed SFT rows) stay in front of the new
+prompt while they fit the context, oldest dropped first. Commands:
+
+    /reset        forget the conversation         /temp X    set the temperature (0 = greedy)
+    /topk N       sample from the N most likely   /tokens    how the last reply was tokenized
+    /help         this list                       Ctrl-D     exit
+"""
+from __future__ import annotations
+
+import sys
+
+from .sample import add_sampling_args, check_sampling_args
+
+HELP = """commands:
+  /reset     forget the conversation so far
+  /temp X    set the sampling temperature (0 = greedy)
+  /topk N    sample only from the N most likely tokens (0 = all)
+  /tokens    show how the last reply was tokenized
+  /help      show this list
+  Ctrl-D     exit"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="talk to an instruction-tuned checkpoint (REPL)",
+                       description="A read-eval-print loop: each line is wrapped in the Alpaca template and the "
+                                   "reply streams until </s>. Earlier turns are kept while they fit the context. "
+                                   "Type /help for the commands; Ctrl-D exits.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (an SFT run)")
+    add_sampling_args(p, temperature=0.7, max_new=128)
+    p.set_defaults(run=run)
+
+
+class Chat:
+    """The conversation state and the commands; `handle(line, write)` does one REPL step."""
+
+    def __init__(self, model, tok, temperature=0.7, top_k=None, top_p=None, seed=None, max_new_tokens=128,
+                 speculative=True):
+        import numpy as np
+        self.model, self.tok = model, tok
+        self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
+        self.speculative = speculative
+        self.rng = np.random.default_rng(seed)
+        self.turns: list[list[int]] = []  # ids of each finished turn: prompt + reply + </s>
+        self.last_reply: list[int] = []
+        self.last_stopped = False
+        self.dropped_turns = 0
+
+    def context(self, prompt_ids: list[int]) -> list[int]:
+        """Earlier turns (newest kept first) + the new prompt, leaving room for a reply; drops the oldest
+        turns that do not fit (and, for a very long prompt, its beginning)."""
+        ctx = self.model.config.ctx_len
+        reserve = min(self.max_new, ctx // 4)
+        budget = ctx - reserve
+        if len(prompt_ids) > budget:
+            self.turns.clear()
+            return prompt_ids[len(prompt_ids) - budget:]
+        keep = 0
+        used = len(prompt_ids)
+        for turn in reversed(self.turns):
+            if used + len(turn) > budget:
+                break
+            used += len(turn)
+            keep += 1
+        self.dropped_turns += len(self.turns) - keep
+        del self.turns[:len(self.turns) - keep]
+        return [t for turn in self.turns for t in turn] + prompt_ids
+
+    def handle(self, line: str, write) -> None:
+        line = line.strip()
+        if not line:
+            return
+        if line.startswith("/"):
+            return self.command(line, write)
+        from ..generate import StreamDecoder, generate
+        from ..sft import render
+        prompt_ids, _ = render(self.tok, line)
+        n_turns = len(self.turns)
+        ids = self.context(prompt_ids)
+        if len(ids) < len(prompt_ids):
+            write(f"(your message is longer than the context: kept its last {len(ids)} tokens)\n")
+        elif len(self.turns) < n_turns:
+            write(f"(dropped the {n_turns - len(self.turns)} oldest turn(s) to fit the context)\n")
+        dec = StreamDecoder(self.tok)
+        eos = self.tok.eos_id
+
+        def stream(token):
+            if token != eos:
+                write(dec.feed(token))
+        greedy = self.temperature == 0
+        seed = int(self.rng.integers(2**31))
+        try:
+            g = generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
+                         stop_ids=[eos], mode="speculative" if greedy and self.speculative else "cache",
+                         on_token=stream)
+            reply, self.last_stopped = g.ids, g.stopped
+            note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"
+        except KeyboardInterrupt:
+            reply, note, self.last_stopped = [], "  [interrupted]", False
+        write(dec.flush() + note + "\n")
+        self.last_reply = reply
+        self.turns.append(prompt_ids + reply + [eos])
+
+    def command(self, line: str, write) -> None:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name == "/help":
+            write(HELP + "\n")
+        elif name == "/reset":
+            self.turns.clear()
+            self.last_reply = []
+            write("(conversation cleared)\n")
+        elif name == "/temp":
+            try:
+                value = float(arg)
+                if value < 0:
+                    raise ValueError
+            except ValueError:
+                return write("usage: /temp X   with X >= 0 (0 = greedy)\n")
+            self.temperature = value
+            write(f"(temperature {value:g}{', greedy' if value == 0 else ''})\n")
+        elif name == "/topk":
+            try:
+                value = int(arg)
+                if value < 0:
+                    raise ValueError
+            except ValueError:
+                return write("usage: /topk N   with N >= 0 (0 = no limit)\n")
+            self.top_k = value or None
+            write(f"(top-k {value or 'off'})\n")
+        elif name == "/tokens":
+            if not self.last_reply:
+                return write("(no reply yet)\n")
+            pieces = [f"{t}:{self.tok.token_bytes(t).decode('utf-8', 'backslashreplace')!r}" for t in self.last_reply]
+            write(f"{len(self.last_reply)} tokens{' + </s>' if self.last_stopped else ''}: " + " ".join(pieces) + "\n")
+        else:
+            write(f"unknown command {name}; type /help\n")
+
+
+def run(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..model import Model
+    check_sampling_args(args)
+    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    chat = Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
+                speculative=not args.no_speculative)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+
+    def write(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    write(f"nanoeuler chat: {args.ckpt} ({model.n_params():,} parameters, context {model.config.ctx_len} tokens). "
+          f"/help for commands, Ctrl-D to exit.\n")
+    while True:
+        try:
+            line = input("> ") if interactive else _read_piped(write)
+        except EOFError:
+            write("\n")
+            return 0
+        except KeyboardInterrupt:
+            write("\n(Ctrl-D to exit)\n")
+            continue
+        chat.handle(line, write)
+
+
+def _read_piped(write) -> str:
+    """Piped input: echo the prompt and the line, so a transcript reads like a terminal session."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    write("> " + line if line.endswith("\n") else "> " + line + "\n")
+    return line

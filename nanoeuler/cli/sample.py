@@ -1,0 +1,83 @@
+"""`nanoeuler sample --ckpt RUN --prompt TEXT`: continue a prompt, streaming the text as it is generated.
+
+    nanoeuler sample --ckpt runs/small --prompt "ROMEO." --temperature 0.8 --top-k 40 --seed 1
+    nanoeuler sample --ckpt runs/small --prompt "To be" --temperature 0        # greedy, speculative
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_sampling_args(p, temperature: float, max_new: int) -> None:
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"softmax temperature; 0 = greedy (default {temperature})")
+    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with probability >= p")
+    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new, help=f"default {max_new}")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="greedy decoding one token per forward (by default greedy decoding drafts with the MTP "
+                        "heads and verifies with head 0: the same text, faster)")
+
+
+def check_sampling_args(args) -> None:
+    from ..errors import UserError
+    if args.temperature < 0:
+        raise UserError("--temperature must be >= 0")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError("--top-k must be >= 1")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError("--top-p must be in (0, 1]")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+
+
+def mode_of(args) -> str:
+    return "speculative" if args.temperature == 0 and not args.no_speculative else "cache"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a checkpoint (streams)",
+                       description="Continue --prompt with a checkpoint's model, printing tokens as they come. "
+                                   "Generation uses a KV cache and stops at </s> or --max-new-tokens. A prompt "
+                                   "longer than the context keeps its last ctx_len tokens (with a notice).")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--prompt", required=True, help="the text to continue ('-' reads it from stdin)")
+    add_sampling_args(p, temperature=0.8, max_new=200)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..errors import UserError
+    from ..generate import StreamDecoder, generate, truncate_left
+    from ..model import Model
+    check_sampling_args(args)
+    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    ids = tok.encode(prompt)
+    if not ids:
+        raise UserError("the prompt is empty")
+    ids, dropped = truncate_left(ids, model.config.ctx_len)
+    if dropped:
+        print(f"note: the prompt has {len(ids) + dropped} tokens, more than the context of {model.config.ctx_len}; "
+              f"kept the last {len(ids)}", file=sys.stderr)
+    stream = None
+    if not args.json:
+        dec = StreamDecoder(tok)
+        sys.stdout.write(tok.decode(ids))
+
+        def stream(token):
+            if token != tok.eos_id:
+                sys.stdout.write(dec.feed(token))
+                sys.stdout.flush()
+    g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                 stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)
+    if args.json:
+        print(json.dumps({"prompt": tok.decode(ids), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,
+                          "prompt_truncated": dropped, "tokens_per_s": g.tokens_per_s, "mode": mode_of(args)}))
+    else:
+        sys.stdout.write(dec.flush() + "\n")
+    return 0

@@ -1,0 +1,102 @@
+"""The front ends: `sample` (streaming, --json, prompt truncation) and the chat REPL: commands, a piped session end to end, context keeping and dropping of earlier turns,
+replies equal to plain generation on the rendered conversation."""
+import io
+import sys
+
+import numpy as np
+import pytest
+
+from nanoeuler import Config, Model
+from nanoeuler.cli.chat import Chat
+from nanoeuler.corpus import bundled_works
+from nanoeuler.generate import generate
+from nanoeuler.sft import render
+from nanoeuler.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tok = Tokenizer.train([bundled_works()["hamlet"][:60000]], 320, progress=False)
+    cfg = Config(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=256,
+                 ffn_hidden=48, n_mtp=2)
+    d = tmp_path_factory.mktemp("chat") / "run"
+    Model.init(cfg, seed=0).save(d, tokenizer=tok)
+    return d
+
+
+def session(run_dir, monkeypatch, capsys, text, *flags):
+    from nanoeuler.cli import main
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    code = main(["chat", "--ckpt", str(run_dir), "--max-new-tokens", "6", "--seed", "0", *flags])
+    return code, capsys.readouterr()
+
+
+def test_piped_session_with_every_command(run_dir, monkeypatch, capsys):
+    code, out = session(run_dir, monkeypatch, capsys,
+                        "/help\n/tokens\nWho speaks this line?\n/tokens\n/temp 0\n/topk 5\n\nAnd this one?\n"
+                        "/temp -1\n/topk x\n/reset\n/bogus\n")
+    assert code == 0 and out.err == ""
+    o = out.out
+    assert o.startswith("nanoeuler chat:") and "/help for commands" in o
+    for expected in ("commands:", "/reset", "/temp X", "/topk N", "/tokens", "Ctrl-D", "(no reply yet)",
+                     "6 tokens:", "[stopped at 6 tokens]", "(temperature 0, greedy)", "(top-k 5)",
+                     "usage: /temp", "usage: /topk", "(conversation cleared)", "unknown command /bogus"):
+        assert expected in o, expected
+    assert "> Who speaks this line?\n" in o  # piped lines are echoed like a terminal transcript
+
+
+def test_ctrl_d_at_once_exits_cleanly(run_dir, monkeypatch, capsys):
+    code, out = session(run_dir, monkeypatch, capsys, "")
+    assert code == 0 and out.out.endswith("\n")
+
+
+def test_bad_sampling_flags(run_dir, monkeypatch, capsys):
+    code, out = session(run_dir, monkeypatch, capsys, "", "--temperature", "-1")
+    assert code == 2 and "error: --temperature" in out.err
+
+
+def test_replies_continue_the_rendered_conversation(run_dir):
+    model = Model.load(run_dir)
+    from nanoeuler.checkpoint import load_tokenizer
+    tok = load_tokenizer(run_dir)
+    chat = Chat(model, tok, temperature=0, max_new_tokens=5)
+    written = []
+    chat.handle("First question?", written.append)
+    chat.handle("Second question?", written.append)
+    p1, p2 = render(tok, "First question?")[0], render(tok, "Second question?")[0]
+    r1 = generate(model, p1, 5, temperature=0).ids
+    assert chat.turns[0] == p1 + r1 + [tok.eos_id]
+    r2 = generate(model, p1 + r1 + [tok.eos_id] + p2, 5, temperature=0).ids
+    assert chat.last_reply == r2
+    assert "".join(written).startswith(tok.decode(r1))
+
+
+def test_context_keeps_recent_turns_and_drops_the_oldest(run_dir):
+    model = Model.load(run_dir)
+    from nanoeuler.checkpoint import load_tokenizer
+    chat = Chat(model, load_tokenizer(run_dir), max_new_tokens=16)  # ctx 256, reply room 16: budget 240
+    chat.turns = [[1] * 100, [2] * 80, [3] * 60]
+    ids = chat.context([9] * 90)  # 90 + 60 + 80 = 230 fits; + 100 does not
+    assert ids == [2] * 80 + [3] * 60 + [9] * 90 and len(chat.turns) == 2
+    assert chat.context([9] * 240) == [9] * 240 and chat.turns == []
+    chat.turns = [[1] * 10]
+    assert chat.context([9] * 300) == [9] * 240  # a prompt longer than the budget keeps its end
+
+
+def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):
+    from nanoeuler.cli import main
+    assert main(["sample", "--ckpt", str(run_dir), "--prompt", "To be", "--max-new-tokens", "5", "--seed", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("To be") and out.err == ""
+    args = ["sample", "--ckpt", str(run_dir), "--prompt", "To be", "--max-new-tokens", "5", "--seed", "1", "--json"]
+    assert main(args) == 0
+    import json
+    a = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == a["ids"] and len(a["ids"]) <= 5  # same seed, same text
+    assert out.out == "To be" + a["text"] + "\n"
+    assert main(["sample", "--ckpt", str(run_dir), "--prompt", "word " * 400, "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert "kept the last 256" in capsys.readouterr().err
+    assert main(["sample", "--ckpt", str(run_dir), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "error: --top-p" in capsys.readouterr().err
