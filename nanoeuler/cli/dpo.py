@@ -1,0 +1,175 @@
+"""`nanoeuler dpo` (preference tuning), `nanoeuler dpo-eval` (preference and task accuracy on held-out
+pairs) and `nanoeuler dpo-data` (write the offline pair set as JSONL).
+
+    nanoeuler dpo --sft runs/small-sft --out runs/small-dpo            # offline pairs from the bundled corpus
+    nanoeuler dpo --sft runs/small-sft --data pairs.jsonl --val heldout.jsonl --out runs/x --beta 0.1
+    nanoeuler dpo-eval --ckpt runs/small-dpo --ref runs/small-sft       # held-out offline pairs
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .train import add_hyperparameters, train_config_from_args
+
+DPO_DEFAULTS = dict(steps=300, batch_size=16, lr=2e-4, warmup=10, weight_decay=0.0, eval_every=50,
+                    eval_batches=0, ckpt_every=100)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "dpo", help="preference tuning (DPO) of an SFT checkpoint on {prompt, chosen, rejected} pairs",
+        description="Direct preference optimisation: the policy starts from the SFT checkpoint, which also serves "
+                    "as the frozen reference; the loss is -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r))) "
+                    "over the summed head-0 log-probs of the response tokens and </s>. Pair data is JSONL "
+                    "{prompt, chosen, rejected}, where prompt is the SPEC template rendered up to and including "
+                    "'### Response:\\n' and chosen/rejected are bare responses (</s> is appended). Logs the loss, "
+                    "reward margin and preference accuracy; checkpoints and --resume work as in `nanoeuler train`.")
+    p.add_argument("--sft", help="the SFT checkpoint: reference and initial policy (not needed with --resume)")
+    p.add_argument("--data", default="offline",
+                   help="JSONL pair file, or 'offline' (default): pairs built from the offline instruction set")
+    p.add_argument("--val", default=None,
+                   help="held-out JSONL pair file (default: 1 in 50 prompts of --data by hash; offline: its held-out split)")
+    p.add_argument("--out", required=True, help="run directory of the tuned policy")
+    p.add_argument("--beta", type=float, default=None, help="DPO temperature beta (default 0.1; on --resume: the run's)")
+    p.add_argument("--resume", action="store_true", help="continue the DPO run in --out")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
+    add_hyperparameters(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.set_defaults(run=run_dpo)
+
+    e = sub.add_parser("dpo-eval", help="preference accuracy and greedy task accuracy on held-out pairs",
+                       description="On held-out pairs: preference accuracy (share of pairs where the model gives the "
+                                   "chosen response a higher summed log-prob than the rejected one) and task accuracy "
+                                   "of greedy answers (exact match with chosen, case and surrounding punctuation "
+                                   "ignored). With --ref also the DPO loss, reward margin and reward accuracy.")
+    e.add_argument("--ckpt", required=True, help="checkpoint directory")
+    e.add_argument("--ref", default=None, help="reference checkpoint (the SFT run) for loss and rewards")
+    e.add_argument("--data", default="offline", help="JSONL pair file to evaluate (all of it), or 'offline' "
+                                                     "(default): the held-out offline pairs")
+    e.add_argument("--beta", type=float, default=0.1)
+    e.add_argument("--limit", type=int, default=0, help="only the first N pairs (0 = all)")
+    e.add_argument("--no-greedy", action="store_true", help="skip the greedy answers (preference metrics only)")
+    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--show", type=int, default=0, metavar="N", help="print the first N greedy answers")
+    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(run=run_eval)
+
+    d = sub.add_parser("dpo-data", help="write the offline pair set (train + held-out) as JSONL",
+                       description="Build {prompt, chosen, rejected, task} pairs from the offline instruction set "
+                                   "(chosen = the correct answer, rejected = a wrong one of the same kind) and write "
+                                   "OUT/pairs_train.jsonl and OUT/pairs_heldout.jsonl.")
+    d.add_argument("--out", default="data/dpo", help="output directory (default data/dpo)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(run=run_data)
+
+
+def run_dpo(args) -> int:
+    from ..checkpoint import load_tokenizer, read_json
+    from ..dpo import pair_records, run_dpo as train_dpo, tokenize_pairs
+    from ..errors import UserError
+    from ..model import Model
+
+    out = Path(args.out)
+    reference = None
+    if args.resume:
+        model, tok = Model.load(out), load_tokenizer(out)
+        state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
+        tcfg = train_config_from_args(args, state.get("train_config", {}))
+        beta = args.beta if args.beta is not None else state.get("beta", 0.1)
+    else:
+        if not args.sft:
+            raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
+        model, tok = Model.load(args.sft), load_tokenizer(args.sft)
+        reference = Model.load(args.sft)  # a separate copy: the policy is trained in place
+        tcfg = train_config_from_args(args, DPO_DEFAULTS)
+        beta = args.beta if args.beta is not None else 0.1
+    train, held, data_id, _ = pair_records(args.data, args.val)
+    ctx = model.config.ctx_len
+    train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
+    print(f"{'resuming' if args.resume else 'preference-tuning'} {args.sft or out} -> {out}: {len(train_t)} train / "
+          f"{len(held_t)} held-out pairs, {train_t.dropped + held_t.dropped} dropped (longer than {ctx + 1} tokens), "
+          f"beta {beta}")
+    summary = train_dpo(model, tok, train_t, held_t, None, out, tcfg, beta=beta, resume=args.resume,
+                        stop_after=args.stop_after, progress=not args.no_progress,
+                        data_id=data_id, sft=args.sft, reference_model=reference)
+    if args.json:
+        print(json.dumps(summary | {"out": str(out), "beta": beta}))
+    else:
+        state = "finished" if summary["finished"] else "interrupted" if summary["interrupted"] else "stopped"
+        print(f"{state} at step {summary['step']}/{summary['steps']}; checkpoint in {out}")
+        first = summary.get("initial_eval") or {}
+        if "val_loss" in summary:
+            before = (f" (before: loss {first['val_loss']:.4f}, policy accuracy {first['val_policy_accuracy']:.1%})"
+                      if first else "")
+            print(f"held-out pairs: DPO loss {summary['val_loss']:.4f}, reward margin {summary['val_reward_margin']:.3f}, "
+                  f"reward accuracy {summary['val_reward_accuracy']:.1%}, policy accuracy "
+                  f"{summary['val_policy_accuracy']:.1%}{before}")
+        if not summary["finished"]:
+            print(f"continue with: nanoeuler dpo --out {out} --resume")
+    return 130 if summary["interrupted"] else 0
+
+
+def run_eval(args) -> int:
+    import numpy as np
+
+    from ..checkpoint import load_tokenizer
+    from ..dpo import load_pairs, offline_pairs, pair_logprobs, preference_metrics, score_greedy, tokenize_pairs
+    from ..errors import UserError
+    from ..model import Model
+    if args.limit < 0 or args.max_new_tokens < 1 or not args.beta > 0:
+        raise UserError("--limit must be >= 0, --max-new-tokens >= 1 and --beta > 0")
+    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    pairs = offline_pairs()[1] if args.data == "offline" else load_pairs(args.data)[0]
+    if args.limit:
+        pairs = pairs[:args.limit]
+    tp = tokenize_pairs(tok, pairs, model.config.ctx_len)
+    if not len(tp):
+        raise UserError(f"no pair fits the context of {model.config.ctx_len} tokens")
+    pc, pr = pair_logprobs(model.config, model.params, tp, pad_id=tok.eos_id, progress=not args.no_progress)
+    result = {"ckpt": args.ckpt, "pairs": len(tp), "dropped": tp.dropped,
+              "policy_accuracy": float(np.mean(pc > pr))}
+    if args.ref:
+        ref = Model.load(args.ref)
+        rc, rr = pair_logprobs(ref.config, ref.params, tp, pad_id=tok.eos_id, progress=not args.no_progress)
+        result |= {k: v for k, v in preference_metrics(pc, pr, rc, rr, args.beta).items() if k != "policy_accuracy"}
+        result["ref"] = args.ref
+    if not args.no_greedy:
+        g = score_greedy(model, tok, tp.records, args.max_new_tokens, progress=not args.no_progress)
+        result |= {"task_accuracy": g["accuracy"], "scored": g["n_scored"], "per_task": g["per_task"]}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    if not args.no_greedy:
+        for row in g["examples"][:args.show]:
+            mark = "ok " if row["correct"] else "   "
+            print(f"{mark}[{row['task']}] expected {row['expected']!r}, got {row['answer']!r}")
+    print(f"{args.ckpt}: {len(tp)} pairs ({tp.dropped} too long), preference accuracy {result['policy_accuracy']:.1%}")
+    if args.ref:
+        print(f"  vs reference {args.ref}: DPO loss {result['loss']:.4f}, reward margin {result['reward_margin']:.3f}, "
+              f"reward accuracy {result['reward_accuracy']:.1%}")
+    if not args.no_greedy:
+        print(f"  greedy task accuracy {result['task_accuracy']:.1%} over {result['scored']} scored prompts")
+        for task, r in result["per_task"].items():
+            print(f"  {task:<11} n={r['n']:<4} accuracy {r['accuracy']:.1%}  answered the rejected response "
+                  f"{r['said_rejected']:.1%}")
+    return 0
+
+
+def run_data(args) -> int:
+    from ..dpo import offline_pairs
+    from ..fileio import atomic_write_text
+    train, held = offline_pairs()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, pairs in (("pairs_train.jsonl", train), ("pairs_heldout.jsonl", held)):
+        atomic_write_text(out / name, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
+        files.append(str(out / name))
+    if args.json:
+        print(json.dumps({"train": len(train), "heldout": len(held), "files": files}))
+    else:
+        print(f"wrote {len(train)} train and {len(held)} held-out pairs to {out}")
+    return 0

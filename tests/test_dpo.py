@@ -1,0 +1,211 @@
+"""DPO: the loss and its gradient (closed form, finite differences, down to every parameter), log 2 when the
+policy is the reference, batching/padding, pair data and the offline pair set, the training loop
+(learning, bit-for-bit resume, refusals) and the CLI."""
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from nanoeuler import Config, Model, UserError
+from nanoeuler.check import TOLERANCE
+from nanoeuler.dpo import (check_dpo, dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
+                           make_batch, offline_pairs, response_logprobs_forward, run_dpo, sequence_logprobs_forward,
+                           split_pairs, tokenize_pairs, tokenize_response, trained_params)
+from nanoeuler.train import TrainConfig
+
+TINY = Config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from nanoeuler.tokenizer import Tokenizer
+    return Tokenizer([])  # bytes + </s>: nothing to train
+
+
+def test_loss_closed_form_and_direction():
+    loss, cache = dpo_loss_forward([-2.0, -1.0], [-6.0, -1.0], [-3.0, -1.0], [-5.0, -1.0], 0.1)
+    z = np.array([0.2, 0.0])
+    assert loss == pytest.approx(np.mean(-np.log(1 / (1 + np.exp(-z)))), rel=1e-15)
+    dpc, dpr, drc, drr = dpo_loss_backward(1.0, cache)
+    assert np.all(dpc < 0) and np.all(dpr > 0)  # raising log π(chosen) / lowering log π(rejected) lowers the loss
+    np.testing.assert_allclose(dpc, -0.1 * (1 / (1 + np.exp(z))) / 2)
+    np.testing.assert_array_equal(dpc, -drc)
+    np.testing.assert_array_equal(dpr, -drr)
+    big, _ = dpo_loss_forward([0.0], [-1e4], [0.0], [0.0], 1.0)  # no overflow either way
+    small, _ = dpo_loss_forward([-1e4], [0.0], [0.0], [0.0], 1.0)
+    assert big == 0.0 and small == pytest.approx(1e4)
+
+
+def test_response_logprobs_is_the_masked_sum_of_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 7))
+    targets = rng.integers(0, 7, (2, 5))
+    mask = np.array([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1]], dtype=bool)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = [sum(logp[b, t, targets[b, t]] for t in range(5) if mask[b, t]) for b in range(2)]
+    got, _ = response_logprobs_forward(logits, np.where(mask, targets, -1), mask)
+    np.testing.assert_allclose(got, expected, rtol=1e-13)
+
+
+def test_float64_finite_difference_check_of_every_dpo_gradient():
+    rows = check_dpo(seed=0)
+    names = [r.name for r in rows]
+    assert "op dpo_loss: d0" in names and "op response_logprobs: d0" in names
+    assert "dpo: embed.weight" in names and "dpo: heads.0.weight" in names and "dpo: layers.1.ffn.down.weight" in names
+    bad = [(r.name, r.max_rel_error) for r in rows if not r.max_rel_error < TOLERANCE]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_policy_equal_to_reference_gives_exactly_log_2(dtype):
+    model = Model.init(TINY, seed=3).astype(dtype)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 257, n) for n in (9, 14, 7, 20)]
+    masks = [np.arange(len(s)) >= 4 for s in seqs]
+    batch = make_batch(seqs[:2], masks[:2], seqs[2:], masks[2:])
+    ref, _ = sequence_logprobs_forward(TINY, model.params, batch.inputs, batch.targets, batch.mask)
+    loss, metrics, grads = dpo_loss_and_grads(TINY, model.params, batch, ref[:2], ref[2:], 0.1)
+    assert loss == math.log(2)  # exactly
+    assert metrics["reward_margin"] == 0.0 and metrics["reward_accuracy"] == 0.0
+    assert max(float(np.abs(g).max()) for g in grads.values()) > 0  # still a gradient: σ(0) = 1/2
+    assert set(grads) == set(trained_params(TINY, model.params)) and "heads.1.weight" not in grads
+
+
+def test_padding_does_not_change_a_sequence_log_prob():
+    model = Model.init(TINY, seed=0).astype(np.float64)
+    rng = np.random.default_rng(2)
+    short, long = rng.integers(0, 257, 8), rng.integers(0, 257, 25)
+    m_short, m_long = np.arange(8) >= 3, np.arange(25) >= 10
+    alone = make_batch([short], [m_short], [short], [m_short], pad_id=5)
+    padded = make_batch([short], [m_short], [long], [m_long], pad_id=7)
+    a, _ = sequence_logprobs_forward(TINY, model.params, alone.inputs, alone.targets, alone.mask)
+    b, _ = sequence_logprobs_forward(TINY, model.params, padded.inputs, padded.targets, padded.mask)
+    assert a[0] == pytest.approx(b[0], rel=1e-12)
+
+
+def test_make_batch_layout():
+    b = make_batch([[7, 8, 9]], [[0, 1, 1]], [[7, 5]], [[0, 1]])
+    assert b.inputs.tolist() == [[7, 8], [7, 0]]
+    assert b.targets.tolist() == [[8, 9], [5, -1]]
+    assert b.mask.tolist() == [[True, True], [True, False]]
+
+
+def test_pair_tokens_match_the_sft_rendering():
+    from nanoeuler.sft import prompt_text, render
+    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.corpus import bundled_works
+    tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 300, progress=False)
+    prompt = prompt_text("Which character speaks this line?", "To be, or not to be, that is the question:")
+    ids, mask = tokenize_response(tok, tok.encode(prompt), "Hamlet")
+    ref_ids, ref_mask = render(tok, "Which character speaks this line?", "To be, or not to be, that is the question:",
+                               "Hamlet")
+    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+
+
+def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_prompts():
+    from nanoeuler.sft import TASKS, WORD_RE, normalize
+    train, held = offline_pairs()
+    assert len(train) > 5000 and len(held) > 300
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
+    assert {p["task"] for p in held} == set(TASKS)
+    for p in train[:500] + held:
+        assert normalize(p["chosen"]) != normalize(p["rejected"])
+        assert p["prompt"].endswith("### Response:\n") and "### Instruction:" in p["prompt"]
+        if p["task"] in ("first_word", "last_word"):
+            line = p["prompt"].split("### Input:\n")[1].split("\n\n")[0]
+            assert p["rejected"] in WORD_RE.findall(line)
+    assert offline_pairs()[1] == held  # deterministic
+
+
+def test_load_pairs_skips_bad_lines_and_refuses_an_empty_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\nnot json\n{"prompt": "p", "chosen": "a"}\n'
+                 '{"prompt": "p", "chosen": "a", "rejected": "a"}\n\n[1]\n')
+    good, bad = load_pairs(f)
+    assert len(good) == 1 and len(bad) == 4 and bad[0].startswith("line 2")
+    f.write_text("{}\n")
+    with pytest.raises(UserError, match="no valid"):
+        load_pairs(f)
+    with pytest.raises(UserError, match="not found"):
+        load_pairs(tmp_path / "missing.jsonl")
+    train, held = split_pairs([{"prompt": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(500)])
+    assert len(held) > 0 and len(train) + len(held) == 500
+
+
+# ---- the loop on a tiny synthetic task -----------------------------------------------------------
+def _pairs(n, offset=0):
+    """Prompts 'q12=' ; chosen 'yes' (longer, so an untrained model prefers 'no'), rejected 'no'."""
+    return [{"prompt": f"q{i + offset}=", "chosen": "yes", "rejected": "no"} for i in range(n)]
+
+
+def _run(tok, out, steps, stop_after=None, resume=False, beta=0.5, **kw):
+    model = Model.load(out) if resume else Model.init(TINY, seed=0)
+    train, val = tokenize_pairs(tok, _pairs(40), TINY.ctx_len), tokenize_pairs(tok, _pairs(8, 1000), TINY.ctx_len)
+    tcfg = TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup=1, weight_decay=0.0, eval_every=4, ckpt_every=3,
+                       **kw)
+    summary = run_dpo(model, tok, train, val, None, out, tcfg, beta=beta, resume=resume, stop_after=stop_after,
+                      progress=False, data_id="synthetic")
+    return model, summary
+
+
+def test_dpo_learns_the_preference_and_leaves_the_mtp_heads_alone(tok, tmp_path):
+    init = Model.init(TINY, seed=0)
+    model, s = _run(tok, tmp_path / "run", steps=12)
+    first = s["initial_eval"]
+    assert first["val_loss"] == pytest.approx(math.log(2), abs=1e-6) and first["val_policy_accuracy"] == 0.0
+    assert s["finished"] and s["val_loss"] < 0.3 and s["val_reward_accuracy"] == 1.0
+    assert s["val_policy_accuracy"] == 1.0 and s["val_reward_margin"] > 1.0
+    np.testing.assert_array_equal(model.params["heads.1.weight"], init.params["heads.1.weight"])
+    assert not np.array_equal(model.params["heads.0.weight"], init.params["heads.0.weight"])
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert {"loss", "reward_margin", "reward_accuracy", "policy_accuracy", "reward_chosen"} <= set(log[0])
+    for f in ("model.safetensors", "optimizer.safetensors", "trainer.json", "reference.safetensors", "curves.png"):
+        assert (tmp_path / "run" / f).is_file()
+
+
+def test_stop_and_resume_is_bitwise_identical_and_refuses_other_settings(tok, tmp_path):
+    _run(tok, tmp_path / "a", steps=7)
+    _, s1 = _run(tok, tmp_path / "b", steps=7, stop_after=4)
+    assert s1["step"] == 4 and not s1["finished"]
+    with pytest.raises(UserError, match="beta"):
+        _run(tok, tmp_path / "b", steps=7, resume=True, beta=0.2)
+    with pytest.raises(UserError, match="already holds"):
+        _run(tok, tmp_path / "b", steps=7)
+    _, s2 = _run(tok, tmp_path / "b", steps=7, resume=True)
+    assert s2["finished"]
+    for name in ("model.safetensors", "optimizer.safetensors", "reference.safetensors"):
+        ta, tb = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta), name
+    la, lb = ((tmp_path / d / "log.jsonl").read_text().splitlines() for d in "ab")
+    strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k not in ("pairs_per_s", "elapsed_s")}
+                           for x in lines]
+    assert strip(la) == strip(lb)
+
+
+def test_cli_dpo_on_a_pair_file_and_errors(tok, tmp_path, capsys):
+    from nanoeuler.cli import main
+    sft = tmp_path / "sft"
+    Model.init(TINY, seed=0).save(sft, tok)
+    f, v = tmp_path / "pairs.jsonl", tmp_path / "val.jsonl"
+    f.write_text("".join(json.dumps(p) + "\n" for p in _pairs(20)))
+    v.write_text("".join(json.dumps(p) + "\n" for p in _pairs(6, 500)))
+    code = main(["dpo", "--sft", str(sft), "--data", str(f), "--val", str(v), "--out", str(tmp_path / "dpo"),
+                 "--steps", "3", "--batch-size", "4", "--eval-every", "3", "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["step"] == 3 and "val_policy_accuracy" in out and out["beta"] == 0.1
+    code = main(["dpo-eval", "--ckpt", str(tmp_path / "dpo"), "--ref", str(sft), "--data", str(v), "--json",
+                 "--no-progress", "--max-new-tokens", "4"])
+    ev = json.loads(capsys.readouterr().out)
+    assert code == 0 and ev["pairs"] == 6 and 0 <= ev["task_accuracy"] <= 1 and "reward_accuracy" in ev
+    assert main(["dpo", "--data", str(f), "--out", str(tmp_path / "x")]) == 2
+    assert "--sft RUN is required" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("nope\n")
+    assert main(["dpo", "--sft", str(sft), "--data", str(bad), "--out", str(tmp_path / "y")]) == 2
+    assert "no valid" in capsys.readouterr().err
+    assert main(["dpo", "--sft", str(sft), "--data", str(f), "--val", str(v), "--out", str(tmp_path / "z"),
+                 "--beta", "0"]) == 2
+    assert "beta" in capsys.readouterr().err
