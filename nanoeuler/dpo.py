@@ -334,16 +334,16 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> t
                                  are the likeliest wrong guesses)
         continue                 the next line of a different passage
 
-    Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`)."""
+    Wrong answers are drawn within the split, so no held-out text reaches training, not even as a
+    rejected response. Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`)."""
     from .sft import WORD_RE, normalize, offline_instructions, prompt_text
     train, held = offline_instructions(n_train, n_heldout, seed)
-    pools: dict[str, list[str]] = {}
-    for r in train + held:
-        if r["task"] in ("play", "speaker", "continue"):
-            pools.setdefault(r["task"], []).append(r["output"])
     rng = np.random.default_rng(seed + 1)
     out = []
     for records in (train, held):
+        pools: dict[str, list[str]] = {}  # wrong answers come from the same split: no held-out text in training
+        for r in records:
+            pools.setdefault(r["task"], []).append(r["output"])
         pairs = []
         for r in records:
             if r["task"] in ("first_word", "last_word"):

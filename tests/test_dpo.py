@@ -116,6 +116,8 @@ def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_pr
         if p["task"] in ("first_word", "last_word"):
             line = p["prompt"].split("### Input:\n")[1].split("\n\n")[0]
             assert p["rejected"] in WORD_RE.findall(line)
+    held_lines = {p["chosen"] for p in held if p["task"] == "continue"}
+    assert not held_lines & {p["rejected"] for p in train if p["task"] == "continue"}  # no held-out text in training
     assert offline_pairs()[1] == held  # deterministic
 
 
