@@ -60,36 +60,70 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
                    [np.zeros(shape, dtype) for _ in range(cfg.n_layers)], cos, sin)
 
 
-def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+def fuse_weights(cfg: Config, P: dict) -> dict:
+    """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
+    heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads."""
+    W = {"embed": P["embed.weight"], "norm": P["norm.weight"],
+         "heads": np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)])}  # [K·V, d]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        W[p + "qkv"] = np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]])
+        W[p + "gate_up"] = np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]])  # [2F, d]
+        for name in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.down.weight"):
+            W[p + name] = P[p + name]
+    return W
+
+
+def linear(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """x [..., in] @ W[out, in].T, as ops.linear_forward, arranged for the few rows of a decoding step:
+    OpenBLAS's kernel for a 2..8-row x @ W.T can cost ~10x its 1-row (matrix-vector) kernel, while
+    W @ x.T reads W once at about the matrix-vector price (measured on this project's CPU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if len(rows) == 1:
+        y = (W @ rows[0])[None]
+    elif len(rows) <= 8:
+        y = (W @ rows.T).T
+    else:
+        y = ops.linear_forward(rows, W)[0]
+    return y.reshape(*x.shape[:-1], W.shape[0])
+
+
+def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False,
+                   fused: dict | None = None) -> np.ndarray:
     """inputs int [B, Tn], the tokens at positions cache.length .. cache.length+Tn-1
-    -> logits [K, B, Tn, V] (or [K, B, 1, V] with last_only); the cache grows by Tn."""
+    -> logits [K, B, Tn, V] (or [K, B, 1, V] with last_only); the cache grows by Tn.
+    fused: fuse_weights(cfg, P), when the caller keeps it across calls."""
     B, Tn = inputs.shape
     L = cache.length
     if L + Tn > cache.max_len:
         raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    W = fused if fused is not None else fuse_weights(cfg, P)
+    H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
     cos, sin = cache.cos[L:L + Tn], cache.sin[L:L + Tn]  # [Tn, hd/2]
-    x = P["embed.weight"][inputs]  # [B, Tn, d]
+    x = W["embed"][inputs]  # [B, Tn, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        h, _ = ops.rmsnorm_forward(x, P[p + "attn_norm.weight"], cfg.norm_eps)
-        q = (h @ P[p + "attn.wq.weight"].T).reshape(B, Tn, H, hd).transpose(0, 2, 1, 3)  # [B, H, Tn, hd]
-        k = (h @ P[p + "attn.wk.weight"].T).reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, Tn, hd]
-        v = (h @ P[p + "attn.wv.weight"].T).reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)
+        h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm.weight"], cfg.norm_eps)
+        qkv = linear(h, W[p + "qkv"])  # [B, Tn, (H + 2·Hkv)·hd]
+        q = qkv[..., :H * hd].reshape(B, Tn, H, hd).transpose(0, 2, 1, 3)  # [B, H, Tn, hd]
+        k = qkv[..., H * hd:(H + Hkv) * hd].reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, Tn, hd]
+        v = qkv[..., (H + Hkv) * hd:].reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)
         q, _ = ops.rope_forward(q, cos, sin)
         k, _ = ops.rope_forward(k, cos, sin)
         cache.k[i][:, :, L:L + Tn] = k
         cache.v[i][:, :, L:L + Tn] = v
         a, _ = ops.attention_forward(q, cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn])  # [B, H, Tn, hd]
-        x = x + a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd) @ P[p + "attn.wo.weight"].T
-        h2, _ = ops.rmsnorm_forward(x, P[p + "ffn_norm.weight"], cfg.norm_eps)
-        s, _ = ops.swiglu_forward(h2 @ P[p + "ffn.gate.weight"].T, h2 @ P[p + "ffn.up.weight"].T)  # [B, Tn, F]
-        x = x + s @ P[p + "ffn.down.weight"].T
+        x = x + linear(a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd), W[p + "attn.wo.weight"])
+        h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm.weight"], cfg.norm_eps)
+        gu = linear(h2, W[p + "gate_up"])  # [B, Tn, 2F]
+        s, _ = ops.swiglu_forward(gu[..., :F], gu[..., F:])
+        x = x + linear(s, W[p + "ffn.down.weight"])
     cache.length = L + Tn
     if last_only:
         x = x[:, -1:]
-    h, _ = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)
-    return np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, Tn|1, V]
+    h, _ = ops.rmsnorm_forward(x, W["norm"], cfg.norm_eps)
+    logits = linear(h, W["heads"])  # [B, Tn|1, K·V]
+    return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -153,6 +187,7 @@ class _Window:
         self.mode, self.seq, self.forwards = mode, seq, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
+        self.fused = fuse_weights(self.cfg, self.P)
         self.logits = self._refill()  # [K, V] at the last position
 
     def _refill(self) -> np.ndarray:
@@ -160,7 +195,7 @@ class _Window:
         self.cache.length = 0
         self.forwards += 1
         window = np.asarray(self.seq[self.start:], dtype=np.int64)[None]
-        return forward_cached(self.cfg, self.P, window, self.cache, last_only=True)[:, 0, 0]
+        return forward_cached(self.cfg, self.P, window, self.cache, True, self.fused)[:, 0, 0]
 
     def room(self) -> int:
         """Positions left before the window must jump."""
@@ -176,14 +211,14 @@ class _Window:
             self.logits = self._refill()
         else:
             self.forwards += 1
-            self.logits = forward_cached(self.cfg, self.P, np.array([[token]]), self.cache, last_only=True)[:, 0, 0]
+            self.logits = forward_cached(self.cfg, self.P, np.array([[token]]), self.cache, True, self.fused)[:, 0, 0]
         return self.logits
 
     def verify(self, block: list[int]) -> np.ndarray:
         """Feed tokens block (must fit: len(block) <= room()) in one forward -> logits [K, len(block), V].
         The caller then calls `keep(n)` to keep only the first n of them."""
         self.forwards += 1
-        out = forward_cached(self.cfg, self.P, np.asarray(block, dtype=np.int64)[None], self.cache)
+        out = forward_cached(self.cfg, self.P, np.asarray(block, dtype=np.int64)[None], self.cache, False, self.fused)
         self.seq.extend(block)
         return out[:, 0]
 
