@@ -75,28 +75,58 @@ class Model:
         check_tokens(self.config, inputs, extra=0)
         return forward(self.config, self.params, inputs)[0]
 
-    def loss_and_grads(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None):
+    def loss_and_grads(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None, *,
+                       reference: bool = False, out: dict[str, np.ndarray] | None = None):
         """tokens int [B, T+K] (loss_mask bool [B, T+K]: True where a target counts)
-        -> (head-0 loss, objective = mean of the K heads' losses, grads keyed like params)."""
+        -> (head-0 loss, objective = mean of the K heads' losses, grads keyed like params).
+
+        Runs the fast engine (nanoeuler/fast/); reference=True runs the plain `forward`/`backward` below.
+        out: gradient arrays to fill (e.g. the grads of the previous step, or `self.grad_buffers()`),
+        else fresh ones are allocated."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
+        if not reference:
+            from . import fast
+            return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
         logits, caches = forward(cfg, self.params, tokens[:, :T])
         objective, head_losses, loss_cache = reference_ops.mtp_loss_forward(logits, targets)
         dlogits = reference_ops.mtp_loss_backward(1.0, loss_cache)
         grads = backward(cfg, self.params, dlogits, caches)
+        if out is not None:
+            for name, g in grads.items():
+                out[name][...] = g
+            grads = out
         return head_losses[0], objective, grads
 
-    def loss(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None) -> tuple[float, float]:
+    def loss(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None, *,
+             reference: bool = False) -> tuple[float, float]:
         """Forward only: (head-0 loss, objective)."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
+        if not reference:
+            from . import fast
+            return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T))
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
         logits, _ = forward(cfg, self.params, tokens[:, :T])
         objective, head_losses, _ = reference_ops.mtp_loss_forward(logits, targets)
         return head_losses[0], objective
+
+    def grad_buffers(self) -> dict[str, np.ndarray]:
+        """Gradient arrays laid out as the fast engine writes them best (one flat buffer, SPEC order)."""
+        from . import fast
+        return fast.grad_buffers(self.config, self.dtype)
+
+    def _workspace(self, B: int, T: int):
+        """The fast engine's buffers for this batch shape, kept between calls (one shape at a time)."""
+        from . import fast
+        ws = getattr(self, "_fast_ws", None)
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype)):
+            self._fast_ws = None  # free the old buffers before allocating new ones
+            ws = self._fast_ws = fast.Workspace(self.config, B, T, self.dtype)
+        return ws
 
 
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops):

@@ -1,0 +1,13 @@
+"""The fast CPU training engine: the same model as `model.py`, fused and preallocated.
+
+`model.py` and `ops/` stay the readable reference; this package is what `Model.loss_and_grads`,
+`Model.loss` and `AdamW.step` run. It is tested against the reference in tests/test_fast.py and timed
+against PyTorch by bench/train_speed.py.
+
+- vmath.py    a float32 exp that numba vectorises (no vector math library is available to numba)
+- kernels.py  fused numba kernels: RMSNorm, RoPE + head split, causal softmax, SwiGLU, cross-entropy, AdamW
+- engine.py   the training step on preallocated buffers (`Workspace`), BLAS for every matmul
+"""
+from .engine import Workspace, grad_buffers, loss, loss_and_grads
+
+__all__ = ["Workspace", "grad_buffers", "loss", "loss_and_grads"]

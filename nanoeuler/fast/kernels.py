@@ -1,0 +1,290 @@
+"""Fused numba kernels of the fast engine: each one pass over rows, in place where it can be.
+
+Every kernel here is the same mathematics as a reference op in `nanoeuler/ops/` (named in its docstring)
+and is tested against it (tests/test_fast.py). Rules they all follow:
+
+- Parallel over independent rows (`prange`); a thread never adds into memory another thread writes, and
+  every sum runs in a fixed order inside one row, so results are bit-identical run to run, whatever the
+  number of threads or their scheduling. Sums across rows (the weight gradient of RMSNorm) go to
+  per-chunk partial rows that are added in a fixed order afterwards.
+- Sums over a row accumulate in float64 with 8 interleaved accumulators (fixed order, and the
+  float32 → float64 conversions vectorise); no `fastmath`, so every other operation rounds as written.
+- dtype-generic: a float32 array gives float32 arithmetic (exp via `vexp`), float64 gives float64.
+
+Shapes: N = B·T rows; d model width; F SwiGLU width; V vocabulary; hd head width (h2 = hd/2).
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .vmath import vexp
+
+OPTS = dict(cache=True, nogil=True)
+POPTS = dict(OPTS, parallel=True)
+
+
+# ---- row reductions (fixed order, float64) -------------------------------------------------------
+@njit(**OPTS)
+def row_sum(a, n):
+    """Σ a[:n] in float64, eight interleaved partial sums.  row_sum(np.arange(10.), 10) == 45.0"""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    i = 0
+    while i + 8 <= n:
+        s0 += a[i]; s1 += a[i + 1]; s2 += a[i + 2]; s3 += a[i + 3]  # noqa: E702
+        s4 += a[i + 4]; s5 += a[i + 5]; s6 += a[i + 6]; s7 += a[i + 7]  # noqa: E702
+        i += 8
+    while i < n:
+        s0 += a[i]
+        i += 1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@njit(**OPTS)
+def row_dot(a, b, n):
+    """Σ a[:n]·b[:n] (products rounded in the arrays' dtype), accumulated in float64."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    i = 0
+    while i + 8 <= n:
+        s0 += a[i] * b[i]; s1 += a[i + 1] * b[i + 1]; s2 += a[i + 2] * b[i + 2]  # noqa: E702
+        s3 += a[i + 3] * b[i + 3]; s4 += a[i + 4] * b[i + 4]; s5 += a[i + 5] * b[i + 5]  # noqa: E702
+        s6 += a[i + 6] * b[i + 6]; s7 += a[i + 7] * b[i + 7]  # noqa: E702
+        i += 8
+    while i < n:
+        s0 += a[i] * b[i]
+        i += 1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+@njit(**OPTS)
+def row_max(a, n):
+    """max(a[:n]) (exact in any order; eight lanes so it vectorises)."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = a[0]
+    i = 0
+    while i + 8 <= n:
+        m0 = max(m0, a[i]); m1 = max(m1, a[i + 1]); m2 = max(m2, a[i + 2]); m3 = max(m3, a[i + 3])  # noqa: E702
+        m4 = max(m4, a[i + 4]); m5 = max(m5, a[i + 5]); m6 = max(m6, a[i + 6]); m7 = max(m7, a[i + 7])  # noqa: E702
+        i += 8
+    while i < n:
+        m0 = max(m0, a[i])
+        i += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+# ---- RMSNorm (ops/rmsnorm.py) ----------------------------------------------------------------------
+@njit(**POPTS)
+def rmsnorm_forward(x, w, eps, y, r):
+    """x [N, d], w [d] -> y [N, d] = x·r·w and r [N] = 1/sqrt(mean(x²) + eps), written into y and r."""
+    N, d = x.shape
+    for i in prange(N):
+        ri = x.dtype.type(1.0 / math.sqrt(row_dot(x[i], x[i], d) / d + eps))
+        r[i] = ri
+        for j in range(d):
+            y[i, j] = (x[i, j] * ri) * w[j]
+
+
+@njit(**POPTS)
+def rmsnorm_backward(dy, x, r, w, dx, dw_part):
+    """dy, x [N, d], r [N], w [d] -> dx [N, d] += r·(g − n·mean(g·n)) with g = dy·w, n = x·r;
+    dw_part [C, d]: row c holds Σ dy·n over the c-th chunk of rows (dw = dw_part.sum(0), a fixed order)."""
+    N, d = x.shape
+    C = dw_part.shape[0]
+    rows = (N + C - 1) // C
+    for c in prange(C):
+        part = dw_part[c]
+        part[:] = 0
+        for i in range(c * rows, min(N, (c + 1) * rows)):
+            ri = r[i]
+            acc = 0.0
+            for j in range(d):  # Σ (dy·w)·(x·r), accumulated in float64
+                acc += (dy[i, j] * w[j]) * (x[i, j] * ri)
+            m = x.dtype.type(acc / d)
+            for j in range(d):
+                n = x[i, j] * ri
+                dx[i, j] += ri * (dy[i, j] * w[j] - n * m)
+                part[j] += dy[i, j] * n
+
+
+# ---- RoPE + head split / merge (ops/rope.py; the reshapes in model.block_forward) -----------------
+@njit(**POPTS)
+def rope_split(qkv, cos, sin, qscale, q, k, v):
+    """qkv [N, (H + 2·Hkv)·hd] (one row per token, heads side by side) -> rotated q·qscale [B, H, T, hd],
+    rotated k [B, Hkv, T, hd], v [B, Hkv, T, hd]. Pair (a, b) = (x[i], x[i + h2]) -> (a·cos − b·sin, b·cos + a·sin)."""
+    B, H, T, hd = q.shape
+    Hkv = k.shape[1]
+    h2 = hd // 2
+    for n in prange(B * T):
+        b, t = n // T, n % T
+        for h in range(H + Hkv):
+            base = h * hd
+            for i in range(h2):
+                a0, b0 = qkv[n, base + i], qkv[n, base + h2 + i]
+                c, s = cos[t, i], sin[t, i]
+                if h < H:
+                    q[b, h, t, i] = (a0 * c - b0 * s) * qscale
+                    q[b, h, t, h2 + i] = (b0 * c + a0 * s) * qscale
+                else:
+                    k[b, h - H, t, i] = a0 * c - b0 * s
+                    k[b, h - H, t, h2 + i] = b0 * c + a0 * s
+        for h in range(Hkv):
+            base = (H + Hkv + h) * hd
+            for i in range(hd):
+                v[b, h, t, i] = qkv[n, base + i]
+
+
+@njit(**POPTS)
+def rope_merge_backward(dq, dk, dv, cos, sin, qscale, dqkv):
+    """The transpose of rope_split: dq [B, H, T, hd] (gradient of the scaled rotated q), dk, dv [B, Hkv, T, hd]
+    -> dqkv [N, (H + 2·Hkv)·hd]. The inverse rotation is the same formula with sin negated."""
+    B, H, T, hd = dq.shape
+    Hkv = dk.shape[1]
+    h2 = hd // 2
+    for n in prange(B * T):
+        b, t = n // T, n % T
+        for h in range(H + Hkv):
+            base = h * hd
+            for i in range(h2):
+                c, s = cos[t, i], sin[t, i]
+                if h < H:
+                    a0, b0 = dq[b, h, t, i], dq[b, h, t, h2 + i]
+                    dqkv[n, base + i] = (a0 * c + b0 * s) * qscale
+                    dqkv[n, base + h2 + i] = (b0 * c - a0 * s) * qscale
+                else:
+                    a0, b0 = dk[b, h - H, t, i], dk[b, h - H, t, h2 + i]
+                    dqkv[n, base + i] = a0 * c + b0 * s
+                    dqkv[n, base + h2 + i] = b0 * c - a0 * s
+        for h in range(Hkv):
+            base = (H + Hkv + h) * hd
+            for i in range(hd):
+                dqkv[n, base + i] = dv[b, h, t, i]
+
+
+@njit(**POPTS)
+def heads_to_rows(a, out):
+    """a [B, H, T, hd] -> out [B·T, H·hd] (the transpose(0, 2, 1, 3).reshape of the reference)."""
+    B, H, T, hd = a.shape
+    for n in prange(B * T):
+        b, t = n // T, n % T
+        for h in range(H):
+            for i in range(hd):
+                out[n, h * hd + i] = a[b, h, t, i]
+
+
+@njit(**POPTS)
+def rows_to_heads(x, out):
+    """x [B·T, H·hd] -> out [B, H, T, hd]."""
+    B, H, T, hd = out.shape
+    for n in prange(B * T):
+        b, t = n // T, n % T
+        for h in range(H):
+            for i in range(hd):
+                out[b, h, t, i] = x[n, h * hd + i]
+
+
+# ---- causal softmax (ops/attention.py) --------------------------------------------------------------
+@njit(**POPTS)
+def causal_softmax_forward(S):
+    """S [R, T, T] scores (query i, key j) -> in place P = softmax over j ≤ i, and 0 for j > i."""
+    R, T, _ = S.shape
+    for row in prange(R * T):
+        s = S[row // T, row % T]
+        n = row % T + 1
+        m = row_max(s, n)
+        for j in range(n):
+            s[j] = vexp(s[j] - m)
+        tot = s.dtype.type(row_sum(s, n))
+        for j in range(n):
+            s[j] = s[j] / tot
+        s[n:] = 0
+
+
+@njit(**POPTS)
+def causal_softmax_backward(P, dP):
+    """P, dP [R, T, T] -> in place dP := dS = P ⊙ (dP − Σ_j dP⊙P) on j ≤ i, 0 above the diagonal."""
+    R, T, _ = P.shape
+    for row in prange(R * T):
+        p, g = P[row // T, row % T], dP[row // T, row % T]
+        n = row % T + 1
+        a = p.dtype.type(row_dot(g, p, n))
+        for j in range(n):
+            g[j] = p[j] * (g[j] - a)
+        g[n:] = 0
+
+
+# ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
+@njit(**POPTS)
+def swiglu_forward(gu, s):
+    """gu [N, 2F] = [gate(x) | up(x)] -> s [N, F] = silu(g)·u, silu(g) = g·σ(g)."""
+    N, F = s.shape
+    one = s.dtype.type(1.0)
+    for n in prange(N):
+        for j in range(F):
+            g = gu[n, j]
+            s[n, j] = (g * (one / (one + vexp(-g)))) * gu[n, F + j]
+
+
+@njit(**POPTS)
+def swiglu_backward(ds, gu):
+    """ds [N, F], gu [N, 2F] -> in place gu := [dg | du], dg = ds·u·σ·(1 + g·(1 − σ)), du = ds·g·σ."""
+    N, F = ds.shape
+    one = ds.dtype.type(1.0)
+    for n in prange(N):
+        for j in range(F):
+            g, u, d = gu[n, j], gu[n, F + j], ds[n, j]
+            sg = one / (one + vexp(-g))
+            gu[n, j] = ((d * u) * sg) * (one + g * (one - sg))
+            gu[n, F + j] = d * (g * sg)
+
+
+# ---- cross-entropy (ops/cross_entropy.py) ---------------------------------------------------------------
+@njit(**POPTS)
+def cross_entropy(z, targets, scale, losses, grad):
+    """z [N, V] logits, targets int [N] (−1 = no loss) -> losses [N] (float64, 0 on ignored rows); if grad,
+    z is overwritten in place by dz = scale·(softmax(z) − onehot(target)) (0 on ignored rows)."""
+    N, V = z.shape
+    for i in prange(N):
+        row = z[i]
+        t = targets[i]
+        if t < 0:
+            losses[i] = 0.0
+            if grad:
+                row[:] = 0
+            continue
+        m = row_max(row, V)
+        zt = row[t] - m
+        for j in range(V):
+            row[j] = vexp(row[j] - m)
+        tot = row_sum(row, V)
+        losses[i] = math.log(tot) - zt
+        if grad:
+            c = z.dtype.type(scale / tot)
+            for j in range(V):
+                row[j] = row[j] * c
+            row[t] -= scale
+
+
+# ---- embedding (ops/embedding.py) ---------------------------------------------------------------------------
+@njit(**OPTS)
+def embedding_backward(dx, ids, dW):
+    """dx [N, d], ids int [N] -> dW [V, d] (zeroed, then rows of repeated ids accumulate in row order)."""
+    dW[:] = 0
+    N, d = dx.shape
+    for n in range(N):
+        r = ids[n]
+        for j in range(d):
+            dW[r, j] += dx[n, j]
+
+
+# ---- AdamW (optim.py) ---------------------------------------------------------------------------------------
+@njit(**POPTS)
+def adamw_update(p, g, m, v, b1, c1, b2, c2, decay, bc2_sqrt, eps, step_size):
+    """One AdamW step on flat arrays, rounding exactly as optim.AdamW's NumPy expressions do:
+    m = m·b1 + c1·g;  v = v·b2 + c2·(g·g);  p = p·decay;  p = p − (step_size·m)/(sqrt(v)/bc2_sqrt + eps)
+    (c1 = 1 − b1, c2 = 1 − b2, decay = 1 − lr·wd or 1, step_size = lr / (1 − b1ᵗ); all in p's dtype)."""
+    for i in prange(p.shape[0]):
+        gi = g[i]
+        mi = m[i] * b1 + c1 * gi
+        vi = v[i] * b2 + c2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] * decay - (step_size * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
