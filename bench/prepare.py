@@ -20,8 +20,9 @@ throughput is pessimistic), 4096-token tokenizer, --processes 2:
       100M      99.4   28,667,110     10.2   9.70        222.0        197.8          145.4
         1G     999.4  284,546,330     86.0  11.62        332.5        197.8          200.4
 
-The prepare process stays at 197.8 MB (of which ~190 MB is Python + NumPy + numba, present after
-loading the tokenizer and encoding one word). Each worker's growth (+55 MB) is the tokenizer's encode
+The prepare process (reading, batching, writing shards) peaks at exactly the same 197.8 MB for both
+sizes: fixed costs (interpreter, NumPy, numba, tqdm) plus at most 2 x processes 1 MB batches in flight.
+Each worker's growth (+55 MB) is the tokenizer's encode
 cache of distinct pre-tokens, which doubles as new words appear and is capped (2^21 entries), so it
 depends on the vocabulary of the text, not on its size.
 """
