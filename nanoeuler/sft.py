@@ -254,7 +254,13 @@ def answer_for(task: str, item: dict) -> str | None:
 def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """(train, held-out) Alpaca records made from the bundled corpus. A line is held out when its hash
     falls in 1/10, so no held-out line (and no held-out continuation target) is seen in training.
-    Each record also carries `task` (not used by the template) for per-task scoring."""
+    Half the records carry the line in `input`, half inline after the question (with an empty input),
+    the way one types it into the chat: "What is the first word of this line? To be, or not to be".
+    Each record also carries `task` and `line` (not used by the template) for scoring and tests.
+
+        {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
+         "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
+    """
     from .corpus import bundled_works
     rng = np.random.default_rng(seed)
     pools: dict[bool, list[dict]] = {False: [], True: []}
@@ -273,8 +279,11 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
             if answer is None:
                 continue
             phrasings = TASKS[task]
-            instruction = phrasings[0] if held else phrasings[int(rng.integers(len(phrasings)))]
-            records.append({"instruction": instruction, "input": item["line"], "output": answer, "task": task})
+            question = phrasings[0] if held else phrasings[int(rng.integers(len(phrasings)))]
+            inline = (len(records) // len(tasks)) % 2 == 1 if held else bool(rng.integers(2))
+            instruction, inp = (question + " " + item["line"], "") if inline else (question, item["line"])
+            records.append({"instruction": instruction, "input": inp, "output": answer, "task": task,
+                            "line": item["line"]})
         split.append(records)
     return split[0], split[1]
 

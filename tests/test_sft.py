@@ -131,13 +131,17 @@ def test_offline_instruction_set_has_a_clean_heldout_split():
     train, held = offline_instructions(n_train=600, n_heldout=100)
     assert (len(train), len(held)) == (600, 100)
     assert {r["task"] for r in held} == {"first_word", "last_word", "play", "speaker", "continue"}
-    train_lines = {r["input"] for r in train} | {r["output"] for r in train if r["task"] == "continue"}
-    assert not any(r["input"] in train_lines for r in held)
+    train_lines = {r["line"] for r in train} | {r["output"] for r in train if r["task"] == "continue"}
+    assert not any(r["line"] in train_lines for r in held)
     assert offline_instructions(n_train=600, n_heldout=100) == (train, held)  # deterministic
+    for r in train + held:  # the line is either the input or follows the question inline
+        assert r["input"] == r["line"] or (r["input"] == "" and r["instruction"].endswith(" " + r["line"]))
+    assert 0.3 < sum(r["input"] == "" for r in train) / len(train) < 0.7
+    assert 0.3 < sum(r["input"] == "" for r in held) / len(held) < 0.7
     r = next(r for r in held if r["task"] == "first_word")
-    assert r["input"].startswith(r["output"])
+    assert r["line"].startswith(r["output"])
     r = next(r for r in held if r["task"] == "last_word")
-    assert r["output"] in r["input"]
+    assert r["output"] in r["line"]
 
 
 def test_sft_source_batches(tok):
