@@ -1,0 +1,368 @@
+"""`nanoeuler check --device gpu`: every kernel against the NumPy reference, then the whole model GPU vs CPU.
+
+Each row compares a GPU result (float32, TF32 off) with the NumPy reference evaluated in float64 on
+the very same float32 inputs, so the row measures the GPU's own error:
+
+    rel = max |gpu − ref| / max |ref|          (over the whole tensor; TOLERANCE = 1e-5)
+
+(The CPU check's per-entry relative error compares two float64 computations; float32 results are
+judged against the tensor's scale instead, since entries near zero carry only round-off.)
+bf16 rows compare against the reference run on the same bf16-rounded operands.
+
+Also here, for scripts/gpu_check.sh: FlashAttention at long contexts against a float64 attention run
+on the GPU (`check_flash_long`), and the memory of FlashAttention vs naive T×T attention (`flash_memory`).
+
+    python -m nanoeuler.gpu.check              # the rows of `nanoeuler check --device gpu`
+    python -m nanoeuler.gpu.check --long       # plus T = 512, 2048, 8192 and the memory comparison
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from .. import ops as ref
+from ..check import CHECK_CONFIG, Row
+from ..config import Config
+from ..optim import AdamW
+from .runtime import require_cupy
+
+TOLERANCE = 1e-5
+
+
+def rel_error(gpu, reference) -> float:
+    """max |gpu − reference| / max |reference| (both to float64 on the host)."""
+    cp = require_cupy()
+    a = cp.asnumpy(gpu).astype(np.float64) if hasattr(gpu, "get") else np.asarray(gpu, dtype=np.float64)
+    r = np.asarray(reference, dtype=np.float64)
+    assert a.shape == r.shape, (a.shape, r.shape)
+    scale = float(np.max(np.abs(r))) if r.size else 0.0
+    return float(np.max(np.abs(a - r))) / max(scale, 1e-30) if r.size else 0.0
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bf16 value (ties to even), as float32; the host twin of float_to_bf16.
+
+        bf16_round(np.float32([1.00390625, 1.01171875])) -> [1.0, 1.015625]
+    """
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+def _row(name, gpu, reference) -> Row:
+    return Row(f"gpu {name}", rel_error(gpu, reference), int(np.size(reference)))
+
+
+# ---- (a) kernels --------------------------------------------------------------------------------------
+def check_kernels(seed: int = 0) -> list[Row]:
+    cp = require_cupy()
+    from .engine import GpuAdamW, gpu_ops
+    from .matmul import from_bf16, set_tf32, to_bf16
+    set_tf32(False)
+    rng = np.random.default_rng(seed)
+    r32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    f64 = lambda x: np.asarray(x, dtype=np.float64)
+    g = cp.asarray
+    ops32, ops16 = gpu_ops("fp32"), gpu_ops("bf16")
+    rows: list[Row] = []
+
+    # bf16 conversion: bit-exact against the host rounding
+    x = np.concatenate([r32(1000) * 100, np.float32([0, -0.0, 1.00390625, 1.01171875, 3.0e38, 1e-40])])
+    rows.append(_row("convert fp32->bf16->fp32", from_bf16(to_bf16(g(x))), bf16_round(x)))
+
+    # rmsnorm (d = 320: more than one pass of 256 threads)
+    x, w, dy = r32(3, 7, 320), r32(320), r32(3, 7, 320)
+    y_ref, c_ref = ref.rmsnorm_forward(f64(x), f64(w), 1e-5)
+    dx_ref, dw_ref = ref.rmsnorm_backward(f64(dy), c_ref)
+    y, c = ops32.rmsnorm_forward(g(x), g(w), 1e-5)
+    dx, dw = ops32.rmsnorm_backward(g(dy), c)
+    rows += [_row("rmsnorm forward", y, y_ref), _row("rmsnorm backward dx", dx, dx_ref),
+             _row("rmsnorm backward dw", dw, dw_ref)]
+
+    # rope
+    B, H, T, hd = 2, 3, 11, 16
+    x, dy = r32(B, H, T, hd), r32(B, H, T, hd)
+    cos, sin = ref.rope_tables(T, hd, 10000.0, np.float64)
+    y_ref, c_ref = ref.rope_forward(f64(x), cos, sin)
+    cg, sg = ops32.rope_tables(T, hd, 10000.0, np.float32)
+    y, c = ops32.rope_forward(g(x), cg, sg)
+    rows += [_row("rope forward", y, y_ref), _row("rope backward", ops32.rope_backward(g(dy), c),
+                                                  ref.rope_backward(f64(dy), c_ref))]
+
+    # swiglu (wide range of gate values: the sigmoid's tails)
+    gg, u, dh = r32(5, 301) * 6, r32(5, 301), r32(5, 301)
+    h_ref, c_ref = ref.swiglu_forward(f64(gg), f64(u))
+    dg_ref, du_ref = ref.swiglu_backward(f64(dh), c_ref)
+    h, c = ops32.swiglu_forward(g(gg), g(u))
+    dg, du = ops32.swiglu_backward(g(dh), c)
+    rows += [_row("swiglu forward", h, h_ref), _row("swiglu backward dg", dg, dg_ref),
+             _row("swiglu backward du", du, du_ref)]
+
+    # cross-entropy with ignored rows (V = 1000: several passes per row)
+    z, t = r32(40, 1000) * 3, rng.integers(0, 1000, 40)
+    t[::4] = -1
+    loss_ref, c_ref = ref.cross_entropy_forward(f64(z), t)
+    loss, c = ops32.cross_entropy_forward(g(z), g(t))
+    rows += [Row("gpu cross_entropy loss", abs(loss - loss_ref) / abs(loss_ref), 1),
+             _row("cross_entropy dlogits", ops32.cross_entropy_backward(0.7, c), ref.cross_entropy_backward(0.7, c_ref))]
+
+    # embedding
+    W, ids, dx = r32(50, 24), rng.integers(0, 50, (3, 9)), r32(3, 9, 24)
+    ids[0, :3] = 7  # repeated ids must accumulate
+    e_ref, c_ref = ref.embedding_forward(ids, f64(W))
+    e, c = ops32.embedding_forward(g(ids), g(W))
+    rows += [_row("embedding forward", e, e_ref),
+             _row("embedding backward", ops32.embedding_backward(g(dx), c), ref.embedding_backward(f64(dx), c_ref))]
+
+    # linear: fp32 (exact fp32 cuBLAS) and bf16 (tensor cores, against the reference on rounded operands)
+    x, W, dy = r32(4, 33, 96), r32(80, 96), r32(4, 33, 80)
+    y_ref, c_ref = ref.linear_forward(f64(x), f64(W))
+    dx_ref, dW_ref = ref.linear_backward(f64(dy), c_ref)
+    y, c = ops32.linear_forward(g(x), g(W))
+    dx, dW = ops32.linear_backward(g(dy), c)
+    rows += [_row("linear fp32 forward", y, y_ref), _row("linear fp32 dx", dx, dx_ref), _row("linear fp32 dW", dW, dW_ref)]
+    xb, Wb, dyb = (f64(bf16_round(a)) for a in (x, W, dy))
+    y_ref, c_ref = ref.linear_forward(xb, Wb)
+    dx_ref, dW_ref = ref.linear_backward(dyb, c_ref)
+    y, c = ops16.linear_forward(g(x), g(W))
+    dx, dW = ops16.linear_backward(g(dy), c)
+    rows += [_row("linear bf16 forward", y, y_ref), _row("linear bf16 dx", dx, dx_ref), _row("linear bf16 dW", dW, dW_ref)]
+
+    # FlashAttention: GQA and MHA, ragged T (not a multiple of any tile), KV-cache decode (Tq < Tk), hd 16/64/128
+    for name, (B, H, Hkv, Tq, Tk, hd) in {
+        "GQA T=77 hd=64": (2, 6, 2, 77, 77, 64),
+        "MHA T=130 hd=16": (1, 3, 3, 130, 130, 16),
+        "GQA decode Tq=5 Tk=70 hd=64": (2, 4, 2, 5, 70, 64),
+        "GQA T=45 hd=128": (1, 4, 1, 45, 45, 128),
+    }.items():
+        rows += _attention_rows(name, rng, B, H, Hkv, Tq, Tk, hd, ops32)
+    rows += _attention_rows("bf16 GQA T=77 hd=64", rng, 2, 6, 2, 77, 77, 64, ops16)
+
+    # AdamW: one fused step against optim.AdamW in float64 (matrix with decay, vector without)
+    shapes = {"w": (30, 20), "b": (20,)}
+    p0 = {n: r32(*s) * 0.01 for n, s in shapes.items()}  # small |p|: its fp32 rounding stays far below a step
+    grads = {n: r32(*s) for n, s in shapes.items()}
+    ref_p = {n: f64(a).copy() for n, a in p0.items()}
+    gpu_p = {n: g(a) for n, a in p0.items()}
+    opt_ref, opt_gpu = AdamW(ref_p, lr=1e-2), GpuAdamW(gpu_p, lr=1e-2)
+    for _ in range(3):
+        opt_ref.step(ref_p, {n: f64(a) for n, a in grads.items()})
+        opt_gpu.step(gpu_p, {n: g(a) for n, a in grads.items()})
+    for n in shapes:  # judge the update p − p0 (the step is ~lr, far below |p|)
+        rows.append(_row(f"adamw update {n}", gpu_p[n] - g(p0[n]), ref_p[n] - f64(p0[n])))
+    return rows
+
+
+def _attention_rows(name, rng, B, H, Hkv, Tq, Tk, hd, gops) -> list[Row]:
+    """FlashAttention forward + backward vs the NumPy reference (float64, on the same—or bf16-rounded—inputs)."""
+    cp = require_cupy()
+    q = rng.standard_normal((B, H, Tq, hd)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Tk, hd)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, Tk, hd)).astype(np.float32)
+    dy = rng.standard_normal((B, H, Tq, hd)).astype(np.float32)
+    cast = bf16_round if gops.bf16 else (lambda a: a)
+    y_ref, c_ref = ref.attention_forward(*(cast(a).astype(np.float64) for a in (q, k, v)))
+    dq_ref, dk_ref, dv_ref = ref.attention_backward(dy.astype(np.float64), c_ref)
+    y, c = gops.attention_forward(cp.asarray(q), cp.asarray(k), cp.asarray(v))
+    dq, dk, dv = gops.attention_backward(cp.asarray(dy), c)
+    return [_row(f"attention {name} forward", y, y_ref), _row(f"attention {name} dq", dq, dq_ref),
+            _row(f"attention {name} dk", dk, dk_ref), _row(f"attention {name} dv", dv, dv_ref)]
+
+
+# ---- (b) the whole model ------------------------------------------------------------------------------
+MODEL_CHECK_CONFIG = Config(vocab_size=512, dim=256, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=96,
+                            ffn_hidden=384, n_mtp=3)  # hd = 64, the gpt preset's head size
+
+
+def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: int = 3) -> list[Row]:
+    """Every parameter's gradient: GPU float32 (TF32 off) vs the CPU reference in float64, same float32 weights."""
+    from ..model import Model
+    from .engine import loss_and_grads, to_gpu
+    from .matmul import set_tf32
+    set_tf32(False)
+    rng = np.random.default_rng(seed)
+    cpu = Model.init(config, seed=seed, dtype=np.float32)
+    for p in cpu.params.values():  # larger-than-init weights so every path carries a sizeable gradient
+        p += (rng.standard_normal(p.shape) * (0.05 if p.ndim > 1 else 0.3)).astype(np.float32)
+    tokens = rng.integers(0, config.vocab_size, (batch, config.ctx_len + config.n_mtp))
+    mask = rng.random(tokens.shape) > 0.2
+    head0_ref, obj_ref, grads_ref = cpu.astype(np.float64).loss_and_grads(tokens, mask)
+    head0, obj, grads = loss_and_grads(to_gpu(cpu), tokens, mask, precision="fp32")
+    rows = [Row("gpu model objective", abs(obj - obj_ref) / abs(obj_ref), 1),
+            Row("gpu model head-0 loss", abs(head0 - head0_ref) / abs(head0_ref), 1)]
+    return rows + [_row(f"model {name}", grads[name], grads_ref[name]) for name in cpu.params]
+
+
+def check_gpu(seed: int = 0) -> list[Row]:
+    """The rows of `nanoeuler check --device gpu`; raises UserError when CuPy or a device is missing."""
+    require_cupy()
+    return check_kernels(seed) + check_model_gpu(seed)
+
+
+# ---- long contexts and memory (scripts/gpu_check.sh) ----------------------------------------------------
+def naive_attention(q, k, v, dy, xp):
+    """Attention forward + backward with the whole T×T matrix, in q's dtype, on xp (numpy or cupy).
+
+    The reference formulas of nanoeuler/ops/attention.py, one (batch, head) at a time when float64
+    (the long-context reference), all heads at once otherwise (the memory comparison).
+    Returns y, dq, dk, dv.
+    """
+    B, H, T, hd = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    scale = 1.0 / np.sqrt(hd)
+    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+    kk = xp.repeat(k, G, axis=1)  # [B, H, T, hd]: kv head h // G for query head h
+    vv = xp.repeat(v, G, axis=1)
+    S = (q @ kk.swapaxes(-1, -2)) * scale  # [B, H, T, T]
+    S = xp.where(future, -xp.inf, S)
+    S -= S.max(axis=-1, keepdims=True)
+    P = xp.exp(S)
+    del S
+    P /= P.sum(axis=-1, keepdims=True)
+    y = P @ vv
+    dvv = P.swapaxes(-1, -2) @ dy
+    dP = dy @ vv.swapaxes(-1, -2)
+    dS = P * (dP - xp.sum(dP * P, axis=-1, keepdims=True)) * scale
+    del dP, P
+    dq = dS @ kk
+    dkk = dS.swapaxes(-1, -2) @ q
+    del dS
+    dk = dkk.reshape(B, Hkv, G, T, hd).sum(axis=2)
+    dv = dvv.reshape(B, Hkv, G, T, hd).sum(axis=2)
+    return y, dq, dk, dv
+
+
+def check_flash_long(Ts=(512, 2048, 8192), B=1, H=12, Hkv=4, hd=64, seed=0) -> list[dict]:
+    """FlashAttention (fp32) vs float64 attention at each T: rel errors of y, dq, dk, dv, and kernel times."""
+    cp = require_cupy()
+    from .ops import flash_backward, flash_forward
+    rng = np.random.default_rng(seed)
+    results = []
+    for T in Ts:
+        q, dy = (cp.asarray(rng.standard_normal((B, H, T, hd)), dtype=cp.float32) for _ in range(2))
+        k, v = (cp.asarray(rng.standard_normal((B, Hkv, T, hd)), dtype=cp.float32) for _ in range(2))
+        start, mid, end = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+        y, lse = flash_forward(q, k, v)  # compile / warm up both directions
+        flash_backward(dy, q, k, v, y, lse)
+        start.record()
+        y, lse = flash_forward(q, k, v)
+        mid.record()
+        dq, dk, dv = flash_backward(dy, q, k, v, y, lse)
+        end.record()
+        end.synchronize()
+        fwd_ms, bwd_ms = cp.cuda.get_elapsed_time(start, mid), cp.cuda.get_elapsed_time(mid, end)
+        errs = {"y": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+        refs = {n: [] for n in errs}
+        for b in range(B):  # float64 reference, one kv group at a time to bound memory
+            for hk in range(Hkv):
+                hs = slice(hk * (H // Hkv), (hk + 1) * (H // Hkv))
+                out = naive_attention(q[b:b + 1, hs].astype(cp.float64), k[b:b + 1, hk:hk + 1].astype(cp.float64),
+                                      v[b:b + 1, hk:hk + 1].astype(cp.float64), dy[b:b + 1, hs].astype(cp.float64), cp)
+                got = (y[b:b + 1, hs], dq[b:b + 1, hs], dk[b:b + 1, hk:hk + 1], dv[b:b + 1, hk:hk + 1])
+                for n, o, r in zip(errs, got, out):
+                    refs[n].append((float(cp.abs(o.astype(cp.float64) - r).max()), float(cp.abs(r).max())))
+        for n in errs:  # max |diff| over everything / max |ref| over everything
+            errs[n] = max(d for d, _ in refs[n]) / max(m for _, m in refs[n])
+        results.append({"T": T, "B": B, "H": H, "Hkv": Hkv, "hd": hd, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                        **{f"rel_{n}": e for n, e in errs.items()}})
+        del q, k, v, dy, y, lse, dq, dk, dv
+        cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def _peak_bytes(fn) -> tuple[int, float]:
+    """(bytes the memory pool held at its peak while fn ran, ms), starting from an empty pool."""
+    cp = require_cupy()
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    base = pool.total_bytes()
+    peak = [base]
+    orig_malloc = pool.malloc
+
+    def malloc(size):  # the pool's held bytes only grow inside malloc: sample them there
+        mem = orig_malloc(size)
+        peak[0] = max(peak[0], pool.total_bytes())
+        return mem
+
+    cp.cuda.set_allocator(malloc)
+    t0 = time.perf_counter()
+    try:
+        fn()
+        cp.cuda.Device().synchronize()
+    finally:
+        cp.cuda.set_allocator(pool.malloc)
+    ms = (time.perf_counter() - t0) * 1e3
+    pool.free_all_blocks()
+    return peak[0] - base, ms
+
+
+def flash_memory(T=8192, B=1, H=12, Hkv=4, hd=64, seed=0) -> dict:
+    """Peak GPU memory (and time) of one fp32 attention forward + backward: FlashAttention vs naive T×T."""
+    cp = require_cupy()
+    from .ops import flash_backward, flash_forward
+    rng = np.random.default_rng(seed)
+    q, dy = (cp.asarray(rng.standard_normal((B, H, T, hd)), dtype=cp.float32) for _ in range(2))
+    k, v = (cp.asarray(rng.standard_normal((B, Hkv, T, hd)), dtype=cp.float32) for _ in range(2))
+    inputs = 4 * (2 * B * H * T * hd + 2 * B * Hkv * T * hd)
+
+    def flash():
+        y, lse = flash_forward(q, k, v)
+        flash_backward(dy, q, k, v, y, lse)
+
+    def naive():
+        naive_attention(q, k, v, dy, cp)
+
+    flash()  # compile first
+    naive_bytes, naive_ms = _peak_bytes(naive)
+    flash_bytes, flash_ms = _peak_bytes(flash)
+    return {"T": T, "B": B, "H": H, "Hkv": Hkv, "hd": hd, "input_bytes": inputs,
+            "flash_peak_bytes": flash_bytes, "naive_peak_bytes": naive_bytes,
+            "flash_ms": flash_ms, "naive_ms": naive_ms, "one_TxT_fp32_bytes": 4 * B * H * T * T}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="GPU kernel and model checks against the NumPy reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long", action="store_true", help="also FlashAttention at T=512/2048/8192 and the memory test")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    rows = check_gpu(args.seed)
+    worst = max(r.max_rel_error for r in rows)
+    ok = worst <= TOLERANCE
+    out = {"rows": [{"name": r.name, "rel_error": r.max_rel_error, "n": r.n_checked} for r in rows],
+           "max_rel_error": worst, "tolerance": TOLERANCE}
+    if not args.json:
+        width = max(len(r.name) for r in rows)
+        for r in rows:
+            print(f"{r.name:<{width}}  {r.n_checked:>9}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= TOLERANCE else '  FAIL'}")
+        print(f"max relative error: {worst:.2e} (tolerance {TOLERANCE:.0e})", flush=True)
+    if args.long:
+        long_rows = check_flash_long()
+        mem = flash_memory()
+        out["flash_long"], out["flash_memory"] = long_rows, mem
+        for lr in long_rows:
+            bad = max(lr[f"rel_{n}"] for n in ("y", "dq", "dk", "dv")) > TOLERANCE
+            ok &= not bad
+            if not args.json:
+                print(f"flash T={lr['T']:>5} B={lr['B']} H={lr['H']}/{lr['Hkv']} hd={lr['hd']}: fwd {lr['fwd_ms']:.2f} ms, "
+                      f"bwd {lr['bwd_ms']:.2f} ms; rel err y {lr['rel_y']:.1e} dq {lr['rel_dq']:.1e} "
+                      f"dk {lr['rel_dk']:.1e} dv {lr['rel_dv']:.1e}{'  FAIL' if bad else ''}", flush=True)
+        if not args.json:
+            print(f"memory at T={mem['T']} (fwd+bwd, fp32): flash peak {mem['flash_peak_bytes'] / 2**20:.1f} MiB "
+                  f"({mem['flash_ms']:.1f} ms) vs naive peak {mem['naive_peak_bytes'] / 2**20:.1f} MiB "
+                  f"({mem['naive_ms']:.1f} ms); one T×T fp32 matrix = {mem['one_TxT_fp32_bytes'] / 2**20:.0f} MiB")
+    out["ok"] = ok
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

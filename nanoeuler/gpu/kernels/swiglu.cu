@@ -1,0 +1,27 @@
+// SwiGLU gate, fp32, elementwise over n entries (grid-stride loop):
+//     forward:  s = sigmoid(g) = 0.5 * (1 + tanh(g / 2)),  h = g * s * u
+//     backward: dg = dh * u * s * (1 + g * (1 - s)),      du = dh * g * s
+// The tanh form of the sigmoid never overflows, and matches the NumPy reference formula.
+//
+// Worked example: g = 0 -> s = 0.5, h = 0; dg = dh * u * 0.5, du = 0.
+__device__ __forceinline__ float sigmoid_tanh(float g) { return 0.5f * (1.0f + tanhf(0.5f * g)); }
+
+extern "C" __global__ void swiglu_forward(const float* __restrict__ g, const float* __restrict__ u,
+                                          float* __restrict__ h, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i], s = sigmoid_tanh(gi);
+        h[i] = gi * s * u[i];
+    }
+}
+
+extern "C" __global__ void swiglu_backward(const float* __restrict__ dh, const float* __restrict__ g,
+                                           const float* __restrict__ u, float* __restrict__ dg,
+                                           float* __restrict__ du, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i], s = sigmoid_tanh(gi), d = dh[i];
+        dg[i] = d * u[i] * s * (1.0f + gi * (1.0f - s));
+        du[i] = d * gi * s;
+    }
+}

@@ -1,0 +1,113 @@
+// A CPU emulation of the little CUDA the kernels in nanoeuler/gpu/kernels use, so their logic (indexing,
+// masking, barriers, online softmax) can be tested on machines without a GPU: g++ compiles the .cu
+// source as C++ with this header in front, and every CUDA thread of a block becomes a std::thread.
+//
+//  - blocks run one after another on a pool of blockDim worker threads, which meet at a barrier
+//    (__syncthreads); a thread that returns early stops counting for the barrier, as on a GPU;
+//  - __shared__ variables become `static` (one copy, shared by the block's threads; blocks are sequential);
+//  - warp shuffles are emulated through a block-wide exchange buffer and two barriers, which is correct
+//    only when every thread of the block calls them together (true for block_sum / block_max).
+#pragma once
+#include <condition_variable>
+#include <mutex>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <math.h>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(x)
+#define __shared__ static
+
+struct emu_uint3 { unsigned int x, y, z; };
+inline thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
+inline float emu_exchange[1024];
+
+// The block being run: `active` threads are still inside the kernel body; __syncthreads releases once
+// every active thread has arrived (a thread that returned no longer counts, as on a GPU).
+struct EmuBlock {
+    std::mutex mu;
+    std::condition_variable cv;
+    int active = 0, arrived = 0;
+    long phase = 0, generation = 0;
+    bool stop = false;
+    emu_uint3 block{0, 0, 0};
+
+    void sync() {
+        std::unique_lock<std::mutex> lk(mu);
+        const long my = phase;
+        if (++arrived == active) { arrived = 0; ++phase; cv.notify_all(); }
+        else cv.wait(lk, [&] { return phase != my; });
+    }
+    void leave() {
+        std::unique_lock<std::mutex> lk(mu);
+        --active;
+        if (active > 0 && arrived == active) { arrived = 0; ++phase; }  // the others waited only for us
+        cv.notify_all();
+    }
+};
+inline EmuBlock* emu_block = nullptr;
+
+inline void __syncthreads() { emu_block->sync(); }
+
+inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
+    emu_exchange[threadIdx.x] = v;
+    emu_block->sync();
+    const float other = emu_exchange[threadIdx.x ^ lane_mask];
+    emu_block->sync();
+    return other;
+}
+
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+// Run body on a grid of (gx, gy, gz) blocks of bx threads: bx worker threads, the blocks in turn.
+inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const std::function<void()>& body) {
+    EmuBlock blk;
+    emu_block = &blk;
+    std::vector<std::thread> workers;
+    for (unsigned t = 0; t < bx; ++t)
+        workers.emplace_back([&, t] {
+            threadIdx = {t, 0, 0};
+            blockDim = {bx, 1, 1};
+            gridDim = {gx, gy, gz};
+            long seen = 0;
+            for (;;) {
+                {
+                    std::unique_lock<std::mutex> lk(blk.mu);
+                    blk.cv.wait(lk, [&] { return blk.stop || blk.generation != seen; });
+                    if (blk.stop) return;
+                    seen = blk.generation;
+                    blockIdx = blk.block;
+                }
+                body();
+                blk.leave();
+            }
+        });
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                std::unique_lock<std::mutex> lk(blk.mu);
+                blk.block = {x, y, z};
+                blk.active = (int)bx;
+                blk.arrived = 0;
+                ++blk.generation;
+                blk.cv.notify_all();
+                blk.cv.wait(lk, [&] { return blk.active == 0; });
+            }
+    {
+        std::unique_lock<std::mutex> lk(blk.mu);
+        blk.stop = true;
+        blk.cv.notify_all();
+    }
+    for (auto& w : workers) w.join();
+    emu_block = nullptr;
+}
