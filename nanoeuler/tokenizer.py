@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -34,6 +35,8 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 FORMAT = "nanoeuler-bpe"
 VERSION = 1
 MAX_CACHED_PIECE = 64  # pre-tokens longer than this (bytes) are not cached when encoding
+CHUNK_BYTES = 1 << 22  # long texts are scanned in pieces of about this size (bounded scratch memory)
+_SAFE_CUT = re.compile(rb"[\x21-\x7e](?=[ \n])")
 
 
 # ------------------------------------------------------------------- reference algorithms (readable)
@@ -186,14 +189,17 @@ class Tokenizer:
                 raise UserError(f"training texts must be str, got {type(text).__name__}")
             if not content and text and not text.isspace():
                 content = True
-            buf = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
-            state[2] = 0
-            while bf.count_pieces(buf, table, h_hash, h_off, h_len, h_cnt, pool, state):
-                if state[0] * 2 >= len(h_hash):
-                    h_hash, h_off, h_len, h_cnt = bf.rehash(h_hash, h_off, h_len, h_cnt, 2 * len(h_hash))
-                else:
-                    pool = np.concatenate([pool, np.empty(len(pool) + len(buf), np.uint8)])
-            bar.update(len(buf))
+            data = text.encode("utf-8", "surrogatepass")
+            cuts = cut_points(data) if len(data) > CHUNK_BYTES else [0, len(data)]
+            for s, e in zip(cuts, cuts[1:]):
+                buf = np.frombuffer(data, np.uint8, e - s, s)
+                state[2] = 0
+                while bf.count_pieces(buf, table, h_hash, h_off, h_len, h_cnt, pool, state):
+                    if state[0] * 2 >= len(h_hash):
+                        h_hash, h_off, h_len, h_cnt = bf.rehash(h_hash, h_off, h_len, h_cnt, 2 * len(h_hash))
+                    else:
+                        pool = np.concatenate([pool, np.empty(len(pool) + len(buf), np.uint8)])
+            bar.update(len(data))
         bar.close()
         if not content:
             raise UserError("the training text is empty or only whitespace: nothing to learn a vocabulary from")
@@ -287,13 +293,18 @@ class Tokenizer:
                               c_vlen=np.zeros(cap, np.int64), k_pool=np.empty(cap * 16, np.uint8),
                               v_pool=np.empty(cap * 8, np.int32), c_state=np.zeros(3, np.int64))
         f = self._fast
-        buf = np.frombuffer(data, np.uint8)
-        out = np.empty(len(buf), np.int32)
-        k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_koff"], f["c_klen"],
-                          f["c_voff"], f["c_vlen"], f["k_pool"], f["v_pool"], f["c_state"], out, MAX_CACHED_PIECE)
-        if f["c_state"][0] * 4 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
-            self._grow_cache()
-        return out[:k].copy() if k < len(out) // 2 else out[:k]
+        cuts = cut_points(data) if len(data) > CHUNK_BYTES else [0, len(data)]
+        parts = []
+        for s, e in zip(cuts, cuts[1:]):
+            buf = np.frombuffer(data, np.uint8, e - s, s)
+            out = np.empty(len(buf), np.int32)
+            k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_koff"], f["c_klen"],
+                              f["c_voff"], f["c_vlen"], f["k_pool"], f["v_pool"], f["c_state"], out,
+                              MAX_CACHED_PIECE)
+            if f["c_state"][0] * 4 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
+                self._grow_cache()
+            parts.append(out[:k].copy() if k < len(out) // 2 else out[:k])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _grow_cache(self):
         """Double the encode cache (it restarts empty; entries are recomputed on demand)."""
@@ -453,6 +464,24 @@ def bytes_to_unicode() -> list[str]:
             table[b] = chr(256 + k)
             k += 1
     return table
+
+
+def cut_points(data: bytes, size: int = CHUNK_BYTES) -> list[int]:
+    """Offsets [0, ..., len(data)] that cut data into pieces of about `size` bytes without changing its
+    pre-tokens: each cut sits on an ASCII space or newline that follows a printable ASCII character.
+
+    Why that is safe: the pre-token holding that character is a contraction or a run of one class, and
+    it ends there (a space has another class); the next pre-token starts at the space and looks only
+    forward.  cut_points(b"ab cd ef", 2) -> [0, 2, 5, 8]
+    """
+    cuts, n = [0], len(data)
+    while n - cuts[-1] > size:
+        m = _SAFE_CUT.search(data, cuts[-1] + size - 1)
+        if m is None:
+            break
+        cuts.append(m.end())
+    cuts.append(n)
+    return cuts
 
 
 def _show(b: bytes) -> str:

@@ -23,7 +23,8 @@ from nanoeuler import bpe_fast as bf
 from nanoeuler.cli import main
 from nanoeuler.corpus import bundled_works
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer import (GPT2_PATTERN, Tokenizer, bpe, encode_parallel, get_stats, merge, pretokenize,
+from nanoeuler import tokenizer as tokenizer_module
+from nanoeuler.tokenizer import (Tokenizer, bpe, cut_points, encode_parallel, get_stats, merge, pretokenize,
                                  train_reference)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,7 @@ def test_docstring_examples():
     assert bpe(b"aaab", {(97, 97): 256, (256, 97): 257}) == [257, 98]
     assert pretokenize("Hello  world's") == ["Hello", " ", " world", "'s"]
     assert fast_pieces("Hello  world's".encode()) == [b"Hello", b" ", b" world", b"'s"]
+    assert cut_points(b"ab cd ef", 2) == [0, 2, 5, 8]
     cls = bf.classify(np.frombuffer(b"a\xc3\xa9 1\xff", np.uint8), bf.char_classes())
     assert cls.tolist() == [bf.LETTER, bf.LETTER, bf.CONT, bf.SPACE, bf.NUMBER, bf.OTHER]
 
@@ -97,6 +99,27 @@ def test_scanner_equals_regex_on_bytes(data):
 @given(any_text)
 def test_encode_equals_reference(tok, text):
     assert tok.encode(text) == reference_ids(tok, text)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(tricky, st.sampled_from([" ", "\n", "a ", "x\n", ". ", "'s "])), max_size=12).map("".join),
+       st.integers(1, 12))
+def test_cut_points_keep_pretokens(text, size):
+    data = text.encode("utf-8")
+    cuts = cut_points(data, size)
+    assert cuts[0] == 0 and cuts[-1] == len(data)
+    assert all(a < b for a, b in zip(cuts, cuts[1:])) or not data
+    assert [p for s, e in zip(cuts, cuts[1:]) for p in fast_pieces(data[s:e])] == fast_pieces(data)
+
+
+def test_long_text_is_encoded_in_chunks(tok, shakespeare, monkeypatch):
+    text = shakespeare[:300_000]
+    want = tok.encode(text)
+    merges = Tokenizer.train([text], 500, progress=False).merges
+    monkeypatch.setattr(tokenizer_module, "CHUNK_BYTES", 10_000)
+    assert len(cut_points(text.encode(), 10_000)) > 20
+    assert Tokenizer.from_dict(tok.to_dict()).encode(text) == want
+    assert Tokenizer.train([text], 500, progress=False).merges == merges
 
 
 def test_long_pieces_and_cache_overflow(tok):
