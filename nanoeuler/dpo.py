@@ -104,29 +104,66 @@ def trained_params(cfg, P: dict) -> dict:
     return {n: p for n, p in P.items() if not n.startswith("heads.") or n == "heads.0.weight"}
 
 
-def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask):
+class Workspaces:
+    """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps."""
+
+    def __init__(self, cfg, dtype=np.float32):
+        self.cfg, self.dtype, self.by_shape = cfg, np.dtype(dtype), {}
+
+    def get(self, B: int, T: int):
+        from .fast import Workspace
+        if (B, T) not in self.by_shape:
+            self.by_shape[(B, T)] = Workspace(self.cfg, B, T, self.dtype)
+        return self.by_shape[(B, T)]
+
+
+def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: Workspaces | None = None):
     """inputs int [B, T] -> (summed head-0 log-probs of the masked targets [B], cache).
-    Runs the model with only head 0 (a K=1 view of the same weights), so no work goes to heads 1..K-1."""
-    from .model import forward
-    cfg1 = dataclasses.replace(cfg, n_mtp=1)
-    P1 = trained_params(cfg, P)
-    logits, model_cache = forward(cfg1, P1, inputs)  # [1, B, T, V]
-    logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
-    return logps, (cfg1, P1, model_cache, lp_cache)
+
+    Without workspaces: the reference `model.forward`, run with only head 0 (a K=1 view of the same
+    weights, so no work goes to heads 1..K-1). With workspaces: the fast engine's trunk (`fast.forward`,
+    same mathematics, fused and preallocated), then head 0 and `response_logprobs_forward` as above."""
+    if workspaces is None:
+        from .model import forward
+        cfg1 = dataclasses.replace(cfg, n_mtp=1)
+        P1 = trained_params(cfg, P)
+        logits, model_cache = forward(cfg1, P1, inputs)  # [1, B, T, V]
+        logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
+        return logps, ("reference", cfg1, P1, model_cache, lp_cache)
+    from . import fast
+    B, T = inputs.shape
+    inputs = np.ascontiguousarray(inputs, dtype=np.int64)
+    ws = workspaces.get(B, T)
+    fast.engine.forward(cfg, P, inputs, ws)                              # ws.hf: final normed state [B·T, d]
+    logits = (ws.hf @ P["heads.0.weight"].T).reshape(B, T, -1)           # [B, T, V]
+    logps, lp_cache = response_logprobs_forward(logits, targets, mask)
+    return logps, ("fast", cfg, P, inputs, ws, lp_cache)
 
 
 def sequence_logprobs_backward(dlogps, cache) -> dict:
     """dlogps [B] -> gradient of every trained parameter (see `trained_params`)."""
-    from .model import backward
-    cfg1, P1, model_cache, lp_cache = cache
-    dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
-    return backward(cfg1, P1, dlogits[None], model_cache)
+    if cache[0] == "reference":
+        from .model import backward
+        _, cfg1, P1, model_cache, lp_cache = cache
+        dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
+        return backward(cfg1, P1, dlogits[None], model_cache)
+    from . import fast
+    _, cfg, P, inputs, ws, lp_cache = cache
+    dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
+    grads = fast.grad_buffers(cfg, ws.hf.dtype)
+    W0 = P["heads.0.weight"]
+    np.matmul(dlogits.T, ws.hf, out=grads["heads.0.weight"])  # [V, d]
+    np.matmul(dlogits, W0, out=ws.dh)                         # gradient of the final normed state [B·T, d]
+    fast.engine.backward(cfg, P, inputs.reshape(-1), ws, grads)
+    return {n: grads[n] for n in trained_params(cfg, P)}
 
 
-def dpo_loss_and_grads(cfg, P: dict, batch: "PairBatch", ref_chosen, ref_rejected, beta: float):
+def dpo_loss_and_grads(cfg, P: dict, batch: "PairBatch", ref_chosen, ref_rejected, beta: float,
+                       workspaces: Workspaces | None = None):
     """One forward/backward of a pair batch: (loss, metrics, grads of the trained params).
-    Chosen and rejected sequences run as one batch [2N, T]: rows 0..N-1 chosen, N..2N-1 rejected."""
-    logps, cache = sequence_logprobs_forward(cfg, P, batch.inputs, batch.targets, batch.mask)
+    Chosen and rejected sequences run as one batch [2N, T]: rows 0..N-1 chosen, N..2N-1 rejected.
+    workspaces: run the fast engine (see `sequence_logprobs_forward`); None: the reference ops."""
+    logps, cache = sequence_logprobs_forward(cfg, P, batch.inputs, batch.targets, batch.mask, workspaces)
     n = batch.n_pairs
     pc, pr = logps[:n], logps[n:]
     loss, loss_cache = dpo_loss_forward(pc, pr, ref_chosen, ref_rejected, beta)
@@ -206,10 +243,12 @@ class PairBatch:
     n_pairs: int
 
 
-def make_batch(chosen_ids, chosen_masks, rejected_ids, rejected_masks, pad_id: int = 0) -> PairBatch:
+def make_batch(chosen_ids, chosen_masks, rejected_ids, rejected_masks, pad_id: int = 0,
+               length: int | None = None) -> PairBatch:
     """Lists of token-id arrays (each the whole sequence prompt+response+</s>) and their masks
     (True on response tokens and </s>) -> a PairBatch. Sequence s of length L gives inputs s[:-1],
-    targets s[1:], mask m[1:] (the mask of a target position).
+    targets s[1:], mask m[1:] (the mask of a target position). Rows are padded to the longest sequence
+    (or to `length` inputs, when given: fixed shapes let the fast engine reuse its buffers).
 
         make_batch([[7, 8, 9]], [[0, 1, 1]], [[7, 5]], [[0, 1]])
         -> inputs [[7, 8], [7, 0]], targets [[8, 9], [5, -1]], mask [[1, 1], [1, 0]]
@@ -217,6 +256,8 @@ def make_batch(chosen_ids, chosen_masks, rejected_ids, rejected_masks, pad_id: i
     seqs = [np.asarray(s) for s in list(chosen_ids) + list(rejected_ids)]
     masks = [np.asarray(m, dtype=bool) for m in list(chosen_masks) + list(rejected_masks)]
     T = max(len(s) for s in seqs) - 1
+    if length is not None:
+        T = max(T, length)
     n = len(seqs)
     inputs = np.full((n, T), pad_id, dtype=np.int64)
     targets = np.full((n, T), -1, dtype=np.int64)
@@ -288,14 +329,22 @@ class TokenizedPairs:
     chosen: list[tuple[np.ndarray, np.ndarray]]    # (ids int64 [L], mask bool [L])
     rejected: list[tuple[np.ndarray, np.ndarray]]
     records: list[dict]                            # the pairs kept, in the same order
-    dropped: int = 0                               # longer than the context: left out
+    truncated: int = 0                             # prompt cut on the left to fit the context
+    dropped: int = 0                               # not even the responses fit: left out
 
     def __len__(self) -> int:
         return len(self.chosen)
 
-    def batch(self, idx, pad_id: int) -> PairBatch:
-        return make_batch([self.chosen[i][0] for i in idx], [self.chosen[i][1] for i in idx],
-                          [self.rejected[i][0] for i in idx], [self.rejected[i][1] for i in idx], pad_id)
+    def batch(self, idx, pad_id: int, ctx_len: int | None = None, multiple: int = 16) -> PairBatch:
+        """Pairs idx as a PairBatch; with ctx_len, padded up to a multiple of `multiple` inputs (at most
+        ctx_len), so that few distinct shapes occur."""
+        c = [self.chosen[i] for i in idx]
+        r = [self.rejected[i] for i in idx]
+        length = None
+        if ctx_len:
+            longest = max(len(x[0]) for x in c + r) - 1
+            length = min(ctx_len, -(-longest // multiple) * multiple)
+        return make_batch([x[0] for x in c], [x[1] for x in c], [x[0] for x in r], [x[1] for x in r], pad_id, length)
 
 
 def tokenize_response(tok, prompt_ids: list[int], response: str) -> tuple[np.ndarray, np.ndarray]:
@@ -308,15 +357,23 @@ def tokenize_response(tok, prompt_ids: list[int], response: str) -> tuple[np.nda
 
 
 def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
-    """Tokenize every pair; a pair whose longer sequence exceeds ctx_len + 1 tokens is dropped (counted)."""
+    """Tokenize every pair into sequences of at most ctx_len + 1 tokens (ctx_len inputs, ctx_len targets).
+    A pair that is longer loses the start of its prompt — the same left truncation generation applies to
+    a long prompt, so the log-probs are those of the context the model answers in — and is counted as
+    truncated; both responses keep the same prompt tokens. A pair whose responses alone do not fit is
+    dropped (counted)."""
     out = TokenizedPairs([], [], [])
     for p in pairs:
         prompt_ids = tok.encode(p["prompt"])
         c = tokenize_response(tok, prompt_ids, p["chosen"])
         r = tokenize_response(tok, prompt_ids, p["rejected"])
-        if max(len(c[0]), len(r[0])) > ctx_len + 1:
+        cut = max(len(c[0]), len(r[0])) - (ctx_len + 1)
+        if cut >= len(prompt_ids):
             out.dropped += 1
             continue
+        if cut > 0:
+            c, r = (c[0][cut:], c[1][cut:]), (r[0][cut:], r[1][cut:])
+            out.truncated += 1
         out.chosen.append(c)
         out.rejected.append(r)
         out.records.append(p)
@@ -347,7 +404,7 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> t
         pairs = []
         for r in records:
             if r["task"] in ("first_word", "last_word"):
-                candidates = WORD_RE.findall(r["input"])
+                candidates = WORD_RE.findall(r.get("line") or r["input"])
             else:
                 candidates = pools.get(r["task"], [])
             candidates = [c for c in candidates if normalize(c) != normalize(r["output"])]
@@ -383,15 +440,17 @@ def pair_records(data: str, val: str | None) -> tuple[list[dict], list[dict], st
 
 # ---- evaluation ----------------------------------------------------------------------------------
 def pair_logprobs(cfg, P: dict, pairs: TokenizedPairs, batch_size: int = 16, pad_id: int = 0,
-                  progress: bool = False, desc: str = "log-probs") -> tuple[np.ndarray, np.ndarray]:
-    """Summed head-0 response log-probs of every pair -> (chosen [N], rejected [N]) (forward only)."""
+                  progress: bool = False, desc: str = "log-probs",
+                  workspaces: Workspaces | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed head-0 response log-probs of every pair -> (chosen [N], rejected [N]) (forward only, fast engine)."""
     from .train import make_bar
+    workspaces = workspaces or Workspaces(cfg, P["embed.weight"].dtype)
     chosen, rejected = np.zeros(len(pairs)), np.zeros(len(pairs))
     bar = make_bar(progress and len(pairs) > batch_size, 0, len(pairs), desc)
     for start in range(0, len(pairs), batch_size):
         idx = np.arange(start, min(start + batch_size, len(pairs)))
-        b = pairs.batch(idx, pad_id)
-        logps, _ = sequence_logprobs_forward(cfg, P, b.inputs, b.targets, b.mask)
+        b = pairs.batch(idx, pad_id, cfg.ctx_len)
+        logps, _ = sequence_logprobs_forward(cfg, P, b.inputs, b.targets, b.mask, workspaces)
         chosen[idx], rejected[idx] = logps[:len(idx)], logps[len(idx):]
         if bar is not None:
             bar.update(len(idx))
@@ -467,9 +526,9 @@ def reference_logprobs(reference_model, train: TokenizedPairs, val: TokenizedPai
 
 
 def evaluate_dpo(model, pairs: TokenizedPairs, ref_chosen, ref_rejected, beta: float, pad_id: int,
-                 batch_size: int = 16) -> dict:
+                 batch_size: int = 16, workspaces: Workspaces | None = None) -> dict:
     """Held-out DPO loss, reward margin and both preference accuracies (see `preference_metrics`)."""
-    pc, pr = pair_logprobs(model.config, model.params, pairs, batch_size, pad_id)
+    pc, pr = pair_logprobs(model.config, model.params, pairs, batch_size, pad_id, workspaces=workspaces)
     return preference_metrics(pc, pr, ref_chosen, ref_rejected, beta)
 
 
@@ -506,8 +565,9 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
     opt = AdamW(P1, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     rng = np.random.default_rng(tcfg.seed)
     pad_id = tokenizer.eos_id
+    workspaces = Workspaces(cfg, model.dtype)  # the fast engine's buffers, reused step after step
     describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
-                "dropped": train.dropped + val.dropped}
+                "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}
     if resume:
         if not (out_dir / "trainer.json").exists():
             raise UserError(f"nothing to resume in {out_dir} (no trainer.json); start without --resume")
@@ -545,7 +605,8 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
         save_dpo_checkpoint(out_dir, model, tokenizer, opt, state, reference)
 
     def held_out() -> dict:
-        m = evaluate_dpo(model, val, reference["val.chosen"], reference["val.rejected"], beta, pad_id)
+        m = evaluate_dpo(model, val, reference["val.chosen"], reference["val.rejected"], beta, pad_id,
+                         workspaces=workspaces)
         return {f"val_{k}": v for k, v in m.items()}
 
     if not resume:
@@ -562,7 +623,8 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
             grads, parts = None, []
             for _ in range(tcfg.grad_accum):
                 idx = rng.choice(len(train), micro, replace=False)
-                loss, m, g = dpo_loss_and_grads(cfg, model.params, train.batch(idx, pad_id), ref_c[idx], ref_r[idx], beta)
+                batch = train.batch(idx, pad_id, cfg.ctx_len)
+                loss, m, g = dpo_loss_and_grads(cfg, model.params, batch, ref_c[idx], ref_r[idx], beta, workspaces)
                 parts.append(m | {"loss": loss})
                 if grads is None:
                     grads = g

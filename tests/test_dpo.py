@@ -85,6 +85,33 @@ def test_padding_does_not_change_a_sequence_log_prob():
     assert a[0] == pytest.approx(b[0], rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol):
+    from nanoeuler.dpo import Workspaces
+    model = Model.init(TINY, seed=3).astype(dtype)
+    rng = np.random.default_rng(0)
+    for p in model.params.values():
+        p += (rng.standard_normal(p.shape) * 0.1).astype(dtype)
+    seqs = [rng.integers(0, 257, n) for n in (9, 14, 7, 20, 12, 5)]
+    masks = [np.arange(len(s)) >= 3 for s in seqs]
+    batch = make_batch(seqs[:3], masks[:3], seqs[3:], masks[3:], length=24)
+    rc, rr = rng.normal(-30, 5, 3), rng.normal(-30, 5, 3)
+    l1, m1, g1 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1)
+    l2, m2, g2 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1, Workspaces(TINY, dtype))
+    assert l2 == pytest.approx(l1, rel=tol) and g1.keys() == g2.keys()
+    for name in g1:
+        assert np.max(np.abs(g1[name] - g2[name])) <= tol * np.max(np.abs(g1[name])), name
+
+
+def test_long_pairs_lose_the_start_of_the_prompt(tok):
+    pairs = [{"prompt": "x" * 40, "chosen": "abc", "rejected": "de"}, {"prompt": "p", "chosen": "y" * 40, "rejected": "n"}]
+    tp = tokenize_pairs(tok, pairs, ctx_len=32)
+    assert len(tp) == 1 and tp.truncated == 1 and tp.dropped == 1
+    (c, cm), (r, rm) = tp.chosen[0], tp.rejected[0]
+    assert len(c) == 33 and c[-4:].tolist() == [97, 98, 99, 256] and cm.sum() == 4
+    assert c[:-4].tolist() == r[:-3].tolist() == [120] * 29  # the same prompt tokens: the last 29 x's
+
+
 def test_make_batch_layout():
     b = make_batch([[7, 8, 9]], [[0, 1, 1]], [[7, 5]], [[0, 1]])
     assert b.inputs.tolist() == [[7, 8], [7, 0]]
@@ -114,8 +141,8 @@ def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_pr
         assert normalize(p["chosen"]) != normalize(p["rejected"])
         assert p["prompt"].endswith("### Response:\n") and "### Instruction:" in p["prompt"]
         if p["task"] in ("first_word", "last_word"):
-            line = p["prompt"].split("### Input:\n")[1].split("\n\n")[0]
-            assert p["rejected"] in WORD_RE.findall(line)
+            question = p["prompt"].split("### Instruction:\n")[1]
+            assert p["rejected"] in WORD_RE.findall(question)
     held_lines = {p["chosen"] for p in held if p["task"] == "continue"}
     assert not held_lines & {p["rejected"] for p in train if p["task"] == "continue"}  # no held-out text in training
     assert offline_pairs()[1] == held  # deterministic

@@ -90,7 +90,8 @@ def run_dpo(args) -> int:
     ctx = model.config.ctx_len
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
     print(f"{'resuming' if args.resume else 'preference-tuning'} {args.sft or out} -> {out}: {len(train_t)} train / "
-          f"{len(held_t)} held-out pairs, {train_t.dropped + held_t.dropped} dropped (longer than {ctx + 1} tokens), "
+          f"{len(held_t)} held-out pairs; {train_t.truncated + held_t.truncated} longer than {ctx + 1} tokens "
+          f"(prompt start cut), {train_t.dropped + held_t.dropped} dropped (responses alone too long); "
           f"beta {beta}")
     summary = train_dpo(model, tok, train_t, held_t, None, out, tcfg, beta=beta, resume=args.resume,
                         stop_after=args.stop_after, progress=not args.no_progress,
@@ -129,7 +130,7 @@ def run_eval(args) -> int:
     if not len(tp):
         raise UserError(f"no pair fits the context of {model.config.ctx_len} tokens")
     pc, pr = pair_logprobs(model.config, model.params, tp, pad_id=tok.eos_id, progress=not args.no_progress)
-    result = {"ckpt": args.ckpt, "pairs": len(tp), "dropped": tp.dropped,
+    result = {"ckpt": args.ckpt, "pairs": len(tp), "truncated": tp.truncated, "dropped": tp.dropped,
               "policy_accuracy": float(np.mean(pc > pr))}
     if args.ref:
         ref = Model.load(args.ref)
@@ -146,7 +147,7 @@ def run_eval(args) -> int:
         for row in g["examples"][:args.show]:
             mark = "ok " if row["correct"] else "   "
             print(f"{mark}[{row['task']}] expected {row['expected']!r}, got {row['answer']!r}")
-    print(f"{args.ckpt}: {len(tp)} pairs ({tp.dropped} too long), preference accuracy {result['policy_accuracy']:.1%}")
+    print(f"{args.ckpt}: {len(tp)} pairs ({tp.truncated} with the prompt start cut, {tp.dropped} dropped), preference accuracy {result['policy_accuracy']:.1%}")
     if args.ref:
         print(f"  vs reference {args.ref}: DPO loss {result['loss']:.4f}, reward margin {result['reward_margin']:.3f}, "
               f"reward accuracy {result['reward_accuracy']:.1%}")
