@@ -46,15 +46,21 @@ def char_classes() -> np.ndarray:
 # Performance note: numba does not inline helpers that take arrays without reference-count traffic, so
 # the hot loops below are written out in one function each rather than calling small helpers per byte.
 
-@njit(cache=True)
 def classify(buf, table):
     """uint8 [n]: the class of the code point starting at each byte, CONT on its continuation bytes.
 
     Strict UTF-8: an overlong form, a surrogate or a truncated sequence is one OTHER byte, then the
     next byte is looked at afresh.  classify(b"a\xc3\xa9 1\xff") -> [LETTER, LETTER, CONT, SPACE, NUMBER, OTHER]
     """
+    cls = np.empty(buf.shape[0], np.uint8)
+    classify_into(buf, table, cls)
+    return cls
+
+
+@njit(cache=True)
+def classify_into(buf, table, cls):
+    """classify, writing into cls (at least len(buf) long)."""
     n = buf.shape[0]
-    cls = np.empty(n, np.uint8)
     p = 0
     while p < n:
         b = np.int64(buf[p])
@@ -160,7 +166,8 @@ def scan(buf, cls, ends):
 @njit(cache=True)
 def piece_ends(buf, table):
     """int64 [n_pieces]: the end offset of each pre-token of the UTF-8 bytes buf."""
-    cls = classify(buf, table)
+    cls = np.empty(buf.shape[0], np.uint8)
+    classify_into(buf, table, cls)
     ends = np.empty(buf.shape[0], np.int64)
     k = scan(buf, cls, ends)
     return ends[:k].copy()
@@ -177,7 +184,8 @@ def count_pieces(buf, table, h_hash, h_off, h_len, h_cnt, pool, state):
     half full or the pool is full (the caller grows them and calls again; it resumes at state[2]).
     """
     n = buf.shape[0]
-    cls = classify(buf, table)
+    cls = np.empty(n, np.uint8)
+    classify_into(buf, table, cls)
     ends = np.empty(n, np.int64)
     m = scan(buf, cls, ends)
     mask = np.uint64(h_hash.shape[0] - 1)
@@ -671,21 +679,27 @@ def bpe_piece(buf, s, e, keys, vals, work, ranks):
 
 
 @njit(cache=True)
-def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k_pool, v_pool, c_state,
-               out, max_cached):
-    """Encode the UTF-8 bytes buf into out (int32, at least len(buf) long); return the id count.
+def encode_buf(buf, table, keys, vals, c_hash, c_meta, k_pool, v_pool, c_state, cls, ends, out, max_cached):
+    """Encode the UTF-8 bytes buf into out; return the id count. cls, ends, out: scratch arrays at least
+    len(buf) long (kept by the caller between calls, so that nothing big is allocated per call).
 
-    Pieces of 2..max_cached bytes go through a cache (piece bytes -> ids) held in the c_* tables;
+    Pieces of 2..max_cached bytes go through a cache (piece bytes -> ids): open addressing on c_hash
+    (FNV-1a, 0 = empty), c_meta[slot] = (key offset in k_pool, key length, ids offset in v_pool, id count),
     c_state = [n_items, k_pool_used, v_pool_used]. When the cache is full it is emptied in place.
     """
     n = buf.shape[0]
-    cls = classify(buf, table)
-    ends = np.empty(n, np.int64)
+    classify_into(buf, table, cls)
     m = scan(buf, cls, ends)
+    longest = 1
+    p = 0
+    for t in range(m):
+        if ends[t] - p > longest:
+            longest = ends[t] - p
+        p = ends[t]
+    work = np.empty(longest, np.int32)
+    ranks = np.empty(longest, np.int32)
     mask = np.uint64(c_hash.shape[0] - 1)
     imask = c_hash.shape[0] - 1
-    work = np.empty(max(n, 1), np.int32)
-    ranks = np.empty(max(n, 1), np.int32)
     k = 0
     p = 0
     for t in range(m):
@@ -710,18 +724,19 @@ def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k
         i = np.int64(h & mask)
         while True:
             hh = c_hash[i]
-            if hh == h and c_klen[i] == L:
-                o = c_koff[i]
+            if hh == h and c_meta[i, 1] == L:
+                o = c_meta[i, 0]
                 same = True
                 for j in range(L):
                     if k_pool[o + j] != buf[p + j]:
                         same = False
                         break
                 if same:
-                    o = c_voff[i]
-                    for j in range(c_vlen[i]):
+                    o = c_meta[i, 2]
+                    c = c_meta[i, 3]
+                    for j in range(c):
                         out[k + j] = v_pool[o + j]
-                    k += c_vlen[i]
+                    k += c
                     break
             if hh == EMPTY:
                 cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
@@ -733,10 +748,10 @@ def encode_buf(buf, table, keys, vals, c_hash, c_koff, c_klen, c_voff, c_vlen, k
                     c_state[:] = 0
                     break
                 c_hash[i] = h
-                c_koff[i] = c_state[1]
-                c_klen[i] = L
-                c_voff[i] = c_state[2]
-                c_vlen[i] = cnt
+                c_meta[i, 0] = c_state[1]
+                c_meta[i, 1] = L
+                c_meta[i, 2] = c_state[2]
+                c_meta[i, 3] = cnt
                 k_pool[c_state[1]:c_state[1] + L] = buf[p:e]
                 v_pool[c_state[2]:c_state[2] + cnt] = work[:cnt]
                 c_state[0] += 1

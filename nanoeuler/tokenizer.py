@@ -283,37 +283,33 @@ class Tokenizer:
     def _encode_fast(self, data: bytes) -> np.ndarray:
         from . import bpe_fast as bf
 
-        if self._fast is None:
-            merges = np.array(self.merges, np.int64).reshape(-1, 2)
-            keys, vals = bf.pair_table(merges)
-            cap = 1 << 15
-            self._fast = dict(table=bf.char_classes(), keys=keys, vals=vals,
-                              c_hash=np.zeros(cap, np.uint64), c_koff=np.zeros(cap, np.int64),
-                              c_klen=np.zeros(cap, np.int64), c_voff=np.zeros(cap, np.int64),
-                              c_vlen=np.zeros(cap, np.int64), k_pool=np.empty(cap * 16, np.uint8),
-                              v_pool=np.empty(cap * 8, np.int32), c_state=np.zeros(3, np.int64))
         f = self._fast
+        if f is None:
+            keys, vals = bf.pair_table(np.array(self.merges, np.int64).reshape(-1, 2))
+            f = self._fast = dict(table=bf.char_classes(), keys=keys, vals=vals)
+            self._new_cache(1 << 15)
+            self._scratch(1 << 16)
         cuts = cut_points(data) if len(data) > CHUNK_BYTES else [0, len(data)]
         parts = []
         for s, e in zip(cuts, cuts[1:]):
             buf = np.frombuffer(data, np.uint8, e - s, s)
-            out = np.empty(len(buf), np.int32)
-            k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_koff"], f["c_klen"],
-                              f["c_voff"], f["c_vlen"], f["k_pool"], f["v_pool"], f["c_state"], out,
-                              MAX_CACHED_PIECE)
-            if f["c_state"][0] * 4 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
-                self._grow_cache()
-            parts.append(out[:k].copy() if k < len(out) // 2 else out[:k])
+            if len(buf) > len(f["out"]):
+                self._scratch(len(buf))
+            k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_meta"], f["k_pool"],
+                              f["v_pool"], f["c_state"], f["cls"], f["ends"], f["out"], MAX_CACHED_PIECE)
+            parts.append(f["out"][:k].copy())
+            if f["c_state"][0] * 3 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
+                self._new_cache(2 * len(f["c_hash"]))  # busy cache: grow it (it restarts empty)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _grow_cache(self):
-        """Double the encode cache (it restarts empty; entries are recomputed on demand)."""
-        f = self._fast
-        cap = 2 * len(f["c_hash"])
-        f.update(c_hash=np.zeros(cap, np.uint64), c_koff=np.zeros(cap, np.int64), c_klen=np.zeros(cap, np.int64),
-                 c_voff=np.zeros(cap, np.int64), c_vlen=np.zeros(cap, np.int64),
-                 k_pool=np.empty(cap * 16, np.uint8), v_pool=np.empty(cap * 8, np.int32),
-                 c_state=np.zeros(3, np.int64))
+    def _new_cache(self, slots: int) -> None:
+        """An empty encode cache of `slots` slots (a power of two) with room for ~slots/2 pre-tokens."""
+        self._fast.update(c_hash=np.zeros(slots, np.uint64), c_meta=np.zeros((slots, 4), np.int64),
+                          k_pool=np.empty(slots * 8, np.uint8), v_pool=np.empty(slots * 4, np.int32),
+                          c_state=np.zeros(3, np.int64))
+
+    def _scratch(self, n: int) -> None:
+        self._fast.update(cls=np.empty(n, np.uint8), ends=np.empty(n, np.int64), out=np.empty(n, np.int32))
 
     # -- decoding -----------------------------------------------------------------------------------
     def decode_bytes(self, ids) -> bytes:

@@ -127,10 +127,7 @@ def test_long_pieces_and_cache_overflow(tok):
     assert tok.encode(text) == reference_ids(tok, text)
     small = Tokenizer.from_dict(tok.to_dict())
     small.encode("x")
-    f = small._fast  # a tiny cache, so that it fills up and restarts many times
-    f.update(c_hash=np.zeros(8, np.uint64), c_koff=np.zeros(8, np.int64), c_klen=np.zeros(8, np.int64),
-             c_voff=np.zeros(8, np.int64), c_vlen=np.zeros(8, np.int64), k_pool=np.empty(40, np.uint8),
-             v_pool=np.empty(20, np.int32), c_state=np.zeros(3, np.int64))
+    small._new_cache(8)  # a tiny cache, so that it fills up and restarts many times
     text = bench.varied_text(20_000, seed=5)
     assert small.encode(text) == reference_ids(tok, text) == tok.encode(text)
 
