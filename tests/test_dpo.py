@@ -122,8 +122,7 @@ def test_make_batch_layout():
 def test_pair_tokens_match_the_sft_rendering():
     from nanoeuler.sft import prompt_text, render
     from nanoeuler.tokenizer import Tokenizer
-    from nanoeuler.corpus import bundled_works
-    tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 300, progress=False)
+    tok = Tokenizer([(32, 116), (104, 101), (256, 257), (72, 97), (259, 109)])  # ' t', 'he', ' the', 'Ha', 'Ham'
     prompt = prompt_text("Which character speaks this line?", "To be, or not to be, that is the question:")
     ids, mask = tokenize_response(tok, tok.encode(prompt), "Hamlet")
     ref_ids, ref_mask = render(tok, "Which character speaks this line?", "To be, or not to be, that is the question:",
@@ -145,7 +144,6 @@ def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_pr
             assert p["rejected"] in WORD_RE.findall(question)
     held_lines = {p["chosen"] for p in held if p["task"] == "continue"}
     assert not held_lines & {p["rejected"] for p in train if p["task"] == "continue"}  # no held-out text in training
-    assert offline_pairs()[1] == held  # deterministic
 
 
 def test_load_pairs_skips_bad_lines_and_refuses_an_empty_file(tmp_path):
