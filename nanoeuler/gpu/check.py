@@ -329,14 +329,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="GPU kernel and model checks against the NumPy reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long", action="store_true", help="also FlashAttention at T=512/2048/8192 and the memory test")
+    p.add_argument("--no-rows", action="store_true", help="skip the kernel and model rows (with --long)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    rows = check_gpu(args.seed)
-    worst = max(r.max_rel_error for r in rows)
+    rows = [] if args.no_rows else check_gpu(args.seed)
+    worst = max((r.max_rel_error for r in rows), default=0.0)
     ok = worst <= TOLERANCE
     out = {"rows": [{"name": r.name, "rel_error": r.max_rel_error, "n": r.n_checked} for r in rows],
            "max_rel_error": worst, "tolerance": TOLERANCE}
-    if not args.json:
+    if not args.json and rows:
         width = max(len(r.name) for r in rows)
         for r in rows:
             print(f"{r.name:<{width}}  {r.n_checked:>9}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= TOLERANCE else '  FAIL'}")
