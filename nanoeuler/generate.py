@@ -289,26 +289,42 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     return out
 
 
-def _speculate(win: _Window, emit, out: Generation) -> None:
-    """Greedy decoding with MTP drafts (see the module docstring). Ends when emit() says so."""
+def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.25, probe_every: int = 16) -> None:
+    """Greedy decoding with MTP drafts (see the module docstring). Ends when emit() says so.
+
+    How many drafts to verify adapts to how often they are accepted: rate[j] is a running estimate of
+    P(draft j+1 accepted | draft j accepted), and draft j+1 is sent only while the chance that every
+    draft up to it is accepted, rate[0]·…·rate[j], stays >= min_gain (each verified draft costs a
+    fraction of a forward). Every probe_every rounds all K-1 drafts are sent to refresh the estimates.
+    Which drafts are sent never changes the output, only the speed."""
     K = win.cfg.n_mtp
+    rate = [0.5] * (K - 1)
     logits = win.logits  # [K, V] at the last position of the window
+    rounds = 0
     while True:
         t1 = int(np.argmax(logits[0]))
-        drafts = [int(np.argmax(logits[k])) for k in range(1, K)]
         if emit(t1):
             return
-        if win.room() < 1 + len(drafts):  # the window is (nearly) full: do what plain greedy would
-            drafts = drafts[:max(0, win.room() - 1)]
-        if not drafts:
+        rounds += 1
+        depth, chance = 0, 1.0
+        while depth < K - 1 and chance * rate[depth] >= min_gain:
+            chance *= rate[depth]
+            depth += 1
+        if rounds % probe_every == 0:
+            depth = K - 1
+        depth = min(depth, max(0, win.room() - 1))  # the window is (nearly) full: do what plain greedy would
+        if depth == 0:
             logits = win.push(t1)
             continue
+        drafts = [int(np.argmax(logits[k])) for k in range(1, depth + 1)]
         n_before = len(win.seq) - win.start
-        block_logits = win.verify([t1] + drafts)  # [K, 1 + len(drafts), V]
-        out.drafted += len(drafts)
+        block_logits = win.verify([t1] + drafts)  # [K, 1 + depth, V]
+        out.drafted += depth
         n_ok = 0
         for j, d in enumerate(drafts):
-            if int(np.argmax(block_logits[0, j])) != d:
+            ok = int(np.argmax(block_logits[0, j])) == d
+            rate[j] = 0.9 * rate[j] + 0.1 * ok
+            if not ok:
                 break
             n_ok += 1
         out.accepted += n_ok

@@ -5,12 +5,18 @@ P = softmax(S), y = P·v. Backward: dv = Pᵀ·dy, dP = dy·vᵀ, dS = P ⊙ (dP
 dq = dS·k/√hd, dk = dSᵀ·q/√hd; dk and dv sum over the G query heads that share a kv head.
 Grouping is done by reshaping q to [B, Hkv, G, T, hd] so k and v are broadcast, never copied.
 """
+from functools import lru_cache
+
 import numpy as np
 
 
+@lru_cache(maxsize=256)
 def _causal_mask(Tq, Tk):
-    """True where query i may NOT look at key j (j in the future). Queries are the last Tq positions."""
-    return np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)
+    """True where query i may NOT look at key j (j in the future). Queries are the last Tq positions.
+    Memoized (a decoding step asks for the same few shapes again and again), hence read-only."""
+    mask = np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)
+    mask.setflags(write=False)
+    return mask
 
 
 def attention_forward(q, k, v):
