@@ -45,20 +45,14 @@ class Workspace:
         self.X = e(L + 1, N, d)            # residual stream entering each block (X[L]: before the final norm)
         self.M = e(L, N, d)                # residual stream between attention and feed-forward
         self.r1, self.r2, self.rf = e(L, N), e(L, N), e(N)  # 1/rms of each norm's input
-        self.q = e(L, B, H, T, hd)         # rotated, scaled by 1/sqrt(hd)
-        self.k = e(L, B, Hkv, T, hd)       # rotated
-        self.v = e(L, B, Hkv, T, hd)
+        self.QKV = e(L, N, (H + 2 * Hkv) * hd)  # q, k, v projections (RoPE is redone on the fly)
         self.P = e(L, B, H, T, T)          # attention probabilities (0 above the diagonal)
         self.A = e(L, N, H * hd)           # attention output, input of wo
         self.GU = e(L, N, 2 * F)           # [gate | up] pre-activations; backward turns them into [dg | du]
         self.hf = e(N, d)                  # final normed hidden state, input of the heads
         # scratch, shared by layers
         self.h = e(N, d)                   # a normed input (recomputed in backward)
-        self.qkv = e(N, (H + 2 * Hkv) * hd)
-        self.ah = e(B, H, T, hd)           # attention output / its gradient, head-major
-        self.dk, self.dv = e(B, Hkv, T, hd), e(B, Hkv, T, hd)
-        self.dq = e(B, H, T, hd)
-        self.dP = e(B, H, T, T)
+        self.dqkv = e(N, (H + 2 * Hkv) * hd)
         self.s = e(N, F)                   # SwiGLU output / its gradient
         self.logits = e(N, V)
         self.t = e(N, d)                   # a matmul result about to be added somewhere
@@ -130,13 +124,8 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
         x, mid = ws.X[i], ws.M[i]
         # attention sub-block
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])
-        np.matmul(ws.h, wqkv.T, out=ws.qkv)                                    # [N, (H+2Hkv)·hd]
-        q, k, v, Pr = ws.q[i], ws.k[i], ws.v[i], ws.P[i]
-        K.rope_split(ws.qkv, cos, sin, ws.qscale, q, k, v)                     # [B, H|Hkv, T, hd]
-        np.matmul(q.reshape(B, Hkv, G * T, hd), k.swapaxes(-1, -2), out=Pr.reshape(B, Hkv, G * T, T))
-        K.causal_softmax_forward(Pr.reshape(B * H, T, T))                      # [B, H, T, T]
-        np.matmul(Pr.reshape(B, Hkv, G * T, T), v, out=ws.ah.reshape(B, Hkv, G * T, hd))
-        K.heads_to_rows(ws.ah, ws.A[i])                                        # [N, H·hd]
+        np.matmul(ws.h, wqkv.T, out=ws.QKV[i])                                 # [N, (H+2Hkv)·hd]
+        K.attention_forward(ws.QKV[i], cos, sin, ws.qscale, H, Hkv, ws.P[i], ws.A[i])  # P, A [N, H·hd]
         np.matmul(ws.A[i], P[p + "attn.wo.weight"].T, out=ws.t)
         np.add(x, ws.t, out=mid)
         # feed-forward sub-block
@@ -198,20 +187,11 @@ def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) 
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
         np.matmul(dx.T, ws.A[i], out=grads[p + "attn.wo.weight"])              # [d, H·hd]
         np.matmul(dx, P[p + "attn.wo.weight"], out=ws.A[i])                    # dA [N, H·hd] (A is spent)
-        K.rows_to_heads(ws.A[i], ws.ah)                                        # [B, H, T, hd]
-        q, k, v, Pr = ws.q[i], ws.k[i], ws.v[i], ws.P[i]
-        Pg, dPg = Pr.reshape(B, Hkv, G * T, T), ws.dP.reshape(B, Hkv, G * T, T)
-        dag = ws.ah.reshape(B, Hkv, G * T, hd)
-        np.matmul(Pg.swapaxes(-1, -2), dag, out=ws.dv)                         # [B, Hkv, T, hd]
-        np.matmul(dag, v.swapaxes(-1, -2), out=dPg)                            # [B, Hkv, G·T, T]
-        K.causal_softmax_backward(Pr.reshape(B * H, T, T), ws.dP.reshape(B * H, T, T))
-        np.matmul(dPg, k, out=ws.dq.reshape(B, Hkv, G * T, hd))
-        np.matmul(dPg.swapaxes(-1, -2), q.reshape(B, Hkv, G * T, hd), out=ws.dk)
-        K.rope_merge_backward(ws.dq, ws.dk, ws.dv, cos, sin, ws.qscale, ws.qkv)  # dqkv [N, (H+2Hkv)·hd]
+        K.attention_backward(ws.QKV[i], cos, sin, ws.qscale, Hkv, ws.P[i], ws.A[i], ws.dqkv)  # [N, (H+2Hkv)·hd]
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])   # recompute h1
-        _matmul_into(ws.qkv.T, ws.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
+        _matmul_into(ws.dqkv.T, ws.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
                                       grads[p + "attn.wv.weight"]])
-        np.matmul(ws.qkv, ws.wqkv[i], out=ws.dh)
+        np.matmul(ws.dqkv, ws.wqkv[i], out=ws.dh)
         K.rmsnorm_backward(ws.dh, x, ws.r1[i], P[p + "attn_norm.weight"], dx, ws.dw_part)
         np.sum(ws.dw_part, axis=0, out=grads[p + "attn_norm.weight"])
     K.embedding_backward(dx, ids, grads["embed.weight"])

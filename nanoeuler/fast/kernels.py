@@ -211,6 +211,147 @@ def causal_softmax_backward(P, dP):
         g[n:] = 0
 
 
+# ---- fused attention: RoPE + causal GQA attention, straight from / to the token rows --------------------
+@njit(**OPTS)
+def _rotate_row(x, base, hd, cos, sin, t, scale, out):
+    """out[:hd] = RoPE of x[base : base+hd] at position t, times scale (pair i with i + hd/2)."""
+    h2 = hd // 2
+    for i in range(h2):
+        a, b = x[base + i], x[base + h2 + i]
+        c, s = cos[t, i], sin[t, i]
+        out[i] = (a * c - b * s) * scale
+        out[h2 + i] = (b * c + a * s) * scale
+
+
+@njit(**OPTS)
+def _unrotate_row(g, hd, cos, sin, t, scale, out, base):
+    """The transpose of _rotate_row: out[base : base+hd] = scale · RoPE⁻¹(g) (the same formula with sin negated)."""
+    h2 = hd // 2
+    for i in range(h2):
+        a, b = g[i], g[h2 + i]
+        c, s = cos[t, i], sin[t, i]
+        out[base + i] = (a * c + b * s) * scale
+        out[base + h2 + i] = (b * c - a * s) * scale
+
+
+@njit(**POPTS)
+def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
+    """Causal grouped-query attention with RoPE, from the rows of the stacked q/k/v projection.
+
+    qkv [B·T, (H + 2·Hkv)·hd] (row n = token (b, t); per row: H q heads, Hkv k heads, Hkv v heads)
+    -> P [B, H, T, T] softmax(q·kᵀ/√hd) with the future masked (0 above the diagonal; kept for backward),
+       A [B·T, H·hd] = P·v with heads side by side (the input of wo).
+    Parallel over (batch, kv head); q head h reads kv head h // (H / Hkv)."""
+    B, H, T, _ = P.shape
+    Hkv = n_kv_heads
+    G = H // Hkv
+    hd = 2 * cos.shape[1]
+    dt = P.dtype.type
+    one = dt(1.0)
+    for item in prange(B * Hkv):
+        b, g = item // Hkv, item % Hkv
+        kT = np.empty((hd, T), dtype=P.dtype)  # rotated keys, transposed: scores vectorise over keys
+        v = np.empty((T, hd), dtype=P.dtype)
+        q = np.empty(hd, dtype=P.dtype)
+        kr = np.empty(hd, dtype=P.dtype)
+        y = np.empty(hd, dtype=P.dtype)
+        s = np.empty(T, dtype=P.dtype)
+        for t in range(T):
+            n = b * T + t
+            _rotate_row(qkv[n], (H + g) * hd, hd, cos, sin, t, one, kr)
+            for d in range(hd):
+                kT[d, t] = kr[d]
+                v[t, d] = qkv[n, (H + Hkv + g) * hd + d]
+        for hh in range(G):
+            h = g * G + hh
+            for t in range(T):
+                n = b * T + t
+                _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q)
+                m = t + 1
+                s[:m] = 0
+                for d in range(hd):  # scores of keys 0..t
+                    qd = q[d]
+                    kd = kT[d]
+                    for j in range(m):
+                        s[j] += qd * kd[j]
+                mx = row_max(s, m)
+                for j in range(m):
+                    s[j] = vexp(s[j] - mx)
+                tot = dt(row_sum(s, m))
+                prow = P[b, h, t]
+                for j in range(m):
+                    s[j] = s[j] / tot
+                    prow[j] = s[j]
+                prow[m:] = 0
+                y[:] = 0
+                for j in range(m):
+                    pj = s[j]
+                    vj = v[j]
+                    for d in range(hd):
+                        y[d] += pj * vj[d]
+                A[n, h * hd:(h + 1) * hd] = y
+
+
+@njit(**POPTS)
+def attention_backward(qkv, cos, sin, qscale, n_kv_heads, P, dA, dqkv):
+    """The backward of attention_forward: dA [B·T, H·hd] -> dqkv [B·T, (H + 2·Hkv)·hd] (every entry written).
+
+    Per query row: dP = dy·vᵀ, dS = P ⊙ (dP − Σ dP⊙P), dq = dS·k, dk += dSᵀ·q, dv += Pᵀ·dy; dk and dv sum
+    over the G query heads of their group inside one work item, in a fixed order (deterministic)."""
+    B, H, T, _ = P.shape
+    Hkv = n_kv_heads
+    G = H // Hkv
+    hd = 2 * cos.shape[1]
+    dt = P.dtype.type
+    one = dt(1.0)
+    for item in prange(B * Hkv):
+        b, g = item // Hkv, item % Hkv
+        k = np.empty((T, hd), dtype=P.dtype)
+        vT = np.empty((hd, T), dtype=P.dtype)
+        dk = np.zeros((T, hd), dtype=P.dtype)
+        dv = np.zeros((T, hd), dtype=P.dtype)
+        q = np.empty(hd, dtype=P.dtype)
+        dq = np.empty(hd, dtype=P.dtype)
+        ds = np.empty(T, dtype=P.dtype)
+        dy = np.empty(hd, dtype=P.dtype)
+        for t in range(T):
+            n = b * T + t
+            _rotate_row(qkv[n], (H + g) * hd, hd, cos, sin, t, one, k[t])
+            for d in range(hd):
+                vT[d, t] = qkv[n, (H + Hkv + g) * hd + d]
+        for hh in range(G):
+            h = g * G + hh
+            for t in range(T):
+                n = b * T + t
+                _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q)
+                dy[:] = dA[n, h * hd:(h + 1) * hd]
+                p = P[b, h, t]
+                m = t + 1
+                ds[:m] = 0
+                for d in range(hd):  # dP = dy·vᵀ
+                    yd = dy[d]
+                    vd = vT[d]
+                    for j in range(m):
+                        ds[j] += yd * vd[j]
+                a = dt(row_dot(ds, p, m))
+                for j in range(m):
+                    ds[j] = p[j] * (ds[j] - a)
+                dq[:] = 0
+                for j in range(m):
+                    sj, pj = ds[j], p[j]
+                    kj, dkj, dvj = k[j], dk[j], dv[j]
+                    for d in range(hd):
+                        dq[d] += sj * kj[d]
+                        dkj[d] += sj * q[d]
+                        dvj[d] += pj * dy[d]
+                _unrotate_row(dq, hd, cos, sin, t, qscale, dqkv[n], h * hd)
+        for t in range(T):
+            n = b * T + t
+            _unrotate_row(dk[t], hd, cos, sin, t, one, dqkv[n], (H + g) * hd)
+            for d in range(hd):
+                dqkv[n, (H + Hkv + g) * hd + d] = dv[t, d]
+
+
 # ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
 @njit(**POPTS)
 def swiglu_forward(gu, s):
