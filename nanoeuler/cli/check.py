@@ -8,7 +8,7 @@ def register(sub) -> None:
     p = sub.add_parser("check", help="float64 finite-difference check of every gradient",
                        description="Compare every analytic gradient with fourth-order central finite differences "
                                    "in float64: (a) each op on random inputs, (b) every parameter tensor of a small "
-                                   "model with MTP and GQA. Prints the max relative error per tensor "
+                                   "model with MTP and GQA, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
                                    "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6.")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where to run the model (default cpu)")
     p.add_argument("--samples", type=int, default=48, help="entries checked per parameter tensor (default 48)")
@@ -28,7 +28,9 @@ def run(args) -> int:
     else:
         if args.samples < 1:
             raise UserError("--samples must be at least 1")
-        rows = check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
+        from ..dpo import check_dpo
+        rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
+                + check_dpo(seed=args.seed, n_samples=args.samples))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance
     if args.json:
