@@ -22,6 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -144,12 +145,13 @@ class SFTSource:
 
     def __init__(self, tok, train_records: list[dict], val_records: list[dict], batch_size: int, ctx: int,
                  n_mtp: int, pack: bool = True, data_id: str = ""):
-        self.length = ctx + n_mtp
+        self.length = ctx + n_mtp  # a row: T inputs + K more targets
         self.batch_size, self.pack, self.pad_id, self.data_id = batch_size, pack, tok.eos_id, data_id
-        self.train = render_all(tok, train_records, self.length)
-        self.val = render_all(tok, val_records, self.length)
+        # an example of up to T+1 tokens has every response token and its </s> as a head-0 target
+        self.train = render_all(tok, train_records, ctx + 1)
+        self.val = render_all(tok, val_records, ctx + 1)
         if not self.train.examples:
-            raise UserError(f"no SFT example fits the context of {ctx} tokens")
+            raise UserError(f"no SFT example fits the context of {ctx} tokens (prompt alone too long)")
         if not self.val.examples:
             raise UserError("the SFT validation split is empty (too few records to hold 1 in 50 out: pass --val FILE)")
         self.val_rows = pack_rows(self.val.examples, self.length, self.pad_id, pack)
@@ -196,10 +198,11 @@ ROMAN = {"i": "I", "ii": "II", "iii": "III", "iv": "IV", "v": "V", "vi": "VI", "
 TASKS = {  # task -> instruction phrasings (the first is the canonical one; chat users can type either)
     "first_word": ["What is the first word of this line?", "Give the first word of the line."],
     "last_word": ["What is the last word of this line?", "Give the last word of the line."],
-    "play": ["What play is this line from?", "Which of Shakespeare's works is this line from?"],
+    "play": ["What play is this line from?", "Which work is this line from?"],
     "speaker": ["Which character speaks this line?", "Who says this line?"],
     "continue": ["Continue this speech:", "What is the next line?"],
 }
+LINE_WORDS = (3, 8)  # short lines: with a 512-token vocabulary the template alone takes ~100 of small's 128
 SCORED = ("first_word", "last_word", "play", "speaker")  # "continue" is open-ended: not scored
 SPEAKER_RE = re.compile(r"^([A-Z][A-Za-z' ]{0,24}[A-Za-z])\.$")  # 'Hor.', 'PROSPERO.', 'First Lord.'
 WORD_RE = re.compile(r"[A-Za-z][A-Za-z']*[A-Za-z]|[A-Za-z]")
@@ -214,7 +217,7 @@ def title_of(work: str) -> str:
 
 
 def corpus_lines(work: str, text: str) -> list[dict]:
-    """Candidate lines of a work: {line, next, speaker} for lines of 4..12 words (speaker '' outside plays).
+    """Candidate lines of a work: {line, next, speaker} for lines of LINE_WORDS words (speaker '' outside plays).
     A speaker label is a short capitalised line ending in '.', after a blank line (e.g. 'Hor.')."""
     raw = text.splitlines()
     out, speaker = [], ""
@@ -231,7 +234,7 @@ def corpus_lines(work: str, text: str) -> list[dict]:
         nxt = raw[i + 1].strip() if i + 1 < len(raw) else ""
         if nxt.startswith("[") or SPEAKER_RE.match(nxt):
             nxt = ""
-        if 4 <= len(s.split()) <= 12 and len(WORD_RE.findall(s)) >= 3:
+        if LINE_WORDS[0] <= len(s.split()) <= LINE_WORDS[1] and len(WORD_RE.findall(s)) >= 3:
             out.append({"work": work, "line": s, "next": nxt, "speaker": speaker})
     return out
 
@@ -247,16 +250,18 @@ def answer_for(task: str, item: dict) -> str | None:
     if task == "speaker":
         return item["speaker"] or None
     if task == "continue":
-        return item["next"] if 3 <= len(item["next"].split()) <= 12 else None
+        return item["next"] if LINE_WORDS[0] <= len(item["next"].split()) <= LINE_WORDS[1] else None
     raise ValueError(task)
 
 
-def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
+                         fits: Callable[[dict], bool] | None = None) -> tuple[list[dict], list[dict]]:
     """(train, held-out) Alpaca records made from the bundled corpus. A line is held out when its hash
     falls in 1/10, so no held-out line (and no held-out continuation target) is seen in training.
     Half the records carry the line in `input`, half inline after the question (with an empty input),
     the way one types it into the chat: "What is the first word of this line? To be, or not to be".
     Each record also carries `task` and `line` (not used by the template) for scoring and tests.
+    fits(record) -> bool skips candidates (e.g. those longer than a model's context, see `fits_context`).
 
         {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
          "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
@@ -282,10 +287,17 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
             question = phrasings[0] if held else phrasings[int(rng.integers(len(phrasings)))]
             inline = (len(records) // len(tasks)) % 2 == 1 if held else bool(rng.integers(2))
             instruction, inp = (question + " " + item["line"], "") if inline else (question, item["line"])
-            records.append({"instruction": instruction, "input": inp, "output": answer, "task": task,
-                            "line": item["line"]})
+            record = {"instruction": instruction, "input": inp, "output": answer, "task": task, "line": item["line"]}
+            if fits is None or fits(record):
+                records.append(record)
         split.append(records)
     return split[0], split[1]
+
+
+def fits_context(tok, ctx: int) -> Callable[[dict], bool]:
+    """A `fits` filter: the rendered example (prompt + response + </s>) is at most ctx + 1 tokens, so every
+    response token and the </s> is a head-0 target of a row, and a greedy answer fits the window."""
+    return lambda r: len(render(tok, r["instruction"], r["input"], r["output"])[0]) <= ctx + 1
 
 
 # ---- scoring generated answers -------------------------------------------------------------------

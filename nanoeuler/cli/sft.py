@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--base", help="pretrained checkpoint directory (not needed with --resume)")
     p.add_argument("--data", default="offline",
                    help="Alpaca JSON / JSON Lines file, or 'offline' (default): the instruction set generated "
-                        "from the bundled corpus")
+                        "from the bundled corpus; examples longer than the context are left out")
     p.add_argument("--val", default=None,
                    help="validation file (default: 1 in 50 records of --data, chosen by hash; offline: its held-out split)")
     p.add_argument("--out", required=True, help="run directory of the fine-tuned model")
@@ -64,13 +64,19 @@ def register(sub) -> None:
     d.set_defaults(run=run_data)
 
 
-def sft_records(data: str, val: str | None):
+def offline_records(tok, ctx: int):
+    """The offline instruction set, keeping only examples that fit the model's context."""
+    from ..sft import fits_context, offline_instructions
+    return offline_instructions(fits=fits_context(tok, ctx))
+
+
+def sft_records(data: str, val: str | None, tok, ctx: int):
     """(train records, validation records, data id, number of bad records skipped)."""
-    from ..sft import load_examples, offline_instructions, split_heldout
+    from ..sft import load_examples, split_heldout
     if data == "offline":
-        train, held = offline_instructions()
+        train, held = offline_records(tok, ctx)
         bad = 0
-        data_id = "offline-v1"
+        data_id = f"offline-v2-ctx{ctx}-tok{tok.fingerprint()[:12]}"
     else:
         records, problems = load_examples(data)
         bad = len(problems)
@@ -103,7 +109,7 @@ def run_sft(args) -> int:
         model, tok = Model.load(args.base), load_tokenizer(args.base)
         tcfg = train_config_from_args(args, SFT_DEFAULTS)
     cfg = model.config
-    train, held, data_id, _ = sft_records(args.data, args.val)
+    train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,
                        pack=not args.no_pack, data_id=data_id)
     d = source.describe()
@@ -127,11 +133,11 @@ def run_eval(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
     from ..model import Model
-    from ..sft import load_examples, offline_instructions, score_answers
+    from ..sft import load_examples, score_answers
     model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
     if args.limit < 0 or args.max_new_tokens < 1:
         raise UserError("--limit must be >= 0 and --max-new-tokens >= 1")
-    records = offline_instructions()[1] if args.data == "offline" else load_examples(args.data)[0]
+    records = offline_records(tok, model.config.ctx_len)[1] if args.data == "offline" else load_examples(args.data)[0]
     if args.limit:
         records = records[:args.limit]
     result = score_answers(model, tok, records, args.max_new_tokens, progress=not args.no_progress)
