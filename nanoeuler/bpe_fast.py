@@ -364,9 +364,9 @@ def train_init(pool, w_off, w_len, w_cnt):
     cap = 1024
     pcount = np.zeros(cap, np.int64)
     pkey = np.zeros(cap, np.int64)
-    phead = np.full(cap, -1, np.int64)
-    e_pos = np.empty(max(total, 16), np.int64)
-    e_next = np.empty(max(total, 16), np.int64)
+    phead = np.full(cap, -1, np.int32)
+    e_pos = np.empty(max(total, 16), np.int32)
+    e_next = np.empty(max(total, 16), np.int32)
     n_pairs = 0
     n_entries = 0
     for p in range(total):

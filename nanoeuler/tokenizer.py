@@ -205,6 +205,9 @@ class Tokenizer:
             raise UserError("the training text is empty or only whitespace: nothing to learn a vocabulary from")
         used = h_hash != 0
         w_off, w_len, w_cnt = h_off[used], h_len[used], h_cnt[used]
+        if int(w_len[w_len >= 2].sum()) >= (1 << 29):  # positions and pair entries are int32
+            raise UserError(f"too much distinct text to train on ({state[0]} unique pre-tokens, "
+                            f"{int(w_len.sum())} bytes); train the tokenizer on a sample of the corpus")
 
         st = list(bf.train_init(pool, w_off, w_len, w_cnt))
         h_c, h_p, h_size = bf.heap_build(st[5], st[6], st[10])
