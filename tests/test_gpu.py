@@ -20,19 +20,21 @@ import pytest
 
 from nanoeuler.check import Row
 from nanoeuler.config import Config
-from nanoeuler.gpu.runtime import KERNEL_DIR, gpu_available, kernel_source
+from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, kernel_source
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 KERNEL_FILES = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
 TOL = 1e-5
 # (file, -D defines): flash_attention is compiled once per head dimension by the loader
-BUILDS = [(name, ()) for name in KERNEL_FILES if name != "flash_attention"] + \
-         [("flash_attention", (("FA_HD", 64),)), ("flash_attention", (("FA_HD", 128),))]
+BUILDS = [(name, ()) for name in KERNEL_FILES if not name.startswith("flash_attention")] + \
+         [("flash_attention", (("FA_HD", 64),)), ("flash_attention", (("FA_HD", 128),)),
+          ("flash_attention_wmma", (("FA_HD", 64),)), ("flash_attention_wmma", (("FA_HD", 32),))]
 
 
 def test_every_kernel_file_is_covered():
-    assert set(KERNEL_FILES) == {"adamw", "convert", "cross_entropy", "flash_attention", "rmsnorm", "rope", "swiglu"}
+    assert set(KERNEL_FILES) == {"adamw", "convert", "cross_entropy", "flash_attention", "flash_attention_wmma",
+                                 "rmsnorm", "rope", "swiglu"}
 
 
 # ---- 1. compile ---------------------------------------------------------------------------------------
@@ -59,6 +61,10 @@ def _nvrtc_program():
 def test_nvrtc_compiles_loader_source(name, defines):
     program = _nvrtc_program()
     options = ("--std=c++17", "-arch=compute_90") + tuple(f"-D{k}={v}" for k, v in defines)
+    if "#include <mma.h>" in kernel_source(name):
+        if cuda_include_dir() is None:
+            pytest.skip("no CUDA headers (mma.h) here")
+        options += (f"-I{cuda_include_dir()}",)
     ptx, _ = program(kernel_source(name), name=f"{name}.cu").compile(options)
     assert not re.search(r'^#include "common.cuh"', kernel_source(name), re.M)  # pasted in by the loader
     assert len(ptx) > 0
@@ -90,6 +96,17 @@ def test_emulated_kernels_match_reference(emu):
     rows = check_kernels(seed=1)
     assert len(rows) > 40
     _assert_rows(rows)
+
+
+@needs_gxx
+def test_emulated_tensor_core_attention_matches_reference(emu):
+    """The WMMA kernels (wmma emulated as whole 16x16 tiles) within bf16 error of the float64 reference."""
+    from nanoeuler.gpu.check import BF16_TOLERANCE, check_tensor_core_attention
+    cases = {"GQA ragged T=70 hd=32": (1, 4, 2, 70, 70, 32), "decode Tq=5 Tk=41 hd=16": (2, 2, 1, 5, 41, 16)}
+    rows = check_tensor_core_attention(seed=0, cases=cases)
+    assert len(rows) == 8
+    _assert_rows(rows, tol=BF16_TOLERANCE)
+    assert max(r.max_rel_error for r in rows) > 1e-5  # bf16 rounding is really there (not the fp32 kernel)
 
 
 @needs_gxx
@@ -180,3 +197,19 @@ def test_gpu_bf16_step_close_to_fp32():
     for n in g32:
         a, b = g16[n].get(), g32[n].get()
         assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-8, n
+
+
+@needs_gxx
+def test_emulated_bf16_mode_tracks_fp32(emu):
+    """bf16 mixed precision (bf16 matmul operands, tensor-core attention) stays within bf16 error of fp32."""
+    from nanoeuler.gpu import engine
+    from nanoeuler.model import Model
+    cfg = Config(vocab_size=40, dim=32, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=12, ffn_hidden=48, n_mtp=2)
+    gm = engine.to_gpu(Model.init(cfg, seed=1))
+    tokens = np.random.default_rng(1).integers(0, 40, (2, 14))
+    l32, _, g32 = engine.loss_and_grads(gm, tokens, precision="fp32")
+    l16, _, g16 = engine.loss_and_grads(gm, tokens, precision="bf16")
+    assert engine.gpu_ops("bf16").flash_kernel(cfg.head_dim) == "wmma"
+    assert abs(l16 - l32) < 1e-2 * abs(l32)
+    for n in g32:
+        assert np.abs(g16[n] - g32[n]).max() <= 0.05 * np.abs(g32[n]).max(), n

@@ -61,6 +61,7 @@ def check_kernels(seed: int = 0) -> list[Row]:
     cp = require_cupy()
     from .engine import GpuAdamW, gpu_ops
     from .matmul import from_bf16, set_tf32, to_bf16
+    from .ops import GpuOps
     set_tf32(False)
     rng = np.random.default_rng(seed)
     r32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -139,7 +140,7 @@ def check_kernels(seed: int = 0) -> list[Row]:
         "GQA T=45 hd=128": (1, 4, 1, 45, 45, 128),
     }.items():
         rows += _attention_rows(name, rng, B, H, Hkv, Tq, Tk, hd, ops32)
-    rows += _attention_rows("bf16 GQA T=77 hd=64", rng, 2, 6, 2, 77, 77, 64, ops16)
+    rows += _attention_rows("bf16 GQA T=77 hd=64", rng, 2, 6, 2, 77, 77, 64, GpuOps("bf16", tensor_core_attention=False))
 
     # AdamW: one fused step against optim.AdamW in float64 (matrix with decay, vector without)
     shapes = {"w": (30, 20), "b": (20,)}
@@ -170,6 +171,29 @@ def _attention_rows(name, rng, B, H, Hkv, Tq, Tk, hd, gops) -> list[Row]:
     dq, dk, dv = gops.attention_backward(cp.asarray(dy), c)
     return [_row(f"attention {name} forward", y, y_ref), _row(f"attention {name} dq", dq, dq_ref),
             _row(f"attention {name} dk", dk, dk_ref), _row(f"attention {name} dv", dv, dv_ref)]
+
+
+BF16_TOLERANCE = 2e-2  # tensor-core attention rounds P and dS to bf16 (8-bit mantissa) before its products
+
+
+TENSOR_CORE_CASES = {  # name: (B, H, Hkv, Tq, Tk, hd)
+    "GQA T=77 hd=64": (2, 6, 2, 77, 77, 64),
+    "MHA T=130 hd=32": (1, 3, 3, 130, 130, 32),
+    "GQA decode Tq=5 Tk=70 hd=64": (2, 4, 2, 5, 70, 64),
+    "gpt shape T=512 hd=64": (1, 12, 4, 512, 512, 64),
+}
+
+
+def check_tensor_core_attention(seed: int = 0, cases: dict = TENSOR_CORE_CASES) -> list[Row]:
+    """The WMMA FlashAttention (bf16 mode) vs the float64 reference on the same bf16-rounded q, k, v:
+    judged with BF16_TOLERANCE, since P and dS are rounded to bf16 inside."""
+    from .ops import GpuOps
+    rng = np.random.default_rng(seed)
+    ops = GpuOps("bf16", tensor_core_attention=True)
+    rows = []
+    for name, (B, H, Hkv, Tq, Tk, hd) in cases.items():
+        rows += _attention_rows(f"tensor-core {name}", rng, B, H, Hkv, Tq, Tk, hd, ops)
+    return rows
 
 
 # ---- (b) the whole model ------------------------------------------------------------------------------
@@ -239,7 +263,7 @@ def naive_attention(q, k, v, dy, xp):
 def check_flash_long(Ts=(512, 2048, 8192), B=1, H=12, Hkv=4, hd=64, seed=0) -> list[dict]:
     """FlashAttention (fp32) vs float64 attention at each T: rel errors of y, dq, dk, dv, and kernel times."""
     cp = require_cupy()
-    from .ops import flash_backward, flash_forward
+    from .ops import flash_backward, flash_forward, wmma_supported
     rng = np.random.default_rng(seed)
     results = []
     for T in Ts:
@@ -267,8 +291,23 @@ def check_flash_long(Ts=(512, 2048, 8192), B=1, H=12, Hkv=4, hd=64, seed=0) -> l
                     refs[n].append((float(cp.abs(o.astype(cp.float64) - r).max()), float(cp.abs(r).max())))
         for n in errs:  # max |diff| over everything / max |ref| over everything
             errs[n] = max(d for d, _ in refs[n]) / max(m for _, m in refs[n])
+        tc = {}
+        if wmma_supported(hd):  # the bf16 tensor-core kernels on the same problem: time, and error vs float64
+            from .matmul import to_bf16
+            qb, kb, vb = to_bf16(q), to_bf16(k), to_bf16(v)
+            yb, lb = flash_forward(qb, kb, vb, "wmma")
+            flash_backward(dy, qb, kb, vb, yb, lb, "wmma")
+            start.record()
+            yb, lb = flash_forward(qb, kb, vb, "wmma")
+            mid.record()
+            dqb, _, _ = flash_backward(dy, qb, kb, vb, yb, lb, "wmma")
+            end.record()
+            end.synchronize()
+            tc = {"wmma_fwd_ms": cp.cuda.get_elapsed_time(start, mid), "wmma_bwd_ms": cp.cuda.get_elapsed_time(mid, end),
+                  "wmma_rel_y": float(cp.abs(yb - y).max() / cp.abs(y).max()),
+                  "wmma_rel_dq": float(cp.abs(dqb - dq).max() / cp.abs(dq).max())}
         results.append({"T": T, "B": B, "H": H, "Hkv": Hkv, "hd": hd, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-                        **{f"rel_{n}": e for n, e in errs.items()}})
+                        **{f"rel_{n}": e for n, e in errs.items()}, **tc})
         del q, k, v, dy, y, lse, dq, dk, dv
         cp.get_default_memory_pool().free_all_blocks()
     return results
@@ -343,6 +382,15 @@ def main(argv=None) -> int:
             print(f"{r.name:<{width}}  {r.n_checked:>9}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= TOLERANCE else '  FAIL'}")
         print(f"max relative error: {worst:.2e} (tolerance {TOLERANCE:.0e})", flush=True)
     if args.long:
+        tc_rows = check_tensor_core_attention(args.seed)
+        tc_worst = max(r.max_rel_error for r in tc_rows)
+        ok &= tc_worst <= BF16_TOLERANCE
+        out["tensor_core_rows"] = [{"name": r.name, "rel_error": r.max_rel_error} for r in tc_rows]
+        if not args.json:
+            for r in tc_rows:
+                print(f"{r.name:<56}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= BF16_TOLERANCE else '  FAIL'}")
+            print(f"tensor-core attention max relative error: {tc_worst:.2e} (bf16 tolerance {BF16_TOLERANCE:.0e})",
+                  flush=True)
         long_rows = check_flash_long()
         mem = flash_memory()
         out["flash_long"], out["flash_memory"] = long_rows, mem
@@ -353,6 +401,9 @@ def main(argv=None) -> int:
                 print(f"flash T={lr['T']:>5} B={lr['B']} H={lr['H']}/{lr['Hkv']} hd={lr['hd']}: fwd {lr['fwd_ms']:.2f} ms, "
                       f"bwd {lr['bwd_ms']:.2f} ms; rel err y {lr['rel_y']:.1e} dq {lr['rel_dq']:.1e} "
                       f"dk {lr['rel_dk']:.1e} dv {lr['rel_dv']:.1e}{'  FAIL' if bad else ''}", flush=True)
+                if "wmma_fwd_ms" in lr:
+                    print(f"    tensor-core bf16 kernels: fwd {lr['wmma_fwd_ms']:.2f} ms, bwd {lr['wmma_bwd_ms']:.2f} ms; "
+                          f"vs fp32 kernels: y {lr['wmma_rel_y']:.1e} dq {lr['wmma_rel_dq']:.1e} (bf16 inputs)", flush=True)
         if not args.json:
             print(f"memory at T={mem['T']} (fwd+bwd, fp32): flash peak {mem['flash_peak_bytes'] / 2**20:.1f} MiB "
                   f"({mem['flash_ms']:.1f} ms) vs naive peak {mem['naive_peak_bytes'] / 2**20:.1f} MiB "

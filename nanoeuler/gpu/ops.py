@@ -8,7 +8,8 @@ and signatures, so the model code runs on the GPU unchanged:
 
 What runs where:
     linear          cuBLAS: fp32 (TF32 if switched on), or bf16 x bf16 -> fp32 in the "bf16" precision
-    attention       FlashAttention kernels (flash_attention.cu), fp32 or bf16 q/k/v, fp32 math
+    attention       FlashAttention: fp32 -> flash_attention.cu (CUDA cores, fp32 math); bf16 ->
+                    flash_attention_wmma.cu (tensor cores) when hd is a multiple of 16 up to 64
     rmsnorm, rope, swiglu, cross-entropy      fused kernels (fp32)
     embedding       CuPy gather / scatter-add
 
@@ -47,37 +48,55 @@ def _f32(x, what: str):
 
 
 # ---- kernel launchers (shapes in, arrays out) ------------------------------------------------------
-def flash_forward(q, k, v, use_bf16: bool = False):
-    """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (float32, or uint16 bf16 bits) -> o [B, H, Tq, hd] f32, lse [B, H, Tq] f32."""
+# FlashAttention variants: "f32" and "bf16" are flash_attention.cu (CUDA cores, fp32 math; q/k/v stored
+# fp32 or bf16), "wmma" is flash_attention_wmma.cu (tensor cores, bf16 operands, hd a multiple of 16, <= 64).
+FLASH_KERNELS = ("f32", "bf16", "wmma")
+WMMA_THREADS, WMMA_ROWS = 128, 64  # 4 warps; query rows (fwd, dq) or key rows (dkdv) per block
+
+
+def wmma_supported(hd: int) -> bool:
+    return hd % 16 == 0 and hd <= 64
+
+
+def flash_forward(q, k, v, kernel: str = "f32"):
+    """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (float32 for "f32", uint16 bf16 bits otherwise)
+    -> o [B, H, Tq, hd] f32, lse [B, H, Tq] f32."""
     cp = require_cupy()
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    suffix = "bf16" if use_bf16 else "f32"
     o = cp.empty((B, H, Tq, hd), dtype=cp.float32)
     lse = cp.empty((B, H, Tq), dtype=cp.float32)
-    kern = get_kernel("flash_attention", f"flash_fwd_{suffix}", (("FA_HD", hd),))
-    kern(((Tq + FA_BM - 1) // FA_BM, H, B), (FA_BM,),
-         (q, k, v, o, lse, np.int32(H), np.int32(Hkv), np.int32(Tq), np.int32(Tk), np.float32(1.0 / np.sqrt(hd))))
+    args = (q, k, v, o, lse, np.int32(H), np.int32(Hkv), np.int32(Tq), np.int32(Tk), np.float32(1.0 / np.sqrt(hd)))
+    if kernel == "wmma":
+        get_kernel("flash_attention_wmma", "flash_wmma_fwd", (("FA_HD", hd),))(
+            ((Tq + WMMA_ROWS - 1) // WMMA_ROWS, H, B), (WMMA_THREADS,), args)
+    else:
+        get_kernel("flash_attention", f"flash_fwd_{kernel}", (("FA_HD", hd),))(
+            ((Tq + FA_BM - 1) // FA_BM, H, B), (FA_BM,), args)
     return o, lse
 
 
-def flash_backward(dout, q, k, v, o, lse, use_bf16: bool = False):
+def flash_backward(dout, q, k, v, o, lse, kernel: str = "f32"):
     """dout [B, H, Tq, hd] f32 (and the forward's inputs and outputs) -> dq, dk, dv (f32)."""
     cp = require_cupy()
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    suffix = "bf16" if use_bf16 else "f32"
     defines = (("FA_HD", hd),)
     delta = cp.sum(dout * o, axis=-1, dtype=cp.float32)  # [B, H, Tq]: rowsum(dO ⊙ O)
     dq = cp.empty((B, H, Tq, hd), dtype=cp.float32)
     dk = cp.empty((B, Hkv, Tk, hd), dtype=cp.float32)
     dv = cp.empty((B, Hkv, Tk, hd), dtype=cp.float32)
-    scale = np.float32(1.0 / np.sqrt(hd))
-    dims = (np.int32(H), np.int32(Hkv), np.int32(Tq), np.int32(Tk), scale)
-    get_kernel("flash_attention", f"flash_bwd_dq_{suffix}", defines)(
+    dims = (np.int32(H), np.int32(Hkv), np.int32(Tq), np.int32(Tk), np.float32(1.0 / np.sqrt(hd)))
+    if kernel == "wmma":
+        get_kernel("flash_attention_wmma", "flash_wmma_bwd_dq", defines)(
+            ((Tq + WMMA_ROWS - 1) // WMMA_ROWS, H, B), (WMMA_THREADS,), (q, k, v, dout, lse, delta, dq) + dims)
+        get_kernel("flash_attention_wmma", "flash_wmma_bwd_dkdv", defines)(
+            ((Tk + WMMA_ROWS - 1) // WMMA_ROWS, Hkv, B), (WMMA_THREADS,), (q, k, v, dout, lse, delta, dk, dv) + dims)
+        return dq, dk, dv
+    get_kernel("flash_attention", f"flash_bwd_dq_{kernel}", defines)(
         ((Tq + FA_BM - 1) // FA_BM, H, B), (FA_BM,), (q, k, v, dout, lse, delta, dq) + dims)
     bn = fa_bwd_bn(hd)
-    get_kernel("flash_attention", f"flash_bwd_dkdv_{suffix}", defines)(
+    get_kernel("flash_attention", f"flash_bwd_dkdv_{kernel}", defines)(
         ((Tk + bn - 1) // bn, Hkv, B), (bn,), (q, k, v, dout, lse, delta, dk, dv) + dims)
     return dq, dk, dv
 
@@ -152,12 +171,18 @@ class Bf16LinearCache(NamedTuple):
 class GpuOps:
     """Forward/backward pairs on CuPy float32 arrays; names and signatures as in `nanoeuler.ops`."""
 
-    def __init__(self, precision: str = "fp32"):
+    def __init__(self, precision: str = "fp32", tensor_core_attention: bool = True):
         if precision not in PRECISIONS:
             raise UserError(f"unknown GPU precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         self.precision = precision
         self.bf16 = precision == "bf16"
+        self.tensor_core_attention = tensor_core_attention  # bf16 only: the WMMA FlashAttention
         self._rope_cache = {}
+
+    def flash_kernel(self, hd: int) -> str:
+        if not self.bf16:
+            return "f32"
+        return "wmma" if self.tensor_core_attention and wmma_supported(hd) else "bf16"
 
     def __repr__(self):
         return f"GpuOps({self.precision!r})"
@@ -234,14 +259,15 @@ class GpuOps:
     def attention_forward(self, q, k, v):
         """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] -> y [B, H, Tq, hd] (FlashAttention)."""
         q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
-        if self.bf16:
+        kernel = self.flash_kernel(q.shape[-1])
+        if kernel != "f32":
             q, k, v = to_bf16(q), to_bf16(k), to_bf16(v)
-        o, lse = flash_forward(q, k, v, use_bf16=self.bf16)
-        return o, (q, k, v, o, lse)
+        o, lse = flash_forward(q, k, v, kernel)
+        return o, (q, k, v, o, lse, kernel)
 
     def attention_backward(self, dy, cache):
-        q, k, v, o, lse = cache
-        return flash_backward(_f32(dy, "attention gradient"), q, k, v, o, lse, use_bf16=self.bf16)
+        q, k, v, o, lse, kernel = cache
+        return flash_backward(_f32(dy, "attention gradient"), q, k, v, o, lse, kernel)
 
     # swiglu
     def swiglu_forward(self, g, u):

@@ -12,6 +12,8 @@ in by `kernel_source`, so NVRTC needs no include path.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from pathlib import Path
 
 from ..errors import UserError
@@ -52,12 +54,38 @@ def kernel_source(name: str) -> str:
     return src.replace('#include "common.cuh"', common)
 
 
+@functools.lru_cache(maxsize=1)
+def cuda_include_dir() -> str | None:
+    """The CUDA toolkit's include directory (holding mma.h), which NVRTC needs for the WMMA kernels."""
+    candidates = []
+    try:
+        import cupy
+        candidates.append(cupy.cuda.get_cuda_path())
+    except Exception:
+        pass
+    candidates += [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates += sorted(str(p) for p in Path("/usr/local").glob("cuda-*"))[::-1]
+    for root in candidates:
+        if root and (Path(root) / "include" / "mma.h").exists():
+            return str(Path(root) / "include")
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def load_module(name: str, defines: tuple[tuple[str, int], ...] = ()):
     """cupy.RawModule for kernels/<name>.cu compiled with -D<k>=<v> for each define (cached per process)."""
     cp = require_cupy()
+    source = kernel_source(name)
     options = ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
-    return cp.RawModule(code=kernel_source(name), options=options)
+    if "#include <mma.h>" in source:
+        include = cuda_include_dir()
+        if include is None:
+            raise UserError("the tensor-core kernels need the CUDA headers (mma.h): set CUDA_PATH")
+        options += (f"-I{include}",)
+    return cp.RawModule(code=source, options=options)
 
 
 def get_kernel(name: str, function: str, defines: tuple[tuple[str, int], ...] = ()):

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <math.h>
+#include <type_traits>
 #include <thread>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #define __restrict__ __restrict
 #define __launch_bounds__(x)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct emu_uint3 { unsigned int x, y, z; };
 inline thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
@@ -111,3 +113,74 @@ inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const
     for (auto& w : workers) w.join();
     emu_block = nullptr;
 }
+
+// ---- warp-level matrix multiply (nvcuda::wmma), 16x16x16 bf16 -> fp32 only --------------------------
+// Each thread holds the whole 16x16 tile (row-major) instead of its share: loads and products are
+// repeated by the 32 lanes with identical results, which is equivalent as long as kernels only use
+// load / store / fill / mma on fragments (never their elements). __syncwarp and the barriers inside
+// store_matrix_sync are block-wide here, correct when every warp of the block reaches the same calls,
+// as our kernels do.
+inline void __syncwarp(unsigned int = 0xffffffffu) { emu_block->sync(); }
+struct __nv_bfloat16 { unsigned short bits; };
+
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment { float x[256]; };
+
+inline float emu_bf16(const __nv_bfloat16* p, long long i) {
+    const unsigned int u = (unsigned int)p[i].bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename Use, typename Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, const __nv_bfloat16* p, unsigned ldm) {
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c)  // element (r, c) of the tile: A[m][k] or B[k][n]
+            f.x[r * 16 + c] = std::is_same<Layout, row_major>::value ? emu_bf16(p, (long long)r * ldm + c)
+                                                                      : emu_bf16(p, (long long)c * ldm + r);
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
+}
+
+// A store is collective: no lane may overwrite the tile before every lane has loaded what it needed,
+// nor load it again before every lane has stored (barriers before and after; all warps store together).
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+    emu_block->sync();
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * 16 + c];
+    emu_block->sync();
+}
+
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
+    for (float& e : f.x) e = v;
+}
+
+template <typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
+                     const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+    float out[256];
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
+            float acc = c.x[m * 16 + n];
+            for (int k = 0; k < 16; ++k) acc += a.x[m * 16 + k] * b.x[k * 16 + n];
+            out[m * 16 + n] = acc;
+        }
+    std::memcpy(d.x, out, sizeof out);
+}
+}  // namespace wmma
+}  // namespace nvcuda

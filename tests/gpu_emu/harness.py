@@ -30,7 +30,11 @@ _FA = lambda T: {  # FlashAttention entry points for storage type T
     "flash_bwd_dq": [f"const {T}*"] * 3 + [_CF, _CF, _CF, _F, "int", "int", "int", "int", "float"],
     "flash_bwd_dkdv": [f"const {T}*"] * 3 + [_CF, _CF, _CF, _F, _F, "int", "int", "int", "int", "float"],
 }
+_WM = ["const bf16_t*"] * 3
 SIGNATURES = {
+    "flash_wmma_fwd": _WM + [_F, _F, "int", "int", "int", "int", "float"],
+    "flash_wmma_bwd_dq": _WM + [_CF, _CF, _CF, _F, "int", "int", "int", "int", "float"],
+    "flash_wmma_bwd_dkdv": _WM + [_CF, _CF, _CF, _F, _F, "int", "int", "int", "int", "float"],
     **{f"{k}_f32": v for k, v in _FA("float").items()},
     **{f"{k}_bf16": v for k, v in _FA("bf16_t").items()},
     "rmsnorm_forward": [_CF, _CF, _F, _F, "int", "int", "float"],
@@ -61,14 +65,14 @@ class EmuModule:
         names = [n for n in SIGNATURES if re.search(rf"\b{n}\b", code) or
                  re.search(rf"\b{n.rsplit('_', 1)[0]}_##SUFFIX\b", code)]
         src = '#include "emu.h"\n' + code + "\n" + "".join(_wrapper(n, SIGNATURES[n]) for n in names)
-        key = hashlib.sha256((src + " ".join(defines)).encode()).hexdigest()[:16]
+        key = hashlib.sha256((src + " ".join(defines) + (HERE / "emu.h").read_text()).encode()).hexdigest()[:16]
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
         so = BUILD_DIR / f"k_{key}.so"
         if not so.exists():
             cpp = BUILD_DIR / f"k_{key}.cpp"
             cpp.write_text(src)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{HERE}",
+            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{HERE}", f"-I{HERE / 'include'}",
                             *defines, "-o", str(tmp), str(cpp)], check=True)
             os.replace(tmp, so)
         self.lib = ctypes.CDLL(str(so))
