@@ -1,0 +1,312 @@
+"""Training speed: our NumPy engine vs the same model in PyTorch (eager and torch.compile), side by side.
+
+For each preset, one worker process per engine (ours, torch eager, torch.compile) builds the same model
+from the same weights and the same batch, then the parent runs them *alternately*, one full training
+step at a time (forward, backward, AdamW), so load from anything else on the machine hits all engines
+alike. Warm-up steps (numba cache load, torch.compile compilation) are excluded; the median of the
+timed steps is reported. All engines use 2 threads.
+
+    tokens/s      B·T / median step time
+    ours/x        our tokens/s over engine x's
+    MFU           6·N·tokens/s over the float32 matmul peak measured in this run (the best of NumPy's and
+                  torch's 2048³ sgemm, measured between rounds; the max over the run)
+    peak MiB      the process's peak resident memory during the timed steps (VmHWM, reset after warm-up)
+    train MiB     that peak minus the resident memory with libraries imported and weights built: what the
+                  training step itself holds (optimizer state, gradients, activations, workspace)
+
+    python bench/train_speed.py                         # small B=32 T=128 and big B=16 T=256, 10 steps
+    python bench/train_speed.py --presets big --steps 20 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"small": (32, 128), "big": (16, 256)}
+ENGINES = ("ours", "eager", "compile")
+THREADS = 2
+
+
+# ---------------------------------------------------------------------------------- worker side
+def rss_mib(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs), so the peak covers what follows."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def sgemm_gflops(engine_kind: str, n: int = 2048, reps: int = 5) -> float:
+    """Best-of-reps float32 n×n×n matmul rate in GFLOP/s with the library of this worker."""
+    import numpy as np
+    if engine_kind == "ours":
+        a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
+        f = lambda: a @ b  # noqa: E731
+    else:
+        import torch
+        a, b = torch.ones(n, n), torch.ones(n, n)
+        f = lambda: a @ b  # noqa: E731
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def make_ours(cfg, params, tokens):
+    import numpy as np
+    from nanoeuler.model import Model
+    from nanoeuler.optim import AdamW
+    model = Model(cfg, params)
+    opt = AdamW(model.params, lr=3e-4)
+    grads = model.grad_buffers()
+
+    def step():
+        loss, _, _ = model.loss_and_grads(tokens, out=grads)
+        opt.step(model.params, grads)
+        return loss
+    assert np  # numpy imported for the worker's memory baseline
+    return step
+
+
+def torch_model(cfg, params):
+    """The SPEC model written the way a PyTorch user would: fused SDPA with GQA, F.rms_norm, F.silu."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            d, hd, H, Hkv, Fh = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden
+            self.attn_norm = torch.nn.Parameter(torch.ones(d))
+            self.wq = torch.nn.Linear(d, H * hd, bias=False)
+            self.wk = torch.nn.Linear(d, Hkv * hd, bias=False)
+            self.wv = torch.nn.Linear(d, Hkv * hd, bias=False)
+            self.wo = torch.nn.Linear(H * hd, d, bias=False)
+            self.ffn_norm = torch.nn.Parameter(torch.ones(d))
+            self.gate = torch.nn.Linear(d, Fh, bias=False)
+            self.up = torch.nn.Linear(d, Fh, bias=False)
+            self.down = torch.nn.Linear(Fh, d, bias=False)
+
+        def forward(self, x, cos, sin):
+            B, T, d = x.shape
+            H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+            h = F.rms_norm(x, (d,), self.attn_norm, cfg.norm_eps)
+            q = self.wq(h).view(B, T, H, hd).transpose(1, 2)
+            k = self.wk(h).view(B, T, Hkv, hd).transpose(1, 2)
+            v = self.wv(h).view(B, T, Hkv, hd).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(a.transpose(1, 2).reshape(B, T, H * hd))
+            h = F.rms_norm(x, (d,), self.ffn_norm, cfg.norm_eps)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def rope(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = torch.nn.ModuleList([Block() for _ in range(cfg.n_layers)])
+            self.norm = torch.nn.Parameter(torch.ones(cfg.dim))
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+                                              for _ in range(cfg.n_mtp)])
+            inv = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+            ang = torch.arange(cfg.ctx_len, dtype=torch.float64)[:, None] * inv[None, :]
+            ang = torch.cat([ang, ang], dim=-1)
+            self.register_buffer("cos", ang.cos().float(), persistent=False)
+            self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+        def forward(self, tokens):
+            K = cfg.n_mtp
+            T = tokens.shape[1] - K
+            x = self.embed(tokens[:, :T])
+            cos, sin = self.cos[:T], self.sin[:T]
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            h = F.rms_norm(x, (cfg.dim,), self.norm, cfg.norm_eps)
+            losses = [F.cross_entropy(head(h).flatten(0, 1), tokens[:, 1 + k:T + 1 + k].flatten())
+                      for k, head in enumerate(self.heads)]
+            return losses[0], sum(losses) / K
+
+    model = GPT()
+    names = {"embed.weight": model.embed.weight, "norm.weight": model.norm}
+    for i, blk in enumerate(model.layers):
+        p = f"layers.{i}."
+        names |= {p + "attn_norm.weight": blk.attn_norm, p + "attn.wq.weight": blk.wq.weight,
+                  p + "attn.wk.weight": blk.wk.weight, p + "attn.wv.weight": blk.wv.weight,
+                  p + "attn.wo.weight": blk.wo.weight, p + "ffn_norm.weight": blk.ffn_norm,
+                  p + "ffn.gate.weight": blk.gate.weight, p + "ffn.up.weight": blk.up.weight,
+                  p + "ffn.down.weight": blk.down.weight}
+    for k, head in enumerate(model.heads):
+        names[f"heads.{k}.weight"] = head.weight
+    with torch.no_grad():
+        for name, t in names.items():
+            t.copy_(torch.from_numpy(params[name]))
+    return model
+
+
+def make_torch(cfg, params, tokens, compiled: bool):
+    import torch
+    model = torch_model(cfg, params)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    loss_fn = torch.compile(model) if compiled else model
+    tok = torch.from_numpy(tokens).long()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss, objective = loss_fn(tok)
+        objective.backward()
+        opt.step()
+        return float(loss.detach())
+    return step
+
+
+def worker(engine: str, preset: str, B: int, T: int) -> None:
+    """Line protocol on stdin/stdout: 'step' -> 'time <s> <loss>'; 'reset' (peak RSS); 'peak' -> sgemm
+    GFLOP/s; 'quit' -> 'done <peak MiB>'."""
+    import numpy as np
+    if engine == "ours":
+        import nanoeuler.fast  # noqa: F401  (numba and the kernels: library memory, like torch's import)
+    else:
+        import torch
+        torch.set_num_threads(THREADS)
+    from nanoeuler.config import PRESETS
+    from nanoeuler.model import Model
+    cfg = PRESETS[preset]
+    params = Model.init(cfg, seed=0).params
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
+    idle = rss_mib()
+    step = make_ours(cfg, params, tokens) if engine == "ours" else make_torch(cfg, params, tokens, engine == "compile")
+    print(f"ready {idle:.1f}", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            t = time.perf_counter()
+            loss = step()
+            print(f"time {time.perf_counter() - t:.6f} {loss:.6f}", flush=True)
+        elif cmd == "reset":
+            reset_peak_rss()
+            print("ok", flush=True)
+        elif cmd == "peak":
+            print(f"gflops {sgemm_gflops(engine):.3f}", flush=True)
+        elif cmd == "quit":
+            print(f"done {rss_mib('VmHWM'):.1f}", flush=True)
+            return
+
+
+# ---------------------------------------------------------------------------------- parent side
+class Worker:
+    def __init__(self, engine: str, preset: str, B: int, T: int):
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS),
+                   OPENBLAS_NUM_THREADS=str(THREADS), PYTHONPATH=str(ROOT))
+        self.engine = engine
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", engine, preset, str(B), str(T)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.idle = float(self.expect("ready")[0])
+
+    def expect(self, word: str) -> list[str]:
+        line = self.proc.stdout.readline()
+        if not line.startswith(word):
+            raise RuntimeError(f"{self.engine} worker: expected {word!r}, got {line!r} (exit {self.proc.poll()})")
+        return line.split()[1:]
+
+    def ask(self, cmd: str, word: str) -> list[str]:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.expect(word)
+
+
+def run_preset(preset: str, engines, steps: int, warmup: int, log) -> dict:
+    from nanoeuler.config import PRESETS
+    cfg = PRESETS[preset]
+    B, T = SHAPES[preset]
+    log(f"{preset}: B={B} T={T}, {cfg.n_params():,} params; starting workers {', '.join(engines)}")
+    workers = [Worker(e, preset, B, T) for e in engines]
+    times = {w.engine: [] for w in workers}
+    losses = {}
+    peaks = []
+    for r in range(warmup):
+        for w in workers:
+            t0 = time.perf_counter()
+            _, loss = w.ask("step", "time")
+            losses.setdefault(w.engine, float(loss))
+            log(f"  warm-up {r + 1}/{warmup} {w.engine}: {time.perf_counter() - t0:.2f} s")
+    for w in workers:
+        w.ask("reset", "ok")
+    for r in range(steps):
+        order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotate who goes first
+        for w in order:
+            times[w.engine].append(float(w.ask("step", "time")[0]))
+        if r % 3 == 0:
+            peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
+    peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
+    peak_gflops = max(peaks)
+    rows = {}
+    for w in workers:
+        peak_mib = float(w.ask("quit", "done")[0])
+        w.proc.wait()
+        med = statistics.median(times[w.engine])
+        tps = B * T / med
+        rows[w.engine] = {"median_s": med, "tokens_per_s": tps, "mfu": cfg.flops_per_token() * tps / (peak_gflops * 1e9),
+                          "peak_mib": peak_mib, "train_mib": peak_mib - w.idle, "first_loss": losses[w.engine],
+                          "times": times[w.engine]}
+    ours = rows.get("ours")
+    for e, row in rows.items():
+        row["ours_over_this"] = ours["tokens_per_s"] / row["tokens_per_s"] if ours else None
+    return {"preset": preset, "B": B, "T": T, "n_params": cfg.n_params(), "peak_gflops": peak_gflops, "engines": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        engine, preset, B, T = args.worker
+        worker(engine, preset, int(B), int(T))
+        return 0
+    sys.path.insert(0, str(ROOT))
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = [run_preset(p, args.engines, args.steps, args.warmup, log) for p in args.presets]
+    if args.json:
+        print(json.dumps({"threads": THREADS, "results": results}))
+        return 0
+    print(f"{'preset':7} {'engine':8} {'tokens/s':>9} {'ms/step':>8} {'ours/x':>7} {'MFU':>6} {'peak MiB':>9} {'train MiB':>9}  first loss")
+    for res in results:
+        for e, row in res["engines"].items():
+            print(f"{res['preset']:7} {e:8} {row['tokens_per_s']:9.0f} {row['median_s'] * 1e3:8.1f} "
+                  f"{row['ours_over_this']:7.2f} {row['mfu']:6.3f} {row['peak_mib']:9.0f} {row['train_mib']:9.0f}  "
+                  f"{row['first_loss']:.5f}")
+        print(f"{res['preset']:7} (B={res['B']} T={res['T']}, N={res['n_params']:,}, matmul peak "
+              f"{res['peak_gflops']:.0f} GFLOP/s, median of {len(next(iter(res['engines'].values()))['times'])} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
