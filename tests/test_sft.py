@@ -181,5 +181,19 @@ def test_sft_cli_trains_and_resumes(tmp_path, tok, capsys):
     a, b = Model.load(tmp_path / "a"), Model.load(tmp_path / "b")
     assert all(np.array_equal(a.params[n], b.params[n]) for n in a.params)  # bit-for-bit
     assert resumed["loss"] == full["loss"]
+    # scoring answers (a random tiny model: nothing is in format, every rate is a valid fraction)
+    assert main(["sft-eval", "--ckpt", str(tmp_path / "a"), "--data", str(tmp_path / "val.json"), "--limit", "3",
+                 "--max-new-tokens", "4", "--no-progress", "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["n"] == 3 and 0 <= scored["in_format"] <= 1 and 0 <= scored["accuracy"] <= scored["lenient_accuracy"] + 1
+    assert main(["sft-data", "--out", str(tmp_path / "offline"), "--n-train", "20", "--n-heldout", "5"]) == 0
+    assert len(load_examples(tmp_path / "offline" / "offline_heldout.json")[0]) == 5
+    capsys.readouterr()
     assert main(["sft", "--base", str(tmp_path / "missing"), "--data", str(data), "--out", str(tmp_path / "c")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_normalize_answers():
+    from nanoeuler.sft import normalize
+    assert normalize("  Hamlet. ") == normalize("hamlet") == "hamlet"
+    assert normalize("King Lear") != normalize("Lear")

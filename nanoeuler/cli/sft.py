@@ -149,9 +149,11 @@ def run_eval(args) -> int:
         print(f"{mark}[{row['task']}] expected {row['expected']!r}, got {row['answer']!r}"
               f"{'' if row['in_format'] else '  (not in format)'}")
     print(f"{args.ckpt}: {result['n']} prompts, in format (ends with </s>) {result['in_format']:.1%}, "
-          f"task accuracy {result['accuracy']:.1%}")
+          f"task accuracy {result['accuracy']:.1%}, lenient (first line, format ignored) "
+          f"{result['lenient_accuracy']:.1%}; speculative drafts accepted {result['draft_acceptance']:.1%}")
     for task, r in result["per_task"].items():
-        print(f"  {task:<11} n={r['n']:<4} in format {r['in_format']:.1%}  accuracy {r['accuracy']:.1%}")
+        print(f"  {task:<11} n={r['n']:<4} in format {r['in_format']:6.1%}  accuracy {r['accuracy']:6.1%}  "
+              f"lenient {r['lenient_accuracy']:6.1%}")
     return 0
 
 
