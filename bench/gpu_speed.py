@@ -40,11 +40,12 @@ def batches(cfg, batch: int, n: int, seed: int = 0) -> list[np.ndarray]:
 
 
 # ---- ours ----------------------------------------------------------------------------------------------
-def run_ours(cfg, params, data, warmup: int, precision: str = "bf16") -> dict:
+def run_ours(cfg, params, data, warmup: int, precision: str = "bf16", tensor_cores: bool = True) -> dict:
     import cupy as cp
     from nanoeuler.gpu import engine
     from nanoeuler.gpu.matmul import set_tf32
     engine.set_precision(precision)
+    engine.gpu_ops(precision).tensor_core_attention = tensor_cores
     gm = engine.to_gpu(Model(cfg, params))
     opt = engine.GpuAdamW(gm.params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -73,6 +74,7 @@ def run_ours(cfg, params, data, warmup: int, precision: str = "bf16") -> dict:
     dt = time.perf_counter() - t0
     cp.cuda.set_allocator(malloc)
     set_tf32(False)
+    engine.gpu_ops(precision).tensor_core_attention = True
     del gm, opt
     pool.free_all_blocks()
     return {"seconds": dt, "steps": len(data) - warmup, "peak_bytes": peak[0], "last_loss": losses[-1]}
@@ -161,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--no-torch", action="store_true", help="only our engine")
+    ap.add_argument("--cuda-core-attention-too", action="store_true",
+                    help="also time our engine with the fp32-math (CUDA-core) FlashAttention")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -171,6 +175,9 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * cfg.ctx_len
     results = {}
     contenders = [("nanoeuler (CuPy + CUDA kernels)", lambda: run_ours(cfg, params, data, args.warmup))]
+    if args.cuda_core_attention_too:
+        contenders.append(("nanoeuler, CUDA-core attention", lambda: run_ours(cfg, params, data, args.warmup,
+                                                                              tensor_cores=False)))
     if not args.no_torch:
         contenders.append(("PyTorch eager + SDPA", lambda: run_torch(cfg, params, data, args.warmup, False)))
         if not args.no_compile:

@@ -10,8 +10,10 @@
 #   2. pytest tests/test_gpu.py on the device (compile tests + device tests; the CPU-emulated ones are skipped)
 #   3. `nanoeuler check --device gpu`: every kernel vs the NumPy reference, then every parameter's gradient
 #      GPU (fp32, TF32 off) vs CPU (float64), tolerance 1e-5
-#   4. FlashAttention at T = 512, 2048, 8192 (B=1, H=12/4, hd=64) vs float64 attention, and the peak
-#      memory of FlashAttention vs naive T×T attention at T = 8192
+#   4. the tensor-core (WMMA, bf16) FlashAttention vs the reference (bf16 tolerance); 30 GPU training steps
+#      saved as a checkpoint and reloaded on the CPU (same loss); FlashAttention at T = 512, 2048, 8192
+#      (B=1, H=12/4, hd=64) vs float64 attention, with fp32 and tensor-core timings; the peak memory of
+#      FlashAttention vs naive T×T attention at T = 8192
 #   5. bench/gpu_speed.py: gpt preset, ours vs PyTorch eager (SDPA) vs torch.compile, bf16, tokens/s, MFU, memory
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -48,17 +50,21 @@ build_all() {
             | grep -E "error|warning|Compiling entry|Used|spill" || true
         [ -s "$tmp/$(basename "$f").cubin" ] || return 1
     done
+    echo "--- flash_attention_wmma.cu at head dim 32"
+    nvcc -arch=sm_90 -cubin -std=c++17 -I$k -DFA_HD=32 -Xptxas -v -o "$tmp/fw32.cubin" $k/flash_attention_wmma.cu 2>&1 \
+        | grep -E "error|warning|Used|spill" || true
+    [ -s "$tmp/fw32.cubin" ] || return 1
     echo "--- flash_attention.cu at head dim 128"
     nvcc -arch=sm_90 -cubin -std=c++17 -I$k -DFA_HD=128 -Xptxas -v -o "$tmp/fa128.cubin" $k/flash_attention.cu 2>&1 \
         | grep -E "error|warning|Used|spill" || true
     [ -s "$tmp/fa128.cubin" ]
 }
 
-step nvcc 60 build_all
-step pytest 80 $PY -m pytest -q -p no:cacheprovider -k "not emulated and not test_gpu_check_passes" tests/test_gpu.py
+step nvcc 50 build_all
+step pytest 70 $PY -m pytest -q -p no:cacheprovider -k "not emulated and not test_gpu_check_passes" tests/test_gpu.py
 step check 90 $PY -m nanoeuler check --device gpu
-step flash 90 $PY -m nanoeuler.gpu.check --long --no-rows
-step bench 160 $PY bench/gpu_speed.py --preset gpt --batch 16 --steps 10 --warmup 3
+step flash 120 $PY -m nanoeuler.gpu.check --long --no-rows
+step bench 150 $PY bench/gpu_speed.py --preset gpt --batch 16 --steps 10 --warmup 3 --cuda-core-attention-too
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then

@@ -213,3 +213,15 @@ def test_emulated_bf16_mode_tracks_fp32(emu):
     assert abs(l16 - l32) < 1e-2 * abs(l32)
     for n in g32:
         assert np.abs(g16[n] - g32[n]).max() <= 0.05 * np.abs(g32[n]).max(), n
+
+
+@needs_gxx
+def test_emulated_train_roundtrip(emu, tmp_path, monkeypatch):
+    """GpuModel + its optimizer learn, and the checkpoint they write is one the CPU loads with the same loss."""
+    from nanoeuler import config
+    from nanoeuler.gpu.check import check_train_roundtrip
+    tiny = Config(vocab_size=32, dim=32, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=32, n_mtp=2)
+    monkeypatch.setitem(config.PRESETS, "small", tiny)
+    rt = check_train_roundtrip(steps=3, out_dir=tmp_path, min_drop=0.0)  # (the device run does 30 steps)
+    assert rt["ok"], rt
+    assert (tmp_path / "gpu_run" / "model.safetensors").exists()

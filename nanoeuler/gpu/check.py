@@ -220,6 +220,35 @@ def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: i
     return rows + [_row(f"model {name}", grads[name], grads_ref[name]) for name in cpu.params]
 
 
+def check_train_roundtrip(steps: int = 30, seed: int = 0, out_dir=None, min_drop: float = 0.5) -> dict:
+    """Train the small preset on the GPU (fp32, one fixed batch, GpuAdamW), save it, load it on the CPU:
+    the loss must fall, and the CPU's loss of the saved checkpoint must equal the GPU's."""
+    import tempfile
+    from pathlib import Path
+    from ..config import PRESETS
+    from ..model import Model
+    from .engine import GpuModel
+    from .matmul import set_tf32
+    set_tf32(False)
+    cfg = PRESETS["small"]
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (8, cfg.ctx_len + cfg.n_mtp))
+    gm = GpuModel(Model.init(cfg, seed=seed), precision="fp32")
+    opt = gm.optimizer(lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        head0, _, grads = gm.loss_and_grads(tokens)
+        opt.step(gm.params, grads)
+        losses.append(head0)
+    gpu_loss = gm.loss(tokens)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(out_dir or tmp) / "gpu_run"
+        gm.save(run)
+        cpu_loss = Model.load(run).loss(tokens)[0]
+    return {"first_loss": losses[0], "last_loss": losses[-1], "gpu_loss_after": gpu_loss, "cpu_loss_after": cpu_loss,
+            "ok": losses[-1] < losses[0] - min_drop and abs(gpu_loss - cpu_loss) < 1e-4 * abs(cpu_loss)}
+
+
 def check_gpu(seed: int = 0) -> list[Row]:
     """The rows of `nanoeuler check --device gpu`; raises UserError when CuPy or a device is missing."""
     require_cupy()
@@ -391,6 +420,13 @@ def main(argv=None) -> int:
                 print(f"{r.name:<56}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= BF16_TOLERANCE else '  FAIL'}")
             print(f"tensor-core attention max relative error: {tc_worst:.2e} (bf16 tolerance {BF16_TOLERANCE:.0e})",
                   flush=True)
+        rt = check_train_roundtrip()
+        ok &= rt["ok"]
+        out["train_roundtrip"] = rt
+        if not args.json:
+            print(f"GPU training (small preset, 30 steps, one batch): loss {rt['first_loss']:.4f} -> {rt['last_loss']:.4f}; "
+                  f"saved and reloaded on the CPU: GPU loss {rt['gpu_loss_after']:.6f}, CPU loss {rt['cpu_loss_after']:.6f}"
+                  f"{'' if rt['ok'] else '  FAIL'}", flush=True)
         long_rows = check_flash_long()
         mem = flash_memory()
         out["flash_long"], out["flash_memory"] = long_rows, mem

@@ -99,6 +99,52 @@ def loss(model: Model, tokens, loss_mask=None, precision: str = "fp32") -> tuple
     return head_losses[0], sum(head_losses) / K
 
 
+class GpuModel:
+    """A Model on the GPU that the CPU training loop can drive: same attributes and methods that
+    `train.run_training` uses (config, params, loss_and_grads, loss, n_params), plus the two things a
+    device model must supply to it — its optimizer (`optimizer(...)`, the fused GpuAdamW) and host copies
+    of its weights for checkpoints (`host_params()`), so a GPU run writes an ordinary checkpoint.
+
+        gm = GpuModel(Model.from_preset("gpt"), precision="bf16")
+        head0, objective, grads = gm.loss_and_grads(tokens)     # grads: cupy, keyed like params
+    """
+
+    def __init__(self, model: Model, precision: str = "fp32"):
+        gpu_ops(precision)  # validates the precision
+        self.config = model.config
+        self.precision = precision
+        self._model = model if hasattr(next(iter(model.params.values())), "device") else to_gpu(model)
+        self.params = self._model.params
+
+    def loss_and_grads(self, tokens, loss_mask=None):
+        set_precision(self.precision)
+        return loss_and_grads(self._model, tokens, loss_mask, self.precision)
+
+    def loss(self, tokens, loss_mask=None):
+        set_precision(self.precision)
+        return loss(self._model, tokens, loss_mask, self.precision)
+
+    def n_params(self) -> int:
+        return self._model.n_params()
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def optimizer(self, **kwargs) -> "GpuAdamW":
+        return GpuAdamW(self.params, **kwargs)
+
+    def host_params(self) -> dict[str, np.ndarray]:
+        cp = require_cupy()
+        return {n: cp.asnumpy(p) for n, p in self.params.items()}
+
+    def to_cpu(self) -> Model:
+        return Model(self.config, self.host_params())
+
+    def save(self, run_dir, tokenizer=None) -> None:
+        self.to_cpu().save(run_dir, tokenizer)
+
+
 class GpuAdamW(AdamW):
     """`optim.AdamW` with cupy moments and the fused adamw_step kernel; state_dict() hands back NumPy arrays."""
 

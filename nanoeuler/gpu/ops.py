@@ -178,6 +178,16 @@ class GpuOps:
         self.bf16 = precision == "bf16"
         self.tensor_core_attention = tensor_core_attention  # bf16 only: the WMMA FlashAttention
         self._rope_cache = {}
+        self._last_cast = (None, None)  # (x, bf16 copy of x): q/k/v and gate/up read the same x in a row
+
+    def _bf16_input(self, x2):
+        """bf16 bits of a linear's input, converted once when consecutive linears share it."""
+        last_x, last_xb = self._last_cast
+        if last_x is x2:
+            return last_xb
+        xb = to_bf16(x2)
+        self._last_cast = (x2, xb)
+        return xb
 
     def flash_kernel(self, hd: int) -> str:
         if not self.bf16:
@@ -203,11 +213,12 @@ class GpuOps:
     # linear
     def linear_forward(self, x, W):
         """x [..., in], W [out, in] -> y [..., out]."""
-        x2 = x.reshape(-1, x.shape[-1])
         if self.bf16:
-            xb, Wb = to_bf16(x2), to_bf16(W)
+            xb, Wb = self._bf16_input(x), to_bf16(W)
+            xb = xb.reshape(-1, x.shape[-1])
             y = gemm_bf16(xb, Wb, trans_b=True)
             return y.reshape(*x.shape[:-1], W.shape[0]), Bf16LinearCache(xb, Wb, x.shape)
+        x2 = x.reshape(-1, x.shape[-1])
         return (x2 @ W.T).reshape(*x.shape[:-1], W.shape[0]), (x, W)
 
     def linear_backward(self, dy, cache):
