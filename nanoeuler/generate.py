@@ -14,7 +14,8 @@ tokens after it, d2..dK. One forward over [t1, d2, .., dK] then verifies every g
     d2 == a2, d3 != a3  ->  emit t1, d2; next round starts from certain token a3 (no extra forward)
 
 The cache is rolled back to the accepted tokens (rejected drafts are simply overwritten later), so the
-output is token for token the greedy output of head 0 alone, in fewer forwards.
+output is token for token the greedy output of head 0 alone, in fewer forwards. How many drafts a round
+sends adapts to how often they have been accepted (a rejected draft costs part of a forward).
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
 the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -167,7 +168,6 @@ class Generation:
     accepted: int = 0              # speculative: draft tokens head 0 agreed with
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def acceptance(self) -> float:
@@ -216,7 +216,7 @@ class _Window:
 
     def verify(self, block: list[int]) -> np.ndarray:
         """Feed tokens block (must fit: len(block) <= room()) in one forward -> logits [K, len(block), V].
-        The caller then calls `keep(n)` to keep only the first n of them."""
+        The caller then calls `keep` to roll back to the accepted ones."""
         self.forwards += 1
         out = forward_cached(self.cfg, self.P, np.asarray(block, dtype=np.int64)[None], self.cache, False, self.fused)
         self.seq.extend(block)
