@@ -109,6 +109,7 @@ class _Pool:
     def malloc(self, size): raise NotImplementedError
     def free_all_blocks(self): pass
     def total_bytes(self): return 0
+    def used_bytes(self): return 0
 
 
 def fake_cupy() -> types.ModuleType:
