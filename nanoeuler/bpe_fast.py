@@ -312,7 +312,6 @@ def _heap_pop(h_cnt, h_pid, size, pkey):
 def _token_bytes(left, right, t, out):
     """Write the bytes of token t into out; return their number."""
     stack = np.empty(64, np.int64)
-    sp = 0
     stack[0] = t
     sp = 1
     k = 0
@@ -409,7 +408,6 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
     The heap is lazy: counts that drop are corrected when popped, counts that grow are pushed again.
     A pair whose bytes equal an existing token's is banned (never a merge): token bytes stay unique.
     """
-    B = np.uint64(0x100000001B3)
     touched = np.empty(64, np.int64)
     scratch = np.empty(64, np.int64)
     buf_a = np.empty(16, np.int64)

@@ -3,7 +3,8 @@
 Ids 0..255 are the raw bytes, id 256 + i is merge i, and the special tokens (at least `</s>`) come last:
 
     tok = Tokenizer.train(["low lower lowest"], vocab_size=260, progress=False)
-    tok.encode(" lowest")        # -> a few ids, e.g. [258, 101, 115, 116]
+    tok.merges                   # -> [(108, 111), (256, 119), (32, 257)]: 'lo', 'low', ' low'
+    tok.encode(" lowest")        # -> [258, 101, 115, 116]: ' low', 'e', 's', 't'
     tok.decode(tok.encode(s)) == s        # for every string s; decode_bytes(encode_bytes(b)) == b too
 
 Text is first cut into pre-tokens with the GPT-2 pattern (contractions, letter runs, number runs,

@@ -77,6 +77,9 @@ def test_docstring_examples():
     assert pretokenize("Hello  world's") == ["Hello", " ", " world", "'s"]
     assert fast_pieces("Hello  world's".encode()) == [b"Hello", b" ", b" world", b"'s"]
     assert cut_points(b"ab cd ef", 2) == [0, 2, 5, 8]
+    tiny = Tokenizer.train(["low lower lowest"], vocab_size=260, progress=False)
+    assert tiny.merges == [(108, 111), (256, 119), (32, 257)] and tiny.encode(" lowest") == [258, 101, 115, 116]
+    assert tiny.special_tokens == {"</s>": 259} and tiny.vocab_size == 260
     cls = bf.classify(np.frombuffer(b"a\xc3\xa9 1\xff", np.uint8), bf.char_classes())
     assert cls.tolist() == [bf.LETTER, bf.LETTER, bf.CONT, bf.SPACE, bf.NUMBER, bf.OTHER]
 
