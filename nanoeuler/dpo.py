@@ -514,15 +514,13 @@ def save_dpo_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, refer
     ckpt.save_files(out_dir, writers)
 
 
-def reference_logprobs(reference_model, train: TokenizedPairs, val: TokenizedPairs, pad_id: int,
-                       batch_size: int = 16, progress: bool = True) -> dict[str, np.ndarray]:
-    """The frozen reference's log-probs of every pair, float64: {train.chosen, train.rejected, val.*}."""
-    cfg, P = reference_model.config, reference_model.params
-    out = {}
-    for split, pairs in (("train", train), ("val", val)):
-        c, r = pair_logprobs(cfg, P, pairs, batch_size, pad_id, progress, desc=f"reference log-probs ({split})")
-        out[f"{split}.chosen"], out[f"{split}.rejected"] = c, r
-    return out
+def fingerprint(params: dict) -> str:
+    """A short hash of a model's weights (names, shapes, bytes): identifies the reference of a run."""
+    h = hashlib.sha1()
+    for name, p in params.items():
+        h.update(f"{name}{p.shape}{p.dtype}".encode())
+        h.update(np.ascontiguousarray(p).tobytes())
+    return h.hexdigest()[:16]
 
 
 def evaluate_dpo(model, pairs: TokenizedPairs, ref_chosen, ref_rejected, beta: float, pad_id: int,
@@ -532,17 +530,19 @@ def evaluate_dpo(model, pairs: TokenizedPairs, ref_chosen, ref_rejected, beta: f
     return preference_metrics(pc, pr, ref_chosen, ref_rejected, beta)
 
 
-def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, reference: dict | None, out_dir,
-            tcfg, beta: float = 0.1, resume: bool = False, stop_after: int | None = None, progress: bool = True,
-            data_id: str = "", sft: str | None = None, reference_model=None) -> dict:
-    """Train `model` (the policy, initialised from the SFT checkpoint) in place with DPO on `train` pairs.
+def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, reference_model, out_dir, tcfg,
+            beta: float = 0.1, resume: bool = False, stop_after: int | None = None, progress: bool = True,
+            data_id: str = "", sft: str | None = None) -> dict:
+    """Train `model` (the policy, initialised from the SFT checkpoint) in place with DPO on `train` pairs,
+    against the frozen `reference_model` (the SFT checkpoint, a separate copy).
 
-    reference: precomputed reference log-probs (see `reference_logprobs`) — or None to compute them from
-    reference_model, or on --resume to read them from the run. One step: draw batch_size pairs (with the
-    run's rng), forward chosen + rejected as one batch, DPO loss, backward, clip, AdamW on the trained
-    params (the MTP heads 1..K-1 stay frozen). Logged per step: loss, reward margin, reward / policy
+    One step: draw batch_size pairs (with the run's rng), forward chosen + rejected as one batch, DPO loss,
+    backward, clip, AdamW on the trained params (the MTP heads 1..K-1 stay frozen). The reference
+    log-probs of a pair are computed the first time it is drawn (forward only) and kept: they never
+    change, and are saved with every checkpoint (`reference.safetensors`, NaN = not drawn yet); those of
+    the held-out pairs are computed at the start. Logged per step: loss, reward margin, reward / policy
     accuracy; every eval_every steps the same on the held-out pairs. Checkpoints and resume work as in
-    `train.run_training` (bit-for-bit). Returns a summary dict."""
+    `train.run_training` (bit-for-bit; the reference must be the same weights). Returns a summary dict."""
     from types import SimpleNamespace
 
     from . import checkpoint as ckpt
@@ -566,6 +566,8 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
     rng = np.random.default_rng(tcfg.seed)
     pad_id = tokenizer.eos_id
     workspaces = Workspaces(cfg, model.dtype)  # the fast engine's buffers, reused step after step
+    ref_ws = Workspaces(cfg, reference_model.dtype)
+    ref_id = fingerprint(reference_model.params)
     describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
                 "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}
     if resume:
@@ -582,6 +584,9 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
             raise UserError(f"cannot resume {out_dir} with different settings: {', '.join(diff)}")
         if state["data"] != describe:
             raise UserError(f"cannot resume {out_dir}: the pair data differs from the run's ({state['data']})")
+        if state.get("reference") != ref_id:
+            raise UserError(f"cannot resume {out_dir}: the reference model is not the run's (weights differ from "
+                            f"those of {state.get('sft')})")
         reference = ckpt.read_tensors(out_dir / REFERENCE_FILE, "reference log-probs")
         rng.bit_generator.state = state["rng"]
         state["train_config"] = dataclasses.asdict(tcfg)
@@ -589,10 +594,16 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
     else:
         if (out_dir / "trainer.json").exists():
             raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
-        if reference is None:
-            reference = reference_logprobs(reference_model or model, train, val, pad_id, progress=progress)
-        state = {"kind": "dpo", "step": 0, "beta": beta, "sft": str(sft) if sft else None, "train_config": dataclasses.asdict(tcfg),
-                 "data": describe, "pairs_seen": 0, "elapsed_s": 0.0}
+        if reference_model.config != cfg:
+            raise UserError("the reference and the policy must have the same config")
+        vc, vr = pair_logprobs(cfg, reference_model.params, val, 16, pad_id, progress,
+                               "reference log-probs (held-out)", ref_ws)
+        reference = {"train.chosen": np.full(len(train), np.nan), "train.rejected": np.full(len(train), np.nan),
+                     "val.chosen": vc, "val.rejected": vr}
+        state = {"kind": "dpo", "step": 0, "beta": beta, "sft": str(sft) if sft else None, "reference": ref_id,
+                 "train_config": dataclasses.asdict(tcfg), "data": describe, "pairs_seen": 0, "elapsed_s": 0.0,
+                 # policy == reference: DPO loss log 2, reward accuracy 0, policy accuracy = the reference's
+                 "initial_eval": {f"val_{k}": v for k, v in preference_metrics(vc, vr, vc, vr, beta).items()}}
     for key, n in (("train.chosen", len(train)), ("train.rejected", len(train)), ("val.chosen", len(val)),
                    ("val.rejected", len(val))):
         if key not in reference or reference[key].shape != (n,):
@@ -609,8 +620,6 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
                          workspaces=workspaces)
         return {f"val_{k}": v for k, v in m.items()}
 
-    if not resume:
-        state["initial_eval"] = held_out()  # policy == reference: loss log 2, reward accuracy 0
     start_step = state["step"]
     end = min(tcfg.steps, start_step + (stop_after or tcfg.steps))
     bar = make_bar(progress, start_step, tcfg.steps, "dpo")
@@ -624,6 +633,11 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
             for _ in range(tcfg.grad_accum):
                 idx = rng.choice(len(train), micro, replace=False)
                 batch = train.batch(idx, pad_id, cfg.ctx_len)
+                todo = np.isnan(ref_c[idx])
+                if todo.any():  # first time these pairs are drawn: the reference's log-probs, once
+                    lp, _ = sequence_logprobs_forward(cfg, reference_model.params, batch.inputs, batch.targets,
+                                                      batch.mask, ref_ws)
+                    ref_c[idx[todo]], ref_r[idx[todo]] = lp[:micro][todo], lp[micro:][todo]
                 loss, m, g = dpo_loss_and_grads(cfg, model.params, batch, ref_c[idx], ref_r[idx], beta, workspaces)
                 parts.append(m | {"loss": loss})
                 if grads is None:

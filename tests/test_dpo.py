@@ -167,12 +167,13 @@ def _pairs(n, offset=0):
     return [{"prompt": f"q{i + offset}=", "chosen": "yes", "rejected": "no"} for i in range(n)]
 
 
-def _run(tok, out, steps, stop_after=None, resume=False, beta=0.5, **kw):
+def _run(tok, out, steps, stop_after=None, resume=False, beta=0.5, reference_seed=0, **kw):
     model = Model.load(out) if resume else Model.init(TINY, seed=0)
+    reference = Model.init(TINY, seed=reference_seed)
     train, val = tokenize_pairs(tok, _pairs(40), TINY.ctx_len), tokenize_pairs(tok, _pairs(8, 1000), TINY.ctx_len)
     tcfg = TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup=1, weight_decay=0.0, eval_every=4, ckpt_every=3,
                        **kw)
-    summary = run_dpo(model, tok, train, val, None, out, tcfg, beta=beta, resume=resume, stop_after=stop_after,
+    summary = run_dpo(model, tok, train, val, reference, out, tcfg, beta=beta, resume=resume, stop_after=stop_after,
                       progress=False, data_id="synthetic")
     return model, summary
 
@@ -199,13 +200,15 @@ def test_stop_and_resume_is_bitwise_identical_and_refuses_other_settings(tok, tm
     assert s1["step"] == 4 and not s1["finished"]
     with pytest.raises(UserError, match="beta"):
         _run(tok, tmp_path / "b", steps=7, resume=True, beta=0.2)
+    with pytest.raises(UserError, match="reference model is not the run's"):
+        _run(tok, tmp_path / "b", steps=7, resume=True, reference_seed=1)
     with pytest.raises(UserError, match="already holds"):
         _run(tok, tmp_path / "b", steps=7)
     _, s2 = _run(tok, tmp_path / "b", steps=7, resume=True)
     assert s2["finished"]
     for name in ("model.safetensors", "optimizer.safetensors", "reference.safetensors"):
         ta, tb = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
-        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta), name
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k], equal_nan=True) for k in ta), name
     la, lb = ((tmp_path / d / "log.jsonl").read_text().splitlines() for d in "ab")
     strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k not in ("pairs_per_s", "elapsed_s")}
                            for x in lines]

@@ -73,29 +73,32 @@ def run_dpo(args) -> int:
     from ..model import Model
 
     out = Path(args.out)
-    reference = None
+    sft = args.sft
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)
         state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
         tcfg = train_config_from_args(args, state.get("train_config", {}))
         beta = args.beta if args.beta is not None else state.get("beta", 0.1)
+        sft = sft or state.get("sft")
+        if not sft:
+            raise UserError("--sft RUN is required: the run does not record its reference checkpoint")
+        reference = Model.load(sft)
     else:
-        if not args.sft:
+        if not sft:
             raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
-        model, tok = Model.load(args.sft), load_tokenizer(args.sft)
-        reference = Model.load(args.sft)  # a separate copy: the policy is trained in place
+        model, tok = Model.load(sft), load_tokenizer(sft)
+        reference = Model.load(sft)  # a separate copy: the policy is trained in place
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
     train, held, data_id, _ = pair_records(args.data, args.val)
     ctx = model.config.ctx_len
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
-    print(f"{'resuming' if args.resume else 'preference-tuning'} {args.sft or out} -> {out}: {len(train_t)} train / "
+    print(f"{'resuming' if args.resume else 'preference-tuning'} {sft} -> {out}: {len(train_t)} train / "
           f"{len(held_t)} held-out pairs; {train_t.truncated + held_t.truncated} longer than {ctx + 1} tokens "
           f"(prompt start cut), {train_t.dropped + held_t.dropped} dropped (responses alone too long); "
           f"beta {beta}")
-    summary = train_dpo(model, tok, train_t, held_t, None, out, tcfg, beta=beta, resume=args.resume,
-                        stop_after=args.stop_after, progress=not args.no_progress,
-                        data_id=data_id, sft=args.sft, reference_model=reference)
+    summary = train_dpo(model, tok, train_t, held_t, reference, out, tcfg, beta=beta, resume=args.resume,
+                        stop_after=args.stop_after, progress=not args.no_progress, data_id=data_id, sft=sft)
     if args.json:
         print(json.dumps(summary | {"out": str(out), "beta": beta}))
     else:
