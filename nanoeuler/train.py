@@ -115,7 +115,8 @@ class PretrainSource:
 def save_training_checkpoint(out_dir: Path, model, tokenizer, opt: AdamW, state: dict) -> None:
     """model + config + tokenizer + AdamW moments + trainer state, as one atomic unit."""
     opt_tensors, opt_scalars = opt.state_dict()
-    writers = ckpt.model_writers(model.config, model.params, tokenizer)
+    params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
+    writers = ckpt.model_writers(model.config, params, tokenizer)
     writers["optimizer.safetensors"] = ckpt.tensors_writer(opt_tensors)
     writers["trainer.json"] = ckpt.json_writer(state | {"optimizer": opt_scalars})
     ckpt.save_files(out_dir, writers)
@@ -161,7 +162,9 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     """Train model in place on batches from source; checkpoints go to out_dir. Returns a summary dict."""
     out_dir = Path(out_dir)
     log_path = out_dir / "log.jsonl"
-    opt = AdamW(model.params, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    # a device model (nanoeuler.gpu.engine.GpuModel) brings its own AdamW, with the moments on the device
+    make_opt = getattr(model, "optimizer", None) or (lambda **kw: AdamW(model.params, **kw))
+    opt = make_opt(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     rng = np.random.default_rng(tcfg.seed)
     state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": source.describe(),
              "tokens_seen": 0, "elapsed_s": 0.0, "skipped_batches": 0}

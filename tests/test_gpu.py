@@ -225,3 +225,31 @@ def test_emulated_train_roundtrip(emu, tmp_path, monkeypatch):
     rt = check_train_roundtrip(steps=3, out_dir=tmp_path, min_drop=0.0)  # (the device run does 30 steps)
     assert rt["ok"], rt
     assert (tmp_path / "gpu_run" / "model.safetensors").exists()
+
+
+@needs_gxx
+def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
+    """The ordinary training loop drives a GpuModel: it learns, checkpoints (host copies), and resumes."""
+    from nanoeuler import Model
+    from nanoeuler.gpu.engine import GpuAdamW, GpuModel
+    from nanoeuler.train import TrainConfig, run_training
+    from train_fixtures import TINY, SyntheticSource
+    tcfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup=1, eval_every=4, eval_batches=0, ckpt_every=2, seed=0)
+    gm = GpuModel(Model.init(TINY, seed=0))
+    assert isinstance(gm.optimizer(lr=1e-3), GpuAdamW)
+    summary = run_training(gm, None, SyntheticSource(), tmp_path, tcfg, stop_after=2, progress=False)
+    assert summary["step"] == 2
+    cpu = Model.load(tmp_path)  # an ordinary checkpoint
+    for n, p in gm.host_params().items():
+        np.testing.assert_array_equal(cpu.params[n], p)
+    summary = run_training(GpuModel(cpu), None, SyntheticSource(), tmp_path, tcfg, resume=True, progress=False)
+    assert summary["finished"] and summary["step"] == 4 and np.isfinite(summary["val_loss"])
+
+
+def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "from nanoeuler.cli import main\n"
+            f"sys.exit(main(['train', '--device', 'gpu', '--out', {str(tmp_path / 'run')!r}, '--steps', '1']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: GPU unavailable: CuPy is not installed (pip install 'nanoeuler[gpu]')"

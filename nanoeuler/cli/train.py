@@ -26,6 +26,10 @@ def register(sub) -> None:
     add_hyperparameters(p)
     p.add_argument("--init-seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                   help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="GPU only: fp32, or bf16 mixed precision (bf16 matmuls and attention, fp32 master weights)")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.set_defaults(run=run_train)
 
@@ -115,6 +119,11 @@ def run_train(args) -> int:
         cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
         tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
         model = Model.init(cfg, seed=args.init_seed)
+    if args.device == "gpu":
+        from ..gpu.engine import GpuModel  # UserError when CuPy or a device is missing
+        model = GpuModel(model, precision=args.precision)
+    elif args.precision != "fp32":
+        raise UserError("--precision bf16 needs --device gpu")
     data = Path(args.data) if args.data else ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
     if args.resume:
         tok = load_tokenizer(out)

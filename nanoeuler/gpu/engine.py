@@ -113,7 +113,7 @@ class GpuModel:
         gpu_ops(precision)  # validates the precision
         self.config = model.config
         self.precision = precision
-        self._model = model if hasattr(next(iter(model.params.values())), "device") else to_gpu(model)
+        self._model = model if hasattr(next(iter(model.params.values())), "get") else to_gpu(model)  # cupy has .get
         self.params = self._model.params
 
     def loss_and_grads(self, tokens, loss_mask=None):
