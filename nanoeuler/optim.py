@@ -34,9 +34,11 @@ class AdamW:
             decay = dt(1.0 - lr * self.weight_decay) if p.ndim >= 2 and self.weight_decay else dt(1.0)
             if all(a.flags.c_contiguous and a.dtype == p.dtype for a in (g, m, v)) and p.flags.c_contiguous:
                 # one fused, parallel pass (nanoeuler/fast/kernels.py), rounding exactly as the lines below
-                from .fast.kernels import adamw_update
-                adamw_update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), dt(b1), dt(1.0 - b1),
-                             dt(b2), dt(1.0 - b2), decay, dt(bc2_sqrt), dt(self.eps), dt(lr / bc1))
+                from .fast import kernels
+                update = kernels.adamw_update if p.size >= kernels.SERIAL_BELOW else kernels.adamw_update_serial
+                with kernels.LOCK:
+                    update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), dt(b1), dt(1.0 - b1),
+                           dt(b2), dt(1.0 - b2), decay, dt(bc2_sqrt), dt(self.eps), dt(lr / bc1))
                 continue
             m *= dt(b1)
             m += dt(1.0 - b1) * g

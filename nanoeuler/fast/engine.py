@@ -12,6 +12,7 @@ organised for speed:
   cross-entropy are fused numba kernels working in place (kernels.py);
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
   gate/up matmuls (from the residual stream and the saved 1/rms) and the SwiGLU output;
+- every matmul is split by output rows over the cores, each part on single-threaded BLAS (blas.py);
 - the K output heads are done one at a time: logits [N, V] of head k, its loss and dlogits in place,
   then its two backward matmuls; only one [N, V] buffer exists.
 
@@ -27,6 +28,7 @@ import numpy as np
 from .. import ops
 from ..config import Config
 from . import kernels as K
+from .blas import matmul, single_threaded_blas
 
 N_CHUNKS = 32  # fixed number of row chunks for the RMSNorm weight-gradient partial sums (determinism)
 
@@ -99,9 +101,9 @@ def _matmul_into(a, b, outs):
     """a @ b written into the row blocks `outs` (adjacent arrays: directly; otherwise through a temporary)."""
     view = _stacked(outs)
     if view is not None:
-        np.matmul(a, b, out=view)
+        matmul(a, b, out=view)
         return
-    tmp = np.matmul(a, b)
+    tmp = matmul(a, b, out=np.empty((a.shape[0], b.shape[1]), dtype=b.dtype))
     off = 0
     for o in outs:
         o[...] = tmp[off:off + o.shape[0]]
@@ -124,15 +126,15 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
         x, mid = ws.X[i], ws.M[i]
         # attention sub-block
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])
-        np.matmul(ws.h, wqkv.T, out=ws.QKV[i])                                 # [N, (H+2Hkv)·hd]
+        matmul(ws.h, wqkv.T, out=ws.QKV[i])                                 # [N, (H+2Hkv)·hd]
         K.attention_forward(ws.QKV[i], cos, sin, ws.qscale, H, Hkv, ws.P[i], ws.A[i])  # P, A [N, H·hd]
-        np.matmul(ws.A[i], P[p + "attn.wo.weight"].T, out=ws.t)
+        matmul(ws.A[i], P[p + "attn.wo.weight"].T, out=ws.t)
         np.add(x, ws.t, out=mid)
         # feed-forward sub-block
         K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, ws.h, ws.r2[i])
-        np.matmul(ws.h, wgu.T, out=ws.GU[i])                                   # [N, 2F]
+        matmul(ws.h, wgu.T, out=ws.GU[i])                                   # [N, 2F]
         K.swiglu_forward(ws.GU[i], ws.s)                                       # [N, F]
-        np.matmul(ws.s, P[p + "ffn.down.weight"].T, out=ws.t)
+        matmul(ws.s, P[p + "ffn.down.weight"].T, out=ws.t)
         np.add(mid, ws.t, out=ws.X[i + 1])
     K.rmsnorm_forward(ws.X[cfg.n_layers], P["norm.weight"], eps, ws.hf, ws.rf)
 
@@ -148,15 +150,15 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
         tk = targets[k]
         n = int(np.count_nonzero(tk >= 0))
         scale = ws.logits.dtype.type(1.0 / (n * Kh)) if n else ws.logits.dtype.type(0.0)
-        np.matmul(ws.hf, W.T, out=ws.logits)                                   # [N, V]
+        matmul(ws.hf, W.T, out=ws.logits)                                   # [N, V]
         K.cross_entropy(ws.logits, tk, scale, ws.losses, grads is not None)    # logits := dlogits
         losses.append(float(ws.losses.sum() / n) if n else 0.0)
         if grads is not None:
-            np.matmul(ws.logits.T, ws.hf, out=grads[f"heads.{k}.weight"])      # [V, d]
+            matmul(ws.logits.T, ws.hf, out=grads[f"heads.{k}.weight"])      # [V, d]
             if k == 0:
-                np.matmul(ws.logits, W, out=ws.dh)                             # [N, d]
+                matmul(ws.logits, W, out=ws.dh)                             # [N, d]
             else:
-                np.matmul(ws.logits, W, out=ws.t)
+                matmul(ws.logits, W, out=ws.t)
                 ws.dh += ws.t
     return losses, sum(losses) / Kh
 
@@ -176,22 +178,22 @@ def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) 
         x, mid, GU = ws.X[i], ws.M[i], ws.GU[i]
         # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
         K.swiglu_forward(GU, ws.s)                                             # recompute s [N, F]
-        np.matmul(dx.T, ws.s, out=grads[p + "ffn.down.weight"])                # [d, F]
-        np.matmul(dx, P[p + "ffn.down.weight"], out=ws.s)                      # ds [N, F]
+        matmul(dx.T, ws.s, out=grads[p + "ffn.down.weight"])                # [d, F]
+        matmul(dx, P[p + "ffn.down.weight"], out=ws.s)                      # ds [N, F]
         K.swiglu_backward(ws.s, GU)                                            # GU := [dg | du]
         K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, ws.h, ws.r2[i])  # recompute h2
         _matmul_into(GU.T, ws.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
-        np.matmul(GU, ws.wgu[i], out=ws.dh)                                    # [N, d]
+        matmul(GU, ws.wgu[i], out=ws.dh)                                    # [N, d]
         K.rmsnorm_backward(ws.dh, mid, ws.r2[i], P[p + "ffn_norm.weight"], dx, ws.dw_part)
         np.sum(ws.dw_part, axis=0, out=grads[p + "ffn_norm.weight"])
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
-        np.matmul(dx.T, ws.A[i], out=grads[p + "attn.wo.weight"])              # [d, H·hd]
-        np.matmul(dx, P[p + "attn.wo.weight"], out=ws.A[i])                    # dA [N, H·hd] (A is spent)
+        matmul(dx.T, ws.A[i], out=grads[p + "attn.wo.weight"])              # [d, H·hd]
+        matmul(dx, P[p + "attn.wo.weight"], out=ws.A[i])                    # dA [N, H·hd] (A is spent)
         K.attention_backward(ws.QKV[i], cos, sin, ws.qscale, Hkv, ws.P[i], ws.A[i], ws.dqkv)  # [N, (H+2Hkv)·hd]
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])   # recompute h1
         _matmul_into(ws.dqkv.T, ws.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
                                       grads[p + "attn.wv.weight"]])
-        np.matmul(ws.dqkv, ws.wqkv[i], out=ws.dh)
+        matmul(ws.dqkv, ws.wqkv[i], out=ws.dh)
         K.rmsnorm_backward(ws.dh, x, ws.r1[i], P[p + "attn_norm.weight"], dx, ws.dw_part)
         np.sum(ws.dw_part, axis=0, out=grads[p + "attn_norm.weight"])
     K.embedding_backward(dx, ids, grads["embed.weight"])
@@ -210,9 +212,10 @@ def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Work
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
     if grads is None:
         grads = grad_buffers(cfg, ws.X.dtype)
-    forward(cfg, P, inputs, ws)
-    losses, objective = heads(cfg, P, targets, ws, grads)
-    backward(cfg, P, inputs.reshape(-1), ws, grads)
+    with K.LOCK, single_threaded_blas():
+        forward(cfg, P, inputs, ws)
+        losses, objective = heads(cfg, P, targets, ws, grads)
+        backward(cfg, P, inputs.reshape(-1), ws, grads)
     return losses[0], objective, grads
 
 
@@ -220,6 +223,7 @@ def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace):
     """Forward only: (head-0 loss, objective)."""
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
-    forward(cfg, P, inputs, ws)
-    losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
+    with K.LOCK, single_threaded_blas():
+        forward(cfg, P, inputs, ws)
+        losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
     return losses[0], objective
