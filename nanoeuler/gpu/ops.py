@@ -58,6 +58,24 @@ def wmma_supported(hd: int) -> bool:
     return hd % 16 == 0 and hd <= 64
 
 
+_wmma_ok: dict[int, bool] = {}
+
+
+def wmma_available(hd: int) -> bool:
+    """Whether the tensor-core kernels compile here (NVRTC needs the CUDA headers); if not, warn once and
+    let the bf16 mode fall back to the CUDA-core FlashAttention instead of failing the run."""
+    if hd not in _wmma_ok:
+        try:
+            get_kernel("flash_attention_wmma", "flash_wmma_fwd", (("FA_HD", hd),))
+            _wmma_ok[hd] = True
+        except Exception as e:  # CompileException, missing headers (UserError), ...
+            import warnings
+            warnings.warn(f"tensor-core FlashAttention unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "using the CUDA-core kernel", RuntimeWarning, stacklevel=2)
+            _wmma_ok[hd] = False
+    return _wmma_ok[hd]
+
+
 def flash_forward(q, k, v, kernel: str = "f32"):
     """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (float32 for "f32", uint16 bf16 bits otherwise)
     -> o [B, H, Tq, hd] f32, lse [B, H, Tq] f32."""
@@ -192,7 +210,7 @@ class GpuOps:
     def flash_kernel(self, hd: int) -> str:
         if not self.bf16:
             return "f32"
-        return "wmma" if self.tensor_core_attention and wmma_supported(hd) else "bf16"
+        return "wmma" if self.tensor_core_attention and wmma_supported(hd) and wmma_available(hd) else "bf16"
 
     def __repr__(self):
         return f"GpuOps({self.precision!r})"
