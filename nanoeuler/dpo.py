@@ -469,16 +469,16 @@ def preference_metrics(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
 
 
 def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progress: bool = True) -> dict:
-    """Greedy answers to each pair's prompt; correct when (normalized) equal to `chosen`. Accuracy is over
-    pairs whose task is scored in `sft.SCORED` (or that have no task); also per task, and how often the
-    answer is the pair's `rejected` response."""
+    """Greedy answers to each pair's prompt; correct when it ends with </s> and (normalized) equals `chosen`.
+    Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
+    are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
     from .generate import generate
     from .sft import SCORED, normalize
     rows = []
-    it = pairs
+    it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]
     if progress:
         from tqdm import tqdm
-        it = tqdm(pairs, desc="greedy answers", unit="prompt", dynamic_ncols=True)
+        it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
     ctx = model.config.ctx_len
     for p in it:
         ids = tok.encode(p["prompt"])[-ctx:]
@@ -488,7 +488,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
         ok = g.stopped and normalize(text) == normalize(p["chosen"])
         rows.append({"task": p.get("task", ""), "answer": text, "expected": p["chosen"], "correct": ok,
                      "said_rejected": normalize(text) == normalize(p["rejected"])})
-    scored = [r for r in rows if r["task"] in SCORED or not r["task"]]
+    scored = rows
     per_task = {}
     for task in sorted({r["task"] for r in rows}):
         xs = [r for r in rows if r["task"] == task]
