@@ -146,10 +146,11 @@ class SFTSource:
     def __init__(self, tok, train_records: list[dict], val_records: list[dict], batch_size: int, ctx: int,
                  n_mtp: int, pack: bool = True, data_id: str = ""):
         self.length = ctx + n_mtp  # a row: T inputs + K more targets
+        self.max_example = ctx + 1
         self.batch_size, self.pack, self.pad_id, self.data_id = batch_size, pack, tok.eos_id, data_id
         # an example of up to T+1 tokens has every response token and its </s> as a head-0 target
-        self.train = render_all(tok, train_records, ctx + 1)
-        self.val = render_all(tok, val_records, ctx + 1)
+        self.train = render_all(tok, train_records, self.max_example)
+        self.val = render_all(tok, val_records, self.max_example)
         if not self.train.examples:
             raise UserError(f"no SFT example fits the context of {ctx} tokens (prompt alone too long)")
         if not self.val.examples:
@@ -180,7 +181,8 @@ class SFTSource:
     def describe(self) -> dict:
         return {"kind": "sft", "data": self.data_id, "train_examples": len(self.train.examples),
                 "val_examples": len(self.val.examples), "truncated": self.train.truncated + self.val.truncated,
-                "dropped": self.train.dropped + self.val.dropped, "batch_size": self.batch_size,
+                "dropped": self.train.dropped + self.val.dropped, "max_example": self.max_example,
+                "batch_size": self.batch_size,
                 "length": self.length, "pack": self.pack}
 
 

@@ -115,7 +115,7 @@ def run_sft(args) -> int:
     d = source.describe()
     print(f"{'resuming' if args.resume else 'fine-tuning'} {args.base or out} -> {out}: {d['train_examples']} train / "
           f"{d['val_examples']} validation examples, {d['truncated']} truncated, {d['dropped']} dropped "
-          f"(longer than {d['length']} tokens)")
+          f"(longer than {d['max_example']} tokens)")
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress, kind="sft")
     summary |= {"truncated": d["truncated"], "dropped": d["dropped"]}
