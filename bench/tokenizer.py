@@ -5,7 +5,8 @@ order) with vocab size 4096, prints:
   - training time: ours vs HF `BpeTrainer` (HF with its default thread pool, and with 1 thread);
   - single-process encode MB/s: ours (a fresh tokenizer, so its cache starts cold) vs the HF tokenizer
     exported from ours vs a `tiktoken.Encoding` built from our merges, per document;
-  - that all three produce identical ids on the whole text, and bytes per token.
+  - that all three produce identical ids on the whole text, and bytes per token (also on held-out works
+    with a tokenizer trained on the others).
 Also a parity/speed line on synthetic "varied" text (many scripts, digits, emoji, odd whitespace),
 where almost every word is new, so caching does not help.
 
@@ -156,6 +157,12 @@ def main() -> None:
     same = ours[2] == hf_r[2] == tt_r[2]
     n_tokens = sum(len(x) for x in ours[2])
 
+    from nanoeuler.corpus import bundled_split, bundled_works
+    works, (train_names, val_names) = bundled_works(), bundled_split()
+    held = Tokenizer.train([works[n] for n in train_names], args.vocab_size, progress=False)
+    val_bytes = sum(len(works[n].encode("utf-8")) for n in val_names)
+    val_tokens = sum(len(held.encode_array(works[n])) for n in val_names)
+
     varied = varied_text(int(args.varied_mb * 1e6), seed=1)
     vdocs = [varied[i:i + 100_000] for i in range(0, len(varied), 100_000)]
     vbytes = len(varied.encode("utf-8"))
@@ -178,6 +185,7 @@ def main() -> None:
         "encode_speed_ratio": {"ours_over_hf": [round(hf_r[0] / ours[0], 2), round(hf_r[1] / ours[1], 2)],
                                "ours_over_tiktoken": [round(tt_r[0] / ours[0], 2), round(tt_r[1] / ours[1], 2)]},
         "identical_ids": same, "tokens": n_tokens, "bytes_per_token": round(nbytes / n_tokens, 4),
+        "bytes_per_token_held_out": round(val_bytes / val_tokens, 4),
         "varied": {"mb": round(vbytes / 1e6, 2), "identical_ids": v_same,
                    "encode_mb_s_wall_cpu": {"ours": mbs(v_ours, vbytes), "hf": mbs(v_hf, vbytes),
                                             "tiktoken": mbs(v_tt, vbytes)}},
@@ -200,6 +208,8 @@ def main() -> None:
           f"ours / tiktoken: {r['ours_over_tiktoken'][0]}x wall, {r['ours_over_tiktoken'][1]}x CPU")
     print(f"identical ids (ours, HF, tiktoken) on all {res['text_mb']} MB: {same}; "
           f"{n_tokens} tokens, bytes per token: {res['bytes_per_token']}")
+    print(f"bytes per token on held-out English (trained on the 37 training works, measured on the 5 held-out "
+          f"works): {res['bytes_per_token_held_out']}")
     v = res["varied"]["encode_mb_s_wall_cpu"]
     print(f"varied synthetic text ({res['varied']['mb']} MB, mostly unseen words): identical ids: {v_same}; "
           f"encode MB/s ours {cell(v['ours'])}, HF {cell(v['hf'])}, tiktoken {cell(v['tiktoken'])}")
