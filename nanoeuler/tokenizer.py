@@ -166,6 +166,28 @@ class Tokenizer:
         Unique pre-tokens are counted once (compiled scanner + hash table), then every merge updates only
         the pair counts around the positions it touches. Ties: the smallest (left id, right id) wins.
         """
+        def utf8():
+            for text in texts:
+                if not isinstance(text, str):
+                    raise UserError(f"training texts must be str, got {type(text).__name__}")
+                yield text.encode("utf-8", "surrogatepass")
+        return cls._train_utf8(utf8(), vocab_size, specials, progress)
+
+    @classmethod
+    def train_files(cls, paths: Iterable[str | Path], vocab_size: int, specials=("</s>",),
+                    progress: bool = True) -> Tokenizer:
+        """Train on text files, read as bytes in ~4 MB blocks cut where no pre-token changes (any size;
+        bytes that are not UTF-8 are learned as they are)."""
+        paths = [Path(p) for p in paths]
+        for p in paths:
+            if not p.is_file():
+                raise UserError(f"training file not found: {p}")
+        total = sum(p.stat().st_size for p in paths)
+        return cls._train_utf8(_read_blocks(paths), vocab_size, specials, progress, total)
+
+    @classmethod
+    def _train_utf8(cls, blocks: Iterable[bytes], vocab_size: int, specials, progress: bool,
+                    total: int | None = None) -> Tokenizer:
         from tqdm import tqdm
 
         from . import bpe_fast as bf
@@ -177,6 +199,7 @@ class Tokenizer:
         if n_merges < 0:
             raise UserError(f"vocab size {vocab_size} is too small: it must be at least 256 byte tokens + "
                             f"{len(specials)} special token(s) = {256 + len(specials)}")
+        # 1. count unique pre-tokens: an open-addressing table of (hash, offset, length, count), bytes in pool
         table = bf.char_classes()
         cap = 1 << 16
         h_hash, h_off = np.zeros(cap, np.uint64), np.zeros(cap, np.int64)
@@ -184,13 +207,10 @@ class Tokenizer:
         pool = np.empty(1 << 20, np.uint8)
         state = np.zeros(3, np.int64)
         content = False
-        bar = tqdm(desc="count pre-tokens", unit="B", unit_scale=True, disable=not progress)
-        for text in texts:
-            if not isinstance(text, str):
-                raise UserError(f"training texts must be str, got {type(text).__name__}")
-            if not content and text and not text.isspace():
+        bar = tqdm(total=total, desc="count pre-tokens", unit="B", unit_scale=True, disable=not progress)
+        for data in blocks:
+            if not content and data and not data.isspace():
                 content = True
-            data = text.encode("utf-8", "surrogatepass")
             cuts = cut_points(data) if len(data) > CHUNK_BYTES else [0, len(data)]
             for s, e in zip(cuts, cuts[1:]):
                 buf = np.frombuffer(data, np.uint8, e - s, s)
@@ -210,6 +230,7 @@ class Tokenizer:
             raise UserError(f"too much distinct text to train on ({state[0]} unique pre-tokens, "
                             f"{int(w_len.sum())} bytes); train the tokenizer on a sample of the corpus")
 
+        # 2. merges, in chunks of 256 so that the progress bar moves (the state is passed through)
         st = list(bf.train_init(pool, w_off, w_len, w_cnt))
         h_c, h_p, h_size = bf.heap_build(st[5], st[6], st[10])
         toks = list(bf.token_tables(256 + n_merges))
@@ -219,29 +240,15 @@ class Tokenizer:
         while done < n_merges:
             stop = min(n_merges, done + 256)
             out = bf.train_merges(*st, h_c, h_p, h_size, *toks, banned, done, stop)
-            st = list(out[:12])
-            h_c, h_p, h_size = out[12:15]
-            toks = list(out[15:21])
-            banned = out[21]
+            st, (h_c, h_p, h_size), toks, banned = list(out[:12]), out[12:15], list(out[15:21]), out[21]
             bar.update(out[22] - done)
-            if out[22] < stop:  # no pair left: the corpus is too small for this vocabulary
-                done = out[22]
-                break
             done = out[22]
+            if done < stop:  # no pair left: the text is too small for this vocabulary
+                break
         bar.close()
         left, right = toks[0], toks[1]
         merges = list(zip(left[256:256 + done].tolist(), right[256:256 + done].tolist()))
         return cls(merges, specials)
-
-    @classmethod
-    def train_files(cls, paths: Iterable[str | Path], vocab_size: int, specials=("</s>",),
-                    progress: bool = True) -> Tokenizer:
-        """Train on text files, read in ~4 MB pieces cut at line ends (files of any size)."""
-        paths = [Path(p) for p in paths]
-        for p in paths:
-            if not p.is_file():
-                raise UserError(f"training file not found: {p}")
-        return cls.train(_read_chunks(paths), vocab_size, specials, progress)
 
     # -- encoding -----------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
@@ -490,17 +497,30 @@ def _show(b: bytes) -> str:
     return repr(s)[1:-1] if not s.isprintable() or "'" in s else f"'{s}'"
 
 
-def _read_chunks(paths: list[Path], size: int = 1 << 22) -> Iterator[str]:
-    """The files' text in ~size pieces, each ending at a line end (so no word is cut in two)."""
+def _last_cut(block: bytes) -> int:
+    """The last offset of block where cut_points could cut (0 if none).  _last_cut(b"ab cd") -> 2"""
+    i = len(block)
+    while True:
+        j = max(block.rfind(b" ", 0, i), block.rfind(b"\n", 0, i))
+        if j <= 0:
+            return 0
+        if 0x21 <= block[j - 1] <= 0x7E:
+            return j
+        i = j
+
+
+def _read_blocks(paths: list[Path], size: int | None = None) -> Iterator[bytes]:
+    """The files' bytes in ~size blocks, each cut where the pre-tokens do not change (see cut_points)."""
+    size = size or CHUNK_BYTES
     for path in paths:
-        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
-            rest = ""
+        with open(path, "rb") as f:
+            rest = b""
             while True:
                 block = f.read(size)
                 if not block:
                     break
                 block = rest + block
-                cut = block.rfind("\n") + 1
+                cut = _last_cut(block)
                 if cut == 0:
                     rest = block
                     continue

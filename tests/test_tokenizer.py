@@ -125,6 +125,21 @@ def test_long_text_is_encoded_in_chunks(tok, shakespeare, monkeypatch):
     assert Tokenizer.train([text], 500, progress=False).merges == merges
 
 
+def test_train_files_equals_train(shakespeare, tmp_path, monkeypatch):
+    a, b = shakespeare[:120_000], shakespeare[700_000:760_000] + "  \n\t tail"
+    (tmp_path / "a.txt").write_text(a, encoding="utf-8")
+    (tmp_path / "b.txt").write_text(b, encoding="utf-8")
+    want = Tokenizer.train([a, b], 450, progress=False).merges
+    monkeypatch.setattr(tokenizer_module, "CHUNK_BYTES", 5000)  # read in many small blocks
+    assert tokenizer_module._last_cut(b"ab cd") == 2
+    got = Tokenizer.train_files([tmp_path / "a.txt", tmp_path / "b.txt"], 450, progress=False)
+    assert got.merges == want
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe caf\xc3\xa9 \xff\xfe " * 50)  # not UTF-8: learned as bytes
+    raw = Tokenizer.train_files([tmp_path / "bin.txt"], 270, progress=False)
+    assert b"\xff\xfe" in {raw.token_bytes(i) for i in range(raw.vocab_size)}
+    assert raw.decode_bytes(raw.encode_bytes(b"\xff\xfe caf\xc3\xa9")) == b"\xff\xfe caf\xc3\xa9"
+
+
 def test_long_pieces_and_cache_overflow(tok):
     text = "a" * 3000 + " " * 500 + "x" + "1234567890" * 50 + "!?" * 400 + " " + "ab" * 700
     assert tok.encode(text) == reference_ids(tok, text)
