@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 KERNEL_FILES = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
 TOL = 1e-5
 # (file, -D defines): flash_attention is compiled once per head dimension by the loader
+# (the head-dim-128 build of flash_attention.cu is left to scripts/gpu_check.sh: slow to compile here)
 BUILDS = [(name, ()) for name in KERNEL_FILES if not name.startswith("flash_attention")] + \
-         [("flash_attention", (("FA_HD", 64),)), ("flash_attention", (("FA_HD", 128),)),
-          ("flash_attention_wmma", (("FA_HD", 64),)), ("flash_attention_wmma", (("FA_HD", 32),))]
+         [("flash_attention", (("FA_HD", 64),)), ("flash_attention_wmma", (("FA_HD", 64),)),
+          ("flash_attention_wmma", (("FA_HD", 32),))]
 
 
 def test_every_kernel_file_is_covered():
@@ -57,7 +58,7 @@ def _nvrtc_program():
         pytest.skip(f"NVRTC unavailable here: {type(e).__name__}")
 
 
-@pytest.mark.parametrize("name,defines", [b for b in BUILDS if b[1] != (("FA_HD", 128),)], ids=lambda x: str(x))
+@pytest.mark.parametrize("name,defines", BUILDS, ids=lambda x: str(x))
 def test_nvrtc_compiles_loader_source(name, defines):
     program = _nvrtc_program()
     options = ("--std=c++17", "-arch=compute_90") + tuple(f"-D{k}={v}" for k, v in defines)
@@ -149,7 +150,7 @@ def test_emulated_training_step_and_checkpoint_roundtrip(emu, tmp_path):
     cpu = Model.init(cfg, seed=3)
     gm = engine.to_gpu(cpu)
     tokens = np.random.default_rng(0).integers(0, 40, (2, 14))
-    l_ref, o_ref, g_ref = cpu.loss_and_grads(tokens)
+    l_ref, o_ref, g_ref = cpu.loss_and_grads(tokens, reference=True)
     l, o, g = engine.loss_and_grads(gm, tokens)
     assert abs(l - l_ref) < 1e-5 and abs(o - o_ref) < 1e-5
     AdamW(cpu.params, lr=1e-2).step(cpu.params, g_ref)
@@ -159,8 +160,8 @@ def test_emulated_training_step_and_checkpoint_roundtrip(emu, tmp_path):
         np.testing.assert_allclose(back.params[n], cpu.params[n], atol=1e-4, rtol=0)  # 1% of a step
     back.save(tmp_path / "run")
     loaded = Model.load(tmp_path / "run")
-    assert loaded.loss(tokens)[0] == pytest.approx(back.loss(tokens)[0], rel=1e-6)
-    assert engine.loss(gm, tokens)[0] == pytest.approx(loaded.loss(tokens)[0], abs=1e-5)
+    assert loaded.loss(tokens, reference=True)[0] == pytest.approx(back.loss(tokens, reference=True)[0], rel=1e-6)
+    assert engine.loss(gm, tokens)[0] == pytest.approx(loaded.loss(tokens, reference=True)[0], abs=1e-5)
 
 
 # ---- without CuPy ---------------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def test_emulated_train_roundtrip(emu, tmp_path, monkeypatch):
     from nanoeuler.gpu.check import check_train_roundtrip
     tiny = Config(vocab_size=32, dim=32, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=32, n_mtp=2)
     monkeypatch.setitem(config.PRESETS, "small", tiny)
-    rt = check_train_roundtrip(steps=3, out_dir=tmp_path, min_drop=0.0)  # (the device run does 30 steps)
+    rt = check_train_roundtrip(steps=2, out_dir=tmp_path, min_drop=0.0)  # (the device run does 30 steps)
     assert rt["ok"], rt
     assert (tmp_path / "gpu_run" / "model.safetensors").exists()
 
@@ -234,16 +235,17 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     from nanoeuler.gpu.engine import GpuAdamW, GpuModel
     from nanoeuler.train import TrainConfig, run_training
     from train_fixtures import TINY, SyntheticSource
-    tcfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, warmup=1, eval_every=4, eval_batches=0, ckpt_every=2, seed=0)
+    tcfg = TrainConfig(steps=2, batch_size=2, lr=1e-2, warmup=1, eval_every=2, eval_batches=0, ckpt_every=1, seed=0)
     gm = GpuModel(Model.init(TINY, seed=0))
     assert isinstance(gm.optimizer(lr=1e-3), GpuAdamW)
-    summary = run_training(gm, None, SyntheticSource(), tmp_path, tcfg, stop_after=2, progress=False)
-    assert summary["step"] == 2
+    summary = run_training(gm, None, SyntheticSource(batch_size=2), tmp_path, tcfg, stop_after=1, progress=False)
+    assert summary["step"] == 1
     cpu = Model.load(tmp_path)  # an ordinary checkpoint
     for n, p in gm.host_params().items():
         np.testing.assert_array_equal(cpu.params[n], p)
-    summary = run_training(GpuModel(cpu), None, SyntheticSource(), tmp_path, tcfg, resume=True, progress=False)
-    assert summary["finished"] and summary["step"] == 4 and np.isfinite(summary["val_loss"])
+    summary = run_training(GpuModel(cpu), None, SyntheticSource(batch_size=2), tmp_path, tcfg, resume=True,
+                           progress=False)
+    assert summary["finished"] and summary["step"] == 2 and np.isfinite(summary["val_loss"])
 
 
 def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):

@@ -1,21 +1,19 @@
 // A CPU emulation of the little CUDA the kernels in nanoeuler/gpu/kernels use, so their logic (indexing,
 // masking, barriers, online softmax) can be tested on machines without a GPU: g++ compiles the .cu
-// source as C++ with this header in front, and every CUDA thread of a block becomes a std::thread.
+// source as C++ with this header in front, and every CUDA thread of a block becomes a fiber.
 //
-//  - blocks run one after another on a pool of blockDim worker threads, which meet at a barrier
-//    (__syncthreads); a thread that returns early stops counting for the barrier, as on a GPU;
+//  - blocks run one after another; their threads are fibers that meet at __syncthreads (each runs up to
+//    the barrier, then the next); a thread that returns early stops counting for the barrier, as on a GPU;
 //  - __shared__ variables become `static` (one copy, shared by the block's threads; blocks are sequential);
 //  - warp shuffles are emulated through a block-wide exchange buffer and two barriers, which is correct
 //    only when every thread of the block calls them together (true for block_sum / block_max).
 #pragma once
-#include <condition_variable>
-#include <mutex>
+#include <ucontext.h>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <math.h>
 #include <type_traits>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -27,42 +25,72 @@
 #define __align__(n) __attribute__((aligned(n)))
 
 struct emu_uint3 { unsigned int x, y, z; };
-inline thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
+inline emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
 inline float emu_exchange[1024];
 
-// The block being run: `active` threads are still inside the kernel body; __syncthreads releases once
-// every active thread has arrived (a thread that returned no longer counts, as on a GPU).
-struct EmuBlock {
-    std::mutex mu;
-    std::condition_variable cv;
-    int active = 0, arrived = 0;
-    long phase = 0, generation = 0;
-    bool stop = false;
-    emu_uint3 block{0, 0, 0};
-
-    void sync() {
-        std::unique_lock<std::mutex> lk(mu);
-        const long my = phase;
-        if (++arrived == active) { arrived = 0; ++phase; cv.notify_all(); }
-        else cv.wait(lk, [&] { return phase != my; });
-    }
-    void leave() {
-        std::unique_lock<std::mutex> lk(mu);
-        --active;
-        if (active > 0 && arrived == active) { arrived = 0; ++phase; }  // the others waited only for us
-        cv.notify_all();
-    }
+// A block's threads are fibers (ucontext) on the calling OS thread, run round-robin: each runs until it
+// reaches __syncthreads (or returns), then the next one runs; when every live fiber has arrived, the
+// barrier opens and the next round starts. A returned thread no longer counts, as on a GPU.
+// The scheduler sets threadIdx before resuming a fiber, so kernels read it as usual.
+struct EmuFibers {
+    ucontext_t scheduler;
+    std::vector<ucontext_t> ctx;
+    std::vector<std::vector<char>> stacks;
+    std::vector<char> done;
+    unsigned current = 0;
+    const std::function<void()>* body = nullptr;
 };
-inline EmuBlock* emu_block = nullptr;
+inline EmuFibers* emu_fibers = nullptr;
 
-inline void __syncthreads() { emu_block->sync(); }
+inline void emu_fiber_main() {
+    (*emu_fibers->body)();
+    emu_fibers->done[emu_fibers->current] = 1;  // returning resumes the scheduler (uc_link)
+}
+
+inline void __syncthreads() { swapcontext(&emu_fibers->ctx[emu_fibers->current], &emu_fibers->scheduler); }
 
 inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
     emu_exchange[threadIdx.x] = v;
-    emu_block->sync();
+    __syncthreads();
     const float other = emu_exchange[threadIdx.x ^ lane_mask];
-    emu_block->sync();
+    __syncthreads();
     return other;
+}
+
+inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const std::function<void()>& body) {
+    const size_t stack_size = 256 * 1024;
+    EmuFibers f;
+    f.ctx.resize(bx);
+    f.stacks.assign(bx, std::vector<char>(stack_size));
+    f.done.assign(bx, 0);
+    f.body = &body;
+    emu_fibers = &f;
+    blockDim = {bx, 1, 1};
+    gridDim = {gx, gy, gz};
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                blockIdx = {x, y, z};
+                for (unsigned t = 0; t < bx; ++t) {
+                    f.done[t] = 0;
+                    getcontext(&f.ctx[t]);
+                    f.ctx[t].uc_stack.ss_sp = f.stacks[t].data();
+                    f.ctx[t].uc_stack.ss_size = stack_size;
+                    f.ctx[t].uc_link = &f.scheduler;
+                    makecontext(&f.ctx[t], emu_fiber_main, 0);
+                }
+                for (bool live = true; live;) {  // one round = every live thread up to its next barrier
+                    live = false;
+                    for (unsigned t = 0; t < bx; ++t) {
+                        if (f.done[t]) continue;
+                        f.current = t;
+                        threadIdx = {t, 0, 0};
+                        swapcontext(&f.scheduler, &f.ctx[t]);
+                        live |= !f.done[t];
+                    }
+                }
+            }
+    emu_fibers = nullptr;
 }
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -71,56 +99,13 @@ inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
-// Run body on a grid of (gx, gy, gz) blocks of bx threads: bx worker threads, the blocks in turn.
-inline void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const std::function<void()>& body) {
-    EmuBlock blk;
-    emu_block = &blk;
-    std::vector<std::thread> workers;
-    for (unsigned t = 0; t < bx; ++t)
-        workers.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            blockDim = {bx, 1, 1};
-            gridDim = {gx, gy, gz};
-            long seen = 0;
-            for (;;) {
-                {
-                    std::unique_lock<std::mutex> lk(blk.mu);
-                    blk.cv.wait(lk, [&] { return blk.stop || blk.generation != seen; });
-                    if (blk.stop) return;
-                    seen = blk.generation;
-                    blockIdx = blk.block;
-                }
-                body();
-                blk.leave();
-            }
-        });
-    for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                std::unique_lock<std::mutex> lk(blk.mu);
-                blk.block = {x, y, z};
-                blk.active = (int)bx;
-                blk.arrived = 0;
-                ++blk.generation;
-                blk.cv.notify_all();
-                blk.cv.wait(lk, [&] { return blk.active == 0; });
-            }
-    {
-        std::unique_lock<std::mutex> lk(blk.mu);
-        blk.stop = true;
-        blk.cv.notify_all();
-    }
-    for (auto& w : workers) w.join();
-    emu_block = nullptr;
-}
-
 // ---- warp-level matrix multiply (nvcuda::wmma), 16x16x16 bf16 -> fp32 only --------------------------
 // Each thread holds the whole 16x16 tile (row-major) instead of its share: loads and products are
 // repeated by the 32 lanes with identical results, which is equivalent as long as kernels only use
 // load / store / fill / mma on fragments (never their elements). __syncwarp and the barriers inside
 // store_matrix_sync are block-wide here, correct when every warp of the block reaches the same calls,
 // as our kernels do.
-inline void __syncwarp(unsigned int = 0xffffffffu) { emu_block->sync(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { __syncthreads(); }
 struct __nv_bfloat16 { unsigned short bits; };
 
 namespace nvcuda {
@@ -158,10 +143,10 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
 // A store is collective: no lane may overwrite the tile before every lane has loaded what it needed,
 // nor load it again before every lane has stored (barriers before and after; all warps store together).
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-    emu_block->sync();
+    __syncthreads();
     for (int r = 0; r < 16; ++r)
         for (int c = 0; c < 16; ++c) (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * 16 + c];
-    emu_block->sync();
+    __syncthreads();
 }
 
 inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {

@@ -72,7 +72,7 @@ class EmuModule:
             cpp = BUILD_DIR / f"k_{key}.cpp"
             cpp.write_text(src)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{HERE}", f"-I{HERE / 'include'}",
+            subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-w", f"-I{HERE}", f"-I{HERE / 'include'}",
                             *defines, "-o", str(tmp), str(cpp)], check=True)
             os.replace(tmp, so)
         self.lib = ctypes.CDLL(str(so))
