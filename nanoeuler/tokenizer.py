@@ -439,6 +439,10 @@ class Tokenizer:
         alphabet = bytes_to_unicode()
         tok_str = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(256 + len(self.merges))]
         vocab = {s: i for i, s in enumerate(tok_str)}
+        for s in self.special_tokens:
+            if s in vocab:
+                raise UserError(f"cannot export: the special token {s!r} is also an ordinary token "
+                                f"(id {vocab[s]}), which the Hugging Face format cannot tell apart")
         merges = [[tok_str[a], tok_str[b]] for a, b in self.merges]
         if self.pattern == GPT2_PATTERN:
             pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}

@@ -304,6 +304,13 @@ def test_other_pattern_uses_reference_path(tok):
     assert tokenizers.Tokenizer.from_str(other.to_hf_json()).encode(text).ids == other.encode(text)
 
 
+def test_export_refuses_special_that_is_also_ordinary():
+    tok = Tokenizer.train(["EOS EOS EOS EOS"], 262, specials=("EOS",), progress=False)
+    assert tok.token_bytes(257) == b"EOS" and tok.special_tokens == {"EOS": 259}
+    with pytest.raises(UserError, match="also an ordinary token"):
+        tok.to_hf_json()
+
+
 def regex_split(pattern, text):
     import regex
     return regex.findall(pattern, text)
