@@ -247,7 +247,7 @@ class GpuOps:
                 xb, Wb, x_shape = cache
             else:  # the reference cache (x, W) that model.backward builds for the output heads
                 x, W = cache
-                xb, Wb, x_shape = to_bf16(x.reshape(-1, x.shape[-1])), to_bf16(W), x.shape
+                xb, Wb, x_shape = self._bf16_input(x).reshape(-1, x.shape[-1]), to_bf16(W), x.shape  # h: once for K heads
             dyb = to_bf16(dy2)
             dx = gemm_bf16(dyb, Wb)                # [N, out] @ [out, in]
             dW = gemm_bf16(dyb, xb, trans_a=True)  # [out, N] @ [N, in]
