@@ -4,6 +4,9 @@
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on a machine with CuPy, PyTorch, nvcc
 #
+# Through the device tool: run(command="bash scripts/gpu_check.sh", timeout_s=570); the logs come back
+# from $OUT (nvcc, pytest, check, flash, bench: five files).
+#
 # Runs, in order (each step's output also goes to $OUT/<step>.log when OUT is set):
 #   0. environment: GPU, driver, CuPy / PyTorch versions
 #   1. nvcc: every kernel built for sm_90 with register / spill / shared-memory report (ptxas -v)
@@ -67,6 +70,11 @@ step flash 120 $PY -m nanoeuler.gpu.check --long --no-rows
 step bench 150 $PY bench/gpu_speed.py --preset gpt --batch 16 --steps 10 --warmup 3 --cuda-core-attention-too
 
 echo
+echo "=== SUMMARY"
+grep -h "max relative error" "$LOGDIR/check.log" 2>/dev/null | sed 's/^/check: /'
+grep -h -E "tensor-core attention max|GPU training|^flash T=|tensor-core bf16 kernels|^memory at" "$LOGDIR/flash.log" 2>/dev/null
+grep -h -E "tok/s|ours / PyTorch" "$LOGDIR/bench.log" 2>/dev/null
+grep -h -E "passed|failed" "$LOGDIR/pytest.log" 2>/dev/null | tail -1 | sed 's/^/pytest: /'
 if [ ${#failed[@]} -eq 0 ]; then
     echo "=== ALL STEPS PASSED"
 else
