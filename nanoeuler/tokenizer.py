@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -136,6 +137,7 @@ class Tokenizer:
                                                              sorted(self.special_tokens, key=len, reverse=True)) + ")")
                                if self.special_tokens else None)
         self._fast = None   # numba tables, built on first encode
+        self._lock = threading.Lock()  # the cache and scratch arrays are shared: one encode at a time
         self._cache: dict[bytes, list[int]] = {}  # for the pure-Python path (non-GPT-2 patterns)
 
     # -- basic facts -------------------------------------------------------------------------------
@@ -292,6 +294,10 @@ class Tokenizer:
         return np.array(out, np.int32)
 
     def _encode_fast(self, data: bytes) -> np.ndarray:
+        with self._lock:
+            return self._encode_fast_locked(data)
+
+    def _encode_fast_locked(self, data: bytes) -> np.ndarray:
         from . import bpe_fast as bf
 
         f = self._fast

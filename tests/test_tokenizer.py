@@ -361,6 +361,15 @@ def test_encode_parallel_order_and_streaming(tok, shakespeare):
     assert [tok.decode(x) for x in first] == [f"document number {i}" for i in range(5)]
 
 
+def test_encode_from_many_threads(tok, shakespeare):
+    from concurrent.futures import ThreadPoolExecutor
+    fresh = Tokenizer.from_dict(tok.to_dict())
+    texts = [shakespeare[i * 3000:(i + 1) * 3000] for i in range(200)] + [bench.varied_text(3000, s) for s in range(50)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(fresh.encode, texts))
+    assert got == [tok.encode(t) for t in texts]
+
+
 # ------------------------------------------------------------------------------------------ CLI
 
 def run_cli(argv, stdin: bytes = b"", monkeypatch=None, capsysbinary=None):
