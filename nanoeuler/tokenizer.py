@@ -157,6 +157,9 @@ class Tokenizer:
             raise UserError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
         return self._vocab[int(i)]
 
+    def __reduce__(self):  # copy / multiprocessing: rebuild from the readable content, not the caches
+        return (Tokenizer.from_dict, (self.to_dict(),))
+
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, specials={list(self.special_tokens)})"
 

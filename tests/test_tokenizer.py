@@ -256,6 +256,8 @@ def test_save_load_fingerprint(tok, tmp_path):
     assert len(tok.fingerprint()) == 64 and Tokenizer.load(tmp_path).merges == tok.merges  # a directory works
     vocab = (tmp_path / "tokenizer.vocab").read_text(encoding="utf-8").splitlines()
     assert len(vocab) == 1 + tok.vocab_size and vocab[-1].endswith("(special)")
+    import copy
+    assert copy.deepcopy(tok).fingerprint() == tok.fingerprint()
     other = Tokenizer(tok.merges[:-1])
     assert other.fingerprint() != tok.fingerprint()
     assert tok.eos_id == tok.vocab_size - 1 == tok.special_tokens["</s>"]
