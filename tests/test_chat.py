@@ -80,7 +80,7 @@ def test_context_keeps_recent_turns_and_drops_the_oldest(run_dir):
     assert ids == [2] * 80 + [3] * 60 + [9] * 90 and len(chat.turns) == 2
     assert chat.context([9] * 240) == [9] * 240 and chat.turns == []
     chat.turns = [[1] * 10]
-    assert chat.context([9] * 300) == [9] * 240  # a prompt longer than the budget keeps its end
+    assert chat.context([9] * 300) == [9] * 248 and chat.turns == []  # too long a prompt keeps its end
 
 
 def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):

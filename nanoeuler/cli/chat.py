@@ -49,14 +49,15 @@ class Chat:
         self.dropped_turns = 0
 
     def context(self, prompt_ids: list[int]) -> list[int]:
-        """Earlier turns (newest kept first) + the new prompt, leaving room for a reply; drops the oldest
-        turns that do not fit (and, for a very long prompt, its beginning)."""
+        """Earlier turns (newest kept first) + the new prompt. Earlier turns must leave room for a reply
+        (min(max_new_tokens, ctx/4) tokens); the oldest that do not fit are dropped. A prompt that alone
+        leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs)."""
         ctx = self.model.config.ctx_len
-        reserve = min(self.max_new, ctx // 4)
-        budget = ctx - reserve
-        if len(prompt_ids) > budget:
+        limit = ctx - min(self.max_new, 8)
+        if len(prompt_ids) > limit:
             self.turns.clear()
-            return prompt_ids[len(prompt_ids) - budget:]
+            return prompt_ids[len(prompt_ids) - limit:]
+        budget = ctx - min(self.max_new, ctx // 4)
         keep = 0
         used = len(prompt_ids)
         for turn in reversed(self.turns):
@@ -134,7 +135,7 @@ class Chat:
             if not self.last_reply:
                 return write("(no reply yet)\n")
             pieces = [f"{t}:{self.tok.token_bytes(t).decode('utf-8', 'backslashreplace')!r}" for t in self.last_reply]
-            write(f"{len(self.last_reply)} tokens{' + </s>' if self.last_stopped else ''}: " + " ".join(pieces) + "\n")
+            write(f"{len(self.last_reply)} token{'s' * (len(self.last_reply) != 1)}{' + </s>' if self.last_stopped else ''}: " + " ".join(pieces) + "\n")
         else:
             write(f"unknown command {name}; type /help\n")
 
