@@ -63,8 +63,9 @@ build_all() {
     [ -s "$tmp/fa128.cubin" ]
 }
 
-step nvcc 50 build_all
-step pytest 70 $PY -m pytest -q -p no:cacheprovider -k "not emulated and not test_gpu_check_passes" tests/test_gpu.py
+export -f build_all  # (timeout runs programs, not shell functions)
+step nvcc 60 bash -c build_all
+step pytest 60 $PY -m pytest -q -p no:cacheprovider -k "not emulated and not test_gpu_check_passes" tests/test_gpu.py
 step check 90 $PY -m nanoeuler check --device gpu
 step flash 120 $PY -m nanoeuler.gpu.check --long --no-rows
 step bench 150 $PY bench/gpu_speed.py --preset gpt --batch 16 --steps 10 --warmup 3 --cuda-core-attention-too

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from .. import ops as ref
 from ..check import CHECK_CONFIG, Row
 from ..config import Config
+from ..errors import UserError
 from ..optim import AdamW
 from .runtime import require_cupy
 
@@ -411,6 +413,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-rows", action="store_true", help="skip the kernel and model rows (with --long)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    try:
+        require_cupy()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     rows = [] if args.no_rows else check_gpu(args.seed)
     worst = max((r.max_rel_error for r in rows), default=0.0)
     ok = worst <= TOLERANCE
