@@ -138,6 +138,7 @@ class Tokenizer:
                                if self.special_tokens else None)
         self._fast = None   # numba tables, built on first encode
         self._lock = threading.Lock()  # the cache and scratch arrays are shared: one encode at a time
+        self._int_objects = np.arange(len(self._vocab)).astype(object)
         self._cache: dict[bytes, list[int]] = {}  # for the pure-Python path (non-GPT-2 patterns)
 
     # -- basic facts -------------------------------------------------------------------------------
@@ -258,7 +259,8 @@ class Tokenizer:
     # -- encoding -----------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """text -> ids. Special-token strings in text are ordinary text unless allow_special=True."""
-        return self.encode_array(text, allow_special).tolist()
+        # one shared Python int per id (the list is built from them: ~2.5x faster than array.tolist())
+        return self._int_objects.take(self.encode_array(text, allow_special)).tolist()
 
     def encode_array(self, text: str, allow_special: bool = False) -> np.ndarray:
         """Like encode, as an int32 array (no Python list: the fast path for bulk work)."""
