@@ -258,8 +258,9 @@ def check_train_roundtrip(steps: int = 30, seed: int = 0, out_dir=None, min_drop
         run = Path(out_dir or tmp) / "gpu_run"
         gm.save(run)
         cpu_loss = Model.load(run).loss(tokens)[0]
-    return {"first_loss": losses[0], "last_loss": losses[-1], "gpu_loss_after": gpu_loss, "cpu_loss_after": cpu_loss,
-            "ok": losses[-1] < losses[0] - min_drop and abs(gpu_loss - cpu_loss) < 1e-4 * abs(cpu_loss)}
+    return {"first_loss": float(losses[0]), "last_loss": float(losses[-1]), "gpu_loss_after": float(gpu_loss),
+            "cpu_loss_after": float(cpu_loss),
+            "ok": bool(losses[-1] < losses[0] - min_drop and abs(gpu_loss - cpu_loss) < 1e-4 * abs(cpu_loss))}
 
 
 def check_gpu(seed: int = 0) -> list[Row]:
