@@ -677,12 +677,14 @@ def bpe_piece(buf, s, e, keys, vals, work, ranks):
 
 
 @njit(cache=True)
-def encode_buf(buf, table, keys, vals, c_hash, c_meta, k_pool, v_pool, c_state, cls, ends, out, max_cached):
+def encode_buf(buf, table, keys, vals, c_tab, k_pool, v_pool, c_state, cls, ends, out, max_cached):
     """Encode the UTF-8 bytes buf into out; return the id count. cls, ends, out: scratch arrays at least
     len(buf) long (kept by the caller between calls, so that nothing big is allocated per call).
 
-    Pieces of 2..max_cached bytes go through a cache (piece bytes -> ids): open addressing on c_hash
-    (FNV-1a, 0 = empty), c_meta[slot] = (key offset in k_pool, key length, ids offset in v_pool, id count),
+    Pieces of 2..max_cached bytes go through a cache (piece bytes -> ids), one int64 row per slot so that
+    a hit usually reads one cache line:  c_tab[slot] = (hash (0 = empty), key, length | count << 8, ids)
+    where key is the bytes themselves packed little-endian if length <= 8 (else their offset in k_pool)
+    and ids are the ids themselves if count <= 2 (else their offset in v_pool).
     c_state = [n_items, k_pool_used, v_pool_used]. When the cache is full it is emptied in place.
     """
     n = buf.shape[0]
@@ -696,8 +698,7 @@ def encode_buf(buf, table, keys, vals, c_hash, c_meta, k_pool, v_pool, c_state, 
         p = ends[t]
     work = np.empty(longest, np.int32)
     ranks = np.empty(longest, np.int32)
-    mask = np.uint64(c_hash.shape[0] - 1)
-    imask = c_hash.shape[0] - 1
+    cap = c_tab.shape[0]
     k = 0
     p = 0
     for t in range(m):
@@ -714,48 +715,67 @@ def encode_buf(buf, table, keys, vals, c_hash, c_meta, k_pool, v_pool, c_state, 
             k += cnt
             p = e
             continue
-        h = FNV_OFFSET
-        for j in range(p, e):
-            h = (h ^ np.uint64(buf[j])) * FNV_PRIME
-        if h == EMPTY:
-            h = np.uint64(1)
-        i = np.int64(h & mask)
+        key = np.int64(0)
+        if L <= 8:
+            for j in range(L):
+                key |= np.int64(buf[p + j]) << (8 * j)
+            h = (np.uint64(key) + np.uint64(L)) * MIX
+        else:
+            h = FNV_OFFSET
+            for j in range(p, e):
+                h = (h ^ np.uint64(buf[j])) * FNV_PRIME
+            h = h * MIX
+        hv = np.int64(h >> np.uint64(1)) | 1  # nonzero
+        i = np.int64(h >> np.uint64(40)) & (cap - 1)
         while True:
-            hh = c_hash[i]
-            if hh == h and c_meta[i, 1] == L:
-                o = c_meta[i, 0]
-                same = True
-                for j in range(L):
-                    if k_pool[o + j] != buf[p + j]:
-                        same = False
-                        break
+            hh = c_tab[i, 0]
+            if hh == hv and (c_tab[i, 2] & 0xFF) == L:
+                if L <= 8:
+                    same = c_tab[i, 1] == key
+                else:
+                    o = c_tab[i, 1]
+                    same = True
+                    for j in range(L):
+                        if k_pool[o + j] != buf[p + j]:
+                            same = False
+                            break
                 if same:
-                    o = c_meta[i, 2]
-                    c = c_meta[i, 3]
-                    for j in range(c):
-                        out[k + j] = v_pool[o + j]
+                    c = c_tab[i, 2] >> 8
+                    v = c_tab[i, 3]
+                    if c <= 2:
+                        out[k] = v & 0xFFFFFFFF
+                        if c == 2:
+                            out[k + 1] = v >> 32
+                    else:
+                        for j in range(c):
+                            out[k + j] = v_pool[v + j]
                     k += c
                     break
-            if hh == EMPTY:
+            if hh == 0:
                 cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
                 out[k:k + cnt] = work[:cnt]
                 k += cnt
-                if (c_state[0] + 1) * 2 > c_hash.shape[0] or c_state[1] + L > k_pool.shape[0] \
+                if (c_state[0] + 1) * 2 > cap or c_state[1] + L > k_pool.shape[0] \
                         or c_state[2] + cnt > v_pool.shape[0]:
-                    c_hash[:] = EMPTY  # full: start afresh
+                    c_tab[:, 0] = 0  # full: start afresh
                     c_state[:] = 0
                     break
-                c_hash[i] = h
-                c_meta[i, 0] = c_state[1]
-                c_meta[i, 1] = L
-                c_meta[i, 2] = c_state[2]
-                c_meta[i, 3] = cnt
-                k_pool[c_state[1]:c_state[1] + L] = buf[p:e]
-                v_pool[c_state[2]:c_state[2] + cnt] = work[:cnt]
+                c_tab[i, 0] = hv
+                if L <= 8:
+                    c_tab[i, 1] = key
+                else:
+                    c_tab[i, 1] = c_state[1]
+                    k_pool[c_state[1]:c_state[1] + L] = buf[p:e]
+                    c_state[1] += L
+                c_tab[i, 2] = L | (cnt << 8)
+                if cnt <= 2:
+                    c_tab[i, 3] = np.int64(work[0]) | ((np.int64(work[1]) << 32) if cnt == 2 else 0)
+                else:
+                    c_tab[i, 3] = c_state[2]
+                    v_pool[c_state[2]:c_state[2] + cnt] = work[:cnt]
+                    c_state[2] += cnt
                 c_state[0] += 1
-                c_state[1] += L
-                c_state[2] += cnt
                 break
-            i = (i + 1) & imask
+            i = (i + 1) & (cap - 1)
         p = e
     return k

@@ -317,18 +317,17 @@ class Tokenizer:
             buf = np.frombuffer(data, np.uint8, e - s, s)
             if len(buf) > len(f["out"]):
                 self._scratch(len(buf))
-            k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_hash"], f["c_meta"], f["k_pool"],
-                              f["v_pool"], f["c_state"], f["cls"], f["ends"], f["out"], MAX_CACHED_PIECE)
+            k = bf.encode_buf(buf, f["table"], f["keys"], f["vals"], f["c_tab"], f["k_pool"], f["v_pool"],
+                              f["c_state"], f["cls"], f["ends"], f["out"], MAX_CACHED_PIECE)
             parts.append(f["out"][:k].copy())
-            if f["c_state"][0] * 3 > len(f["c_hash"]) and len(f["c_hash"]) < (1 << 21):
-                self._new_cache(2 * len(f["c_hash"]))  # busy cache: grow it (it restarts empty)
+            if f["c_state"][0] * 3 > len(f["c_tab"]) and len(f["c_tab"]) < (1 << 21):
+                self._new_cache(2 * len(f["c_tab"]))  # busy cache: grow it (it restarts empty)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _new_cache(self, slots: int) -> None:
         """An empty encode cache of `slots` slots (a power of two) with room for ~slots/2 pre-tokens."""
-        self._fast.update(c_hash=np.zeros(slots, np.uint64), c_meta=np.zeros((slots, 4), np.int64),
-                          k_pool=np.empty(slots * 8, np.uint8), v_pool=np.empty(slots * 4, np.int32),
-                          c_state=np.zeros(3, np.int64))
+        self._fast.update(c_tab=np.zeros((slots, 4), np.int64), k_pool=np.empty(slots * 8, np.uint8),
+                          v_pool=np.empty(slots * 4, np.int32), c_state=np.zeros(3, np.int64))
 
     def _scratch(self, n: int) -> None:
         self._fast.update(cls=np.empty(n, np.uint8), ends=np.empty(n, np.int64), out=np.empty(n, np.int32))
