@@ -104,8 +104,9 @@ def test_emulated_tensor_core_attention_matches_reference(emu):
     """The WMMA kernels (wmma emulated as whole 16x16 tiles) within bf16 error of the float64 reference."""
     from nanoeuler.gpu.check import BF16_TOLERANCE, check_tensor_core_attention
     cases = {"GQA ragged T=70 hd=32": (1, 4, 2, 70, 70, 32), "decode Tq=5 Tk=41 hd=16": (2, 2, 1, 5, 41, 16)}
-    rows = check_tensor_core_attention(seed=0, cases=cases)
-    assert len(rows) == 8
+    from nanoeuler.gpu.check import check_bf16_outputs
+    rows = check_tensor_core_attention(seed=0, cases=cases) + check_bf16_outputs(seed=0)
+    assert len(rows) == 10
     _assert_rows(rows, tol=BF16_TOLERANCE)
     assert max(r.max_rel_error for r in rows) > 1e-5  # bf16 rounding is really there (not the fp32 kernel)
 

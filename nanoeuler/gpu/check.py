@@ -201,6 +201,23 @@ def check_tensor_core_attention(seed: int = 0, cases: dict = TENSOR_CORE_CASES) 
     return rows
 
 
+def check_bf16_outputs(seed: int = 0) -> list[Row]:
+    """rope and swiglu with bf16 outputs (the bf16 mode) vs the float64 reference: within bf16 rounding."""
+    cp = require_cupy()
+    from .matmul import from_bf16
+    from .ops import GpuOps
+    rng = np.random.default_rng(seed)
+    ops16 = GpuOps("bf16", tensor_core_attention=False)  # rope emits bf16 whenever attention reads bf16
+    x = rng.standard_normal((2, 3, 11, 16)).astype(np.float32)
+    cos, sin = ref.rope_tables(11, 16, 10000.0, np.float64)
+    y, _ = ops16.rope_forward(cp.asarray(x), *ops16.rope_tables(11, 16, 10000.0, np.float32))
+    g, u = (rng.standard_normal((5, 301)).astype(np.float32) * 3 for _ in range(2))
+    h, _ = ops16.swiglu_forward(cp.asarray(g), cp.asarray(u))
+    assert y.dtype == cp.uint16 and h.dtype == cp.uint16
+    return [_row("rope bf16 output", from_bf16(y), ref.rope_forward(x.astype(np.float64), cos, sin)[0]),
+            _row("swiglu bf16 output", from_bf16(h), ref.swiglu_forward(g.astype(np.float64), u)[0])]
+
+
 # ---- (b) the whole model ------------------------------------------------------------------------------
 MODEL_CHECK_CONFIG = Config(vocab_size=512, dim=256, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=96,
                             ffn_hidden=384, n_mtp=3)  # hd = 64, the gpt preset's head size
@@ -430,14 +447,15 @@ def main(argv=None) -> int:
             print(f"{r.name:<{width}}  {r.n_checked:>9}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= TOLERANCE else '  FAIL'}")
         print(f"max relative error: {worst:.2e} (tolerance {TOLERANCE:.0e})", flush=True)
     if args.long:
-        tc_rows = check_tensor_core_attention(args.seed)
+        tc_rows = check_tensor_core_attention(args.seed) + check_bf16_outputs(args.seed)
         tc_worst = max(r.max_rel_error for r in tc_rows)
         ok &= tc_worst <= BF16_TOLERANCE
         out["tensor_core_rows"] = [{"name": r.name, "rel_error": r.max_rel_error} for r in tc_rows]
         if not args.json:
             for r in tc_rows:
                 print(f"{r.name:<56}  {r.max_rel_error:.2e}{'' if r.max_rel_error <= BF16_TOLERANCE else '  FAIL'}")
-            print(f"tensor-core attention max relative error: {tc_worst:.2e} (bf16 tolerance {BF16_TOLERANCE:.0e})",
+            print(f"bf16 kernels (tensor-core attention, bf16 outputs) max relative error: {tc_worst:.2e} "
+                  f"(bf16 tolerance {BF16_TOLERANCE:.0e})",
                   flush=True)
         rt = check_train_roundtrip()
         ok &= rt["ok"]

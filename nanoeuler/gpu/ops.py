@@ -15,8 +15,10 @@ What runs where:
 
 Caches are this module's own (only its backward reads them), except that `linear_backward` also
 accepts the reference cache `(x, W)` that `model.backward` builds for the output heads.
-Mixed precision ("bf16"): parameters, activations between ops, and gradients stay fp32 (fp32 master
-weights); linear and attention inputs are rounded to bf16 where they enter the tensor cores / kernels.
+Mixed precision ("bf16"): parameters, gradients and most activations stay fp32 (fp32 master weights);
+operands are rounded to bf16 where they enter the tensor cores. Two ops hand bf16 straight to the only
+op that reads their output, skipping an fp32 round trip: rope_forward -> attention_forward (q, k) and
+swiglu_forward -> linear_forward (the down projection); such outputs are uint16 arrays of bf16 bits.
 """
 from __future__ import annotations
 
@@ -145,15 +147,15 @@ def rmsnorm_bwd(dy2, x2, w, rstd, n_chunks: int = 64):
     return dx, partial.sum(axis=0)
 
 
-def rope_rotate(x, cos, sin, sign: float):
-    """x [B, H, T, hd], cos/sin [T, hd/2] -> x rotated by sign·angle."""
+def rope_rotate(x, cos, sin, sign: float, out_bf16: bool = False):
+    """x [B, H, T, hd], cos/sin [T, hd/2] -> x rotated by sign·angle (f32, or bf16 bits if out_bf16)."""
     cp = require_cupy()
     T, half = cos.shape
-    y = cp.empty_like(x)
+    y = cp.empty(x.shape, dtype=cp.uint16 if out_bf16 else cp.float32)
     n = x.size // 2
     if n:
-        get_kernel("rope", "rope_rotate")((blocks_for(n),), (THREADS,),
-                                          (x, cos, sin, y, np.int64(n), np.int32(T), np.int32(half), np.float32(sign)))
+        get_kernel("rope", "rope_rotate_bf16" if out_bf16 else "rope_rotate")(
+            (blocks_for(n),), (THREADS,), (x, cos, sin, y, np.int64(n), np.int32(T), np.int32(half), np.float32(sign)))
     return y
 
 
@@ -230,9 +232,10 @@ class GpuOps:
 
     # linear
     def linear_forward(self, x, W):
-        """x [..., in], W [out, in] -> y [..., out]."""
+        """x [..., in] (bf16 mode: float32, or bf16 bits from swiglu_forward), W [out, in] -> y [..., out] f32."""
         if self.bf16:
-            xb, Wb = self._bf16_input(x), to_bf16(W)
+            xb = x if x.dtype == np.uint16 else self._bf16_input(x)
+            Wb = to_bf16(W)
             xb = xb.reshape(-1, x.shape[-1])
             y = gemm_bf16(xb, Wb, trans_b=True)
             return y.reshape(*x.shape[:-1], W.shape[0]), Bf16LinearCache(xb, Wb, x.shape)
@@ -278,7 +281,10 @@ class GpuOps:
         return self._rope_cache[key]
 
     def rope_forward(self, x, cos, sin):
-        return rope_rotate(_f32(x, "rope input"), cos, sin, +1.0), (cos, sin)
+        """bf16 mode with bf16 attention: the rotated q / k come out as bf16 bits, which only
+        attention_forward reads (their gradients, like every gradient, stay float32)."""
+        out_bf16 = self.flash_kernel(x.shape[-1]) != "f32"
+        return rope_rotate(_f32(x, "rope input"), cos, sin, +1.0, out_bf16), (cos, sin)
 
     def rope_backward(self, dy, cache):
         cos, sin = cache
@@ -287,10 +293,12 @@ class GpuOps:
     # attention
     def attention_forward(self, q, k, v):
         """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] -> y [B, H, Tq, hd] (FlashAttention)."""
-        q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
+        cp = require_cupy()
         kernel = self.flash_kernel(q.shape[-1])
-        if kernel != "f32":
-            q, k, v = to_bf16(q), to_bf16(k), to_bf16(v)
+        if kernel == "f32":
+            q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
+        else:  # bf16 bits: q and k usually arrive so from rope_forward; v is cast here
+            q, k, v = (cp.ascontiguousarray(a) if a.dtype == np.uint16 else to_bf16(a) for a in (q, k, v))
         o, lse = flash_forward(q, k, v, kernel)
         return o, (q, k, v, o, lse, kernel)
 
@@ -300,12 +308,14 @@ class GpuOps:
 
     # swiglu
     def swiglu_forward(self, g, u):
+        """bf16 mode: h comes out as bf16 bits, which only the down projection (linear_forward) reads."""
         cp = require_cupy()
         g, u = _f32(g, "gate"), _f32(u, "up")
-        h = cp.empty_like(g)
+        h = cp.empty(g.shape, dtype=cp.uint16 if self.bf16 else cp.float32)
         n = g.size
         if n:
-            get_kernel("swiglu", "swiglu_forward")((blocks_for(n),), (THREADS,), (g, u, h, np.int64(n)))
+            get_kernel("swiglu", "swiglu_forward_bf16" if self.bf16 else "swiglu_forward")(
+                (blocks_for(n),), (THREADS,), (g, u, h, np.int64(n)))
         return h, (g, u)
 
     def swiglu_backward(self, dh, cache):
