@@ -73,6 +73,22 @@ def test_policy_equal_to_reference_gives_exactly_log_2(dtype):
     assert set(grads) == set(trained_params(TINY, model.params)) and "heads.1.weight" not in grads
 
 
+def test_nll_term_adds_the_chosen_per_token_nll():
+    from nanoeuler.dpo import chosen_nll_backward, chosen_nll_forward
+    nll, cache = chosen_nll_forward([-6.0, -2.0], [3, 1])
+    assert nll == 2.0 and chosen_nll_backward(1.0, cache).tolist() == [-1 / 6, -1 / 2]
+    model = Model.init(TINY, seed=3).astype(np.float64)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 257, n) for n in (9, 14, 7, 20)]
+    masks = [np.arange(len(s)) >= 4 for s in seqs]
+    batch = make_batch(seqs[:2], masks[:2], seqs[2:], masks[2:])
+    ref, _ = sequence_logprobs_forward(TINY, model.params, batch.inputs, batch.targets, batch.mask)
+    loss, metrics, _ = dpo_loss_and_grads(TINY, model.params, batch, ref[:2], ref[2:], 0.1, nll_weight=0.5)
+    expected_nll = np.mean(-ref[:2] / np.array([5, 10]))  # response tokens: 9-4, 14-4
+    assert metrics["dpo_loss"] == math.log(2) and metrics["chosen_nll"] == pytest.approx(expected_nll, rel=1e-14)
+    assert loss == pytest.approx(math.log(2) + 0.5 * expected_nll, rel=1e-14)
+
+
 def test_padding_does_not_change_a_sequence_log_prob():
     model = Model.init(TINY, seed=0).astype(np.float64)
     rng = np.random.default_rng(2)

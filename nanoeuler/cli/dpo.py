@@ -32,6 +32,9 @@ def register(sub) -> None:
                    help="held-out JSONL pair file (default: 1 in 50 prompts of --data by hash; offline: its held-out split)")
     p.add_argument("--out", required=True, help="run directory of the tuned policy")
     p.add_argument("--beta", type=float, default=None, help="DPO temperature beta (default 0.1; on --resume: the run's)")
+    p.add_argument("--nll-weight", type=float, default=None,
+                   help="add this times the per-token NLL of the chosen responses to the loss (DPO + NLL; "
+                        "default 0 = plain DPO; on --resume: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the DPO run in --out")
     p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
     add_hyperparameters(p)
@@ -79,6 +82,7 @@ def run_dpo(args) -> int:
         state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
         tcfg = train_config_from_args(args, state.get("train_config", {}))
         beta = args.beta if args.beta is not None else state.get("beta", 0.1)
+        nll_weight = args.nll_weight if args.nll_weight is not None else state.get("nll_weight", 0.0)
         sft = sft or state.get("sft")
         if not sft:
             raise UserError("--sft RUN is required: the run does not record its reference checkpoint")
@@ -90,6 +94,7 @@ def run_dpo(args) -> int:
         reference = Model.load(sft)  # a separate copy: the policy is trained in place
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
+        nll_weight = args.nll_weight if args.nll_weight is not None else 0.0
     train, held, data_id, _ = pair_records(args.data, args.val)
     ctx = model.config.ctx_len
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
@@ -98,9 +103,10 @@ def run_dpo(args) -> int:
           f"(prompt start cut), {train_t.dropped + held_t.dropped} dropped (responses alone too long); "
           f"beta {beta}")
     summary = train_dpo(model, tok, train_t, held_t, reference, out, tcfg, beta=beta, resume=args.resume,
-                        stop_after=args.stop_after, progress=not args.no_progress, data_id=data_id, sft=sft)
+                        stop_after=args.stop_after, progress=not args.no_progress, data_id=data_id, sft=sft,
+                        nll_weight=nll_weight)
     if args.json:
-        print(json.dumps(summary | {"out": str(out), "beta": beta}))
+        print(json.dumps(summary | {"out": str(out), "beta": beta, "nll_weight": nll_weight}))
     else:
         state = "finished" if summary["finished"] else "interrupted" if summary["interrupted"] else "stopped"
         print(f"{state} at step {summary['step']}/{summary['steps']}; checkpoint in {out}")
