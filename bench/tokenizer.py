@@ -145,7 +145,8 @@ def main() -> None:
     hf_train_s = (min(r[0] for r in hf_runs), min(r[1] for r in hf_runs))
     env = dict(os.environ, RAYON_NUM_THREADS="1")
     child = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--vocab-size", str(args.vocab_size),
-                            "--repeat", str(R), "--_hf-train-only"], env=env, capture_output=True, text=True, check=True)
+                            "--repeat", str(R), "--_hf-train-only"],
+                           env=env, capture_output=True, text=True, check=True)
     hf_train_1 = json.loads(child.stdout.strip().splitlines()[-1])
 
     hf = hf_tokenizer(tok)

@@ -162,7 +162,8 @@ class Tokenizer:
         return (Tokenizer.from_dict, (self.to_dict(),))
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, specials={list(self.special_tokens)})"
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"specials={list(self.special_tokens)})")
 
     # -- training -----------------------------------------------------------------------------------
     @classmethod
@@ -476,7 +477,7 @@ class Tokenizer:
 def bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves, the rest to
     chr(256 + k).  bytes_to_unicode()[ord('a')] -> 'a', bytes_to_unicode()[32] -> 'Ġ'"""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, k = [""] * 256, 0
     for b in range(256):
         if b in keep:

@@ -15,8 +15,8 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="tokenizer_command", metavar="<action>")
 
     t = sub.add_parser("train", help="learn a vocabulary from text files",
-                       description="Learn vocab-size - 256 - len(specials) merges from text files (UTF-8; other bytes are learned as they are). "
-                                   "Without FILES, trains on the bundled Shakespeare corpus (training works only). "
+                       description="Learn vocab-size - 256 - len(specials) merges from text files (UTF-8; "
+                                   "other bytes are learned as they are). Without FILES, trains on the bundled Shakespeare corpus (training works only). "
                                    "Writes tokenizer.json and a readable .vocab file beside it.")
     t.add_argument("files", nargs="*", metavar="FILES", help="text files")
     t.add_argument("--vocab-size", type=int, required=True, metavar="N", help="total tokens incl. bytes and specials")
