@@ -245,6 +245,25 @@ def _unrotate_row(g, hd, cos, sin, t, scale, out, base):
         out[base + h2 + i] = (b * c - a * s) * scale
 
 
+@njit(**OPTS)
+def _scores(q, kT, m, s):
+    """s[j] = Σ_d q[d]·kT[d, j] for j < m, four d at a time (each pass over s does 8 flops per load/store)."""
+    hd = q.shape[0]
+    s[:m] = 0
+    d = 0
+    while d + 4 <= hd:
+        q0, q1, q2, q3 = q[d], q[d + 1], q[d + 2], q[d + 3]
+        k0, k1, k2, k3 = kT[d], kT[d + 1], kT[d + 2], kT[d + 3]
+        for j in range(m):
+            s[j] += (q0 * k0[j] + q1 * k1[j]) + (q2 * k2[j] + q3 * k3[j])
+        d += 4
+    while d < hd:
+        q0, k0 = q[d], kT[d]
+        for j in range(m):
+            s[j] += q0 * k0[j]
+        d += 1
+
+
 @njit(**POPTS)
 def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
     """Causal grouped-query attention with RoPE, from the rows of the stacked q/k/v projection.
@@ -252,7 +271,7 @@ def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
     qkv [B·T, (H + 2·Hkv)·hd] (row n = token (b, t); per row: H q heads, Hkv k heads, Hkv v heads)
     -> P [B, H, T, T] softmax(q·kᵀ/√hd) with the future masked (0 above the diagonal; kept for backward),
        A [B·T, H·hd] = P·v with heads side by side (the input of wo).
-    Parallel over (batch, kv head); q head h reads kv head h // (H / Hkv)."""
+    Parallel over (batch, kv head); q head h reads kv head h // (H / Hkv). Only keys j ≤ t are computed."""
     B, H, T, _ = P.shape
     Hkv = n_kv_heads
     G = H // Hkv
@@ -279,12 +298,7 @@ def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
                 n = b * T + t
                 _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q)
                 m = t + 1
-                s[:m] = 0
-                for d in range(hd):  # scores of keys 0..t
-                    qd = q[d]
-                    kd = kT[d]
-                    for j in range(m):
-                        s[j] += qd * kd[j]
+                _scores(q, kT, m, s)
                 mx = row_max(s, m)
                 for j in range(m):
                     s[j] = vexp(s[j] - mx)
@@ -295,11 +309,18 @@ def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
                     prow[j] = s[j]
                 prow[m:] = 0
                 y[:] = 0
-                for j in range(m):
-                    pj = s[j]
-                    vj = v[j]
+                j = 0
+                while j + 4 <= m:  # y = Σ_j p_j·v_j, four keys at a time
+                    p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
+                    v0, v1, v2, v3 = v[j], v[j + 1], v[j + 2], v[j + 3]
                     for d in range(hd):
-                        y[d] += pj * vj[d]
+                        y[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
+                    j += 4
+                while j < m:
+                    p0, v0 = s[j], v[j]
+                    for d in range(hd):
+                        y[d] += p0 * v0[d]
+                    j += 1
                 A[n, h * hd:(h + 1) * hd] = y
 
 
@@ -307,24 +328,27 @@ def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
 def attention_backward(qkv, cos, sin, qscale, n_kv_heads, P, dA, dqkv):
     """The backward of attention_forward: dA [B·T, H·hd] -> dqkv [B·T, (H + 2·Hkv)·hd] (every entry written).
 
-    Per query row: dP = dy·vᵀ, dS = P ⊙ (dP − Σ dP⊙P), dq = dS·k, dk += dSᵀ·q, dv += Pᵀ·dy; dk and dv sum
-    over the G query heads of their group inside one work item, in a fixed order (deterministic)."""
+    Per query row: dP = dy·vᵀ, dS = P ⊙ (dP − Σ dP⊙P), dq = dS·k, dk += dSᵀ·q, dv += Pᵀ·dy. Query rows go
+    in blocks of 4 so each dk / dv row is loaded and stored once per block; dk and dv sum over the G
+    query heads of their group inside one work item, in a fixed order (deterministic)."""
     B, H, T, _ = P.shape
     Hkv = n_kv_heads
     G = H // Hkv
     hd = 2 * cos.shape[1]
     dt = P.dtype.type
     one = dt(1.0)
+    R = 4
     for item in prange(B * Hkv):
         b, g = item // Hkv, item % Hkv
         k = np.empty((T, hd), dtype=P.dtype)
         vT = np.empty((hd, T), dtype=P.dtype)
         dk = np.zeros((T, hd), dtype=P.dtype)
         dv = np.zeros((T, hd), dtype=P.dtype)
-        q = np.empty(hd, dtype=P.dtype)
-        dq = np.empty(hd, dtype=P.dtype)
-        ds = np.empty(T, dtype=P.dtype)
-        dy = np.empty(hd, dtype=P.dtype)
+        q = np.zeros((R, hd), dtype=P.dtype)
+        dy = np.zeros((R, hd), dtype=P.dtype)
+        dq = np.empty((R, hd), dtype=P.dtype)
+        ds = np.zeros((R, T), dtype=P.dtype)
+        pr = np.zeros((R, T), dtype=P.dtype)
         for t in range(T):
             n = b * T + t
             _rotate_row(qkv[n], (H + g) * hd, hd, cos, sin, t, one, k[t])
@@ -332,30 +356,46 @@ def attention_backward(qkv, cos, sin, qscale, n_kv_heads, P, dA, dqkv):
                 vT[d, t] = qkv[n, (H + Hkv + g) * hd + d]
         for hh in range(G):
             h = g * G + hh
-            for t in range(T):
-                n = b * T + t
-                _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q)
-                dy[:] = dA[n, h * hd:(h + 1) * hd]
-                p = P[b, h, t]
-                m = t + 1
-                ds[:m] = 0
-                for d in range(hd):  # dP = dy·vᵀ
-                    yd = dy[d]
-                    vd = vT[d]
+            for t0 in range(0, T, R):
+                rows = min(R, T - t0)
+                mb = t0 + rows  # keys 0 .. mb-1 touch this block
+                for r in range(R):
+                    if r >= rows:  # past the end: a zero row contributes nothing
+                        q[r, :] = 0
+                        dy[r, :] = 0
+                        ds[r, :mb] = 0
+                        pr[r, :mb] = 0
+                        continue
+                    t = t0 + r
+                    n = b * T + t
+                    m = t + 1
+                    _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q[r])
+                    dy[r, :] = dA[n, h * hd:(h + 1) * hd]
+                    pr[r, :mb] = P[b, h, t, :mb]  # 0 beyond the diagonal
+                    _scores(dy[r], vT, m, ds[r])   # dP = dy·vᵀ
+                    a = dt(row_dot(ds[r], pr[r], m))
                     for j in range(m):
-                        ds[j] += yd * vd[j]
-                a = dt(row_dot(ds, p, m))
-                for j in range(m):
-                    ds[j] = p[j] * (ds[j] - a)
-                dq[:] = 0
-                for j in range(m):
-                    sj, pj = ds[j], p[j]
+                        ds[r, j] = pr[r, j] * (ds[r, j] - a)
+                    ds[r, m:mb] = 0
+                q0, q1, q2, q3 = q[0], q[1], q[2], q[3]
+                y0, y1, y2, y3 = dy[0], dy[1], dy[2], dy[3]
+                dq[:, :] = 0
+                dq0, dq1, dq2, dq3 = dq[0], dq[1], dq[2], dq[3]
+                for j in range(mb):
+                    s0, s1, s2, s3 = ds[0, j], ds[1, j], ds[2, j], ds[3, j]
+                    p0, p1, p2, p3 = pr[0, j], pr[1, j], pr[2, j], pr[3, j]
                     kj, dkj, dvj = k[j], dk[j], dv[j]
                     for d in range(hd):
-                        dq[d] += sj * kj[d]
-                        dkj[d] += sj * q[d]
-                        dvj[d] += pj * dy[d]
-                _unrotate_row(dq, hd, cos, sin, t, qscale, dqkv[n], h * hd)
+                        kd = kj[d]
+                        dq0[d] += s0 * kd
+                        dq1[d] += s1 * kd
+                        dq2[d] += s2 * kd
+                        dq3[d] += s3 * kd
+                        dkj[d] += (s0 * q0[d] + s1 * q1[d]) + (s2 * q2[d] + s3 * q3[d])
+                        dvj[d] += (p0 * y0[d] + p1 * y1[d]) + (p2 * y2[d] + p3 * y3[d])
+                for r in range(rows):
+                    t = t0 + r
+                    _unrotate_row(dq[r], hd, cos, sin, t, qscale, dqkv[b * T + t], h * hd)
         for t in range(T):
             n = b * T + t
             _unrotate_row(dk[t], hd, cos, sin, t, one, dqkv[n], (H + g) * hd)

@@ -1,0 +1,102 @@
+"""Where the time of one training step goes: per kernel / matmul shape for the fast engine, per op for
+the reference path. Wall and CPU time (CPU time sums the threads; on a shared machine it is the steadier
+number). Timers wrap the engine's calls, so the total is a little above an untimed step.
+
+    python bench/profile_step.py big                 # fast engine, B=16 T=256
+    python bench/profile_step.py big --reference     # the plain ops/ + model.forward/backward path
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from nanoeuler.config import PRESETS  # noqa: E402
+from nanoeuler.model import Model  # noqa: E402
+from nanoeuler.optim import AdamW  # noqa: E402
+
+SHAPES = {"small": (32, 128), "big": (16, 256)}
+
+
+def timed(fn, name, stats):
+    def wrapper(*args, **kwargs):
+        w, c = time.perf_counter(), time.process_time()
+        out = fn(*args, **kwargs)
+        key = name(args) if callable(name) else name
+        s = stats[key]
+        s[0] += time.perf_counter() - w
+        s[1] += time.process_time() - c
+        s[2] += 1
+        return out
+    return wrapper
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("preset", choices=list(SHAPES))
+    ap.add_argument("--reference", action="store_true", help="profile the reference path instead")
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    B, T = SHAPES[args.preset]
+    model = Model.from_preset(args.preset, seed=0)
+    opt = AdamW(model.params)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
+    stats = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    if not args.reference:
+        from nanoeuler.fast import engine as E
+        E.matmul = timed(E.matmul, lambda a: f"matmul {list(a[0].shape)} @ {list(a[1].shape)}", stats)
+        for name in ("rmsnorm_forward", "rmsnorm_backward", "attention_forward", "attention_backward",
+                     "swiglu_forward", "swiglu_backward", "cross_entropy", "embedding_backward"):
+            setattr(E.K, name, timed(getattr(E.K, name), name, stats))
+        grads = model.grad_buffers()
+    opt.step = timed(opt.step, "AdamW.step", stats)
+
+    def step():
+        if args.reference:
+            _, _, g = model.loss_and_grads(tokens, reference=True)
+        else:
+            _, _, g = model.loss_and_grads(tokens, out=grads)
+        opt.step(model.params, g)
+
+    step()  # warm-up (numba cache load, buffers)
+    stats.clear()
+    prof = cProfile.Profile() if args.reference else None
+    w, c = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        if prof:
+            prof.enable()
+        step()
+        if prof:
+            prof.disable()
+    wall, cpu = (time.perf_counter() - w) / args.steps, (time.process_time() - c) / args.steps
+    print(f"{args.preset} B={B} T={T} {'reference' if args.reference else 'fast'}: step {wall:.3f} s wall, "
+          f"{cpu:.3f} s CPU, {B * T / wall:.0f} tokens/s")
+    if prof:
+        st = pstats.Stats(prof)
+        rows = [(tt / args.steps, nc // args.steps, f"{Path(fn).name}:{ln}({func})")
+                for (fn, ln, func), (cc, nc, tt, ct, _) in st.stats.items()]
+        for tt, nc, name in sorted(rows, reverse=True)[:15]:
+            print(f"{tt * 1e3:9.1f} ms self  x{nc:4d}  {name}")
+        return 0
+    groups = collections.defaultdict(lambda: [0.0, 0.0])
+    for key, (kw, kc, n) in sorted(stats.items(), key=lambda kv: -kv[1][0]):
+        print(f"{kw / args.steps * 1e3:9.1f} ms wall {kc / args.steps * 1e3:9.1f} ms CPU  x{n // args.steps:3d}  {key}")
+        g = groups["matmuls" if key.startswith("matmul") else "AdamW" if key.startswith("AdamW") else "fused kernels"]
+        g[0] += kw / args.steps
+        g[1] += kc / args.steps
+    for g, (kw, kc) in groups.items():
+        print(f"  {g:14s} {kw * 1e3:9.1f} ms wall ({kw / wall:5.1%})  {kc * 1e3:9.1f} ms CPU ({kc / cpu:5.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
