@@ -63,27 +63,36 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
 
 def fuse_weights(cfg: Config, P: dict) -> dict:
     """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
-    heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads."""
-    W = {"embed": P["embed.weight"], "norm": P["norm.weight"],
-         "heads": np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)])}  # [K·V, d]
+    heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
+    is kept as (W [out, in], W.T made contiguous [in, out] or None), see `linear`."""
+    def pair(W):
+        return W, (np.ascontiguousarray(W.T) if W.shape[1] <= NARROW else None)
+    F = {"embed": P["embed.weight"], "norm": P["norm.weight"],
+         "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        W[p + "qkv"] = np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]])
-        W[p + "gate_up"] = np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]])  # [2F, d]
-        for name in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.down.weight"):
-            W[p + name] = P[p + name]
-    return W
+        F[p + "qkv"] = pair(np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]]))
+        F[p + "gate_up"] = pair(np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]]))  # [2F, d]
+        F[p + "wo"] = pair(P[p + "attn.wo.weight"])
+        F[p + "down"] = pair(P[p + "ffn.down.weight"])
+        F[p + "attn_norm"], F[p + "ffn_norm"] = P[p + "attn_norm.weight"], P[p + "ffn_norm.weight"]
+    return F
 
 
-def linear(x: np.ndarray, W: np.ndarray) -> np.ndarray:
-    """x [..., in] @ W[out, in].T, as ops.linear_forward, arranged for the few rows of a decoding step:
-    OpenBLAS's kernel for a 2..8-row x @ W.T can cost ~10x its 1-row (matrix-vector) kernel, while
-    W @ x.T reads W once at about the matrix-vector price (measured on this project's CPU)."""
+NARROW = 256  # input width up to which a [in, out] copy of W is kept for few-row products
+
+
+def linear(x: np.ndarray, W: tuple) -> np.ndarray:
+    """x [..., in] @ W[out, in].T (as ops.linear_forward) with W = (W, W.T contiguous or None), arranged
+    for the 1..4 rows of a decoding or verification step. OpenBLAS (0.3.31, measured here) is uneven on
+    such shapes: a 2-row x @ W.T can cost 3-10x a 1-row one, while 2 rows against a contiguous [in, out]
+    copy cost ~1.2x when in <= 256, and row-by-row matrix-vector products cost exactly 2x otherwise."""
+    W, Wt = W
     rows = x.reshape(-1, x.shape[-1])
     if len(rows) == 1:
         y = (W @ rows[0])[None]
-    elif len(rows) <= 8:
-        y = (W @ rows.T).T
+    elif len(rows) <= 4:
+        y = rows @ Wt if Wt is not None else np.stack([W @ r for r in rows])
     else:
         y = ops.linear_forward(rows, W)[0]
     return y.reshape(*x.shape[:-1], W.shape[0])
@@ -104,7 +113,7 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
     x = W["embed"][inputs]  # [B, Tn, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm.weight"], cfg.norm_eps)
+        h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm"], cfg.norm_eps)
         qkv = linear(h, W[p + "qkv"])  # [B, Tn, (H + 2·Hkv)·hd]
         q = qkv[..., :H * hd].reshape(B, Tn, H, hd).transpose(0, 2, 1, 3)  # [B, H, Tn, hd]
         k = qkv[..., H * hd:(H + Hkv) * hd].reshape(B, Tn, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, Tn, hd]
@@ -114,11 +123,11 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
         cache.k[i][:, :, L:L + Tn] = k
         cache.v[i][:, :, L:L + Tn] = v
         a, _ = ops.attention_forward(q, cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn])  # [B, H, Tn, hd]
-        x = x + linear(a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd), W[p + "attn.wo.weight"])
-        h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm.weight"], cfg.norm_eps)
+        x = x + linear(a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd), W[p + "wo"])
+        h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm"], cfg.norm_eps)
         gu = linear(h2, W[p + "gate_up"])  # [B, Tn, 2F]
         s, _ = ops.swiglu_forward(gu[..., :F], gu[..., F:])
-        x = x + linear(s, W[p + "ffn.down.weight"])
+        x = x + linear(s, W[p + "down"])
     cache.length = L + Tn
     if last_only:
         x = x[:, -1:]
