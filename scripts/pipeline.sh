@@ -4,7 +4,7 @@
 #   tokenizer -> prepare (token shards) -> pretrain (small) -> SFT (offline instruction set) -> answers + chat
 #
 # Everything goes under $OUT (default out/pipeline). Runs offline on a laptop CPU; the step counts below
-# are deliberately small (about 45 minutes on one core) - raise PRETRAIN_STEPS / SFT_STEPS for a better model.
+# are modest (about 40 minutes on one quiet core) - raise PRETRAIN_STEPS / SFT_STEPS for a better model.
 #
 #   scripts/pipeline.sh                       # default sizes
 #   PRETRAIN_STEPS=200 SFT_STEPS=50 scripts/pipeline.sh   # a quick smoke run (minutes; answers are poor)
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 OUT=${OUT:-out/pipeline}
 PRETRAIN_STEPS=${PRETRAIN_STEPS:-2000}
-SFT_STEPS=${SFT_STEPS:-400}
+SFT_STEPS=${SFT_STEPS:-1500}
 NANOEULER=${NANOEULER:-.venv/bin/nanoeuler}
 [ -x "$NANOEULER" ] || NANOEULER="python -m nanoeuler"
 mkdir -p "$OUT"

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from .train import add_hyperparameters, report, train_config_from_args
 
-SFT_DEFAULTS = dict(steps=400, batch_size=16, lr=1e-3, warmup=20, weight_decay=0.0, eval_every=50, eval_batches=0,
-                    ckpt_every=100)
+# Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
+# in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
+SFT_DEFAULTS = dict(steps=1500, batch_size=16, lr=2e-3, warmup=50, weight_decay=0.0, eval_every=250, eval_batches=0,
+                    ckpt_every=250)
 
 
 def register(sub) -> None:
