@@ -69,6 +69,8 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
         return W, (np.ascontiguousarray(W.T) if W.shape[1] <= NARROW else None)
     F = {"embed": P["embed.weight"], "norm": P["norm.weight"],
          "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
+    for k in range(cfg.n_mtp):  # one head at a time, for decoding (head 0, and drafts only when drafting)
+        F[f"head.{k}"] = pair(P[f"heads.{k}.weight"])
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         F[p + "qkv"] = pair(np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]]))
@@ -103,11 +105,18 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
     """inputs int [B, Tn], the tokens at positions cache.length .. cache.length+Tn-1
     -> logits [K, B, Tn, V] (or [K, B, 1, V] with last_only); the cache grows by Tn.
     fused: fuse_weights(cfg, P), when the caller keeps it across calls."""
+    W = fused if fused is not None else fuse_weights(cfg, P)
+    h = forward_hidden(cfg, W, inputs, cache, last_only)
+    logits = linear(h, W["heads"])  # [B, Tn|1, K·V]
+    return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
+
+
+def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    """The KV-cache forward up to the final RMSNorm: inputs int [B, Tn] -> h [B, Tn|1, d] (W = fuse_weights)."""
     B, Tn = inputs.shape
     L = cache.length
     if L + Tn > cache.max_len:
         raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
-    W = fused if fused is not None else fuse_weights(cfg, P)
     H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
     cos, sin = cache.cos[L:L + Tn], cache.sin[L:L + Tn]  # [Tn, hd/2]
     x = W["embed"][inputs]  # [B, Tn, d]
@@ -131,9 +140,7 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
     cache.length = L + Tn
     if last_only:
         x = x[:, -1:]
-    h, _ = ops.rmsnorm_forward(x, W["norm"], cfg.norm_eps)
-    logits = linear(h, W["heads"])  # [B, Tn|1, K·V]
-    return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
+    return ops.rmsnorm_forward(x, W["norm"], cfg.norm_eps)[0]
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -189,55 +196,65 @@ class Generation:
 
 
 class _Window:
-    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full."""
+    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full.
+    Keeps the final hidden state h [d] of the last position; `head(k)` turns it into head k's logits [V]
+    on demand (plain decoding only ever needs head 0)."""
 
     def __init__(self, model, seq: list[int], mode: str):
         self.cfg, self.P = model.config, model.params
         self.mode, self.seq, self.forwards = mode, seq, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
-        self.fused = fuse_weights(self.cfg, self.P)
-        self.logits = self._refill()  # [K, V] at the last position
+        self.W = fuse_weights(self.cfg, self.P)
+        self._refill()
 
-    def _refill(self) -> np.ndarray:
-        """Recompute the cache (and last-position logits) from seq[start:]."""
-        self.cache.length = 0
+    def _set(self, h: np.ndarray, head0: np.ndarray | None = None) -> None:
+        self.h, self._heads = h, {} if head0 is None else {0: head0}
+
+    def head(self, k: int) -> np.ndarray:
+        """Logits [V] of head k at the last position."""
+        if k not in self._heads:
+            self._heads[k] = self.W[f"head.{k}"][0] @ self.h
+        return self._heads[k]
+
+    def _forward(self, tokens, last_only: bool) -> np.ndarray:
         self.forwards += 1
-        window = np.asarray(self.seq[self.start:], dtype=np.int64)[None]
-        return forward_cached(self.cfg, self.P, window, self.cache, True, self.fused)[:, 0, 0]
+        return forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], self.cache, last_only)[0]
+
+    def _refill(self) -> None:
+        """Recompute the cache (and the last position's hidden state) from seq[start:]."""
+        self.cache.length = 0
+        self._set(self._forward(self.seq[self.start:], True)[0])
 
     def room(self) -> int:
         """Positions left before the window must jump."""
         return self.cfg.ctx_len - (len(self.seq) - self.start)
 
-    def push(self, token: int) -> np.ndarray:
-        """Append one token; return logits [K, V] for the position after it."""
+    def push(self, token: int) -> None:
+        """Append one token and run the model on it."""
         self.seq.append(token)
         if len(self.seq) - self.start > self.cfg.ctx_len:
             self.start = len(self.seq) - self.cfg.ctx_len // 2
-            self.logits = self._refill()
+            self._refill()
         elif self.mode == "full":
-            self.logits = self._refill()
+            self._refill()
         else:
-            self.forwards += 1
-            self.logits = forward_cached(self.cfg, self.P, np.array([[token]]), self.cache, True, self.fused)[:, 0, 0]
-        return self.logits
+            self._set(self._forward([token], True)[0])
 
-    def verify(self, block: list[int]) -> np.ndarray:
-        """Feed tokens block (must fit: len(block) <= room()) in one forward -> logits [K, len(block), V].
-        The caller then calls `keep` to roll back to the accepted ones."""
-        self.forwards += 1
-        out = forward_cached(self.cfg, self.P, np.asarray(block, dtype=np.int64)[None], self.cache, False, self.fused)
+    def verify(self, block: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Feed tokens block (must fit: len(block) <= room()) in one forward -> (hidden states [n, d],
+        head-0 logits [n, V]). The caller then calls `keep` to roll back to the accepted ones."""
+        h = self._forward(block, False)  # [n, d]
         self.seq.extend(block)
-        return out[:, 0]
+        return h, linear(h, self.W["head.0"])
 
-    def keep(self, n_total: int, logits_last: np.ndarray) -> None:
-        """Roll back seq and cache to n_total tokens of the window; logits_last [K, V] is the output there."""
+    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray) -> None:
+        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
-        self.logits = logits_last
+        self._set(h, head0)
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -287,12 +304,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
         if mode == "speculative" and model.config.n_mtp > 1:
             _speculate(win, emit, out)
         else:
-            logits = win.logits
             while True:
-                token = sample_token(logits[0], temperature, top_k, top_p, rng)
+                token = sample_token(win.head(0), temperature, top_k, top_p, rng)
                 if emit(token):
                     break
-                logits = win.push(token)
+                win.push(token)
     out.decode_s = time.perf_counter() - t0
     out.forwards = win.forwards
     return out
@@ -308,10 +324,9 @@ def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.25, prob
     Which drafts are sent never changes the output, only the speed."""
     K = win.cfg.n_mtp
     rate = [0.5] * (K - 1)
-    logits = win.logits  # [K, V] at the last position of the window
     rounds = 0
     while True:
-        t1 = int(np.argmax(logits[0]))
+        t1 = int(np.argmax(win.head(0)))
         if emit(t1):
             return
         rounds += 1
@@ -323,25 +338,24 @@ def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.25, prob
             depth = K - 1
         depth = min(depth, max(0, win.room() - 1))  # the window is (nearly) full: do what plain greedy would
         if depth == 0:
-            logits = win.push(t1)
+            win.push(t1)
             continue
-        drafts = [int(np.argmax(logits[k])) for k in range(1, depth + 1)]
+        drafts = [int(np.argmax(win.head(k))) for k in range(1, depth + 1)]
         n_before = len(win.seq) - win.start
-        block_logits = win.verify([t1] + drafts)  # [K, 1 + depth, V]
+        h, head0 = win.verify([t1] + drafts)  # [1 + depth, d], [1 + depth, V]
         out.drafted += depth
         n_ok = 0
         for j, d in enumerate(drafts):
-            ok = int(np.argmax(block_logits[0, j])) == d
+            ok = int(np.argmax(head0[j])) == d
             rate[j] = 0.9 * rate[j] + 0.1 * ok
             if not ok:
                 break
             n_ok += 1
         out.accepted += n_ok
-        win.keep(n_before + 1 + n_ok, block_logits[:, n_ok])
+        win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
         for d in drafts[:n_ok]:
             if emit(d):
                 return
-        logits = win.logits
 
 
 # ---- text in, text out ---------------------------------------------------------------------------
