@@ -452,6 +452,32 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> t
     return out[0], out[1]
 
 
+def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, progress: bool = True) -> tuple[list[dict], int]:
+    """On-policy wrong answers: for each pair of a scored task, the model's own greedy answer replaces
+    `rejected` when it is wrong (non-empty, ends with </s>, differs from chosen after `sft.normalize`) —
+    the mistakes this model actually makes, which rule-made negatives rarely are. Other pairs are kept.
+    -> (new pairs, number replaced). Each replaced pair gets "rejected_source": "model"."""
+    from .generate import generate
+    from .sft import SCORED, normalize
+    out, replaced = [], 0
+    it = pairs
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(pairs, desc="model answers", unit="prompt", dynamic_ncols=True)
+    ctx = model.config.ctx_len
+    for p in it:
+        if p.get("task", "") in SCORED or not p.get("task"):
+            ids = tok.encode(p["prompt"])[-ctx:]
+            g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
+                         mode="speculative")
+            answer = tok.decode(g.ids).strip()
+            if g.stopped and answer and "###" not in answer and normalize(answer) != normalize(p["chosen"]):
+                p = p | {"rejected": answer, "rejected_source": "model"}
+                replaced += 1
+        out.append(p)
+    return out, replaced
+
+
 def pair_records(data: str, val: str | None) -> tuple[list[dict], list[dict], str, int]:
     """(train pairs, held-out pairs, data id, invalid lines skipped) for --data/--val:
     'offline' = `offline_pairs()`; a JSONL file = its pairs (held-out: --val, else 1 in 50 by prompt hash)."""

@@ -255,3 +255,20 @@ def test_cli_dpo_on_a_pair_file_and_errors(tok, tmp_path, capsys):
     assert main(["dpo", "--sft", str(sft), "--data", str(f), "--val", str(v), "--out", str(tmp_path / "z"),
                  "--beta", "0"]) == 2
     assert "beta" in capsys.readouterr().err
+
+
+def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, monkeypatch):
+    import nanoeuler.generate as gen
+    from nanoeuler.dpo import model_negatives
+    answers = {"q0=": (b"Hamlet", True), "q1=": (b"Lear", True), "q2=": (b"Lear", False), "q3=": (b"hamlet.", True)}
+
+    def fake_generate(model, ids, **kw):
+        text, stopped = answers[bytes(ids).decode()]
+        return gen.Generation(list(text), stopped=stopped)
+
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    pairs = [{"prompt": f"q{i}=", "chosen": "Hamlet", "rejected": "Othello", "task": "speaker"} for i in range(4)]
+    pairs.append({"prompt": "q9=", "chosen": "a line", "rejected": "another", "task": "continue"})
+    out, n = model_negatives(Model.init(TINY, seed=0), tok, pairs, progress=False)
+    assert n == 1 and out[1]["rejected"] == "Lear" and out[1]["rejected_source"] == "model"
+    assert [p["rejected"] for p in out] == ["Othello", "Lear", "Othello", "Othello", "another"]  # right / unfinished kept

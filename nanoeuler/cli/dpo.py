@@ -65,6 +65,11 @@ def register(sub) -> None:
                                    "(chosen = the correct answer, rejected = a wrong one of the same kind) and write "
                                    "OUT/pairs_train.jsonl and OUT/pairs_heldout.jsonl.")
     d.add_argument("--out", default="data/dpo", help="output directory (default data/dpo)")
+    d.add_argument("--from-model", default=None, metavar="RUN",
+                   help="on-policy negatives: where this checkpoint's greedy answer to a training prompt is wrong, "
+                        "it becomes the rejected response (held-out pairs stay as built)")
+    d.add_argument("--n-train", type=int, default=0, help="keep only the first N training pairs (0 = all)")
+    d.add_argument("--no-progress", action="store_true")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=run_data)
 
@@ -169,9 +174,20 @@ def run_eval(args) -> int:
 
 
 def run_data(args) -> int:
-    from ..dpo import offline_pairs
+    from ..dpo import model_negatives, offline_pairs
+    from ..errors import UserError
     from ..fileio import atomic_write_text
+    if args.n_train < 0:
+        raise UserError("--n-train must be >= 0")
     train, held = offline_pairs()
+    if args.n_train:
+        train = train[:args.n_train]
+    replaced = 0
+    if args.from_model:
+        from ..checkpoint import load_tokenizer
+        from ..model import Model
+        train, replaced = model_negatives(Model.load(args.from_model), load_tokenizer(args.from_model), train,
+                                          progress=not args.no_progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -179,7 +195,8 @@ def run_data(args) -> int:
         atomic_write_text(out / name, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
         files.append(str(out / name))
     if args.json:
-        print(json.dumps({"train": len(train), "heldout": len(held), "files": files}))
+        print(json.dumps({"train": len(train), "heldout": len(held), "model_negatives": replaced, "files": files}))
     else:
-        print(f"wrote {len(train)} train and {len(held)} held-out pairs to {out}")
+        print(f"wrote {len(train)} train and {len(held)} held-out pairs to {out}" +
+              (f" ({replaced} training pairs with the model's own wrong answer as rejected)" if args.from_model else ""))
     return 0
