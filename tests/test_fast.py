@@ -24,7 +24,7 @@ def far_from_init(cfg, dtype, seed=0):
     """A model with weights well away from init, so attention is peaked and every gradient term matters."""
     rng = np.random.default_rng(seed)
     m = Model.init(cfg, seed=seed, dtype=dtype)
-    for name, p in m.params.items():
+    for p in m.params.values():
         p += rng.standard_normal(p.shape).astype(dtype) * (0.5 if p.ndim == 1 else 0.15)
     return m
 

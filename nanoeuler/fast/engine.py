@@ -8,8 +8,10 @@ organised for speed:
 - q, k, v come from one matmul against [wq; wk; wv] stacked, gate and up from one against [gate; up];
   their weight gradients come out of one matmul each (straight into the gradient buffer when the
   caller's buffers are laid out as `grad_buffers` makes them);
-- RoPE, the 1/√hd scale and the head split are one pass (`rope_split`); softmax, SwiGLU, RMSNorm and
-  cross-entropy are fused numba kernels working in place (kernels.py);
+- attention is one numba kernel per direction: RoPE, the 1/√hd scale, the head split, scores, causal
+  softmax and P·v read straight from the q/k/v projection rows, only the causal half is computed,
+  and backward writes the q/k/v gradient rows directly; SwiGLU, RMSNorm and cross-entropy are fused
+  numba kernels working in place (kernels.py);
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
   gate/up matmuls (from the residual stream and the saved 1/rms) and the SwiGLU output;
 - every matmul is split by output rows over the cores, each part on single-threaded BLAS (blas.py);
@@ -40,8 +42,8 @@ class Workspace:
         self.key = (cfg, B, T, np.dtype(dtype))
         dt = np.dtype(dtype)
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
-        N, G = B * T, H // Hkv
-        self.B, self.T, self.N, self.G = B, T, N, G
+        N = B * T
+        self.B, self.T, self.N = B, T, N
         e = lambda *shape: np.empty(shape, dtype=dt)  # noqa: E731
         # saved for backward, per layer
         self.X = e(L + 1, N, d)            # residual stream entering each block (X[L]: before the final norm)
@@ -112,8 +114,7 @@ def _matmul_into(a, b, outs):
 
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state)."""
-    B, T, N, G = ws.B, ws.T, ws.N, ws.G
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
     cos, sin = ws.rope
     ids = inputs.reshape(-1)
@@ -165,8 +166,7 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
 
 def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient."""
-    B, T, N, G = ws.B, ws.T, ws.N, ws.G
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
     cos, sin = ws.rope
     dx = ws.dx
