@@ -23,6 +23,7 @@ organised for speed:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -85,6 +86,16 @@ def grad_buffers(cfg: Config, dtype) -> dict[str, np.ndarray]:
     return out
 
 
+def _entry(fn):
+    """Run fn holding the kernel lock with OpenBLAS single-threaded (both re-entrant), so the public
+    steps below are fast and safe whether called alone or from loss_and_grads."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with K.LOCK, single_threaded_blas():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 def _stacked(arrays):
     """A [Σ rows, cols] view over C-contiguous 2-D arrays that sit back to back in memory, else None."""
     first = arrays[0]
@@ -112,6 +123,7 @@ def _matmul_into(a, b, outs):
         off += o.shape[0]
 
 
+@_entry
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state)."""
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
@@ -140,6 +152,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
     K.rmsnorm_forward(ws.X[cfg.n_layers], P["norm.weight"], eps, ws.hf, ws.rf)
 
 
+@_entry
 def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None):
     """The K heads and their losses, one head at a time. targets int [K, N] (−1 = ignored).
     With grads: also dlogits -> grads['heads.k.weight'] and the gradient of hf into ws.dh.
@@ -164,6 +177,7 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
     return losses, sum(losses) / Kh
 
 
+@_entry
 def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient."""
     Hkv = cfg.n_kv_heads
