@@ -259,6 +259,7 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log) -> dict:
         order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotate who goes first
         for w in order:
             times[w.engine].append(float(w.ask("step", "time")[0]))
+        log(f"  step {r + 1}/{steps}: " + ", ".join(f"{w.engine} {times[w.engine][-1]:.2f} s" for w in workers))
         if r % 3 == 0:
             peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
     peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
