@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/nanoeuler demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest tests
 
 check: $(STAMP)
 	$(BIN)/nanoeuler check
