@@ -35,10 +35,11 @@ def run(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..config import PRESETS
     from ..errors import UserError
-    from ..generate import StreamDecoder, generate
+    from ..generate import generate
     from ..model import Model
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, TrainConfig, evaluate, run_training
+    from .sample import StdoutStream
     from .train import ensure_bundled_data
 
     out = Path(args.out)
@@ -72,16 +73,10 @@ def run(args) -> int:
     print(f"\nvalidation (5 held-out works): {result['val_loss']:.4f} nats/token, {result['val_bpb']:.4f} bits/byte\n")
     for i, prompt in enumerate(DEMO_PROMPTS):
         print(f"--- sample {i + 1} (temperature 0.8, top-k 40) ---")
-        dec = StreamDecoder(tok)
         sys.stdout.write(prompt)
-
-        def stream(token):
-            if token != tok.eos_id:
-                sys.stdout.write(dec.feed(token))
-                sys.stdout.flush()
-
         generate(model, tok.encode(prompt), 160, temperature=0.8, top_k=40, seed=args.seed + i,
-                 stop_ids=[tok.eos_id], on_token=stream)
+                 stop_ids=[tok.eos_id], on_token=(stream := StdoutStream(tok)))
+        stream.flush()
         print("\n")
     print(f"more: nanoeuler sample --ckpt {out} --prompt \"HAMLET.\"   |   curves: {out}/curves.png")
     return 0

@@ -33,6 +33,23 @@ def check_sampling_args(args) -> None:
         raise UserError("--max-new-tokens must be >= 1")
 
 
+class StdoutStream:
+    """An on_token callback that prints each new token's text as soon as its UTF-8 is complete (not </s>);
+    flush() prints what is left of a character cut off at the end."""
+
+    def __init__(self, tok):
+        from ..generate import StreamDecoder
+        self.tok, self.dec = tok, StreamDecoder(tok)
+
+    def __call__(self, token: int) -> None:
+        if token != self.tok.eos_id:
+            sys.stdout.write(self.dec.feed(token))
+            sys.stdout.flush()
+
+    def flush(self) -> None:
+        sys.stdout.write(self.dec.flush())
+
+
 def mode_of(args) -> str:
     return "speculative" if args.temperature == 0 and not args.no_speculative else "cache"
 
@@ -52,7 +69,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
-    from ..generate import StreamDecoder, generate, truncate_left
+    from ..generate import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
@@ -66,18 +83,14 @@ def run(args) -> int:
               f"kept the last {len(ids)}", file=sys.stderr)
     stream = None
     if not args.json:
-        dec = StreamDecoder(tok)
         sys.stdout.write(tok.decode(ids))
-
-        def stream(token):
-            if token != tok.eos_id:
-                sys.stdout.write(dec.feed(token))
-                sys.stdout.flush()
+        stream = StdoutStream(tok)
     g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                  stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)
     if args.json:
         print(json.dumps({"prompt": tok.decode(ids), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,
                           "prompt_truncated": dropped, "tokens_per_s": g.tokens_per_s, "mode": mode_of(args)}))
     else:
-        sys.stdout.write(dec.flush() + "\n")
+        stream.flush()
+        sys.stdout.write("\n")
     return 0
