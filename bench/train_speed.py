@@ -3,8 +3,11 @@
 For each preset, one worker process per engine (ours, torch eager, torch.compile) builds the same model
 from the same weights and the same batch, then the parent runs them *alternately*, one full training
 step at a time (forward, backward, AdamW), so load from anything else on the machine hits all engines
-alike. Warm-up steps (numba cache load, torch.compile compilation) are excluded; the median of the
-timed steps is reported. All engines use 2 threads.
+alike. Between two steps the parent waits --pause seconds (default 0.3): PyTorch's OpenMP threads keep
+spinning for a while after a step, and without the pause they would steal the cores from whichever
+engine runs next (measured: our small step 247 ms right after PyTorch's, 216 ms alone). Warm-up steps
+(numba cache load, torch.compile compilation) are excluded; the median of the timed steps is reported.
+All engines use 2 threads.
 
     tokens/s      B·T / median step time
     ours/x        our tokens/s over engine x's
@@ -238,7 +241,7 @@ class Worker:
         return self.expect(word)
 
 
-def run_preset(preset: str, engines, steps: int, warmup: int, log) -> dict:
+def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float = 0.3) -> dict:
     from nanoeuler.config import PRESETS
     cfg = PRESETS[preset]
     B, T = SHAPES[preset]
@@ -258,6 +261,7 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log) -> dict:
     for r in range(steps):
         order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotate who goes first
         for w in order:
+            time.sleep(pause)  # let the previous engine's threads go idle
             times[w.engine].append(float(w.ask("step", "time")[0]))
         log(f"  step {r + 1}/{steps}: " + ", ".join(f"{w.engine} {times[w.engine][-1]:.2f} s" for w in workers))
         if r % 3 == 0:
@@ -285,6 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
+    ap.add_argument("--pause", type=float, default=0.3,
+                    help="seconds between two engines' steps, so spinning threads go idle (default 0.3)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -294,7 +300,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    results = [run_preset(p, args.engines, args.steps, args.warmup, log) for p in args.presets]
+    results = [run_preset(p, args.engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
     if args.json:
         print(json.dumps({"threads": THREADS, "results": results}))
         return 0

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+PARALLEL_ABOVE = 1 << 16  # a tensor this big is updated in one slice per core (smaller: a thread costs more)
+
 
 class AdamW:
     def __init__(self, params: dict[str, np.ndarray], lr: float = 3e-3, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -33,12 +35,14 @@ class AdamW:
             dt = p.dtype.type
             decay = dt(1.0 - lr * self.weight_decay) if p.ndim >= 2 and self.weight_decay else dt(1.0)
             if all(a.flags.c_contiguous and a.dtype == p.dtype for a in (g, m, v)) and p.flags.c_contiguous:
-                # one fused, parallel pass (nanoeuler/fast/kernels.py), rounding exactly as the lines below
-                from .fast import kernels
-                update = kernels.adamw_update if p.size >= kernels.SERIAL_BELOW else kernels.adamw_update_serial
-                with kernels.LOCK:
-                    update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), dt(b1), dt(1.0 - b1),
-                           dt(b2), dt(1.0 - b2), decay, dt(bc2_sqrt), dt(self.eps), dt(lr / bc1))
+                # one fused pass (nanoeuler/fast/kernels.py), rounding exactly as the lines below;
+                # big tensors in one slice per core
+                from .fast import kernels, parallel
+                flat = [a.reshape(-1) for a in (p, g, m, v)]
+                scalars = (dt(b1), dt(1.0 - b1), dt(b2), dt(1.0 - b2), decay, dt(bc2_sqrt), dt(self.eps), dt(lr / bc1))
+                slices = parallel.chunks(p.size, parallel.PARTS if p.size >= PARALLEL_ABOVE else 1)
+                parallel.run_parts(lambda k: kernels.adamw_update(*(a[slice(*slices[k])] for a in flat), *scalars),
+                                   len(slices))
                 continue
             m *= dt(b1)
             m += dt(1.0 - b1) * g

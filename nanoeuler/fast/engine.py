@@ -3,18 +3,20 @@
 Same mathematics as `model.forward` / `model.backward` (tests/test_fast.py compares every gradient),
 organised for speed:
 
+- the batch is cut into one part per core (parallel.py); each part's forward, heads and backward run in
+  their own thread on single-threaded BLAS and serial numba kernels, and the parts' weight gradients are
+  summed at the end (part 0 writes into the caller's buffers, the others into the workspace's);
 - every activation lives in a `Workspace` allocated once per (config, B, T, dtype) and reused across
-  steps; tensors are kept as [N = B·T, width] rows so each matmul is one BLAS call;
+  steps; tensors are kept as [N = B·T, width] rows so each matmul is one BLAS call, and a part is a view
+  of its own rows;
 - q, k, v come from one matmul against [wq; wk; wv] stacked, gate and up from one against [gate; up];
   their weight gradients come out of one matmul each (straight into the gradient buffer when the
   caller's buffers are laid out as `grad_buffers` makes them);
-- attention is one numba kernel per direction: RoPE, the 1/√hd scale, the head split, scores, causal
-  softmax and P·v read straight from the q/k/v projection rows, only the causal half is computed,
-  and backward writes the q/k/v gradient rows directly; SwiGLU, RMSNorm and cross-entropy are fused
-  numba kernels working in place (kernels.py);
+- attention: one kernel applies RoPE and the 1/√hd scale while splitting q/k/v into heads, the four
+  products are batched BLAS matmuls over the full T×T square (the G query heads of a kv head stacked, so
+  GQA needs no copies of k and v), and one kernel each does the causal softmax and its backward;
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
-  gate/up matmuls (from the residual stream and the saved 1/rms) and the SwiGLU output;
-- every matmul is split by output rows over the cores, each part on single-threaded BLAS (blas.py);
+  gate/up matmuls (from the residual stream and the saved 1/rms);
 - the K output heads are done one at a time: logits [N, V] of head k, its loss and dlogits in place,
   then its two backward matmuls; only one [N, V] buffer exists.
 
@@ -23,17 +25,23 @@ organised for speed:
 """
 from __future__ import annotations
 
-import functools
 import math
+from types import SimpleNamespace
 
 import numpy as np
+from numpy import matmul
 
 from .. import ops
 from ..config import Config
 from . import kernels as K
-from .blas import matmul, single_threaded_blas
+from . import parallel
+from .parallel import run_parts, single_threaded_blas
 
-N_CHUNKS = 32  # fixed number of row chunks for the RMSNorm weight-gradient partial sums (determinism)
+# Activation arrays of a Workspace, by how a part's rows are cut out of them.
+PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]: a[:, n0:n1]
+ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
+PER_LAYER_HEADS = ("q", "k", "v")                                  # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
+HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
 
 
 class Workspace:
@@ -43,6 +51,7 @@ class Workspace:
         self.key = (cfg, B, T, np.dtype(dtype))
         dt = np.dtype(dtype)
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+        G = H // Hkv
         N = B * T
         self.B, self.T, self.N = B, T, N
         e = lambda *shape: np.empty(shape, dtype=dt)  # noqa: E731
@@ -50,27 +59,52 @@ class Workspace:
         self.X = e(L + 1, N, d)            # residual stream entering each block (X[L]: before the final norm)
         self.M = e(L, N, d)                # residual stream between attention and feed-forward
         self.r1, self.r2, self.rf = e(L, N), e(L, N), e(N)  # 1/rms of each norm's input
-        self.QKV = e(L, N, (H + 2 * Hkv) * hd)  # q, k, v projections (RoPE is redone on the fly)
+        self.q = e(L, B * Hkv, G * T, hd)  # RoPE(q)/√hd per kv head: its G query heads stacked
+        self.k, self.v = e(L, B * Hkv, T, hd), e(L, B * Hkv, T, hd)  # RoPE(k), v per kv head
         self.P = e(L, B, H, T, T)          # attention probabilities (0 above the diagonal)
         self.A = e(L, N, H * hd)           # attention output, input of wo
         self.GU = e(L, N, 2 * F)           # [gate | up] pre-activations; backward turns them into [dg | du]
+        self.S = e(L, N, F)                # SwiGLU output, input of down
         self.hf = e(N, d)                  # final normed hidden state, input of the heads
         # scratch, shared by layers
         self.h = e(N, d)                   # a normed input (recomputed in backward)
-        self.dqkv = e(N, (H + 2 * Hkv) * hd)
-        self.s = e(N, F)                   # SwiGLU output / its gradient
+        self.qkv, self.dqkv = e(N, (H + 2 * Hkv) * hd), e(N, (H + 2 * Hkv) * hd)  # q, k, v projections
+        self.ds = e(N, F)                  # gradient of the SwiGLU output
         self.logits = e(N, V)
         self.t = e(N, d)                   # a matmul result about to be added somewhere
         self.dx, self.dh = e(N, d), e(N, d)
-        self.dw_part = e(N_CHUNKS, d)
         self.losses = np.empty(N, dtype=np.float64)
-        self.wqkv = e(L, (H + 2 * Hkv) * hd, d)   # stacked weights, refreshed from params each step
+        self.dq, self.dy = e(B * Hkv, G * T, hd), e(B * Hkv, G * T, hd)  # per kv head, like q
+        self.dk, self.dv = e(B * Hkv, T, hd), e(B * Hkv, T, hd)
+        self.dS = e(B * Hkv, G * T, T)     # score gradients
+        # shared by the parts, refreshed from params each step
+        self.wqkv = e(L, (H + 2 * Hkv) * hd, d)   # stacked weights
         self.wgu = e(L, 2 * F, d)
         self.rope = ops.rope_tables(T, hd, cfg.rope_theta, dt)
         self.qscale = dt.type(1.0 / np.sqrt(hd))
+        self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, min(parallel.PARTS, B)))]
+
+    def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
+        """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
+        weight-gradient accumulator, and (part k > 0) its own gradient buffers."""
+        n0, n1, Hkv = b0 * self.T, b1 * self.T, cfg.n_kv_heads
+        w = SimpleNamespace(index=k, b0=b0, b1=b1, n0=n0, n1=n1, P=self.P[:, b0:b1])
+        for name in PER_LAYER_ROWS:
+            setattr(w, name, getattr(self, name)[:, n0:n1])
+        for name in ROWS:
+            setattr(w, name, getattr(self, name)[n0:n1])
+        for name in PER_LAYER_HEADS:
+            setattr(w, name, getattr(self, name)[:, b0 * Hkv:b1 * Hkv])
+        for name in HEAD_ITEMS:
+            setattr(w, name, getattr(self, name)[b0 * Hkv:b1 * Hkv])
+        w.dw = np.empty(cfg.dim, np.float64)
+        w.grads = grad_buffers(cfg, self.X.dtype) if k else None
+        return w
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        arrays = [a for a in vars(self).values() if isinstance(a, np.ndarray)]
+        arrays += [g for w in self.parts if w.grads for g in w.grads.values()]
+        return sum(a.nbytes for a in arrays)
 
 
 def grad_buffers(cfg: Config, dtype) -> dict[str, np.ndarray]:
@@ -84,16 +118,6 @@ def grad_buffers(cfg: Config, dtype) -> dict[str, np.ndarray]:
         out[name] = flat[off:off + n].reshape(shape)
         off += n
     return out
-
-
-def _entry(fn):
-    """Run fn holding the kernel lock with OpenBLAS single-threaded (both re-entrant), so the public
-    steps below are fast and safe whether called alone or from loss_and_grads."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with K.LOCK, single_threaded_blas():
-            return fn(*args, **kwargs)
-    return wrapper
 
 
 def _stacked(arrays):
@@ -116,101 +140,146 @@ def _matmul_into(a, b, outs):
     if view is not None:
         matmul(a, b, out=view)
         return
-    tmp = matmul(a, b, out=np.empty((a.shape[0], b.shape[1]), dtype=b.dtype))
+    tmp = matmul(a, b)
     off = 0
     for o in outs:
         o[...] = tmp[off:off + o.shape[0]]
         off += o.shape[0]
 
 
-@_entry
-def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
-    """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state)."""
-    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+def _in_parts(fn, cfg: Config, P: dict, ws: Workspace, grads: dict | None, *args) -> None:
+    """fn(cfg, P, ws, w, grads of w, *args) for every part w of ws, one thread each, BLAS single-threaded.
+    Part 0 writes gradients into `grads`, the others into their own buffers."""
+    def one(k):
+        w = ws.parts[k]
+        fn(cfg, P, ws, w, w.grads if k and grads is not None else grads, *args)
+    with single_threaded_blas():
+        run_parts(one, len(ws.parts))
+
+
+def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
+    """grads[name] += every other part's gradient of name, in part order (fixed: deterministic)."""
+    for w in ws.parts[1:]:
+        for name in names:
+            grads[name] += w.grads[name]
+
+
+# ---- one part's work (runs in that part's thread) ---------------------------------------------------------
+def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs) -> None:
+    Hkv, T = cfg.n_kv_heads, ws.T
     eps = ws.X.dtype.type(cfg.norm_eps)
     cos, sin = ws.rope
-    ids = inputs.reshape(-1)
-    np.take(P["embed.weight"], ids, axis=0, out=ws.X[0])                     # [N, d]
+    np.take(P["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        wqkv, wgu = ws.wqkv[i], ws.wgu[i]
-        np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]], out=wqkv)
-        np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]], out=wgu)
-        x, mid = ws.X[i], ws.M[i]
+        x, mid = w.X[i], w.M[i]
         # attention sub-block
-        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])
-        matmul(ws.h, wqkv.T, out=ws.QKV[i])                                 # [N, (H+2Hkv)·hd]
-        K.attention_forward(ws.QKV[i], cos, sin, ws.qscale, H, Hkv, ws.P[i], ws.A[i])  # P, A [N, H·hd]
-        matmul(ws.A[i], P[p + "attn.wo.weight"].T, out=ws.t)
-        np.add(x, ws.t, out=mid)
+        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])
+        matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
+        q, k, v = w.q[i], w.k[i], w.v[i]
+        K.attention_split(w.qkv, cos, sin, ws.qscale, Hkv, q, k, v)
+        Pi = w.P[i].reshape(q.shape[0], -1, T)                              # [b·Hkv, G·T, T]
+        matmul(q, k.transpose(0, 2, 1), out=Pi)                             # scores
+        K.causal_softmax(Pi, T)
+        matmul(Pi, v, out=w.dq)                                             # y [b·Hkv, G·T, hd]
+        K.heads_to_rows(w.dq, Hkv, w.A[i])                                  # [n, H·hd]
+        matmul(w.A[i], P[p + "attn.wo.weight"].T, out=w.t)
+        np.add(x, w.t, out=mid)
         # feed-forward sub-block
-        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, ws.h, ws.r2[i])
-        matmul(ws.h, wgu.T, out=ws.GU[i])                                   # [N, 2F]
-        K.swiglu_forward(ws.GU[i], ws.s)                                       # [N, F]
-        matmul(ws.s, P[p + "ffn.down.weight"].T, out=ws.t)
-        np.add(mid, ws.t, out=ws.X[i + 1])
-    K.rmsnorm_forward(ws.X[cfg.n_layers], P["norm.weight"], eps, ws.hf, ws.rf)
+        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
+        matmul(w.h, ws.wgu[i].T, out=w.GU[i])                               # [n, 2F]
+        K.swiglu_forward(w.GU[i], w.S[i])                                   # [n, F]
+        matmul(w.S[i], P[p + "ffn.down.weight"].T, out=w.t)
+        np.add(mid, w.t, out=w.X[i + 1])
+    K.rmsnorm_forward(w.X[cfg.n_layers], P["norm.weight"], eps, w.hf, w.rf)
 
 
-@_entry
+def _heads_part(cfg: Config, P: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
+    for k in range(cfg.n_mtp):
+        W = P[f"heads.{k}.weight"]                                          # [V, d]
+        matmul(w.hf, W.T, out=w.logits)                                     # [n, V]
+        K.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)  # logits := dlogits
+        sums[k, w.index] = w.losses.sum()
+        if grads is not None:
+            matmul(w.logits.T, w.hf, out=grads[f"heads.{k}.weight"])        # [V, d]
+            if k == 0:
+                matmul(w.logits, W, out=w.dh)                               # [n, d]
+            else:
+                matmul(w.logits, W, out=w.t)
+                w.dh += w.t
+
+
+def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
+    Hkv, T = cfg.n_kv_heads, ws.T
+    eps = ws.X.dtype.type(cfg.norm_eps)
+    cos, sin = ws.rope
+    dx = w.dx
+    dx[...] = 0
+    K.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, P["norm.weight"], dx, w.dw)
+    grads["norm.weight"][...] = w.dw
+    for i in reversed(range(cfg.n_layers)):
+        p = f"layers.{i}."
+        x, mid, GU = w.X[i], w.M[i], w.GU[i]
+        # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
+        matmul(dx.T, w.S[i], out=grads[p + "ffn.down.weight"])              # [d, F]
+        matmul(dx, P[p + "ffn.down.weight"], out=w.ds)                      # [n, F]
+        K.swiglu_backward(w.ds, GU)                                         # GU := [dg | du]
+        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
+        _matmul_into(GU.T, w.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
+        matmul(GU, ws.wgu[i], out=w.dh)                                     # [n, d]
+        K.rmsnorm_backward(w.dh, mid, w.r2[i], P[p + "ffn_norm.weight"], dx, w.dw)
+        grads[p + "ffn_norm.weight"][...] = w.dw
+        # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
+        matmul(dx.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
+        matmul(dx, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
+        q, k, v = w.q[i], w.k[i], w.v[i]
+        K.rows_to_heads(w.A[i], Hkv, w.dy)                                  # dy [b·Hkv, G·T, hd]
+        Pi = w.P[i].reshape(q.shape[0], -1, T)                              # [b·Hkv, G·T, T]
+        matmul(w.dy, v.transpose(0, 2, 1), out=w.dS)                        # dP
+        K.causal_softmax_backward(Pi, w.dS, T)                              # dS
+        matmul(w.dS, k, out=w.dq)                                           # [b·Hkv, G·T, hd]
+        matmul(w.dS.transpose(0, 2, 1), q, out=w.dk)                        # [b·Hkv, T, hd] (sums the G heads)
+        matmul(Pi.transpose(0, 2, 1), w.dy, out=w.dv)
+        K.attention_join(w.dq, w.dk, w.dv, cos, sin, ws.qscale, w.dqkv)     # [n, (H+2Hkv)·hd]
+        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
+        _matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
+                                     grads[p + "attn.wv.weight"]])
+        matmul(w.dqkv, ws.wqkv[i], out=w.dh)
+        K.rmsnorm_backward(w.dh, x, w.r1[i], P[p + "attn_norm.weight"], dx, w.dw)
+        grads[p + "attn_norm.weight"][...] = w.dw
+    K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
+
+
+# ---- the public steps: every part at once ----------------------------------------------------------------
+def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
+    """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state)."""
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]], out=ws.wqkv[i])
+        np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]], out=ws.wgu[i])
+    _in_parts(_forward_part, cfg, P, ws, None, inputs)
+
+
 def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None):
     """The K heads and their losses, one head at a time. targets int [K, N] (−1 = ignored).
     With grads: also dlogits -> grads['heads.k.weight'] and the gradient of hf into ws.dh.
     Returns (per-head mean losses, objective)."""
     Kh = cfg.n_mtp
-    losses = []
-    for k in range(Kh):
-        W = P[f"heads.{k}.weight"]                                             # [V, d]
-        tk = targets[k]
-        n = int(np.count_nonzero(tk >= 0))
-        scale = ws.logits.dtype.type(1.0 / (n * Kh)) if n else ws.logits.dtype.type(0.0)
-        matmul(ws.hf, W.T, out=ws.logits)                                   # [N, V]
-        K.cross_entropy(ws.logits, tk, scale, ws.losses, grads is not None)    # logits := dlogits
-        losses.append(float(ws.losses.sum() / n) if n else 0.0)
-        if grads is not None:
-            matmul(ws.logits.T, ws.hf, out=grads[f"heads.{k}.weight"])      # [V, d]
-            if k == 0:
-                matmul(ws.logits, W, out=ws.dh)                             # [N, d]
-            else:
-                matmul(ws.logits, W, out=ws.t)
-                ws.dh += ws.t
+    counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(Kh)]
+    scales = [ws.logits.dtype.type(1.0 / (n * Kh) if n else 0.0) for n in counts]
+    sums = np.zeros((Kh, len(ws.parts)))                                   # per head, per part: Σ losses
+    _in_parts(_heads_part, cfg, P, ws, grads, targets, scales, sums)
+    if grads is not None:
+        _sum_part_grads(ws, grads, [f"heads.{k}.weight" for k in range(Kh)])
+    losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]
     return losses, sum(losses) / Kh
 
 
-@_entry
 def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) -> None:
-    """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient."""
-    Hkv = cfg.n_kv_heads
-    eps = ws.X.dtype.type(cfg.norm_eps)
-    cos, sin = ws.rope
-    dx = ws.dx
-    dx[...] = 0
-    K.rmsnorm_backward(ws.dh, ws.X[cfg.n_layers], ws.rf, P["norm.weight"], dx, ws.dw_part)
-    np.sum(ws.dw_part, axis=0, out=grads["norm.weight"])
-    for i in reversed(range(cfg.n_layers)):
-        p = f"layers.{i}."
-        x, mid, GU = ws.X[i], ws.M[i], ws.GU[i]
-        # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
-        K.swiglu_forward(GU, ws.s)                                             # recompute s [N, F]
-        matmul(dx.T, ws.s, out=grads[p + "ffn.down.weight"])                # [d, F]
-        matmul(dx, P[p + "ffn.down.weight"], out=ws.s)                      # ds [N, F]
-        K.swiglu_backward(ws.s, GU)                                            # GU := [dg | du]
-        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, ws.h, ws.r2[i])  # recompute h2
-        _matmul_into(GU.T, ws.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
-        matmul(GU, ws.wgu[i], out=ws.dh)                                    # [N, d]
-        K.rmsnorm_backward(ws.dh, mid, ws.r2[i], P[p + "ffn_norm.weight"], dx, ws.dw_part)
-        np.sum(ws.dw_part, axis=0, out=grads[p + "ffn_norm.weight"])
-        # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
-        matmul(dx.T, ws.A[i], out=grads[p + "attn.wo.weight"])              # [d, H·hd]
-        matmul(dx, P[p + "attn.wo.weight"], out=ws.A[i])                    # dA [N, H·hd] (A is spent)
-        K.attention_backward(ws.QKV[i], cos, sin, ws.qscale, Hkv, ws.P[i], ws.A[i], ws.dqkv)  # [N, (H+2Hkv)·hd]
-        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, ws.h, ws.r1[i])   # recompute h1
-        _matmul_into(ws.dqkv.T, ws.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
-                                      grads[p + "attn.wv.weight"]])
-        matmul(ws.dqkv, ws.wqkv[i], out=ws.dh)
-        K.rmsnorm_backward(ws.dh, x, ws.r1[i], P[p + "attn_norm.weight"], dx, ws.dw_part)
-        np.sum(ws.dw_part, axis=0, out=grads[p + "attn_norm.weight"])
-    K.embedding_backward(dx, ids, grads["embed.weight"])
+    """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
+    except the heads'. ids int [B·T]."""
+    _in_parts(_backward_part, cfg, P, ws, grads, ids)
+    _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
 
 
 def flat_targets(tokens, T, Kh, loss_mask):
@@ -226,10 +295,9 @@ def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Work
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
     if grads is None:
         grads = grad_buffers(cfg, ws.X.dtype)
-    with K.LOCK, single_threaded_blas():
-        forward(cfg, P, inputs, ws)
-        losses, objective = heads(cfg, P, targets, ws, grads)
-        backward(cfg, P, inputs.reshape(-1), ws, grads)
+    forward(cfg, P, inputs, ws)
+    losses, objective = heads(cfg, P, targets, ws, grads)
+    backward(cfg, P, inputs.reshape(-1), ws, grads)
     return losses[0], objective, grads
 
 
@@ -237,7 +305,6 @@ def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace):
     """Forward only: (head-0 loss, objective)."""
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
-    with K.LOCK, single_threaded_blas():
-        forward(cfg, P, inputs, ws)
-        losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
+    forward(cfg, P, inputs, ws)
+    losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
     return losses[0], objective

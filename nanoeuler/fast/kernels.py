@@ -3,10 +3,8 @@
 Every kernel here is the same mathematics as a reference op in `nanoeuler/ops/` (named in its docstring)
 and is tested against it (tests/test_fast.py). Rules they all follow:
 
-- Parallel over independent rows (`prange`); a thread never adds into memory another thread writes, and
-  every sum runs in a fixed order inside one row, so results are bit-identical run to run, whatever the
-  number of threads or their scheduling. Sums across rows (the weight gradient of RMSNorm) go to
-  per-chunk partial rows that are added in a fixed order afterwards.
+- Serial and `nogil`: the engine parallelises over whole sub-batches, one per core, each thread calling
+  these kernels on its own rows. Every sum runs in a fixed order, so results are bit-identical run to run.
 - Sums over a row accumulate in float64 with 8 interleaved accumulators (fixed order, and the
   float32 → float64 conversions vectorise); no `fastmath`, so every other operation rounds as written.
 - dtype-generic: a float32 array gives float32 arithmetic (exp via `vexp`), float64 gives float64.
@@ -14,25 +12,13 @@ and is tested against it (tests/test_fast.py). Rules they all follow:
 Shapes: N = B·T rows; d model width; F SwiGLU width; V vocabulary; hd head width (h2 = hd/2).
 """
 import math
-import os
-import threading
 
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .vmath import vexp
 
-# numba's "workqueue" threads block instead of spinning between parallel regions: on a shared machine
-# a step cost 20 % less CPU than with the OpenMP layer (measured, engine.py profile). It does not allow
-# two threads to launch parallel kernels at once, so every entry point holds LOCK.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
-LOCK = threading.RLock()
-SERIAL_BELOW = 1 << 16  # AdamW on smaller tensors runs serially: a parallel launch costs more than it saves
-
-OPTS = dict(cache=True, nogil=True)
-POPTS = dict(OPTS, parallel=True)
+OPTS = dict(cache=True, nogil=True, error_model="numpy")  # numpy: x/0 is inf, no check that blocks SIMD
 
 
 # ---- row reductions (fixed order, float64) -------------------------------------------------------
@@ -83,40 +69,41 @@ def row_max(a, n):
 
 
 # ---- RMSNorm (ops/rmsnorm.py) ----------------------------------------------------------------------
-@njit(**POPTS)
+@njit(**OPTS)
 def rmsnorm_forward(x, w, eps, y, r):
     """x [N, d], w [d] -> y [N, d] = x·r·w and r [N] = 1/sqrt(mean(x²) + eps), written into y and r."""
     N, d = x.shape
-    for i in prange(N):
+    for i in range(N):
         ri = x.dtype.type(1.0 / math.sqrt(row_dot(x[i], x[i], d) / d + eps))
         r[i] = ri
         for j in range(d):
             y[i, j] = (x[i, j] * ri) * w[j]
 
 
-@njit(**POPTS)
-def rmsnorm_backward(dy, x, r, w, dx, dw_part):
+@njit(**OPTS)
+def rmsnorm_backward(dy, x, r, w, dx, dw):
     """dy, x [N, d], r [N], w [d] -> dx [N, d] += r·(g − n·mean(g·n)) with g = dy·w, n = x·r;
-    dw_part [C, d]: row c holds Σ dy·n over the c-th chunk of rows (dw = dw_part.sum(0), a fixed order)."""
+    dw [d] (float64) = Σ over rows of dy·n, accumulated in row order."""
     N, d = x.shape
-    C = dw_part.shape[0]
-    rows = (N + C - 1) // C
-    for c in prange(C):
-        part = dw_part[c]
-        part[:] = 0
-        for i in range(c * rows, min(N, (c + 1) * rows)):
-            ri = r[i]
-            acc = 0.0
-            for j in range(d):  # Σ (dy·w)·(x·r), accumulated in float64
-                acc += (dy[i, j] * w[j]) * (x[i, j] * ri)
-            m = x.dtype.type(acc / d)
-            for j in range(d):
-                n = x[i, j] * ri
-                dx[i, j] += ri * (dy[i, j] * w[j] - n * m)
-                part[j] += dy[i, j] * n
+    dw[:] = 0
+    for i in range(N):
+        ri = r[i]
+        acc = 0.0
+        for j in range(d):  # Σ (dy·w)·(x·r), accumulated in float64
+            acc += (dy[i, j] * w[j]) * (x[i, j] * ri)
+        m = x.dtype.type(acc / d)
+        for j in range(d):
+            n = x[i, j] * ri
+            dx[i, j] += ri * (dy[i, j] * w[j] - n * m)
+            dw[j] += dy[i, j] * n
 
 
-# ---- fused attention: RoPE + causal GQA attention, straight from / to the token rows --------------------
+# ---- attention around BLAS: RoPE + head split in, causal softmax, heads back to rows -----------------------
+# The four products of attention (q·kᵀ, P·v and backward's three) are batched BLAS matmuls in engine.py,
+# over the full T×T square: twice the flops of the causal half, but BLAS runs them ~5× faster than a
+# loop that skips the masked half. These kernels do everything around them in one pass each.
+# Layout: item i = (sequence b, kv head g) = b·Hkv + g; the G = H/Hkv query heads of a group are stacked,
+# so q is [B·Hkv, G·T, hd] (row hh·T + t), k and v are [B·Hkv, T, hd], scores [B·Hkv, G·T, T].
 @njit(**OPTS)
 def _rotate_row(x, base, hd, cos, sin, t, scale, out):
     """out[:hd] = RoPE of x[base : base+hd] at position t, times scale (pair i with i + hd/2)."""
@@ -140,181 +127,124 @@ def _unrotate_row(g, hd, cos, sin, t, scale, out, base):
 
 
 @njit(**OPTS)
-def _scores(q, kT, m, s):
-    """s[j] = Σ_d q[d]·kT[d, j] for j < m, four d at a time (each pass over s does 8 flops per load/store)."""
-    hd = q.shape[0]
-    s[:m] = 0
-    d = 0
-    while d + 4 <= hd:
-        q0, q1, q2, q3 = q[d], q[d + 1], q[d + 2], q[d + 3]
-        k0, k1, k2, k3 = kT[d], kT[d + 1], kT[d + 2], kT[d + 3]
-        for j in range(m):
-            s[j] += (q0 * k0[j] + q1 * k1[j]) + (q2 * k2[j] + q3 * k3[j])
-        d += 4
-    while d < hd:
-        q0, k0 = q[d], kT[d]
-        for j in range(m):
-            s[j] += q0 * k0[j]
-        d += 1
-
-
-@njit(**POPTS)
-def attention_forward(qkv, cos, sin, qscale, n_heads, n_kv_heads, P, A):
-    """Causal grouped-query attention with RoPE, from the rows of the stacked q/k/v projection.
-
-    qkv [B·T, (H + 2·Hkv)·hd] (row n = token (b, t); per row: H q heads, Hkv k heads, Hkv v heads)
-    -> P [B, H, T, T] softmax(q·kᵀ/√hd) with the future masked (0 above the diagonal; kept for backward),
-       A [B·T, H·hd] = P·v with heads side by side (the input of wo).
-    Parallel over (batch, kv head); q head h reads kv head h // (H / Hkv). Only keys j ≤ t are computed."""
-    B, H, T, _ = P.shape
+def attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v):
+    """qkv [B·T, (H + 2·Hkv)·hd] rows (per row: H q heads, Hkv k heads, Hkv v heads) ->
+    q [B·Hkv, G·T, hd] = RoPE(q)/√hd, k [B·Hkv, T, hd] = RoPE(k), v [B·Hkv, T, hd] (ops/rope.py, ops/attention.py)."""
     Hkv = n_kv_heads
-    G = H // Hkv
-    hd = 2 * cos.shape[1]
-    dt = P.dtype.type
-    one = dt(1.0)
-    for item in prange(B * Hkv):
-        b, g = item // Hkv, item % Hkv
-        kT = np.empty((hd, T), dtype=P.dtype)  # rotated keys, transposed: scores vectorise over keys
-        v = np.empty((T, hd), dtype=P.dtype)
-        q = np.empty(hd, dtype=P.dtype)
-        kr = np.empty(hd, dtype=P.dtype)
-        y = np.empty(hd, dtype=P.dtype)
-        s = np.empty(T, dtype=P.dtype)
-        for t in range(T):
-            n = b * T + t
-            _rotate_row(qkv[n], (H + g) * hd, hd, cos, sin, t, one, kr)
-            for d in range(hd):
-                kT[d, t] = kr[d]
-                v[t, d] = qkv[n, (H + Hkv + g) * hd + d]
+    BH, T, hd = k.shape
+    G = q.shape[1] // T
+    H = G * Hkv
+    one = k.dtype.type(1.0)
+    for n in range(qkv.shape[0]):
+        b, t = n // T, n % T
+        row = qkv[n]
+        for g in range(Hkv):
+            i = b * Hkv + g
+            for hh in range(G):
+                _rotate_row(row, (g * G + hh) * hd, hd, cos, sin, t, qscale, q[i, hh * T + t])
+            _rotate_row(row, (H + g) * hd, hd, cos, sin, t, one, k[i, t])
+            v[i, t, :] = row[(H + Hkv + g) * hd:(H + Hkv + g + 1) * hd]
+
+
+@njit(**OPTS)
+def attention_join(dq, dk, dv, cos, sin, qscale, dqkv):
+    """The transpose of attention_split: dq [B·Hkv, G·T, hd], dk, dv [B·Hkv, T, hd] -> dqkv rows
+    [B·T, (H + 2·Hkv)·hd] (every entry written)."""
+    BH, T, hd = dk.shape
+    G = dq.shape[1] // T
+    Hkv = BH * T // dqkv.shape[0]
+    H = G * Hkv
+    one = dk.dtype.type(1.0)
+    for n in range(dqkv.shape[0]):
+        b, t = n // T, n % T
+        row = dqkv[n]
+        for g in range(Hkv):
+            i = b * Hkv + g
+            for hh in range(G):
+                _unrotate_row(dq[i, hh * T + t], hd, cos, sin, t, qscale, row, (g * G + hh) * hd)
+            _unrotate_row(dk[i, t], hd, cos, sin, t, one, row, (H + g) * hd)
+            row[(H + Hkv + g) * hd:(H + Hkv + g + 1) * hd] = dv[i, t]
+
+
+@njit(**OPTS)
+def heads_to_rows(y, n_kv_heads, A):
+    """y [B·Hkv, G·T, hd] -> A [B·T, H·hd] (heads side by side; the input of wo). The transpose of rows_to_heads."""
+    BH, GT, hd = y.shape
+    Hkv = n_kv_heads
+    T = A.shape[0] // (BH // Hkv)
+    G = GT // T
+    for i in range(BH):
+        b, g = i // Hkv, i % Hkv
         for hh in range(G):
             h = g * G + hh
             for t in range(T):
-                n = b * T + t
-                _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q)
-                m = t + 1
-                _scores(q, kT, m, s)
-                mx = row_max(s, m)
-                for j in range(m):
-                    s[j] = vexp(s[j] - mx)
-                tot = dt(row_sum(s, m))
-                prow = P[b, h, t]
-                for j in range(m):
-                    s[j] = s[j] / tot
-                    prow[j] = s[j]
-                prow[m:] = 0
-                y[:] = 0
-                j = 0
-                while j + 4 <= m:  # y = Σ_j p_j·v_j, four keys at a time
-                    p0, p1, p2, p3 = s[j], s[j + 1], s[j + 2], s[j + 3]
-                    v0, v1, v2, v3 = v[j], v[j + 1], v[j + 2], v[j + 3]
-                    for d in range(hd):
-                        y[d] += (p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])
-                    j += 4
-                while j < m:
-                    p0, v0 = s[j], v[j]
-                    for d in range(hd):
-                        y[d] += p0 * v0[d]
-                    j += 1
-                A[n, h * hd:(h + 1) * hd] = y
+                A[b * T + t, h * hd:(h + 1) * hd] = y[i, hh * T + t]
 
 
-@njit(**POPTS)
-def attention_backward(qkv, cos, sin, qscale, n_kv_heads, P, dA, dqkv):
-    """The backward of attention_forward: dA [B·T, H·hd] -> dqkv [B·T, (H + 2·Hkv)·hd] (every entry written).
-
-    Per query row: dP = dy·vᵀ, dS = P ⊙ (dP − Σ dP⊙P), dq = dS·k, dk += dSᵀ·q, dv += Pᵀ·dy. Query rows go
-    in blocks of 4 so each dk / dv row is loaded and stored once per block; dk and dv sum over the G
-    query heads of their group inside one work item, in a fixed order (deterministic)."""
-    B, H, T, _ = P.shape
+@njit(**OPTS)
+def rows_to_heads(A, n_kv_heads, y):
+    """A [B·T, H·hd] -> y [B·Hkv, G·T, hd] (the gradient of the attention output, per head)."""
+    BH, GT, hd = y.shape
     Hkv = n_kv_heads
-    G = H // Hkv
-    hd = 2 * cos.shape[1]
-    dt = P.dtype.type
-    one = dt(1.0)
-    R = 4
-    for item in prange(B * Hkv):
-        b, g = item // Hkv, item % Hkv
-        k = np.empty((T, hd), dtype=P.dtype)
-        vT = np.empty((hd, T), dtype=P.dtype)
-        dk = np.zeros((T, hd), dtype=P.dtype)
-        dv = np.zeros((T, hd), dtype=P.dtype)
-        q = np.zeros((R, hd), dtype=P.dtype)
-        dy = np.zeros((R, hd), dtype=P.dtype)
-        dq = np.empty((R, hd), dtype=P.dtype)
-        ds = np.zeros((R, T), dtype=P.dtype)
-        pr = np.zeros((R, T), dtype=P.dtype)
-        for t in range(T):
-            n = b * T + t
-            _rotate_row(qkv[n], (H + g) * hd, hd, cos, sin, t, one, k[t])
-            for d in range(hd):
-                vT[d, t] = qkv[n, (H + Hkv + g) * hd + d]
+    T = A.shape[0] // (BH // Hkv)
+    G = GT // T
+    for i in range(BH):
+        b, g = i // Hkv, i % Hkv
         for hh in range(G):
             h = g * G + hh
-            for t0 in range(0, T, R):
-                rows = min(R, T - t0)
-                mb = t0 + rows  # keys 0 .. mb-1 touch this block
-                for r in range(R):
-                    if r >= rows:  # past the end: a zero row contributes nothing
-                        q[r, :] = 0
-                        dy[r, :] = 0
-                        ds[r, :mb] = 0
-                        pr[r, :mb] = 0
-                        continue
-                    t = t0 + r
-                    n = b * T + t
-                    m = t + 1
-                    _rotate_row(qkv[n], h * hd, hd, cos, sin, t, qscale, q[r])
-                    dy[r, :] = dA[n, h * hd:(h + 1) * hd]
-                    pr[r, :mb] = P[b, h, t, :mb]  # 0 beyond the diagonal
-                    _scores(dy[r], vT, m, ds[r])   # dP = dy·vᵀ
-                    a = dt(row_dot(ds[r], pr[r], m))
-                    for j in range(m):
-                        ds[r, j] = pr[r, j] * (ds[r, j] - a)
-                    ds[r, m:mb] = 0
-                q0, q1, q2, q3 = q[0], q[1], q[2], q[3]
-                y0, y1, y2, y3 = dy[0], dy[1], dy[2], dy[3]
-                dq[:, :] = 0
-                dq0, dq1, dq2, dq3 = dq[0], dq[1], dq[2], dq[3]
-                for j in range(mb):
-                    s0, s1, s2, s3 = ds[0, j], ds[1, j], ds[2, j], ds[3, j]
-                    p0, p1, p2, p3 = pr[0, j], pr[1, j], pr[2, j], pr[3, j]
-                    kj, dkj, dvj = k[j], dk[j], dv[j]
-                    for d in range(hd):
-                        kd = kj[d]
-                        dq0[d] += s0 * kd
-                        dq1[d] += s1 * kd
-                        dq2[d] += s2 * kd
-                        dq3[d] += s3 * kd
-                        dkj[d] += (s0 * q0[d] + s1 * q1[d]) + (s2 * q2[d] + s3 * q3[d])
-                        dvj[d] += (p0 * y0[d] + p1 * y1[d]) + (p2 * y2[d] + p3 * y3[d])
-                for r in range(rows):
-                    t = t0 + r
-                    _unrotate_row(dq[r], hd, cos, sin, t, qscale, dqkv[b * T + t], h * hd)
-        for t in range(T):
-            n = b * T + t
-            _unrotate_row(dk[t], hd, cos, sin, t, one, dqkv[n], (H + g) * hd)
-            for d in range(hd):
-                dqkv[n, (H + Hkv + g) * hd + d] = dv[t, d]
+            for t in range(T):
+                y[i, hh * T + t] = A[b * T + t, h * hd:(h + 1) * hd]
+
+
+@njit(**OPTS)
+def causal_softmax(S, T):
+    """S [I, G·T, T] scores -> in place P = softmax over keys j ≤ t (row r is position t = r mod T), 0 above."""
+    I, R, _ = S.shape
+    for i in range(I):
+        for r in range(R):
+            row = S[i, r]
+            m = r % T + 1
+            mx = row_max(row, m)
+            for j in range(m):
+                row[j] = vexp(row[j] - mx)
+            tot = row.dtype.type(row_sum(row, m))
+            for j in range(m):
+                row[j] = row[j] / tot
+            row[m:] = 0
+
+
+@njit(**OPTS)
+def causal_softmax_backward(P, dP, T):
+    """P, dP [I, G·T, T] -> in place dS = P ⊙ (dP − Σ_j dP⊙P) on keys j ≤ t, 0 above (ops/attention.py)."""
+    I, R, _ = P.shape
+    for i in range(I):
+        for r in range(R):
+            p, d = P[i, r], dP[i, r]
+            m = r % T + 1
+            a = d.dtype.type(row_dot(d, p, m))
+            for j in range(m):
+                d[j] = p[j] * (d[j] - a)
+            d[m:] = 0
 
 
 # ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
-@njit(**POPTS)
+@njit(**OPTS)
 def swiglu_forward(gu, s):
     """gu [N, 2F] = [gate(x) | up(x)] -> s [N, F] = silu(g)·u, silu(g) = g·σ(g)."""
     N, F = s.shape
     one = s.dtype.type(1.0)
-    for n in prange(N):
+    for n in range(N):
         for j in range(F):
             g = gu[n, j]
             s[n, j] = (g * (one / (one + vexp(-g)))) * gu[n, F + j]
 
 
-@njit(**POPTS)
+@njit(**OPTS)
 def swiglu_backward(ds, gu):
     """ds [N, F], gu [N, 2F] -> in place gu := [dg | du], dg = ds·u·σ·(1 + g·(1 − σ)), du = ds·g·σ."""
     N, F = ds.shape
     one = ds.dtype.type(1.0)
-    for n in prange(N):
+    for n in range(N):
         for j in range(F):
             g, u, d = gu[n, j], gu[n, F + j], ds[n, j]
             sg = one / (one + vexp(-g))
@@ -323,12 +253,12 @@ def swiglu_backward(ds, gu):
 
 
 # ---- cross-entropy (ops/cross_entropy.py) ---------------------------------------------------------------
-@njit(**POPTS)
+@njit(**OPTS)
 def cross_entropy(z, targets, scale, losses, grad):
     """z [N, V] logits, targets int [N] (−1 = no loss) -> losses [N] (float64, 0 on ignored rows); if grad,
     z is overwritten in place by dz = scale·(softmax(z) − onehot(target)) (0 on ignored rows)."""
     N, V = z.shape
-    for i in prange(N):
+    for i in range(N):
         row = z[i]
         t = targets[i]
         if t < 0:
@@ -362,23 +292,11 @@ def embedding_backward(dx, ids, dW):
 
 
 # ---- AdamW (optim.py) ---------------------------------------------------------------------------------------
-@njit(**POPTS)
+@njit(**OPTS)
 def adamw_update(p, g, m, v, b1, c1, b2, c2, decay, bc2_sqrt, eps, step_size):
     """One AdamW step on flat arrays, rounding exactly as optim.AdamW's NumPy expressions do:
     m = m·b1 + c1·g;  v = v·b2 + c2·(g·g);  p = p·decay;  p = p − (step_size·m)/(sqrt(v)/bc2_sqrt + eps)
     (c1 = 1 − b1, c2 = 1 − b2, decay = 1 − lr·wd or 1, step_size = lr / (1 − b1ᵗ); all in p's dtype)."""
-    for i in prange(p.shape[0]):
-        gi = g[i]
-        mi = m[i] * b1 + c1 * gi
-        vi = v[i] * b2 + c2 * (gi * gi)
-        m[i] = mi
-        v[i] = vi
-        p[i] = p[i] * decay - (step_size * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
-
-
-@njit(**OPTS)
-def adamw_update_serial(p, g, m, v, b1, c1, b2, c2, decay, bc2_sqrt, eps, step_size):
-    """adamw_update on one thread (for small tensors), the same expressions."""
     for i in range(p.shape[0]):
         gi = g[i]
         mi = m[i] * b1 + c1 * gi
@@ -386,3 +304,4 @@ def adamw_update_serial(p, g, m, v, b1, c1, b2, c2, decay, bc2_sqrt, eps, step_s
         m[i] = mi
         v[i] = vi
         p[i] = p[i] * decay - (step_size * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
+
