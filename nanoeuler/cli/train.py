@@ -72,7 +72,7 @@ def train_config_from_args(args, defaults: dict | None = None):
 
 # Preset-specific defaults: what the default `nanoeuler train <preset>` does.
 PRESET_DEFAULTS = {
-    "small": dict(steps=6000, batch_size=32, lr=3e-3, warmup=100, eval_every=250, ckpt_every=500),
+    "small": dict(steps=15000, batch_size=32, lr=5e-3, warmup=200, eval_every=1000, eval_batches=0, ckpt_every=500),
     "big": dict(steps=4000, batch_size=16, lr=2e-3, warmup=200, eval_every=250, ckpt_every=250),
     "gpt": dict(steps=20000, batch_size=32, lr=6e-4, warmup=1000, eval_every=500, ckpt_every=1000),
 }
