@@ -416,7 +416,8 @@ def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
 
 
 # ---- the offline pair set (from the offline instruction set) ------------------------------------
-def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
+                  fits=None) -> tuple[list[dict], list[dict]]:
     """(train, held-out) pairs from `sft.offline_instructions` (same records, same held-out lines):
     chosen = the correct answer, rejected = a plausible wrong one of the same kind:
 
@@ -427,9 +428,11 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> t
         continue                 the next line of a different passage
 
     Wrong answers are drawn within the split, so no held-out text reaches training, not even as a
-    rejected response. Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`)."""
+    rejected response. Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`).
+    fits: as in `offline_instructions` (e.g. `sft.fits_context(tok, ctx)`: only questions the model sees
+    whole), applied to the prompt with either response."""
     from .sft import WORD_RE, normalize, offline_instructions, prompt_text
-    train, held = offline_instructions(n_train, n_heldout, seed)
+    train, held = offline_instructions(n_train, n_heldout, seed, fits)
     rng = np.random.default_rng(seed + 1)
     out = []
     for records in (train, held):
@@ -446,6 +449,8 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0) -> t
             if not candidates:
                 continue  # e.g. a line whose words are all the answer word
             wrong = candidates[int(rng.integers(len(candidates)))]
+            if fits is not None and not fits(r | {"output": wrong}):
+                continue  # the rejected response would not fit
             pairs.append({"prompt": prompt_text(r["instruction"], r["input"]), "chosen": r["output"],
                           "rejected": wrong, "task": r["task"]})
         out.append(pairs)
@@ -478,12 +483,13 @@ def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, pro
     return out, replaced
 
 
-def pair_records(data: str, val: str | None) -> tuple[list[dict], list[dict], str, int]:
+def pair_records(data: str, val: str | None, fits=None) -> tuple[list[dict], list[dict], str, int]:
     """(train pairs, held-out pairs, data id, invalid lines skipped) for --data/--val:
-    'offline' = `offline_pairs()`; a JSONL file = its pairs (held-out: --val, else 1 in 50 by prompt hash)."""
+    'offline' = `offline_pairs(fits=fits)`; a JSONL file = its pairs (held-out: --val, else 1 in 50 by
+    prompt hash)."""
     if data == "offline":
-        train, held = offline_pairs()
-        return train, held, "offline-pairs-v1", 0
+        train, held = offline_pairs(fits=fits)
+        return train, held, "offline-pairs-v2" if fits else "offline-pairs-v1", 0
     train, bad = load_pairs(data)
     data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
     if bad:

@@ -81,7 +81,7 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     return F
 
 
-NARROW = 256  # input width up to which a [in, out] copy of W is kept for few-row products
+NARROW = 1024  # input width up to which a [in, out] copy of W is kept for few-row products
 
 
 def linear(x: np.ndarray, W: tuple) -> np.ndarray:
@@ -314,7 +314,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     return out
 
 
-def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.25, probe_every: int = 16) -> None:
+def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.15, probe_every: int = 16) -> None:
     """Greedy decoding with MTP drafts (see the module docstring). Ends when emit() says so.
 
     How many drafts to verify adapts to how often they are accepted: rate[j] is a running estimate of

@@ -162,6 +162,18 @@ def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_pr
     assert not held_lines & {p["rejected"] for p in train if p["task"] == "continue"}  # no held-out text in training
 
 
+def test_offline_pairs_keep_only_questions_that_fit_the_context(tok):
+    """dpo/dpo-eval build the offline pairs with `fits_context`: a held-out question the model cannot see
+    whole (its start cut off) is unanswerable and only adds noise to the greedy task accuracy."""
+    from nanoeuler.sft import fits_context
+    ctx = 230  # byte tokens: about half of the offline prompts are longer
+    train, held = offline_pairs(n_train=50, n_heldout=40, fits=fits_context(tok, ctx))
+    assert 40 <= len(train) <= 50 and 30 <= len(held) <= 40  # (a long rejected answer drops its pair)
+    tp = tokenize_pairs(tok, held, ctx)
+    assert tp.truncated == 0 and tp.dropped == 0 and len(tp) == len(held)
+    assert tokenize_pairs(tok, offline_pairs(n_train=50, n_heldout=40)[1], ctx).truncated > 0  # unfiltered: cut
+
+
 def test_load_pairs_skips_bad_lines_and_refuses_an_empty_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\nnot json\n{"prompt": "p", "chosen": "a"}\n'

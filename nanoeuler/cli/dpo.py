@@ -27,7 +27,8 @@ def register(sub) -> None:
                     "reward margin and preference accuracy; checkpoints and --resume work as in `nanoeuler train`.")
     p.add_argument("--sft", help="the SFT checkpoint: reference and initial policy (not needed with --resume)")
     p.add_argument("--data", default="offline",
-                   help="JSONL pair file, or 'offline' (default): pairs built from the offline instruction set")
+                   help="JSONL pair file, or 'offline' (default): pairs built from the offline instruction set, "
+                        "only questions that fit the model's context whole")
     p.add_argument("--val", default=None,
                    help="held-out JSONL pair file (default: 1 in 50 prompts of --data by hash; offline: its held-out split)")
     p.add_argument("--out", required=True, help="run directory of the tuned policy")
@@ -50,7 +51,7 @@ def register(sub) -> None:
     e.add_argument("--ckpt", required=True, help="checkpoint directory")
     e.add_argument("--ref", default=None, help="reference checkpoint (the SFT run) for loss and rewards")
     e.add_argument("--data", default="offline", help="JSONL pair file to evaluate (all of it), or 'offline' "
-                                                     "(default): the held-out offline pairs")
+                                                     "(default): the held-out offline pairs that fit the context")
     e.add_argument("--beta", type=float, default=0.1)
     e.add_argument("--limit", type=int, default=0, help="only the first N pairs (0 = all)")
     e.add_argument("--no-greedy", action="store_true", help="skip the greedy answers (preference metrics only)")
@@ -67,7 +68,8 @@ def register(sub) -> None:
     d.add_argument("--out", default="data/dpo", help="output directory (default data/dpo)")
     d.add_argument("--from-model", default=None, metavar="RUN",
                    help="on-policy negatives: where this checkpoint's greedy answer to a training prompt is wrong, "
-                        "it becomes the rejected response (held-out pairs stay as built)")
+                        "it becomes the rejected response (held-out pairs stay as built); only questions that fit "
+                        "this model's context whole are kept")
     d.add_argument("--n-train", type=int, default=0, help="keep only the first N training pairs (0 = all)")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("--json", action="store_true")
@@ -79,6 +81,7 @@ def run_dpo(args) -> int:
     from ..dpo import pair_records, run_dpo as train_dpo, tokenize_pairs
     from ..errors import UserError
     from ..model import Model
+    from ..sft import fits_context
 
     out = Path(args.out)
     sft = args.sft
@@ -100,8 +103,8 @@ def run_dpo(args) -> int:
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else 0.0
-    train, held, data_id, _ = pair_records(args.data, args.val)
     ctx = model.config.ctx_len
+    train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
     print(f"{'resuming' if args.resume else 'preference-tuning'} {sft} -> {out}: {len(train_t)} train / "
           f"{len(held_t)} held-out pairs; {train_t.truncated + held_t.truncated} longer than {ctx + 1} tokens "
@@ -134,10 +137,12 @@ def run_eval(args) -> int:
     from ..dpo import load_pairs, offline_pairs, pair_logprobs, preference_metrics, score_greedy, tokenize_pairs
     from ..errors import UserError
     from ..model import Model
+    from ..sft import fits_context
     if args.limit < 0 or args.max_new_tokens < 1 or not args.beta > 0:
         raise UserError("--limit must be >= 0, --max-new-tokens >= 1 and --beta > 0")
     model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
-    pairs = offline_pairs()[1] if args.data == "offline" else load_pairs(args.data)[0]
+    fits = fits_context(tok, model.config.ctx_len)
+    pairs = offline_pairs(fits=fits)[1] if args.data == "offline" else load_pairs(args.data)[0]
     if args.limit:
         pairs = pairs[:args.limit]
     tp = tokenize_pairs(tok, pairs, model.config.ctx_len)
@@ -179,15 +184,20 @@ def run_data(args) -> int:
     from ..fileio import atomic_write_text
     if args.n_train < 0:
         raise UserError("--n-train must be >= 0")
-    train, held = offline_pairs()
-    if args.n_train:
-        train = train[:args.n_train]
     replaced = 0
     if args.from_model:
         from ..checkpoint import load_tokenizer
         from ..model import Model
-        train, replaced = model_negatives(Model.load(args.from_model), load_tokenizer(args.from_model), train,
-                                          progress=not args.no_progress)
+        from ..sft import fits_context
+        model, tok = Model.load(args.from_model), load_tokenizer(args.from_model)
+        train, held = offline_pairs(fits=fits_context(tok, model.config.ctx_len))
+        if args.n_train:
+            train = train[:args.n_train]
+        train, replaced = model_negatives(model, tok, train, progress=not args.no_progress)
+    else:
+        train, held = offline_pairs()
+        if args.n_train:
+            train = train[:args.n_train]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = []

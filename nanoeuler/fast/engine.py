@@ -240,7 +240,7 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
         matmul(w.dS, k, out=w.dq)                                           # [b·Hkv, G·T, hd]
         matmul(w.dS.transpose(0, 2, 1), q, out=w.dk)                        # [b·Hkv, T, hd] (sums the G heads)
         matmul(Pi.transpose(0, 2, 1), w.dy, out=w.dv)
-        K.attention_join(w.dq, w.dk, w.dv, cos, sin, ws.qscale, w.dqkv)     # [n, (H+2Hkv)·hd]
+        K.attention_join(w.dq, w.dk, w.dv, cos, sin, ws.qscale, Hkv, w.dqkv)  # [n, (H+2Hkv)·hd]
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
         _matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
                                      grads[p + "attn.wv.weight"]])

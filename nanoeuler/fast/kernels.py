@@ -147,12 +147,12 @@ def attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v):
 
 
 @njit(**OPTS)
-def attention_join(dq, dk, dv, cos, sin, qscale, dqkv):
+def attention_join(dq, dk, dv, cos, sin, qscale, n_kv_heads, dqkv):
     """The transpose of attention_split: dq [B·Hkv, G·T, hd], dk, dv [B·Hkv, T, hd] -> dqkv rows
     [B·T, (H + 2·Hkv)·hd] (every entry written)."""
+    Hkv = n_kv_heads
     BH, T, hd = dk.shape
     G = dq.shape[1] // T
-    Hkv = BH * T // dqkv.shape[0]
     H = G * Hkv
     one = dk.dtype.type(1.0)
     for n in range(dqkv.shape[0]):
