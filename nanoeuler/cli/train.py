@@ -70,7 +70,8 @@ def train_config_from_args(args, defaults: dict | None = None):
     return TrainConfig(**values)
 
 
-# Preset-specific defaults: what the default `nanoeuler train <preset>` does.
+# Preset-specific defaults: what the default `nanoeuler train <preset>` does. small: ~50 min on a quiet
+# 2-core machine, 1.903 val bits/byte (6000 steps at lr 3e-3: 1.917); the whole validation set every 1000 steps.
 PRESET_DEFAULTS = {
     "small": dict(steps=15000, batch_size=32, lr=5e-3, warmup=200, eval_every=1000, eval_batches=0, ckpt_every=500),
     "big": dict(steps=4000, batch_size=16, lr=2e-3, warmup=200, eval_every=250, ckpt_every=250),
