@@ -4,6 +4,11 @@ pairs) and `nanoeuler dpo-data` (write the offline pair set as JSONL).
     nanoeuler dpo --sft runs/small-sft --out runs/small-dpo            # offline pairs from the bundled corpus
     nanoeuler dpo --sft runs/small-sft --data pairs.jsonl --val heldout.jsonl --out runs/x --beta 0.1
     nanoeuler dpo-eval --ckpt runs/small-dpo --ref runs/small-sft       # held-out offline pairs
+
+    # the measured recipe: the SFT model's own wrong answers as rejected responses (on-policy)
+    nanoeuler dpo-data --from-model runs/small-sft --out data/dpo
+    nanoeuler dpo --sft runs/small-sft --data data/dpo/pairs_train.jsonl --val data/dpo/pairs_heldout.jsonl \
+        --out runs/small-dpo
 """
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ from pathlib import Path
 
 from .train import add_hyperparameters, train_config_from_args
 
-DPO_DEFAULTS = dict(steps=300, batch_size=16, lr=2e-4, warmup=10, weight_decay=0.0, eval_every=50,
+# Measured on the offline set (notes/closing-stop11.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
+# raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
+DPO_DEFAULTS = dict(steps=300, batch_size=16, lr=3e-4, warmup=10, weight_decay=0.0, eval_every=50,
                     eval_batches=0, ckpt_every=100)
+NLL_WEIGHT = 0.5
 
 
 def register(sub) -> None:
@@ -34,8 +42,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="run directory of the tuned policy")
     p.add_argument("--beta", type=float, default=None, help="DPO temperature beta (default 0.1; on --resume: the run's)")
     p.add_argument("--nll-weight", type=float, default=None,
-                   help="add this times the per-token NLL of the chosen responses to the loss (DPO + NLL; "
-                        "default 0 = plain DPO; on --resume: the run's)")
+                   help=f"add this times the per-token NLL of the chosen responses to the loss (DPO + NLL; "
+                        f"default {NLL_WEIGHT}; 0 = plain DPO; on --resume: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the DPO run in --out")
     p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
     add_hyperparameters(p)
@@ -102,7 +110,7 @@ def run_dpo(args) -> int:
         reference = Model.load(sft)  # a separate copy: the policy is trained in place
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
-        nll_weight = args.nll_weight if args.nll_weight is not None else 0.0
+        nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
