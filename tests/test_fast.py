@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model
-from nanoeuler.fast import Workspace, kernels, loss_and_grads, parallel
+from nanoeuler.fast import Workspace, engine, kernels, loss_and_grads, parallel
 from nanoeuler.optim import AdamW
 
 BASE = Config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=12, ffn_hidden=40, n_mtp=3)
@@ -82,6 +82,9 @@ def test_deterministic_and_any_number_of_parts(monkeypatch):
         assert got[0] == pytest.approx(ref[0], rel=TOL[np.float32])
         for name in ref[2]:
             assert rel_err(got[2][name], ref[2][name]) <= TOL[np.float32], (parts, name)
+    one_grad_set = cfg.n_params() * 4
+    monkeypatch.setattr(engine, "EXTRA_GRADS_BYTES", 2 * one_grad_set)  # room for two extra gradient sets
+    assert len(Workspace(cfg, 4, cfg.ctx_len, np.float32).parts) == 3
 
 
 def test_out_buffers_any_layout_and_workspace_reshaped():

@@ -42,6 +42,8 @@ PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]
 ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v")                                  # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
+EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
+                             # (gpt on 16 cores would otherwise hold 15 × 466 MB)
 
 
 class Workspace:
@@ -82,7 +84,8 @@ class Workspace:
         self.wgu = e(L, 2 * F, d)
         self.rope = ops.rope_tables(T, hd, cfg.rope_theta, dt)
         self.qscale = dt.type(1.0 / np.sqrt(hd))
-        self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, min(parallel.PARTS, B)))]
+        n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
+        self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
