@@ -1,6 +1,8 @@
 """Each fused numba kernel of the fast engine against the plain NumPy op it replaces (forward + backward,
-shapes of one `big` step: N = 4096 rows), the measurement behind choosing numba for them. Also the exp
-that the kernels use, since numba's own math.exp is a scalar libm call here.
+shapes of one `big` step: N = 4096 rows), the measurement behind choosing numba for them; attention is
+the engine's (kernels around batched BLAS products) against ops/attention.py. Kernels and attention run
+on one core on both sides, as the engine runs them (one sub-batch per core, BLAS single-threaded); AdamW
+uses every core. Also the exp that the kernels use, since numba's own math.exp is a scalar libm call here.
 
     python bench/kernels_vs_numpy.py
 """
@@ -16,7 +18,9 @@ import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from nanoeuler import ops  # noqa: E402
+from nanoeuler.fast import engine  # noqa: E402
 from nanoeuler.fast import kernels as K  # noqa: E402
+from nanoeuler.fast.parallel import single_threaded_blas  # noqa: E402
 from nanoeuler.optim import AdamW  # noqa: E402
 
 
@@ -54,7 +58,7 @@ def main() -> int:
                  f"numba math.exp: {best_ms(lambda: _libm_exp(x, out)):.1f} ms"))
 
     xr, w, dy = f32(N, d), f32(d), f32(N, d)
-    y, r, dx, part = np.empty_like(xr), np.empty(N, np.float32), np.zeros_like(xr), np.empty((32, d), np.float32)
+    y, r, dx, dw = np.empty_like(xr), np.empty(N, np.float32), np.zeros_like(xr), np.empty(d)
 
     def rms_np():
         _, c = ops.rmsnorm_forward(xr, w, 1e-5)
@@ -62,7 +66,7 @@ def main() -> int:
 
     def rms_nb():
         K.rmsnorm_forward(xr, w, np.float32(1e-5), y, r)
-        K.rmsnorm_backward(dy, xr, r, w, dx, part)
+        K.rmsnorm_backward(dy, xr, r, w, dx, dw)
     rows.append(("rmsnorm fwd+bwd [4096, 384]", best_ms(rms_np), best_ms(rms_nb), ""))
 
     gu, ds = f32(N, 2 * F), f32(N, F)
@@ -92,7 +96,12 @@ def main() -> int:
 
     qkv = f32(N, (H + 2 * Hkv) * hd) * 0.3
     cos, sin = ops.rope_tables(T, hd, 10000.0, np.float32)
-    P, A, dqkv, dA = np.empty((B, H, T, T), np.float32), np.empty((N, H * hd), np.float32), np.empty_like(qkv), f32(N, H * hd)
+    G = H // Hkv
+    A, dqkv, dA = np.empty((N, H * hd), np.float32), np.empty_like(qkv), f32(N, H * hd)
+    q, y, dy, dq = (np.empty((B * Hkv, G * T, hd), np.float32) for _ in range(4))
+    k, v, dk, dv = (np.empty((B * Hkv, T, hd), np.float32) for _ in range(4))
+    P, dS = np.empty((B * Hkv, G * T, T), np.float32), np.empty((B * Hkv, G * T, T), np.float32)
+    rope, qscale = (cos, sin), np.float32(hd ** -0.5)
 
     def att_np():
         q = qkv[:, :H * hd].reshape(B, T, H, hd).transpose(0, 2, 1, 3)
@@ -105,8 +114,8 @@ def main() -> int:
         ops.rope_backward(dq, cq), ops.rope_backward(dk, ck)
 
     def att_nb():
-        K.attention_forward(qkv, cos, sin, np.float32(hd ** -0.5), H, Hkv, P, A)
-        K.attention_backward(qkv, cos, sin, np.float32(hd ** -0.5), Hkv, P, dA, dqkv)
+        engine.attention_forward(qkv, rope, qscale, Hkv, q, k, v, P, y, A)
+        engine.attention_backward(dA, rope, qscale, Hkv, q, k, v, P, dy, dS, dq, dk, dv, dqkv)
     rows.append(("RoPE + causal GQA attention fwd+bwd", best_ms(att_np, 2), best_ms(att_nb, 2), "B=16 H=6/2 T=256 hd=64"))
 
     shapes = {"a": (4096, 384), "b": (1024, 384), "c": (384,)}
@@ -117,11 +126,13 @@ def main() -> int:
     rows.append(("AdamW step, 2 M params", best_ms(lambda: opt.step(params, strided)),
                  best_ms(lambda: opt.step(params, grads)), ""))
 
-    print(f"{'kernel':38s} {'NumPy ms':>9s} {'numba ms':>9s} {'speed-up':>8s}")
+    print(f"{'kernel':38s} {'NumPy ms':>9s} {'fast ms':>9s} {'speed-up':>8s}")
     for name, a, b, note in rows:
         print(f"{name:38s} {a:9.1f} {b:9.1f} {a / b:7.1f}x  {note}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with single_threaded_blas():
+        code = main()
+    sys.exit(code)

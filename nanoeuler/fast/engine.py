@@ -40,7 +40,7 @@ from .parallel import run_parts, single_threaded_blas
 # Activation arrays of a Workspace, by how a part's rows are cut out of them.
 PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]: a[:, n0:n1]
 ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
-PER_LAYER_HEADS = ("q", "k", "v")                                  # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
+PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
@@ -63,7 +63,7 @@ class Workspace:
         self.r1, self.r2, self.rf = e(L, N), e(L, N), e(N)  # 1/rms of each norm's input
         self.q = e(L, B * Hkv, G * T, hd)  # RoPE(q)/√hd per kv head: its G query heads stacked
         self.k, self.v = e(L, B * Hkv, T, hd), e(L, B * Hkv, T, hd)  # RoPE(k), v per kv head
-        self.P = e(L, B, H, T, T)          # attention probabilities (0 above the diagonal)
+        self.P = e(L, B * Hkv, G * T, T)   # attention probabilities per kv head (0 above the diagonal)
         self.A = e(L, N, H * hd)           # attention output, input of wo
         self.GU = e(L, N, 2 * F)           # [gate | up] pre-activations; backward turns them into [dg | du]
         self.S = e(L, N, F)                # SwiGLU output, input of down
@@ -91,7 +91,7 @@ class Workspace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
         weight-gradient accumulator, and (part k > 0) its own gradient buffers."""
         n0, n1, Hkv = b0 * self.T, b1 * self.T, cfg.n_kv_heads
-        w = SimpleNamespace(index=k, b0=b0, b1=b1, n0=n0, n1=n1, P=self.P[:, b0:b1])
+        w = SimpleNamespace(index=k, b0=b0, b1=b1, n0=n0, n1=n1)
         for name in PER_LAYER_ROWS:
             setattr(w, name, getattr(self, name)[:, n0:n1])
         for name in ROWS:
@@ -167,11 +167,35 @@ def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
             grads[name] += w.grads[name]
 
 
+# ---- attention of one part: RoPE + head split, BLAS products, causal softmax ------------------------------
+def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A) -> None:
+    """qkv rows [n, (H + 2·Hkv)·hd] -> A [n, H·hd] (the input of wo). Fills q [b·Hkv, G·T, hd], k, v
+    [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch."""
+    cos, sin = rope
+    K.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
+    matmul(q, k.transpose(0, 2, 1), out=P)                                  # scores
+    K.causal_softmax(P, k.shape[1])
+    matmul(P, v, out=y)                                                     # [b·Hkv, G·T, hd]
+    K.heads_to_rows(y, n_kv_heads, A)
+
+
+def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv) -> None:
+    """dA [n, H·hd] -> dqkv [n, (H + 2·Hkv)·hd], from what attention_forward kept (q, k, v, P);
+    dy, dq (like q), dk, dv (like k) and dS (like P) are scratch."""
+    cos, sin = rope
+    K.rows_to_heads(dA, n_kv_heads, dy)                                     # [b·Hkv, G·T, hd]
+    matmul(dy, v.transpose(0, 2, 1), out=dS)                                # dP
+    K.causal_softmax_backward(P, dS, k.shape[1])                            # dS
+    matmul(dS, k, out=dq)                                                   # [b·Hkv, G·T, hd]
+    matmul(dS.transpose(0, 2, 1), q, out=dk)                                # [b·Hkv, T, hd] (sums the G heads)
+    matmul(P.transpose(0, 2, 1), dy, out=dv)
+    K.attention_join(dq, dk, dv, cos, sin, qscale, n_kv_heads, dqkv)
+
+
 # ---- one part's work (runs in that part's thread) ---------------------------------------------------------
 def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs) -> None:
-    Hkv, T = cfg.n_kv_heads, ws.T
+    Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
-    cos, sin = ws.rope
     np.take(P["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
@@ -179,13 +203,7 @@ def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs) -> Non
         # attention sub-block
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])
         matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
-        q, k, v = w.q[i], w.k[i], w.v[i]
-        K.attention_split(w.qkv, cos, sin, ws.qscale, Hkv, q, k, v)
-        Pi = w.P[i].reshape(q.shape[0], -1, T)                              # [b·Hkv, G·T, T]
-        matmul(q, k.transpose(0, 2, 1), out=Pi)                             # scores
-        K.causal_softmax(Pi, T)
-        matmul(Pi, v, out=w.dq)                                             # y [b·Hkv, G·T, hd]
-        K.heads_to_rows(w.dq, Hkv, w.A[i])                                  # [n, H·hd]
+        attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i])
         matmul(w.A[i], P[p + "attn.wo.weight"].T, out=w.t)
         np.add(x, w.t, out=mid)
         # feed-forward sub-block
@@ -213,9 +231,8 @@ def _heads_part(cfg: Config, P: dict, ws: Workspace, w, grads, targets, scales, 
 
 
 def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
-    Hkv, T = cfg.n_kv_heads, ws.T
+    Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
-    cos, sin = ws.rope
     dx = w.dx
     dx[...] = 0
     K.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, P["norm.weight"], dx, w.dw)
@@ -235,15 +252,8 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
         matmul(dx.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
         matmul(dx, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
-        q, k, v = w.q[i], w.k[i], w.v[i]
-        K.rows_to_heads(w.A[i], Hkv, w.dy)                                  # dy [b·Hkv, G·T, hd]
-        Pi = w.P[i].reshape(q.shape[0], -1, T)                              # [b·Hkv, G·T, T]
-        matmul(w.dy, v.transpose(0, 2, 1), out=w.dS)                        # dP
-        K.causal_softmax_backward(Pi, w.dS, T)                              # dS
-        matmul(w.dS, k, out=w.dq)                                           # [b·Hkv, G·T, hd]
-        matmul(w.dS.transpose(0, 2, 1), q, out=w.dk)                        # [b·Hkv, T, hd] (sums the G heads)
-        matmul(Pi.transpose(0, 2, 1), w.dy, out=w.dv)
-        K.attention_join(w.dq, w.dk, w.dv, cos, sin, ws.qscale, Hkv, w.dqkv)  # [n, (H+2Hkv)·hd]
+        attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
+                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)            # [n, (H+2Hkv)·hd]
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
         _matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
                                      grads[p + "attn.wv.weight"]])
