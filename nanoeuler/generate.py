@@ -66,7 +66,7 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
     is kept as (W [out, in], W.T made contiguous [in, out] or None), see `linear`."""
     def pair(W):
-        return W, (np.ascontiguousarray(W.T) if W.shape[1] <= NARROW else None)
+        return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None)
     F = {"embed": P["embed.weight"], "norm": P["norm.weight"],
          "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
     for k in range(cfg.n_mtp):  # one head at a time, for decoding (head 0, and drafts only when drafting)
@@ -81,14 +81,15 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     return F
 
 
-NARROW = 1024  # input width up to which a [in, out] copy of W is kept for few-row products
+NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-row products
 
 
 def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     """x [..., in] @ W[out, in].T (as ops.linear_forward) with W = (W, W.T contiguous or None), arranged
-    for the 1..4 rows of a decoding or verification step. OpenBLAS (0.3.31, measured here) is uneven on
-    such shapes: a 2-row x @ W.T can cost 3-10x a 1-row one, while 2 rows against a contiguous [in, out]
-    copy cost ~1.2x when in <= 256, and row-by-row matrix-vector products cost exactly 2x otherwise."""
+    for the 1..4 rows of a decoding or verification step. OpenBLAS (0.3.31, measured here, one thread) is
+    uneven on such shapes: a 2-row x @ W.T can cost 3-10x a 1-row one; 2-3 rows against a contiguous
+    [in, out] copy cost 1.0-1.7x one row while out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide
+    outputs ([2048, 384]: 339 µs vs 46), where row-by-row matrix-vector products (exactly n x) are kept."""
     W, Wt = W
     rows = x.reshape(-1, x.shape[-1])
     if len(rows) == 1:
