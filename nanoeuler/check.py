@@ -12,7 +12,7 @@ Richardson-extrapolated to (16·D(h) − D(2h)) / 15 (truncation error O(h⁶)),
 The floor keeps near-zero gradients (where both sides are round-off) from dividing by zero.
 (a) each op on random inputs, with L = Σ out ⊙ R for a fixed random R;
 (b) every parameter tensor of a whole small model with MTP (K=3) and GQA (H=4, Hkv=2), L = objective,
-    on a random sample of entries per tensor.
+    on a random sample of entries per tensor; once more with dropout on the residual branches (fixed masks).
 """
 from __future__ import annotations
 
@@ -98,6 +98,8 @@ def check_ops(seed: int = 0) -> list[Row]:
                       [r(B, T, d), r(d)], rng)
     rows += _check_op("rope", lambda x: ops.rope_forward(x, cos, sin), ops.rope_backward, [r(B, 2, T, d)], rng)
     rows += _check_op("swiglu", ops.swiglu_forward, ops.swiglu_backward, [r(B, T, d), r(B, T, d)], rng)
+    drop_mask = ops.Dropout(0.3, seed).mask(site=1, rows=B * T, width=d, dtype=np.float64).reshape(B, T, d)
+    rows += _check_op("dropout", lambda x: ops.dropout_forward(x, drop_mask), ops.dropout_backward, [r(B, T, d)], rng)
     rows += _check_op("attention (GQA)", ops.attention_forward, ops.attention_backward,
                       [r(B, 4, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
     rows += _check_op("attention (MHA)", ops.attention_forward, ops.attention_backward,
@@ -124,8 +126,10 @@ def check_ops(seed: int = 0) -> list[Row]:
 CHECK_CONFIG = Config(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=16, ffn_hidden=48, n_mtp=3)
 
 
-def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, batch: int = 2) -> list[Row]:
-    """Every parameter tensor of a float64 model: analytic grads vs finite differences of the objective."""
+def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, batch: int = 2,
+                dropout: float = 0.0) -> list[Row]:
+    """Every parameter tensor of a float64 model: analytic grads vs finite differences of the objective
+    (with dropout > 0: of the objective under one fixed set of dropout masks)."""
     from .model import Model
     rng = np.random.default_rng(seed)
     model = Model.init(config, seed=seed, dtype=np.float64)
@@ -134,9 +138,11 @@ def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFI
         p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
     tokens = rng.integers(0, config.vocab_size, (batch, config.ctx_len + config.n_mtp))
     mask = rng.random(tokens.shape) > 0.2
-    _, _, grads = model.loss_and_grads(tokens, mask)
+    drop = ops.Dropout(dropout, seed) if dropout else None
+    _, _, grads = model.loss_and_grads(tokens, mask, dropout=drop)
 
     def f():
-        return model.loss(tokens, mask)[1]
+        return model.loss(tokens, mask)[1] if drop is None else model.loss_and_grads(tokens, mask, dropout=drop)[1]
 
-    return [check_tensor(name, f, model.params[name], grads[name], rng, n_samples) for name in model.params]
+    prefix = f"dropout {dropout:g}: " if drop else ""
+    return [check_tensor(prefix + name, f, model.params[name], grads[name], rng, n_samples) for name in model.params]

@@ -76,9 +76,11 @@ class Model:
         return forward(self.config, self.params, inputs)[0]
 
     def loss_and_grads(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None, *,
-                       reference: bool = False, out: dict[str, np.ndarray] | None = None):
+                       reference: bool = False, out: dict[str, np.ndarray] | None = None,
+                       dropout: reference_ops.Dropout | None = None):
         """tokens int [B, T+K] (loss_mask bool [B, T+K]: True where a target counts)
         -> (head-0 loss, objective = mean of the K heads' losses, grads keyed like params).
+        dropout: drop on every residual branch with these masks (training only; see ops/dropout.py).
 
         Runs the fast engine (nanoeuler/fast/); reference=True runs the plain `forward`/`backward` below.
         out: gradient arrays to fill (e.g. the grads of the previous step, or `self.grad_buffers()`),
@@ -88,9 +90,10 @@ class Model:
         T = tokens.shape[1] - cfg.n_mtp
         if not reference:
             from . import fast
-            return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out)
+            return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out,
+                                       dropout)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
-        logits, caches = forward(cfg, self.params, tokens[:, :T])
+        logits, caches = forward(cfg, self.params, tokens[:, :T], dropout=dropout)
         objective, head_losses, loss_cache = reference_ops.mtp_loss_forward(logits, targets)
         dlogits = reference_ops.mtp_loss_backward(1.0, loss_cache)
         grads = backward(cfg, self.params, dlogits, caches)
@@ -129,8 +132,10 @@ class Model:
         return ws
 
 
-def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops):
+def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout=None):
     """inputs int [B, T] -> (logits [K, B, T, V], caches for backward).
+    dropout (ops.Dropout, optional): layer i drops on its attention branch with the masks of site 2i and
+    on its feed-forward branch with those of site 2i + 1.
 
     `ops` is the namespace of forward/backward pairs: the NumPy reference, or another backend's kernels
     with the same signatures (the GPU one) — the array-module switch, not a second model.
@@ -141,7 +146,9 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops):
     x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
     block_caches = []
     for i in range(cfg.n_layers):
-        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope, ops)
+        masks = None if dropout is None else [dropout.mask(site, B * T, cfg.dim, dtype).reshape(B, T, cfg.dim)
+                                              for site in (2 * i, 2 * i + 1)]
+        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope, ops, masks)
         block_caches.append(cache)
     h, norm_cache = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)  # [B, T, d]
     logits = np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, T, V]
@@ -163,8 +170,9 @@ def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_op
     return {name: grads[name] for name in P}  # SPEC order
 
 
-def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=reference_ops):
-    """One transformer block. x [B, T, d] -> x [B, T, d]."""
+def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=reference_ops, masks=None):
+    """One transformer block. x [B, T, d] -> x [B, T, d]. masks: dropout factors of the attention and
+    feed-forward branches ([B, T, d] each), or None for no dropout."""
     B, T, d = x.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos, sin = rope
@@ -181,6 +189,8 @@ def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=re
     a, c_att = ops.attention_forward(q, k, v)  # [B, H, T, hd]
     a = a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     o, c_o = ops.linear_forward(a, P[prefix + "attn.wo.weight"])  # [B, T, d]
+    if masks is not None:
+        o, _ = ops.dropout_forward(o, masks[0])
     x = x + o
     # feed-forward sub-block
     h2, c_norm2 = ops.rmsnorm_forward(x, P[prefix + "ffn_norm.weight"], cfg.norm_eps)
@@ -188,24 +198,28 @@ def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=re
     u, c_u = ops.linear_forward(h2, P[prefix + "ffn.up.weight"])
     s, c_s = ops.swiglu_forward(g, u)
     f, c_d = ops.linear_forward(s, P[prefix + "ffn.down.weight"])  # [B, T, d]
+    if masks is not None:
+        f, _ = ops.dropout_forward(f, masks[1])
     x = x + f
-    return x, (c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d)
+    return x, (c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d, masks)
 
 
 def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict, ops=reference_ops) -> np.ndarray:
     """dx [B, T, d] (gradient of the block output) -> gradient of the block input; fills grads."""
-    c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d = cache
+    c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d, masks = cache
     B, T, d = dx.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # feed-forward sub-block (x = x + f)
-    ds, grads[prefix + "ffn.down.weight"] = ops.linear_backward(dx, c_d)
+    df = dx if masks is None else ops.dropout_backward(dx, masks[1])
+    ds, grads[prefix + "ffn.down.weight"] = ops.linear_backward(df, c_d)
     dg, du = ops.swiglu_backward(ds, c_s)
     dh2, grads[prefix + "ffn.gate.weight"] = ops.linear_backward(dg, c_g)
     dh2u, grads[prefix + "ffn.up.weight"] = ops.linear_backward(du, c_u)
     dx_norm, grads[prefix + "ffn_norm.weight"] = ops.rmsnorm_backward(dh2 + dh2u, c_norm2)
     dx = dx + dx_norm
     # attention sub-block (x = x + o)
-    da, grads[prefix + "attn.wo.weight"] = ops.linear_backward(dx, c_o)
+    do = dx if masks is None else ops.dropout_backward(dx, masks[0])
+    da, grads[prefix + "attn.wo.weight"] = ops.linear_backward(do, c_o)
     da = da.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
     dq, dk, dv = ops.attention_backward(da, c_att)
     dq = ops.rope_backward(dq, c_rq)

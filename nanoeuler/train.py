@@ -26,6 +26,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from .ops import Dropout
 from .optim import AdamW, clip_grad_norm, lr_schedule
 
 
@@ -42,6 +43,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    dropout: float = 0.0         # on every residual branch, training only (ops/dropout.py); 0 = none
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 16       # validation batches per periodic eval (0 = the whole validation set)
@@ -53,6 +55,8 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0 or self.eval_batches < 0:
             raise UserError("--lr must be > 0, --warmup and --eval-batches >= 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
 # Settings that do not change the trajectory of a run, so a resumed run may change them.
@@ -178,6 +182,8 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     out_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.batch_size % tcfg.grad_accum:
         raise UserError(f"--batch-size {tcfg.batch_size} is not divisible by --grad-accum {tcfg.grad_accum}")
+    if tcfg.dropout and hasattr(model, "host_params"):
+        raise UserError("--dropout is not implemented on the GPU engine; train there with --dropout 0")
 
     def checkpoint():
         state["rng"] = rng.bit_generator.state
@@ -195,7 +201,7 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
         for step in range(start_step, end):
             t0 = time.perf_counter()
             lr = lr_schedule(step, tcfg.lr, tcfg.warmup, tcfg.steps, tcfg.final_lr_frac)
-            loss, objective, grads, n_tokens, skipped = accumulate(model, source, rng, tcfg.grad_accum)
+            loss, objective, grads, n_tokens, skipped = accumulate(model, source, rng, tcfg.grad_accum, tcfg.dropout)
             state["skipped_batches"] += skipped
             if not (math.isfinite(loss) and math.isfinite(objective)):
                 raise TrainingDiverged(f"loss became {loss} at step {step + 1}; stopped without saving — the last "
@@ -234,16 +240,19 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
             "wall_s": time.perf_counter() - t_run, "skipped_batches": state["skipped_batches"], **metrics}
 
 
-def accumulate(model, source, rng, grad_accum: int):
-    """Gradients averaged over grad_accum micro-batches; a micro-batch with no trainable position is skipped."""
+def accumulate(model, source, rng, grad_accum: int, dropout: float = 0.0):
+    """Gradients averaged over grad_accum micro-batches; a micro-batch with no trainable position is skipped.
+    With dropout, each micro-batch's masks come from a seed drawn from rng after its batch (so a run
+    without dropout draws exactly what it did before dropout existed)."""
     losses, objectives, grads, n_tokens, used, skipped = [], [], None, 0, 0, 0
     for _ in range(grad_accum):
         tokens, mask = source.next_batch(rng)
+        drop = Dropout(dropout, int(rng.integers(1 << 63))) if dropout else None
         n_tokens += tokens.shape[0] * (tokens.shape[1] - model.config.n_mtp)
         if mask is not None and not mask[:, 1:].any():
             skipped += 1
             continue
-        head0, objective, g = model.loss_and_grads(tokens, mask)
+        head0, objective, g = model.loss_and_grads(tokens, mask, dropout=drop)
         losses.append(head0)
         objectives.append(objective)
         used += 1

@@ -5,7 +5,7 @@ a fused AdamW bit-identical to the NumPy expressions; the float32 `vexp` within 
 import numpy as np
 import pytest
 
-from nanoeuler import Config, Model
+from nanoeuler import Config, Model, ops
 from nanoeuler.fast import Workspace, engine, kernels, loss_and_grads, parallel
 from nanoeuler.optim import AdamW
 
@@ -85,6 +85,39 @@ def test_deterministic_and_any_number_of_parts(monkeypatch):
     one_grad_set = cfg.n_params() * 4
     monkeypatch.setattr(engine, "EXTRA_GRADS_BYTES", 2 * one_grad_set)  # room for two extra gradient sets
     assert len(Workspace(cfg, 4, cfg.ctx_len, np.float32).parts) == 3
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_same_masks_as_reference_any_number_of_parts(dtype, monkeypatch):
+    """The fast engine draws the reference model's masks (a pure function of seed, site and element),
+    however the batch is cut into parts; dropout changes the loss and a new seed changes it again."""
+    cfg = CONFIGS["gqa"]
+    m = far_from_init(cfg, dtype)
+    tokens, mask = batch(cfg, 4, cfg.ctx_len)
+    drop = ops.Dropout(0.3, seed=11)
+    ref = m.loss_and_grads(tokens, mask, reference=True, dropout=drop)
+    assert ref[1] != m.loss_and_grads(tokens, mask, reference=True)[1]
+    assert ref[1] != m.loss_and_grads(tokens, mask, reference=True, dropout=ops.Dropout(0.3, seed=12))[1]
+    for parts in (1, 2, 4):
+        monkeypatch.setattr(parallel, "PARTS", parts)
+        got = loss_and_grads(cfg, m.params, tokens, mask, Workspace(cfg, 4, cfg.ctx_len, dtype), dropout=drop)
+        assert got[1] == pytest.approx(ref[1], rel=TOL[dtype])
+        for name in ref[2]:
+            assert rel_err(got[2][name], ref[2][name]) <= TOL[dtype], (parts, name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_kernels_equal_the_reference_masks(dtype):
+    rng = np.random.default_rng(0)
+    x, t = rng.standard_normal((2, 37, 24)).astype(dtype)
+    drop = ops.Dropout(0.25, seed=2**62 + 5)
+    m = drop.mask(site=7, rows=37, width=24, dtype=dtype, row0=100)
+    args = (np.uint64(drop.base(7, 100, 24)), np.uint64(drop.threshold), dtype(drop.scale))
+    out = np.empty_like(x)
+    kernels.dropout_add(x, t, *args, out)
+    assert np.array_equal(out, x + t * m)
+    kernels.dropout_scale(t, *args, out)
+    assert np.array_equal(out, t * m)
 
 
 def test_out_buffers_any_layout_and_workspace_reshaped():

@@ -59,6 +59,13 @@ def test_whole_model_gradient_check(config):
         assert row.max_rel_error < TOLERANCE, row
 
 
+def test_whole_model_gradient_check_with_dropout():
+    rows = check_model(seed=3, n_samples=6, config=TINY, dropout=0.3)
+    assert len(rows) == len(TINY.param_shapes()) and all(r.name.startswith("dropout 0.3: ") for r in rows)
+    for row in rows:
+        assert row.max_rel_error < TOLERANCE, row
+
+
 def test_masked_positions_get_no_gradient_signal():
     m = Model.init(TINY, seed=0, dtype=np.float64)
     rng = np.random.default_rng(0)

@@ -112,3 +112,20 @@ def test_mtp_targets_shift_by_head():
     assert t.tolist() == [[[6, 7]], [[7, 8]]]
     mask = np.array([[True, True, False, True]])
     assert ops.mtp_targets(np.array([[5, 6, 7, 8]]), 2, 2, mask).tolist() == [[[6, -1]], [[-1, 8]]]
+
+
+def test_dropout_masks_rate_scale_and_independence():
+    drop = ops.Dropout(0.2, seed=3)
+    m = drop.mask(site=0, rows=512, width=128, dtype=np.float64)                  # [512, 128]
+    dropped = np.mean(m == 0)
+    assert abs(dropped - 0.2) < 4 * np.sqrt(0.2 * 0.8 / m.size)                   # Bernoulli(p), 4 sigma
+    assert set(np.unique(m)) == {0.0, drop.scale} and drop.scale == pytest.approx(1 / (1 - 0.2), rel=1e-6)
+    assert abs(m.mean() - 1) < 0.01                                               # E[mask] = 1
+    assert np.array_equal(drop.mask(0, 16, 128, np.float64, row0=100), m[100:116])  # a part's rows
+    others = [drop.mask(1, 512, 128, np.float64), ops.Dropout(0.2, seed=4).mask(0, 512, 128, np.float64)]
+    for o in others:                                                              # another site, seed
+        both = np.mean((m == 0) & (o == 0))
+        assert abs(both - 0.04) < 0.01                                            # independent: p²
+    assert np.all(ops.Dropout(0.0, seed=3).mask(0, 4, 8, np.float32) == 1)
+    with pytest.raises(ValueError):
+        ops.Dropout(1.0, seed=0)

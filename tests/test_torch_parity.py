@@ -150,6 +150,23 @@ def test_parity_with_torch_extra(name, dtype):
     assert not bad, f"{name}/{np.dtype(dtype)}: over {TOL[dtype]:g}: {bad}"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_dropout_parity_with_torch(dtype):
+    """Our masks (ops.Dropout) applied to the branches of the PyTorch model: same loss and gradients."""
+    from nanoeuler.ops import Dropout
+    config, params, tokens, mask = case_inputs("small", "random+mask", dtype)
+    drop = Dropout(0.25, seed=5)
+    b, t = tokens.shape[0], tokens.shape[1] - config.n_mtp
+    masks = [[drop.mask(2 * i + s, b * t, config.dim, dtype).reshape(b, t, config.dim) for s in (0, 1)]
+             for i in range(config.n_layers)]
+    h0, obj, grads = ours(config, params).loss_and_grads(tokens, mask, dropout=drop)
+    th0, tobj, tgrads = TorchModel(config, params).loss_and_grads(tokens, mask, dropout_masks=masks)
+    assert abs(obj - tobj) <= TOL[dtype] * abs(tobj) and abs(h0 - th0) <= TOL[dtype] * abs(th0)
+    bad = {n: rel_err(grads[n], tgrads[n]) for n in tgrads if not rel_err(grads[n], tgrads[n]) <= TOL[dtype]}
+    assert not bad
+    assert abs(obj - ours(config, params).loss_and_grads(tokens, mask)[1]) > 1e-3  # the masks matter
+
+
 def test_full_mask_equals_no_mask():
     config, params, tokens, _ = case_inputs("small", "random", np.float64)
     a = ours(config, params).loss_and_grads(tokens)

@@ -68,6 +68,18 @@ def test_grad_accum_and_masks_resume_exactly(tmp_path):
     _assert_identical_runs(tmp_path / "a", tmp_path / "b")
 
 
+def test_dropout_run_resumes_exactly_and_differs_from_no_dropout(tmp_path):
+    run(tmp_path / "a", steps=6, dropout=0.2)
+    run(tmp_path / "b", steps=6, dropout=0.2, stop_after=3)
+    run(tmp_path / "b", steps=6, dropout=0.2, resume=True)
+    _assert_identical_runs(tmp_path / "a", tmp_path / "b")
+    run(tmp_path / "none", steps=6)
+    wa, wn = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("a", "none"))
+    assert not np.array_equal(wa["layers.0.attn.wo.weight"], wn["layers.0.attn.wo.weight"])
+    with pytest.raises(UserError, match="--dropout must be in"):
+        run(tmp_path / "bad", steps=6, dropout=1.0)
+
+
 SIGINT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
@@ -108,9 +120,9 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     real = m.Model.loss_and_grads
     calls = {"n": 0}
 
-    def poisoned(self, tokens, loss_mask=None):
+    def poisoned(self, tokens, loss_mask=None, **kw):
         calls["n"] += 1
-        h0, obj, g = real(self, tokens, loss_mask)
+        h0, obj, g = real(self, tokens, loss_mask, **kw)
         return (float("nan"), obj, g) if calls["n"] == 2 else (h0, obj, g)
 
     monkeypatch.setattr(m.Model, "loss_and_grads", poisoned)

@@ -142,8 +142,9 @@ class TorchModel:
     def numpy_params(self) -> dict[str, np.ndarray]:
         return {n: p.detach().numpy().copy() for n, p in self.params.items()}
 
-    def hidden(self, inputs) -> torch.Tensor:
-        """int inputs [B, T] -> final normed hidden state [B, T, d]."""
+    def hidden(self, inputs, dropout_masks=None) -> torch.Tensor:
+        """int inputs [B, T] -> final normed hidden state [B, T, d]. dropout_masks: per layer, the factors
+        [B, T, d] of its attention and feed-forward branches (numpy arrays), or None."""
         c, P = self.config, self.params
         inputs = torch.as_tensor(np.asarray(inputs), dtype=torch.long)
         B, T = inputs.shape
@@ -160,23 +161,25 @@ class TorchModel:
             k = apply_rope(k, cos, sin, self.rope_pairing)
             a = causal_gqa_attention(q, k, v, self.gqa_map)                          # [B, H, T, hd]
             a = a.transpose(1, 2).reshape(B, T, H * hd)
-            x = x + a @ P[p + "attn.wo.weight"].T
+            o = a @ P[p + "attn.wo.weight"].T
+            x = x + (o if dropout_masks is None else o * to_torch(dropout_masks[i][0]))
             h = rmsnorm(x, P[p + "ffn_norm.weight"], c.norm_eps)
-            x = x + swiglu(h, P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"], P[p + "ffn.down.weight"])
+            f = swiglu(h, P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"], P[p + "ffn.down.weight"])
+            x = x + (f if dropout_masks is None else f * to_torch(dropout_masks[i][1]))
         return rmsnorm(x, P["norm.weight"], c.norm_eps)
 
-    def logits(self, inputs) -> torch.Tensor:
+    def logits(self, inputs, dropout_masks=None) -> torch.Tensor:
         """int inputs [B, T] -> logits of every head [K, B, T, V]."""
-        z = self.hidden(inputs)
+        z = self.hidden(inputs, dropout_masks)
         return torch.stack([z @ self.params[f"heads.{k}.weight"].T for k in range(self.config.n_mtp)])
 
-    def losses(self, tokens, loss_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, tokens, loss_mask=None, dropout_masks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """int tokens [B, T+K] (+ bool loss_mask [B, T+K], True where a target counts)
         -> (per-head mean cross-entropies [K], objective = their mean)."""
         K = self.config.n_mtp
         tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
         T = tokens.shape[1] - K
-        logits = self.logits(tokens[:, :T])                                        # [K, B, T, V]
+        logits = self.logits(tokens[:, :T], dropout_masks)                         # [K, B, T, V]
         targets_all = tokens
         if loss_mask is not None:                                                  # False => ignore (-1)
             mask = torch.as_tensor(np.asarray(loss_mask), dtype=torch.bool)
@@ -189,11 +192,11 @@ class TorchModel:
         per_head = torch.stack(per_head)
         return per_head, per_head.mean()
 
-    def loss_and_grads(self, tokens, loss_mask=None) -> tuple[float, float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, tokens, loss_mask=None, dropout_masks=None) -> tuple[float, float, dict[str, np.ndarray]]:
         """Same contract as nanoeuler's Model.loss_and_grads: (head0_loss, objective, grads by SPEC name)."""
         for p in self.params.values():
             p.grad = None
-        per_head, objective = self.losses(tokens, loss_mask)
+        per_head, objective = self.losses(tokens, loss_mask, dropout_masks)
         objective.backward()
         grads = {n: p.grad.detach().numpy().copy() for n, p in self.params.items()}
         return float(per_head[0].detach()), float(objective.detach()), grads

@@ -8,7 +8,7 @@ def register(sub) -> None:
     p = sub.add_parser("check", help="float64 finite-difference check of every gradient",
                        description="Compare every analytic gradient with fourth-order central finite differences "
                                    "in float64: (a) each op on random inputs, (b) every parameter tensor of a small "
-                                   "model with MTP and GQA, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
+                                   "model with MTP and GQA, without and with dropout, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
                                    "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6.")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where to run the model (default cpu)")
     p.add_argument("--samples", type=int, default=48, help="entries checked per parameter tensor (default 48)")
@@ -30,6 +30,7 @@ def run(args) -> int:
             raise UserError("--samples must be at least 1")
         from ..dpo import check_dpo
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
+                + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
                 + check_dpo(seed=args.seed, n_samples=args.samples))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance

@@ -54,6 +54,7 @@ def add_hyperparameters(p) -> None:
     g.add_argument("--warmup", type=int, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
     g.add_argument("--grad-clip", type=float, help="global gradient-norm clip")
+    g.add_argument("--dropout", type=float, help="dropout rate on every residual branch while training (0 = none)")
     g.add_argument("--seed", type=int, help="seed of the data order")
     g.add_argument("--eval-every", type=int, help="steps between validation evals")
     g.add_argument("--eval-batches", type=int, help="validation batches per periodic eval (0 = all)")

@@ -193,7 +193,27 @@ def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk,
 
 
 # ---- one part's work (runs in that part's thread) ---------------------------------------------------------
-def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs) -> None:
+def _residual_add(x, t, drop, site: int, row0: int, out) -> None:
+    """out = x + t, with t dropped out (sites as in model.forward) when drop is given."""
+    if drop is None:
+        np.add(x, t, out=out)
+    else:
+        K.dropout_add(x, t, *_dropout_args(drop, site, row0, t), out)
+
+
+def _dropped(g, drop, site: int, row0: int, out):
+    """The gradient reaching a dropped-out branch: g · mask (into out), or g itself without dropout."""
+    if drop is None:
+        return g
+    K.dropout_scale(g, *_dropout_args(drop, site, row0, g), out)
+    return out
+
+
+def _dropout_args(drop, site: int, row0: int, a):
+    return np.uint64(drop.base(site, row0, a.shape[1])), np.uint64(drop.threshold), a.dtype.type(drop.scale)
+
+
+def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs, drop) -> None:
     Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
     np.take(P["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
@@ -205,13 +225,13 @@ def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs) -> Non
         matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
         attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i])
         matmul(w.A[i], P[p + "attn.wo.weight"].T, out=w.t)
-        np.add(x, w.t, out=mid)
+        _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block
         K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
         matmul(w.h, ws.wgu[i].T, out=w.GU[i])                               # [n, 2F]
         K.swiglu_forward(w.GU[i], w.S[i])                                   # [n, F]
         matmul(w.S[i], P[p + "ffn.down.weight"].T, out=w.t)
-        np.add(mid, w.t, out=w.X[i + 1])
+        _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
     K.rmsnorm_forward(w.X[cfg.n_layers], P["norm.weight"], eps, w.hf, w.rf)
 
 
@@ -230,7 +250,7 @@ def _heads_part(cfg: Config, P: dict, ws: Workspace, w, grads, targets, scales, 
                 w.dh += w.t
 
 
-def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
+def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids, drop) -> None:
     Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
     dx = w.dx
@@ -241,8 +261,9 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
         p = f"layers.{i}."
         x, mid, GU = w.X[i], w.M[i], w.GU[i]
         # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
-        matmul(dx.T, w.S[i], out=grads[p + "ffn.down.weight"])              # [d, F]
-        matmul(dx, P[p + "ffn.down.weight"], out=w.ds)                      # [n, F]
+        df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
+        matmul(df.T, w.S[i], out=grads[p + "ffn.down.weight"])              # [d, F]
+        matmul(df, P[p + "ffn.down.weight"], out=w.ds)                      # [n, F]
         K.swiglu_backward(w.ds, GU)                                         # GU := [dg | du]
         K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
         _matmul_into(GU.T, w.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
@@ -250,8 +271,9 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
         K.rmsnorm_backward(w.dh, mid, w.r2[i], P[p + "ffn_norm.weight"], dx, w.dw)
         grads[p + "ffn_norm.weight"][...] = w.dw
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
-        matmul(dx.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
-        matmul(dx, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
+        do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
+        matmul(do.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
+        matmul(do, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
         attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
                            w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)            # [n, (H+2Hkv)·hd]
         K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
@@ -264,13 +286,14 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids) -> None:
 
 
 # ---- the public steps: every part at once ----------------------------------------------------------------
-def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace) -> None:
-    """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state)."""
+def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
+    """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
+    dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]], out=ws.wqkv[i])
         np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]], out=ws.wgu[i])
-    _in_parts(_forward_part, cfg, P, ws, None, inputs)
+    _in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
 def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None):
@@ -288,10 +311,10 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
     return losses, sum(losses) / Kh
 
 
-def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict) -> None:
+def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
-    except the heads'. ids int [B·T]."""
-    _in_parts(_backward_part, cfg, P, ws, grads, ids)
+    except the heads'. ids int [B·T]; dropout: the one `forward` ran with."""
+    _in_parts(_backward_part, cfg, P, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
 
 
@@ -300,17 +323,18 @@ def flat_targets(tokens, T, Kh, loss_mask):
     return ops.mtp_targets(tokens, T, Kh, loss_mask).reshape(Kh, -1)
 
 
-def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, grads: dict | None = None):
+def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, grads: dict | None = None,
+                   dropout=None):
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
-    best made by `grad_buffers` (then the stacked weight gradients need no copy)."""
+    best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout."""
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
     if grads is None:
         grads = grad_buffers(cfg, ws.X.dtype)
-    forward(cfg, P, inputs, ws)
+    forward(cfg, P, inputs, ws, dropout)
     losses, objective = heads(cfg, P, targets, ws, grads)
-    backward(cfg, P, inputs.reshape(-1), ws, grads)
+    backward(cfg, P, inputs.reshape(-1), ws, grads, dropout)
     return losses[0], objective, grads
 
 

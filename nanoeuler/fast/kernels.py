@@ -16,6 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
+from ..ops import dropout
 from .vmath import vexp
 
 OPTS = dict(cache=True, nogil=True, error_model="numpy")  # numpy: x/0 is inf, no check that blocks SIMD
@@ -250,6 +251,40 @@ def swiglu_backward(ds, gu):
             sg = one / (one + vexp(-g))
             gu[n, j] = ((d * u) * sg) * (one + g * (one - sg))
             gu[n, F + j] = d * (g * sg)
+
+
+# ---- dropout on the residual branches (ops/dropout.py) ---------------------------------------------------
+GAMMA, MIX1, MIX2 = np.uint64(dropout.GAMMA), np.uint64(dropout.MIX1), np.uint64(dropout.MIX2)
+HASH_SHIFT = np.uint64(64 - dropout.THRESHOLD_BITS)
+
+
+@njit(**OPTS)
+def _kept(z, threshold):
+    """splitmix64's output for state z, top 24 bits >= threshold."""
+    z = (z ^ (z >> np.uint64(30))) * MIX1
+    z = (z ^ (z >> np.uint64(27))) * MIX2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> HASH_SHIFT) >= threshold
+
+
+@njit(**OPTS)
+def dropout_add(x, t, base, threshold, scale, out):
+    """out = x + t · mask [n, d]; element l of these rows keeps iff _kept(base + l·γ) (Dropout.base)."""
+    n, d = t.shape
+    for r in range(n):
+        for c in range(d):
+            z = base + np.uint64(r * d + c) * GAMMA
+            out[r, c] = x[r, c] + t[r, c] * scale if _kept(z, threshold) else x[r, c]
+
+
+@njit(**OPTS)
+def dropout_scale(g, base, threshold, scale, out):
+    """out = g · mask [n, d] (the backward of dropout_add's branch), same mask as dropout_add."""
+    n, d = g.shape
+    for r in range(n):
+        for c in range(d):
+            z = base + np.uint64(r * d + c) * GAMMA
+            out[r, c] = g[r, c] * scale if _kept(z, threshold) else 0.0
 
 
 # ---- cross-entropy (ops/cross_entropy.py) ---------------------------------------------------------------

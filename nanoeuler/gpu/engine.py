@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from .. import ops as reference_ops
+from ..errors import UserError
 from ..model import Model, backward, check_tokens, forward
 from ..optim import AdamW
 from .matmul import set_tf32
@@ -116,7 +117,9 @@ class GpuModel:
         self._model = model if hasattr(next(iter(model.params.values())), "get") else to_gpu(model)  # cupy has .get
         self.params = self._model.params
 
-    def loss_and_grads(self, tokens, loss_mask=None):
+    def loss_and_grads(self, tokens, loss_mask=None, dropout=None):
+        if dropout is not None:  # run_training refuses --dropout on the GPU before it starts
+            raise UserError("dropout is not implemented on the GPU engine")
         set_precision(self.precision)
         return loss_and_grads(self._model, tokens, loss_mask, self.precision)
 

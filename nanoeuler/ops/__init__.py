@@ -6,6 +6,7 @@ explicitly. Each works in float32 and float64 (dtype in = dtype out) and each pa
 finite-difference test (`nanoeuler check`, tests/test_ops.py).
 """
 from .attention import attention_backward, attention_forward
+from .dropout import Dropout, dropout_backward, dropout_forward
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward, mtp_loss_backward, mtp_loss_forward, mtp_targets
 from .embedding import embedding_backward, embedding_forward
 from .linear import linear_backward, linear_forward
@@ -15,6 +16,7 @@ from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
     "attention_forward", "attention_backward", "cross_entropy_forward", "cross_entropy_backward",
+    "Dropout", "dropout_forward", "dropout_backward",
     "mtp_targets", "mtp_loss_forward", "mtp_loss_backward", "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
