@@ -276,7 +276,7 @@ def resume_state(out_dir: Path, model, opt, tcfg: TrainConfig, source, kind: str
     state = load_training_state(out_dir, model, opt)
     if state.get("kind") != kind:
         raise UserError(f"{out_dir} is a {state.get('kind')} run, not {kind}")
-    saved = state["train_config"]
+    saved = dataclasses.asdict(TrainConfig()) | state["train_config"]  # a field added later: its default
     diff = [k for k, v in dataclasses.asdict(tcfg).items() if saved.get(k) != v and k not in FREE_ON_RESUME]
     if diff:
         raise UserError(f"cannot resume {out_dir} with different settings: " +

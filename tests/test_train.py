@@ -80,6 +80,18 @@ def test_dropout_run_resumes_exactly_and_differs_from_no_dropout(tmp_path):
         run(tmp_path / "bad", steps=6, dropout=1.0)
 
 
+def test_resume_of_a_run_saved_before_a_setting_existed(tmp_path):
+    """trainer.json written before `dropout` was a setting: the run had none, so resuming it is allowed."""
+    run(tmp_path / "a", steps=6)
+    run(tmp_path / "b", steps=6, stop_after=3)
+    state_file = tmp_path / "b" / "trainer.json"
+    state = json.loads(state_file.read_text())
+    del state["train_config"]["dropout"]
+    state_file.write_text(json.dumps(state))
+    run(tmp_path / "b", steps=6, resume=True)
+    _assert_identical_runs(tmp_path / "a", tmp_path / "b")
+
+
 SIGINT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})

@@ -46,7 +46,7 @@ def register(sub) -> None:
                         f"default {NLL_WEIGHT}; 0 = plain DPO; on --resume: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the DPO run in --out")
     p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
-    add_hyperparameters(p)
+    add_hyperparameters(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.set_defaults(run=run_dpo)

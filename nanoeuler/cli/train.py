@@ -44,8 +44,9 @@ def register(sub) -> None:
     e.set_defaults(run=run_eval)
 
 
-def add_hyperparameters(p) -> None:
-    """The TrainConfig fields as flags; unset flags take the TrainConfig (or preset) default."""
+def add_hyperparameters(p, dropout: bool = True) -> None:
+    """The TrainConfig fields as flags; unset flags take the TrainConfig (or preset) default.
+    dropout=False leaves out --dropout (for a loop that does not apply it: DPO)."""
     g = p.add_argument_group("hyper-parameters (defaults: nanoeuler.train.TrainConfig)")
     g.add_argument("--steps", type=int, help="planned total number of optimizer steps")
     g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
@@ -54,7 +55,9 @@ def add_hyperparameters(p) -> None:
     g.add_argument("--warmup", type=int, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
     g.add_argument("--grad-clip", type=float, help="global gradient-norm clip")
-    g.add_argument("--dropout", type=float, help="dropout rate on every residual branch while training (0 = none)")
+    if dropout:
+        g.add_argument("--dropout", type=float, help="dropout rate on every residual branch while training "
+                                                     "(0 = none; default: 0.1 for small, else 0)")
     g.add_argument("--seed", type=int, help="seed of the data order")
     g.add_argument("--eval-every", type=int, help="steps between validation evals")
     g.add_argument("--eval-batches", type=int, help="validation batches per periodic eval (0 = all)")
