@@ -614,7 +614,7 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
 
     from . import checkpoint as ckpt
     from .optim import AdamW, clip_grad_norm, lr_schedule
-    from .train import (FREE_ON_RESUME, StopRequest, TrainingDiverged, load_training_state, make_bar,
+    from .train import (StopRequest, TrainingDiverged, changed_settings, load_training_state, make_bar,
                         truncate_log)
     out_dir = Path(out_dir)
     log_path = out_dir / "log.jsonl"
@@ -643,8 +643,7 @@ def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, refere
         state = load_training_state(out_dir, SimpleNamespace(params=P1), opt)
         if state.get("kind") != "dpo":
             raise UserError(f"{out_dir} is a {state.get('kind')} run, not dpo")
-        saved = state["train_config"]
-        diff = [k for k, v in dataclasses.asdict(tcfg).items() if saved.get(k) != v and k not in FREE_ON_RESUME]
+        diff = changed_settings(state["train_config"], tcfg)
         if state.get("beta") != beta:
             diff.append("beta")
         if state.get("nll_weight", 0.0) != nll_weight:

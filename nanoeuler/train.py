@@ -276,14 +276,20 @@ def resume_state(out_dir: Path, model, opt, tcfg: TrainConfig, source, kind: str
     state = load_training_state(out_dir, model, opt)
     if state.get("kind") != kind:
         raise UserError(f"{out_dir} is a {state.get('kind')} run, not {kind}")
-    saved = dataclasses.asdict(TrainConfig()) | state["train_config"]  # a field added later: its default
-    diff = [k for k, v in dataclasses.asdict(tcfg).items() if saved.get(k) != v and k not in FREE_ON_RESUME]
+    diff = changed_settings(state["train_config"], tcfg)
     if diff:
-        raise UserError(f"cannot resume {out_dir} with different settings: " +
-                        ", ".join(f"{k} {saved.get(k)} -> {getattr(tcfg, k)}" for k in diff))
+        raise UserError(f"cannot resume {out_dir} with different settings: " + ", ".join(diff))
     if state["data"] != source.describe():
         raise UserError(f"cannot resume {out_dir}: the data differs from the run's ({state['data']})")
     return state
+
+
+def changed_settings(saved: dict, tcfg: TrainConfig) -> list[str]:
+    """The settings of tcfg that differ from a run's saved train_config ('lr 0.003 -> 0.005'), leaving out
+    those a resumed run may change. A setting the saved run predates had its default value."""
+    saved = dataclasses.asdict(TrainConfig()) | saved
+    return [f"{k} {saved[k]} -> {v}" for k, v in dataclasses.asdict(tcfg).items()
+            if saved[k] != v and k not in FREE_ON_RESUME]
 
 
 def truncate_log(log_path: Path, step: int) -> None:

@@ -92,6 +92,15 @@ def test_resume_of_a_run_saved_before_a_setting_existed(tmp_path):
     _assert_identical_runs(tmp_path / "a", tmp_path / "b")
 
 
+def test_changed_settings_names_what_differs_and_fills_missing_with_defaults():
+    from nanoeuler.train import TrainConfig, changed_settings
+    import dataclasses
+    old = dataclasses.asdict(TrainConfig(lr=3e-3))
+    del old["dropout"]                                  # saved before dropout existed: it had none
+    assert changed_settings(old, TrainConfig(lr=3e-3, eval_every=7)) == []   # eval_every may change
+    assert changed_settings(old, TrainConfig(lr=5e-3, dropout=0.1)) == ["lr 0.003 -> 0.005", "dropout 0.0 -> 0.1"]
+
+
 SIGINT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
