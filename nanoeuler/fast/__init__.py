@@ -5,7 +5,7 @@
 against PyTorch by bench/train_speed.py.
 
 - vmath.py    a float32 exp that numba vectorises (no vector math library is available to numba)
-- kernels.py  fused serial numba kernels: RMSNorm, RoPE + head split, causal softmax, SwiGLU, cross-entropy, AdamW
+- kernels.py  fused serial numba kernels: RMSNorm, RoPE + head split, causal softmax, SwiGLU, dropout, cross-entropy, AdamW
 - engine.py   the training step on preallocated buffers (`Workspace`), BLAS for every matmul
 - parallel.py one sub-batch per core, each on single-threaded BLAS; the thread pool
 """

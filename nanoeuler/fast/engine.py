@@ -17,6 +17,8 @@ organised for speed:
   GQA needs no copies of k and v), and one kernel each does the causal softmax and its backward;
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
   gate/up matmuls (from the residual stream and the saved 1/rms);
+- dropout (training only) is fused into the residual adds, its mask recomputed in backward from
+  (seed, site, element) instead of stored (ops/dropout.py);
 - the K output heads are done one at a time: logits [N, V] of head k, its loss and dlogits in place,
   then its two backward matmuls; only one [N, V] buffer exists.
 
