@@ -142,7 +142,7 @@ def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFI
     _, _, grads = model.loss_and_grads(tokens, mask, dropout=drop)
 
     def f():
-        return model.loss(tokens, mask)[1] if drop is None else model.loss_and_grads(tokens, mask, dropout=drop)[1]
+        return model.loss(tokens, mask, dropout=drop)[1]
 
     prefix = f"dropout {dropout:g}: " if drop else ""
     return [check_tensor(prefix + name, f, model.params[name], grads[name], rng, n_samples) for name in model.params]

@@ -104,16 +104,16 @@ class Model:
         return head_losses[0], objective, grads
 
     def loss(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None, *,
-             reference: bool = False) -> tuple[float, float]:
-        """Forward only: (head-0 loss, objective)."""
+             reference: bool = False, dropout: reference_ops.Dropout | None = None) -> tuple[float, float]:
+        """Forward only: (head-0 loss, objective); with dropout, the objective loss_and_grads differentiates."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
         if not reference:
             from . import fast
-            return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T))
+            return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), dropout)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
-        logits, _ = forward(cfg, self.params, tokens[:, :T])
+        logits, _ = forward(cfg, self.params, tokens[:, :T], dropout=dropout)
         objective, head_losses, _ = reference_ops.mtp_loss_forward(logits, targets)
         return head_losses[0], objective
 

@@ -98,6 +98,8 @@ def test_dropout_same_masks_as_reference_any_number_of_parts(dtype, monkeypatch)
     ref = m.loss_and_grads(tokens, mask, reference=True, dropout=drop)
     assert ref[1] != m.loss_and_grads(tokens, mask, reference=True)[1]
     assert ref[1] != m.loss_and_grads(tokens, mask, reference=True, dropout=ops.Dropout(0.3, seed=12))[1]
+    for reference in (True, False):                  # forward only: the objective the gradients belong to
+        assert m.loss(tokens, mask, reference=reference, dropout=drop) == pytest.approx(ref[:2], rel=TOL[dtype])
     for parts in (1, 2, 4):
         monkeypatch.setattr(parallel, "PARTS", parts)
         got = loss_and_grads(cfg, m.params, tokens, mask, Workspace(cfg, 4, cfg.ctx_len, dtype), dropout=drop)

@@ -16,7 +16,8 @@ def register(sub) -> None:
                     "into runs/small. Checkpoints are written every --ckpt-every steps, at the end and on "
                     "Ctrl-C/SIGTERM; --resume continues a run bit-for-bit.",
         epilog="unset hyper-parameters take the preset's defaults: " + "; ".join(
-            f"{name}: " + ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in d.items() if not k.startswith(("eval", "ckpt")))
+            f"{name}: " + ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in d.items()
+                                    if not k.startswith(("eval", "ckpt")))
             for name, d in PRESET_DEFAULTS.items()) + "; a config.json: nanoeuler.train.TrainConfig's")
     p.add_argument("config", nargs="?", default=None,
                    help="preset (small, big, gpt) or a config.json (default: small; on --resume: the run's)")

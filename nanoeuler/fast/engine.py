@@ -340,10 +340,10 @@ def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Work
     return losses[0], objective, grads
 
 
-def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace):
+def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
     """Forward only: (head-0 loss, objective)."""
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
-    forward(cfg, P, inputs, ws)
+    forward(cfg, P, inputs, ws, dropout)
     losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
     return losses[0], objective
