@@ -119,6 +119,13 @@ def check_ops(seed: int = 0) -> list[Row]:
         return objective, cache
 
     rows += _check_op("mtp_loss", mtp_fwd, ops.mtp_loss_backward, [r(3, B, T, V)], rng)
+    # the GPT-2 ops (arch "gpt2")
+    rows += _check_op("layernorm", lambda x, w, b: ops.layernorm_forward(x, w, b, 1e-5), ops.layernorm_backward,
+                      [r(B, T, d), r(d), r(d)], rng)
+    rows += _check_op("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, [2 * r(B, T, d)], rng)
+    rows += _check_op("bias", ops.bias_forward, ops.bias_backward, [r(B, T, d), r(d)], rng)
+    rows += _check_op("position (start 3)", lambda x, W: ops.position_forward(x, W, start=3), ops.position_backward,
+                      [r(B, T, d), r(T + 4, d)], rng)
     return rows
 
 

@@ -6,10 +6,14 @@ explicitly. Each works in float32 and float64 (dtype in = dtype out) and each pa
 finite-difference test (`nanoeuler check`, tests/test_ops.py).
 """
 from .attention import attention_backward, attention_forward
+from .bias import bias_backward, bias_forward
 from .dropout import Dropout, dropout_backward, dropout_forward
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward, mtp_loss_backward, mtp_loss_forward, mtp_targets
 from .embedding import embedding_backward, embedding_forward
+from .gelu import gelu_backward, gelu_forward
+from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
+from .position import position_backward, position_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
 from .swiglu import swiglu_backward, swiglu_forward
@@ -20,4 +24,6 @@ __all__ = [
     "mtp_targets", "mtp_loss_forward", "mtp_loss_backward", "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
+    "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "bias_forward", "bias_backward",
+    "position_forward", "position_backward",
 ]
