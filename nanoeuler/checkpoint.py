@@ -1,22 +1,42 @@
-"""The checkpoint directory: atomic multi-file save, safe load (no pickle), resume state.
+"""The checkpoint directory: atomic multi-file save, safe load (no pickle), resume state, run lock.
 
 A checkpoint is a directory holding `model.safetensors`, `config.json`, `tokenizer.json` and, for a
 training run, `optimizer.safetensors` + `trainer.json`. A save must never leave a mix of old and new
 files, so it is a small journal:
 
-    1. write every new file into RUN/.staging/          (a crash here: RUN still holds the old set)
-    2. rename RUN/.staging -> RUN/.commit               (atomic: the new set is now complete on disk)
-    3. move each file from RUN/.commit into RUN          (a crash here: rolled forward on the next load)
+    1. write every new file into RUN/.staging/, then      (a crash here: RUN still holds the old set)
+       RUN/.staging/.journal.json: {"magic", "files": {name: size}}
+    2. rename RUN/.staging -> RUN/.commit                 (atomic: the new set is now complete on disk)
+    3. move each file from RUN/.commit into RUN           (a crash here: rolled forward on the next load)
     4. remove RUN/.commit
 
 `recover(run_dir)` finishes step 3 if a save was interrupted after step 2 and discards a half-written
-.staging, so every reader sees either the previous checkpoint or the new one, never a mix.
+.staging, so every reader sees either the previous checkpoint or the new one, never a mix. It rolls
+forward only a journal it can prove it wrote: `.commit` a real directory (not a link), holding only
+regular files named in the journal with the journal's sizes, the files already moved sitting in RUN with
+their sizes. Anything else is refused with a one-line error and left untouched. Files only ever move
+from RUN/.commit to RUN, so loading never writes outside the checkpoint.
+
+Read-only commands (`sample`, `chat`, `eval`, `info`, `export`) pass `read_only=True`: they modify
+nothing at all; a pending journal is reported on stderr and its files are read from where they lie
+(`member(run, name)`), which is the new, complete set.
+
+Non-finite weights are never saved (`check_finite` runs before every save of weights and optimizer
+state) and never loaded. `run_lock(dir)` holds an exclusive lock on a run or data directory for the
+length of a training run or a `prepare`; a second process gets the first one's pid and command.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import re
 import shutil
+import stat
+import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,59 +45,228 @@ import numpy as np
 from .config import Config
 from .errors import UserError
 
-STAGING, COMMIT = ".staging", ".commit"
+STAGING, COMMIT, JOURNAL, LOCK = ".staging", ".commit", ".journal.json", ".lock"
+JOURNAL_MAGIC = "nanoeuler checkpoint journal v1"
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")   # a plain file name: no '/', no leading '.'
 
 
-def recover(run_dir: str | Path) -> None:
-    """Complete or discard an interrupted save (see the module docstring)."""
+# ---- finiteness ---------------------------------------------------------------------------------
+def check_finite(tensors: dict[str, np.ndarray], what: str) -> None:
+    """Refuse (UserError) if any tensor holds NaN or inf; names the first such tensor and the count.
+
+        check_finite({"a": np.ones(2)}, "weights")            # passes
+        check_finite({"a": np.array([1.0, np.nan])}, "weights")
+        # UserError: weights: tensor a has 1 non-finite value(s) (NaN/inf) ...
+    """
+    bad = []
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            bad.append((name, int(a.size - np.count_nonzero(np.isfinite(a)))))
+    if bad:
+        name, n = bad[0]
+        more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+        raise UserError(f"{what}: tensor {name} has {n} non-finite value(s) (NaN/inf){more}; the training "
+                        f"diverged (try a lower --lr)")
+
+
+# ---- the journal --------------------------------------------------------------------------------
+def _is_plain_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _lexists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def read_journal(run_dir: str | Path) -> dict | None:
+    """The verified journal of a save that reached step 2 but not step 4, or None if there is none.
+
+    Raises UserError (touching nothing) when RUN/.commit exists but is not provably ours: a link, a
+    non-directory, no or a foreign journal, a file not named in it, a size that differs, a link inside."""
     run_dir = Path(run_dir)
     commit = run_dir / COMMIT
-    if commit.is_dir():
-        for f in sorted(commit.iterdir()):
-            os.replace(f, run_dir / f.name)
-        commit.rmdir()
-    shutil.rmtree(run_dir / STAGING, ignore_errors=True)
+    if not _lexists(commit):
+        return None
+
+    def refuse(why: str):
+        raise UserError(f"checkpoint {run_dir}: {commit} {why}; it was not written by an interrupted nanoeuler "
+                        f"save, so it is left untouched: inspect it and remove it by hand")
+
+    if not _is_plain_dir(commit):
+        refuse("is a link or not a directory")
+    jpath = commit / JOURNAL
+    try:
+        st = os.lstat(jpath)
+    except FileNotFoundError:
+        refuse(f"has no {JOURNAL}")
+    if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+        refuse(f"has a {JOURNAL} that is not a small regular file")
+    try:
+        journal = json.loads(jpath.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        refuse(f"has an unreadable {JOURNAL}")
+    files = journal.get("files") if isinstance(journal, dict) else None
+    if (journal.get("magic") if isinstance(journal, dict) else None) != JOURNAL_MAGIC or not isinstance(files, dict) \
+            or not all(isinstance(n, str) and _NAME.match(n) and n != JOURNAL and type(s) is int and s >= 0
+                       for n, s in files.items()):
+        refuse(f"has a {JOURNAL} that is not ours")
+    for entry in os.scandir(commit):
+        if entry.name == JOURNAL:
+            continue
+        if entry.name not in files:
+            refuse(f"holds {entry.name!r}, which its journal does not list")
+        st = os.lstat(entry.path)
+        if not stat.S_ISREG(st.st_mode):
+            refuse(f"holds {entry.name!r}, which is a link or not a regular file")
+        if st.st_size != files[entry.name]:
+            refuse(f"holds {entry.name!r} of {st.st_size} bytes, but its journal says {files[entry.name]}")
+    for name, size in files.items():
+        if _lexists(commit / name):
+            continue
+        try:
+            st = os.lstat(run_dir / name)     # already moved by the interrupted roll-forward
+        except FileNotFoundError:
+            refuse(f"lacks {name!r}, which is in neither it nor the checkpoint")
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            refuse(f"lacks {name!r}, and the checkpoint's {name} is not the journal's ({size} bytes)")
+    return journal
+
+
+def recover(run_dir: str | Path, read_only: bool = False) -> dict | None:
+    """Complete a save interrupted after step 2 and discard a half-written .staging (module docstring).
+
+    With read_only nothing is modified: a pending journal is reported on stderr and returned, so the
+    caller reads its files with `member()`. Returns the pending journal (read_only) or None."""
+    run_dir = Path(run_dir)
+    journal = read_journal(run_dir)
+    if read_only:
+        if journal is not None:
+            print(f"note: {run_dir} holds a finished save not yet moved into place ({COMMIT}); reading it as it "
+                  f"lies, changing nothing (the next training command on this run completes it)", file=sys.stderr)
+        return journal
+    if journal is not None:
+        commit = run_dir / COMMIT
+        for name in sorted(journal["files"]):
+            if _lexists(commit / name):
+                os.replace(commit / name, run_dir / name)   # a rename within run_dir: replaces a link, never follows it
+        os.unlink(commit / JOURNAL)
+        os.rmdir(commit)
+        _fsync_dir(run_dir)
+    staging = run_dir / STAGING
+    if _is_plain_dir(staging):
+        shutil.rmtree(staging)                 # rmtree never follows links inside
+    elif _lexists(staging):
+        os.unlink(staging)                     # a link or a file: remove the name only
+    return None
+
+
+def member(run_dir: str | Path, name: str, journal: dict | None = None) -> Path:
+    """Where to read checkpoint file `name`: inside .commit while a verified journal lists it there."""
+    run_dir = Path(run_dir)
+    if journal is not None and name in journal["files"] and _lexists(run_dir / COMMIT / name):
+        return run_dir / COMMIT / name
+    return run_dir / name
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _space_error(e: OSError, run_dir: Path) -> UserError:
+    why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+    return UserError(f"could not save the checkpoint in {run_dir}: {why}; the previous checkpoint is intact")
 
 
 def save_files(run_dir: str | Path, writers: dict[str, Callable[[Path], None]]) -> None:
-    """Write a set of files into run_dir as one atomic unit; writers map file name -> fn(path)."""
+    """Write a set of files into run_dir as one atomic unit; writers map file name -> fn(path).
+
+    A failing writer (a full disk, ...) leaves the previous set intact and ends in a one-line UserError."""
     run_dir = Path(run_dir)
+    for name in writers:
+        if not _NAME.match(name) or name == JOURNAL:
+            raise ValueError(f"checkpoint file name {name!r} is not a plain file name")
     run_dir.mkdir(parents=True, exist_ok=True)
     recover(run_dir)
     staging = run_dir / STAGING
-    staging.mkdir()
-    for name, write in writers.items():
-        path = staging / name
-        write(path)
-        with open(path, "rb") as f:
+    try:
+        staging.mkdir()
+        sizes = {}
+        for name, write in writers.items():
+            path = staging / name
+            write(path)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[name] = os.lstat(path).st_size
+        with open(staging / JOURNAL, "w") as f:
+            f.write(json.dumps({"magic": JOURNAL_MAGIC, "files": sizes}) + "\n")
+            f.flush()
             os.fsync(f.fileno())
+        _fsync_dir(staging)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _space_error(e, run_dir) from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     os.replace(staging, run_dir / COMMIT)
+    _fsync_dir(run_dir)
     recover(run_dir)
 
 
 def json_writer(obj) -> Callable[[Path], None]:
-    return lambda path: path.write_text(json.dumps(obj, indent=2) + "\n")
+    text = json.dumps(obj, indent=2, allow_nan=False) + "\n"   # serialise now: a bad value fails before any write
+    return lambda path: path.write_text(text)
 
 
-def tensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    from safetensors.numpy import save_file
-    return lambda path: save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, str(path), metadata)
+def tensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
+                   what: str = "refusing to save", allow_nonfinite: bool = False):
+    """A writer for a safetensors file; refuses (now, before anything is written) non-finite tensors
+    unless allow_nonfinite (for files where NaN is a marker, such as DPO's not-yet-drawn log-probs)."""
+    if not allow_nonfinite:
+        check_finite(tensors, what)
+    def write(path: Path) -> None:
+        from safetensors.numpy import save
+        data = save({n: np.ascontiguousarray(a) for n, a in tensors.items()}, metadata)
+        with open(path, "wb") as f:        # a Python write: a full disk is an OSError (ENOSPC)
+            f.write(data)
+    return write
 
 
 def model_writers(config: Config, params: dict[str, np.ndarray], tokenizer=None) -> dict:
-    writers = {"model.safetensors": tensors_writer(params), "config.json": json_writer(config.to_dict())}
+    writers = {"model.safetensors": tensors_writer(params, what="refusing to save the weights"),
+               "config.json": json_writer(config.to_dict())}
     if tokenizer is not None:
         writers["tokenizer.json"] = json_writer(tokenizer.to_dict())
     return writers
+
+
+def optimizer_writer(tensors: dict[str, np.ndarray]):
+    """The AdamW moments' writer; non-finite moments are refused like non-finite weights."""
+    return tensors_writer(tensors, what="refusing to save the optimizer state")
 
 
 def save_model(run_dir, config: Config, params: dict[str, np.ndarray], tokenizer=None) -> None:
     save_files(run_dir, model_writers(config, params, tokenizer))
 
 
+# ---- reading ------------------------------------------------------------------------------------
 def read_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
     """Load a safetensors file into writable numpy arrays; any defect is a one-line UserError."""
     from safetensors.numpy import load_file
+    path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path} not found")
     try:
@@ -86,37 +275,136 @@ def read_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
         raise UserError(f"{what}: {path} is corrupt or not a safetensors file ({str(e).splitlines()[0][:120]})") from None
 
 
-def read_json(path: Path, what: str):
+def read_json(path: Path, what: str, max_bytes: int = 256 << 20):
+    """Parse a JSON file; missing, too big, not UTF-8 or not JSON is a one-line UserError."""
+    path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path} not found")
+    if path.stat().st_size > max_bytes:
+        raise UserError(f"{what}: {path} is larger than {max_bytes >> 20} MiB")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{what}: {path} is not valid JSON ({e})") from None
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"{what}: {path} is not valid JSON ({str(e)[:120]})") from None
 
 
-def check_run_dir(run_dir) -> Path:
+def check_run_dir(run_dir, read_only: bool = False) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"checkpoint directory {run_dir} not found")
-    recover(run_dir)
+    recover(run_dir, read_only=read_only)
     return run_dir
 
 
-def load_model(run_dir) -> tuple[Config, dict[str, np.ndarray]]:
-    """(config, params) from a checkpoint directory, validated against each other."""
-    from .model import check_params
-    run_dir = check_run_dir(run_dir)
-    config = Config.from_dict(read_json(run_dir / "config.json", "checkpoint config"))
-    params = read_tensors(run_dir / "model.safetensors", "checkpoint weights")
+def load_model(run_dir, read_only: bool = False) -> tuple[Config, dict[str, np.ndarray]]:
+    """(config, params) from a checkpoint directory, validated against each other and finite."""
+    from .config import check_params
+    run_dir = check_run_dir(run_dir, read_only)
+    journal = read_journal(run_dir) if read_only else None
+    config = Config.from_dict(read_json(member(run_dir, "config.json", journal), "checkpoint config"))
+    params = read_tensors(member(run_dir, "model.safetensors", journal), "checkpoint weights")
     try:
         check_params(config, params)
+        check_finite(params, "weights")
     except UserError as e:
         raise UserError(f"checkpoint {run_dir}: {e}") from None
     return config, params
 
 
-def load_tokenizer(run_dir):
+def load_tokenizer(run_dir, read_only: bool = False):
     from .tokenizer import Tokenizer
-    run_dir = check_run_dir(run_dir)
-    return Tokenizer.from_dict(read_json(run_dir / "tokenizer.json", "checkpoint tokenizer"))
+    run_dir = check_run_dir(run_dir, read_only)
+    journal = read_journal(run_dir) if read_only else None
+    return Tokenizer.from_dict(read_json(member(run_dir, "tokenizer.json", journal), "checkpoint tokenizer"))
+
+
+# ---- trainer.json --------------------------------------------------------------------------------
+def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
+    """Type- and range-check the fields of a trainer.json every loop reads; returns it unchanged.
+
+        check_trainer_state({"kind": "pretrain", "step": 10, "train_config": {...}, "rng": {...}, ...})
+    """
+    def bad(why: str):
+        raise UserError(f"resume state {path}: {why}")
+
+    if not isinstance(state, dict):
+        bad("expected a JSON object")
+    ints = {"step": (0, 1 << 40), "tokens_seen": (0, 1 << 62), "skipped_batches": (0, 1 << 40)}
+    for key, (lo, hi) in ints.items():
+        if key in state and (type(state[key]) is not int or not lo <= state[key] <= hi):
+            bad(f"{key} must be an integer in [{lo}, {hi}], got {state[key]!r}"[:200])
+    if "step" not in state:
+        bad("missing field step")
+    if "elapsed_s" in state and (type(state["elapsed_s"]) not in (int, float) or not 0 <= state["elapsed_s"] < 1e12):
+        bad(f"elapsed_s must be a non-negative number, got {state['elapsed_s']!r}"[:200])
+    for key in ("kind",):
+        if key in state and not isinstance(state[key], str):
+            bad(f"{key} must be a string")
+    for key in ("train_config", "data", "optimizer", "rng", "last_eval"):
+        if key in state and not isinstance(state[key], dict):
+            bad(f"{key} must be a JSON object")
+    if isinstance(state.get("rng"), dict):
+        rng = state["rng"]
+        if rng.get("bit_generator") != "PCG64" or not isinstance(rng.get("state"), dict) \
+                or not all(type(rng["state"].get(k)) is int and rng["state"].get(k) >= 0 for k in ("state", "inc")) \
+                or type(rng.get("has_uint32")) is not int or type(rng.get("uinteger")) is not int:
+            bad("rng is not a PCG64 generator state")
+    if isinstance(state.get("optimizer"), dict):
+        t = state["optimizer"].get("t", 0)
+        if type(t) is not int or t < 0:
+            bad(f"optimizer.t must be a non-negative integer, got {t!r}"[:200])
+    return state
+
+
+# ---- the run lock --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def run_lock(directory: str | Path, what: str = "run"):
+    """Hold an exclusive lock on `directory` (created if needed) for the length of the `with` block.
+
+    The lock is `fcntl.flock` on DIR/.lock, released by the kernel if the process dies; the file holds
+    the holder's pid and command line so that a second process can say who has it:
+
+        with run_lock("runs/mine"):      # a second `nanoeuler train --out runs/mine` now fails with
+            ...                          # "runs/mine is in use by another process (pid 123: nanoeuler train ...)"
+    """
+    directory = Path(directory)
+    if _lexists(directory) and not directory.is_dir():
+        raise UserError(f"{directory} exists and is not a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot lock {directory}: {path}: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            raise UserError(f"{directory} is in use by another process ({holder}); wait for it to finish or "
+                            f"choose another {'--out' if what else 'directory'}") from None
+        info = {"pid": os.getpid(), "command": " ".join(["nanoeuler", *sys.argv[1:]]) if sys.argv else "?",
+                "what": what, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        try:
+            yield path
+        finally:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    """'pid 123: nanoeuler train ...' from a held lock file (best effort; it may be being rewritten)."""
+    for _ in range(20):
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            return f"pid {int(info['pid'])}: {str(info.get('command', '?'))[:200]}"
+        except (ValueError, KeyError, TypeError, OSError):
+            time.sleep(0.01)
+    return "pid unknown"

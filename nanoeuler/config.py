@@ -122,3 +122,26 @@ PRESETS: dict[str, Config] = {
     "big": Config(vocab_size=4096, dim=384, n_heads=6, n_kv_heads=2, n_layers=4, ctx_len=256, ffn_hidden=1024, n_mtp=2),
     "gpt": Config(vocab_size=4096, dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx_len=512, ffn_hidden=2048, n_mtp=4),
 }
+
+
+def check_params(config: Config, params: dict) -> None:
+    """Every SPEC tensor present with its exact shape, one float dtype throughout, nothing extra.
+
+    Lives beside the config (it needs nothing else), so that checkpoint.py can validate a load without
+    importing model.py, which imports checkpoint.py back."""
+    import numpy as np
+    expected = config.param_shapes()
+    missing = [n for n in expected if n not in params]
+    if missing:
+        raise UserError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = [n for n in params if n not in expected]
+    if extra:
+        raise UserError(f"unexpected tensor {extra[0]} for this config")
+    dtypes = set()
+    for name, shape in expected.items():
+        p = params[name]
+        if tuple(p.shape) != shape:
+            raise UserError(f"tensor {name} has shape {list(p.shape)}, expected {list(shape)}")
+        dtypes.add(np.dtype(p.dtype))
+    if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise UserError("parameters must all be float32 or all float64")

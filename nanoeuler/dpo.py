@@ -16,31 +16,28 @@ The gradient flows in two hand-written steps, each an ops-style forward/backward
     dpo_loss:          dL/dz = −σ(−z)/N;  d/dπ_c = β·dL/dz,  d/dπ_r = −β·dL/dz        (per pair)
     response_logprobs: d/dlogits[b, t] = dlogp[b] · mask[b, t] · (onehot(target) − softmax(logits[b, t]))
 
-and then `model.backward` carries the head-0 logit gradient down to every parameter. `check_dpo` is the
-float64 finite-difference check of all of it.
+and then `model.backward` carries the head-0 logit gradient down to every parameter. `check.check_dpo`
+is the float64 finite-difference check of all of it.
 
 Only head 0 and the trunk are trained: the MTP heads 1..K-1 get no DPO signal and stay frozen (not even
 weight decay touches them). The reference log-probs never change, so they are computed once at the start
 and stored with every checkpoint (`reference.safetensors`); a resumed run does not need the SFT run again.
 
-Pair data is JSONL, one object per line: {"prompt": ..., "chosen": ..., "rejected": ...}.
-`prompt` is the SPEC Alpaca template already rendered up to and including "### Response:\\n" (so any
-pair file is self-describing and is exactly what the model sees); `chosen` and `rejected` are the bare
-response texts, without </s> (it is appended when tokenizing). Optional extra fields (`task`, ...) are
-carried along and used to break results down.
+The pair data (files, tokenizing, batches, the offline set, on-policy negatives) is in dpo_data.py;
+training runs in the one loop of train.py, with `DPOObjective` as its objective.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .dpo_data import (PairBatch, TokenizedPairs, load_pairs, make_batch, model_negatives,  # noqa: F401
+                       offline_pairs, pair_problem, pair_records, split_pairs, tokenize_pairs, tokenize_response)
 from .errors import UserError
 
 
@@ -176,11 +173,12 @@ def chosen_nll_backward(dnll, cache):
 
 
 def dpo_loss_and_grads(cfg, P: dict, batch: "PairBatch", ref_chosen, ref_rejected, beta: float,
-                       workspaces: Workspaces | None = None, nll_weight: float = 0.0):
+                       workspaces: Workspaces | None = None, nll_weight: float = 0.0, scale: float = 1.0):
     """One forward/backward of a pair batch: (loss, metrics, grads of the trained params).
     Chosen and rejected sequences run as one batch [2N, T]: rows 0..N-1 chosen, N..2N-1 rejected.
     The loss is the DPO loss, plus nll_weight · `chosen_nll` when nll_weight > 0.
-    workspaces: run the fast engine (see `sequence_logprobs_forward`); None: the reference ops."""
+    workspaces: run the fast engine (see `sequence_logprobs_forward`); None: the reference ops.
+    scale: multiplies loss, metrics and gradients (a data-parallel rank's share of a batch: its pairs / all)."""
     logps, cache = sequence_logprobs_forward(cfg, P, batch.inputs, batch.targets, batch.mask, workspaces)
     n = batch.n_pairs
     pc, pr = logps[:n], logps[n:]
@@ -192,317 +190,11 @@ def dpo_loss_and_grads(cfg, P: dict, batch: "PairBatch", ref_chosen, ref_rejecte
     if nll_weight:
         loss = loss + nll_weight * nll
         dpc = dpc + chosen_nll_backward(nll_weight, nll_cache)
+    if scale != 1.0:
+        loss, metrics = loss * scale, {k: v * scale for k, v in metrics.items()}
+        dpc, dpr = dpc * scale, dpr * scale
     grads = sequence_logprobs_backward(np.concatenate([dpc, dpr]), cache)
     return loss, metrics, grads
-
-
-# ---- the float64 finite-difference check ---------------------------------------------------------
-def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
-    """Rows for `nanoeuler check`: (a) the dpo_loss and response_logprobs pairs on random inputs,
-    (b) every trained parameter of a float64 model (MTP K=3, GQA) through log-probs + DPO loss,
-    with the reference a different model, and the frozen MTP heads getting exactly no gradient."""
-    from .check import CHECK_CONFIG, Row, _check_op, check_tensor
-    from .model import Model
-    rng = np.random.default_rng(seed)
-    rows = []
-    N, beta = 5, 0.1
-    logps = [rng.standard_normal(N) * 3 for _ in range(4)]
-
-    def loss_fwd(pc, pr, rc, rr):
-        return dpo_loss_forward(pc, pr, rc, rr, beta)
-
-    rows += _check_op("dpo_loss", loss_fwd, dpo_loss_backward, logps, rng)
-    counts = rng.integers(1, 9, N)
-    rows += _check_op("chosen_nll", lambda pc: chosen_nll_forward(pc, counts), chosen_nll_backward, [logps[0]], rng)
-    B, T, V = 3, 6, 11
-    targets = rng.integers(0, V, (B, T))
-    mask = rng.random((B, T)) > 0.3
-    targets[~mask] = -1  # padding ids outside the mask must not matter
-    logits = rng.standard_normal((B, T, V))
-    # confident targets keep the summed log-probs near 0, so the round-off of the finite differences
-    # (≈ 1e-16·|L| / h) stays far below the 1e-6 floor at masked positions, where the true gradient is 0
-    np.put_along_axis(logits, np.where(mask, targets, 0)[..., None], 6.0, axis=-1)
-    rows += _check_op("response_logprobs", lambda z: response_logprobs_forward(z, targets, mask),
-                      response_logprobs_backward, [logits], rng)
-
-    cfg = CHECK_CONFIG
-    policy = Model.init(cfg, seed=seed, dtype=np.float64)
-    for p in policy.params.values():
-        p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
-    reference = Model(cfg, {n: p + rng.standard_normal(p.shape) * 0.05 for n, p in policy.params.items()})
-    n_pairs = 2
-    seqs = [rng.integers(0, cfg.vocab_size, rng.integers(6, cfg.ctx_len + 2)) for _ in range(2 * n_pairs)]
-    masks = []
-    for s in seqs:
-        m = np.zeros(len(s), dtype=bool)
-        m[rng.integers(2, len(s) - 1):] = True  # the response: a suffix
-        masks.append(m)
-    batch = make_batch(seqs[:n_pairs], masks[:n_pairs], seqs[n_pairs:], masks[n_pairs:])
-    ref_logps, _ = sequence_logprobs_forward(cfg, reference.params, batch.inputs, batch.targets, batch.mask)
-    rc, rr = ref_logps[:n_pairs], ref_logps[n_pairs:]
-    _, _, grads = dpo_loss_and_grads(cfg, policy.params, batch, rc, rr, beta)
-
-    def f():
-        lp, _ = sequence_logprobs_forward(cfg, policy.params, batch.inputs, batch.targets, batch.mask)
-        return dpo_loss_forward(lp[:n_pairs], lp[n_pairs:], rc, rr, beta)[0]
-
-    for name, p in policy.params.items():
-        if name in grads:
-            rows.append(check_tensor(f"dpo: {name}", f, p, grads[name], rng, n_samples))
-        else:  # a frozen MTP head: the DPO loss must not depend on it at all
-            idx = rng.choice(p.size, min(n_samples, p.size), replace=False)
-            from .check import numeric_grad
-            num = numeric_grad(f, p, idx)
-            rows.append(Row(f"dpo: {name} (frozen, |numeric| max)", float(np.max(np.abs(num))), len(idx)))
-    # DPO + NLL of the chosen responses (--nll-weight): a few tensors through the combined loss
-    nll_w = 0.5
-    _, _, grads = dpo_loss_and_grads(cfg, policy.params, batch, rc, rr, beta, nll_weight=nll_w)
-
-    def f_nll():
-        lp, _ = sequence_logprobs_forward(cfg, policy.params, batch.inputs, batch.targets, batch.mask)
-        n_tok = batch.mask[:n_pairs].sum(axis=1)
-        return dpo_loss_forward(lp[:n_pairs], lp[n_pairs:], rc, rr, beta)[0] + nll_w * chosen_nll_forward(lp[:n_pairs], n_tok)[0]
-
-    for name in ("embed.weight", "layers.0.attn.wq.weight", "layers.1.ffn.down.weight", "heads.0.weight"):
-        rows.append(check_tensor(f"dpo+nll: {name}", f_nll, policy.params[name], grads[name], rng, n_samples))
-    return rows
-
-
-# ---- batches of pairs ----------------------------------------------------------------------------
-@dataclass
-class PairBatch:
-    """N pairs as 2N right-padded sequences: rows 0..N-1 chosen, N..2N-1 rejected."""
-    inputs: np.ndarray   # int [2N, T]
-    targets: np.ndarray  # int [2N, T]  (next tokens; −1 on padding)
-    mask: np.ndarray     # bool [2N, T] (True where the target is a response token or </s>)
-    n_pairs: int
-
-
-def make_batch(chosen_ids, chosen_masks, rejected_ids, rejected_masks, pad_id: int = 0,
-               length: int | None = None) -> PairBatch:
-    """Lists of token-id arrays (each the whole sequence prompt+response+</s>) and their masks
-    (True on response tokens and </s>) -> a PairBatch. Sequence s of length L gives inputs s[:-1],
-    targets s[1:], mask m[1:] (the mask of a target position). Rows are padded to the longest sequence
-    (or to `length` inputs, when given: fixed shapes let the fast engine reuse its buffers).
-
-        make_batch([[7, 8, 9]], [[0, 1, 1]], [[7, 5]], [[0, 1]])
-        -> inputs [[7, 8], [7, 0]], targets [[8, 9], [5, -1]], mask [[1, 1], [1, 0]]
-    """
-    seqs = [np.asarray(s) for s in list(chosen_ids) + list(rejected_ids)]
-    masks = [np.asarray(m, dtype=bool) for m in list(chosen_masks) + list(rejected_masks)]
-    T = max(len(s) for s in seqs) - 1
-    if length is not None:
-        T = max(T, length)
-    n = len(seqs)
-    inputs = np.full((n, T), pad_id, dtype=np.int64)
-    targets = np.full((n, T), -1, dtype=np.int64)
-    mask = np.zeros((n, T), dtype=bool)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        L = len(s) - 1
-        inputs[i, :L], targets[i, :L], mask[i, :L] = s[:-1], s[1:], m[1:]
-    return PairBatch(inputs, targets, mask, len(chosen_ids))
-
-
-# ---- pair data -----------------------------------------------------------------------------------
-def load_pairs(path: str | Path) -> tuple[list[dict], list[str]]:
-    """A JSONL file of {prompt, chosen, rejected} -> (valid pairs, problems). A pair is valid when all three
-    are non-empty strings and chosen != rejected; invalid lines are skipped and described in `problems`.
-    Raises UserError when the file is unreadable or holds no valid pair."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"pair data {path} not found")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"pair data {path} is not UTF-8 text ({e})") from None
-    good, bad = [], []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append(f"line {i}: not JSON ({e.msg})")
-            continue
-        problem = pair_problem(rec)
-        if problem:
-            bad.append(f"line {i}: {problem}")
-        else:
-            good.append(rec)
-    if not good:
-        raise UserError(f"pair data {path} holds no valid {{prompt, chosen, rejected}} pair" +
-                        (f" ({bad[0]})" if bad else ""))
-    return good, bad
-
-
-def pair_problem(rec) -> str | None:
-    """Why rec is not a valid pair, or None.  pair_problem({"prompt": "p", "chosen": "a", "rejected": "a"})
-    -> 'chosen and rejected are the same'"""
-    if not isinstance(rec, dict):
-        return "not a JSON object"
-    for key in ("prompt", "chosen", "rejected"):
-        if not isinstance(rec.get(key), str) or not rec[key].strip():
-            return f"missing or empty string field {key!r}"
-    if rec["chosen"] == rec["rejected"]:
-        return "chosen and rejected are the same"
-    return None
-
-
-def split_pairs(pairs: list[dict], every: int = 50) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): a pair is held out when the hash of its prompt falls in 1/every, so all pairs
-    of one prompt land on the same side."""
-    train, held = [], []
-    for p in pairs:
-        h = int(hashlib.sha1(p["prompt"].encode()).hexdigest()[:8], 16)
-        (held if h % every == 0 else train).append(p)
-    return train, held
-
-
-@dataclass
-class TokenizedPairs:
-    """Pairs as token ids: each sequence is prompt + response + </s>, mask True on response and </s>."""
-    chosen: list[tuple[np.ndarray, np.ndarray]]    # (ids int64 [L], mask bool [L])
-    rejected: list[tuple[np.ndarray, np.ndarray]]
-    records: list[dict]                            # the pairs kept, in the same order
-    truncated: int = 0                             # prompt cut on the left to fit the context
-    dropped: int = 0                               # not even the responses fit: left out
-
-    def __len__(self) -> int:
-        return len(self.chosen)
-
-    def batch(self, idx, pad_id: int, ctx_len: int | None = None, multiple: int = 16) -> PairBatch:
-        """Pairs idx as a PairBatch; with ctx_len, padded up to a multiple of `multiple` inputs (at most
-        ctx_len), so that few distinct shapes occur."""
-        c = [self.chosen[i] for i in idx]
-        r = [self.rejected[i] for i in idx]
-        length = None
-        if ctx_len:
-            longest = max(len(x[0]) for x in c + r) - 1
-            length = min(ctx_len, -(-longest // multiple) * multiple)
-        return make_batch([x[0] for x in c], [x[1] for x in c], [x[0] for x in r], [x[1] for x in r], pad_id, length)
-
-
-def tokenize_response(tok, prompt_ids: list[int], response: str) -> tuple[np.ndarray, np.ndarray]:
-    """prompt ids + response -> (ids, mask): the same ids and mask as `sft.render` gives for the same text."""
-    resp = tok.encode(response) + [tok.eos_id]
-    ids = np.asarray(prompt_ids + resp, dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=bool)
-    mask[len(prompt_ids):] = True
-    return ids, mask
-
-
-def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
-    """Tokenize every pair into sequences of at most ctx_len + 1 tokens (ctx_len inputs, ctx_len targets).
-    A pair that is longer loses the start of its prompt — the same left truncation generation applies to
-    a long prompt, so the log-probs are those of the context the model answers in — and is counted as
-    truncated; both responses keep the same prompt tokens. A pair whose responses alone do not fit is
-    dropped (counted)."""
-    out = TokenizedPairs([], [], [])
-    for p in pairs:
-        prompt_ids = tok.encode(p["prompt"])
-        c = tokenize_response(tok, prompt_ids, p["chosen"])
-        r = tokenize_response(tok, prompt_ids, p["rejected"])
-        cut = max(len(c[0]), len(r[0])) - (ctx_len + 1)
-        if cut >= len(prompt_ids):
-            out.dropped += 1
-            continue
-        if cut > 0:
-            c, r = (c[0][cut:], c[1][cut:]), (r[0][cut:], r[1][cut:])
-            out.truncated += 1
-        out.chosen.append(c)
-        out.rejected.append(r)
-        out.records.append(p)
-    return out
-
-
-# ---- the offline pair set (from the offline instruction set) ------------------------------------
-def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
-                  fits=None) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) pairs from `sft.offline_instructions` (same records, same held-out lines):
-    chosen = the correct answer, rejected = a plausible wrong one of the same kind:
-
-        first_word / last_word   another word of the same line        ('To be, or not' -> 'be' vs 'To')
-        play                     another work's title
-        speaker                  another character (drawn by how often characters answer: common names
-                                 are the likeliest wrong guesses)
-        continue                 the next line of a different passage
-
-    Wrong answers are drawn within the split, so no held-out text reaches training, not even as a
-    rejected response. Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`).
-    fits: as in `offline_instructions` (e.g. `sft.fits_context(tok, ctx)`: only questions the model sees
-    whole), applied to the prompt with either response."""
-    from .sft import WORD_RE, normalize, offline_instructions, prompt_text
-    train, held = offline_instructions(n_train, n_heldout, seed, fits)
-    rng = np.random.default_rng(seed + 1)
-    out = []
-    for records in (train, held):
-        pools: dict[str, list[str]] = {}  # wrong answers come from the same split: no held-out text in training
-        for r in records:
-            pools.setdefault(r["task"], []).append(r["output"])
-        pairs = []
-        for r in records:
-            if r["task"] in ("first_word", "last_word"):
-                candidates = WORD_RE.findall(r.get("line") or r["input"])
-            else:
-                candidates = pools.get(r["task"], [])
-            candidates = [c for c in candidates if normalize(c) != normalize(r["output"])]
-            if not candidates:
-                continue  # e.g. a line whose words are all the answer word
-            wrong = candidates[int(rng.integers(len(candidates)))]
-            if fits is not None and not fits(r | {"output": wrong}):
-                continue  # the rejected response would not fit
-            pairs.append({"prompt": prompt_text(r["instruction"], r["input"]), "chosen": r["output"],
-                          "rejected": wrong, "task": r["task"]})
-        out.append(pairs)
-    return out[0], out[1]
-
-
-def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, progress: bool = True) -> tuple[list[dict], int]:
-    """On-policy wrong answers: for each pair of a scored task, the model's own greedy answer replaces
-    `rejected` when it is wrong (non-empty, ends with </s>, differs from chosen after `sft.normalize`) —
-    the mistakes this model actually makes, which rule-made negatives rarely are. Other pairs are kept.
-    -> (new pairs, number replaced). Each replaced pair gets "rejected_source": "model"."""
-    from .generate import generate
-    from .sft import SCORED, normalize
-    out, replaced = [], 0
-    it = pairs
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(pairs, desc="model answers", unit="prompt", dynamic_ncols=True)
-    ctx = model.config.ctx_len
-    for p in it:
-        if p.get("task", "") in SCORED or not p.get("task"):
-            ids = tok.encode(p["prompt"])[-ctx:]
-            g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
-                         mode="speculative")
-            answer = tok.decode(g.ids).strip()
-            if g.stopped and answer and "###" not in answer and normalize(answer) != normalize(p["chosen"]):
-                p = p | {"rejected": answer, "rejected_source": "model"}
-                replaced += 1
-        out.append(p)
-    return out, replaced
-
-
-def pair_records(data: str, val: str | None, fits=None) -> tuple[list[dict], list[dict], str, int]:
-    """(train pairs, held-out pairs, data id, invalid lines skipped) for --data/--val:
-    'offline' = `offline_pairs(fits=fits)`; a JSONL file = its pairs (held-out: --val, else 1 in 50 by
-    prompt hash)."""
-    if data == "offline":
-        train, held = offline_pairs(fits=fits)
-        return train, held, "offline-pairs-v2" if fits else "offline-pairs-v1", 0
-    train, bad = load_pairs(data)
-    data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
-    if bad:
-        print(f"warning: skipped {len(bad)} invalid pair(s) in {data}, e.g. {bad[0]}")
-    if val:
-        held, bad_val = load_pairs(val)
-        bad += bad_val
-        data_id += "+" + hashlib.sha1(Path(val).read_bytes()).hexdigest()[:16]
-    else:
-        train, held = split_pairs(train)
-        if not held:
-            raise UserError(f"no held-out pair: {data} is too small to hold 1 in 50 out; pass --val FILE")
-    return train, held, data_id, len(bad)
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -566,19 +258,8 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
             "examples": rows}
 
 
-# ---- the training loop ---------------------------------------------------------------------------
+# ---- the objective of the training loop ------------------------------------------------------------
 REFERENCE_FILE = "reference.safetensors"
-
-
-def save_dpo_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, reference: dict) -> None:
-    """model + config + tokenizer + AdamW moments + trainer state + reference log-probs, one atomic unit."""
-    from . import checkpoint as ckpt
-    opt_tensors, opt_scalars = opt.state_dict()
-    writers = ckpt.model_writers(model.config, model.params, tokenizer)
-    writers["optimizer.safetensors"] = ckpt.tensors_writer(opt_tensors)
-    writers[REFERENCE_FILE] = ckpt.tensors_writer(reference)
-    writers["trainer.json"] = ckpt.json_writer(state | {"optimizer": opt_scalars})
-    ckpt.save_files(out_dir, writers)
 
 
 def fingerprint(params: dict) -> str:
@@ -597,160 +278,170 @@ def evaluate_dpo(model, pairs: TokenizedPairs, ref_chosen, ref_rejected, beta: f
     return preference_metrics(pc, pr, ref_chosen, ref_rejected, beta)
 
 
+@dataclass
+class PairPart:
+    """A rank's share of a micro-batch of pairs: which pairs, their rows, and its share of the batch."""
+    idx: np.ndarray
+    batch: PairBatch
+    scale: float  # its pairs / the micro-batch's pairs
+
+
+class DPOObjective:
+    """DPO as an objective of `train.run_training`: a micro-batch is `batch_size / grad_accum` pairs drawn
+    with the run's rng; chosen + rejected run forward as one batch, then the DPO loss (+ nll_weight · the
+    chosen responses' NLL) and backward; AdamW touches the trained params only (the MTP heads 1..K-1 stay
+    frozen). The reference log-probs of a pair are computed the first time it is drawn (forward only) and
+    kept: they never change, and are saved with every checkpoint (`reference.safetensors`, NaN = not
+    drawn yet); those of the held-out pairs are computed at the start. Logged per step: loss, reward margin,
+    reward / policy accuracy; at each eval the same on the held-out pairs."""
+    unit = "pairs"
+    metric_names = ("loss",)
+    loss_label = "DPO loss"
+
+    def __init__(self, model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, reference_model, tcfg,
+                 beta: float = 0.1, nll_weight: float = 0.0, data_id: str = "", sft: str | None = None,
+                 progress: bool = True):
+        if not beta > 0 or not nll_weight >= 0:
+            raise UserError(f"--beta must be > 0 and --nll-weight >= 0, got {beta} and {nll_weight}")
+        if len(train) == 0 or len(val) == 0:
+            raise UserError(f"need training and held-out pairs that fit the context, got {len(train)} and {len(val)}")
+        if tcfg.batch_size % tcfg.grad_accum:
+            raise UserError(f"--batch-size {tcfg.batch_size} is not divisible by --grad-accum {tcfg.grad_accum}")
+        self.micro = tcfg.batch_size // tcfg.grad_accum
+        if self.micro > len(train):
+            raise UserError(f"a micro-batch of {self.micro} pairs is more than the {len(train)} training pairs")
+        self.model, self.cfg, self.reference_model = model, model.config, reference_model
+        self.params = trained_params(self.cfg, model.params)
+        self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
+        self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
+        self.workspaces = Workspaces(self.cfg, model.dtype)  # the fast engine's buffers, reused step after step
+        self.ref_ws = Workspaces(self.cfg, reference_model.dtype)
+        self.ref_id = fingerprint(reference_model.params)
+        self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
+                          "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}
+        self.reference: dict | None = None
+
+    def describe(self) -> dict:
+        return self._describe
+
+    def new_state(self) -> dict:
+        if self.reference_model.config != self.cfg:
+            raise UserError("the reference and the policy must have the same config")
+        from .dist import world
+        if world().rank == 0:  # only rank 0 evaluates
+            vc, vr = pair_logprobs(self.cfg, self.reference_model.params, self.val, 16, self.pad_id, self.progress,
+                                   "reference log-probs (held-out)", self.ref_ws)
+        else:
+            vc, vr = np.zeros(len(self.val)), np.zeros(len(self.val))
+        n = len(self.train)
+        self._set_reference({"train.chosen": np.full(n, np.nan), "train.rejected": np.full(n, np.nan),
+                             "val.chosen": vc, "val.rejected": vr})
+        # policy == reference: DPO loss log 2, reward accuracy 0, policy accuracy = the reference's
+        first = preference_metrics(vc, vr, vc, vr, self.beta)
+        return {"beta": self.beta, "nll_weight": self.nll_weight, "sft": str(self.sft) if self.sft else None,
+                "reference": self.ref_id, "pairs_seen": 0, "initial_eval": {f"val_{k}": v for k, v in first.items()}}
+
+    def changed_settings(self, state: dict) -> list[str]:
+        diff = []
+        if state.get("beta") != self.beta:
+            diff.append("beta")
+        if state.get("nll_weight", 0.0) != self.nll_weight:
+            diff.append("nll_weight")
+        return diff
+
+    def resume(self, state: dict, out_dir: Path) -> None:
+        from . import checkpoint as ckpt
+        if state.get("reference") != self.ref_id:
+            raise UserError(f"cannot resume {out_dir}: the reference model is not the run's (weights differ from "
+                            f"those of {state.get('sft')})")
+        self._set_reference(ckpt.read_tensors(out_dir / REFERENCE_FILE, "reference log-probs"))
+
+    def _set_reference(self, reference: dict) -> None:
+        for key, n in (("train.chosen", len(self.train)), ("train.rejected", len(self.train)),
+                       ("val.chosen", len(self.val)), ("val.rejected", len(self.val))):
+            if key not in reference or reference[key].shape != (n,):
+                raise UserError(f"reference log-probs do not match the pairs ({key})")
+        self.reference = reference
+
+    def checkpoint_tensors(self) -> dict:
+        return {REFERENCE_FILE: self.reference}
+
+    def draw(self, rng):
+        idx = rng.choice(len(self.train), self.micro, replace=False)
+        return idx, self.train.batch(idx, self.pad_id, self.cfg.ctx_len)
+
+    def count(self, batch) -> int:
+        return len(batch[0])
+
+    def skip(self, batch) -> bool:
+        return False
+
+    def rows(self, batch) -> int:
+        return len(batch[0])
+
+    def share(self, batch, rank: int, n: int) -> PairPart:
+        idx, b = batch
+        N = len(idx)
+        lo, hi = N * rank // n, N * (rank + 1) // n
+        rows = np.r_[lo:hi, N + lo:N + hi]
+        part = PairBatch(b.inputs[rows], b.targets[rows], b.mask[rows], hi - lo)
+        return PairPart(idx[lo:hi], part, (hi - lo) / N)
+
+    def loss_and_grads(self, batch):
+        if isinstance(batch, PairPart):
+            idx, b, scale = batch.idx, batch.batch, batch.scale
+        else:
+            (idx, b), scale = batch, 1.0
+        self._reference_logprobs(idx, b, isinstance(batch, PairPart))
+        ref_c, ref_r = self.reference["train.chosen"], self.reference["train.rejected"]
+        loss, m, g = dpo_loss_and_grads(self.cfg, self.model.params, b, ref_c[idx], ref_r[idx], self.beta,
+                                        self.workspaces, self.nll_weight, scale)
+        return loss, m, g
+
+    def _reference_logprobs(self, idx, b: PairBatch, shared: bool) -> None:
+        """The reference's log-probs of the pairs drawn for the first time (forward only, once per pair).
+        Data-parallel: each rank computes those of its share and every rank receives all of them."""
+        ref_c, ref_r = self.reference["train.chosen"], self.reference["train.rejected"]
+        todo = np.isnan(ref_c[idx])
+        n = len(idx)
+        if todo.any():
+            lp, _ = sequence_logprobs_forward(self.cfg, self.reference_model.params, b.inputs, b.targets, b.mask,
+                                              self.ref_ws)
+            ref_c[idx[todo]], ref_r[idx[todo]] = lp[:n][todo], lp[n:][todo]
+        if shared:
+            from .dist import world
+            for i, c, r in world().allgather((idx[todo], ref_c[idx[todo]], ref_r[idx[todo]])):
+                ref_c[i], ref_r[i] = c, r
+
+    def evaluate(self, max_batches: int) -> dict:
+        m = evaluate_dpo(self.model, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
+                         self.beta, self.pad_id, workspaces=self.workspaces)
+        return {f"val_{k}": v for k, v in m.items()}
+
+    def rates(self, n: int, dt: float) -> dict:
+        return {"pairs_per_s": n / dt}
+
+    def postfix(self, m: dict) -> dict:
+        return {"loss": f"{m['loss']:.3f}", "margin": f"{m['reward_margin']:.2f}", "acc": f"{m['reward_accuracy']:.2f}"}
+
+    def summary(self, state: dict) -> dict:
+        return {"initial_eval": state.get("initial_eval", {})}
+
+    def plot(self, log_path: Path, png_path: Path) -> None:
+        plot_dpo_curves(log_path, png_path)
+
+
 def run_dpo(model, tokenizer, train: TokenizedPairs, val: TokenizedPairs, reference_model, out_dir, tcfg,
             beta: float = 0.1, resume: bool = False, stop_after: int | None = None, progress: bool = True,
             data_id: str = "", sft: str | None = None, nll_weight: float = 0.0) -> dict:
     """Train `model` (the policy, initialised from the SFT checkpoint) in place with DPO on `train` pairs,
-    against the frozen `reference_model` (the SFT checkpoint, a separate copy).
-
-    One step: draw batch_size pairs (with the run's rng), forward chosen + rejected as one batch, DPO loss,
-    backward, clip, AdamW on the trained params (the MTP heads 1..K-1 stay frozen). The reference
-    log-probs of a pair are computed the first time it is drawn (forward only) and kept: they never
-    change, and are saved with every checkpoint (`reference.safetensors`, NaN = not drawn yet); those of
-    the held-out pairs are computed at the start. Logged per step: loss, reward margin, reward / policy
-    accuracy; every eval_every steps the same on the held-out pairs. Checkpoints and resume work as in
-    `train.run_training` (bit-for-bit; the reference must be the same weights). Returns a summary dict."""
-    from types import SimpleNamespace
-
-    from . import checkpoint as ckpt
-    from .optim import AdamW, clip_grad_norm, lr_schedule
-    from .train import (StopRequest, TrainingDiverged, changed_settings, load_training_state, make_bar,
-                        truncate_log)
-    out_dir = Path(out_dir)
-    log_path = out_dir / "log.jsonl"
-    if not beta > 0 or not nll_weight >= 0:
-        raise UserError(f"--beta must be > 0 and --nll-weight >= 0, got {beta} and {nll_weight}")
-    if len(train) == 0 or len(val) == 0:
-        raise UserError(f"need training and held-out pairs that fit the context, got {len(train)} and {len(val)}")
-    if tcfg.batch_size % tcfg.grad_accum:
-        raise UserError(f"--batch-size {tcfg.batch_size} is not divisible by --grad-accum {tcfg.grad_accum}")
-    micro = tcfg.batch_size // tcfg.grad_accum
-    if micro > len(train):
-        raise UserError(f"a micro-batch of {micro} pairs is more than the {len(train)} training pairs")
-    cfg = model.config
-    P1 = trained_params(cfg, model.params)
-    opt = AdamW(P1, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
-    rng = np.random.default_rng(tcfg.seed)
-    pad_id = tokenizer.eos_id
-    workspaces = Workspaces(cfg, model.dtype)  # the fast engine's buffers, reused step after step
-    ref_ws = Workspaces(cfg, reference_model.dtype)
-    ref_id = fingerprint(reference_model.params)
-    describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
-                "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}
-    if resume:
-        if not (out_dir / "trainer.json").exists():
-            raise UserError(f"nothing to resume in {out_dir} (no trainer.json); start without --resume")
-        state = load_training_state(out_dir, SimpleNamespace(params=P1), opt)
-        if state.get("kind") != "dpo":
-            raise UserError(f"{out_dir} is a {state.get('kind')} run, not dpo")
-        diff = changed_settings(state["train_config"], tcfg)
-        if state.get("beta") != beta:
-            diff.append("beta")
-        if state.get("nll_weight", 0.0) != nll_weight:
-            diff.append("nll_weight")
-        if diff:
-            raise UserError(f"cannot resume {out_dir} with different settings: {', '.join(diff)}")
-        if state["data"] != describe:
-            raise UserError(f"cannot resume {out_dir}: the pair data differs from the run's ({state['data']})")
-        if state.get("reference") != ref_id:
-            raise UserError(f"cannot resume {out_dir}: the reference model is not the run's (weights differ from "
-                            f"those of {state.get('sft')})")
-        reference = ckpt.read_tensors(out_dir / REFERENCE_FILE, "reference log-probs")
-        rng.bit_generator.state = state["rng"]
-        state["train_config"] = dataclasses.asdict(tcfg)
-        truncate_log(log_path, state["step"])
-    else:
-        if (out_dir / "trainer.json").exists():
-            raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
-        if reference_model.config != cfg:
-            raise UserError("the reference and the policy must have the same config")
-        vc, vr = pair_logprobs(cfg, reference_model.params, val, 16, pad_id, progress,
-                               "reference log-probs (held-out)", ref_ws)
-        reference = {"train.chosen": np.full(len(train), np.nan), "train.rejected": np.full(len(train), np.nan),
-                     "val.chosen": vc, "val.rejected": vr}
-        state = {"kind": "dpo", "step": 0, "beta": beta, "nll_weight": nll_weight, "sft": str(sft) if sft else None, "reference": ref_id,
-                 "train_config": dataclasses.asdict(tcfg), "data": describe, "pairs_seen": 0, "elapsed_s": 0.0,
-                 # policy == reference: DPO loss log 2, reward accuracy 0, policy accuracy = the reference's
-                 "initial_eval": {f"val_{k}": v for k, v in preference_metrics(vc, vr, vc, vr, beta).items()}}
-    for key, n in (("train.chosen", len(train)), ("train.rejected", len(train)), ("val.chosen", len(val)),
-                   ("val.rejected", len(val))):
-        if key not in reference or reference[key].shape != (n,):
-            raise UserError(f"reference log-probs do not match the pairs ({key})")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ref_c, ref_r = reference["train.chosen"], reference["train.rejected"]
-
-    def checkpoint():
-        state["rng"] = rng.bit_generator.state
-        save_dpo_checkpoint(out_dir, model, tokenizer, opt, state, reference)
-
-    def held_out() -> dict:
-        m = evaluate_dpo(model, val, reference["val.chosen"], reference["val.rejected"], beta, pad_id,
-                         workspaces=workspaces)
-        return {f"val_{k}": v for k, v in m.items()}
-
-    start_step = state["step"]
-    end = min(tcfg.steps, start_step + (stop_after or tcfg.steps))
-    bar = make_bar(progress, start_step, tcfg.steps, "dpo")
-    metrics: dict = {}
-    t_run = time.perf_counter()
-    with StopRequest() as stop, open(log_path, "a") as log:
-        for step in range(start_step, end):
-            t0 = time.perf_counter()
-            lr = lr_schedule(step, tcfg.lr, tcfg.warmup, tcfg.steps, tcfg.final_lr_frac)
-            grads, parts = None, []
-            for _ in range(tcfg.grad_accum):
-                idx = rng.choice(len(train), micro, replace=False)
-                batch = train.batch(idx, pad_id, cfg.ctx_len)
-                todo = np.isnan(ref_c[idx])
-                if todo.any():  # first time these pairs are drawn: the reference's log-probs, once
-                    lp, _ = sequence_logprobs_forward(cfg, reference_model.params, batch.inputs, batch.targets,
-                                                      batch.mask, ref_ws)
-                    ref_c[idx[todo]], ref_r[idx[todo]] = lp[:micro][todo], lp[micro:][todo]
-                loss, m, g = dpo_loss_and_grads(cfg, model.params, batch, ref_c[idx], ref_r[idx], beta, workspaces,
-                                                nll_weight)
-                parts.append(m | {"loss": loss})
-                if grads is None:
-                    grads = g
-                else:
-                    for name in grads:
-                        grads[name] += g[name]
-            if tcfg.grad_accum > 1:
-                for g in grads.values():
-                    g *= g.dtype.type(1.0 / tcfg.grad_accum)
-            m = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
-            if not math.isfinite(m["loss"]):
-                raise TrainingDiverged(f"DPO loss became {m['loss']} at step {step + 1}; stopped without saving — "
-                                       f"the last good checkpoint in {out_dir} is untouched (try a lower --lr)")
-            grad_norm = clip_grad_norm(grads, tcfg.grad_clip)
-            opt.step(P1, grads, lr=lr)
-            dt = time.perf_counter() - t0
-            state["step"] = step + 1
-            state["pairs_seen"] += tcfg.batch_size
-            state["elapsed_s"] += dt
-            metrics = {"step": step + 1, **m, "lr": lr, "grad_norm": grad_norm,
-                       "pairs_per_s": tcfg.batch_size / dt, "elapsed_s": state["elapsed_s"]}
-            if (step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps:
-                metrics |= held_out()
-                state["last_eval"] = {k: v for k, v in metrics.items() if k.startswith("val_")}
-            log.write(json.dumps(metrics) + "\n")
-            log.flush()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix({"loss": f"{m['loss']:.3f}", "margin": f"{m['reward_margin']:.2f}",
-                                 "acc": f"{m['reward_accuracy']:.2f}"}, refresh=False)
-            if (step + 1) % tcfg.ckpt_every == 0 or step + 1 in (end, tcfg.steps) or stop.requested:
-                checkpoint()
-            if stop.requested:
-                break
-        if bar is not None:
-            bar.close()
-    if state["step"] == start_step and start_step < end or not (out_dir / "trainer.json").exists():
-        checkpoint()
-    finished = state["step"] >= tcfg.steps
-    if finished:
-        plot_dpo_curves(log_path, out_dir / "curves.png")
-    return {"step": state["step"], "steps": tcfg.steps, "finished": finished, "interrupted": stop.requested,
-            "wall_s": time.perf_counter() - t_run, "initial_eval": state.get("initial_eval", {}), **metrics}
+    against the frozen `reference_model` (the SFT checkpoint, a separate copy), in `train.run_training`
+    (see `DPOObjective`). Checkpoints and resume as in pretraining (bit-for-bit; the reference must be the
+    same weights). Returns a summary dict."""
+    from .train import run_training
+    obj = DPOObjective(model, tokenizer, train, val, reference_model, tcfg, beta, nll_weight, data_id, sft, progress)
+    return run_training(model, tokenizer, None, out_dir, tcfg, resume=resume, stop_after=stop_after,
+                        progress=progress, kind="dpo", objective=obj)
 
 
 def plot_dpo_curves(log_path: Path, png_path: Path) -> None:

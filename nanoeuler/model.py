@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from . import ops as reference_ops
-from .config import PRESETS, Config
+from .config import PRESETS, Config, check_params  # noqa: F401  (check_params: re-exported)
 from .errors import UserError
 
 
@@ -50,9 +50,10 @@ class Model:
         return cls.init(PRESETS[name], seed=seed, dtype=dtype)
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "Model":
+    def load(cls, run_dir: str | Path, read_only: bool = False) -> "Model":
+        """read_only: change nothing on disk (sample, chat, eval, info, export); see checkpoint.recover."""
         from .checkpoint import load_model
-        config, params = load_model(run_dir)
+        config, params = load_model(run_dir, read_only=read_only)
         return cls(config, params)
 
     def save(self, run_dir: str | Path, tokenizer=None) -> None:
@@ -232,25 +233,6 @@ def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict,
     dhv, grads[prefix + "attn.wv.weight"] = ops.linear_backward(dv, c_v)
     dx_norm, grads[prefix + "attn_norm.weight"] = ops.rmsnorm_backward(dh + dhk + dhv, c_norm1)
     return dx + dx_norm
-
-
-def check_params(config: Config, params: dict[str, np.ndarray]) -> None:
-    """Every SPEC tensor present with its exact shape, one float dtype throughout, nothing extra."""
-    expected = config.param_shapes()
-    missing = [n for n in expected if n not in params]
-    if missing:
-        raise UserError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    extra = [n for n in params if n not in expected]
-    if extra:
-        raise UserError(f"unexpected tensor {extra[0]} for this config")
-    dtypes = set()
-    for name, shape in expected.items():
-        p = params[name]
-        if tuple(p.shape) != shape:
-            raise UserError(f"tensor {name} has shape {list(p.shape)}, expected {list(shape)}")
-        dtypes.add(np.dtype(p.dtype))
-    if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise UserError("parameters must all be float32 or all float64")
 
 
 def check_tokens(config: Config, tokens: np.ndarray, extra: int) -> None:

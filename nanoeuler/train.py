@@ -1,12 +1,28 @@
-"""The training loop shared by pretraining and SFT: AdamW, schedule, clipping, eval, checkpoints, resume.
+"""The one training loop of pretraining, SFT and DPO: AdamW, schedule, clipping, eval, checkpoints, resume.
 
 One step reads top to bottom: draw a batch, forward + backward (accumulated over `grad_accum`
 micro-batches), clip the global gradient norm, AdamW with the scheduled learning rate, log.
-Every `eval_every` steps the head-0 validation loss (and bits per byte, when the data knows its bytes);
-every `ckpt_every` steps, on Ctrl-C/SIGTERM and at the end, a checkpoint. A checkpoint holds the model,
-the AdamW moments, the RNG state and the step, so `--resume` continues bit-for-bit as if never stopped.
+Every `eval_every` steps the objective's validation metrics; every `ckpt_every` steps, on Ctrl-C/SIGTERM
+and at the end, a checkpoint. A checkpoint holds the model, the AdamW moments, the RNG state and the
+step (and what the objective adds, e.g. DPO's reference log-probs), so `--resume` continues bit-for-bit
+as if never stopped. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
+share of each batch; rank 0 alone logs and writes.
 
-A batch source is any object with
+What is trained is an *objective* (`LMObjective` here for pretraining and SFT, `dpo.DPOObjective`):
+
+    params                          the arrays AdamW updates (same objects as the model's)
+    draw(rng) -> batch              one micro-batch, drawn with the run's rng (every rank draws the same)
+    skip(batch) -> bool             nothing to learn from it (counted, no gradient)
+    count(batch) -> int             units seen (tokens, pairs) for throughput
+    share(batch, rank, n) -> part   this rank's rows, scaled so that the n parts' losses and gradients sum
+                                    to the whole batch's
+    loss_and_grads(batch) -> (loss, metrics, grads)
+    evaluate(max_batches) -> dict   validation metrics, keys starting with val_
+    new_state() / resume(state, out_dir) / changed_settings(state)    the run's own fields in trainer.json
+    checkpoint_tensors() -> {file name: tensors}                       extra files of a checkpoint
+    describe() -> dict              the data, stored in trainer.json; resume checks it
+
+A batch source for `LMObjective` is any object with
     next_batch(rng) -> (tokens int [B, T+K], loss_mask bool [B, T+K] | None)
     eval_batches()  -> iterable of (tokens, loss_mask)        (the validation set, same every call)
     bytes_per_token: float | None                             (validation bytes / tokens, for bits per byte)
@@ -14,6 +30,7 @@ A batch source is any object with
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -115,20 +132,142 @@ class PretrainSource:
                 "val_tokens": self.val.n_tokens, "batch_size": self.batch_size, "length": self.length}
 
 
+# ---- the objective of pretraining and SFT ------------------------------------------------------
+@dataclass(frozen=True)
+class RowDropout(Dropout):
+    """The dropout of rows [row_offset, ...) of a batch: the masks of those rows in the whole batch, so a
+    rank that holds rows 4..7 drops exactly what one process holding rows 0..7 drops there."""
+    row_offset: int = 0
+
+    def base(self, site: int, row0: int, width: int) -> int:
+        return super().base(site, row0 + self.row_offset, width)
+
+
+@dataclass
+class LMPart:
+    """A rank's share of a micro-batch: its rows, and the target counts of the whole micro-batch."""
+    tokens: np.ndarray
+    mask: np.ndarray | None
+    seed: int | None
+    row0: int
+    counts: list
+
+
+class LMObjective:
+    """Next-token (multi-token-prediction) loss of token rows, masked (SFT) or not (pretraining)."""
+    unit = "tokens"
+    metric_names = ("loss", "objective")
+    loss_label = "loss"
+
+    def __init__(self, model, source, tcfg: TrainConfig):
+        self.model, self.source, self.dropout = model, source, tcfg.dropout
+        self.params = model.params
+        if tcfg.dropout and hasattr(model, "host_params"):
+            raise UserError("--dropout is not implemented on the GPU engine; train there with --dropout 0")
+
+    def describe(self) -> dict:
+        return self.source.describe()
+
+    def new_state(self) -> dict:
+        return {"tokens_seen": 0, "skipped_batches": 0}
+
+    def resume(self, state: dict, out_dir: Path) -> None:
+        pass
+
+    def changed_settings(self, state: dict) -> list[str]:
+        return []
+
+    def draw(self, rng):
+        """-> (tokens [B, T+K], mask | None, dropout seed | None). With dropout the seed is drawn from rng
+        after the batch (so a run without dropout draws exactly what it did before dropout existed)."""
+        tokens, mask = self.source.next_batch(rng)
+        return tokens, mask, (int(rng.integers(1 << 63)) if self.dropout else None)
+
+    def count(self, batch) -> int:
+        tokens = batch[0]
+        return tokens.shape[0] * (tokens.shape[1] - self.model.config.n_mtp)
+
+    def skip(self, batch) -> bool:
+        mask = batch[1]
+        return mask is not None and not mask[:, 1:].any()
+
+    def rows(self, batch) -> int:
+        return batch[0].shape[0]
+
+    def share(self, batch, rank: int, n: int) -> LMPart:
+        tokens, mask, seed = batch
+        B, K = tokens.shape[0], self.model.config.n_mtp
+        T = tokens.shape[1] - K
+        from .ops import mtp_targets
+        targets = mtp_targets(tokens, T, K, mask)                      # [K, B, T]
+        counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(K)]
+        lo, hi = B * rank // n, B * (rank + 1) // n
+        return LMPart(tokens[lo:hi], None if mask is None else mask[lo:hi], seed, lo * T, counts)
+
+    def loss_and_grads(self, batch):
+        if isinstance(batch, LMPart):
+            from . import fast
+            m, p = self.model, batch
+            drop = RowDropout(self.dropout, p.seed, p.row0) if p.seed is not None else None
+            T = p.tokens.shape[1] - m.config.n_mtp
+            head0, objective, grads = fast.loss_and_grads(m.config, m.params, p.tokens, p.mask,
+                                                          m._workspace(p.tokens.shape[0], T), None, drop, p.counts)
+        else:
+            tokens, mask, seed = batch
+            drop = Dropout(self.dropout, seed) if seed is not None else None
+            head0, objective, grads = self.model.loss_and_grads(tokens, mask, dropout=drop)
+        return head0, {"objective": objective}, grads
+
+    def evaluate(self, max_batches: int) -> dict:
+        return evaluate(self.model, self.source, max_batches)
+
+    def rates(self, n: int, dt: float) -> dict:
+        from .perf import mfu
+        tok_s = n / dt
+        if not hasattr(self, "_peak"):
+            from .perf import matmul_peak_flops
+            self._peak, self._n_params = matmul_peak_flops(), self.model.n_params()
+        return {"tokens_per_s": tok_s, "mfu": mfu(self._n_params, tok_s, self._peak)}
+
+    def postfix(self, m: dict) -> dict:
+        return postfix(m)
+
+    def checkpoint_tensors(self) -> dict:
+        return {}
+
+    def summary(self, state: dict) -> dict:
+        return {"skipped_batches": state["skipped_batches"]}
+
+    def plot(self, log_path: Path, png_path: Path) -> None:
+        plot_curves(log_path, png_path)
+
+
 # ---- checkpoints -------------------------------------------------------------------------------
-def save_training_checkpoint(out_dir: Path, model, tokenizer, opt: AdamW, state: dict) -> None:
-    """model + config + tokenizer + AdamW moments + trainer state, as one atomic unit."""
+def save_training_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, extra: dict | None = None) -> None:
+    """model + config + tokenizer + AdamW moments + trainer state (+ extra {file: tensors}), one atomic unit.
+    Extra files may hold NaN as a marker (DPO's not-yet-drawn log-probs); weights and moments may not."""
     opt_tensors, opt_scalars = opt.state_dict()
     params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
     writers = ckpt.model_writers(model.config, params, tokenizer)
-    writers["optimizer.safetensors"] = ckpt.tensors_writer(opt_tensors)
+    writers["optimizer.safetensors"] = getattr(ckpt, "optimizer_writer", ckpt.tensors_writer)(opt_tensors)
+    for name, tensors in (extra or {}).items():
+        writers[name] = _marker_writer(tensors)
     writers["trainer.json"] = ckpt.json_writer(state | {"optimizer": opt_scalars})
     ckpt.save_files(out_dir, writers)
 
 
-def load_training_state(out_dir: Path, model, opt: AdamW) -> dict:
-    """Restore the AdamW moments of a run into opt; return trainer.json."""
+def _marker_writer(tensors: dict):
+    import inspect
+    if "allow_nonfinite" in inspect.signature(ckpt.tensors_writer).parameters:
+        return ckpt.tensors_writer(tensors, allow_nonfinite=True)
+    return ckpt.tensors_writer(tensors)
+
+
+def load_training_state(out_dir: Path, model, opt) -> dict:
+    """Restore the AdamW moments of a run into opt (for the arrays model.params); return trainer.json."""
     state = ckpt.read_json(out_dir / "trainer.json", "resume state")
+    if hasattr(ckpt, "check_trainer_state"):
+        ckpt.check_trainer_state(state, out_dir / "trainer.json")
     tensors = ckpt.read_tensors(out_dir / "optimizer.safetensors", "optimizer state")
     for name, p in model.params.items():
         for kind in ("m", "v"):
@@ -162,124 +301,149 @@ def evaluate(model, source, max_batches: int = 0) -> dict:
 
 # ---- the loop ----------------------------------------------------------------------------------
 def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: bool = False,
-                 stop_after: int | None = None, progress: bool = True, kind: str = "pretrain") -> dict:
-    """Train model in place on batches from source; checkpoints go to out_dir. Returns a summary dict."""
+                 stop_after: int | None = None, progress: bool = True, kind: str = "pretrain",
+                 objective=None) -> dict:
+    """Train model in place on `objective` (default: `LMObjective` on batches from source); checkpoints go
+    to out_dir. Returns a summary dict. Under MPI every rank calls this with the same arguments."""
+    from . import dist
+    comm = dist.world()
+    lead = comm.rank == 0
+    obj = objective or LMObjective(model, source, tcfg)
     out_dir = Path(out_dir)
     log_path = out_dir / "log.jsonl"
-    # a device model (nanoeuler.gpu.engine.GpuModel) brings its own AdamW, with the moments on the device
-    make_opt = getattr(model, "optimizer", None) or (lambda **kw: AdamW(model.params, **kw))
-    opt = make_opt(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
-    rng = np.random.default_rng(tcfg.seed)
-    state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": source.describe(),
-             "tokens_seen": 0, "elapsed_s": 0.0, "skipped_batches": 0}
-    if resume:
-        state = resume_state(out_dir, model, opt, tcfg, source, kind)
-        rng.bit_generator.state = state["rng"]
-        state["train_config"] = dataclasses.asdict(tcfg)
-        truncate_log(log_path, state["step"])
-    elif (out_dir / "trainer.json").exists():
-        raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.batch_size % tcfg.grad_accum:
         raise UserError(f"--batch-size {tcfg.batch_size} is not divisible by --grad-accum {tcfg.grad_accum}")
-    if tcfg.dropout and hasattr(model, "host_params"):
-        raise UserError("--dropout is not implemented on the GPU engine; train there with --dropout 0")
+    # a device model (nanoeuler.gpu.engine.GpuModel) brings its own AdamW, with the moments on the device
+    make_opt = getattr(model, "optimizer", None) or (lambda **kw: AdamW(obj.params, **kw))
+    opt = make_opt(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    rng = np.random.default_rng(tcfg.seed)
+    with contextlib.ExitStack() as stack:
+        if lead and hasattr(ckpt, "run_lock"):
+            stack.enter_context(ckpt.run_lock(out_dir))
+        if resume:
+            state = resume_state(out_dir, obj, opt, tcfg, kind)
+            rng.bit_generator.state = state["rng"]
+            state["train_config"] = dataclasses.asdict(tcfg)
+            obj.resume(state, out_dir)
+        elif (out_dir / "trainer.json").exists():
+            raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
+        else:
+            state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": obj.describe(),
+                     "elapsed_s": 0.0} | obj.new_state()
+        trainer = dist.Trainer(comm, obj, opt, tcfg, state, rng)  # one process: plain; MPI: checks the ranks agree
+        if lead:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if resume:
+                truncate_log(log_path, state["step"])
+        log = stack.enter_context(open(log_path, "a")) if lead else None
+        return _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after,
+                     progress and lead, kind)
+
+
+def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after, progress, kind) -> dict:
+    lead = trainer.comm.rank == 0
+    log_path = out_dir / "log.jsonl"
 
     def checkpoint():
         state["rng"] = rng.bit_generator.state
-        save_training_checkpoint(out_dir, model, tokenizer, opt, state)
+        trainer.save(lambda o: save_training_checkpoint(out_dir, model, tokenizer, o, state,
+                                                         obj.checkpoint_tensors()))
 
-    from .perf import matmul_peak_flops, mfu
-    peak = matmul_peak_flops()
-    n_params = model.n_params()
-    start_step, last = state["step"], state["step"] + (stop_after or tcfg.steps)
-    end = min(tcfg.steps, last)
+    start_step = state["step"]
+    end = min(tcfg.steps, start_step + (stop_after or tcfg.steps))
     bar = make_bar(progress, start_step, tcfg.steps, kind)
     metrics: dict = {}
-    with StopRequest() as stop, open(log_path, "a") as log:
-        t_run = time.perf_counter()
+    t_run = time.perf_counter()
+    with StopRequest() as stop:
         for step in range(start_step, end):
             t0 = time.perf_counter()
             lr = lr_schedule(step, tcfg.lr, tcfg.warmup, tcfg.steps, tcfg.final_lr_frac)
-            loss, objective, grads, n_tokens, skipped = accumulate(model, source, rng, tcfg.grad_accum, tcfg.dropout)
-            state["skipped_batches"] += skipped
-            if not (math.isfinite(loss) and math.isfinite(objective)):
-                raise TrainingDiverged(f"loss became {loss} at step {step + 1}; stopped without saving — the last "
+            m, grads, n_units, skipped = accumulate(obj, rng, tcfg.grad_accum, trainer)
+            stopping = trainer.agree_stop(stop.requested)  # any rank's Ctrl-C stops every rank, after this step
+            if "skipped_batches" in state:
+                state["skipped_batches"] += skipped
+            bad = [k for k, v in m.items() if not math.isfinite(v)]
+            if bad:
+                key = "loss" if "loss" in bad else bad[0]
+                label = obj.loss_label if key == "loss" else key
+                raise TrainingDiverged(f"{label} became {m[key]} at step {step + 1}; stopped without saving — the last "
                                        f"good checkpoint in {out_dir} is untouched (try a lower --lr)")
-            grad_norm = clip_grad_norm(grads, tcfg.grad_clip) if grads else 0.0
-            if grads:
-                opt.step(model.params, grads, lr=lr)
+            grad_norm = trainer.step(grads, lr)
             dt = time.perf_counter() - t0
             state["step"] = step + 1
-            state["tokens_seen"] += n_tokens
+            state[f"{obj.unit}_seen"] += n_units
             state["elapsed_s"] += dt
-            tok_s = n_tokens / dt
-            metrics = {"step": step + 1, "loss": loss, "objective": objective, "lr": lr, "grad_norm": grad_norm,
-                       "tokens_per_s": tok_s, "mfu": mfu(n_params, tok_s, peak), "elapsed_s": state["elapsed_s"]}
-            if (step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps:
-                metrics |= evaluate(model, source, 0 if step + 1 == tcfg.steps else tcfg.eval_batches)
+            metrics = {"step": step + 1, **m, "lr": lr, "grad_norm": grad_norm, **obj.rates(n_units, dt),
+                       "elapsed_s": state["elapsed_s"]}
+            if lead and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
+                metrics |= obj.evaluate(0 if step + 1 == tcfg.steps else tcfg.eval_batches)
                 state["last_eval"] = {k: v for k, v in metrics.items() if k.startswith("val_")}
-            log.write(json.dumps(metrics) + "\n")
-            log.flush()
+            if lead:
+                log.write(json.dumps(metrics) + "\n")
+                log.flush()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(postfix(metrics), refresh=False)
-            if (step + 1) % tcfg.ckpt_every == 0 or step + 1 in (end, tcfg.steps) or stop.requested:
+                bar.set_postfix(obj.postfix(metrics), refresh=False)
+            if (step + 1) % tcfg.ckpt_every == 0 or step + 1 in (end, tcfg.steps) or stopping:
                 checkpoint()
-            if stop.requested:
+            if stopping:
+                stop.requested = stop.requested or stopping
                 break
         if bar is not None:
             bar.close()
     if state["step"] == start_step and start_step < end:
         checkpoint()
-    interrupted = stop.requested
     finished = state["step"] >= tcfg.steps
-    if finished:
-        plot_curves(log_path, out_dir / "curves.png")
-    return {"step": state["step"], "steps": tcfg.steps, "finished": finished, "interrupted": interrupted,
-            "wall_s": time.perf_counter() - t_run, "skipped_batches": state["skipped_batches"], **metrics}
+    if finished and lead:
+        obj.plot(log_path, out_dir / "curves.png")
+    return {"step": state["step"], "steps": tcfg.steps, "finished": finished, "interrupted": stop.requested,
+            "wall_s": time.perf_counter() - t_run, **obj.summary(state), **metrics}
 
 
-def accumulate(model, source, rng, grad_accum: int, dropout: float = 0.0):
-    """Gradients averaged over grad_accum micro-batches; a micro-batch with no trainable position is skipped.
-    With dropout, each micro-batch's masks come from a seed drawn from rng after its batch (so a run
-    without dropout draws exactly what it did before dropout existed)."""
-    losses, objectives, grads, n_tokens, used, skipped = [], [], None, 0, 0, 0
+def accumulate(obj, rng, grad_accum: int, trainer=None):
+    """Gradients averaged over grad_accum micro-batches; a micro-batch with nothing to learn is skipped.
+    -> (metrics averaged over the micro-batches used, grads | None, units seen, micro-batches skipped).
+    With a data-parallel trainer each rank computes its share of every micro-batch and the shares are
+    summed over the ranks (dist.py) before the average."""
+    parts, grads, n_units, skipped = [], None, 0, 0
     for _ in range(grad_accum):
-        tokens, mask = source.next_batch(rng)
-        drop = Dropout(dropout, int(rng.integers(1 << 63))) if dropout else None
-        n_tokens += tokens.shape[0] * (tokens.shape[1] - model.config.n_mtp)
-        if mask is not None and not mask[:, 1:].any():
+        batch = obj.draw(rng)
+        n_units += obj.count(batch)
+        if obj.skip(batch):
             skipped += 1
             continue
-        head0, objective, g = model.loss_and_grads(tokens, mask, dropout=drop)
-        losses.append(head0)
-        objectives.append(objective)
-        used += 1
+        if trainer is not None and trainer.size > 1:
+            batch = obj.share(batch, trainer.rank, trainer.size)
+        loss, m, g = obj.loss_and_grads(batch)
+        parts.append({"loss": loss, **m})
         if grads is None:
             grads = g
         else:
             for name in grads:
                 grads[name] += g[name]
+    if trainer is not None and trainer.size > 1:
+        grads, parts = trainer.reduce(grads, parts, obj)
+    used = len(parts)
     if used > 1:
         for g in grads.values():
             g *= g.dtype.type(1.0 / used)
     if not used:
-        return 0.0, 0.0, None, n_tokens, skipped
-    return float(np.mean(losses)), float(np.mean(objectives)), grads, n_tokens, skipped
+        return {k: 0.0 for k in obj.metric_names}, None, n_units, skipped
+    return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}, grads, n_units, skipped
 
 
-def resume_state(out_dir: Path, model, opt, tcfg: TrainConfig, source, kind: str) -> dict:
+def resume_state(out_dir: Path, obj, opt, tcfg: TrainConfig, kind: str) -> dict:
     """Load trainer.json + optimizer and refuse a run that is not the same run."""
+    from types import SimpleNamespace
     if not (out_dir / "trainer.json").exists():
         raise UserError(f"nothing to resume in {out_dir} (no trainer.json); start without --resume")
-    state = load_training_state(out_dir, model, opt)
+    state = load_training_state(out_dir, SimpleNamespace(params=obj.params), opt)
     if state.get("kind") != kind:
         raise UserError(f"{out_dir} is a {state.get('kind')} run, not {kind}")
-    diff = changed_settings(state["train_config"], tcfg)
+    diff = changed_settings(state["train_config"], tcfg) + obj.changed_settings(state)
     if diff:
         raise UserError(f"cannot resume {out_dir} with different settings: " + ", ".join(diff))
-    if state["data"] != source.describe():
+    if state["data"] != obj.describe():
         raise UserError(f"cannot resume {out_dir}: the data differs from the run's ({state['data']})")
     return state
 

@@ -1,0 +1,38 @@
+"""Shared test helpers: one tiny-config factory and one relative error, so tests stop copying them.
+
+    cfg = tiny_config(n_layers=1)                    # a valid Config small enough for float64 FD checks
+    assert rel_err(ours, reference) < 1e-6           # max |a - b| / max |b|
+
+Both are also fixtures (`tiny_config`, `rel_err`) for tests that prefer injection; importing them
+directly (`from conftest import tiny_config, rel_err`) works too, since pytest puts tests/ on sys.path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoeuler.config import Config
+
+TINY_DEFAULTS = dict(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=8, ffn_hidden=24, n_mtp=2)
+
+
+def tiny_config(**changes) -> Config:
+    """A valid tiny Config (GQA, MTP): vocab 40, dim 16, 4 heads / 2 kv heads, 1 layer, ctx 8, ffn 24, K 2;
+    any field can be changed: tiny_config(vocab_size=257, n_layers=2)."""
+    return Config(**(TINY_DEFAULTS | changes))
+
+
+def rel_err(a, b, floor: float = 1e-30) -> float:
+    """max |a - b| / max(max |b|, floor), in float64: rel_err([1.0, 2.0], [1.0, 2.002]) -> 0.000999..."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor))
+
+
+@pytest.fixture(name="tiny_config")
+def _tiny_config_fixture():
+    return tiny_config
+
+
+@pytest.fixture(name="rel_err")
+def _rel_err_fixture():
+    return rel_err
