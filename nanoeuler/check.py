@@ -131,6 +131,10 @@ def check_ops(seed: int = 0) -> list[Row]:
 
 # ---- (b) the whole model -----------------------------------------------------------------------
 CHECK_CONFIG = Config(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=16, ffn_hidden=48, n_mtp=3)
+# arch gpt2 (LayerNorm, learned positions, biases, GELU, tied head 0) with two extra MTP heads and GQA.
+# attn.wk.bias has an exactly-zero gradient (a key bias shifts a whole row of scores, which softmax
+# ignores): its row measures finite-difference round-off against the floor (~6e-7), not a wrong backward.
+GPT2_CHECK_CONFIG = CHECK_CONFIG.replace(arch="gpt2")
 
 
 def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, batch: int = 2,

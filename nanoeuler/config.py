@@ -25,8 +25,11 @@ class Config:
     n_mtp: int          # K, the number of multi-token-prediction heads (head k predicts k+1 ahead)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    arch: str = "euler"  # "euler": RMSNorm/RoPE/SwiGLU, no biases; "gpt2": LayerNorm/learned positions/GELU, biases, tied head
 
     def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise UserError(f"config: unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -35,7 +38,7 @@ class Config:
             raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
+        if self.arch == "euler" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} (dim / n_heads) must be even for RoPE")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise UserError("config: rope_theta and norm_eps must be positive")
@@ -47,6 +50,8 @@ class Config:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's SPEC name and shape ([out, in] for matrices), in checkpoint order."""
         d, hd, V, F = self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
+        if self.arch == "gpt2":
+            return self._gpt2_param_shapes()
         shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, d)}
         for i in range(self.n_layers):
             p = f"layers.{i}."
@@ -61,6 +66,25 @@ class Config:
             shapes[p + "ffn.down.weight"] = (d, F)
         shapes["norm.weight"] = (d,)
         for k in range(self.n_mtp):
+            shapes[f"heads.{k}.weight"] = (V, d)
+        return shapes
+
+    def _gpt2_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """arch "gpt2" (see model.py): learned positions, LayerNorm weight+bias, biased linears; head 0 is
+        tied to embed.weight (not stored), heads 1..K-1 (MTP, optional) are their own matrices."""
+        d, hd, V, F = self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
+        shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, d), "pos_embed.weight": (self.ctx_len, d)}
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            for name, out, inp in (("attn_norm", d, 0), ("attn.wq", self.n_heads * hd, d),
+                                   ("attn.wk", self.n_kv_heads * hd, d), ("attn.wv", self.n_kv_heads * hd, d),
+                                   ("attn.wo", d, self.n_heads * hd), ("ffn_norm", d, 0),
+                                   ("ffn.fc", F, d), ("ffn.proj", d, F)):
+                shapes[p + name + ".weight"] = (out, inp) if inp else (out,)
+                shapes[p + name + ".bias"] = (out,)
+        shapes["norm.weight"] = (d,)
+        shapes["norm.bias"] = (d,)
+        for k in range(1, self.n_mtp):
             shapes[f"heads.{k}.weight"] = (V, d)
         return shapes
 
@@ -117,10 +141,17 @@ class Config:
         return PRESETS[name]
 
 
+ARCHS = ("euler", "gpt2")
+
 PRESETS: dict[str, Config] = {
     "small": Config(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx_len=128, ffn_hidden=384, n_mtp=3),
     "big": Config(vocab_size=4096, dim=384, n_heads=6, n_kv_heads=2, n_layers=4, ctx_len=256, ffn_hidden=1024, n_mtp=2),
     "gpt": Config(vocab_size=4096, dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx_len=512, ffn_hidden=2048, n_mtp=4),
+    # OpenAI's GPT-2 124M shape (import its weights with `nanoeuler import`), and a tiny one for tests
+    "gpt2": Config(vocab_size=50257, dim=768, n_heads=12, n_kv_heads=12, n_layers=12, ctx_len=1024, ffn_hidden=3072,
+                   n_mtp=1, arch="gpt2"),
+    "gpt2-tiny": Config(vocab_size=512, dim=64, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=64, ffn_hidden=256,
+                        n_mtp=1, arch="gpt2"),
 }
 
 

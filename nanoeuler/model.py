@@ -6,6 +6,21 @@ every `*_forward` call leaves a cache, and `backward` walks those caches in reve
 
     model = Model.from_preset("small", seed=0)
     head0_loss, objective, grads = model.loss_and_grads(tokens)   # tokens int [B, T+K]
+
+A second architecture, `Config.arch = "gpt2"` (OpenAI's GPT-2, the llm.c path), is composed from the same
+kind of pairs (`gpt2_forward` / `gpt2_backward` below):
+
+    x = embed[ids] + pos_embed[0:T]
+    per layer: x = x + wo·attn(q, k, v) + bo   with q|k|v = w·layernorm(x) + b
+               x = x + proj·gelu_tanh(fc·layernorm(x) + bfc) + bproj
+    logits_0 = layernorm(x) @ embed.T          (the head is tied to the token embedding)
+
+Its parameter names (every linear [out, in] like the rest, biases [out]):
+    embed.weight [V, d]  pos_embed.weight [ctx, d]
+    layers.i.attn_norm.{weight,bias}  layers.i.attn.{wq,wk,wv,wo}.{weight,bias}
+    layers.i.ffn_norm.{weight,bias}   layers.i.ffn.fc.{weight,bias} [F, d]  layers.i.ffn.proj.{weight,bias} [d, F]
+    norm.{weight,bias}                heads.k.weight for the MTP heads k = 1..K-1 only (head 0 is embed.weight)
+embed.weight's gradient is the sum of its two uses (the lookup and the head).
 """
 from __future__ import annotations
 
@@ -29,16 +44,19 @@ class Model:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def init(cls, config: Config, seed: int = 0, dtype=np.float32) -> "Model":
-        """SPEC initialisation: N(0, 0.02); wo and down scaled by 1/sqrt(2·n_layers); norm weights 1."""
+        """SPEC initialisation: N(0, 0.02); wo and down scaled by 1/sqrt(2·n_layers); norm weights 1.
+        arch gpt2 (as GPT-2): the same, ffn.proj scaled like down, every bias 0."""
         rng = np.random.default_rng(seed)
         residual_scale = 1.0 / np.sqrt(2 * config.n_layers)
         params = {}
         for name, shape in config.param_shapes().items():
             if name.endswith("norm.weight"):
                 params[name] = np.ones(shape, dtype=dtype)
+            elif name.endswith(".bias"):
+                params[name] = np.zeros(shape, dtype=dtype)
             else:
                 w = rng.normal(0.0, 0.02, size=shape)
-                if name.endswith(("attn.wo.weight", "ffn.down.weight")):
+                if name.endswith(("attn.wo.weight", "ffn.down.weight", "ffn.proj.weight")):
                     w *= residual_scale
                 params[name] = w.astype(dtype)
         return cls(config, params)
@@ -89,7 +107,7 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
-        if not reference:
+        if not reference and fast_supports(cfg):
             from . import fast
             return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out,
                                        dropout)
@@ -110,7 +128,7 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
-        if not reference:
+        if not reference and fast_supports(cfg):
             from . import fast
             return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), dropout)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
@@ -141,6 +159,8 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
     `ops` is the namespace of forward/backward pairs: the NumPy reference, or another backend's kernels
     with the same signatures (the GPU one) — the array-module switch, not a second model.
     """
+    if cfg.arch == "gpt2":
+        return gpt2_forward(cfg, P, inputs, ops, dropout)
     B, T = inputs.shape
     dtype = P["embed.weight"].dtype
     rope = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype)
@@ -158,6 +178,8 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
 
 def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
     """dlogits [K, B, T, V] -> gradient of every parameter."""
+    if cfg.arch == "gpt2":
+        return gpt2_backward(cfg, P, dlogits, caches, ops)
     emb_cache, block_caches, norm_cache, h = caches
     grads = {}
     dh = np.zeros_like(h)
@@ -232,6 +254,123 @@ def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict,
     dhk, grads[prefix + "attn.wk.weight"] = ops.linear_backward(dk, c_k)
     dhv, grads[prefix + "attn.wv.weight"] = ops.linear_backward(dv, c_v)
     dx_norm, grads[prefix + "attn_norm.weight"] = ops.rmsnorm_backward(dh + dhk + dhv, c_norm1)
+    return dx + dx_norm
+
+
+def fast_supports(cfg: Config) -> bool:
+    """Whether the fast engine (nanoeuler/fast/) runs this architecture; otherwise the reference runs."""
+    return cfg.arch == "euler"
+
+
+# ---- arch "gpt2" ------------------------------------------------------------------------------------
+def head_weight(P: dict, k: int) -> np.ndarray:
+    """Output head k's matrix [V, d]: for arch gpt2 head 0 is the token embedding (tied)."""
+    return P["embed.weight"] if k == 0 and "heads.0.weight" not in P else P[f"heads.{k}.weight"]
+
+
+def affine_forward(x, P: dict, name: str, ops=reference_ops):
+    """x [..., in] -> x @ W.T + b [..., out], with W, b = P[name.weight], P[name.bias]."""
+    y, c_lin = ops.linear_forward(x, P[name + ".weight"])
+    y, c_bias = ops.bias_forward(y, P[name + ".bias"])
+    return y, (c_lin, c_bias)
+
+
+def affine_backward(dy, cache, grads: dict, name: str, ops=reference_ops):
+    """dy [..., out] -> dx [..., in]; fills grads[name.weight], grads[name.bias]."""
+    c_lin, c_bias = cache
+    dy, grads[name + ".bias"] = ops.bias_backward(dy, c_bias)
+    dx, grads[name + ".weight"] = ops.linear_backward(dy, c_lin)
+    return dx
+
+
+def gpt2_forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout=None):
+    """arch gpt2: inputs int [B, T] -> (logits [K, B, T, V], caches). Dropout sites as in `forward`."""
+    B, T = inputs.shape
+    dtype = P["embed.weight"].dtype
+    x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
+    x, pos_cache = ops.position_forward(x, P["pos_embed.weight"])   # + pos_embed[0:T]
+    block_caches = []
+    for i in range(cfg.n_layers):
+        masks = None if dropout is None else [dropout.mask(site, B * T, cfg.dim, dtype).reshape(B, T, cfg.dim)
+                                              for site in (2 * i, 2 * i + 1)]
+        x, cache = gpt2_block_forward(cfg, P, f"layers.{i}.", x, ops, masks)
+        block_caches.append(cache)
+    h, norm_cache = ops.layernorm_forward(x, P["norm.weight"], P["norm.bias"], cfg.norm_eps)  # [B, T, d]
+    logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
+    return logits, (emb_cache, pos_cache, block_caches, norm_cache, h)
+
+
+def gpt2_backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
+    """arch gpt2: dlogits [K, B, T, V] -> gradient of every parameter (embed.weight: lookup + tied head)."""
+    emb_cache, pos_cache, block_caches, norm_cache, h = caches
+    grads = {}
+    dh = np.zeros_like(h)
+    for k in range(cfg.n_mtp):
+        dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, head_weight(P, k)))
+        dh += dhk
+    tied = "heads.0.weight" not in P
+    dhead0 = grads.pop("heads.0.weight") if tied else 0.0  # [V, d], the tied head's share of embed's gradient
+    dx, grads["norm.weight"], grads["norm.bias"] = ops.layernorm_backward(dh, norm_cache)
+    for i in reversed(range(cfg.n_layers)):
+        dx = gpt2_block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads, ops)
+    dx, grads["pos_embed.weight"] = ops.position_backward(dx, pos_cache)
+    grads["embed.weight"] = ops.embedding_backward(dx, emb_cache) + dhead0
+    return {name: grads[name] for name in P}
+
+
+def gpt2_block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, ops=reference_ops, masks=None):
+    """One GPT-2 block. x [B, T, d] -> x [B, T, d]."""
+    B, T, d = x.shape
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p = prefix
+    # attention sub-block
+    h, c_norm1 = ops.layernorm_forward(x, P[p + "attn_norm.weight"], P[p + "attn_norm.bias"], cfg.norm_eps)
+    q, c_q = affine_forward(h, P, p + "attn.wq", ops)  # [B, T, H·hd]
+    k, c_k = affine_forward(h, P, p + "attn.wk", ops)  # [B, T, Hkv·hd]
+    v, c_v = affine_forward(h, P, p + "attn.wv", ops)
+    q = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    k = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+    v = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
+    a, c_att = ops.attention_forward(q, k, v)  # [B, H, T, hd]
+    a = a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    o, c_o = affine_forward(a, P, p + "attn.wo", ops)  # [B, T, d]
+    if masks is not None:
+        o, _ = ops.dropout_forward(o, masks[0])
+    x = x + o
+    # feed-forward sub-block
+    h2, c_norm2 = ops.layernorm_forward(x, P[p + "ffn_norm.weight"], P[p + "ffn_norm.bias"], cfg.norm_eps)
+    f, c_fc = affine_forward(h2, P, p + "ffn.fc", ops)  # [B, T, F]
+    g, c_gelu = ops.gelu_forward(f)
+    y, c_proj = affine_forward(g, P, p + "ffn.proj", ops)  # [B, T, d]
+    if masks is not None:
+        y, _ = ops.dropout_forward(y, masks[1])
+    return x + y, (c_norm1, c_q, c_k, c_v, c_att, c_o, c_norm2, c_fc, c_gelu, c_proj, masks, (B, T))
+
+
+def gpt2_block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict, ops=reference_ops):
+    """dx [B, T, d] (gradient w.r.t. the block output) -> gradient w.r.t. the block input; fills grads."""
+    c_norm1, c_q, c_k, c_v, c_att, c_o, c_norm2, c_fc, c_gelu, c_proj, masks, (B, T) = cache
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p = prefix
+    # feed-forward sub-block (out = mid + y)
+    dy = dx if masks is None else ops.dropout_backward(dx, masks[1])
+    dg = affine_backward(dy, c_proj, grads, p + "ffn.proj", ops)
+    df = ops.gelu_backward(dg, c_gelu)
+    dh2 = affine_backward(df, c_fc, grads, p + "ffn.fc", ops)
+    dmid, grads[p + "ffn_norm.weight"], grads[p + "ffn_norm.bias"] = ops.layernorm_backward(dh2, c_norm2)
+    dx = dx + dmid
+    # attention sub-block (mid = x + o)
+    do = dx if masks is None else ops.dropout_backward(dx, masks[0])
+    da = affine_backward(do, c_o, grads, p + "attn.wo", ops)
+    da = da.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    dq, dk, dv = ops.attention_backward(da, c_att)
+    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
+    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
+    dh = affine_backward(dq, c_q, grads, p + "attn.wq", ops)
+    dh = dh + affine_backward(dk, c_k, grads, p + "attn.wk", ops)
+    dh = dh + affine_backward(dv, c_v, grads, p + "attn.wv", ops)
+    dx_norm, grads[p + "attn_norm.weight"], grads[p + "attn_norm.bias"] = ops.layernorm_backward(dh, c_norm1)
     return dx + dx_norm
 
 

@@ -1,6 +1,7 @@
 """`nanoeuler check`: the float64 finite-difference gradient check of every op and every parameter."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 
@@ -8,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser("check", help="float64 finite-difference check of every gradient",
                        description="Compare every analytic gradient with fourth-order central finite differences "
                                    "in float64: (a) each op on random inputs, (b) every parameter tensor of a small "
-                                   "model with MTP and GQA, without and with dropout, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
+                                   "model with MTP and GQA, without and with dropout, (b') the same for arch gpt2, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
                                    "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6.")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where to run the model (default cpu)")
     p.add_argument("--samples", type=int, default=48, help="entries checked per parameter tensor (default 48)")
@@ -18,7 +19,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..check import TOLERANCE, check_model, check_ops
+    from ..check import GPT2_CHECK_CONFIG, TOLERANCE, check_model, check_ops
     from ..errors import UserError
     tolerance = TOLERANCE
     if args.device == "gpu":
@@ -31,6 +32,8 @@ def run(args) -> int:
         from ..dpo import check_dpo
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
                 + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
+                + [dataclasses.replace(r, name="gpt2: " + r.name)
+                   for r in check_model(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)]
                 + check_dpo(seed=args.seed, n_samples=args.samples))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance
