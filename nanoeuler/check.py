@@ -12,7 +12,8 @@ Richardson-extrapolated to (16·D(h) − D(2h)) / 15 (truncation error O(h⁶)),
 The floor keeps near-zero gradients (where both sides are round-off) from dividing by zero.
 (a) each op on random inputs, with L = Σ out ⊙ R for a fixed random R;
 (b) every parameter tensor of a whole small model with MTP (K=3) and GQA (H=4, Hkv=2), L = objective,
-    on a random sample of entries per tensor; once more with dropout on the residual branches (fixed masks).
+    on a random sample of entries per tensor; once more with dropout on the residual branches (fixed masks);
+(c) DPO: its loss and response log-probs as ops, then every trained parameter through log-probs + DPO loss.
 """
 from __future__ import annotations
 
@@ -157,3 +158,76 @@ def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFI
 
     prefix = f"dropout {dropout:g}: " if drop else ""
     return [check_tensor(prefix + name, f, model.params[name], grads[name], rng, n_samples) for name in model.params]
+
+
+# ---- (c) DPO ----------------------------------------------------------------------------------------
+def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
+    """Rows for `nanoeuler check`: (a) the dpo_loss and response_logprobs pairs on random inputs,
+    (b) every trained parameter of a float64 model (MTP K=3, GQA) through log-probs + DPO loss,
+    with the reference a different model, and the frozen MTP heads getting exactly no gradient."""
+    from .dpo import (chosen_nll_backward, chosen_nll_forward, dpo_loss_and_grads, dpo_loss_backward,
+                      dpo_loss_forward, make_batch, response_logprobs_backward, response_logprobs_forward,
+                      sequence_logprobs_forward)
+    from .model import Model
+    rng = np.random.default_rng(seed)
+    rows = []
+    N, beta = 5, 0.1
+    logps = [rng.standard_normal(N) * 3 for _ in range(4)]
+
+    def loss_fwd(pc, pr, rc, rr):
+        return dpo_loss_forward(pc, pr, rc, rr, beta)
+
+    rows += _check_op("dpo_loss", loss_fwd, dpo_loss_backward, logps, rng)
+    counts = rng.integers(1, 9, N)
+    rows += _check_op("chosen_nll", lambda pc: chosen_nll_forward(pc, counts), chosen_nll_backward, [logps[0]], rng)
+    B, T, V = 3, 6, 11
+    targets = rng.integers(0, V, (B, T))
+    mask = rng.random((B, T)) > 0.3
+    targets[~mask] = -1  # padding ids outside the mask must not matter
+    logits = rng.standard_normal((B, T, V))
+    # confident targets keep the summed log-probs near 0, so the round-off of the finite differences
+    # (≈ 1e-16·|L| / h) stays far below the 1e-6 floor at masked positions, where the true gradient is 0
+    np.put_along_axis(logits, np.where(mask, targets, 0)[..., None], 6.0, axis=-1)
+    rows += _check_op("response_logprobs", lambda z: response_logprobs_forward(z, targets, mask),
+                      response_logprobs_backward, [logits], rng)
+
+    cfg = CHECK_CONFIG
+    policy = Model.init(cfg, seed=seed, dtype=np.float64)
+    for p in policy.params.values():
+        p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
+    reference = Model(cfg, {n: p + rng.standard_normal(p.shape) * 0.05 for n, p in policy.params.items()})
+    n_pairs = 2
+    seqs = [rng.integers(0, cfg.vocab_size, rng.integers(6, cfg.ctx_len + 2)) for _ in range(2 * n_pairs)]
+    masks = []
+    for s in seqs:
+        m = np.zeros(len(s), dtype=bool)
+        m[rng.integers(2, len(s) - 1):] = True  # the response: a suffix
+        masks.append(m)
+    batch = make_batch(seqs[:n_pairs], masks[:n_pairs], seqs[n_pairs:], masks[n_pairs:])
+    ref_logps, _ = sequence_logprobs_forward(cfg, reference.params, batch.inputs, batch.targets, batch.mask)
+    rc, rr = ref_logps[:n_pairs], ref_logps[n_pairs:]
+    _, _, grads = dpo_loss_and_grads(cfg, policy.params, batch, rc, rr, beta)
+
+    def f():
+        lp, _ = sequence_logprobs_forward(cfg, policy.params, batch.inputs, batch.targets, batch.mask)
+        return dpo_loss_forward(lp[:n_pairs], lp[n_pairs:], rc, rr, beta)[0]
+
+    for name, p in policy.params.items():
+        if name in grads:
+            rows.append(check_tensor(f"dpo: {name}", f, p, grads[name], rng, n_samples))
+        else:  # a frozen MTP head: the DPO loss must not depend on it at all
+            idx = rng.choice(p.size, min(n_samples, p.size), replace=False)
+            num = numeric_grad(f, p, idx)
+            rows.append(Row(f"dpo: {name} (frozen, |numeric| max)", float(np.max(np.abs(num))), len(idx)))
+    # DPO + NLL of the chosen responses (--nll-weight): a few tensors through the combined loss
+    nll_w = 0.5
+    _, _, grads = dpo_loss_and_grads(cfg, policy.params, batch, rc, rr, beta, nll_weight=nll_w)
+
+    def f_nll():
+        lp, _ = sequence_logprobs_forward(cfg, policy.params, batch.inputs, batch.targets, batch.mask)
+        n_tok = batch.mask[:n_pairs].sum(axis=1)
+        return dpo_loss_forward(lp[:n_pairs], lp[n_pairs:], rc, rr, beta)[0] + nll_w * chosen_nll_forward(lp[:n_pairs], n_tok)[0]
+
+    for name in ("embed.weight", "layers.0.attn.wq.weight", "layers.1.ffn.down.weight", "heads.0.weight"):
+        rows.append(check_tensor(f"dpo+nll: {name}", f_nll, policy.params[name], grads[name], rng, n_samples))
+    return rows

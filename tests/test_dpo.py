@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from nanoeuler import Config, Model, UserError
-from nanoeuler.check import TOLERANCE
-from nanoeuler.dpo import (check_dpo, dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
+from nanoeuler.check import TOLERANCE, check_dpo
+from nanoeuler.dpo import (dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
                            make_batch, offline_pairs, response_logprobs_forward, run_dpo, sequence_logprobs_forward,
                            split_pairs, tokenize_pairs, tokenize_response, trained_params)
 from nanoeuler.train import TrainConfig

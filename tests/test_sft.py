@@ -79,15 +79,17 @@ def test_masked_positions_get_zero_gradient():
 
 
 def test_batch_without_trainable_position_is_skipped_not_nan():
-    from nanoeuler.train import accumulate
+    from nanoeuler.train import LMObjective, TrainConfig, accumulate
     cfg = Config(vocab_size=30, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=24, n_mtp=2)
     model = Model.init(cfg, seed=0)
 
     class Empty:
         def next_batch(self, rng):
             return np.ones((2, 10), dtype=np.int64), np.zeros((2, 10), dtype=bool)
-    loss, objective, grads, n_tokens, skipped = accumulate(model, Empty(), np.random.default_rng(0), 2)
-    assert grads is None and skipped == 2 and np.isfinite(loss) and np.isfinite(objective)
+    obj = LMObjective(model, Empty(), TrainConfig())
+    metrics, grads, n_tokens, skipped = accumulate(obj, np.random.default_rng(0), 2)
+    assert grads is None and skipped == 2 and n_tokens == 2 * 2 * 8
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["objective"])
 
 
 def test_pack_rows_and_truncation(tok):

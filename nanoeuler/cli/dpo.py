@@ -86,7 +86,8 @@ def register(sub) -> None:
 
 def run_dpo(args) -> int:
     from ..checkpoint import load_tokenizer, read_json
-    from ..dpo import pair_records, run_dpo as train_dpo, tokenize_pairs
+    from ..dpo import run_dpo as train_dpo
+    from ..dpo_data import pair_records, tokenize_pairs
     from ..errors import UserError
     from ..model import Model
     from ..sft import fits_context
@@ -142,7 +143,8 @@ def run_eval(args) -> int:
     import numpy as np
 
     from ..checkpoint import load_tokenizer
-    from ..dpo import load_pairs, offline_pairs, pair_logprobs, preference_metrics, score_greedy, tokenize_pairs
+    from ..dpo import pair_logprobs, preference_metrics, score_greedy
+    from ..dpo_data import load_pairs, offline_pairs, tokenize_pairs
     from ..errors import UserError
     from ..model import Model
     from ..sft import fits_context
@@ -187,7 +189,7 @@ def run_eval(args) -> int:
 
 
 def run_data(args) -> int:
-    from ..dpo import model_negatives, offline_pairs
+    from ..dpo_data import model_negatives, offline_pairs
     from ..errors import UserError
     from ..fileio import atomic_write_text
     if args.n_train < 0:

@@ -298,12 +298,15 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace, dropout=Non
     _in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
-def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None):
+def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):
     """The K heads and their losses, one head at a time. targets int [K, N] (−1 = ignored).
     With grads: also dlogits -> grads['heads.k.weight'] and the gradient of hf into ws.dh.
-    Returns (per-head mean losses, objective)."""
+    Returns (per-head mean losses, objective). counts: the number of targets of each head to divide by
+    (default: those in targets; a data-parallel rank passes the whole batch's, so that its losses and
+    gradients are its share of the batch's and sum over the ranks to them)."""
     Kh = cfg.n_mtp
-    counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(Kh)]
+    if counts is None:
+        counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(Kh)]
     scales = [ws.logits.dtype.type(1.0 / (n * Kh) if n else 0.0) for n in counts]
     sums = np.zeros((Kh, len(ws.parts)))                                   # per head, per part: Σ losses
     _in_parts(_heads_part, cfg, P, ws, grads, targets, scales, sums)
@@ -326,16 +329,17 @@ def flat_targets(tokens, T, Kh, loss_mask):
 
 
 def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, grads: dict | None = None,
-                   dropout=None):
+                   dropout=None, counts=None):
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
-    best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout."""
+    best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout.
+    counts: targets per head to divide by (see `heads`)."""
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
     if grads is None:
         grads = grad_buffers(cfg, ws.X.dtype)
     forward(cfg, P, inputs, ws, dropout)
-    losses, objective = heads(cfg, P, targets, ws, grads)
+    losses, objective = heads(cfg, P, targets, ws, grads, counts)
     backward(cfg, P, inputs.reshape(-1), ws, grads, dropout)
     return losses[0], objective, grads
 
