@@ -1,0 +1,74 @@
+"""`nanoeuler serve --ckpt RUN`: an OpenAI-compatible HTTP API (and a web chat page) over a checkpoint.
+
+    nanoeuler serve --ckpt runs/sft                      # http://127.0.0.1:8000/ (loopback only)
+    nanoeuler serve --ckpt runs/sft --port 0             # any free port; the first line says which
+    nanoeuler serve --ckpt runs/sft --host 0.0.0.0 --api-key SECRET
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="SECRET")
+    client.chat.completions.create(model="sft", messages=[{"role": "user", "content": "Hi"}])
+
+Needs the `serve` extra (pip install 'nanoeuler[serve]'). See nanoeuler/serve/ for the engine and routes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API + web chat (continuous batching)",
+                       description="Serve a checkpoint over HTTP: GET / (web chat), /health, /v1/models, POST "
+                                   "/v1/completions and /v1/chat/completions (stream or not), as the OpenAI API. "
+                                   "Concurrent requests share forward passes (continuous batching). Listens on "
+                                   "127.0.0.1 unless --host says otherwise. SIGINT/SIGTERM end open streams and exit 0.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (any: pretrained, SFT, DPO, imported)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("NANOEULER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOEULER_API_KEY, else none)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's directory name)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together (rows of the KV cache; default 32)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
+    p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request; default 8)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap in bytes (default 1 MiB)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info also logs every request; default warning)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..errors import UserError
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UserError("serving needs FastAPI and uvicorn: pip install 'nanoeuler[serve]'")
+    for name in ("max_batch", "max_queue", "max_tokens", "max_n", "max_body"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port <= 65535:
+        raise UserError("--port must be in 0..65535")
+    if args.api_key is not None and not args.api_key:
+        raise UserError("--api-key must not be empty")
+    from pathlib import Path
+
+    from ..checkpoint import load_tokenizer
+    from ..model import Model
+    from ..serve.app import bind, create_app, is_loopback, run_server
+    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    name = args.model_name or Path(args.ckpt).resolve().name
+    app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+                     max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"warning: listening on {args.host} (reachable from other machines) without --api-key: "
+              "anyone who can reach this port can use the model", file=sys.stderr)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
+          f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
+    run_server(app, sock, args.log_level)
+    print("nanoeuler serve: stopped", flush=True)
+    return 0

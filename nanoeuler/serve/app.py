@@ -1,0 +1,513 @@
+"""The HTTP application: OpenAI-compatible routes over a Batcher, the limits, and the uvicorn runner.
+
+    GET  /                      the web chat page (static/index.html)
+    GET  /health                {"status": "ok", "active": .., "queued": .., ...}
+    GET  /v1/models             the one model this server holds (named after the checkpoint directory)
+    POST /v1/completions        text in, text out; stream, logprobs + echo (what evaluation harnesses use)
+    POST /v1/chat/completions   messages rendered with the SPEC template, as the `chat` REPL does
+    GET  /tokenizer_info, POST /tokenize, /detokenize   vLLM-style, so lm-eval can tokenize as we do
+
+Every error is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its status:
+400 bad request (malformed JSON and wrong types included), 401 missing/wrong API key, 404 unknown model
+or route, 413 body over the cap, 429 queue full, 500 never shows a stack trace.
+
+Streams are server-sent events, one `data: {chunk}` per piece of text, ending with `data: [DONE]`.
+A client that goes away cancels its jobs (their batch rows are free at the next engine step).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import UserError
+from ..generate import truncate_left
+from .batcher import Batcher, Closed, Job, QueueFull
+from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
+                       render_chat, stop_list, token_text)
+
+STATIC = Path(__file__).parent / "static"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_json(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes (by Content-Length, or while reading)."""
+
+    class TooLarge(Exception):
+        pass
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_json(400, "bad Content-Length header")(scope, receive, send)
+            if int(length) > self.limit:
+                return await self._too_large(scope, receive, send)
+        seen, started = 0, False
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyLimit.TooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyLimit.TooLarge:
+            if not started:
+                await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        await error_json(413, f"request body larger than {self.limit} bytes", code="body_too_large")(scope, receive, send)
+
+
+# ---- one request's jobs --------------------------------------------------------------------------
+class Choice:
+    """One choice of a response: turns the engine's token events into text (stop strings, UTF-8 safe),
+    logprobs entries and a finish_reason."""
+
+    def __init__(self, index: int, tok, prompt_ids: list[int], stops: list[str], stop_ids: set, chat: bool):
+        self.index, self.tok, self.prompt_ids, self.stop_ids, self.chat = index, tok, prompt_ids, stop_ids, chat
+        self.stream = TextStream(tok, stops)
+        self.text, self.n_tokens = "", 0
+        self.base = 0                 # characters before the completion (the echoed prompt)
+        self.logprobs: list = []      # (token, logprob, top, text_offset) of every scored token
+        self.finish_reason: str | None = None
+        self.job: Job | None = None
+
+    def on_event(self, kind: str, args) -> tuple[str, int]:
+        """Apply one engine event -> (new text, how many logprobs entries it added)."""
+        if self.finish_reason is not None:
+            return "", 0
+        n_lp = len(self.logprobs)
+        if kind == "prompt":
+            offset = 0
+            dec = TextStream(self.tok, [])
+            for token, lp, top in args[0]:
+                self.logprobs.append((token, lp, top, offset))
+                offset += len(dec.feed(token))
+            return "", len(self.logprobs) - n_lp
+        if kind == "token":
+            token, lp, top = args
+            offset = self.base + self.stream.length + len(self.stream.held)
+            if lp is not None and not (self.chat and token in self.stop_ids):
+                self.logprobs.append((token, lp, top, offset))
+            if token in self.stop_ids:
+                return "", len(self.logprobs) - n_lp
+            self.n_tokens += 1
+            piece = self.stream.feed(token)
+            if self.stream.stopped:
+                piece += self._finish("stop")
+            self.text += piece
+            return piece, len(self.logprobs) - n_lp
+        if kind == "done":
+            reason = args[0]
+            piece = self._finish("stop" if reason in ("stop", "cancelled") else "length")
+            self.text += piece
+            return piece, len(self.logprobs) - n_lp
+        raise APIError(500, str(args[0]), "server_error")  # "error": an engine failure
+
+    def _finish(self, reason: str) -> str:
+        self.finish_reason = reason
+        if self.job is not None:
+            self.job.cancel()
+        return self.stream.flush()
+
+    # ---- logprobs in the two OpenAI layouts ----
+    def completion_logprobs(self, start: int = 0, end: int | None = None) -> dict:
+        entries = self.logprobs[start:end]
+        return {"tokens": [token_text(self.tok, t) for t, _, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [None if top is None else {token_text(self.tok, i): p for i, p in top}
+                                 for _, _, top, _ in entries],
+                "text_offset": [o for _, _, _, o in entries]}
+
+    def chat_logprobs(self, start: int = 0, end: int | None = None) -> dict:
+        def item(t, p):
+            return {"token": token_text(self.tok, t), "logprob": p, "bytes": list(self.tok.token_bytes(t))}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, p) for i, p in top or []]}
+                            for t, lp, top, _ in self.logprobs[start:end]]}
+
+
+class Run:
+    """The jobs of one HTTP request; engine events arrive (from the engine thread) on one asyncio queue."""
+
+    def __init__(self, batcher: Batcher):
+        self.batcher, self.loop, self.queue = batcher, asyncio.get_running_loop(), asyncio.Queue()
+        self.choices: list[Choice] = []
+
+    def add(self, choice: Choice, **job) -> None:
+        def on_event(kind, *args, _i=len(self.choices)):
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (_i, kind, args))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
+                pass
+        choice.job = Job(on_event=on_event, **job)
+        self.choices.append(choice)
+
+    def submit(self) -> None:
+        try:
+            for c in self.choices:
+                self.batcher.submit(c.job)
+        except QueueFull as e:
+            self.cancel()
+            raise APIError(429, f"the server is busy: {e}; retry later", "rate_limit_exceeded",
+                           code="rate_limit_exceeded")
+        except Closed as e:
+            self.cancel()
+            raise APIError(503, str(e), "server_error", code="shutting_down")
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.job.cancel()
+
+    async def events(self, request: Request | None = None):
+        """(choice, new text, new logprobs entries) until every choice has finished."""
+        while any(c.finish_reason is None for c in self.choices):
+            try:
+                i, kind, args = await asyncio.wait_for(self.queue.get(), 1.0)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    self.cancel()
+                    return
+                continue
+            c = self.choices[i]
+            piece, n_lp = c.on_event(kind, args)
+            yield c, piece, n_lp
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---- the application -----------------------------------------------------------------------------
+def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_batch: int = 32,
+               max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
+               chat_max_tokens: int = 256) -> FastAPI:
+    """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
+    cfg = model.config
+    if tok.vocab_size != cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size}")
+    batcher = Batcher(model, max_batch, max_queue)
+    created = int(time.time())
+    page = (STATIC / "index.html").read_text(encoding="utf-8")
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        batcher.close()
+
+    app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="An OpenAI-compatible API over a nanoeuler checkpoint.")
+    app.state.batcher = batcher
+    app.add_middleware(BodyLimit, limit=body_limit)
+
+    # ---- errors ----
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_json(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(UserError)
+    async def _user_error(request, e: UserError):
+        return error_json(400, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_json(400, "the request body is not valid JSON: " + str(first.get("msg")), code="invalid_json")
+        where = ".".join(loc)
+        return error_json(400, f"{where + ': ' if where else ''}{first.get('msg')}"
+                               + (f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""),
+                          param=where or None, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        return error_json(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        return error_json(500, f"internal error ({type(e).__name__})", "server_error")
+
+    async def auth(request: Request):
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_limits(max_tokens: int, n: int, n_prompts: int = 1) -> None:
+        if max_tokens > max_tokens_cap:
+            raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {max_tokens_cap}",
+                           param="max_tokens", code="invalid_value")
+        if n > max_n:
+            raise APIError(400, f"n {n} is over this server's limit of {max_n}", param="n", code="invalid_value")
+        if n * n_prompts > max_queue:
+            raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {max_queue}",
+                           param="prompt", code="invalid_value")
+
+    def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
+        seed = None if body.seed is None else body.seed + i
+        return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+                    top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
+                    stop_ids=(tok.eos_id,), logprobs=logprobs, echo=echo)
+
+    def usage(prompts, choices) -> dict:
+        p = sum(len(ids) for ids in prompts)
+        c = sum(ch.n_tokens for ch in choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def sse(obj) -> str:
+        return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+    def stream_response(gen, run: Run):
+        async def body():
+            try:
+                async for piece in gen:
+                    yield piece
+                yield "data: [DONE]\n\n"
+            finally:
+                run.cancel()  # the client went away or we are done: free the rows now
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ---- routes ----
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index():
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, **batcher.stats()}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "nanoeuler", "context_length": cfg.ctx_len}]}
+
+    @app.get("/v1/models/{name}", dependencies=[Depends(auth)])
+    async def one_model(name: str):
+        check_model(name)
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "nanoeuler",
+                "context_length": cfg.ctx_len}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(auth)])
+    async def tokenizer_info():
+        return {"eos_token": "</s>", "bos_token": None, "pad_token": "</s>", "model_max_length": cfg.ctx_len,
+                "vocab_size": tok.vocab_size}
+
+    @app.post("/tokenize", dependencies=[Depends(auth)])
+    async def tokenize(body: TokenizeRequest):
+        ids = tok.encode(body.prompt, allow_special=True)
+        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len}
+
+    @app.post("/detokenize", dependencies=[Depends(auth)])
+    async def detokenize(body: DetokenizeRequest):
+        check_ids(body.tokens, "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    def check_ids(ids, param) -> None:
+        if any(not 0 <= t < cfg.vocab_size for t in ids):
+            raise APIError(400, f"token ids must lie in [0, {cfg.vocab_size})", param=param, code="invalid_value")
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        stops = stop_list(body.stop)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        p = body.prompt
+        raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not raw:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        check_limits(max_tokens, body.n, len(raw))
+        prompts, truncated = [], []
+        for item in raw:
+            ids = tok.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            check_ids(ids, "prompt")
+            ids, dropped = truncate_left(ids, cfg.ctx_len)
+            prompts.append(ids)
+            truncated.append(dropped)
+        run = Run(batcher)
+        for pi, ids in enumerate(prompts):
+            for j in range(body.n):
+                c = Choice(len(run.choices), tok, ids, stops, {tok.eos_id}, chat=False)
+                run.add(c, **job_args(body, ids, max_tokens, body.logprobs, body.echo, j))
+        run.submit()
+        rid, now = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        notes = {"prompt_truncated_tokens": truncated} if any(truncated) else {}
+
+        def chunk(choices, **extra):
+            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": choices, **extra}
+
+        def echo_text(c):
+            return tok.decode(c.prompt_ids) if body.echo else ""
+        for c in run.choices:
+            c.base = len(echo_text(c))
+
+        if body.stream:
+            async def gen():
+                first = set()
+                async for c, piece, n_lp in run.events():
+                    text = piece
+                    if c.index not in first and (piece or n_lp or c.finish_reason):
+                        first.add(c.index)
+                        text = echo_text(c) + piece
+                    if not (text or n_lp or c.finish_reason):
+                        continue
+                    lp = c.completion_logprobs(len(c.logprobs) - n_lp) if body.logprobs is not None else None
+                    yield sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
+                                      "finish_reason": c.finish_reason}], **({"nanoeuler": notes} if notes else {})))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse(chunk([], usage=usage(prompts, run.choices)))
+            return stream_response(gen(), run)
+
+        try:
+            async for _ in run.events(request):
+                pass
+        finally:
+            run.cancel()
+        choices = [{"index": c.index, "text": echo_text(c) + c.text,
+                    "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason} for c in run.choices]
+        return chunk(choices, usage=usage(prompts, run.choices), **({"nanoeuler": notes} if notes else {}))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body.model)
+        stops = stop_list(body.stop)
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          min(chat_max_tokens, max_tokens_cap))
+        check_limits(max_tokens, body.n)
+        ids, notes = render_chat(model, tok, body.messages, max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        run = Run(batcher)
+        for j in range(body.n):
+            c = Choice(j, tok, ids, stops, {tok.eos_id}, chat=True)
+            run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
+        run.submit()
+        rid, now = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        extra = {"nanoeuler": notes} if notes else {}
+
+        def chunk(choices, **more):
+            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                    "system_fingerprint": None, "choices": choices, **extra, **more}
+
+        if body.stream:
+            async def gen():
+                for c in run.choices:
+                    yield sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]))
+                async for c, piece, n_lp in run.events():
+                    lp = c.chat_logprobs(len(c.logprobs) - n_lp) if logprobs is not None and n_lp else None
+                    if piece or lp:
+                        yield sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                          "finish_reason": None}]))
+                    if c.finish_reason:
+                        yield sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": c.finish_reason}]))
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse(chunk([], usage=usage([ids], run.choices)))
+            return stream_response(gen(), run)
+
+        try:
+            async for _ in run.events(request):
+                pass
+        finally:
+            run.cancel()
+        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+                "system_fingerprint": None,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": c.chat_logprobs() if logprobs is not None else None,
+                             "finish_reason": c.finish_reason} for c in run.choices],
+                "usage": usage([ids], run.choices), **extra}
+
+    return app
+
+
+# ---- the runner ----------------------------------------------------------------------------------
+def bind(host: str, port: int):
+    """A listening socket on host:port (port 0: any free one); a port in use is a UserError."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "the port is in use" if e.errno == 98 else e.strerror or str(e)
+        raise UserError(f"cannot listen on {host}:{port}: {why}")
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app: FastAPI, sock, log_level: str = "warning") -> None:
+    """Serve until SIGINT/SIGTERM. On a signal the engine ends every open stream (finish_reason "length",
+    then `data: [DONE]`), connections close, and this returns normally (the CLI then exits 0)."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            with app.state.batcher.cond:  # end the streams now; the lifespan shutdown joins the thread
+                app.state.batcher.closed = True
+                app.state.batcher.cond.notify_all()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=log_level, http="h11", ws="none", lifespan="on",
+                            timeout_graceful_shutdown=10, access_log=log_level in ("info", "debug"))
+    # uvicorn re-raises the signal it caught once it has shut down; with these handlers that is a no-op,
+    # so a signal ends the process with status 0 instead of 130 / -15.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *a: None)
+    Server(config).run(sockets=[sock])

@@ -1,0 +1,336 @@
+"""Continuous batching: many generation requests share each forward pass over one batched KV cache.
+
+The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]; row r of it belongs to the r-th
+active request, which has its own length (the positions it has filled). One engine step:
+
+    1. admit   waiting jobs take the free rows; each prompt is prefilled alone into its row
+               (generate.forward_hidden on a one-row view of the cache)
+    2. sample  every row samples its next token from its head-0 logits (generate.sample_token, with the
+               job's own random generator): </s> or max_tokens ends the job and frees its row
+    3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
+               attention masks every key past length_r, so rows of different lengths share the step
+
+    rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
+            b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
+            c  c  c  c  c  c        c: full (ctx_len): its window jumps first (below)
+
+Rows are kept compact: when a job ends, the last row moves into its place (its cache rows are copied),
+so the batch is always rows 0..n-1 of the cache, a view and never a gather. A cancelled job (client gone)
+leaves at the next step.
+
+The context window follows generate.py's rule, so a request's output is `generate`'s: when a row would
+pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled.
+
+Equal output alone or in a batch: every row's computation is the same arithmetic whatever the other
+rows hold (masked keys get probability exactly 0). It is not bit-for-bit the same: BLAS picks its
+kernels by the number of rows (a 1-row product is a matrix-vector product, 2..n rows take other
+blocking), so logits differ in the last bits (~1e-6 relative); greedy tokens agree unless two logits tie
+that closely (tests/test_serve_batcher.py checks tokens and logits, alone vs batched vs `generate`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .. import ops
+from ..generate import KVCache, forward_hidden, fuse_weights, linear, sample_token
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit (the HTTP layer answers 429)."""
+
+
+class Closed(Exception):
+    """The engine is shutting down and takes no new jobs."""
+
+
+@dataclass
+class Job:
+    """One generation request as the engine sees it (token ids in, token events out).
+
+    on_event(kind, *args) is called from the engine thread:
+      ("prompt", [(id, logprob or None, top), ...])  only with echo and logprobs: the prompt scored
+      ("token", id, logprob or None, top)             each new token (</s> included when it ends the job)
+      ("done", reason)                                reason: "stop" (a stop id), "length", "cancelled", "shutdown"
+    top is a list of (id, logprob) of the `logprobs` most likely tokens, or None.
+    """
+    ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_ids: tuple = ()
+    logprobs: int | None = None
+    echo: bool = False
+    on_event: Callable = lambda *a: None
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this job (it leaves at the next step; its row is freed)."""
+        self.cancelled = True
+
+
+class _Row:
+    """An active job: the tokens in its cache row (its window), the logits at its last position, the
+    token waiting to be fed, its random generator and how many tokens it has made."""
+
+    def __init__(self, job: Job):
+        self.job, self.rng = job, np.random.default_rng(job.seed)
+        self.seq: list[int] = []
+        self.logits: np.ndarray | None = None  # [V]
+        self.pending: int | None = None
+        self.n_new = 0
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """[..., V] -> log-probabilities in float64.  log_softmax(np.zeros(2)) -> [-0.693, -0.693]"""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def top_logprobs(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely (id, logprob) of logp [V], most likely first (ties: lower id first)."""
+    if k <= 0:
+        return []
+    k = min(k, logp.size)
+    idx = np.argpartition(-logp, k - 1)[:k]
+    idx = idx[np.lexsort((idx, -logp[idx]))]
+    return [(int(i), float(logp[i])) for i in idx]
+
+
+class Batcher:
+    """The engine: a batched KV cache, a bounded queue of waiting jobs, and `step` (see the module docstring).
+
+        b = Batcher(model, max_batch=8); b.submit(Job(ids, 16, on_event=print)); while b.step(): pass
+    or b.start() to run steps on a background thread until b.close().
+    """
+
+    def __init__(self, model, max_batch: int = 32, max_queue: int = 64):
+        cfg = self.cfg = model.config
+        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
+        self.W = fuse_weights(cfg, model.params)
+        dtype = model.dtype
+        shape = (self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
+        self.k = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+        self.cos, self.sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, dtype)
+        self.rows: list[_Row] = []
+        self.pending: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.thread: threading.Thread | None = None
+        self.steps = self.tokens = 0
+        self.batch_sizes: list[int] = []  # rows in each decoding step (tests read it; kept short)
+
+    # ---- the queue -------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises QueueFull when max_queue jobs already wait, Closed after close()."""
+        with self.cond:
+            if self.closed:
+                raise Closed("the server is shutting down")
+            if len(self.pending) >= self.max_queue:
+                raise QueueFull(f"{len(self.pending)} requests are already waiting (limit {self.max_queue})")
+            self.pending.append(job)
+            self.cond.notify()
+
+    def stats(self) -> dict:
+        return {"active": len(self.rows), "queued": len(self.pending), "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens}
+
+    # ---- one engine step -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, sample, decode (module docstring). Returns False when there was nothing to do."""
+        with self.cond:
+            admit = []
+            while self.pending and len(self.rows) + len(admit) < self.max_batch:
+                job = self.pending.popleft()
+                if job.cancelled:
+                    job.on_event("done", "cancelled")
+                else:
+                    admit.append(job)
+        for job in admit:
+            self._admit(job)
+        if not self.rows:
+            return bool(admit)
+        for r in reversed(range(len(self.rows))):  # sample; reversed so that removing row r moves a done one
+            row = self.rows[r]
+            reason = "cancelled" if row.job.cancelled else self._sample(row)
+            if reason:
+                self._remove(r)
+                row.job.on_event("done", reason)
+        if self.rows:
+            self._decode()
+        return True
+
+    def _admit(self, job: Job) -> None:
+        """Prefill a new job into the next free row (the prompt keeps its last ctx_len tokens)."""
+        row = _Row(job)
+        ctx = self.cfg.ctx_len
+        row.seq = [int(t) for t in job.ids[-ctx:]]
+        slot = len(self.rows)
+        self.rows.append(row)
+        score = job.echo and job.logprobs is not None
+        h = self._prefill(slot, row.seq, all_positions=score)  # [T|1, d]
+        logits = linear(h, self.W["head.0"])  # [T|1, V]
+        if score:
+            logp = log_softmax(logits[:-1])
+            scored = [(row.seq[0], None, None)] + [
+                (t, float(logp[i, t]), top_logprobs(logp[i], job.logprobs)) for i, t in enumerate(row.seq[1:])]
+            job.on_event("prompt", scored)
+        row.logits = logits[-1]
+
+    def _sample(self, row: _Row) -> str | None:
+        """Sample the row's next token and report it; the reason the job ends, or None."""
+        job = row.job
+        if row.n_new >= job.max_tokens:
+            return "length"
+        token = sample_token(row.logits, job.temperature, job.top_k, job.top_p, row.rng)
+        lp, top = None, None
+        if job.logprobs is not None:
+            logp = log_softmax(row.logits)
+            lp, top = float(logp[token]), top_logprobs(logp, job.logprobs)
+        row.logits = None
+        self.tokens += 1
+        job.on_event("token", token, lp, top)
+        if token in job.stop_ids:
+            return "stop"
+        row.n_new += 1
+        if row.n_new >= job.max_tokens:
+            return "length"
+        row.pending = token
+        return None
+
+    def _remove(self, r: int) -> None:
+        """Free row r: the last row moves into it (cache rows copied up to its length)."""
+        last = len(self.rows) - 1
+        if r != last:
+            n = len(self.rows[last].seq)
+            for k, v in zip(self.k, self.v):
+                k[r, :, :n] = k[last, :, :n]
+                v[r, :, :n] = v[last, :, :n]
+            self.rows[r] = self.rows[last]
+        self.rows.pop()
+
+    def _prefill(self, slot: int, tokens: list[int], all_positions: bool = False) -> np.ndarray:
+        """Run tokens alone into cache row `slot` from position 0 -> final hidden states [T|1, d]."""
+        view = KVCache([k[slot:slot + 1] for k in self.k], [v[slot:slot + 1] for v in self.v], self.cos, self.sin)
+        return forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], view,
+                              last_only=not all_positions)[0]
+
+    def _decode(self) -> None:
+        """Feed every row's pending token in one forward; rows whose window is full jump first."""
+        ctx = self.cfg.ctx_len
+        for slot, row in enumerate(self.rows):
+            if len(row.seq) + 1 > ctx:  # generate.py's rule: keep the last ctx // 2 tokens, new one included
+                window = (row.seq + [row.pending])[-(ctx // 2):]
+                row.seq = window[:-1]
+                if row.seq:
+                    self._prefill(slot, row.seq)
+        tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
+        pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
+        h = decode_step(self.cfg, self.W, self.k, self.v, self.cos, self.sin, tokens, pos)  # [n, d]
+        logits = batched_linear(h, self.W["head.0"])  # [n, V]
+        for row, lg in zip(self.rows, logits):
+            row.seq.append(row.pending)
+            row.pending, row.logits = None, lg
+        self.steps += 1
+        self.batch_sizes = (self.batch_sizes + [len(self.rows)])[-1000:]
+
+    # ---- the background thread -------------------------------------------------------------------
+    def start(self) -> "Batcher":
+        self.thread = threading.Thread(target=self._loop, name="nanoeuler-batcher", daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and not self.pending and not self.rows:
+                    self.cond.wait()
+                if self.closed:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # an engine bug must not hang every client: end their jobs
+                for row in self.rows:
+                    row.job.on_event("error", f"engine error: {type(e).__name__}: {e}")
+                self.rows.clear()
+        self._end_all("shutdown")
+
+    def _end_all(self, reason: str) -> None:
+        for row in self.rows:
+            row.job.on_event("done", reason)
+        self.rows.clear()
+        with self.cond:
+            jobs, self.pending = list(self.pending), deque()
+        for job in jobs:
+            job.on_event("done", reason)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking jobs, end every active and waiting one with reason "shutdown", stop the thread."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        else:
+            self._end_all("shutdown")
+
+
+def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
+    """x [n, in] @ W[out, in].T for the n rows of a decoding step (W = (W, W.T contiguous or None))."""
+    if len(x) == 1:
+        return (W[0] @ x[0])[None]
+    return x @ (W[1] if W[1] is not None else W[0].T)
+
+
+def decode_step(cfg, W: dict, kc: list, vc: list, cos: np.ndarray, sin: np.ndarray, tokens: np.ndarray,
+                pos: np.ndarray) -> np.ndarray:
+    """One token for each of n rows: tokens int [n] at positions pos [n] (row r of the caches kc/vc holds
+    positions 0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r].
+
+    Attention of row r reads keys 0..pos[r]; the rest of the [0, max(pos)] block gets -inf scores:
+
+        pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf
+    """
+    n = len(tokens)
+    H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+    G = H // Hkv
+    rows = np.arange(n)
+    c, s = cos[pos][:, None], sin[pos][:, None]  # [n, 1, hd/2]
+    Lk = int(pos.max()) + 1
+    masked = np.arange(Lk)[None, :] > pos[:, None]  # [n, Lk]
+    bias = np.where(masked, -np.inf, 0.0).astype(kc[0].dtype)[:, None, None, :]  # [n, 1, 1, Lk]
+    scale = kc[0].dtype.type(1.0 / np.sqrt(hd))
+    x = W["embed"][tokens]  # [n, d]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm"], cfg.norm_eps)
+        qkv = batched_linear(h, W[p + "qkv"])  # [n, (H + 2·Hkv)·hd]
+        q = qkv[:, :H * hd].reshape(n, H, hd)
+        k = qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd)
+        v = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
+        q, _ = ops.rope_forward(q, c, s)
+        k, _ = ops.rope_forward(k, c, s)
+        kc[i][rows, :, pos] = k
+        vc[i][rows, :, pos] = v
+        K, V = kc[i][:n, :, :Lk], vc[i][:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
+        S = (q.reshape(n, Hkv, G, hd) @ K.swapaxes(-1, -2)) * scale + bias  # [n, Hkv, G, Lk]
+        S -= S.max(axis=-1, keepdims=True)
+        P = np.exp(S)
+        P /= P.sum(axis=-1, keepdims=True)
+        a = (P @ V).reshape(n, H * hd)  # [n, Hkv, G, hd] -> [n, H·hd]
+        x = x + batched_linear(a, W[p + "wo"])
+        h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm"], cfg.norm_eps)
+        gu = batched_linear(h2, W[p + "gate_up"])  # [n, 2F]
+        sw, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:])
+        x = x + batched_linear(sw, W[p + "down"])
+    return ops.rmsnorm_forward(x, W["norm"], cfg.norm_eps)[0]

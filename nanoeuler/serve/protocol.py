@@ -1,0 +1,211 @@
+"""The OpenAI API as this server speaks it: request schemas, chat rendering, stop strings, response pieces.
+
+Requests are pydantic models (FastAPI validates them and publishes them in /openapi.json). Types are
+strict: `"max_tokens": "5"` is an error, not 5. Fields the OpenAI API has and we do not use
+(presence_penalty, user, ...) are accepted and ignored; unknown fields are ignored too.
+
+Chat messages become the SPEC Alpaca template exactly as the `chat` REPL builds a conversation: every
+earlier (user, assistant) pair is `render(user) + encode(assistant) + </s>`, the last user message is
+`render(user)`, and earlier turns are dropped oldest first when they do not fit (cli/chat.py's
+Chat.context). The template has no system role: a system message is put in front of the next user
+message's instruction, separated by a blank line.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import UserError
+
+MAX_STOP = 4
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+Stop = Optional[Union[str, list[str]]]
+
+
+class CompletionRequest(_Base):
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    stop: Stop = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Base):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Base):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    stop: Stop = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+
+
+class TokenizeRequest(_Base):
+    prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Base):
+    tokens: list[int]
+
+
+def stop_list(stop: Stop) -> list[str]:
+    """The request's stop strings as a list (at most 4, none empty)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP:
+        raise UserError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+    if any(not s for s in stops):
+        raise UserError("stop sequences must not be empty")
+    return stops
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+def chat_turns(messages: list[Message]) -> tuple[list[tuple[str, str]], str]:
+    """messages -> (earlier (instruction, reply) pairs, the final instruction).
+
+        [system S, user A, assistant B, user C] -> ([("S\\n\\nA", "B")], "C")
+    Consecutive user messages are joined by a blank line; the last message must come from the user."""
+    turns: list[tuple[str, str]] = []
+    system, user, reply = [], None, None
+    for m in messages:
+        text = m.text()
+        if m.role in ("system", "developer"):
+            system.append(text)
+        elif m.role == "user":
+            if reply is not None:
+                turns.append((user, reply))
+                user, reply = None, None
+            text = "\n\n".join(system + [text])
+            system = []
+            user = text if user is None else user + "\n\n" + text
+        else:  # assistant
+            reply = text if reply is None else reply + text
+            if user is None:
+                user = ""
+    if user is None or reply is not None:
+        raise UserError("the last message must come from the user")
+    return turns, user
+
+
+def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[list[int], dict]:
+    """The conversation as prompt ids, the way the `chat` REPL builds it -> (ids, notes), notes say what
+    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones)."""
+    from ..cli.chat import Chat
+    from ..sft import render
+    turns, last = chat_turns(messages)
+    chat = Chat(model, tok, max_new_tokens=max(1, max_tokens))
+    eos = tok.eos_id
+    chat.turns = [render(tok, u)[0] + tok.encode(a) + [eos] for u, a in turns]
+    prompt = render(tok, last)[0]
+    n_turns = len(chat.turns)
+    ids = chat.context(prompt)
+    notes = {}
+    if len(ids) < len(prompt):
+        notes["prompt_truncated_tokens"] = len(prompt) - len(ids)
+        notes["dropped_turns"] = n_turns
+    elif len(chat.turns) < n_turns:
+        notes["dropped_turns"] = n_turns - len(chat.turns)
+    return ids, notes
+
+
+# ---- text out ------------------------------------------------------------------------------------
+def token_text(tok, token: int) -> str:
+    """A token as a string for logprobs: its text, or 'bytes:\\xe2\\x82' when it is not whole UTF-8."""
+    b = tok.token_bytes(token)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+class TextStream:
+    """Token ids -> text pieces for one choice: never splits a UTF-8 character (generate.StreamDecoder)
+    and ends at the first stop string, holding back text that might be the start of one.
+
+        stops ["\\n\\n"]: feed "a\\n" -> "a" (the "\\n" waits), feed "\\nb" -> "" and stopped
+    """
+
+    def __init__(self, tok, stops: list[str]):
+        from ..generate import StreamDecoder
+        self.dec, self.stops = StreamDecoder(tok), stops
+        self.held = ""
+        self.length = 0       # characters sent so far
+        self.stopped = False  # a stop string was found
+
+    def feed(self, token: int) -> str:
+        return self._push(self.dec.feed(token))
+
+    def flush(self) -> str:
+        """The rest at the end of generation (a cut-off character becomes U+FFFD)."""
+        out = self._push(self.dec.flush())
+        if not self.stopped:
+            out += self.held
+            self.length += len(self.held)
+            self.held = ""
+        return out
+
+    def _push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        text = self.held + piece
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.held = True, ""
+            self.length += cut
+            return text[:cut]
+        keep = 0
+        for s in self.stops:  # the longest end of text that starts a stop string
+            for n in range(min(len(s) - 1, len(text)), keep, -1):
+                if s.startswith(text[-n:]):
+                    keep = n
+                    break
+        out, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        self.length += len(out)
+        return out

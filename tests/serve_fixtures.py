@@ -1,0 +1,72 @@
+"""Shared by the serve tests: a small trained checkpoint (tokenizer + model) and a server on a thread.
+
+The model is trained for a few seconds on Hamlet lines separated by </s>, so greedy text is not a single
+repeated token, logits have clear winners, and replies end with </s> on their own.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from nanoeuler import Config, Model
+from nanoeuler.corpus import bundled_works
+from nanoeuler.tokenizer import Tokenizer
+
+CTX = 64
+
+
+def train_checkpoint(path, steps: int = 150, seed: int = 0):
+    """Train a tiny model on Hamlet lines (</s> after each) and save it with its tokenizer at path."""
+    from nanoeuler.optim import AdamW
+    text = bundled_works()["hamlet"][:40000]
+    tok = Tokenizer.train([text], 300, progress=False)
+    ids = []
+    for line in text.splitlines():
+        if line.strip():
+            ids += tok.encode(line.strip()) + [tok.eos_id]
+    ids = np.array(ids)
+    cfg = Config(vocab_size=tok.vocab_size, dim=48, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=CTX,
+                 ffn_hidden=96, n_mtp=2)
+    model = Model.init(cfg, seed=seed)
+    opt = AdamW(model.params, lr=1e-2, weight_decay=0.0)
+    rng = np.random.default_rng(seed)
+    L = 32 + cfg.n_mtp
+    for _ in range(steps):
+        starts = rng.integers(0, len(ids) - L, 16)
+        _, _, grads = model.loss_and_grads(np.stack([ids[s:s + L] for s in starts]))
+        opt.step(model.params, grads)
+    model.save(path, tokenizer=tok)
+    return model, tok
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 (an ephemeral port) in a thread of this process.
+
+        with ServerThread(app) as srv: requests to srv.url ...
+    """
+
+    def __init__(self, app):
+        import uvicorn
+
+        from nanoeuler.serve.app import bind
+        self.app = app
+        self.sock = bind("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", ws="none", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)

@@ -1,0 +1,165 @@
+"""The continuous-batching engine (nanoeuler/serve/batcher.py): a request's greedy tokens are the same alone,
+in a batch with others that join and leave at different steps, and as `generate` makes them (window jumps
+included); seeded sampling equals `generate` with that seed; logits agree to float32 rounding; cancelled
+jobs free their rows; the queue is bounded."""
+import numpy as np
+import pytest
+
+from nanoeuler import Config, Model
+from nanoeuler.generate import forward_cached, generate, new_cache
+from nanoeuler.optim import AdamW
+from nanoeuler.serve.batcher import Batcher, Closed, Job, QueueFull, decode_step, log_softmax, top_logprobs
+
+CFG = Config(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=48, n_mtp=2)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Trained on a periodic sequence with noise-free structure: clear argmax margins."""
+    model = Model.init(CFG, seed=0)
+    period = np.array([3, 1, 4, 15, 9, 2, 6, 5, 35, 5, 8, 7, 20, 11, 30, 22, 17])
+    opt = AdamW(model.params, lr=1e-2, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(80):
+        starts = rng.integers(0, len(period), 8)
+        _, _, grads = model.loss_and_grads(np.stack([np.resize(np.roll(period, -s), 20 + CFG.n_mtp) for s in starts]))
+        opt.step(model.params, grads)
+    return model
+
+
+class Collect:
+    """on_event for a job: records tokens and the end reason."""
+
+    def __init__(self):
+        self.tokens, self.reason, self.prompt = [], None, None
+
+    def __call__(self, kind, *args):
+        if kind == "token":
+            self.tokens.append(args[0])
+        elif kind == "done":
+            self.reason = args[0]
+        elif kind == "prompt":
+            self.prompt = args[0]
+
+
+def run_jobs(model, specs, max_batch=8, join_at=None):
+    """specs: list of Job kwargs; join_at[i]: the engine step before which job i is submitted."""
+    b = Batcher(model, max_batch=max_batch, max_queue=64)
+    outs = [Collect() for _ in specs]
+    join_at = join_at or [0] * len(specs)
+    step = 0
+    while True:
+        for i, spec in enumerate(specs):
+            if join_at[i] == step:
+                b.submit(Job(on_event=outs[i], **spec))
+        busy = b.step()
+        step += 1
+        if not busy and step > max(join_at):
+            break
+    return outs, b
+
+
+def prompts(n, seed=0, lengths=(1, 3, 7, 12, 24, 30)):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, CFG.vocab_size, lengths[i % len(lengths)])] for i in range(n)]
+
+
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_greedy_alone_equals_batched_equals_generate(trained, which):
+    model = trained if which == "trained" else Model.init(CFG, seed=5)
+    ps = prompts(6)
+    specs = [dict(ids=p, max_tokens=40) for p in ps]  # 40 > ctx 24: every row's window jumps at least once
+    batched, b = run_jobs(model, specs, max_batch=4, join_at=[0, 0, 3, 5, 9, 11])
+    assert max(b.batch_sizes) == 4 and min(b.batch_sizes) < 4  # rows really were shared, and came and went
+    for p, out in zip(ps, batched):
+        alone, _ = run_jobs(model, [dict(ids=p, max_tokens=40)], max_batch=1)
+        ref = generate(model, p, 40, temperature=0, mode="cache")
+        assert out.tokens == alone[0].tokens == ref.ids
+        assert out.reason == "length"
+
+
+def test_seeded_sampling_equals_generate():
+    model = Model.init(CFG, seed=5)  # untrained: sampling has real choices to make
+    ps = prompts(4, seed=1)
+    specs = [dict(ids=p, max_tokens=30, temperature=0.9, top_p=0.95, top_k=20, seed=10 + i) for i, p in enumerate(ps)]
+    outs, _ = run_jobs(model, specs)
+    for spec, out in zip(specs, outs):
+        ref = generate(model, spec["ids"], 30, temperature=0.9, top_k=20, top_p=0.95, seed=spec["seed"])
+        assert out.tokens == ref.ids
+    assert len({tuple(o.tokens) for o in outs}) > 1
+
+
+def test_decode_step_logits_match_the_single_row_cache(trained):
+    """Rows at different lengths in one step: each row's logits equal forward_cached run on it alone."""
+    W_model = trained
+    b = Batcher(W_model, max_batch=3)
+    seqs = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    for r, s in enumerate(seqs):
+        b._prefill(r, s[:-1]) if len(s) > 1 else None
+    tokens = np.array([s[-1] for s in seqs])
+    pos = np.array([len(s) - 1 for s in seqs])
+    h = decode_step(CFG, b.W, b.k[:], b.v, b.cos, b.sin, tokens, pos)
+    got = h @ W_model.params["heads.0.weight"].T  # [3, V]
+    for r, s in enumerate(seqs):
+        ref = forward_cached(CFG, W_model.params, np.array([s]), new_cache(CFG))[0, 0, -1]
+        np.testing.assert_allclose(got[r], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_stop_ids_max_tokens_and_zero_tokens(trained):
+    p = prompts(1)[0]
+    ref = generate(trained, p, 12, temperature=0).ids
+    stop = ref[4]
+    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=12, stop_ids=(stop,)), dict(ids=p, max_tokens=3),
+                                 dict(ids=p, max_tokens=0)])
+    first = ref.index(stop)
+    assert outs[0].tokens == ref[:first + 1] and outs[0].reason == "stop"  # the stop token is reported, then done
+    assert outs[1].tokens == ref[:3] and outs[1].reason == "length"
+    assert outs[2].tokens == [] and outs[2].reason == "length"
+
+
+def test_echo_logprobs_score_the_prompt(trained):
+    p = [3, 1, 4, 15, 9, 2, 6]
+    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=1, logprobs=2, echo=True)])
+    scored = outs[0].prompt
+    logits = forward_cached(CFG, trained.params, np.array([p]), new_cache(CFG))[0, 0]  # [T, V]
+    logp = log_softmax(logits)
+    assert [t for t, _, _ in scored] == p and scored[0][1] is None
+    for i in range(1, len(p)):
+        assert scored[i][1] == pytest.approx(logp[i - 1, p[i]], abs=1e-6)
+        assert [t for t, _ in scored[i][2]] == list(np.argsort(-logp[i - 1])[:2])
+
+
+def test_cancel_frees_the_row_at_the_next_step(trained):
+    b = Batcher(trained, max_batch=2)
+    a, c = Collect(), Collect()
+    ja = Job(ids=[1, 2], max_tokens=1000, on_event=a)
+    b.submit(ja)
+    b.submit(Job(ids=[3], max_tokens=1000, on_event=c))
+    b.step()
+    b.step()
+    assert b.stats()["active"] == 2
+    ja.cancel()
+    b.step()
+    assert b.stats()["active"] == 1 and a.reason == "cancelled" and c.reason is None
+
+
+def test_queue_is_bounded_and_close_ends_everything(trained):
+    b = Batcher(trained, max_batch=1, max_queue=2)
+    outs = [Collect() for _ in range(3)]
+    b.submit(Job(ids=[1], max_tokens=100, on_event=outs[0]))
+    b.submit(Job(ids=[2], max_tokens=100, on_event=outs[1]))
+    with pytest.raises(QueueFull):
+        b.submit(Job(ids=[3], max_tokens=100, on_event=outs[2]))
+    b.step()  # job 0 takes the one row; job 1 waits
+    assert b.stats()["active"] == 1 and b.stats()["queued"] == 1
+    b.start()
+    b.close()
+    assert outs[0].reason == outs[1].reason == "shutdown"
+    with pytest.raises(Closed):
+        b.submit(Job(ids=[1], max_tokens=1))
+
+
+def test_top_logprobs_order():
+    logp = np.log(np.array([0.1, 0.4, 0.1, 0.4]))
+    assert [i for i, _ in top_logprobs(logp, 3)] == [1, 3, 0]
+    assert top_logprobs(logp, 0) == []
