@@ -20,7 +20,7 @@ import pytest
 
 from nanoeuler.check import Row
 from nanoeuler.config import Config
-from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, kernel_source
+from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, gpu_extra, kernel_source
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -173,7 +173,7 @@ def test_check_device_gpu_without_cupy_is_one_line_error():
             "sys.exit(main(['check', '--device', 'gpu']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: GPU unavailable: CuPy is not installed (pip install 'nanoeuler[gpu]')"]
+    assert proc.stderr.strip().splitlines() == [f"error: GPU unavailable: CuPy is not installed ({gpu_extra()})"]
 
 
 # ---- 3. device ------------------------------------------------------------------------------------------
@@ -255,4 +255,4 @@ def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):
             f"sys.exit(main(['train', '--device', 'gpu', '--out', {str(tmp_path / 'run')!r}, '--steps', '1']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "error: GPU unavailable: CuPy is not installed (pip install 'nanoeuler[gpu]')"
+    assert proc.stderr.strip().splitlines()[-1] == f"error: GPU unavailable: CuPy is not installed ({gpu_extra()})"

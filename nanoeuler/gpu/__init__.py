@@ -1,8 +1,8 @@
 """The GPU engine: the same model on CuPy arrays, with cuBLAS matmuls and hand-written CUDA kernels.
 
-CuPy is optional (`pip install 'nanoeuler[gpu]'`): this package imports without it, and everything
-that needs it goes through `runtime.require_cupy()`, which raises a one-line UserError when CuPy or a
-device is missing. Layout:
+CuPy is optional (`pip install 'nanoeuler[gpu-cuda13]'`, or `[gpu-cuda12]` on CUDA 12): this package
+imports without it, and everything that needs it goes through `runtime.require_cupy()`, which raises a
+one-line UserError when CuPy or a device is missing (naming the extra for this machine's CUDA). Layout:
 
     kernels/*.cu   CUDA C: FlashAttention fwd/bwd (causal, GQA, no T×T; fp32 math on CUDA cores, and a
                    bf16 tensor-core (WMMA) variant), RMSNorm, RoPE, SwiGLU, softmax cross-entropy, AdamW,

@@ -61,21 +61,30 @@ def wmma_supported(hd: int) -> bool:
 
 
 _wmma_ok: dict[int, bool] = {}
+_wmma_reason: dict[int, str] = {}
 
 
 def wmma_available(hd: int) -> bool:
-    """Whether the tensor-core kernels compile here (NVRTC needs the CUDA headers); if not, warn once and
-    let the bf16 mode fall back to the CUDA-core FlashAttention instead of failing the run."""
+    """Whether the tensor-core kernels compile here (NVRTC needs the CUDA headers); if not, say so in one
+    line on stderr (once per head dim) and let the bf16 mode fall back to the CUDA-core FlashAttention
+    instead of failing the run. `wmma_unavailable_reason(hd)` keeps the reason for reports."""
     if hd not in _wmma_ok:
         try:
             get_kernel("flash_attention_wmma", "flash_wmma_fwd", (("FA_HD", hd),))
             _wmma_ok[hd] = True
         except Exception as e:  # CompileException, missing headers (UserError), ...
-            import warnings
-            warnings.warn(f"tensor-core FlashAttention unavailable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                          "using the CUDA-core kernel", RuntimeWarning, stacklevel=2)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _wmma_reason[hd] = f"{type(e).__name__}: {first[:400]}"
             _wmma_ok[hd] = False
+            import sys
+            print(f"warning: tensor-core FlashAttention (hd={hd}) unavailable, using the CUDA-core kernel instead: "
+                  f"{_wmma_reason[hd]}", file=sys.stderr, flush=True)
     return _wmma_ok[hd]
+
+
+def wmma_unavailable_reason(hd: int) -> str | None:
+    """Why the tensor-core kernels did not compile at this head dim (None: they did, or were not tried)."""
+    return _wmma_reason.get(hd)
 
 
 def flash_forward(q, k, v, kernel: str = "f32"):

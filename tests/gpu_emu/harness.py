@@ -144,18 +144,37 @@ def fake_gemm_bf16(a, b, trans_a=False, trans_b=False):
     return ((A.T if trans_a else A) @ (B.T if trans_b else B)).astype(np.float32)
 
 
-def install(monkeypatch):
-    """Put the fake CuPy in sys.modules and point nanoeuler.gpu at it (for the test's duration)."""
+class _Patcher:
+    """The two pytest-monkeypatch methods install() uses, applied for good (for tests/gpu_emu/run.py)."""
+
+    def setitem(self, mapping, key, value):
+        mapping[key] = value
+
+    def setattr(self, target, name, value):
+        setattr(target, name, value)
+
+
+def install(monkeypatch=None, threads: int = 32):
+    """Put the fake CuPy in sys.modules and point nanoeuler.gpu at it (for the test's duration when
+    `monkeypatch` is pytest's; for the rest of the process when None).
+
+    `threads` is the block size of the elementwise and row kernels (THREADS): 32 is one warp (fast), 128
+    is four warps, so block_sum / block_max combine per-warp partials through shared memory as on a GPU.
+    The tensor-core kernels read tests/gpu_emu/include (stand-ins for mma.h, cuda_bf16.h)."""
+    monkeypatch = monkeypatch or _Patcher()
     cp, modules = fake_cupy()
     for name, mod in modules.items():
         monkeypatch.setitem(sys.modules, name, mod)
     from nanoeuler.gpu import engine, matmul, ops, runtime
     runtime.require_cupy.cache_clear()
     runtime.load_module.cache_clear()
+    monkeypatch.setattr(runtime, "cuda_include_dir", lambda: str(HERE / "include"))
+    monkeypatch.setattr(ops, "_wmma_ok", {})
+    monkeypatch.setattr(ops, "_wmma_reason", {})
     monkeypatch.setattr(ops, "gemm_bf16", fake_gemm_bf16)
-    small_grid = lambda n, threads=32, cap=4: max(1, min(cap, (n + threads - 1) // threads))
-    for mod in (ops, matmul, engine):  # small blocks and grids: one std::thread per CUDA thread
-        monkeypatch.setattr(mod, "THREADS", 32)
+    small_grid = lambda n, threads=threads, cap=4: max(1, min(cap, (n + threads - 1) // threads))
+    for mod in (ops, matmul, engine):  # small blocks and grids: one fiber per CUDA thread
+        monkeypatch.setattr(mod, "THREADS", threads)
         monkeypatch.setattr(mod, "blocks_for", small_grid)
     monkeypatch.setattr(engine, "_OPS", {})
     return cp
