@@ -6,6 +6,12 @@ Reports tokens/s, MFU and peak GPU memory per contender, in one run:
 
     python bench/gpu_speed.py                      # gpt preset, batch 16 x 512 tokens
     python bench/gpu_speed.py --batch 8 --steps 5 --no-compile --json
+    python bench/gpu_speed.py --contenders compile # torch.compile alone (scripts/gpu_check.sh: its own step)
+
+Our engine is named by the attention kernel that really ran: "nanoeuler, tensor-core attention" only when
+the WMMA kernels compiled; when they did not (no complete CUDA include folder), the same run is reported as
+"nanoeuler, CUDA-core attention (tensor-core kernels unavailable)", with the reason, never under the
+tensor-core name.
 
 MFU = achieved FLOP/s / peak, with FLOPs per token = 6·N (the matrices: forward 2·N, backward 4·N)
 + 6·L·T·d (causal attention scores and mixes: 12·L·T·d halved by the mask), and peak = 989 TFLOP/s
@@ -44,10 +50,13 @@ def run_ours(cfg, params, data, warmup: int, precision: str = "bf16", tensor_cor
     import cupy as cp
     from nanoeuler.gpu import engine
     from nanoeuler.gpu.matmul import set_tf32
+    from nanoeuler.gpu.ops import wmma_unavailable_reason
     engine.set_precision(precision)
-    engine.gpu_ops(precision).tensor_core_attention = tensor_cores
+    ops = engine.gpu_ops(precision)
+    ops.tensor_core_attention = tensor_cores
     gm = engine.to_gpu(Model(cfg, params))
     opt = engine.GpuAdamW(gm.params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    kernel = ops.flash_kernel(cfg.head_dim)  # what will run: "wmma" only when the tensor-core kernels compiled
 
     def step(tokens):
         loss, _, grads = engine.loss_and_grads(gm, tokens, precision=precision)
@@ -74,10 +83,23 @@ def run_ours(cfg, params, data, warmup: int, precision: str = "bf16", tensor_cor
     dt = time.perf_counter() - t0
     cp.cuda.set_allocator(malloc)
     set_tf32(False)
-    engine.gpu_ops(precision).tensor_core_attention = True
+    ops.tensor_core_attention = True
     del gm, opt
     pool.free_all_blocks()
-    return {"seconds": dt, "steps": len(data) - warmup, "peak_bytes": peak[0], "last_loss": losses[-1]}
+    out = {"seconds": dt, "steps": len(data) - warmup, "peak_bytes": peak[0], "last_loss": losses[-1],
+           "attention_kernel": kernel}
+    if tensor_cores and kernel != "wmma":
+        out["tensor_cores_unavailable"] = wmma_unavailable_reason(cfg.head_dim) or f"hd={cfg.head_dim} not supported"
+    return out
+
+
+def ours_name(r: dict) -> str:
+    """The contender's name from the attention kernel that ran (never the tensor-core name for the fallback)."""
+    if r.get("attention_kernel") == "wmma":
+        return "nanoeuler, tensor-core attention"
+    if "tensor_cores_unavailable" in r:
+        return "nanoeuler, CUDA-core attention (tensor-core kernels unavailable)"
+    return "nanoeuler, CUDA-core attention"
 
 
 # ---- PyTorch -------------------------------------------------------------------------------------------
@@ -155,12 +177,18 @@ def run_torch(cfg, params, data, warmup: int, compile_: bool) -> dict:
     return out
 
 
+CONTENDERS = ("ours", "eager", "cuda-core", "compile")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gpt", choices=list(PRESETS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--contenders", default=None,
+                    help=f"comma-separated, of {', '.join(CONTENDERS)} (default ours,eager,compile; the flags below "
+                         "edit the default)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--no-torch", action="store_true", help="only our engine")
     ap.add_argument("--cuda-core-attention-too", action="store_true",
@@ -168,6 +196,15 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.contenders:
+        wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
+        bad = [c for c in wanted if c not in CONTENDERS]
+        if bad:
+            print(f"error: unknown contender {bad[0]!r}; choose from {', '.join(CONTENDERS)}", file=sys.stderr)
+            return 2
+    else:
+        wanted = ["ours"] + ([] if args.no_torch else ["eager"]) + (["cuda-core"] if args.cuda_core_attention_too else []) \
+            + ([] if args.no_torch or args.no_compile else ["compile"])
 
     cfg = PRESETS[args.preset]
     params = Model.init(cfg, seed=0).params
@@ -175,34 +212,39 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * cfg.ctx_len
     results = {}
     # ours and eager first (the comparison that matters), torch.compile last (its compilation is slow)
-    contenders = [("nanoeuler (CuPy + CUDA kernels)", lambda: run_ours(cfg, params, data, args.warmup))]
-    if not args.no_torch:
-        contenders.append(("PyTorch eager + SDPA", lambda: run_torch(cfg, params, data, args.warmup, False)))
-    if args.cuda_core_attention_too:
-        contenders.append(("nanoeuler, CUDA-core attention", lambda: run_ours(cfg, params, data, args.warmup,
-                                                                              tensor_cores=False)))
-    if not args.no_torch and not args.no_compile:
-        contenders.append(("torch.compile", lambda: run_torch(cfg, params, data, args.warmup, True)))
-    for name, fn in contenders:
+    runners = {"ours": lambda: run_ours(cfg, params, data, args.warmup),
+               "eager": lambda: run_torch(cfg, params, data, args.warmup, False),
+               "cuda-core": lambda: run_ours(cfg, params, data, args.warmup, tensor_cores=False),
+               "compile": lambda: run_torch(cfg, params, data, args.warmup, True)}
+    default_names = {"ours": "nanoeuler, tensor-core attention", "eager": "PyTorch eager + SDPA",
+                     "cuda-core": "nanoeuler, CUDA-core attention", "compile": "torch.compile"}
+    for key in [c for c in CONTENDERS if c in wanted]:
+        name = default_names[key]
+        if key == "cuda-core" and any(r.get("attention_kernel") not in (None, "wmma") for r in results.values()):
+            continue  # "ours" already ran the CUDA-core kernel (tensor cores unavailable): timed once, named so
         try:
-            r = fn()
+            r = runners[key]()
         except Exception as e:  # report and go on: one failing contender must not hide the others
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             print(f"{name}: FAILED {results[name]['error']}", file=sys.stderr, flush=True)
             continue
+        if key in ("ours", "cuda-core"):
+            name = ours_name(r)
+            if "tensor_cores_unavailable" in r:
+                print(f"note: tensor-core kernels unavailable ({r['tensor_cores_unavailable']}); timed as {name!r}",
+                      file=sys.stderr, flush=True)
         r["tokens_per_s"] = tokens_per_step * r["steps"] / r["seconds"]
         r["ms_per_step"] = 1e3 * r["seconds"] / r["steps"]
         r["mfu"] = r["tokens_per_s"] * flops_per_token(cfg) / (args.peak_tflops * 1e12)
         results[name] = r
         if not args.json:
-            print(f"{name:<34} {r['tokens_per_s']:>10,.0f} tok/s  {r['ms_per_step']:8.1f} ms/step  "
+            print(f"{name:<62} {r['tokens_per_s']:>10,.0f} tok/s  {r['ms_per_step']:8.1f} ms/step  "
                   f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_bytes'] / 2**30:6.2f} GiB  loss {r['last_loss']:.4f}",
                   flush=True)
-        ours = results.get("nanoeuler (CuPy + CUDA kernels)", {})
-        if name == "PyTorch eager + SDPA" and "tokens_per_s" in ours and not args.json:
-            print(f"ours / PyTorch eager = {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x", flush=True)
-    ours = results.get("nanoeuler (CuPy + CUDA kernels)", {})
+    ours = next((r for n, r in results.items() if n.startswith("nanoeuler") and "tokens_per_s" in r), {})
     eager = results.get("PyTorch eager + SDPA", {})
+    if "tokens_per_s" in ours and "tokens_per_s" in eager and not args.json:
+        print(f"ours ({ours_name(ours)}) / PyTorch eager = {ours['tokens_per_s'] / eager['tokens_per_s']:.2f}x", flush=True)
     summary = {"preset": args.preset, "batch": args.batch, "ctx": cfg.ctx_len, "precision": "bf16 (fp32 master)",
                "params": cfg.n_params(), "flops_per_token": flops_per_token(cfg), "peak_tflops": args.peak_tflops,
                "results": results}
@@ -210,7 +252,8 @@ def main(argv=None) -> int:
         summary["ours_vs_eager"] = ours["tokens_per_s"] / eager["tokens_per_s"]
     if args.json:
         print(json.dumps(summary))
-    return 0 if "tokens_per_s" in ours else 1
+    ran_ours = any(k in wanted for k in ("ours", "cuda-core"))
+    return 0 if (not ran_ours or "tokens_per_s" in ours) and all("error" not in r for r in results.values()) else 1
 
 
 if __name__ == "__main__":
