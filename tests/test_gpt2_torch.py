@@ -1,0 +1,327 @@
+"""GPT-2 on our engine vs transformers + torch autograd (llm.c's test_gpt2, on nanoeuler).
+
+A GPT2LMHeadModel is made by transformers in the test (random weights, then every bias and norm weight
+pushed away from its init so each term matters), saved with save_pretrained beside a vocab.json +
+merges.txt trained here on the bundled corpus (the real GPT-2 files cannot be downloaded), and imported
+with nanoeuler.interop.gpt2. Then:
+- logits vs transformers <= 1e-5 relative (float32);
+- head-0 loss and every parameter gradient vs torch autograd <= 1e-5 (float32), <= 1e-10 (float64);
+- 10 AdamW steps of fine-tuning, ours vs torch.optim.AdamW: the 10 losses agree to 1e-5;
+- export -> transformers loads the folder -> identical logits; export -> import gives the same weights;
+- the tokenizer: our encode of the corpus == transformers' GPT2Tokenizer (and `tokenizers`' BPE) built from
+  the same vocab.json/merges.txt, ids mapped by the import's perm (only the 256 byte ids move);
+- bad folders: one-line UserErrors.
+
+Relative error of a tensor a against the reference b: max|a - b| / max|b| (tensor-wise), as in
+tests/test_torch_parity.py. Our ids -> GPT-2 ids: perm[our id] (see interop/gpt2.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanoeuler import Model
+from nanoeuler.errors import UserError
+from nanoeuler.interop.gpt2 import export_gpt2_folder, load_gpt2_folder, read_gpt2_tokenizer
+
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")  # the `test` extra installs it; see pyproject
+
+TOL = {np.float32: 1e-5, np.float64: 1e-10}
+EOT = "<|endoftext|>"
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def corpus_text(n_chars: int) -> str:
+    from nanoeuler.corpus import bundled_works
+    works = bundled_works()
+    return "".join(works[name] for name in sorted(works))[:n_chars]
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def tok_files(tmp_path_factory) -> Path:
+    """vocab.json + merges.txt of a small byte-level BPE trained by `tokenizers` on the bundled corpus
+    (the HF trainer's numbering: <|endoftext|> first, then its byte alphabet, then the merges)."""
+    from tokenizers import ByteLevelBPETokenizer
+    d = tmp_path_factory.mktemp("gpt2tok")
+    t = ByteLevelBPETokenizer(add_prefix_space=False)
+    t.train_from_iterator([corpus_text(400_000)], vocab_size=420, min_frequency=2, special_tokens=[EOT],
+                          show_progress=False)
+    t.save_model(str(d))
+    return d
+
+
+def vocab_of(tok_files: Path) -> dict:
+    return json.loads((tok_files / "vocab.json").read_text(encoding="utf-8"))
+
+
+def make_hf_model(tok_files: Path, seed: int = 0, n_positions: int = 32, n_embd: int = 32, n_layer: int = 2,
+                  n_head: int = 4):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    vocab = vocab_of(tok_files)
+    eot = vocab[EOT]
+    cfg = GPT2Config(vocab_size=len(vocab), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=eot, eos_token_id=eot, attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim == 1:  # biases 0 and LayerNorm weights 1 at init: move them so every term matters
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif "wpe" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def save_folder(m, tok_files: Path, out: Path) -> Path:
+    m.save_pretrained(str(out), safe_serialization=True)
+    for f in ("vocab.json", "merges.txt"):
+        shutil.copy(tok_files / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tok_files, tmp_path_factory) -> Path:
+    return save_folder(make_hf_model(tok_files), tok_files, tmp_path_factory.mktemp("gpt2") / "hf")
+
+
+def hf_tokens(V: int, seed: int, B: int = 3, T: int = 24) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, (B, T + 1))
+
+
+def to_ours(hf_ids: np.ndarray, perm) -> np.ndarray:
+    inv = np.empty(len(perm), dtype=np.int64)
+    inv[np.asarray(perm)] = np.arange(len(perm))
+    return inv[hf_ids]
+
+
+def torch_grads_as_ours(m, cfg, perm) -> dict[str, np.ndarray]:
+    """transformers' parameter gradients under our names and orientation (written here, independently of
+    interop/gpt2.py: Conv1D weights are [in, out], c_attn is q | k | v along its output axis)."""
+    g = {n.removeprefix("transformer."): p.grad.detach().numpy() for n, p in m.named_parameters()}
+    d = cfg.dim
+    out = {"embed.weight": g["wte.weight"][np.asarray(perm)], "pos_embed.weight": g["wpe.weight"],
+           "norm.weight": g["ln_f.weight"], "norm.bias": g["ln_f.bias"]}
+    for i in range(cfg.n_layers):
+        h, o = f"h.{i}.", f"layers.{i}."
+        for j, part in enumerate("qkv"):
+            out[o + f"attn.w{part}.weight"] = g[h + "attn.c_attn.weight"][:, j * d:(j + 1) * d].T
+            out[o + f"attn.w{part}.bias"] = g[h + "attn.c_attn.bias"][j * d:(j + 1) * d]
+        out[o + "attn.wo.weight"] = g[h + "attn.c_proj.weight"].T
+        out[o + "attn.wo.bias"] = g[h + "attn.c_proj.bias"]
+        out[o + "ffn.fc.weight"] = g[h + "mlp.c_fc.weight"].T
+        out[o + "ffn.fc.bias"] = g[h + "mlp.c_fc.bias"]
+        out[o + "ffn.proj.weight"] = g[h + "mlp.c_proj.weight"].T
+        out[o + "ffn.proj.bias"] = g[h + "mlp.c_proj.bias"]
+        for ours, theirs in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            out[o + ours + ".weight"] = g[h + theirs + ".weight"]
+            out[o + ours + ".bias"] = g[h + theirs + ".bias"]
+    return out
+
+
+def torch_loss(m, hf_ids: np.ndarray):
+    """Mean next-token cross-entropy of tokens [B, T+1] (inputs [:, :T], targets [:, 1:])."""
+    ids = torch.as_tensor(hf_ids)
+    logits = m(input_ids=ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------------------------------------ the tokenizer
+
+def test_tokenizer_parity_with_hf_gpt2_tokenizer(tok_files):
+    """transformers' GPT2Tokenizer (from_pretrained on the folder: vocab.json + merges.txt) and the
+    `tokenizers` ByteLevelBPETokenizer built from the same two files."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Tokenizer
+    vocab = vocab_of(tok_files)
+    tok, perm = read_gpt2_tokenizer(tok_files, len(vocab), vocab[EOT])
+    assert tok.vocab_size == len(vocab) and tok.eos_token == EOT and perm[tok.eos_id] == vocab[EOT]
+    assert sorted(perm) == list(range(len(vocab)))
+    hf = GPT2Tokenizer.from_pretrained(str(tok_files))
+    bl = ByteLevelBPETokenizer(str(tok_files / "vocab.json"), str(tok_files / "merges.txt"))
+    assert len(hf.get_vocab()) == len(vocab)
+    text = corpus_text(2_000_000)                                   # the bundled corpus, 2 MB of it
+    ours = np.asarray(perm)[tok.encode_array(text)]
+    theirs = hf(text)["input_ids"]
+    assert len(ours) > 100_000 and ours.tolist() == theirs
+    tricky = "Hello  world!\n\n  It's 2026 — naïve café, 'tis… 你好 \t\r\n end   "
+    small = text[:20_000] + tricky
+    assert np.asarray(perm)[tok.encode(small)].tolist() == bl.encode(small).ids == hf.encode(small)
+    assert tok.decode(tok.encode(small)) == small
+
+
+def test_real_gpt2_numbering_keeps_ids():
+    """With GPT-2's own numbering (bytes in byte-to-unicode order, merge i = 256 + i) only the byte ids
+    move, and export's gpt2_ids undoes exactly that permutation."""
+    from nanoeuler.interop.gpt2 import gpt2_byte_order, gpt2_ids, tokenizer_dict_from_vocab_merges
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    from nanoeuler.tokenizer import bytes_to_unicode
+    alpha = bytes_to_unicode()
+    order = gpt2_byte_order()
+    vocab = {alpha[b]: i for i, b in enumerate(order)}
+    assert vocab["!"] == 0 and vocab["Ġ"] == 220 and vocab["ÿ"] == 187 and vocab["Ā"] == 188
+    merges = ["Ġ t", "h e", "Ġt he"]
+    for i, m in enumerate(merges):
+        vocab[m.replace(" ", "")] = 256 + i
+    vocab[EOT] = 259
+    tok, perm = from_hf_json(tokenizer_dict_from_vocab_merges(vocab, "#version: 0.2\n" + "\n".join(merges) + "\n"),
+                             None, 259)
+    assert perm[256:] == [256, 257, 258, 259] and perm[32] == 220 and perm[ord("!")] == 0
+    assert gpt2_ids(tok).tolist() == perm
+    assert np.asarray(perm)[tok.encode(" the")].tolist() == [258]
+
+
+# ------------------------------------------------------------------------------ the model
+
+def test_import_logits_match_transformers(folder):
+    cfg, params, tok = load_gpt2_folder(folder)
+    assert cfg.arch == "gpt2" and cfg.n_mtp == 1 and cfg.vocab_size == tok.vocab_size
+    m = make_hf_model_from(folder)
+    _, perm = read_gpt2_tokenizer(folder, cfg.vocab_size, vocab_of(folder)[EOT])
+    hf_ids = hf_tokens(cfg.vocab_size, 1, B=2, T=cfg.ctx_len - 1)[:, :cfg.ctx_len]   # the whole position table
+    ours = Model(cfg, params).logits(to_ours(hf_ids, perm))[0]            # [B, T, V] in our ids
+    with torch.no_grad():
+        theirs = m(input_ids=torch.as_tensor(hf_ids)).logits.numpy()[..., np.asarray(perm)]
+    err = rel_err(ours, theirs)
+    assert err <= 1e-5, err
+    assert rel_err(ours, theirs[..., ::-1]) > 1e-2   # the comparison can fail
+
+
+def make_hf_model_from(folder: Path, dtype=torch.float32):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(str(folder), attn_implementation="eager", dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_loss_and_every_gradient_match_torch_autograd(folder, dtype):
+    cfg, params, _ = load_gpt2_folder(folder)
+    _, perm = read_gpt2_tokenizer(folder, cfg.vocab_size, vocab_of(folder)[EOT])
+    m = make_hf_model_from(folder, torch.float64 if dtype == np.float64 else torch.float32)
+    model = Model(cfg, {n: p.astype(dtype) for n, p in params.items()})
+    if dtype == np.float64:  # the f64 torch model starts from the same (f32-stored) weights
+        assert rel_err(model.params["layers.1.ffn.fc.weight"], m.transformer.h[1].mlp.c_fc.weight.detach().numpy().T) == 0
+    hf_ids = hf_tokens(cfg.vocab_size, 2)
+    loss, objective, grads = model.loss_and_grads(to_ours(hf_ids, perm))
+    tl = torch_loss(m, hf_ids)
+    tl.backward()
+    assert abs(loss - tl.item()) <= TOL[dtype] * abs(tl.item()) and objective == loss
+    tgrads = torch_grads_as_ours(m, cfg, perm)
+    assert set(tgrads) == set(grads)
+    # attn.wk.bias: adding a bias to every key shifts a whole row of scores by q·b, which softmax ignores,
+    # so its true gradient is exactly 0 and both sides hold only round-off: measured against wq.bias's scale
+    errs = {n: rel_err(grads[n], tgrads[n]) if not n.endswith("attn.wk.bias") else
+            rel_err(grads[n], tgrads[n]) * np.abs(tgrads[n]).max() / np.abs(tgrads[n.replace("wk", "wq")]).max()
+            for n in grads}
+    bad = {n: e for n, e in errs.items() if not e <= TOL[dtype]}
+    assert not bad, bad
+    for n in grads:  # every gradient carries signal (wk.bias: exactly zero in both, softmax ignores it)
+        assert grads[n].dtype == dtype
+        assert np.abs(tgrads[n]).max() > 1e-6 or n.endswith("attn.wk.bias"), n
+
+
+def test_ten_adamw_steps_match_torch(folder):
+    from nanoeuler.optim import AdamW
+    cfg, params, _ = load_gpt2_folder(folder)
+    _, perm = read_gpt2_tokenizer(folder, cfg.vocab_size, vocab_of(folder)[EOT])
+    m = make_hf_model_from(folder).train()  # dropout is 0: train() changes nothing but the mode
+    model = Model(cfg, params)
+    lr, wd = 1e-3, 0.1
+    opt = AdamW(model.params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+    ps = [p for p in m.parameters()]
+    topt = torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": wd},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    from transformers import GPT2Tokenizer
+    text_ids = GPT2Tokenizer.from_pretrained(str(folder))(corpus_text(5000))["input_ids"]
+    hf_ids = np.array(text_ids[:4 * 17]).reshape(4, 17)   # one batch of Shakespeare, B=4, T=16 (as llm.c: the same batch 10 times)
+    ours, theirs = [], []
+    for step in range(10):
+        loss, _, grads = model.loss_and_grads(to_ours(hf_ids, perm))
+        opt.step(model.params, grads)
+        topt.zero_grad()
+        tl = torch_loss(m, hf_ids)
+        tl.backward()
+        topt.step()
+        ours.append(loss)
+        theirs.append(tl.item())
+    errs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    assert max(errs) <= 1e-5, (ours, theirs, errs)
+    assert theirs[-1] < theirs[0] - 0.5   # it is learning
+
+
+def test_export_then_transformers_and_import_round_trip(folder, tmp_path):
+    from transformers import GPT2Tokenizer
+    cfg, params, tok = load_gpt2_folder(folder)
+    out = export_gpt2_folder(Model(cfg, params), tok, tmp_path / "exported", progress=False)
+    m0, m1 = make_hf_model_from(folder), make_hf_model_from(out)
+    text = corpus_text(3000)[1000:1400]
+    t0, t1 = GPT2Tokenizer.from_pretrained(str(folder)), GPT2Tokenizer.from_pretrained(str(out))
+    ids0, ids1 = t0(text)["input_ids"][:cfg.ctx_len], t1(text)["input_ids"][:cfg.ctx_len]
+    assert len(ids0) == len(ids1) == cfg.ctx_len
+    assert t1.decode(ids1) == t0.decode(ids0)
+    # the same text -> the same next-token distribution (vocabularies numbered differently: map by token)
+    inv0 = {v: k for k, v in t0.get_vocab().items()}
+    v1 = t1.get_vocab()
+    col = np.array([v1[inv0[i]] for i in range(cfg.vocab_size)])   # exported id of each original id
+    with torch.no_grad():
+        l0 = m0(input_ids=torch.tensor([ids0])).logits.numpy()
+        l1 = m1(input_ids=torch.tensor([ids1])).logits.numpy()[..., col]
+    assert rel_err(l1, l0) <= 1e-6
+    cfg2, params2, tok2 = load_gpt2_folder(out)
+    assert cfg2 == cfg and tok2.merges == tok.merges and tok2.eos_token == tok.eos_token
+    assert all(np.array_equal(params2[n], params[n]) for n in params)
+
+
+# ------------------------------------------------------------------------------ bad folders
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "bad"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def test_bad_gpt2_folders_are_one_line_errors(folder, tmp_path):
+    from nanoeuler.interop.safetensors_io import read_tensors, write_tensors
+    # a missing tensor
+    bad = _copy(folder, tmp_path)
+    W = {n: a for n, (_, a) in read_tensors(bad / "model.safetensors").items()}
+    del W["transformer.h.1.mlp.c_fc.bias"]
+    write_tensors(bad / "model.safetensors", W)
+    with pytest.raises(UserError, match="h.1.mlp.c_fc.bias is missing"):
+        load_gpt2_folder(bad)
+    shutil.rmtree(bad)
+    # vocab/merges naming fewer tokens than the embedding has rows (one merge dropped)
+    bad = _copy(folder, tmp_path)
+    lines = (bad / "merges.txt").read_text(encoding="utf-8").splitlines()
+    last = lines.pop()
+    (bad / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    vocab = vocab_of(bad)
+    del vocab[last.replace(" ", "")]
+    (bad / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with pytest.raises(UserError, match="names 419 tokens but the embedding .wte. has 420 rows"):
+        load_gpt2_folder(bad)
+    shutil.rmtree(bad)
+    # config.json promising more positions than wpe holds
+    bad = _copy(folder, tmp_path)
+    c = json.loads((bad / "config.json").read_text())
+    c["n_positions"] = 64
+    (bad / "config.json").write_text(json.dumps(c))
+    with pytest.raises(UserError, match="wpe.weight has 32 positions but config.json says n_positions 64"):
+        load_gpt2_folder(bad)
+    c["n_positions"], c["activation_function"] = 32, "relu"
+    (bad / "config.json").write_text(json.dumps(c))
+    with pytest.raises(UserError, match="activation_function=relu"):
+        load_gpt2_folder(bad)
