@@ -145,16 +145,16 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, rng: np.random.Generator | None = None) -> int:
-    """logits [V] -> one token id. temperature 0 is greedy (argmax); top_k keeps the k most likely
-    tokens, top_p the smallest set whose probability reaches p (nucleus), both before sampling.
+def token_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None) -> np.ndarray:
+    """logits [V] -> the distribution [V] (float64, sums to 1) that sampling draws from: softmax of
+    logits / temperature (> 0), cut to the top_k most likely tokens, then to the smallest set whose
+    probability reaches top_p (nucleus), renormalised.
 
-        sample_token(np.array([1.0, 3.0, 2.0]), temperature=0)  -> 1
-        sample_token(np.array([1.0, 3.0, 2.0]), top_k=1, rng=np.random.default_rng(0))  -> 1
+        token_probs(np.log([1., 2., 1.]))            -> [.25, .5, .25]
+        token_probs(np.log([1., 2., 1.]), top_k=1)   -> [0., 1., 0.]
+        token_probs(np.log([1., 2., 1.]), top_p=.6)  -> [.333, .667, 0.]   (.5 < .6, so the next one joins)
     """
-    if temperature <= 0:
-        return int(np.argmax(logits))
     z = logits.astype(np.float64) / temperature
     if top_k is not None and 0 < top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
@@ -169,9 +169,27 @@ def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None
         keep[order[:n_keep]] = True
         p = np.where(keep, p, 0.0)
         p /= p.sum()
-    rng = rng if rng is not None else np.random.default_rng()
+    return p
+
+
+def draw_token(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from the distribution p [V] (inverse CDF, one uniform draw).  draw_token([0, 1, 0], rng) -> 1"""
     cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), p.size - 1))
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+
+
+def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, rng: np.random.Generator | None = None) -> int:
+    """logits [V] -> one token id. temperature 0 is greedy (argmax); top_k keeps the k most likely
+    tokens, top_p the smallest set whose probability reaches p (nucleus), both before sampling.
+
+        sample_token(np.array([1.0, 3.0, 2.0]), temperature=0)  -> 1
+        sample_token(np.array([1.0, 3.0, 2.0]), top_k=1, rng=np.random.default_rng(0))  -> 1
+    """
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    return draw_token(token_probs(logits, temperature, top_k, top_p),
+                      rng if rng is not None else np.random.default_rng())
 
 
 # ---- the generation loop -------------------------------------------------------------------------
@@ -181,8 +199,9 @@ class Generation:
     ids: list[int]
     stopped: bool = False          # ended on a stop token (rather than max_new_tokens)
     forwards: int = 0              # model calls, prefill included
-    drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1
-    accepted: int = 0              # speculative: draft tokens head 0 agreed with
+    drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1 and verified
+    accepted: int = 0              # speculative: draft tokens the verification accepted
+    draft_rounds: int = 0          # speculative: rounds that verified drafts (the others were plain steps)
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -261,12 +280,15 @@ class _Window:
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop_ids: Sequence[int] = (), mode: str = "cache",
-             on_token: Callable[[int], None] | None = None) -> Generation:
+             on_token: Callable[[int], None] | None = None, spec_depth: int | None = None) -> Generation:
     """Continue prompt_ids with up to max_new_tokens tokens, stopping after any of stop_ids.
 
     mode: "cache" (KV cache, one token per forward), "full" (recompute the whole window every token:
-    the slow reference) or "speculative" (greedy only: MTP drafts verified by head 0; same output as
-    greedy "cache"). on_token(id) is called for each new token as soon as it is known (streaming).
+    the slow reference) or "speculative" (MTP drafts verified by head 0: at temperature 0 the same tokens
+    as greedy "cache"; at temperature > 0 samples from exactly the same distribution as "cache", though
+    not the same tokens for a seed). on_token(id) is called for each new token as soon as it is known
+    (streaming). spec_depth fixes how many drafts each speculative round verifies (default: adaptive, see
+    `_Planner`; for tests and benchmarks).
     """
     if mode not in MODES:
         raise UserError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -277,10 +299,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
         raise UserError(f"prompt token id out of range [0, {V})")
     if max_new_tokens < 0:
         raise UserError("max_new_tokens must be >= 0")
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 0):
-        raise UserError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-    if mode == "speculative" and temperature > 0:
-        raise UserError("speculative decoding is greedy: use temperature 0")
+    if not (temperature >= 0 and np.isfinite(temperature)) or (top_p is not None and not 0 < top_p <= 1) \
+            or (top_k is not None and top_k < 0):
+        raise UserError("need a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    if spec_depth is not None and spec_depth < 0:
+        raise UserError("spec_depth must be >= 0")
     rng = np.random.default_rng(seed)
     stop = set(int(s) for s in stop_ids)
     out = Generation([])
@@ -303,7 +326,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
 
     if max_new_tokens > 0:
         if mode == "speculative" and model.config.n_mtp > 1:
-            _speculate(win, emit, out)
+            rule = _Greedy() if temperature == 0 else _Sampled(temperature, top_k, top_p, rng)
+            _speculate(win, rule, emit, out, spec_depth)
         else:
             while True:
                 token = sample_token(win.head(0), temperature, top_k, top_p, rng)
@@ -315,47 +339,202 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     return out
 
 
-def _speculate(win: _Window, emit, out: Generation, min_gain: float = 0.15, probe_every: int = 16) -> None:
-    """Greedy decoding with MTP drafts (see the module docstring). Ends when emit() says so.
+# ---- speculation: verification rules, the planner, the loop --------------------------------------
+class _Greedy:
+    """Temperature 0: a draft is the draft head's argmax and is accepted when it is head 0's argmax; on a
+    miss, head 0's argmax is the next token. Confidence: the draft head's softmax probability of its draft."""
 
-    How many drafts to verify adapts to how often they are accepted: rate[j] is a running estimate of
-    P(draft j+1 accepted | draft j accepted), and draft j+1 is sent only while the chance that every
-    draft up to it is accepted, rate[0]·…·rate[j], stays >= min_gain (each verified draft costs a
-    fraction of a forward). Every probe_every rounds all K-1 drafts are sent to refresh the estimates.
-    Which drafts are sent never changes the output, only the speed."""
+    def pick(self, logits: np.ndarray) -> int:
+        return int(np.argmax(logits))
+
+    def propose(self, logits: np.ndarray) -> tuple[int, float]:
+        t = int(np.argmax(logits))
+        return t, 1.0 / float(np.exp(logits - logits[t]).sum())
+
+    def draft(self, q: int) -> int:
+        return q
+
+    def check(self, logits: np.ndarray, x: int, q: int) -> tuple[bool, float, int | None]:
+        a = int(np.argmax(logits))
+        return a == x, float(a == x), None if a == x else a
+
+
+class _Sampled:
+    """Temperature > 0: the standard speculative-sampling rule. p is head 0's distribution at a position
+    and q the draft head's (both through token_probs with the same temperature / top-k / top-p); the
+    draft x ~ q is accepted with probability min(1, p(x) / q(x)), else the token is drawn from the
+    residual norm(max(p - q, 0)). Either way the token is distributed exactly as p:
+    P(x) = q(x)·min(1, p/q) + (1 - Σ min(p, q))·max(p - q, 0)(x) / Σ max(p - q, 0) = min(p, q) + max(p - q, 0) = p(x).
+
+        p = [.6, .4], q = [.9, .1]:  x=0 accepted w.p. 2/3, x=1 always; reject -> residual [0, 1]
+        P(0) = .9·2/3 = .6,  P(1) = .1 + .9·1/3 = .4
+    Confidence: q's largest probability. The acceptance observed for the planner is Σ min(p, q), the
+    exact acceptance probability of that draft (less noisy than the coin flip)."""
+
+    def __init__(self, temperature: float, top_k: int | None, top_p: float | None, rng: np.random.Generator):
+        self.temperature, self.top_k, self.top_p, self.rng = temperature, top_k, top_p, rng
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        return token_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits: np.ndarray) -> int:
+        return draw_token(self.probs(logits), self.rng)
+
+    def propose(self, logits: np.ndarray) -> tuple[np.ndarray, float]:
+        q = self.probs(logits)
+        return q, float(q.max())
+
+    def draft(self, q: np.ndarray) -> int:
+        return draw_token(q, self.rng)
+
+    def check(self, logits: np.ndarray, x: int, q: np.ndarray) -> tuple[bool, float, int | None]:
+        p = self.probs(logits)
+        rate = float(np.minimum(p, q).sum())
+        if self.rng.random() * q[x] < p[x]:  # accept with probability min(1, p(x) / q(x))
+            return True, rate, None
+        return False, rate, draw_token(self.residual(p, q), self.rng)
+
+    @staticmethod
+    def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """norm(max(p - q, 0)): where a rejected token comes from.  residual([.6, .4], [.9, .1]) -> [0, 1]"""
+        r = np.maximum(p - q, 0.0)
+        s = r.sum()
+        return r / s if s > 0 else p  # s == 0 only when p == q, where nothing is ever rejected
+
+
+class _Planner:
+    """Decides, round by round, how many drafts to verify (0 = a plain decoding step), from measured
+    acceptance and measured cost, so that speculation is used only where it pays.
+
+    Acceptance: rate(j, conf) estimates P(draft j+1 accepted | the drafts before it accepted) for a draft
+    whose head is `conf` sure of it (4 confidence bins, priors .15/.45/.72/.92, a memory of ~30
+    observations per bin). Cost: cost[d] is the measured wall time of a round that verifies d drafts
+    (drafting, the forward of d+1 tokens, the checks; cost[0] is a plain step), a running mean; an
+    unmeasured depth is extrapolated from the measured ones. A round verifying d drafts is worth
+    E(d) / cost[d] tokens per second, E(d) = 1 + r1 + r1·r2 + ... (the expected tokens it emits); the
+    round picks the d with the best worth, proposing drafts one by one while each adds worth:
+
+        cost = [1.0, 1.1, 1.25] ms, r1 = .5, r2 = .3:  worth 1/1 = 1.0,  1.5/1.1 = 1.36,  1.65/1.25 = 1.32  -> d = 1
+        r1 = .05:                                       worth 1.05/1.1 = .95 < 1.0                           -> d = 0
+
+    Looking at a draft costs a head's matmul; it is skipped altogether while the drafts' confidence
+    history says no bin would pay (a random model: plain decoding plus ~1 % of probing). Every
+    `probe_every`-th round verifies one draft more than the planner would, to keep rates and costs fresh.
+    Which drafts are verified never changes the output (greedy) or its distribution (sampling)."""
+
+    EDGES = (0.3, 0.6, 0.85)
+    PRIOR = (0.15, 0.45, 0.72, 0.92)
+
+    def __init__(self, max_depth: int, memory: float = 0.97):
+        self.D, self.memory = max_depth, memory
+        self.hits = np.tile(np.array(self.PRIOR), (max_depth, 1))  # [D, bins] decayed sums of acceptance
+        self.seen = np.ones((max_depth, len(self.PRIOR)))           # [D, bins] decayed counts
+        self.freq = np.ones(len(self.PRIOR))                        # decayed counts of draft 1's bins
+        self.cost: list[float | None] = [None] * (max_depth + 1)    # seconds per round of depth d
+        self.look: float | None = None                              # seconds to propose one draft
+
+    def _bin(self, conf: float) -> int:
+        return sum(conf >= e for e in self.EDGES)
+
+    def rate(self, j: int, conf: float) -> float:
+        b = self._bin(conf)
+        return self.hits[j, b] / self.seen[j, b]
+
+    def observe(self, j: int, conf: float, accepted: float) -> None:
+        """Draft j+1 (confidence conf) was verified; accepted: 0/1, or its acceptance probability."""
+        b = self._bin(conf)
+        self.hits[j] *= self.memory  # only this draft position's bins age
+        self.seen[j] *= self.memory
+        self.hits[j, b] += accepted
+        self.seen[j, b] += 1
+
+    def timed(self, d: int, seconds: float) -> None:
+        """A round of depth d took `seconds` (running mean; a spike, e.g. another process, counts at most 3x)."""
+        c = self.cost[d]
+        self.cost[d] = seconds if c is None else c + 0.1 * (min(seconds, 3 * c) - c)
+
+    def c(self, d: int) -> float:
+        """Cost of a round of depth d: measured, or extrapolated from the deepest measured one below."""
+        if self.cost[d] is not None:
+            return self.cost[d]
+        m = max(i for i in range(d) if self.cost[i] is not None)
+        slope = (self.cost[m] - self.cost[0]) / m if m else 0.15 * self.cost[0]
+        return self.cost[m] + (d - m) * max(slope, 0.02 * self.cost[0])
+
+    def choose(self, win: _Window, rule, room: int, probe: bool) -> tuple[list, int]:
+        """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round."""
+        D = min(self.D, room)
+        if self.cost[0] is None or D == 0:
+            return [], 0  # the first round is a plain step: it measures cost[0]
+        c0 = self.cost[0]
+        if not probe and self.look is not None:  # would knowing draft 1's confidence pay for looking?
+            gain = (1 + self.hits[0] / self.seen[0]) * c0 / self.c(1) - 1  # [bins] relative speed-up
+            if self.freq @ np.maximum(gain, 0) / self.freq.sum() < self.look / c0:
+                return [], 0
+        props: list = []
+        best_worth, depth, expected, chance = 1 / c0, 0, 1.0, 1.0
+        for j in range(D):
+            t0 = time.perf_counter()
+            q, conf = rule.propose(win.head(j + 1))
+            if j == 0:
+                dt = time.perf_counter() - t0
+                self.look = dt if self.look is None else self.look + 0.1 * (min(dt, 3 * self.look) - self.look)
+                self.freq *= self.memory
+                self.freq[self._bin(conf)] += 1
+            props.append((q, conf))
+            chance *= self.rate(j, conf)
+            expected += chance
+            worth = expected / self.c(j + 1)
+            if worth > best_worth:
+                best_worth, depth = worth, j + 1
+            elif len(props) > depth + probe:
+                break
+        return props, min(len(props), depth + probe)
+
+
+def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = None, probe_every: int = 16) -> None:
+    """Speculative decoding (see the module docstring) with verification `rule` (_Greedy or _Sampled) and
+    depth chosen by a _Planner (or fixed: depth). Ends when emit() says so."""
     K = win.cfg.n_mtp
-    rate = [0.5] * (K - 1)
-    rounds = 0
+    plan = _Planner(K - 1)
+    clock = time.perf_counter
+    forced, rounds = None, 0  # forced: the next token, when a rejection already decided it
     while True:
-        t1 = int(np.argmax(win.head(0)))
+        t0 = clock()
+        t1 = forced if forced is not None else rule.pick(win.head(0))
+        spent = clock() - t0  # the round's own time, without the caller's on_token
         if emit(t1):
             return
+        t0 = clock()
+        room = max(0, win.room() - 1)  # the window is (nearly) full: do what plain decoding would
         rounds += 1
-        depth, chance = 0, 1.0
-        while depth < K - 1 and chance * rate[depth] >= min_gain:
-            chance *= rate[depth]
-            depth += 1
-        if rounds % probe_every == 0:
-            depth = K - 1
-        depth = min(depth, max(0, win.room() - 1))  # the window is (nearly) full: do what plain greedy would
-        if depth == 0:
+        if depth is None:
+            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 0)
+        else:
+            d = min(depth, K - 1, room)
+            props = [rule.propose(win.head(k)) for k in range(1, d + 1)]
+        if d == 0:
             win.push(t1)
+            forced = None
+            plan.timed(0, spent + clock() - t0)
             continue
-        drafts = [int(np.argmax(win.head(k))) for k in range(1, depth + 1)]
+        drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
         n_before = len(win.seq) - win.start
-        h, head0 = win.verify([t1] + drafts)  # [1 + depth, d], [1 + depth, V]
-        out.drafted += depth
-        n_ok = 0
-        for j, d in enumerate(drafts):
-            ok = int(np.argmax(head0[j])) == d
-            rate[j] = 0.9 * rate[j] + 0.1 * ok
+        h, head0 = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, V]
+        out.drafted += d
+        out.draft_rounds += 1
+        n_ok, forced = 0, None
+        for j in range(d):
+            ok, p_accept, forced = rule.check(head0[j], drafts[j], props[j][0])
+            plan.observe(j, props[j][1], p_accept)
             if not ok:
                 break
             n_ok += 1
         out.accepted += n_ok
         win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
-        for d in drafts[:n_ok]:
-            if emit(d):
+        plan.timed(d, spent + clock() - t0)
+        for t in drafts[:n_ok]:
+            if emit(t):
                 return
 
 

@@ -1,10 +1,17 @@
 """Generation: the KV-cache forward equals full recomputation, cache and speculative decoding give the
-same tokens as the slow reference, sampling options behave, the stream decoder never splits a character."""
+same tokens as the slow reference, speculative sampling draws from exactly plain sampling's distribution
+(chi-square against the enumerated distribution, and the same test failing on wrong rules), the planner
+falls back to plain steps when drafts don't pay, sampling options behave, the stream decoder never splits
+a character."""
+import math
+
 import numpy as np
 import pytest
 
 from nanoeuler import Config, Model, UserError
-from nanoeuler.generate import StreamDecoder, forward_cached, generate, new_cache, sample_token, truncate_left
+from nanoeuler import generate as gen
+from nanoeuler.generate import (StreamDecoder, draw_token, forward_cached, generate, new_cache, sample_token, token_probs,
+                                truncate_left)
 from nanoeuler.model import forward
 from nanoeuler.optim import AdamW
 
@@ -105,8 +112,11 @@ def test_stop_token_and_max_new_tokens(trained):
 
 def test_bad_generation_arguments_are_user_errors():
     model = Model.init(TINY, seed=0)
-    with pytest.raises(UserError, match="greedy"):
-        generate(model, [1], temperature=0.5, mode="speculative")
+    with pytest.raises(UserError, match="spec_depth"):
+        generate(model, [1], temperature=0.5, mode="speculative", spec_depth=-1)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(UserError, match="temperature"):
+            generate(model, [1], temperature=bad, mode="speculative")
     with pytest.raises(UserError, match="empty"):
         generate(model, [])
     with pytest.raises(UserError, match="out of range"):
@@ -143,3 +153,177 @@ def test_stream_decoder_never_splits_a_character():
     pieces = [dec.feed(t) for t in snow + [256]] + [dec.flush()]
     assert pieces[:4] == ["a", "", "", "☃"] and "".join(pieces) == "a☃é"
     assert truncate_left([1, 2, 3], 2) == ([2, 3], 1) and truncate_left([1], 5) == ([1], 0)
+
+
+def test_token_probs_examples():
+    logits = np.log([1.0, 2.0, 1.0])
+    assert np.allclose(token_probs(logits), [0.25, 0.5, 0.25])
+    assert np.allclose(token_probs(logits, top_k=1), [0, 1, 0])
+    assert np.allclose(token_probs(logits, top_p=0.6), [1 / 3, 2 / 3, 0])
+    assert np.allclose(token_probs(logits, temperature=0.5), np.array([1, 4, 1]) / 6)
+    rng = np.random.default_rng(0)
+    assert {draw_token(np.array([0.0, 1.0, 0.0]), rng) for _ in range(50)} == {1}
+
+
+# ---- speculative sampling is exact: chi-square against the enumerated plain-sampling distribution ----
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi-square with df degrees of freedom > x): the regularized upper incomplete gamma Q(df/2, x/2)
+    (series below a + 1, Lentz's continued fraction above; matches scipy.stats.chi2.sf to 1e-12)."""
+    a, y = df / 2, x / 2
+    if y <= 0:
+        return 1.0
+    log_front = -y + a * math.log(y) - math.lgamma(a)
+    if y < a + 1:
+        term = total = 1 / a
+        n = 0
+        while abs(term) > 1e-16 * abs(total):
+            n += 1
+            term *= y / (a + n)
+            total += term
+        return max(0.0, 1 - total * math.exp(log_front))
+    b, c, d = y + 1 - a, 1e300, 1 / (y + 1 - a)
+    f = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1 / d
+        f *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return f * math.exp(log_front)
+
+
+def test_chi2_sf_known_values():
+    assert abs(chi2_sf(3.841458820694124, 1) - 0.05) < 1e-9      # the 95 % point of chi2(1)
+    assert abs(chi2_sf(2 * 3.0, 2) - math.exp(-3.0)) < 1e-12       # chi2(2) is exponential: sf = exp(-x/2)
+    assert abs(chi2_sf(124.3421134, 100) - 0.05) < 1e-6
+    assert abs(chi2_sf(20.0, 30) - 0.9165415270653372) < 1e-9  # scipy.stats.chi2.sf(20, 30)
+
+
+SPEC = Config(vocab_size=6, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=16, ffn_hidden=24, n_mtp=3)
+N_TOKENS, N_SAMPLES, PROMPT = 3, 1500, [1, 2]
+
+
+@pytest.fixture(scope="module")
+def spec_model():
+    """A random tiny model whose heads are scaled up, so head 0 and the draft heads disagree a lot
+    (draft acceptance about 0.7): many accepts and many rejections."""
+    model = Model.init(SPEC, seed=0).astype(np.float64)
+    for k in range(SPEC.n_mtp):
+        model.params[f"heads.{k}.weight"] *= 6.0
+    return model
+
+
+def exact_joint(model, n_tokens: int, **sampling) -> np.ndarray:
+    """The exact distribution [V^n] of plain sampling's first n_tokens tokens, by enumerating every prefix
+    through model.forward (the independent reference) and token_probs."""
+    seqs, probs = [list(PROMPT)], np.ones(1)
+    for _ in range(n_tokens):
+        logits = forward(SPEC, model.params, np.array(seqs))[0][0, :, -1]  # head 0, last position [B, V]
+        probs = (probs[:, None] * np.stack([token_probs(row, **sampling) for row in logits])).reshape(-1)
+        seqs = [s + [v] for s in seqs for v in range(SPEC.vocab_size)]
+    return probs
+
+
+def chi_square_p(model, mode: str, **kwargs) -> float:
+    """Sample the first N_TOKENS tokens N_SAMPLES times (seeds 0..N-1) and return the chi-square p-value of
+    their joint counts against exact_joint (cells expecting < 5 pooled into one)."""
+    sampling = {k: kwargs[k] for k in ("temperature", "top_k", "top_p") if k in kwargs}
+    p = exact_joint(model, N_TOKENS, **sampling)
+    counts = np.zeros_like(p)
+    for seed in range(N_SAMPLES):
+        ids = generate(model, PROMPT, N_TOKENS, seed=seed, mode=mode, **kwargs).ids
+        counts[np.ravel_multi_index(ids, (SPEC.vocab_size,) * N_TOKENS)] += 1
+    expected = N_SAMPLES * p
+    big = expected >= 5
+    assert counts[p == 0].sum() == 0, "sampled a sequence plain sampling never produces"
+    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:  # top-k / top-p: every small cell is impossible
+        obs, exp = obs[:-1], exp[:-1]
+    x = float(((obs - exp) ** 2 / exp).sum())
+    return chi2_sf(x, len(obs) - 1)
+
+
+@pytest.mark.parametrize("mode,kwargs", [
+    ("cache", dict(temperature=1.0)),                                            # the harness itself
+    ("speculative", dict(temperature=1.0, spec_depth=2)),                        # both drafts every round
+    ("speculative", dict(temperature=0.8, top_k=4, top_p=0.9, spec_depth=1)),    # adjusted p and q
+])
+def test_speculative_sampling_has_plain_sampling_distribution(spec_model, mode, kwargs):
+    """Fixed seeds, so the outcome is deterministic; under the null a threshold of 1e-4 fails 1 in 10^4
+    seed sets. The wrong rules below give p-values below 1e-10 at this size."""
+    assert chi_square_p(spec_model, mode, **kwargs) > 1e-4
+
+
+@pytest.mark.parametrize("wrong", ["reject_draws_from_p", "always_accept"])
+def test_chi_square_catches_a_wrong_rule(spec_model, monkeypatch, wrong):
+    """The test above has power: a classic bug in the rule makes it fail by a wide margin."""
+    if wrong == "reject_draws_from_p":  # forgets to subtract q: accepted tokens get counted twice
+        monkeypatch.setattr(gen._Sampled, "residual", staticmethod(lambda p, q: p))
+    else:  # never rejects: emits the draft head's distribution q
+        check = gen._Sampled.check
+        monkeypatch.setattr(gen._Sampled, "check", lambda self, logits, x, q: (True,) + check(self, logits, x, q)[1:2] + (None,))
+    assert chi_square_p(spec_model, "speculative", temperature=1.0, spec_depth=2) < 1e-4
+
+
+def test_speculative_sampling_drafts_on_a_trained_model(trained):
+    """At temperature 0.8 the adaptive planner drafts on the periodic model and most drafts are accepted."""
+    model, period = trained
+    g = generate(model, [int(t) for t in period[:6]], 80, temperature=0.8, seed=0, mode="speculative")
+    assert len(g.ids) == 80 and g.acceptance > 0.6 and g.forwards < 0.7 * len(g.ids)
+
+
+# ---- the planner: drafts only where they pay ---------------------------------------------------------
+class FakeWindow:
+    def head(self, k):
+        return np.zeros(3)
+
+
+class FakeRule:
+    """Proposes drafts with fixed confidences."""
+
+    def __init__(self, confs):
+        self.confs = confs
+
+    def propose(self, logits):
+        return 0, self.confs.pop(0)
+
+
+@pytest.mark.parametrize("r1,depth", [(0.5, 1), (0.05, 0), (0.95, 2)])
+def test_planner_picks_the_depth_worth_most(r1, depth):
+    """The docstring's example: costs 1.0 / 1.1 / 1.25 ms for 0 / 1 / 2 drafts, r2 = .3 (r1 = .95: worth
+    1.95/1.1 = 1.77 < (1.95 + .95·.3)/1.25 = 1.79, so both drafts)."""
+    plan = gen._Planner(2)
+    plan.cost = [1.0e-3, 1.1e-3, 1.25e-3]
+    plan.look = 0.0
+    plan.hits[:] = [[r1] * 4, [0.3] * 4]
+    props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False)
+    assert d == depth and len(props) >= d
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=True)
+    assert d == min(depth + 1, 2)  # a probe verifies one more
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=0, probe=True)
+    assert d == 0  # no room in the window
+
+
+def test_planner_skips_looking_when_no_confidence_bin_pays():
+    plan = gen._Planner(2)
+    plan.cost = [1.0e-3, 1.1e-3, None]
+    plan.look = 0.01e-3
+    plan.hits[0] = [0.01, 0.02, 0.05, 0.9]  # only very confident drafts pay ...
+    plan.freq[:] = [100, 1, 1, 0.1]          # ... and they almost never occur
+    assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)  # not even looked at
+    plan.freq[:] = [1, 1, 1, 10]
+    _, d = plan.choose(FakeWindow(), FakeRule([0.9, 0.1]), room=10, probe=False)
+    assert d == 1
+
+
+def test_speculation_falls_back_to_plain_steps_on_a_random_model():
+    """Drafts of a random model are never accepted: after a few rounds only the probes verify any."""
+    model = Model.init(TINY, seed=3)
+    g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
+    assert g.acceptance < 0.2
+    assert g.draft_rounds < 10 + 200 / 16
