@@ -150,6 +150,7 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
     grads = fast.grad_buffers(cfg, ws.hf.dtype)
     W0 = P["heads.0.weight"]
     np.matmul(dlogits.T, ws.hf, out=grads["heads.0.weight"])  # [V, d]
+    fast.engine.announce(["heads.0.weight"], grads)          # final: a data-parallel run may send it now
     np.matmul(dlogits, W0, out=ws.dh)                         # gradient of the final normed state [B·T, d]
     fast.engine.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return {n: grads[n] for n in trained_params(cfg, P)}
@@ -410,7 +411,8 @@ class DPOObjective:
             ref_c[idx[todo]], ref_r[idx[todo]] = lp[:n][todo], lp[n:][todo]
         if shared:
             from .dist import world
-            for i, c, r in world().allgather((idx[todo], ref_c[idx[todo]], ref_r[idx[todo]])):
+            for i, c, r in world().allgather_arrays([idx[todo], ref_c[idx[todo]], ref_r[idx[todo]]]):
+                i = i.astype(np.int64)
                 ref_c[i], ref_r[i] = c, r
 
     def evaluate(self, max_batches: int) -> dict:

@@ -412,9 +412,13 @@ def accumulate(obj, rng, grad_accum: int, trainer=None):
         if obj.skip(batch):
             skipped += 1
             continue
+        hook = None
         if trainer is not None and trainer.size > 1:
             batch = obj.share(batch, trainer.rank, trainer.size)
-        loss, m, g = obj.loss_and_grads(batch)
+            if _ == grad_accum - 1:
+                hook = trainer.expect(grads)  # buckets go out while backward runs (dist.py)
+        with hook or contextlib.nullcontext():
+            loss, m, g = obj.loss_and_grads(batch)
         parts.append({"loss": loss, **m})
         if grads is None:
             grads = g

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .train import add_hyperparameters, train_config_from_args
+from .train import add_dist_arguments, add_hyperparameters, data_parallel, train_config_from_args
 
 # Measured on the offline set (notes/closing-stop11.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
@@ -49,7 +49,8 @@ def register(sub) -> None:
     add_hyperparameters(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    p.set_defaults(run=run_dpo)
+    add_dist_arguments(p)
+    p.set_defaults(run=data_parallel(run_dpo))
 
     e = sub.add_parser("dpo-eval", help="preference accuracy and greedy task accuracy on held-out pairs",
                        description="On held-out pairs: preference accuracy (share of pairs where the model gives the "

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .train import add_hyperparameters, report, train_config_from_args
+from .train import add_dist_arguments, add_hyperparameters, data_parallel, report, train_config_from_args
 
 # Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
 # in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
@@ -40,7 +40,8 @@ def register(sub) -> None:
     add_hyperparameters(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    p.set_defaults(run=run_sft)
+    add_dist_arguments(p)
+    p.set_defaults(run=data_parallel(run_sft))
 
     e = sub.add_parser("sft-eval", help="answer format (stops with </s>) and task accuracy on held-out prompts",
                        description="Greedy answers of a checkpoint to held-out instructions: the share that is "

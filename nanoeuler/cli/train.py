@@ -35,7 +35,8 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="GPU only: fp32, or bf16 mixed precision (bf16 matmuls and attention, fp32 master weights)")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    p.set_defaults(run=run_train)
+    add_dist_arguments(p)
+    p.set_defaults(run=data_parallel(run_train, prepare=prepare_before_launch))
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint",
                        description="Head-0 validation loss (nats) and bits per byte of a checkpoint on the "
@@ -66,6 +67,32 @@ def add_hyperparameters(p, dropout: bool = True) -> None:
     g.add_argument("--eval-every", type=int, help="steps between validation evals")
     g.add_argument("--eval-batches", type=int, help="validation batches per periodic eval (0 = all)")
     g.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+
+
+def add_dist_arguments(p) -> None:
+    from ..dist import add_arguments
+    add_arguments(p)
+
+
+def data_parallel(fn, prepare=None):
+    """fn as a command that also runs under `mpiexec -n N` and with --nproc N (see nanoeuler/dist.py).
+    prepare(args): what must exist before the ranks start (--nproc only)."""
+    def run(args):
+        from ..dist import command
+        if getattr(args, "nproc", 0) and prepare is not None:
+            prepare(args)
+        return command(fn)(args)
+    return run
+
+
+def prepare_before_launch(args) -> None:
+    """--nproc: make the bundled corpus's tokenizer and shards once here, not in every rank."""
+    from ..config import PRESETS, Config
+    if args.data or args.resume:
+        return
+    preset = args.config if args.config in PRESETS else None
+    cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
+    ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
 
 
 def train_config_from_args(args, defaults: dict | None = None):
@@ -112,6 +139,7 @@ def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress
 def run_train(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..config import PRESETS, Config
+    from ..dist import under_mpi
     from ..errors import UserError
     from ..model import Model
     from ..tokenizer import Tokenizer
@@ -135,6 +163,9 @@ def run_train(args) -> int:
         model = GpuModel(model, precision=args.precision)
     elif args.precision != "fp32":
         raise UserError("--precision bf16 needs --device gpu")
+    if not args.data and under_mpi() and not (BUNDLED_DATA / "manifest.json").exists():
+        raise UserError(f"the bundled corpus is not prepared in {BUNDLED_DATA}: use --nproc N (which prepares it "
+                        f"first) or run `nanoeuler prepare` before mpiexec")
     data = Path(args.data) if args.data else ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
     if args.resume:
         tok = load_tokenizer(out)

@@ -27,6 +27,7 @@ organised for speed:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -88,6 +89,7 @@ class Workspace:
         self.qscale = dt.type(1.0 / np.sqrt(hd))
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
+        self.parts[0].single = len(self.parts) == 1
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
@@ -104,6 +106,7 @@ class Workspace:
             setattr(w, name, getattr(self, name)[b0 * Hkv:b1 * Hkv])
         w.dw = np.empty(cfg.dim, np.float64)
         w.grads = grad_buffers(cfg, self.X.dtype) if k else None
+        w.single = False  # set below: the only part (its gradients are final as it writes them)
         return w
 
     def nbytes(self) -> int:
@@ -259,6 +262,7 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids, drop) -> 
     dx[...] = 0
     K.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, P["norm.weight"], dx, w.dw)
     grads["norm.weight"][...] = w.dw
+    _announce_part(w, ["norm.weight"], grads)
     for i in reversed(range(cfg.n_layers)):
         p = f"layers.{i}."
         x, mid, GU = w.X[i], w.M[i], w.GU[i]
@@ -284,7 +288,38 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids, drop) -> 
         matmul(w.dqkv, ws.wqkv[i], out=w.dh)
         K.rmsnorm_backward(w.dh, x, w.r1[i], P[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
+        _announce_part(w, [n for n in grads if n.startswith(p)], grads)
     K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    _announce_part(w, ["embed.weight"], grads)
+
+
+# ---- the gradient hook (data-parallel overlap, see nanoeuler/dist.py) ----------------------------------------
+_GRAD_HOOK = None
+
+
+@contextlib.contextmanager
+def grad_hook(fn):
+    """Within the block, fn(names, grads) is called as soon as the gradients of those tensors are final:
+    the heads after `heads`, then norm, each layer from the last down, embed during `backward` (with
+    several parts, whose gradients are summed at the end, everything at the end). Runs in the caller's
+    thread."""
+    global _GRAD_HOOK
+    previous, _GRAD_HOOK = _GRAD_HOOK, fn
+    try:
+        yield
+    finally:
+        _GRAD_HOOK = previous
+
+
+def announce(names, grads) -> None:
+    """Tell the hook (if any) that these gradients are final."""
+    if _GRAD_HOOK is not None:
+        _GRAD_HOOK(names, grads)
+
+
+def _announce_part(w, names, grads) -> None:
+    if _GRAD_HOOK is not None and w.single:
+        _GRAD_HOOK(names, grads)
 
 
 # ---- the public steps: every part at once ----------------------------------------------------------------
@@ -312,6 +347,7 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
     _in_parts(_heads_part, cfg, P, ws, grads, targets, scales, sums)
     if grads is not None:
         _sum_part_grads(ws, grads, [f"heads.{k}.weight" for k in range(Kh)])
+        announce([f"heads.{k}.weight" for k in range(Kh)], grads)
     losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]
     return losses, sum(losses) / Kh
 
@@ -321,6 +357,8 @@ def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict, 
     except the heads'. ids int [B·T]; dropout: the one `forward` ran with."""
     _in_parts(_backward_part, cfg, P, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
+    if len(ws.parts) > 1:
+        announce([n for n in grads if not n.startswith("heads.")], grads)
 
 
 def flat_targets(tokens, T, Kh, loss_mask):
