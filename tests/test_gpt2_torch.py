@@ -325,3 +325,41 @@ def test_bad_gpt2_folders_are_one_line_errors(folder, tmp_path):
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(UserError, match="activation_function=relu"):
         load_gpt2_folder(bad)
+
+
+def test_full_124m_shape_imports_with_gpt2_numbering(tmp_path):
+    """The 124 M shape (V 50257, d 768, 12 layers, 12 heads, ctx 1024), random weights, with a vocabulary
+    numbered as GPT-2's: bytes in byte-to-unicode order, 50,000 merges at 256 + i, <|endoftext|> = 50256
+    (the merges here are byte pairs, since the real files cannot be downloaded). Logits <= 1e-5."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from nanoeuler.interop.gpt2 import gpt2_byte_order
+    from nanoeuler.tokenizer import bytes_to_unicode
+    alpha = bytes_to_unicode()
+    order = [alpha[b] for b in gpt2_byte_order()]
+    vocab = {s: i for i, s in enumerate(order)}
+    merges = [f"{a} {b}" for a in order for b in order][:50_000]
+    for i, m in enumerate(merges):
+        vocab[m.replace(" ", "")] = 256 + i
+    vocab[EOT] = 50256
+    cfg = GPT2Config(attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # the defaults are GPT-2 124M
+    assert (cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_positions) == (50257, 768, 12, 12, 1024)
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape))
+    m.save_pretrained(str(tmp_path / "gpt2"), safe_serialization=True)
+    (tmp_path / "gpt2" / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tmp_path / "gpt2" / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    ours_cfg, params, tok = load_gpt2_folder(tmp_path / "gpt2")
+    assert ours_cfg.replace(n_mtp=1) == ours_cfg and ours_cfg.n_params() == 124_439_808 == m.num_parameters()
+    _, perm = read_gpt2_tokenizer(tmp_path / "gpt2", 50257, 50256)
+    assert perm[256:] == list(range(256, 50257))                    # merges and <|endoftext|> keep their ids
+    hf_ids = np.random.default_rng(0).integers(0, 50257, (1, 48))
+    with torch.no_grad():
+        theirs = m(input_ids=torch.as_tensor(hf_ids)).logits.numpy()[..., np.asarray(perm)]
+    ours = Model(ours_cfg, params).logits(to_ours(hf_ids, perm))[0]
+    err = rel_err(ours, theirs)
+    assert err <= 1e-5, err
