@@ -14,7 +14,7 @@ from nanoeuler import Config, Model
 from nanoeuler.corpus import bundled_works
 from nanoeuler.tokenizer import Tokenizer
 
-CTX = 64
+CTX = 256
 
 
 def train_checkpoint(path, steps: int = 150, seed: int = 0):
@@ -39,6 +39,22 @@ def train_checkpoint(path, steps: int = 150, seed: int = 0):
         opt.step(model.params, grads)
     model.save(path, tokenizer=tok)
     return model, tok
+
+
+_CACHE = {}
+
+
+def shared_checkpoint():
+    """train_checkpoint once per test process (the serve test files share it) -> (dir, model, tok)."""
+    if "ckpt" not in _CACHE:
+        import atexit
+        import shutil
+        import tempfile
+        root = tempfile.mkdtemp(prefix="nanoeuler-serve-")
+        atexit.register(shutil.rmtree, root, True)
+        d = f"{root}/tiny"
+        _CACHE["ckpt"] = (d, *train_checkpoint(d))
+    return _CACHE["ckpt"]
 
 
 class ServerThread:

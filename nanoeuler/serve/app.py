@@ -258,7 +258,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         where = ".".join(loc)
         return error_json(400, f"{where + ': ' if where else ''}{first.get('msg')}"
                                + (f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""),
-                          param=where or None, code="invalid_value")
+                          param=loc[0] if loc else None, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
@@ -293,9 +293,10 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
     def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
         seed = None if body.seed is None else body.seed + i
-        return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+        # below 0.01, logits / T overflow: such a temperature is greedy (as `sample` refuses 0 < T < 0.01)
+        return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature if body.temperature >= 0.01 else 0.0,
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
-                    stop_ids=(tok.eos_id,), logprobs=logprobs, echo=echo)
+                    stop_ids=() if body.ignore_eos else (tok.eos_id,), logprobs=logprobs, echo=echo)
 
     def usage(prompts, choices) -> dict:
         p = sum(len(ids) for ids in prompts)

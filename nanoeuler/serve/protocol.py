@@ -2,7 +2,8 @@
 
 Requests are pydantic models (FastAPI validates them and publishes them in /openapi.json). Types are
 strict: `"max_tokens": "5"` is an error, not 5. Fields the OpenAI API has and we do not use
-(presence_penalty, user, ...) are accepted and ignored; unknown fields are ignored too.
+(presence_penalty, user, ...) are accepted and ignored; unknown fields are ignored too. Extensions, as vLLM
+has them: `top_k`, `ignore_eos`.
 
 Chat messages become the SPEC Alpaca template exactly as the `chat` REPL builds a conversation: every
 earlier (user, assistant) pair is `render(user) + encode(assistant) + </s>`, the last user message is
@@ -46,6 +47,7 @@ class CompletionRequest(_Base):
     echo: bool = False
     stop: Stop = None
     seed: Optional[int] = None
+    ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None
@@ -82,6 +84,7 @@ class ChatRequest(_Base):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     stop: Stop = None
     seed: Optional[int] = None
+    ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None

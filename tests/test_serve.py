@@ -1,0 +1,257 @@
+"""The HTTP API, driven by the official `openai` client against a real server on 127.0.0.1 (ephemeral port):
+greedy completions equal `nanoeuler sample`, chat equals the `chat` REPL, streaming equals non-streaming,
+stop / max_tokens / seed / n / logprobs + echo / usage, the API key, left truncation reported, a full
+queue answers 429, a client that disconnects frees its row, and bad requests get 4xx error objects."""
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_fixtures import CTX, ServerThread, shared_checkpoint  # noqa: E402
+
+from nanoeuler.generate import generate  # noqa: E402
+from nanoeuler.serve.batcher import log_softmax  # noqa: E402
+from nanoeuler.sft import render  # noqa: E402
+
+KEY = "test-key"
+PROMPT = "To be, or not to be"  # the fixture model answers it with a few tokens and </s>
+LONG = "O, what a rogue"          # ... and this one with 60 tokens without </s>
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return shared_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    app = create_app(model, tok, "tiny", api_key=KEY, max_batch=4, max_queue=8, max_tokens_cap=300, max_n=4,
+                     body_limit=50_000)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def sample_cli(ckpt_dir, prompt, n, *flags):
+    """`nanoeuler sample --json` in this process -> its JSON object."""
+    import contextlib
+    import io
+
+    from nanoeuler.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["sample", "--ckpt", str(ckpt_dir), "--prompt", prompt, "--max-new-tokens", str(n), "--json",
+                     *flags]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_greedy_completion_equals_nanoeuler_sample(ckpt, client):
+    d, model, tok = ckpt
+    want = sample_cli(d, PROMPT, 40, "--temperature", "0")
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert r.choices[0].text == want["text"]
+    assert r.choices[0].finish_reason == ("stop" if want["stopped"] else "length")
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPT)) and r.usage.completion_tokens == len(want["ids"])
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_equals_the_repl_single_and_multi_turn(ckpt, client):
+    from nanoeuler.cli.chat import Chat
+    d, model, tok = ckpt
+    repl = Chat(model, tok, temperature=0, max_new_tokens=30)
+    repl.handle("Who is there?", lambda s: None)
+    want = tok.decode(repl.last_reply)
+    msgs = [{"role": "user", "content": "Who is there?"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if repl.last_stopped else "length")
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # a second turn: earlier turns rendered as the REPL keeps them (prompt + reply + </s>)
+    msgs2 = msgs + [{"role": "assistant", "content": "Nay, answer me."}, {"role": "user", "content": "Long live the king!"}]
+    ids = render(tok, "Who is there?")[0] + tok.encode("Nay, answer me.") + [tok.eos_id] + render(tok, "Long live the king!")[0]
+    assert CTX - 3 >= len(ids) > CTX - 30  # both turns fit with room for 3 new tokens, not for 30
+    ref = generate(model, ids, 3, temperature=0, stop_ids=[tok.eos_id])
+    r2 = client.chat.completions.create(model="tiny", messages=msgs2, max_tokens=3, temperature=0)
+    assert r2.choices[0].message.content == tok.decode(ref.ids) and r2.usage.prompt_tokens == len(ids)
+    assert "nanoeuler" not in r2.model_extra
+    # with room for 30 new tokens the REPL drops the oldest turn, and the response says so
+    last = render(tok, "Long live the king!")[0]
+    ref = generate(model, last, 30, temperature=0, stop_ids=[tok.eos_id])
+    r3 = client.chat.completions.create(model="tiny", messages=msgs2, max_tokens=30, temperature=0)
+    assert r3.choices[0].message.content == tok.decode(ref.ids) and r3.usage.prompt_tokens == len(last)
+    assert r3.model_extra["nanoeuler"] == {"dropped_turns": 1}
+
+
+def test_stop_strings_and_max_tokens(ckpt, client):
+    d, model, tok = ckpt
+    full = client.completions.create(model="tiny", prompt=LONG, max_tokens=60, temperature=0).choices[0].text
+    stop = full[10:13]
+    cut = full.index(stop)
+    assert len(full) > 20 and cut > 0
+    r = client.completions.create(model="tiny", prompt=LONG, max_tokens=60, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt=LONG, max_tokens=60, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut] and chunks[-1].choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt=LONG, max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_seed_reproducible_and_n_choices(ckpt, client):
+    d, model, tok = ckpt
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=1.0, top_p=0.9)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    ref = generate(model, tok.encode(PROMPT), 30, temperature=1.0, top_p=0.9, seed=7, stop_ids=[tok.eos_id])
+    assert a == b == tok.decode(ref.ids)
+    r = client.completions.create(seed=7, n=3, **kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts[0] == a and len(set(texts)) > 1  # choice i samples with seed + i
+    assert sample_cli(d, PROMPT, 30, "--temperature", "1", "--top-p", "0.9", "--seed", "7")["text"] == a
+
+
+def test_logprobs_with_echo_score_the_text_as_the_model_does(ckpt, client):
+    d, model, tok = ckpt
+    ids = tok.encode(PROMPT)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(PROMPT) and len(lp.token_logprobs) == len(ids) + 1
+    logp = log_softmax(model.logits(np.array([ids]))[0, 0])  # [T, V]
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], [logp[i - 1, ids[i]] for i in range(1, len(ids))],
+                               atol=1e-5)
+    assert lp.token_logprobs[0] is None and "".join(lp.tokens[:len(ids)]) == PROMPT
+    assert lp.token_logprobs[-1] == pytest.approx(logp[-1].max(), abs=1e-5)  # greedy: the top token's logprob
+    # token ids are accepted as the prompt too (lm-eval sends them)
+    r2 = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    assert r2.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+
+
+def test_long_prompt_is_truncated_from_the_left_and_says_so(ckpt, client):
+    d, model, tok = ckpt
+    prompt = "Words, words, words. " * 80
+    n = len(tok.encode(prompt))
+    assert n > CTX
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert r.model_extra["nanoeuler"]["prompt_truncated_tokens"] == [n - CTX] and r.usage.prompt_tokens == CTX
+    assert r.choices[0].text == sample_cli(d, prompt, 10, "--temperature", "0")["text"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=10)
+    assert chat.model_extra["nanoeuler"]["prompt_truncated_tokens"] > 0
+
+
+def test_models_health_and_the_api_key(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key=key or "x", max_retries=0,
+                            default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.completions.create(model="tiny", prompt="a", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"model": "tiny", "prompt": ', 400, None),                              # malformed JSON
+    ({"model": "tiny", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),  # wrong type
+    ({"model": "tiny", "prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "nope", "prompt": "a"}, 404, "model"),                          # unknown model
+    ({"model": "tiny", "prompt": "a", "n": 5}, 400, "n"),                      # n over the limit (4)
+    ({"model": "tiny", "prompt": "a", "max_tokens": 301}, 400, "max_tokens"),  # over the cap (300)
+    ({"model": "tiny", "prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1, 99999]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ({"model": "tiny", "prompt": "a" * 60_000}, 413, None),                    # body over the cap (50 kB)
+])
+def test_bad_completion_requests_get_error_objects(server, body, status, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=data,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and "Traceback" not in r.text and set(err) == {"message", "type", "param", "code"}
+    if param:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "assistant", "content": "hi"}],
+                                      [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                      [{"role": "robot", "content": "a"}], "hello"])
+def test_bad_chat_messages(client, messages):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages)
+    assert e.value.status_code == 400 and e.value.body["message"]
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]
+
+
+def test_full_queue_429_and_disconnect_frees_rows(ckpt):
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    app = create_app(model, tok, "tiny", max_batch=1, max_queue=1, max_tokens_cap=5000)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5000, "temperature": 1, "stream": True, "ignore_eos": True}
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")  # the first row is busy streaming
+            with http.stream("POST", "/v1/completions", json=body) as second:  # waits in the queue
+                deadline = time.time() + 5
+                while http.get("/health").json()["queued"] < 1 and time.time() < deadline:
+                    time.sleep(0.01)
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        # both clients hung up mid-stream: their jobs are cancelled and the row is free at once
+        deadline = time.time() + 3
+        while (h := http.get("/health").json())["active"] + h["queued"] and time.time() < deadline:
+            time.sleep(0.01)
+        assert h["active"] == 0 and h["queued"] == 0
+        assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3}).status_code == 200
+
+
+def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():
+    from nanoeuler.serve.protocol import TextStream
+
+    class ByteTok:  # token i is the single byte i
+        def token_bytes(self, i):
+            return bytes([i])
+    snow = "☃".encode()  # 3 bytes
+    ts = TextStream(ByteTok(), [])
+    assert [ts.feed(b) for b in snow] == ["", "", "☃"]
+    ts = TextStream(ByteTok(), ["ab"])
+    assert [ts.feed(b) for b in b"xa"] == ["x", ""] and ts.feed(ord("c")) == "ac"
+    assert [ts.feed(b) for b in b"zab"] == ["z", "", ""] and ts.stopped and ts.flush() == ""
+    ts = TextStream(ByteTok(), ["ab"])
+    assert ts.feed(ord("a")) == "" and ts.flush() == "a"  # at the end, a held prefix is released
