@@ -67,6 +67,9 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     is kept as (W [out, in], W.T made contiguous [in, out] or None), see `linear`."""
     def pair(W):
         return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None)
+    if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
+        from . import gpt2_cached
+        return gpt2_cached.fuse_weights(cfg, P, pair)
     F = {"embed": P["embed.weight"], "norm": P["norm.weight"],
          "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
     for k in range(cfg.n_mtp):  # one head at a time, for decoding (head 0, and drafts only when drafting)
@@ -114,6 +117,9 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
 
 def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
     """The KV-cache forward up to the final RMSNorm: inputs int [B, Tn] -> h [B, Tn|1, d] (W = fuse_weights)."""
+    if cfg.arch == "gpt2":
+        from . import gpt2_cached
+        return gpt2_cached.forward_hidden(cfg, W, inputs, cache, linear, last_only)
     B, Tn = inputs.shape
     L = cache.length
     if L + Tn > cache.max_len:
