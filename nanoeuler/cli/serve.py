@@ -56,19 +56,28 @@ def run(args) -> int:
 
     from ..checkpoint import load_tokenizer
     from ..model import Model
-    from ..serve.app import bind, create_app, is_loopback, run_server
+    from ..serve.app import bind, create_app, run_server
     model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    if not is_loopback(args.host) and not args.api_key:
-        print(f"warning: listening on {args.host} (reachable from other machines) without --api-key: "
-              "anyone who can reach this port can use the model", file=sys.stderr)
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     print(f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
           f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
     run_server(app, sock, args.log_level)
     print("nanoeuler serve: stopped", flush=True)
     return 0
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning printed when the server is reachable from other machines without an API key."""
+    from ..serve.app import is_loopback
+    if is_loopback(host) or api_key:
+        return None
+    return (f"warning: listening on {host} (reachable from other machines) without --api-key: "
+            "anyone who can reach this port can use the model")

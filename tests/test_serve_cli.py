@@ -1,0 +1,91 @@
+"""`nanoeuler serve` as a program: a checkpoint that does not load or a port in use is one `error:` line and
+a non-zero exit before anything listens; SIGTERM / SIGINT while a stream is open end that stream cleanly
+(final chunk with a finish_reason, then data: [DONE]) and the process exits 0; the exposure warning."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_fixtures import shared_checkpoint  # noqa: E402
+
+from nanoeuler.cli import main  # noqa: E402
+from nanoeuler.cli.serve import exposure_warning  # noqa: E402
+
+
+def run_main(args, capsys):
+    code = main(args)
+    return code, capsys.readouterr()
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
+    code, out = run_main(["serve", "--ckpt", str(tmp_path / "missing")], capsys)
+    assert code != 0 and out.err.startswith("error:") and out.err.count("\n") == 1 and out.out == ""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    code, out = run_main(["serve", "--ckpt", str(bad)], capsys)
+    assert code != 0 and out.err.startswith("error:") and out.err.count("\n") == 1 and out.out == ""
+
+
+def test_a_port_in_use_is_one_line(capsys):
+    d = shared_checkpoint()[0]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, out = run_main(["serve", "--ckpt", d, "--port", str(port)], capsys)
+    assert code == 2 and out.err == f"error: cannot listen on 127.0.0.1:{port}: the port is in use\n"
+
+
+@pytest.mark.parametrize("flags", [["--max-batch", "0"], ["--port", "70000"], ["--api-key", ""]])
+def test_bad_flags(flags, capsys):
+    code, out = run_main(["serve", "--ckpt", "x", *flags], capsys)
+    assert code == 2 and out.err.startswith("error:")
+
+
+def test_exposure_warning():
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("localhost", None) is None
+    assert exposure_warning("0.0.0.0", "key") is None
+    assert "without --api-key" in exposure_warning("0.0.0.0", None)
+    assert "without --api-key" in exposure_warning("192.168.1.10", None)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_open_streams_and_exits_0(sig):
+    d = shared_checkpoint()[0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", d, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = proc.stdout.readline()
+        assert "on http://127.0.0.1:" in first, first + proc.stderr.read()
+        url = first.split("on ", 1)[1].split("/ ", 1)[0]
+        body = {"model": "tiny", "prompt": "To be", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line)
+            events.append(next(lines))
+            proc.send_signal(sig)
+            events += list(lines)  # the server ends the stream: this loop terminates
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length" and len(events) < 1000
+        assert proc.wait(20) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
