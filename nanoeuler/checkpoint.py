@@ -362,7 +362,8 @@ def run_lock(directory: str | Path, what: str = "run"):
     """Hold an exclusive lock on `directory` (created if needed) for the length of the `with` block.
 
     The lock is `fcntl.flock` on DIR/.lock, released by the kernel if the process dies; the file holds
-    the holder's pid and command line so that a second process can say who has it:
+    the holder's pid and command line so that a second process can say who has it, and is removed on
+    release (a process that opened it just before checks it still is the file at DIR/.lock):
 
         with run_lock("runs/mine"):      # a second `nanoeuler train --out runs/mine` now fails with
             ...                          # "runs/mine is in use by another process (pid 123: nanoeuler train ...)"
@@ -372,17 +373,26 @@ def run_lock(directory: str | Path, what: str = "run"):
         raise UserError(f"{directory} exists and is not a directory")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot lock {directory}: {path}: {e.strerror}") from None
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot lock {directory}: {path}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
+            os.close(fd)
             raise UserError(f"{directory} is in use by another process ({holder}); wait for it to finish or "
-                            f"choose another {'--out' if what else 'directory'}") from None
+                            f"choose another {'--out' if what == 'run' else 'directory'}") from None
+        try:                                   # the holder before us may have removed the file meanwhile
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
         info = {"pid": os.getpid(), "command": " ".join(["nanoeuler", *sys.argv[1:]]) if sys.argv else "?",
                 "what": what, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
@@ -391,7 +401,7 @@ def run_lock(directory: str | Path, what: str = "run"):
             yield path
         finally:
             try:
-                os.ftruncate(fd, 0)
+                os.unlink(path)                # leave no trace; a waiter re-checks the inode (above)
             except OSError:
                 pass
             fcntl.flock(fd, fcntl.LOCK_UN)

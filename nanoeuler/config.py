@@ -32,16 +32,21 @@ class Config:
             raise UserError(f"config: unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"config: {name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[name]:
+                raise UserError(f"config: {name} must be an integer in [1, {LIMITS[name]:,}], got {value!r:.60}")
         if self.dim % self.n_heads:
             raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.arch == "euler" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} (dim / n_heads) must be even for RoPE")
-        if not self.rope_theta > 0 or not self.norm_eps > 0:
-            raise UserError("config: rope_theta and norm_eps must be positive")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
+        if self.n_params() > MAX_PARAMS:
+            raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
+                            f"({MAX_PARAMS:,})")
 
     @property
     def head_dim(self) -> int:
@@ -142,6 +147,11 @@ class Config:
 
 
 ARCHS = ("euler", "gpt2")
+
+# upper bounds of the integer fields (checked before anything is allocated: a ctx_len of 1e8 is refused here)
+LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 15, "n_heads": 1 << 10, "n_kv_heads": 1 << 10, "n_layers": 1 << 10,
+          "ctx_len": 1 << 20, "ffn_hidden": 1 << 17, "n_mtp": 64}
+MAX_PARAMS = 20_000_000_000
 
 PRESETS: dict[str, Config] = {
     "small": Config(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx_len=128, ffn_hidden=384, n_mtp=3),

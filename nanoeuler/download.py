@@ -98,6 +98,21 @@ def with_retries(fn, url: str, retries: int = 5, backoff: float = 1.0, what: str
     raise UserError(f"{what} of {url} failed after {retries + 1} tries: {last}", exit_code=3)
 
 
+def check_url(url: str, what: str = "URL") -> str:
+    """Only http(s)://host/... URLs are fetched: check_url("ftp://x/y") -> UserError; file:// likewise."""
+    from urllib.parse import urlsplit
+    if not isinstance(url, str) or any(c in url for c in "\r\n\t "):
+        raise UserError(f"{what} {url!r:.80}: not a URL")
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:
+        raise UserError(f"{what} {url!r:.80}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"{what} {url!r:.80}: only http:// and https:// URLs can be downloaded "
+                        f"(for a local file, give its path to `nanoeuler prepare` instead)")
+    return url
+
+
 def _check_status(r, url: str) -> None:
     if r.status_code in RETRY_STATUS:
         raise Retry(f"HTTP {r.status_code} {r.reason}")
@@ -114,6 +129,7 @@ def download(url: str, dest: str | Path, *, sha256: str | None = None, retries: 
     """
     from tqdm import tqdm
 
+    check_url(url)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.exists():
@@ -180,7 +196,7 @@ class HttpRangeFile:
 
     def __init__(self, url: str, sess=None, retries: int = 5, backoff: float = 1.0, timeout: float = 60.0,
                  readahead: int = 1 << 16):
-        self.url, self.retries, self.backoff, self.timeout = url, retries, backoff, timeout
+        self.url, self.retries, self.backoff, self.timeout = check_url(url), retries, backoff, timeout
         self.sess = sess or session()
         self.readahead = readahead
         self.closed = False

@@ -26,3 +26,28 @@ def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4) -> di
     mem = {k: v * bytes_per_float for k, v in mem.items()}
     mem["total"] = sum(mem.values())
     return mem
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 if unknown)."""
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_fits(cfg: Config, B: int, T: int, what: str = "a training step", limit: int | None = None) -> int:
+    """Refuse (UserError) before allocating when one float32 training step of batch B x context T would
+    need more than `limit` bytes (default: the machine's physical memory). Returns the estimate.
+
+        check_fits(PRESETS["small"], 100000, 128)
+        # UserError: a training step of batch 100000 x ctx 128 needs about 640.1 GiB ... (this machine: 7.8 GiB)
+    """
+    from .errors import UserError
+    need = training_memory(cfg, B, T)["total"]
+    limit = physical_memory() if limit is None else limit
+    if limit and need > limit:
+        raise UserError(f"{what} of batch {B:,} x ctx {T:,} needs about {need / 2**30:.1f} GiB, more than this "
+                        f"machine's {limit / 2**30:.1f} GiB; use a smaller --batch-size (or --grad-accum) or context")
+    return need

@@ -2,10 +2,11 @@
 
 A DATA directory holds
 
-    manifest.json        {format, tokenizer_fingerprint, vocab_size, eos_id,
+    manifest.json        {format, tokenizer_fingerprint, vocab_size, eos_id, tokenizer: "tokenizer.json",
                           splits: {train: {shards: [{file, tokens}], tokens, bytes}, val: {...}}, sources: [...]}
     train_000000.npy     uint16 token ids, np.save format, read memory-mapped (np.load(mmap_mode="r"))
     train_000001.npy ... val_000000.npy ...
+    tokenizer.json       the tokenizer the shards were made with (so `train --data DATA` needs no --tokenizer)
 
 Every document is followed by the `</s>` id. `bytes` counts the UTF-8 bytes of the source text of a split,
 so that a loss in nats/token converts to bits per byte: bpb = loss * tokens / (bytes * ln 2).
@@ -58,6 +59,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+TOKENIZER_FILE = "tokenizer.json"   # the tokenizer the shards were made with, carried in the DATA directory
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -189,7 +191,48 @@ def read_manifest(data_dir: str | Path) -> dict:
     for key in ("tokenizer_fingerprint", "vocab_size", "eos_id", "splits"):
         if key not in m:
             raise UserError(f"{path}: missing field '{key}'; re-run `nanoeuler prepare`")
+    check_manifest(m, path)
     return m
+
+
+def check_manifest(m: dict, path) -> None:
+    """Type- and range-check every manifest field a reader uses (UserError naming the field)."""
+    def bad(field: str, want: str):
+        raise UserError(f"{path}: field {field} must be {want}, got {_short(field, m)}; re-run `nanoeuler prepare`")
+
+    def is_int(x, lo=0, hi=1 << 62):
+        return type(x) is int and lo <= x <= hi
+
+    if not isinstance(m["tokenizer_fingerprint"], str):
+        bad("tokenizer_fingerprint", "a string")
+    if not is_int(m["vocab_size"], 1, 1 << 16):
+        bad("vocab_size", "an integer in [1, 65536]")
+    if not is_int(m["eos_id"], 0, m["vocab_size"] - 1):
+        bad("eos_id", f"an integer in [0, {m['vocab_size'] - 1}]")
+    if not isinstance(m["splits"], dict):
+        bad("splits", "an object")
+    for split, info in m["splits"].items():
+        where = f"splits.{split}"
+        if not isinstance(info, dict):
+            bad(where, "an object")
+        for key in ("tokens", "bytes"):
+            if not is_int(info.get(key)):
+                bad(f"{where}.{key}", "an integer >= 0")
+        if "documents" in info and not is_int(info["documents"]):
+            bad(f"{where}.documents", "an integer >= 0")
+        if not isinstance(info.get("shards"), list):
+            bad(f"{where}.shards", "a list")
+        for i, s in enumerate(info["shards"]):
+            if not (isinstance(s, dict) and isinstance(s.get("file"), str) and is_int(s.get("tokens"))):
+                bad(f"{where}.shards[{i}]", "{\"file\": name, \"tokens\": n}")
+
+
+def _short(field: str, m: dict) -> str:
+    value = m
+    for part in field.split("."):
+        part = part.split("[")[0]
+        value = value.get(part) if isinstance(value, dict) else None
+    return repr(value)[:60]
 
 
 def _load_shard(data_dir: Path, entry: dict) -> np.ndarray:
@@ -273,7 +316,11 @@ class _ShardWriter:
 
     def abort(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:                # a full disk fails the final flush too
+                pass
+            self._f = None
         for s in self.shards:
             (self.out_dir / f".{s['file']}.partial").unlink(missing_ok=True)
 
@@ -311,22 +358,31 @@ class Source:
 
 
 def expand_paths(items: Iterable[str | Path]) -> list[Path]:
-    """Files as given, directories expanded to their supported files (recursively, sorted by path)."""
+    """The one input rule of `prepare` and `tokenizer train`: a file named on the command line is read
+    whatever its name (.jsonl/.json: the text field of each record; .parquet: the text column; any other
+    name, .py or none at all: UTF-8 text); a directory is expanded, recursively and sorted by path, to its
+    .txt, .md, .jsonl, .json and .parquet files (hidden files and folders skipped)."""
     out = []
     for item in items:
         p = Path(item)
         if p.is_dir():
-            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in SUPPORTED)
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in SUPPORTED
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
                 raise UserError(f"directory {p} holds no {'/'.join(SUPPORTED)} files")
             out.extend(found)
         elif p.is_file():
-            if p.suffix.lower() not in SUPPORTED:
-                raise UserError(f"{p}: unsupported file type {p.suffix!r} (use {', '.join(SUPPORTED)})")
             out.append(p)
+        elif p.exists():
+            raise UserError(f"input {p} is neither a file nor a directory")
         else:
             raise UserError(f"input file {p} does not exist")
     return out
+
+
+def is_plain_text(path: Path) -> bool:
+    """Whether a file is read as plain text (not a JSON / JSONL / parquet container of texts)."""
+    return path.suffix.lower() not in JSON_SUFFIXES + PARQUET_SUFFIXES
 
 
 def _need_pyarrow():
@@ -371,8 +427,8 @@ def _load_json_records(path: Path) -> list:
 def count_documents(path: Path, text_field: str = "text") -> int:
     """Documents in one file: 1 for text, one per non-blank line of JSONL, per record of JSON, per parquet row."""
     suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        return 1
+    if is_plain_text(path):
+        return 1 if path.stat().st_size else 0
     if suffix == ".jsonl":
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
@@ -393,8 +449,9 @@ def estimate_chars(path: Path, text_field: str = "text") -> int:
 def iter_documents(path: Path, text_field: str = "text") -> Iterator[Iterator[str]]:
     """The documents of one file, each an iterator of text blocks. Line endings are normalised to \\n."""
     suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        yield _read_text_blocks(path)
+    if is_plain_text(path):
+        if path.stat().st_size:
+            yield _read_text_blocks(path)
     elif suffix == ".jsonl":
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -528,18 +585,22 @@ def _source_documents(src: Source, n_docs: int, chunk_chars: int) -> Iterator[It
 def _interleave(streams: list[Iterator[Iterator[tuple[str, str, bool]]]], planned: list[float]
                 ) -> Iterator[tuple[str, str, bool]]:
     """Merge the sources' documents, always taking the next document from the source that is furthest
-    behind its planned share (emitted chars / planned chars; ties -> the earlier source)."""
+    behind its planned share (emitted chars / planned chars; ties -> the earlier source).
+    Yields (split, text, last, document key): the key (source, document number) lets the caller count
+    the documents a split holds text of (a held-out chunk of one big file counts its document once)."""
     heap = [(0.0, i) for i in range(len(streams))]
     emitted = [0] * len(streams)
+    n_doc = [0] * len(streams)
     heapq.heapify(heap)
     while heap:
         _, i = heapq.heappop(heap)
         doc = next(streams[i], None)
         if doc is None:
             continue
+        n_doc[i] += 1
         for split, text, last in doc:
             emitted[i] += len(text)
-            yield split, text, last
+            yield split, text, last, (i, n_doc[i])
         heapq.heappush(heap, (emitted[i] / max(planned[i], 1.0), i))
 
 
@@ -643,33 +704,52 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
 
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file, not a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from .checkpoint import run_lock
+    with run_lock(out_dir, "data"):            # one prepare (or training reading it) per DATA directory
+        try:
+            return _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, processes, progress,
+                                 n_docs, chunk_chars, tqdm)
+        except OSError as e:                   # a full disk, a vanished directory: the old data is intact
+            why = "the disk is full" if e.errno in (28, 122) else (e.strerror or str(e))
+            raise UserError(f"could not write {out_dir}: {why}; its previous data (if any) is intact") from None
+
+
+def _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, processes, progress, n_docs,
+                  chunk_chars, tqdm) -> dict:
     writers = {split: _ShardWriter(out_dir, split, shard_tokens) for split in SPLITS}
     n_bytes = dict.fromkeys(SPLITS, 0)
-    n_docs_out = dict.fromkeys(SPLITS, 0)
+    docs_seen: dict[str, set] = {split: set() for split in SPLITS}
     eos = np.array([tok.eos_id], dtype=np.int64)
     meta: deque = deque()
 
     def texts():                       # feeds the encoder; meta remembers, in order, where each text goes
-        for split, text, last in _interleave(streams, planned):
-            meta.append((split, len(text.encode("utf-8", "surrogatepass")), len(text), last))
+        for split, text, last, key in _interleave(streams, planned):
+            meta.append((split, len(text.encode("utf-8", "surrogatepass")), len(text), last, key))
             yield text
 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress, smoothing=0.05)
+    encoded = _encode_stream(tok, texts(), processes)
     try:
-        for ids in _encode_stream(tok, texts(), processes):
-            split, nbytes, nchars, last = meta.popleft()
+        for ids in encoded:
+            split, nbytes, nchars, last, key = meta.popleft()
             w = writers[split]
             w.write(ids)
             if last:
                 w.write(eos)
-                n_docs_out[split] += 1
+            docs_seen[split].add(key)
             n_bytes[split] += nbytes
             bar.update(nchars)
             bar.set_postfix_str(f"{w.tokens + writers['train' if split == 'val' else 'val'].tokens:,} tok",
                                 refresh=False)
         shards = {split: w.finish() for split, w in writers.items()}
+        empty = [split for split in SPLITS if writers[split].tokens == 0]
+        if empty:
+            raise UserError(f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty: the input "
+                            f"holds too little text ({sum(n_bytes.values()):,} bytes); give `prepare` more text "
+                            f"(a few tens of KB at least){' or --val FILES' if 'val' in empty else ''}")
     except BaseException:
+        if hasattr(encoded, "close"):
+            encoded.close()            # stop the encoding processes now, not when garbage-collected
         for w in writers.values():
             w.abort()
         raise
@@ -681,8 +761,9 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
         "tokenizer_fingerprint": tok.fingerprint(),
         "vocab_size": int(tok.vocab_size),
         "eos_id": int(tok.eos_id),
+        "tokenizer": TOKENIZER_FILE,
         "splits": {split: {"shards": shards[split], "tokens": writers[split].tokens, "bytes": n_bytes[split],
-                           "documents": n_docs_out[split]} for split in SPLITS},
+                           "documents": len(docs_seen[split])} for split in SPLITS},
         "sources": [{"name": s.name, "files": [str(p) for p in s.paths], "weight": s.weight,
                      "documents": n, "holdout": s.split or ("documents" if n >= MIN_DOCS_FOR_DOC_HOLDOUT
                                                              else f"chunks of {c} chars")}
@@ -696,8 +777,7 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
     for old in out_dir.glob("*_[0-9][0-9][0-9][0-9][0-9][0-9].npy"):
         if old.name.split("_")[0] in SPLITS and old.name not in keep:
             old.unlink()
+    if hasattr(tok, "to_dict"):        # the data carries its tokenizer: train / eval / sft need no --tokenizer
+        atomic_write_json(out_dir / TOKENIZER_FILE, tok.to_dict())
     atomic_write_json(out_dir / "manifest.json", manifest)
-    for split in SPLITS:
-        if writers[split].tokens == 0:
-            print(f"warning: the {split} split is empty", flush=True)
     return manifest

@@ -93,7 +93,17 @@ def strip_gutenberg(text: str) -> str:
 def read_book_list(path: str | Path = BOOKS_TSV) -> list[dict]:
     """[{id, author, title}] from a TSV with header `id  author  title` ('#' lines are comments)."""
     books = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"book list {path} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"book list {path} is a directory, not a TSV file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"book list {path} is not a UTF-8 text file (expected id<TAB>author<TAB>title lines)") from None
+    if "\0" in text:
+        raise UserError(f"book list {path} is a binary file (expected id<TAB>author<TAB>title lines)")
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#") or line.startswith("id\t"):
             continue
         parts = line.split("\t")

@@ -78,6 +78,60 @@ def bpe(piece: bytes, ranks: dict[tuple[int, int], int]) -> list[int]:
     return ids
 
 
+# ---- user-supplied pre-tokenization patterns: validated, and bounded in time ---------------------------
+PATTERN_PROBES = (
+    "Hello, World! It's 2024: 3.14 + x_1 = y;  tabs\tand\nnew lines\r\n\x0b\x0c",
+    "".join(chr(c) for c in range(0, 0x20)) + "\x7f" + "".join(chr(c) for c in range(0x80, 0x100)),
+    "\u00a0\u2003\u3000\u200b\u2028\u2029 \ufeff",                     # unusual spaces, BOM
+    "Ελληνικά кириллица עברית العربية हिन्दी 中文字符 日本語 한국어 ไทย",      # scripts
+    "e\u0301 \u0915\u094d 👩‍💻 🇫🇷 ½ ² ٣ ① ∑ € \ue000 \U0010fffd",            # marks, emoji, digits, symbols, private use
+    "\udc80\udcff \ud800",                                             # lone surrogates (bytes that are not UTF-8)
+)
+PATTERN_STRESS = tuple(c * 48 + tail for c in ("a", " ", "1", "!", "\n", "é") for tail in ("", "\x00", "b"))
+PATTERN_CHECK_TIMEOUT = 0.5     # seconds a pattern may spend on one probe
+ENCODE_TIMEOUT_PER_CHAR = 1e-5  # ... and on a text: 1 s + 10 µs per character
+
+
+def check_pattern(pattern: str) -> None:
+    r"""A pre-tokenization pattern must compile, cover every character (the pieces `findall` returns,
+    joined, give back the text: `\p{L}+` alone drops spaces and digits, a capturing group drops the
+    rest of its match) and run in bounded time (`(a|aa)+$` backtracks exponentially). UserError if not.
+
+        check_pattern(GPT2_PATTERN)     # passes
+        check_pattern(r"\p{L}+")        # UserError: ... drops characters: ' ' ...
+    """
+    if not isinstance(pattern, str) or not pattern or len(pattern) > 10_000:
+        raise UserError("tokenizer.json: \"pattern\" must be a non-empty string (at most 10000 characters)")
+    if pattern == GPT2_PATTERN:
+        return
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, RecursionError, OverflowError, ValueError) as e:
+        raise UserError(f"tokenizer.json: bad pre-tokenization pattern: {e}") from None
+    for probe in PATTERN_PROBES + ("".join(PATTERN_PROBES),) + PATTERN_STRESS:
+        try:
+            pieces = compiled.findall(probe, timeout=PATTERN_CHECK_TIMEOUT)
+        except TimeoutError:
+            raise UserError(f"tokenizer.json: the pre-tokenization pattern takes more than {PATTERN_CHECK_TIMEOUT} s "
+                            f"on {len(probe)} characters ({probe[:12]!r}...): it backtracks catastrophically") from None
+        if not all(isinstance(p, str) for p in pieces) or "".join(pieces) != probe:
+            kept = "".join(p if isinstance(p, str) else "" for p in pieces)
+            lost = sorted(set(probe) - set(kept)) or ["(characters in context)"]
+            raise UserError(f"tokenizer.json: the pre-tokenization pattern drops characters, e.g. "
+                            f"{''.join(lost[:8])!r} (every character must fall in some piece; use no capturing "
+                            f"groups, (?:...) instead)")
+
+
+def _findall_bounded(compiled, text: str) -> list[str]:
+    """compiled.findall(text) with a time bound that grows with the text; UserError when it runs out."""
+    limit = 1.0 + ENCODE_TIMEOUT_PER_CHAR * len(text)
+    try:
+        return compiled.findall(text, timeout=limit)
+    except TimeoutError:
+        raise UserError(f"the tokenizer's pre-tokenization pattern took more than {limit:.1f} s on a text of "
+                        f"{len(text):,} characters (catastrophic backtracking?)") from None
+
+
 def pretokenize(text: str, pattern: str = GPT2_PATTERN) -> list[str]:
     """The pre-tokens of text.  pretokenize("Hello  world's") -> ['Hello', ' ', ' world', "'s"]"""
     return regex.findall(pattern, text)
@@ -292,7 +346,7 @@ class Tokenizer:
             errors = "surrogatepass"
         out: list[int] = []
         cache = self._cache
-        for piece in self._regex.findall(text):
+        for piece in _findall_bounded(self._regex, text):
             ids = cache.get(piece)
             if ids is None:
                 ids = cache[piece] = bpe(piece.encode("utf-8", errors), self._ranks)
@@ -374,18 +428,16 @@ class Tokenizer:
         pattern, merges, specials = d.get("pattern"), d.get("merges"), d.get("specials")
         if not isinstance(pattern, str):
             raise UserError("tokenizer.json: \"pattern\" must be a string")
-        try:
-            regex.compile(pattern)
-        except regex.error as e:
-            raise UserError(f"tokenizer.json: bad pre-tokenization pattern: {e}") from None
+        check_pattern(pattern)
         if not isinstance(merges, list):
             raise UserError("tokenizer.json: \"merges\" must be a list of [left, right] id pairs")
         for i, m in enumerate(merges):
             if not (isinstance(m, list) and len(m) == 2 and all(type(x) is int and 0 <= x < 256 + i for x in m)):
                 raise UserError(f"tokenizer.json: merge {i} is {m!r}; each merge must be [left, right] with ids "
                                 f"of earlier tokens (below {256 + i})")
-        if not isinstance(specials, dict) or not all(isinstance(k, str) and k for k in specials):
-            raise UserError("tokenizer.json: \"specials\" must map token strings to ids")
+        if not isinstance(specials, dict) or not all(isinstance(k, str) and k and type(v) is int
+                                                     for k, v in specials.items()):
+            raise UserError("tokenizer.json: \"specials\" must map non-empty token strings to integer ids")
         order = sorted(specials, key=lambda s: specials[s])
         if [specials[s] for s in order] != list(range(256 + len(merges), 256 + len(merges) + len(order))):
             raise UserError("tokenizer.json: special token ids must follow the merges consecutively")
@@ -591,17 +643,29 @@ def encode_parallel(tokenizer: Tokenizer, texts: Iterable[str], processes: int |
 
     import multiprocessing as mp
     from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     from . import bpe_fast
 
     bpe_fast.char_classes()  # build once here; forked workers inherit it
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(method)
-    with ctx.Pool(processes, initializer=_worker_init, initargs=(tokenizer.to_dict(),)) as pool:
-        pending: deque = deque()
+    # a ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies (killed, out of memory) ends the
+    # whole command at once (BrokenProcessPool) instead of waiting forever; so does an error in the caller,
+    # which closes this generator (the `finally` below cancels what is queued)
+    pool = ProcessPoolExecutor(processes, mp_context=mp.get_context(method), initializer=_worker_init,
+                               initargs=(tokenizer.to_dict(),))
+    pending: deque = deque()
+    try:
         for batch in batches():
-            pending.append(pool.apply_async(_worker_encode, (batch,)))
+            pending.append(pool.submit(_worker_encode, batch))
             while len(pending) >= 2 * processes:
-                yield from pending.popleft().get()
+                yield from pending.popleft().result()
         while pending:
-            yield from pending.popleft().get()
+            yield from pending.popleft().result()
+    except BrokenProcessPool:
+        raise UserError("an encoding process died (killed, or out of memory?); try --processes 1") from None
+    finally:
+        for f in pending:
+            f.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)

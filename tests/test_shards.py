@@ -161,9 +161,12 @@ def test_rerun_replaces_old_shards(tmp_path):
 def test_bad_inputs(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         prepare([tmp_path / "nope.txt"], ByteTok(), tmp_path / "d", processes=1, progress=False)
-    (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(UserError, match="unsupported"):
+    (tmp_path / "x.csv").write_text("a,b")       # read as text (any named file is), but far too little of it
+    with pytest.raises(UserError, match="train split is empty.*too little text"):
         prepare([tmp_path / "x.csv"], ByteTok(), tmp_path / "d", processes=1, progress=False)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="no documents"):
+        prepare([tmp_path / "empty.txt"], ByteTok(), tmp_path / "d", processes=1, progress=False)
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"title": "no text"}\n')
     with pytest.raises(UserError, match="bad.jsonl:2"):
         prepare([tmp_path / "bad.jsonl"], ByteTok(), tmp_path / "d", processes=1, progress=False)
@@ -250,4 +253,4 @@ def test_cli_prepare_json(tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 2
     assert "one per argument" in capsys.readouterr().err
     assert main(["prepare", str(a), "--tokenizer", str(tmp_path / "nope.json"), "--out", str(tmp_path / "e")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "nope.json not found" in capsys.readouterr().err

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import UserError
 
 COMMAND_MODULES = ["check", "info", "tokenizer", "prepare", "train", "sample", "sft", "dpo", "chat", "data",
-                   "bench", "demo", "serve"]
+                   "bench", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .args import OneLineParser
+    parser = OneLineParser(
         prog="nanoeuler",
         description="A GPT-2-class language model and its whole training pipeline, in NumPy with hand-written "
                     "backward passes: tokenizer -> prepare -> train -> sft -> dpo -> chat.",
@@ -30,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:         # --help, or a bad flag (one line, see args.OneLineParser): its exit code
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
@@ -44,6 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except MemoryError:
+        print("error: out of memory (use a smaller batch, context or model)", file=sys.stderr)
+        return 3
+    except OSError as e:            # a full disk, a permission, a vanished file: one line, never a traceback
+        if os.environ.get("NANOEULER_TRACEBACK"):
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 3
+    except Exception as e:          # a bug: still one line; NANOEULER_TRACEBACK=1 shows where it happened
+        if os.environ.get("NANOEULER_TRACEBACK"):
+            raise
+        print(f"error: internal error {type(e).__name__}: {str(e)[:300]} (a bug: please report it; "
+              f"NANOEULER_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
     return int(code or 0)
 
 

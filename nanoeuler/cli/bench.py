@@ -14,10 +14,11 @@ def register(sub) -> None:
                                    "median step time after warm-up, tokens/s, MFU (6·N·tokens/s over the float32 "
                                    "matmul peak measured in the same run) and peak resident memory.")
     p.add_argument("preset", nargs="?", default="small", help="preset or config.json (default small)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 32 for small, 16 otherwise")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: the config's)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    from .args import nonneg_int, positive_int
+    p.add_argument("--batch-size", type=positive_int, default=None, help="default: 32 for small, 16 otherwise")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: the config's)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed warm-up steps (default 2; 0 = none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -35,10 +36,12 @@ def run(args) -> int:
     from ..perf import matmul_peak_flops
     from .info import resolve_config
     cfg = resolve_config(args.preset)
-    B = args.batch_size or (32 if cfg.n_params() < 2_000_000 else 16)
-    T = args.ctx or cfg.ctx_len
+    B = args.batch_size if args.batch_size is not None else (32 if cfg.n_params() < 2_000_000 else 16)
+    T = args.ctx if args.ctx is not None else cfg.ctx_len
     if B < 1 or not 1 <= T <= cfg.ctx_len or args.steps < 1 or args.warmup < 0:
         raise UserError(f"need --batch-size >= 1, --ctx in [1, {cfg.ctx_len}], --steps >= 1, --warmup >= 0")
+    from ..memory import check_fits
+    check_fits(cfg, B, T)            # before allocating: --batch-size 100000 is refused here, in one line
     model = Model.init(cfg, seed=0)
     opt = AdamW(model.params, lr=1e-4)
     rng = np.random.default_rng(0)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import sys
 
-from .sample import add_sampling_args, check_sampling_args
+from .args import escape_control
+from .sample import MIN_TEMPERATURE, add_sampling_args, check_sampling_args, check_temperature
 
 HELP = """commands:
   /reset     forget the conversation so far
-  /temp X    set the sampling temperature (0 = greedy)
+  /temp X    set the sampling temperature (0 = greedy, else 0.01 .. 100)
   /topk N    sample only from the N most likely tokens (0 = all)
   /tokens    show how the last reply was tokenized
   /help      show this list
@@ -89,7 +90,7 @@ class Chat:
 
         def stream(token):
             if token != eos:
-                write(dec.feed(token))
+                write(escape_control(dec.feed(token)))
         greedy = self.temperature == 0
         seed = int(self.rng.integers(2**31))
         try:
@@ -100,7 +101,7 @@ class Chat:
             note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"
         except KeyboardInterrupt:
             reply, note, self.last_stopped = [], "  [interrupted]", False
-        write(dec.flush() + note + "\n")
+        write(escape_control(dec.flush()) + note + "\n")
         self.last_reply = reply
         self.turns.append(prompt_ids + reply + [eos])
 
@@ -114,12 +115,11 @@ class Chat:
             self.last_reply = []
             write("(conversation cleared)\n")
         elif name == "/temp":
+            from ..errors import UserError
             try:
-                value = float(arg)
-                if value < 0:
-                    raise ValueError
-            except ValueError:
-                return write("usage: /temp X   with X >= 0 (0 = greedy)\n")
+                value = check_temperature("/temp", arg)
+            except UserError as e:
+                return write(f"{e}\nusage: /temp X   with X = 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]\n")
             self.temperature = value
             write(f"(temperature {value:g}{', greedy' if value == 0 else ''})\n")
         elif name == "/topk":
@@ -128,7 +128,7 @@ class Chat:
                 if value < 0:
                     raise ValueError
             except ValueError:
-                return write("usage: /topk N   with N >= 0 (0 = no limit)\n")
+                return write("usage: /topk N   with N >= 0 (0 = no limit, as --top-k 0)\n")
             self.top_k = value or None
             write(f"(top-k {value or 'off'})\n")
         elif name == "/tokens":
@@ -144,7 +144,7 @@ def run(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..model import Model
     check_sampling_args(args)
-    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     chat = Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
                 speculative=not args.no_speculative)
     interactive = sys.stdin.isatty()

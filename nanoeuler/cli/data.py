@@ -16,19 +16,23 @@ def register(subparsers) -> None:
                                           "in OUT/manifest.json.")
     sub = p.add_subparsers(dest="dataset", metavar="<dataset>", required=True)
 
+    from .args import finite_float, nonneg_int, output_dir, positive_int
+
     def common(q, name):
-        q.add_argument("--out", default=f"data/{name}", help=f"output directory (default data/{name})")
+        q.add_argument("--out", type=output_dir, default=f"data/{name}",
+                       help=f"output directory (default data/{name})")
         q.add_argument("--mirror", default=None, metavar="BASE",
                        help="replace scheme://host of the default URLs, e.g. https://hf-mirror.com")
-        q.add_argument("--retries", type=int, default=5, help="retries per request (default 5)")
-        q.add_argument("--backoff", type=float, default=1.0, help="first back-off in seconds, doubled per retry")
+        q.add_argument("--retries", type=nonneg_int, default=5, help="retries per request (default 5; 0 = none)")
+        q.add_argument("--backoff", type=finite_float(0, 3600), default=1.0,
+                       help="first back-off in seconds, doubled per retry (default 1)")
         q.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
         q.set_defaults(run=run)
 
     g = sub.add_parser("gutenberg", help="curated Project Gutenberg classics, licence header/footer stripped")
     g.add_argument("--books", default=None, metavar="TSV",
                    help="book list (id<TAB>author<TAB>title; default: the bundled curated list)")
-    g.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N books")
+    g.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N books")
     g.add_argument("--url", default=None, metavar="TEMPLATE",
                    help="URL template with {id} (default https://www.gutenberg.org/cache/epub/{id}/pg{id}.txt)")
     common(g, "gutenberg")
@@ -52,13 +56,18 @@ def run(args) -> int:
     from .. import sources
     from ..errors import UserError
 
+    from ..download import check_url
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
+    if args.mirror:
+        check_url(args.mirror, "--mirror")
+    for url in ([args.url] if isinstance(args.url, str) else args.url or []):
+        check_url(url.replace("{id}", "1"), "--url")
     kw = dict(retries=args.retries, backoff=args.backoff, progress=True)
     if args.dataset == "gutenberg":
         books = sources.read_book_list(args.books) if args.books else sources.read_book_list()
         if args.limit is not None:
-            books = books[:max(0, args.limit)]
+            books = books[:args.limit]
         s = sources.fetch_gutenberg(args.out, books, url_template=args.url or sources.GUTENBERG_URL,
                                     mirror=args.mirror, **kw)
         line = (f"{s['books']} books, {s['bytes']:,} bytes -> {', '.join(s['files'])}\n"

@@ -18,9 +18,10 @@ def register(sub) -> None:
                                    "pretraining of the `small` preset into runs/demo, validation bits per byte on the "
                                    "held-out plays, and a few samples. Ctrl-C stops with a checkpoint; running it "
                                    "again continues.")
-    p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEMO_STEPS})")
-    p.add_argument("--seed", type=int, default=1, help="sampling seed (default 1)")
+    from .args import nonneg_int, output_dir, positive_int
+    p.add_argument("--out", type=output_dir, default="runs/demo", help="run directory (default runs/demo)")
+    p.add_argument("--steps", type=positive_int, default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
+    p.add_argument("--seed", type=nonneg_int, default=1, help="sampling seed (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -43,9 +44,9 @@ def run(args) -> int:
     from .train import ensure_bundled_data
 
     out = Path(args.out)
-    steps = args.steps or DEMO_STEPS
-    if steps < 1:
-        raise UserError("--steps must be >= 1")
+    steps = args.steps
+    if type(steps) is not int or steps < 1:    # argparse refuses 0 already; this guards direct callers
+        raise UserError("--steps must be an integer >= 1")
     cfg = PRESETS["small"]
     data = ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
     tcfg = TrainConfig(steps=steps, **DEMO_SETTINGS)

@@ -11,8 +11,10 @@ def register(sub) -> None:
                                    "exact parameter count, and the memory one float32 training step needs "
                                    "(weights, gradients, AdamW moments, activations) at the given batch and context.")
     p.add_argument("target", help="preset name, config.json, or checkpoint directory")
-    p.add_argument("--batch", type=int, default=32, help="batch size for the memory estimate (default 32)")
-    p.add_argument("--ctx", type=int, default=None, help="context length for the memory estimate (default: the config's)")
+    from .args import positive_int
+    p.add_argument("--batch", type=positive_int, default=32, help="batch size for the memory estimate (default 32)")
+    p.add_argument("--ctx", type=positive_int, default=None,
+                   help="context length for the memory estimate (default: the config's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -25,7 +27,9 @@ def resolve_config(target: str):
         return PRESETS[target]
     path = Path(target)
     if path.is_dir():
-        return Config.load(path / "config.json")
+        from ..checkpoint import check_run_dir, member, read_journal, read_json
+        check_run_dir(path, read_only=True)   # info changes nothing; a pending save is read where it lies
+        return Config.from_dict(read_json(member(path, "config.json", read_journal(path)), "checkpoint config"))
     if path.is_file():
         return Config.load(path)
     raise UserError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")

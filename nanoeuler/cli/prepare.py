@@ -7,23 +7,30 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
+    from .args import existing_path, output_dir, positive_int
     p = subparsers.add_parser(
         "prepare", help="encode text files into token shards (train/val) + manifest",
-        description="Encode .txt, .jsonl/.json (a 'text' field) and .parquet (a 'text' column) files, or whole "
-                    "directories of them, into uint16 token shards with a train/val split that holds out whole "
+        description="Encode files (.jsonl/.json: a 'text' field per record, .parquet: a 'text' column, any other "
+                    "name: UTF-8 text, as `tokenizer train` reads them), or whole directories of .txt/.md/.jsonl/"
+                    ".json/.parquet files, into uint16 token shards with a train/val split that holds out whole "
                     "documents (every 10th; a source with fewer than 10 documents is cut into chunks at paragraph "
                     "breaks and every 10th chunk is held out). Streams the input and encodes on all cores. "
-                    "Without FILES, prepares the bundled Shakespeare corpus (validation = held-out whole works).")
-    p.add_argument("files", nargs="*", metavar="FILES", help="input files or directories")
-    p.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer.json (or a run directory holding one)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output DATA directory")
-    p.add_argument("--val", nargs="+", metavar="FILES", default=None,
+                    "Without FILES, prepares the bundled Shakespeare corpus (validation = held-out whole works). "
+                    "DATA keeps a copy of the tokenizer (DATA/tokenizer.json), so `train --data DATA` needs no "
+                    "--tokenizer. The old contents of DATA stay intact until the new shards are complete.")
+    p.add_argument("files", nargs="*", metavar="FILES", type=existing_path, help="input files or directories")
+    p.add_argument("--tokenizer", required=True, metavar="T", type=existing_path,
+                   help="tokenizer.json (or a run directory holding one)")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir, help="output DATA directory")
+    p.add_argument("--val", nargs="+", metavar="FILES", default=None, type=existing_path,
                    help="validation files (then nothing is held out of FILES)")
     p.add_argument("--mix", metavar="W1,W2,...", default=None,
                    help="one weight per FILES argument, each then its own source: weight 2 repeats a source's "
                         "training documents twice, 0.5 takes about half; sources are interleaved by document")
-    p.add_argument("--processes", type=int, default=None, metavar="N", help="encoding processes (default: all cores)")
-    p.add_argument("--shard-tokens", type=int, default=None, metavar="N", help="tokens per shard (default 2^25)")
+    p.add_argument("--processes", type=positive_int, default=None, metavar="N",
+                   help="encoding processes (default: all cores; 1 = encode in this process)")
+    p.add_argument("--shard-tokens", type=positive_int, default=None, metavar="N", help="tokens per shard (default 2^25)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     p.set_defaults(run=run)
@@ -50,19 +57,23 @@ def run(args) -> int:
 
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes must be >= 1, got {args.processes}")
-    shard_tokens = args.shard_tokens or DEFAULT_SHARD_TOKENS
+    shard_tokens = DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens
+    if shard_tokens < 1:
+        raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    progress = not getattr(args, "no_progress", False)
     t0 = time.perf_counter()
     if not args.files:
         if args.val or args.mix:
             raise UserError("--val and --mix need FILES")
         print("no FILES given: preparing the bundled Shakespeare corpus", file=sys.stderr)
-        m = prepare_bundled(args.tokenizer, args.out, processes=args.processes, shard_tokens=shard_tokens)
+        m = prepare_bundled(args.tokenizer, args.out, processes=args.processes, shard_tokens=shard_tokens,
+                            progress=progress)
     else:
         sources = list(args.files)
         if args.mix:
             sources = list(zip(args.files, _parse_mix(args.mix, len(args.files))))
         m = prepare(sources, args.tokenizer, args.out, val_sources=args.val, processes=args.processes,
-                    shard_tokens=shard_tokens, text_field=args.text_field)
+                    shard_tokens=shard_tokens, text_field=args.text_field, progress=progress)
     seconds = time.perf_counter() - t0
     tr, va = m["splits"]["train"], m["splits"]["val"]
     total_bytes = tr["bytes"] + va["bytes"]

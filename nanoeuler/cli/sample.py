@@ -8,29 +8,51 @@ from __future__ import annotations
 import json
 import sys
 
+from .args import escape_control
+
 
 def add_sampling_args(p, temperature: float, max_new: int) -> None:
-    p.add_argument("--temperature", type=float, default=temperature,
-                   help=f"softmax temperature; 0 = greedy (default {temperature})")
-    p.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with probability >= p")
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
-    p.add_argument("--max-new-tokens", type=int, default=max_new, help=f"default {max_new}")
+    from .args import finite_float, nonneg_int, positive_int
+    p.add_argument("--temperature", type=finite_float(0, 100), default=temperature,
+                   help=f"softmax temperature in [0, 100]; 0 = greedy (default {temperature})")
+    p.add_argument("--top-k", type=nonneg_int, default=None,
+                   help="sample only from the k most likely tokens; 0 = no limit (the default), as /topk 0")
+    p.add_argument("--top-p", type=finite_float(0, 1, lo_open=True), default=None,
+                   help="nucleus sampling: smallest set with probability >= p, p in (0, 1]")
+    p.add_argument("--seed", type=nonneg_int, default=None, help="random seed >= 0 (same seed, same text)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"default {max_new}")
     p.add_argument("--no-speculative", action="store_true",
                    help="greedy decoding one token per forward (by default greedy decoding drafts with the MTP "
                         "heads and verifies with head 0: the same text, faster)")
 
 
-def check_sampling_args(args) -> None:
+MIN_TEMPERATURE = 0.01   # below it (but > 0) logits / T overflow float32: use 0 (greedy) instead
+
+
+def check_temperature(name: str, value) -> float:
+    """0 (greedy) or a finite number in [0.01, 100]; 'nan', 'inf', '-1', '1e-300' -> UserError."""
     from ..errors import UserError
-    if args.temperature < 0:
-        raise UserError("--temperature must be >= 0")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError("--top-k must be >= 1")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError("--top-p must be in (0, 1]")
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be >= 1")
+    from .args import check_float
+    t = check_float(name, value, 0, 100)
+    if 0 < t < MIN_TEMPERATURE:
+        raise UserError(f"{name}: must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r}")
+    return t
+
+
+def check_sampling_args(args) -> None:
+    """The same rules for a Namespace not built by argparse (a test, a script); top_k 0 -> None (no limit)."""
+    from ..errors import UserError
+    from .args import check_float
+    args.temperature = check_temperature("--temperature", args.temperature)
+    if args.top_k is not None and (type(args.top_k) is not int or args.top_k < 0):
+        raise UserError("--top-k must be an integer >= 0 (0 = no limit)")
+    args.top_k = args.top_k or None
+    if args.top_p is not None:
+        args.top_p = check_float("--top-p", args.top_p, 0, 1, lo_open=True)
+    if type(args.max_new_tokens) is not int or args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be an integer >= 1")
+    if args.seed is not None and (type(args.seed) is not int or args.seed < 0):
+        raise UserError("--seed must be an integer >= 0")
 
 
 class StdoutStream:
@@ -43,11 +65,11 @@ class StdoutStream:
 
     def __call__(self, token: int) -> None:
         if token != self.tok.eos_id:
-            sys.stdout.write(self.dec.feed(token))
+            sys.stdout.write(escape_control(self.dec.feed(token)))
             sys.stdout.flush()
 
     def flush(self) -> None:
-        sys.stdout.write(self.dec.flush())
+        sys.stdout.write(escape_control(self.dec.flush()))
 
 
 def mode_of(args) -> str:
@@ -58,8 +80,9 @@ def register(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a checkpoint (streams)",
                        description="Continue --prompt with a checkpoint's model, printing tokens as they come. "
                                    "Generation uses a KV cache and stops at </s> or --max-new-tokens. A prompt "
-                                   "longer than the context keeps its last ctx_len tokens (with a notice).")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+                                   "longer than the context keeps its last ctx_len tokens (with a notice). Control "
+                                   "characters the model writes are shown escaped (\\x1b); --json gives the exact text.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (read only: nothing in it is changed)")
     p.add_argument("--prompt", required=True, help="the text to continue ('-' reads it from stdin)")
     add_sampling_args(p, temperature=0.8, max_new=200)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -72,7 +95,7 @@ def run(args) -> int:
     from ..generate import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
-    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = tok.encode(prompt)
     if not ids:
@@ -83,7 +106,7 @@ def run(args) -> int:
               f"kept the last {len(ids)}", file=sys.stderr)
     stream = None
     if not args.json:
-        sys.stdout.write(tok.decode(ids))
+        sys.stdout.write(escape_control(tok.decode(ids)))
         stream = StdoutStream(tok)
     g = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                  stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
+    from .args import existing_path, int_range, output_file
     p = subparsers.add_parser("tokenizer", help="train, use and export the byte-level BPE tokenizer",
                               description="Train a byte-level BPE tokenizer, encode/decode with it, export it.")
     sub = p.add_subparsers(dest="tokenizer_command", metavar="<action>")
 
     t = sub.add_parser("train", help="learn a vocabulary from text files",
                        description="Learn vocab-size - 256 - len(specials) merges from text files (UTF-8; "
-                                   "other bytes are learned as they are). Without FILES, trains on the bundled Shakespeare corpus (training works only). "
-                                   "Writes tokenizer.json and a readable .vocab file beside it.")
-    t.add_argument("files", nargs="*", metavar="FILES", help="text files")
-    t.add_argument("--vocab-size", type=int, required=True, metavar="N", help="total tokens incl. bytes and specials")
-    t.add_argument("--out", required=True, metavar="PATH", help="where to write tokenizer.json")
+                                   "other bytes are learned as they are). FILES follow the same rule as `prepare`: "
+                                   "a named file is read whatever its name (.jsonl/.json: the 'text' field of each "
+                                   "record, .parquet: the 'text' column, anything else: text); a directory gives "
+                                   "its .txt/.md/.jsonl/.json/.parquet files. Without FILES, trains on the bundled "
+                                   "Shakespeare corpus (training works only). Writes tokenizer.json and a readable "
+                                   ".vocab file beside it.")
+    t.add_argument("files", nargs="*", metavar="FILES", type=existing_path, help="text files or directories")
+    t.add_argument("--vocab-size", type=int_range(1, 1 << 16), required=True, metavar="N",
+                   help="total tokens incl. the 256 bytes and the specials, at most 65536 (uint16 shards)")
+    t.add_argument("--out", type=output_file, required=True, metavar="PATH", help="where to write tokenizer.json")
+    t.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     t.add_argument("--special", action="append", metavar="S", default=None,
                    help="a special token (repeatable; default: </s>)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -43,7 +50,7 @@ def register(subparsers) -> None:
                        description="Export to the Hugging Face `tokenizers` JSON format, which encodes identically.")
     x.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer.json (or a checkpoint directory)")
     x.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face tokenizers JSON")
-    x.add_argument("--out", required=True, metavar="F", help="output file")
+    x.add_argument("--out", type=output_file, required=True, metavar="F", help="output file (not a directory)")
     x.set_defaults(run=run_export)
 
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
@@ -60,8 +67,19 @@ def run_train(args) -> int:
     specials = tuple(args.special) if args.special else ("</s>",)
     t0 = time.perf_counter()
     if args.files:
-        nbytes = sum(Path(f).stat().st_size for f in args.files if Path(f).is_file())
-        tok = Tokenizer.train_files(args.files, args.vocab_size, specials, progress=not args.no_progress)
+        from ..shards import expand_paths, is_plain_text, iter_documents
+        from ..tokenizer import _read_blocks
+        paths = expand_paths(args.files)          # the rule `prepare` applies, so both read the same text
+        nbytes = sum(p.stat().st_size for p in paths)
+
+        def blocks():
+            for p in paths:
+                if is_plain_text(p):
+                    yield from _read_blocks([p])
+                else:
+                    for doc in iter_documents(p, args.text_field):
+                        yield "".join(doc).encode("utf-8", "surrogatepass")
+        tok = Tokenizer._train_utf8(blocks(), args.vocab_size, specials, not args.no_progress, nbytes)
     else:
         from ..corpus import bundled_split, bundled_works
 
