@@ -175,8 +175,9 @@ class Tokenizer:
     """A trained byte-level BPE tokenizer (immutable once built)."""
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
-                 pattern: str = GPT2_PATTERN):
+                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>"):
         self.pattern = pattern
+        self.eos_token = eos  # the special that ends a text / response ("</s>" here; "<|endoftext|>" for GPT-2)
         self.merges = [(int(a), int(b)) for a, b in merges]
         self._vocab = [bytes([i]) for i in range(256)]
         for a, b in self.merges:
@@ -202,9 +203,9 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        if "</s>" not in self.special_tokens:
-            raise UserError("this tokenizer has no </s> special token")
-        return self.special_tokens["</s>"]
+        if self.eos_token not in self.special_tokens:
+            raise UserError(f"this tokenizer has no {self.eos_token or 'end-of-text'} special token")
+        return self.special_tokens[self.eos_token]
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of token i.  token_bytes(104) -> b'h'"""
@@ -409,9 +410,12 @@ class Tokenizer:
     # -- persistence --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}."""
-        return {"format": FORMAT, "version": VERSION, "pattern": self.pattern,
-                "vocab_size": self.vocab_size, "specials": dict(self.special_tokens),
-                "merges": [list(m) for m in self.merges]}
+        d = {"format": FORMAT, "version": VERSION, "pattern": self.pattern,
+             "vocab_size": self.vocab_size, "specials": dict(self.special_tokens),
+             "merges": [list(m) for m in self.merges]}
+        if self.eos_token != "</s>":  # e.g. an imported GPT-2 tokenizer: "eos": "<|endoftext|>"
+            d["eos"] = self.eos_token
+        return d
 
     @classmethod
     def from_dict(cls, d) -> Tokenizer:
@@ -441,7 +445,10 @@ class Tokenizer:
         order = sorted(specials, key=lambda s: specials[s])
         if [specials[s] for s in order] != list(range(256 + len(merges), 256 + len(merges) + len(order))):
             raise UserError("tokenizer.json: special token ids must follow the merges consecutively")
-        tok = cls([tuple(m) for m in merges], order, pattern)
+        eos = d.get("eos", "</s>")
+        if eos is not None and not isinstance(eos, str):
+            raise UserError("tokenizer.json: \"eos\" must be the string of a special token (or null)")
+        tok = cls([tuple(m) for m in merges], order, pattern, eos)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
@@ -473,8 +480,10 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
-        canon = json.dumps({"pattern": self.pattern, "merges": self.merges, "specials": self.special_tokens},
-                           sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        content = {"pattern": self.pattern, "merges": self.merges, "specials": self.special_tokens}
+        if self.eos_token != "</s>":
+            content["eos"] = self.eos_token
+        canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
     def vocab_text(self) -> str:

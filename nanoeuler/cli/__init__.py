@@ -14,7 +14,7 @@ import sys
 from ..errors import UserError
 
 COMMAND_MODULES = ["check", "info", "tokenizer", "prepare", "train", "sample", "sft", "dpo", "chat", "data",
-                   "bench", "demo"]
+                   "bench", "demo", "interop", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

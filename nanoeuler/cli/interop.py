@@ -1,0 +1,78 @@
+"""`nanoeuler export` (to Hugging Face transformers or GGUF for llama.cpp) and `nanoeuler import`
+(a Hugging Face Llama-architecture folder -> a checkpoint). See nanoeuler/interop/."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    e = sub.add_parser(
+        "export", help="export a checkpoint to Hugging Face transformers (--format hf) or GGUF (--format gguf)",
+        description="Export a checkpoint. --format hf writes a folder that transformers' AutoModelForCausalLM and "
+                    "AutoTokenizer load with no code of ours (LlamaForCausalLM; MTP heads 1..K-1 in a side file "
+                    "that `nanoeuler import` reads back; the Alpaca chat template in tokenizer_config.json). "
+                    "--format gguf writes one .gguf file for llama.cpp (architecture llama, q/k rows permuted "
+                    "for its RoPE layout, the tokenizer and chat template in the metadata). An existing output "
+                    "is refused unless --force; the output appears whole or not at all.")
+    e.add_argument("--ckpt", required=True, help="checkpoint directory (from train, sft, dpo or import)")
+    e.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf: transformers folder; gguf: llama.cpp file")
+    e.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")
+    e.add_argument("--dtype", default=None,
+                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0")
+    e.add_argument("--force", action="store_true", help="replace an existing output")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--json", action="store_true", help="print one JSON object describing the result")
+    e.set_defaults(run=run_export)
+
+    i = sub.add_parser(
+        "import", help="import a Hugging Face Llama-architecture folder as a checkpoint",
+        description="Import a Hugging Face model folder (config.json of a LlamaForCausalLM, model.safetensors or "
+                    "shards with model.safetensors.index.json, a byte-level BPE tokenizer.json) as a nanoeuler "
+                    "checkpoint that sample, chat, sft, dpo and eval use unchanged. Token ids are renumbered to "
+                    "our tokenizer's order (embedding and head rows permuted alike). Unsupported features "
+                    "(rope_scaling, biases, sliding window, head_dim != hidden/heads, SentencePiece) are refused "
+                    "by name. An existing --out is refused unless --force.")
+    i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder")
+    i.add_argument("--out", required=True, help="checkpoint directory to create")
+    i.add_argument("--mtp", type=int, default=None,
+                   help="number K of MTP heads; heads 1..K-1 start as copies of head 0 unless the folder has them "
+                        "(default: as many as the folder has, 1 for a plain Llama)")
+    i.add_argument("--force", action="store_true", help="replace an existing --out")
+    i.add_argument("--no-progress", action="store_true", help="no progress bar")
+    i.add_argument("--json", action="store_true", help="print one JSON object describing the result")
+    i.set_defaults(run=run_import)
+
+
+def run_export(args) -> int:
+    from ..checkpoint import load_tokenizer
+    from ..model import Model
+    model = Model.load(args.ckpt)
+    tok = load_tokenizer(args.ckpt)
+    if args.format == "hf":
+        from ..interop.hf import export_hf
+        dtype = args.dtype or "float32"
+        out = export_hf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
+    else:
+        from ..interop.gguf_export import export_gguf
+        dtype = args.dtype or "f32"
+        out = export_gguf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps({"ckpt": args.ckpt, "format": args.format, "dtype": dtype, "out": str(out),
+                          "n_params": model.n_params(), "n_mtp": model.config.n_mtp}))
+    else:
+        print(f"exported {args.ckpt} ({model.n_params():,} parameters) as {args.format} {dtype} -> {out}")
+    return 0
+
+
+def run_import(args) -> int:
+    from ..interop.importer import import_folder
+    cfg, params, tok = import_folder(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),
+                          "tokenizer": {"vocab_size": tok.vocab_size, "merges": len(tok.merges),
+                                        "eos": tok.eos_token}}))
+    else:
+        print(f"imported {args.src} -> {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, heads {cfg.n_heads}/"
+              f"{cfg.n_kv_heads}, vocab {cfg.vocab_size}, ctx {cfg.ctx_len}, {cfg.n_mtp} head(s), "
+              f"{cfg.n_params():,} parameters; eos {tok.eos_token!r}")
+    return 0

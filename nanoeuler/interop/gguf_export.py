@@ -1,0 +1,143 @@
+"""Export a checkpoint as a GGUF file for llama.cpp (architecture `llama`), written with the `gguf` package.
+
+    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0
+
+Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
+out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
+in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
+the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
+name, eos, and the Alpaca chat template. MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+
+RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
+`permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row
+r = 2i + j (j = 0, 1) of the result is our row i + j·hd/2. For hd = 4: rows [0, 1, 2, 3] -> [0, 2, 1, 3].
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """[n_heads·hd, d] rotate-half rows -> interleaved rows (llama.cpp's convert_hf_to_gguf `permute`)."""
+    rows, d = w.shape
+    hd = rows // n_heads
+    return w.reshape(n_heads, 2, hd // 2, d).swapaxes(1, 2).reshape(rows, d)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of permute_qk: unpermute_qk(permute_qk(w, h), h) == w."""
+    rows, d = w.shape
+    hd = rows // n_heads
+    return w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d)
+
+
+def gguf_tensors(model) -> dict[str, np.ndarray]:
+    """llama.cpp name -> float32 array (q and k permuted), in llama.cpp's order."""
+    cfg, P = model.config, model.params
+    t = {"token_embd.weight": P["embed.weight"]}
+    for i in range(cfg.n_layers):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        t[g + "attn_norm.weight"] = P[o + "attn_norm.weight"]
+        t[g + "attn_q.weight"] = permute_qk(P[o + "attn.wq.weight"], cfg.n_heads)
+        t[g + "attn_k.weight"] = permute_qk(P[o + "attn.wk.weight"], cfg.n_kv_heads)
+        t[g + "attn_v.weight"] = P[o + "attn.wv.weight"]
+        t[g + "attn_output.weight"] = P[o + "attn.wo.weight"]
+        t[g + "ffn_norm.weight"] = P[o + "ffn_norm.weight"]
+        t[g + "ffn_gate.weight"] = P[o + "ffn.gate.weight"]
+        t[g + "ffn_up.weight"] = P[o + "ffn.up.weight"]
+        t[g + "ffn_down.weight"] = P[o + "ffn.down.weight"]
+    t["output_norm.weight"] = P["norm.weight"]
+    if not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
+        t["output.weight"] = P["heads.0.weight"]
+    return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in t.items()}
+
+
+def token_metadata(tok, vocab_size: int):
+    """(tokens, token types, merges) in llama.cpp's GPT-2 BPE form, padded to the model's vocab_size."""
+    from gguf import TokenType
+
+    from ..tokenizer import bytes_to_unicode
+    alphabet = bytes_to_unicode()
+    n_regular = 256 + len(tok.merges)
+    tokens = ["".join(alphabet[b] for b in tok.token_bytes(i)) for i in range(n_regular)]
+    types = [TokenType.NORMAL] * n_regular
+    for s in sorted(tok.special_tokens, key=tok.special_tokens.get):
+        tokens.append(s)
+        types.append(TokenType.CONTROL)
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        types.append(TokenType.UNUSED)
+    merges = [f"{tokens[a]} {tokens[b]}" for a, b in tok.merges]
+    return tokens, types, merges
+
+
+def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True) -> Path:
+    """Write the GGUF file `out` atomically (a temporary name renamed at the end)."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("GGUF export needs the gguf package: pip install 'nanoeuler[interop]'") from None
+    from tqdm import tqdm
+
+    from ..fileio import atomic_path
+    from .hf import require_llama
+    from .hf_tokenizer import GGUF_PRE_NAMES, alpaca_chat_template
+    from .outputs import check_free
+
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {dtype} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
+    out = check_free(out, force)
+    if out.is_dir():
+        raise UserError(f"{out} is a folder; the GGUF output is one file")
+    cfg = model.config
+    require_llama(cfg)
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    if dtype == "q8_0" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
+        raise UserError("q8_0 needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
+    tensors = gguf_tensors(model)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        w.add_name("nanoeuler")
+        w.add_context_length(cfg.ctx_len)
+        w.add_embedding_length(cfg.dim)
+        w.add_block_count(cfg.n_layers)
+        w.add_feed_forward_length(cfg.ffn_hidden)
+        w.add_head_count(cfg.n_heads)
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_file_type(int(ftype))
+        tokens, types, merges = token_metadata(tok, cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(GGUF_PRE_NAMES.get(tok.pattern, "default"))
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        if tok.eos_token in tok.special_tokens:
+            w.add_eos_token_id(tok.eos_id)
+            w.add_bos_token_id(tok.eos_id)
+        w.add_add_bos_token(False)
+        w.add_chat_template(alpaca_chat_template())
+        for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
+            if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(name, a)
+            else:
+                w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out

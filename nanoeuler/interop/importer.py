@@ -1,0 +1,243 @@
+"""Import a Hugging Face model folder as a nanoeuler checkpoint (then `sample`, `chat`, `sft`, `dpo`,
+`eval` use it unchanged).
+
+    nanoeuler import --from SmolLM-135M --out runs/smol --mtp 2
+
+The folder's config.json names the architecture (`model_type`, else `architectures[0]`); each supported
+architecture is one function `folder, hf_config, n_mtp -> (Config, params, Tokenizer)` in ARCHITECTURES
+(looked up lazily, "module:function"). The helpers it needs are shared: `read_hf_config`,
+`read_weights` (one model.safetensors or shards listed in model.safetensors.index.json, every shard
+checked), `read_tokenizer` (byte-level BPE tokenizer.json -> our Tokenizer + id permutation) and
+`mtp_heads` (heads 1..K-1 from an export's side file, else copies of head 0).
+
+Anything that would make the imported model compute something else (rope_scaling, biases, sliding
+window, head_dim != hidden/heads, another activation, a SentencePiece tokenizer) is refused by name.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+
+# model_type -> "module:function" (relative to this package); e.g. "gpt2": ".gpt2:import_gpt2"
+ARCHITECTURES = {
+    "llama": ".importer:import_llama",
+}
+ARCH_ALIASES = {"LlamaForCausalLM": "llama"}
+
+
+# ------------------------------------------------------------------------------ shared helpers
+
+def read_json_file(path: Path, what: str):
+    if not path.is_file():
+        raise UserError(f"{what}: {path} not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e})") from None
+
+
+def read_hf_config(folder: Path) -> dict:
+    c = read_json_file(folder / "config.json", "not a Hugging Face model folder")
+    if not isinstance(c, dict):
+        raise UserError(f"{folder / 'config.json'} is not a JSON object")
+    return c
+
+
+def architecture_of(c: dict) -> str:
+    """config.json -> our architecture key ('llama', ...), or a UserError naming what it found."""
+    mt = c.get("model_type")
+    if mt in ARCHITECTURES:
+        return mt
+    for a in c.get("architectures") or []:
+        if ARCH_ALIASES.get(a) in ARCHITECTURES:
+            return ARCH_ALIASES[a]
+        if a in ARCHITECTURES:
+            return a
+    raise UserError(f"config.json: model_type {mt!r} (architectures {c.get('architectures')}) is not supported; "
+                    f"importable: {', '.join(ARCHITECTURES)}")
+
+
+def read_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """HF tensor name -> float32 array, from model.safetensors or the shards of model.safetensors.index.json."""
+    from tqdm import tqdm
+
+    from .safetensors_io import read_tensors
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        idx = read_json_file(index, "shard index")
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+            raise UserError(f"{index}: no \"weight_map\" of tensor name -> shard file")
+        files = sorted(set(wmap.values()))
+        out = {}
+        for f in tqdm(files, desc="read shards", disable=not progress):
+            path = folder / f
+            if Path(f).name != f or not path.is_file():
+                raise UserError(f"{index}: shard {f} is missing")
+            want = {n for n, v in wmap.items() if v == f}
+            got = read_tensors(path, want)
+            lost = sorted(want - set(got))
+            if lost:
+                raise UserError(f"shard {f} does not hold {lost[0]}, which {index.name} puts there")
+            out.update(got)
+        return {n: a.astype(np.float32) for n, (_, a) in out.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return {n: a.astype(np.float32) for n, (_, a) in read_tensors(single).items()}
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise UserError(f"{folder} holds only PyTorch pickle weights; nanoeuler reads safetensors only "
+                        "(save the model with safe_serialization=True)")
+    raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def eos_id_of(folder: Path, c: dict):
+    """The end-of-text id: config.json's eos_token_id (first of a list), else generation_config.json's."""
+    eos = c.get("eos_token_id")
+    if eos is None and (folder / "generation_config.json").is_file():
+        g = read_json_file(folder / "generation_config.json", "generation config")
+        eos = g.get("eos_token_id") if isinstance(g, dict) else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is not None and (not isinstance(eos, int) or eos < 0):
+        raise UserError(f"config.json: eos_token_id {eos!r} is not a token id")
+    return eos
+
+
+def read_tokenizer(folder: Path, vocab_size: int, eos_id):
+    """(our Tokenizer, perm: our id -> HF id) from the folder's tokenizer.json."""
+    from .hf_tokenizer import from_hf_json
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        if (folder / "tokenizer.model").is_file():
+            raise UserError(f"{folder} has a SentencePiece tokenizer (tokenizer.model); only byte-level BPE "
+                            "tokenizer.json is supported")
+        raise UserError(f"{folder} has no tokenizer.json")
+    return from_hf_json(read_json_file(path, "tokenizer"), vocab_size, eos_id)
+
+
+def mtp_heads(folder: Path, n_mtp: int | None, head0: np.ndarray) -> dict[str, np.ndarray]:
+    """MTP heads 1..K-1: from nanoeuler_mtp.safetensors (written by our export) where present, the rest
+    initialised as copies of head 0. n_mtp None: as many as the side file holds (1 without one)."""
+    from .hf import MTP_FILE
+    from .safetensors_io import read_tensors
+    saved = {}
+    if (folder / MTP_FILE).is_file():
+        saved = {n: a.astype(np.float32) for n, (_, a) in read_tensors(folder / MTP_FILE).items()}
+        for n, a in saved.items():
+            if a.shape != head0.shape:
+                raise UserError(f"{MTP_FILE}: {n} has shape {list(a.shape)}, expected {list(head0.shape)}")
+    K = n_mtp if n_mtp is not None else 1 + len(saved)
+    return {f"heads.{k}.weight": saved.get(f"heads.{k}.weight", head0).copy() for k in range(1, K)}
+
+
+def require(c: dict, field: str, default=None):
+    v = c.get(field, default)
+    if v is None:
+        raise UserError(f"config.json: {field} is missing")
+    return v
+
+
+# ------------------------------------------------------------------------------ architectures
+
+def llama_config(c: dict, n_mtp: int):
+    """A Llama config.json -> our Config, refusing every field that would change the model."""
+    from ..config import Config
+    if c.get("rope_scaling") is not None:
+        raise UserError("config.json: rope_scaling is not supported (plain RoPE only)")
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+        raise UserError(f"config.json: rope_parameters.rope_type={rp.get('rope_type')} is not supported")
+    for field in ("attention_bias", "mlp_bias"):
+        if c.get(field):
+            raise UserError(f"config.json: {field}=true is not supported (our model has no biases)")
+    for field in ("sliding_window", "quantization_config"):
+        if c.get(field) is not None:
+            raise UserError(f"config.json: {field} is not supported")
+    if c.get("hidden_act", "silu") != "silu":
+        raise UserError(f"config.json: hidden_act={c.get('hidden_act')} is not supported (SwiGLU with silu only)")
+    dim, heads = require(c, "hidden_size"), require(c, "num_attention_heads")
+    if not isinstance(dim, int) or not isinstance(heads, int) or heads < 1 or dim % heads:
+        raise UserError(f"config.json: hidden_size {dim} is not divisible by num_attention_heads {heads}")
+    if c.get("head_dim") is not None and c["head_dim"] != dim // heads:
+        raise UserError(f"config.json: head_dim={c['head_dim']} differs from hidden_size/num_attention_heads "
+                        f"({dim // heads}); not supported")
+    theta = c.get("rope_theta")
+    if theta is None and isinstance(rp, dict):
+        theta = rp.get("rope_theta")
+    try:
+        return Config(vocab_size=require(c, "vocab_size"), dim=dim, n_heads=heads,
+                      n_kv_heads=c.get("num_key_value_heads") or heads, n_layers=require(c, "num_hidden_layers"),
+                      ctx_len=c.get("max_position_embeddings") or 2048, ffn_hidden=require(c, "intermediate_size"),
+                      n_mtp=n_mtp, rope_theta=float(theta if theta is not None else 10000.0),
+                      norm_eps=float(c.get("rms_norm_eps") or 1e-6))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"config.json: {e}") from None
+    except UserError as e:
+        raise UserError(f"config.json: {e}") from None
+
+
+def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = False):
+    """A LlamaForCausalLM folder -> (Config, params, Tokenizer), token rows renumbered (hf_tokenizer)."""
+    from .hf import hf_names
+    cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
+    tied = bool(c.get("tie_word_embeddings"))
+    W = read_weights(folder, progress)
+    names = hf_names(cfg.n_layers)
+    if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
+        del names["heads.0.weight"]
+        W.pop("lm_head.weight", None)
+    shapes = cfg.param_shapes()
+    for ours, theirs in names.items():
+        if theirs not in W:
+            raise UserError(f"tensor {theirs} is missing from the weights")
+        if tuple(W[theirs].shape) != shapes[ours]:
+            raise UserError(f"tensor {theirs} has shape {list(W[theirs].shape)}, expected {list(shapes[ours])}")
+    known = set(names.values())
+    extra = sorted(n for n in W if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        what = " (biases are not supported)" if extra[0].endswith(".bias") else ""
+        raise UserError(f"unexpected tensor {extra[0]}{what}")
+    tok, perm = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
+    perm = np.asarray(perm)
+    params = {ours: W[theirs] for ours, theirs in names.items()}
+    if tied:
+        params["heads.0.weight"] = params["embed.weight"]
+    params["embed.weight"] = params["embed.weight"][perm]
+    params["heads.0.weight"] = params["heads.0.weight"][perm]
+    params.update(mtp_heads(folder, n_mtp, params["heads.0.weight"]))
+    K = sum(1 for n in params if n.startswith("heads."))
+    cfg = cfg.replace(n_mtp=K)
+    return cfg, {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}, tok
+
+
+def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = False):
+    """Any supported Hugging Face folder -> (Config, params, Tokenizer), without writing anything."""
+    from ..model import check_params
+    folder = Path(src)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder")
+    if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
+        raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
+    c = read_hf_config(folder)
+    module, fn = ARCHITECTURES[architecture_of(c)].split(":")
+    importer = getattr(importlib.import_module(module, __package__), fn)
+    cfg, params, tok = importer(folder, c, n_mtp, progress=progress)
+    check_params(cfg, params)
+    return cfg, params, tok
+
+
+def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
+                  progress: bool = True):
+    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force)."""
+    from ..checkpoint import save_model
+    from .outputs import check_free, output_dir
+    check_free(out, force)
+    cfg, params, tok = load_hf_folder(src, n_mtp, progress)
+    with output_dir(out, force) as tmp:
+        save_model(tmp, cfg, params, tok)
+    return cfg, params, tok

@@ -1,0 +1,54 @@
+"""Output paths for export / import: refuse an existing path unless --force, and never leave half a result.
+
+A folder is built under a temporary sibling name and renamed into place at the end (with --force, the old
+folder is first renamed aside and removed only after the new one is in place):
+
+    with output_dir("exported", force=False) as tmp:     # tmp = exported.tmp-<pid>/
+        write_files(tmp)                                  # an exception here: tmp removed, nothing else touched
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def check_free(path: str | Path, force: bool) -> Path:
+    """path, after checking it does not exist (or force is set); its parent must exist."""
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not force:
+        raise UserError(f"{path} already exists (use --force to replace it)")
+    if not path.parent.exists():
+        raise UserError(f"the folder {path.parent} does not exist")
+    return path
+
+
+@contextlib.contextmanager
+def output_dir(path: str | Path, force: bool = False):
+    """Yield a fresh temporary folder beside path; on success it becomes path (atomically replaced)."""
+    path = check_free(path, force)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists() or path.is_symlink():
+            if path.is_dir() and not path.is_symlink():
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                path.unlink()
+                os.replace(tmp, path)
+        else:
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

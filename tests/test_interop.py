@@ -1,0 +1,463 @@
+"""Interop: export to transformers / GGUF and import of transformers Llama folders, checked against the
+real libraries (transformers, tokenizers, torch autograd, gguf.GGUFReader) on tiny models built here.
+No network: every model and tokenizer is made inside the tests."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from nanoeuler import Model, Tokenizer
+from nanoeuler.cli import main
+from nanoeuler.config import Config
+from nanoeuler.corpus import bundled_works
+from nanoeuler.generate import generate
+from nanoeuler.sft import prompt_text, render
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus():
+    works = bundled_works()
+    return works
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    text = corpus[sorted(corpus)[1]]
+    return Tokenizer.train([text], 420, progress=False)
+
+
+def our_model(tok, seed=0, steps=0, n_mtp=2, ctx=160):
+    """A tiny model of ours; steps > 0: a few SGD steps on the corpus so that it is not just random."""
+    cfg = Config(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=ctx,
+                 ffn_hidden=64, n_mtp=n_mtp)
+    m = Model.init(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for name, p in m.params.items():  # norms away from 1 so that their mapping is tested too
+        if name.endswith("norm.weight"):
+            p[...] = 1 + 0.3 * rng.standard_normal(p.shape).astype(np.float32)
+    if steps:
+        ids = np.array(tok.encode(bundled_works()["hamlet"][:20000]))
+        for s in range(steps):
+            starts = rng.integers(0, len(ids) - 40 - n_mtp, 4)
+            batch = np.stack([ids[i:i + 40 + n_mtp] for i in starts])
+            _, _, grads = m.loss_and_grads(batch)
+            for n in m.params:
+                m.params[n] -= 0.5 * grads[n]
+    return m
+
+
+def hf_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def exported(tok, tmp_path_factory):
+    """(our model, folder) for a random and a briefly trained model, exported as hf float32."""
+    from nanoeuler.interop.hf import export_hf
+    out = {}
+    for kind, steps in (("random", 0), ("trained", 8)):
+        m = our_model(tok, seed=3, steps=steps)
+        d = tmp_path_factory.mktemp("hf") / kind
+        export_hf(m, tok, d, progress=False)
+        out[kind] = (m, d)
+    return out
+
+
+# ---- export to transformers ----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["random", "trained"])
+def test_hf_export_logits_and_greedy_match_transformers(exported, tok, kind):
+    m, d = exported[kind]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    ids = tok.encode(bundled_works()["macbeth"][5000:6000])[:96]
+    ours = m.logits(np.array([ids]))[0, 0]
+    theirs = hf_logits(hf, ids)
+    assert rel_err(ours, theirs) <= 1e-5
+    prompt = ids[:20]
+    g = generate(m, prompt, max_new_tokens=64, temperature=0, mode="cache")
+    with torch.no_grad():
+        h = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+    assert len(g.ids) == 64
+    assert h[0, len(prompt):].tolist() == g.ids
+
+
+def test_hf_export_tokenizer_ids_identical_on_the_bundled_corpus(exported, tok, corpus):
+    _, d = exported["random"]
+    ht = transformers.AutoTokenizer.from_pretrained(d)
+    n = 0
+    for name, text in corpus.items():
+        assert ht(text, add_special_tokens=False)["input_ids"] == tok.encode(text), name
+        n += len(text)
+    assert n > 4_000_000
+    assert ht.eos_token == "</s>" and ht.eos_token_id == tok.eos_id
+
+
+def test_hf_chat_template_equals_sft_rendering(exported, tok):
+    from nanoeuler.sft import offline_instructions
+    _, d = exported["random"]
+    ht = transformers.AutoTokenizer.from_pretrained(d)
+    train, held = offline_instructions(200, 20)
+    records = train[:30] + [{"instruction": "Rewrite this.", "input": "To be, or not to be", "output": "Be."}]
+    for r in records:
+        msgs = [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]
+        if r["input"]:
+            msgs[0]["input"] = r["input"]
+        text = ht.apply_chat_template(msgs, tokenize=False)
+        assert text == prompt_text(r["instruction"], r["input"]) + r["output"] + "</s>"
+        ids = ht.apply_chat_template(msgs, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        assert list(ids) == render(tok, r["instruction"], r["input"], r["output"])[0]
+        gen = ht.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        assert gen == prompt_text(r["instruction"], r["input"])
+    # two turns: exactly what the chat REPL feeds the model (turn 1 + reply + </s>, then turn 2)
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert ht.apply_chat_template(two, tokenize=False) == prompt_text("a") + "b</s>" + prompt_text("c")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hf_export_half_precision_loads_and_rounds(exported, tok, tmp_path, dtype):
+    from nanoeuler.interop.hf import export_hf
+    m, _ = exported["trained"]
+    export_hf(m, tok, tmp_path / dtype, dtype=dtype, progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / dtype, dtype=getattr(torch, dtype))
+    w = hf.model.layers[0].mlp.up_proj.weight.detach().float().numpy()
+    ref = torch.tensor(m.params["layers.0.ffn.up.weight"]).to(getattr(torch, dtype)).float().numpy()
+    assert np.array_equal(w, ref)  # our rounding is torch's (nearest even)
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+def test_gguf_reads_back_every_tensor_bit_exact(exported, tok, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk
+    m, _ = exported["trained"]
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)
+    r = gguf.GGUFReader(str(path))
+    got = {t.name: np.array(t.data) for t in r.tensors}
+    cfg, P = m.config, m.params
+    assert len(got) == len(P) - (cfg.n_mtp - 1) + 0  # MTP heads 1.. stay out; output is head 0
+    assert np.array_equal(got["token_embd.weight"], P["embed.weight"])
+    assert np.array_equal(got["output.weight"], P["heads.0.weight"])
+    assert np.array_equal(got["output_norm.weight"], P["norm.weight"])
+    for i in range(cfg.n_layers):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        assert not np.array_equal(got[g + "attn_q.weight"], P[o + "attn.wq.weight"])  # permuted ...
+        assert np.array_equal(unpermute_qk(got[g + "attn_q.weight"], cfg.n_heads), P[o + "attn.wq.weight"])
+        assert np.array_equal(unpermute_qk(got[g + "attn_k.weight"], cfg.n_kv_heads), P[o + "attn.wk.weight"])
+        for a, b in (("attn_v", "attn.wv"), ("attn_output", "attn.wo"), ("ffn_gate", "ffn.gate"),
+                     ("ffn_up", "ffn.up"), ("ffn_down", "ffn.down"), ("attn_norm", "attn_norm"),
+                     ("ffn_norm", "ffn_norm")):
+            assert got[g + a + ".weight"].dtype == np.float32
+            assert np.array_equal(got[g + a + ".weight"], P[o + b + ".weight"]), a
+    f = r.fields
+    assert bytes(f["general.architecture"].parts[-1]).decode() == "llama"
+    assert int(f["llama.block_count"].parts[-1][0]) == cfg.n_layers
+    assert len(f["tokenizer.ggml.tokens"].data) == cfg.vocab_size
+    assert len(f["tokenizer.ggml.merges"].data) == len(tok.merges)
+    assert int(f["tokenizer.ggml.eos_token_id"].parts[-1][0]) == tok.eos_id
+
+
+def test_permute_qk_matches_llama_cpp_convention():
+    """Head of 4 rows (hd = 4): rotate-half pairs (0, 2), (1, 3) become adjacent rows."""
+    from nanoeuler.interop.gguf_export import permute_qk, unpermute_qk
+    w = np.arange(8, dtype=np.float32).reshape(8, 1)  # 2 heads of hd 4
+    assert permute_qk(w, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    x = np.random.default_rng(0).standard_normal((24, 5)).astype(np.float32)
+    assert np.array_equal(unpermute_qk(permute_qk(x, 3), 3), x)
+
+
+# ---- import of a transformers-made Llama ---------------------------------------------------------
+def hf_tokenizer_json(text: str, style: str, vocab: int = 330) -> str:
+    """A byte-level BPE trained by the `tokenizers` library (specials first, as SmolLM orders them)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from nanoeuler.interop.hf_tokenizer import LLAMA3_PATTERN
+    t = tokenizers.Tokenizer(models.BPE())
+    if style == "gpt2":
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif style == "smollm":
+        t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                   pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        t.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    t.train_from_iterator([text], trainer)
+    return t.to_str()
+
+
+def make_hf_llama(folder, tok_json: str, tied: bool, seed: int = 0, shards: int = 2, pad_rows: int = 3):
+    """A random LlamaForCausalLM saved by transformers (GQA, `shards` safetensors files), plus tokenizer."""
+    n_tok = json.loads(tok_json)["model"]["vocab"].__len__()
+    cfg = transformers.LlamaConfig(vocab_size=n_tok + pad_rows, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0,
+                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=int(total * 0.55) if shards > 1 else "1GB")
+    (folder / "tokenizer.json").write_text(tok_json)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_folders(corpus, tmp_path_factory):
+    text = corpus["hamlet"][:60000]
+    out = {}
+    for tied in (False, True):
+        d = tmp_path_factory.mktemp("llama") / ("tied" if tied else "untied")
+        model = make_hf_llama(d, hf_tokenizer_json(text, "gpt2"), tied, seed=int(tied))
+        out[tied] = (model, d)
+    return out
+
+
+def test_the_fixture_is_sharded_gqa_and_tied_as_asked(hf_folders):
+    for tied, (model, d) in hf_folders.items():
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        assert len(set(idx["weight_map"].values())) == 2
+        assert ("lm_head.weight" in idx["weight_map"]) == (not tied)
+        assert model.config.num_key_value_heads < model.config.num_attention_heads
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied, tmp_path):
+    from nanoeuler.interop.importer import import_folder
+    hf, d = hf_folders[tied]
+    cfg, params, tok = import_folder(d, tmp_path / "run", progress=False)
+    m = Model.load(tmp_path / "run")
+    assert m.config == cfg and m.config.rope_theta == 5000.0 and m.config.n_mtp == 1
+    ht = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    text = bundled_works()["othello"][3000:3400]
+    ours_ids = tok.encode(text)
+    theirs_ids = ht.encode(text).ids
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    _, perm = from_hf_json(json.loads((d / "tokenizer.json").read_text()), cfg.vocab_size, 0)
+    perm = np.asarray(perm)
+    assert perm[ours_ids].tolist() == theirs_ids  # same text, same tokens, renumbered
+    assert sorted(perm.tolist()) == list(range(cfg.vocab_size))
+    assert tok.eos_token == "<|endoftext|>" and perm[tok.eos_id] == 0
+    ids = ours_ids[:65]
+    # logits
+    ours = m.logits(np.array([ids[:64]]))[0, 0]
+    theirs = hf_logits(hf, theirs_ids[:64])
+    assert rel_err(ours, theirs[:, perm]) <= 1e-5
+    # loss gradients: ours by hand vs torch autograd
+    batch = np.array([ids, ours_ids[70:135]])
+    loss, _, grads = m.loss_and_grads(batch)
+    hf.zero_grad()
+    t_in = torch.tensor(perm[batch])
+    logits = hf(t_in[:, :-1]).logits
+    t_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
+    t_loss.backward()
+    assert abs(loss - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    g = {n: p.grad.numpy() for n, p in hf.named_parameters()}
+    from nanoeuler.interop.hf import hf_names
+    for ours_name, theirs_name in hf_names(cfg.n_layers).items():
+        if ours_name == "embed.weight":
+            mine = grads["embed.weight"] + (grads["heads.0.weight"] if tied else 0)
+            assert rel_err(mine, g[theirs_name][perm]) <= 1e-5
+        elif ours_name == "heads.0.weight":
+            if not tied:
+                assert rel_err(grads[ours_name], g[theirs_name][perm]) <= 1e-5
+        else:
+            assert rel_err(grads[ours_name], g[theirs_name]) <= 1e-5, ours_name
+
+
+@pytest.mark.parametrize("style", ["gpt2", "smollm", "llama3"])
+def test_imported_tokenizer_encodes_like_hf(corpus, style):
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    text = corpus["hamlet"][:60000]
+    d = json.loads(hf_tokenizer_json(text, style))
+    tok, perm = from_hf_json(d)
+    perm = np.asarray(perm)
+    ht = tokenizers.Tokenizer.from_str(json.dumps(d))
+    probes = [corpus["tempest"][:50000], "In 1599, 12345 men  spent\n\n  $3.50 (or 1,000,000!) in   2 days\t\n 7 ",
+              "ÀÉ 日本語 😀 don't I'M  ok\r\n\r\n99 bottles"]
+    for s in probes:
+        assert perm[tok.encode(s)].tolist() == ht.encode(s).ids
+        assert tok.decode(tok.encode(s)) == s
+
+
+def test_import_export_import_is_the_identity(hf_folders, tmp_path):
+    from nanoeuler.interop.hf import export_hf
+    _, d = hf_folders[False]
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "a"), "--mtp", "3", "--no-progress"]) == 0
+    a = Model.load(tmp_path / "a")
+    assert a.config.n_mtp == 3 and np.array_equal(a.params["heads.2.weight"], a.params["heads.0.weight"])
+    a.params["heads.2.weight"] += 0.01  # as if SFT had taught it: it must survive the round trip
+    a.save(tmp_path / "a")
+    assert main(["export", "--ckpt", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "hf"),
+                 "--no-progress"]) == 0
+    assert main(["import", "--from", str(tmp_path / "hf"), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    a, b = Model.load(tmp_path / "a"), Model.load(tmp_path / "b")
+    assert a.config == b.config
+    for n in a.params:
+        assert np.array_equal(a.params[n], b.params[n]), n
+    ta, tb = Tokenizer.load(tmp_path / "a"), Tokenizer.load(tmp_path / "b")
+    assert ta.fingerprint() == tb.fingerprint() and tb.eos_token == "<|endoftext|>"
+    del export_hf
+
+
+def test_imported_model_runs_sft_and_chat(hf_folders, tmp_path, monkeypatch, capsys):
+    _, d = hf_folders[True]
+    run = tmp_path / "imp"
+    assert main(["import", "--from", str(d), "--out", str(run), "--mtp", "2", "--no-progress"]) == 0
+    before = Model.load(run)
+    assert main(["sft", "--base", str(run), "--data", "offline", "--out", str(tmp_path / "sft"), "--steps", "3",
+                 "--batch-size", "2", "--no-progress", "--eval-every", "1000"]) == 0
+    after = Model.load(tmp_path / "sft")
+    assert not np.array_equal(before.params["heads.1.weight"], after.params["heads.1.weight"])
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Which play is this line from?\n"))
+    assert main(["chat", "--ckpt", str(tmp_path / "sft"), "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_a_large_imported_shape_trains_samples_and_checkpoints(tmp_path):
+    """Not a preset: 9/3 heads of 64 (SmolLM's head layout), 3 layers, vocab 1000."""
+    cfg = Config(vocab_size=1000, dim=576, n_heads=9, n_kv_heads=3, n_layers=3, ctx_len=64, ffn_hidden=256, n_mtp=1)
+    m = Model.init(cfg, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 1000, (2, 17))
+    loss0, _, grads = m.loss_and_grads(tokens)
+    for n in m.params:
+        m.params[n] -= 0.1 * grads[n]
+    assert m.loss(tokens)[0] < loss0
+    m.save(tmp_path / "run")
+    m2 = Model.load(tmp_path / "run")
+    assert generate(m2, [1, 2, 3], max_new_tokens=5, temperature=0).ids == \
+        generate(m, [1, 2, 3], max_new_tokens=5, temperature=0).ids
+    out = io.StringIO()
+    monkeypatch_out = sys.stdout
+    try:
+        sys.stdout = out
+        assert main(["info", str(tmp_path / "run"), "--json", "--batch", "1"]) == 0
+    finally:
+        sys.stdout = monkeypatch_out
+    info = json.loads(out.getvalue())
+    assert info["n_params"] == cfg.n_params() and info["memory_bytes"]["total"] > 16 * cfg.n_params()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def edit_config(d, **changes):
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(sliding_window=128), "sliding_window"),
+    (dict(head_dim=16), "head_dim"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(model_type="bert", architectures=["BertModel"]), "model_type"),
+    (dict(intermediate_size=50), "shape"),
+])
+def test_unsupported_config_fields_are_one_line_errors(hf_folders, tmp_path, capsys, change, needle):
+    d = tmp_path / "m"
+    shutil.copytree(hf_folders[False][1], d)
+    edit_config(d, **change)
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "out"), "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def break_folder(d, how):
+    idx_path = d / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    shard = sorted(set(idx["weight_map"].values()))[1]
+    if how == "missing shard":
+        (d / shard).unlink()
+    elif how == "mismatched shard":
+        name = next(n for n, f in idx["weight_map"].items() if f != shard)
+        idx["weight_map"][name] = shard
+        idx_path.write_text(json.dumps(idx))
+    elif how == "truncated shard":
+        data = (d / shard).read_bytes()
+        (d / shard).write_bytes(data[:len(data) - 100])
+    elif how == "wrong dtype":
+        from nanoeuler.interop.safetensors_io import read_header
+        header, start = read_header(d / shard)
+        name = next(n for n in header if n != "__metadata__")
+        header[name]["dtype"] = "I32"
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        import struct
+        (d / shard).write_bytes(struct.pack("<Q", len(h)) + h + (d / shard).read_bytes()[start:])
+    elif how == "sentencepiece":
+        (d / "tokenizer.json").unlink()
+        (d / "tokenizer.model").write_bytes(b"\x00sp")
+    elif how in ("byte_fallback", "normalizer", "pre_tokenizer"):
+        t = json.loads((d / "tokenizer.json").read_text())
+        if how == "byte_fallback":
+            t["model"]["byte_fallback"] = True
+        elif how == "normalizer":
+            t["normalizer"] = {"type": "NFC"}
+        else:
+            t["pre_tokenizer"] = {"type": "Whitespace"}
+        (d / "tokenizer.json").write_text(json.dumps(t))
+    elif how == "pickle weights":
+        for f in d.glob("model*.safetensors*"):
+            f.unlink()
+        (d / "pytorch_model.bin").write_bytes(b"PK")
+    elif how == "not a model":
+        (d / "config.json").unlink()
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("missing shard", "missing"), ("mismatched shard", "does not hold"), ("truncated shard", "truncated"),
+    ("wrong dtype", "dtype I32"), ("sentencepiece", "SentencePiece"), ("byte_fallback", "byte_fallback"),
+    ("normalizer", "normalizer"), ("pre_tokenizer", "pre_tokenizer Whitespace"), ("pickle weights", "safetensors"),
+    ("not a model", "config.json"),
+])
+def test_broken_folders_are_one_line_errors(hf_folders, tmp_path, capsys, how, needle):
+    d = tmp_path / "m"
+    shutil.copytree(hf_folders[False][1], d)
+    break_folder(d, how)
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "out"), "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and needle in err, err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))  # no temporary left behind
+
+
+def test_existing_outputs_are_refused_unless_force(exported, hf_folders, tmp_path, capsys):
+    m, _ = exported["random"]
+    run = tmp_path / "run"
+    assert main(["import", "--from", str(hf_folders[False][1]), "--out", str(run), "--no-progress"]) == 0
+    stamp = (run / "model.safetensors").read_bytes()
+    for argv in (["import", "--from", str(hf_folders[True][1]), "--out", str(run)],
+                 ["export", "--ckpt", str(run), "--format", "hf", "--out", str(run)],
+                 ["export", "--ckpt", str(run), "--format", "gguf", "--out", str(run / "config.json")]):
+        capsys.readouterr()
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip()
+        assert "already exists" in err and "--force" in err and "\n" not in err
+    assert (run / "model.safetensors").read_bytes() == stamp
+    assert main(["import", "--from", str(hf_folders[True][1]), "--out", str(run), "--force", "--no-progress"]) == 0
+    assert (run / "model.safetensors").read_bytes() != stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    del m
