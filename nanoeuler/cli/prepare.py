@@ -42,6 +42,9 @@ def _parse_mix(mix: str, n_files: int) -> list[float]:
         weights = [float(w) for w in mix.split(",")]
     except ValueError:
         raise UserError(f"--mix {mix!r}: expected comma-separated numbers, e.g. --mix 2,1") from None
+    import math
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise UserError(f"--mix {mix!r}: weights must be finite numbers >= 0, not all 0")
     if len(weights) != n_files:
         raise UserError(f"--mix gives {len(weights)} weights for {n_files} FILES arguments; give one per argument")
     return weights

@@ -1,0 +1,386 @@
+"""Every bad input is one line `error: ...` on stderr and an exit code != 0 — one test per class of bad
+input (issue 14), each with several members of the class. Read-only commands change nothing on disk."""
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from nanoeuler import Model
+from nanoeuler import checkpoint as ckpt
+from nanoeuler.cli import main
+from nanoeuler.corpus import bundled_works
+from nanoeuler.errors import UserError
+from nanoeuler.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train([bundled_works()["hamlet"][:40000]], 300, progress=False)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("errors") / "run"
+    Model.init(tiny_config(vocab_size=tok.vocab_size, ctx_len=32), seed=0).save(d, tokenizer=tok)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "plays.txt"
+    p.write_text(bundled_works()["hamlet"][:60000])
+    return p
+
+
+def one_line_error(argv, capsys, monkeypatch=None, stdin: str = ""):
+    """Run `nanoeuler argv` in-process; assert exit != 0 and exactly one `error: ...` line on stderr."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code != 0, (argv, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _snapshot(root):
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[p] = (st.st_mode, st.st_size, st.st_mtime_ns, open(p, "rb").read() if os.path.isfile(p) else None)
+    return out
+
+
+# ---- every numeric flag finite and in range; a 0 never silently means "default" -----------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--temperature", "nan"], "--temperature"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--temperature", "inf"], "--temperature"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--temperature", "-1"], "--temperature"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--temperature", "1e-300"], "--temperature"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--top-p", "0"], "--top-p"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--top-p", "nan"], "--top-p"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--seed", "-1"], "--seed"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--top-k", "-3"], "--top-k"),
+    (["chat", "--ckpt", "{run}", "--temperature", "inf"], "--temperature"),
+    (["info", "small", "--batch", "0"], "--batch"),
+    (["info", "small", "--ctx", "abc"], "--ctx"),
+    (["bench", "small", "--batch-size", "0"], "--batch-size"),
+    (["bench", "small", "--steps", "0"], "--steps"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--seed", "-1"], "--seed"),
+    (["prepare", "{text}", "--tokenizer", "{run}", "--out", "{tmp}/d", "--shard-tokens", "0"], "--shard-tokens"),
+    (["prepare", "{text}", "--tokenizer", "{run}", "--out", "{tmp}/d", "--processes", "0"], "--processes"),
+    (["prepare", "{text}", "--tokenizer", "{run}", "--out", "{tmp}/d", "--mix", "nan"], "--mix"),
+    (["tokenizer", "train", "{text}", "--vocab-size", "abc", "--out", "{tmp}/t.json"], "--vocab-size"),
+    (["tokenizer", "train", "{text}", "--vocab-size", "70000", "--out", "{tmp}/t.json"], "--vocab-size"),
+    (["data", "gutenberg", "--retries", "-1"], "--retries"),
+    (["data", "gutenberg", "--limit", "0"], "--limit"),
+    (["data", "gutenberg", "--backoff", "inf"], "--backoff"),
+])
+def test_numeric_flags_finite_and_in_range(argv, needle, run_dir, text_file, tmp_path, capsys):
+    argv = [a.format(run=run_dir, text=text_file, tmp=tmp_path) for a in argv]
+    line = one_line_error(argv, capsys)
+    assert needle in line
+    assert not (tmp_path / "d").exists()        # refused before creating anything
+
+
+def test_top_k_zero_means_no_limit_in_both_places(run_dir, monkeypatch, capsys):
+    """chat --top-k 0 and REPL /topk 0 mean the same thing: no limit (sampling from all tokens)."""
+    from nanoeuler.cli.chat import Chat
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/topk 0\n/topk 3\n"))
+    assert main(["chat", "--ckpt", str(run_dir), "--top-k", "0", "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(top-k off)" in out and "(top-k 3)" in out
+    chat = Chat(Model.load(run_dir), ckpt.load_tokenizer(run_dir), top_k=None)
+    chat.command("/topk 0", lambda s: None)
+    assert chat.top_k is None
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e-300", "abc", "101", ""])
+def test_repl_temperature_refuses_non_finite(run_dir, value):
+    from nanoeuler.cli.chat import Chat
+    chat = Chat(Model.load(run_dir), ckpt.load_tokenizer(run_dir), temperature=0.7)
+    said = []
+    chat.command(f"/temp {value}", said.append)
+    assert chat.temperature == 0.7 and "usage: /temp" in "".join(said)
+    chat.command("/temp 0.5", said.append)
+    assert chat.temperature == 0.5
+
+
+# ---- paths --------------------------------------------------------------------------------------------
+def test_paths(run_dir, text_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    a_dir = tmp_path / "a_dir"
+    a_dir.mkdir()
+    cases = [
+        (["prepare", text_file, "--tokenizer", run_dir, "--out", a_file], "is a file"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", a_dir], "is a directory"),
+        (["tokenizer", "export", "--tokenizer", run_dir, "--out", a_dir], "is a directory"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", a_file / "t.json"], "is a file"),
+        (["demo", "--out", a_file], "is a file"),
+        (["prepare", tmp_path / "missing.txt", "--tokenizer", run_dir, "--out", tmp_path / "d"], "not found"),
+        (["sample", "--ckpt", tmp_path / "nope", "--prompt", "a"], "not found"),
+        (["data", "alpaca", "--url", "file:///etc/passwd", "--out", tmp_path / "al"], "only http"),
+        (["data", "alpaca", "--url", "ftp://example.org/a.json", "--out", tmp_path / "al"], "only http"),
+        (["data", "gutenberg", "--mirror", "gopher://x", "--out", tmp_path / "g"], "only http"),
+        (["data", "web", "--bytes", "1M", "--url", "file:///x.parquet", "--out", tmp_path / "w"], "only http"),
+    ]
+    for argv, needle in cases:
+        assert needle in one_line_error(argv, capsys), argv
+    books = tmp_path / "books.tsv"
+    books.write_bytes(bytes(range(256)) * 4)
+    assert "not a UTF-8 text file" in one_line_error(["data", "gutenberg", "--books", books, "--out", tmp_path / "g"],
+                                                     capsys)
+    assert "directory" in one_line_error(["data", "gutenberg", "--books", a_dir, "--out", tmp_path / "g"], capsys)
+    assert not (tmp_path / "g").exists() and not (tmp_path / "al").exists()
+
+
+def test_one_file_rule_for_prepare_and_tokenizer_train(tmp_path, capsys):
+    """A named file is read whatever its name (.py, none); a directory gives its text files: both commands."""
+    text = bundled_works()["hamlet"][:50000]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "notes.py").write_text(text[:25000])
+    (tmp_path / "src" / "README").write_text(text[25000:])
+    (tmp_path / "src" / "a.txt").write_text(text)
+    tok_path = tmp_path / "tok.json"
+    for files in ([tmp_path / "src" / "notes.py", tmp_path / "src" / "README"], [tmp_path / "src"]):
+        assert main(["tokenizer", "train", *map(str, files), "--vocab-size", "300", "--out", str(tok_path),
+                     "--no-progress"]) == 0
+        assert main(["prepare", *map(str, files), "--tokenizer", str(tok_path), "--out", str(tmp_path / "d"),
+                     "--no-progress", "--processes", "1", "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["train_tokens"] > 0 and summary["val_tokens"] > 0
+
+
+# ---- sizes are checked before anything is allocated ----------------------------------------------------
+def test_sizes_checked_before_allocating(tmp_path, capsys):
+    import tracemalloc
+    cfg = tiny_config().to_dict()
+    for field, value in [("ctx_len", 100_000_000), ("vocab_size", 10**9), ("n_layers", 10**6), ("dim", 2**20)]:
+        path = tmp_path / f"{field}.json"
+        path.write_text(json.dumps(cfg | {field: value}))
+        tracemalloc.start()
+        line = one_line_error(["bench", path], capsys)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert field in line and peak < 64 << 20
+    tracemalloc.start()
+    line = one_line_error(["bench", "small", "--batch-size", "100000"], capsys)
+    assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    tracemalloc.stop()
+    assert "GiB" in line and "--batch-size" in line
+    from nanoeuler.memory import check_fits
+    from nanoeuler.config import PRESETS
+    assert check_fits(PRESETS["small"], 32, 128) < 1 << 30
+    with pytest.raises(UserError, match="more than this machine's 1.0 GiB"):
+        check_fits(PRESETS["big"], 64, 256, limit=1 << 30)
+
+
+# ---- every field of every file we read is type- and range-checked -------------------------------------
+def test_file_fields_checked(run_dir, tmp_path, tok, capsys):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    good = json.loads((run / "config.json").read_text())
+    for change in [{"rope_theta": "abc"}, {"norm_eps": float("nan")}, {"ctx_len": 1e8}, {"dim": True},
+                   {"n_heads": -4}, {"arch": ["x"]}, {"extra": 1}]:
+        (run / "config.json").write_text(json.dumps(good | change))
+        assert "config" in one_line_error(["sample", "--ckpt", run, "--prompt", "a"], capsys)
+        assert "config" in one_line_error(["info", run], capsys)
+    (run / "config.json").write_text(json.dumps(good))
+    t = tok.to_dict()
+    for change in [{"specials": {"</s>": "300"}}, {"merges": [["a", 1]]}, {"pattern": 5}, {"pattern": r"\p{L}+"},
+                   {"vocab_size": "abc"}]:
+        (run / "tokenizer.json").write_text(json.dumps(t | change))
+        assert "tokenizer" in one_line_error(["sample", "--ckpt", run, "--prompt", "a"], capsys)
+    for state in [{"step": "abc"}, {"step": -5}, {"step": 1, "rng": {"bit_generator": "MT19937"}},
+                  {"step": 1, "elapsed_s": "x"}, [], {"step": 1, "optimizer": {"t": -1}}]:
+        with pytest.raises(UserError, match="resume state"):
+            ckpt.check_trainer_state(state)
+    rng = np.random.default_rng(0).bit_generator.state
+    ckpt.check_trainer_state({"step": 3, "rng": rng, "optimizer": {"t": 3}, "elapsed_s": 1.5})
+
+
+def test_manifest_fields_checked(tmp_path, tok, text_file):
+    from nanoeuler.shards import TokenShards, prepare
+    prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
+    good = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    bad = [{"vocab_size": "abc"}, {"vocab_size": 70000}, {"eos_id": -1}, {"eos_id": "0"}, {"splits": []},
+           {"tokenizer_fingerprint": 3},
+           {"splits": good["splits"] | {"train": good["splits"]["train"] | {"tokens": "12"}}},
+           {"splits": good["splits"] | {"train": good["splits"]["train"] | {"shards": [{"file": 1, "tokens": 2}]}}},
+           {"splits": good["splits"] | {"val": good["splits"]["val"] | {"shards": [{"file": "../x.npy", "tokens": 1}]}}}]
+    for change in bad:
+        (tmp_path / "d" / "manifest.json").write_text(json.dumps(good | change))
+        with pytest.raises(UserError):
+            TokenShards(tmp_path / "d", "train")
+            TokenShards(tmp_path / "d", "val")
+
+
+# ---- user-supplied tokenizer patterns: cover every character, bounded time ----------------------------
+@pytest.mark.parametrize("pattern, why", [(r"\p{L}+", "drops characters"), (r"(\w+)|\s+|.", "drops characters"),
+                                          (r"(?:a|aa)+$|\s+|(?s:.)", "backtracks"), ("(", "bad pre-tokenization")])
+def test_tokenizer_pattern_validated(tok, pattern, why):
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=why):
+        Tokenizer.from_dict(tok.to_dict() | {"pattern": pattern})
+    assert time.perf_counter() - t0 < 10
+
+
+def test_tokenizer_encoding_time_is_bounded(tok, monkeypatch):
+    import nanoeuler.tokenizer as T
+    slow = Tokenizer(tok.merges, ("</s>",), r"(?:a|aa)+$|\s+|(?s:.)")   # built directly: not validated
+    monkeypatch.setattr(T, "ENCODE_TIMEOUT_PER_CHAR", 0.0)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match="catastrophic backtracking"):
+        slow.encode("a" * 60 + "b")
+    assert time.perf_counter() - t0 < 10
+    assert Tokenizer(tok.merges, ("</s>",), r"\w+|\s+|(?s:.)").decode(slow.encode("ab c")) == "ab c"
+
+
+# ---- the model's raw control characters are escaped on the terminal --------------------------------------
+def test_control_characters_from_the_model_are_escaped(tok, capsys):
+    from nanoeuler.cli.args import escape_control
+    from nanoeuler.cli.sample import StdoutStream
+    assert escape_control("ok\n\tend\x1b[2J\x07\x00\x7f\x9b\r") == "ok\n\tend\\x1b[2J\\x07\\x00\\x7f\\x9b\\r"
+    stream = StdoutStream(tok)
+    for i in tok.encode("a\x1b[31mred\x07"):
+        stream(i)
+    stream.flush()
+    out = capsys.readouterr().out
+    assert out == "a\\x1b[31mred\\x07" and "\x1b" not in out
+
+
+# ---- read-only commands modify nothing; non-finite weights are not loaded ---------------------------------
+def test_read_only_commands_change_nothing(run_dir, tmp_path, capsys):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / ckpt.STAGING).mkdir()                 # debris a writing load would clean up
+    (run / ckpt.STAGING / "half.bin").write_bytes(b"x")
+    before = _snapshot(tmp_path)
+    assert main(["sample", "--ckpt", str(run), "--prompt", "a", "--max-new-tokens", "3", "--seed", "0"]) == 0
+    assert main(["info", str(run)]) == 0
+    capsys.readouterr()
+    assert _snapshot(tmp_path) == before
+
+
+def test_non_finite_model_is_refused_by_sample(run_dir, tmp_path, capsys):
+    import shutil
+    from safetensors.numpy import save_file
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    params = ckpt.read_tensors(run / "model.safetensors", "w")
+    params["embed.weight"][:] = np.nan
+    save_file(params, str(run / "model.safetensors"))
+    assert "non-finite" in one_line_error(["sample", "--ckpt", run, "--prompt", "a"], capsys)
+
+
+# ---- prepare: one process per DATA, empty input, a failing write ends at once with the old data intact ----
+def test_prepare_refuses_while_another_process_holds_the_data(tmp_path, tok, text_file, capsys):
+    tok.save(tmp_path / "tok.json")
+    data = tmp_path / "d"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.argv = ["nanoeuler", "prepare", "other.txt"]
+        from nanoeuler.checkpoint import run_lock
+        with run_lock({str(data)!r}, "data"):
+            print("locked", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = one_line_error(["prepare", text_file, "--tokenizer", tmp_path / "tok.json", "--out", data,
+                               "--no-progress"], capsys)
+        assert f"pid {holder.pid}: nanoeuler prepare other.txt" in line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_prepare_empty_input_is_an_error(tmp_path, tok, capsys):
+    tok.save(tmp_path / "tok.json")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "tiny.txt").write_text("Just one line.")
+    assert "no documents" in one_line_error(["prepare", tmp_path / "empty.txt", "--tokenizer", tmp_path / "tok.json",
+                                             "--out", tmp_path / "d", "--no-progress"], capsys)
+    assert "too little text" in one_line_error(["prepare", tmp_path / "tiny.txt", "--tokenizer",
+                                                tmp_path / "tok.json", "--out", tmp_path / "d", "--no-progress"], capsys)
+    assert not list((tmp_path / "d").glob("*")) if (tmp_path / "d").exists() else True
+
+
+def test_prepare_counts_documents_per_split(tmp_path, tok, text_file):
+    """One big document held out by chunks: each split holds text of 1 document (was: val 0 documents)."""
+    from nanoeuler.shards import prepare
+    m = prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
+    assert m["splits"]["train"]["documents"] == 1 and m["splits"]["val"]["documents"] == 1
+    assert json.loads((tmp_path / "d" / "tokenizer.json").read_text()) == tok.to_dict()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_prepare_full_disk_ends_promptly_with_old_data_intact(tmp_path, tok, text_file, capsys, monkeypatch,
+                                                              processes):
+    from nanoeuler import shards
+    tok.save(tmp_path / "tok.json")
+    data = tmp_path / "d"
+    base = ["prepare", str(text_file), "--tokenizer", str(tmp_path / "tok.json"), "--out", str(data),
+            "--no-progress", "--processes", str(processes)]
+    assert main(base) == 0
+    capsys.readouterr()
+    before = _snapshot(data)
+    calls = {"n": 0}
+    real_write = shards._ShardWriter.write
+
+    def full_disk(self, ids):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, ids)
+
+    monkeypatch.setattr(shards._ShardWriter, "write", full_disk)
+    monkeypatch.setattr(shards, "CHUNK_CHARS", 2000)
+    t0 = time.perf_counter()
+    line = one_line_error(base + ["--shard-tokens", "1000"], capsys)
+    assert time.perf_counter() - t0 < 60
+    assert "disk is full" in line and "intact" in line
+    assert _snapshot(data) == before
+
+
+def _die(batch):
+    os._exit(9)
+
+
+def test_dead_encoding_worker_ends_the_command(tok):
+    """A worker killed mid-way (out of memory, kill -9) ends the command with one error, no hang."""
+    import nanoeuler.tokenizer as T
+    texts = ("hello world " * 2000 for _ in range(40))
+    real = T._worker_encode
+    T._worker_encode = _die
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(UserError, match="encoding process died"):
+            list(T.encode_parallel(tok, texts, processes=2, batch_bytes=1000))
+        assert time.perf_counter() - t0 < 60
+    finally:
+        T._worker_encode = real
+
+
+def test_no_traceback_ever(monkeypatch, capsys):
+    """A bug (any exception) in a command is still one line, exit 1."""
+    monkeypatch.setattr("nanoeuler.cli.info.run", lambda args: {}["boom"])
+    line = one_line_error(["info", "small"], capsys)
+    assert "internal error KeyError" in line

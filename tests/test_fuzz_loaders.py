@@ -1,0 +1,171 @@
+"""Fuzz the loaders of every file we read (config.json, trainer.json, manifest.json, tokenizer.json):
+a valid file, mutated by hypothesis (a field replaced by any JSON value, deleted, added; nested too),
+must load or raise UserError — never another exception, never an allocation over a bound."""
+import json
+import shutil
+import tracemalloc
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+from nanoeuler import Model
+from nanoeuler import checkpoint as ckpt
+from nanoeuler.config import Config
+from nanoeuler.corpus import bundled_works
+from nanoeuler.errors import UserError
+from nanoeuler.shards import TokenShards, prepare
+from nanoeuler.tokenizer import Tokenizer
+
+ALLOC_BOUND = 256 << 20        # bytes: no mutated file may make a loader allocate more than this
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+scalars = st.one_of(
+    st.none(), st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 1, -1, 2**31, 2**63, 10**8, 10**12]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20), st.sampled_from(["abc", "", "1e8", "(", r"\p{L}+", "(?:a|aa)+$", "\x00"]))
+json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                           max_leaves=12)
+
+
+@st.composite
+def mutated(draw, base):
+    """base (a JSON object) with 1-3 mutations, each at a random depth: replace / delete / add a field."""
+    obj = json.loads(json.dumps(base))
+    for _ in range(draw(st.integers(1, 3))):
+        target = obj
+        while True:                                   # walk down a random path of objects and lists
+            keys = list(target) if isinstance(target, dict) else list(range(len(target)))
+            if not keys:
+                break
+            key = draw(st.sampled_from(keys))
+            child = target[key]
+            if isinstance(child, (dict, list)) and child and draw(st.booleans()):
+                target = child
+                continue
+            action = draw(st.sampled_from(["replace", "delete", "add"]))
+            if action == "replace" or isinstance(target, list) and action == "add":
+                target[key] = draw(json_values)
+            elif action == "delete":
+                del target[key]
+            else:
+                target[draw(st.text(max_size=8))] = draw(json_values)
+            break
+    return obj
+
+
+def _bounded(fn):
+    """Run fn; return 'ok' or 'UserError'; any other exception fails; so does a peak allocation over the bound."""
+    tracemalloc.start()
+    try:
+        fn()
+        result = "ok"
+    except UserError:
+        result = "UserError"
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND, f"a loader allocated {peak / 2**20:.0f} MiB"
+    if currently_in_test_context():
+        event(result)                  # `pytest --hypothesis-show-statistics` shows both outcomes occur
+    return result
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, allow_nan=True)
+
+
+# ---- fixtures: one valid file of each kind ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train([bundled_works()["hamlet"][:30000]], 280, progress=False)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("fuzz") / "run"
+    Model.init(tiny_config(vocab_size=tok.vocab_size), seed=0).save(d, tokenizer=tok)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("fuzzdata") / "data"
+    src = d.parent / "plays.txt"
+    src.write_text(bundled_works()["hamlet"][:30000])
+    prepare([src], tok, d, processes=1, progress=False)
+    return d
+
+
+# ---- the fuzz tests --------------------------------------------------------------------------------------
+@FUZZ
+@given(data=st.data())
+def test_fuzz_config_json(run_dir, tmp_path_factory, data):
+    good = json.loads((run_dir / "config.json").read_text())
+    run = tmp_path_factory.mktemp("c") / "run"
+    shutil.copytree(run_dir, run)
+    (run / "config.json").write_text(_dump(data.draw(mutated(good))))
+    _bounded(lambda: Model.load(run, read_only=True))
+    _bounded(lambda: Config.load(run / "config.json"))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_trainer_json(tmp_path_factory, data):
+    good = {"kind": "pretrain", "step": 12, "train_config": {"lr": 0.005, "steps": 100}, "tokens_seen": 4096,
+            "elapsed_s": 3.5, "skipped_batches": 0, "data": {"tokenizer": "ab", "train_tokens": 10},
+            "rng": np.random.default_rng(0).bit_generator.state, "optimizer": {"t": 12}}
+    state = data.draw(mutated(good))
+    path = tmp_path_factory.mktemp("t") / "trainer.json"
+    path.write_text(_dump(state))
+
+    def load():
+        ckpt.check_trainer_state(ckpt.read_json(path, "resume state"), path)
+        rng = np.random.default_rng()
+        if "rng" in state:                     # a state that passed the check can be restored
+            rng.bit_generator.state = state["rng"]
+    _bounded(load)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_manifest_json(data_dir, tmp_path_factory, data):
+    good = json.loads((data_dir / "manifest.json").read_text())
+    d = tmp_path_factory.mktemp("m") / "data"
+    shutil.copytree(data_dir, d)
+    (d / "manifest.json").write_text(_dump(data.draw(mutated(good))))
+
+    def load():
+        for split in ("train", "val"):
+            s = TokenShards(d, split)
+            s.sample_batch(np.random.default_rng(0), 2, min(8, s.n_tokens))
+    _bounded(load)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_tokenizer_json(tok, tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("k") / "tokenizer.json"
+    path.write_text(_dump(data.draw(mutated(tok.to_dict()))))
+
+    def load():
+        t = Tokenizer.load(path)
+        ids = t.encode("To be, or not to be: 42 \u00e9\U0001f600\n")
+        assert t.decode(ids) == "To be, or not to be: 42 \u00e9\U0001f600\n"
+    _bounded(load)
+
+
+def test_fuzz_mutations_reach_both_outcomes(tok, tmp_path):
+    """The strategy is not vacuous: an untouched file loads, a type-broken one raises UserError."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(_dump(tok.to_dict()))
+    assert _bounded(lambda: Tokenizer.load(path)) == "ok"
+    path.write_text(_dump(tok.to_dict() | {"specials": {"</s>": "x"}}))
+    assert _bounded(lambda: Tokenizer.load(path)) == "UserError"
