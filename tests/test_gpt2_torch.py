@@ -363,3 +363,40 @@ def test_full_124m_shape_imports_with_gpt2_numbering(tmp_path):
     ours = Model(ours_cfg, params).logits(to_ours(hf_ids, perm))[0]
     err = rel_err(ours, theirs)
     assert err <= 1e-5, err
+
+
+def test_cli_import_sample_export_and_bad_input(folder, tmp_path, capsys):
+    """`nanoeuler import --from DIR` takes the GPT-2 folder; sample / info / export --format hf work on it;
+    a broken folder or config is one line `error: ...` and exit code != 0."""
+    from nanoeuler.cli import main
+    run = tmp_path / "run"
+    assert main(["import", "--from", str(folder), "--out", str(run), "--no-progress", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["config"]["arch"] == "gpt2" and got["tokenizer"]["eos"] == EOT and got["n_params"] > 0
+    assert main(["sample", "--ckpt", str(run), "--prompt", "ROMEO.", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert "ROMEO." in capsys.readouterr().out
+    assert main(["info", str(run)]) == 0
+    assert "gpt2" in capsys.readouterr().out
+    assert main(["export", "--ckpt", str(run), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
+    capsys.readouterr()
+    m0, m1 = make_hf_model_from(folder), make_hf_model_from(tmp_path / "hf")
+    assert m1.config.model_type == "gpt2"
+    assert torch.equal(m0.transformer.h[1].mlp.c_proj.weight, m1.transformer.h[1].mlp.c_proj.weight)
+    capsys.readouterr()  # transformers' loading bars
+    # bad input, through the CLI
+    bad = _copy(folder, tmp_path)
+    c = json.loads((bad / "config.json").read_text())
+    c["n_positions"] = 4096
+    (bad / "config.json").write_text(json.dumps(c))
+    assert main(["import", "--from", str(bad), "--out", str(tmp_path / "x"), "--no-progress"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "n_positions 4096" in err
+    cfgfile = tmp_path / "cfg.json"
+    d = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else None
+    if d is not None:
+        d["arch"] = "gpt3"
+        cfgfile.write_text(json.dumps(d))
+        assert main(["info", str(cfgfile)]) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "unknown arch 'gpt3'" in err
+    assert main(["sample", "--ckpt", str(run), "--prompt", "x" * 200, "--max-new-tokens", "2"]) == 0  # a long prompt: the window keeps the last ctx tokens

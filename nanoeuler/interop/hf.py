@@ -73,6 +73,9 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     from .outputs import check_free, output_dir
     from .safetensors_io import write_tensors
 
+    if getattr(model.config, "arch", "euler") == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
+        from .gpt2 import export_gpt2_folder
+        return export_gpt2_folder(model, tok, out, dtype, force, progress)
     if dtype not in HF_DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)} for --format hf")
     check_free(out, force)

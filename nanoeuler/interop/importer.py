@@ -26,8 +26,9 @@ from ..errors import UserError
 # model_type -> "module:function" (relative to this package); e.g. "gpt2": ".gpt2:import_gpt2"
 ARCHITECTURES = {
     "llama": ".importer:import_llama",
+    "gpt2": ".gpt2:import_gpt2",
 }
-ARCH_ALIASES = {"LlamaForCausalLM": "llama"}
+ARCH_ALIASES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 
 
 # ------------------------------------------------------------------------------ shared helpers
