@@ -461,3 +461,24 @@ def test_existing_outputs_are_refused_unless_force(exported, hf_folders, tmp_pat
     assert (run / "model.safetensors").read_bytes() != stamp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     del m
+
+
+def test_ignore_merges_is_accepted_only_where_it_changes_nothing(corpus):
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    d = json.loads(hf_tokenizer_json(corpus["hamlet"][:60000], "llama3"))
+    d["model"]["ignore_merges"] = True  # as Llama-3's tokenizer.json has it
+    tok, perm = from_hf_json(d)
+    ht = tokenizers.Tokenizer.from_str(json.dumps(d))
+    s = corpus["tempest"][:20000]
+    assert np.asarray(perm)[tok.encode(s)].tolist() == ht.encode(s).ids
+    # 'abc' is in the vocabulary, but BPE (b c first, then nothing joins a + bc) never builds it
+    from nanoeuler.tokenizer import bytes_to_unicode
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode())}
+    for extra in ("bc", "ab", "abc"):
+        vocab[extra] = len(vocab)
+    d["model"]["vocab"], d["model"]["merges"], d["added_tokens"] = vocab, ["b c", "a b", "ab c"], []
+    with pytest.raises(UserError, match="ignore_merges"):
+        from_hf_json(d)
+    d["model"]["ignore_merges"] = False
+    from_hf_json(d)

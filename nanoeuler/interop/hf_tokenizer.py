@@ -90,8 +90,6 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
             _bad(f"model.{field}={m.get(field)!r} is not supported")
-    if m.get("ignore_merges"):
-        _bad("model.ignore_merges=true is not supported (whole-word lookup before BPE)")
     if d.get("normalizer") is not None:
         _bad(f"normalizer {d['normalizer'].get('type') if isinstance(d['normalizer'], dict) else d['normalizer']} "
              "is not supported (byte-level BPE without normalization only)")
@@ -164,7 +162,26 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
             _bad(f"the eos token id {eos_id} is not in the tokenizer")
         eos = specials[special_ids.index(eos_id)]
     tok = Tokenizer(pairs, specials, pattern, eos=eos)
+    if m.get("ignore_merges"):
+        check_ignore_merges(tok)
     return tok, perm + special_ids
+
+
+def check_ignore_merges(tok: Tokenizer) -> None:
+    """`ignore_merges` (Llama-3) emits a whole pre-token as one token when the vocabulary has it, before any
+    BPE. That changes nothing when BPE builds every such token from its own bytes, which is checked here
+    for every token that could be a pre-token; otherwise the tokenizer is refused (never a silently
+    different encoding)."""
+    from ..tokenizer import bpe
+    ranks = {pair: 256 + i for i, pair in enumerate(tok.merges)}
+    for i in range(256, 256 + len(tok.merges)):
+        b = tok.token_bytes(i)
+        if bpe(b, ranks) == [i]:
+            continue
+        s = b.decode("utf-8", "surrogateescape")
+        if tok._regex.findall(s) == [s]:
+            _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
+                 f"token {s!r} from its bytes")
 
 
 # ------------------------------------------------------------------------------- chat template

@@ -1,0 +1,185 @@
+"""Our model against llama.cpp (llama-cpp-python) and transformers on the same weights, in one run.
+
+For each checkpoint given (e.g. a trained `small` and `big`):
+
+parity  - transformers (HF export, float32): logits max relative error on a held-out window, and whether
+          64 greedy tokens are identical;
+        - llama.cpp on our GGUF at f32, f16 and q8_0: how many of 64 greedy tokens equal ours (and the first
+          position that differs), logits max relative error, and bits per byte on held-out works (our model's
+          next to it), every window of ctx_len tokens fed as ids.
+speed   - greedy decoding of --new-tokens tokens after the same prompt, --threads threads each: our KV-cache
+          decoding (nanoeuler.generate, mode "cache", float32) against llama.cpp on the f32 and f16 GGUF,
+          back to back, --repeat times; tokens/s of the decode phase (the prompt's prefill excluded), median.
+          `ratio` = ours / llama.cpp (>= 1.0: we are at least as fast).
+
+    .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def set_threads(n: int) -> None:
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[k] = str(n)
+
+
+def held_out_windows(tok, T: int, per_work: int):
+    """Up to per_work windows of T + 1 ids from each held-out work (ids, and the bytes of the T targets)."""
+    from nanoeuler.corpus import bundled_split, bundled_works
+    _, val = bundled_split()
+    works = bundled_works()
+    out = []
+    for name in val:
+        ids = tok.encode(works[name])
+        step = max(T + 1, (len(ids) - T - 1) // per_work)
+        for s in range(0, len(ids) - T - 1, step)[:per_work]:
+            w = ids[s:s + T + 1]
+            out.append((w, len(tok.decode_bytes(w[1:]))))
+    return out
+
+
+def nll_sum(logits, targets):
+    """Summed natural-log loss of targets [T] under logits [T, V] (float64)."""
+    import numpy as np
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    lse = np.log(np.exp(z).sum(-1))
+    return float((lse - z[np.arange(len(targets)), targets]).sum())
+
+
+def rel_err(a, b) -> float:
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def parity(run: str, tmp: Path, per_work: int) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.generate import generate
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.hf import export_hf
+    from nanoeuler.interop.llamacpp import LlamaCpp
+
+    m, tok = Model.load(run), load_tokenizer(run)
+    T = m.config.ctx_len
+    windows = held_out_windows(tok, T, per_work)
+    prompt = windows[0][0][:32]
+    ours_greedy = generate(m, prompt, max_new_tokens=64, temperature=0, mode="cache").ids
+    ours_logits = m.logits(np.array([windows[0][0][:T]]))[0, 0]
+    ours_nll = [nll_sum(m.logits(np.array([w[:T]]))[0, 0], np.array(w[1:])) for w, _ in windows]
+    n_bytes = sum(b for _, b in windows)
+    res = {"run": run, "params": m.n_params(), "ours_bpb": sum(ours_nll) / np.log(2) / n_bytes,
+           "heldout_windows": len(windows), "heldout_bytes": n_bytes}
+
+    export_hf(m, tok, tmp / "hf", force=True, progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf")
+    with torch.no_grad():
+        hl = hf(torch.tensor([windows[0][0][:T]])).logits[0].numpy()
+        hg = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    res["transformers"] = {"logits_rel_err": rel_err(ours_logits, hl), "greedy64_identical": hg == ours_greedy}
+
+    for dtype in ("f32", "f16", "q8_0"):
+        path = export_gguf(m, tok, tmp / f"m-{dtype}.gguf", dtype, force=True, progress=False)
+        g, _ = LlamaCpp(path, n_ctx=T).greedy(prompt, 64)
+        same = [a == b for a, b in zip(g, ours_greedy)]
+        lc = LlamaCpp(path, n_ctx=T, logits_all=True)
+        lc_nll = [nll_sum(lc.logits(w[:T]), np.array(w[1:])) for w, _ in windows]
+        res[f"llama.cpp {dtype}"] = {
+            "greedy64_same_positions": sum(same), "first_difference": same.index(False) if False in same else None,
+            "logits_rel_err": rel_err(lc.logits(windows[0][0][:T]), ours_logits),
+            "bpb": sum(lc_nll) / np.log(2) / n_bytes, "file_mb": path.stat().st_size / 2**20}
+    return res
+
+
+def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> dict:
+    import time
+
+    import numpy as np
+
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.generate import generate
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.llamacpp import LlamaCpp
+
+    m, tok = Model.load(run), load_tokenizer(run)
+    T = m.config.ctx_len
+    prompt = tok.encode("HAMLET.\nTo be, or not to be, that is the question:\n")[:32]
+    n = min(new_tokens, T - len(prompt))
+    engines = {dt: LlamaCpp(export_gguf(m, tok, tmp / f"s-{dt}.gguf", dt, force=True, progress=False), n_ctx=T,
+                            threads=threads) for dt in ("f32", "f16")}
+    rows = {"ours f32": [], "llama.cpp f32": [], "llama.cpp f16": []}
+    generate(m, prompt, max_new_tokens=4, temperature=0)  # warm-up (numba, caches)
+    for e in engines.values():
+        e.greedy(prompt, 4)
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        g = generate(m, prompt, max_new_tokens=n, temperature=0, mode="cache")
+        rows["ours f32"].append(len(g.ids) / g.decode_s)
+        del t0
+        for dt, e in engines.items():
+            ids, secs = e.greedy(prompt, n)
+            rows[f"llama.cpp {dt}"].append((len(ids) - 1) / secs)
+    med = {k: float(np.median(v)) for k, v in rows.items()}
+    return {"run": run, "new_tokens": n, "threads": threads, "tokens_per_s": med,
+            "ratio_vs_f32": med["ours f32"] / med["llama.cpp f32"],
+            "ratio_vs_f16": med["ours f32"] / med["llama.cpp f16"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="checkpoint directories")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--per-work", type=int, default=4, help="held-out windows per held-out work (bits/byte)")
+    ap.add_argument("--skip", choices=["parity", "speed"], default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    set_threads(args.threads)
+    out = {"load_average": os.getloadavg(), "parity": [], "speed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in args.runs:
+            if args.skip != "parity":
+                out["parity"].append(parity(run, Path(tmp), args.per_work))
+            if args.skip != "speed":
+                out["speed"].append(speed(run, Path(tmp), args.new_tokens, args.repeat, args.threads))
+    out["load_average_end"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(out))
+        return
+    for p in out["parity"]:
+        t = p["transformers"]
+        print(f"{p['run']} ({p['params']:,} params): transformers logits rel err {t['logits_rel_err']:.2e}, "
+              f"greedy 64 identical: {t['greedy64_identical']}; ours {p['ours_bpb']:.4f} bits/byte on "
+              f"{p['heldout_windows']} held-out windows")
+        for dt in ("f32", "f16", "q8_0"):
+            r = p[f"llama.cpp {dt}"]
+            print(f"  llama.cpp {dt:5s} greedy 64: {r['greedy64_same_positions']}/64 same (first difference "
+                  f"{r['first_difference']}), logits rel err {r['logits_rel_err']:.2e}, {r['bpb']:.4f} bits/byte, "
+                  f"{r['file_mb']:.1f} MiB")
+    for s in out["speed"]:
+        tps = s["tokens_per_s"]
+        print(f"{s['run']}: {s['new_tokens']} greedy tokens, {s['threads']} threads: "
+              + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items())
+              + f"; ours/llama.cpp f32 {s['ratio_vs_f32']:.2f}x, f16 {s['ratio_vs_f16']:.2f}x")
+    print(f"load average {out['load_average']} -> {out['load_average_end']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""llama.cpp (llama-cpp-python) on our exported GGUF: the same greedy tokens and logits as ours.
+
+Skipped when llama_cpp is not installed (it compiles llama.cpp: `pip install 'nanoeuler[llama]'`; it is not
+in `make test`'s install). A tiny model is trained for a few steps here; set NANOEULER_INTEROP_RUNS to
+colon-separated checkpoint directories (e.g. trained `small` and `big`) to run the same checks on them.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from nanoeuler import Model, Tokenizer
+from nanoeuler.checkpoint import load_tokenizer
+from nanoeuler.corpus import bundled_split, bundled_works
+from nanoeuler.generate import generate
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from nanoeuler.interop.gguf_export import export_gguf  # noqa: E402
+from nanoeuler.interop.llamacpp import LlamaCpp  # noqa: E402
+
+
+def tiny_trained(tmp_path_factory):
+    from nanoeuler.config import Config
+    works = bundled_works()
+    tok = Tokenizer.train([works["hamlet"]], 400, progress=False)
+    cfg = Config(vocab_size=400, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=128, ffn_hidden=128, n_mtp=2)
+    m = Model.init(cfg, seed=0)
+    ids = np.array(tok.encode(works["hamlet"][:40000]))
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        starts = rng.integers(0, len(ids) - 70, 8)
+        _, _, grads = m.loss_and_grads(np.stack([ids[i:i + 66] for i in starts]))
+        for n in m.params:
+            m.params[n] -= 0.5 * grads[n]
+    d = tmp_path_factory.mktemp("tiny") / "run"
+    m.save(d, tok)
+    return d
+
+
+RUNS = [p for p in os.environ.get("NANOEULER_INTEROP_RUNS", "").split(":") if p]
+
+
+@pytest.fixture(scope="module", params=["tiny", *RUNS])
+def run(request, tmp_path_factory):
+    return tiny_trained(tmp_path_factory) if request.param == "tiny" else request.param
+
+
+def heldout_ids(tok, n):
+    _, val = bundled_split()
+    return tok.encode(bundled_works()[val[1]][2000:2000 + 8 * n])[:n]
+
+
+def test_llama_cpp_f32_greedy_and_logits_equal_ours(run, tmp_path):
+    m, tok = Model.load(run), load_tokenizer(run)
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)
+    T = m.config.ctx_len
+    prompt = heldout_ids(tok, 32)
+    ours = generate(m, prompt, max_new_tokens=64, temperature=0, mode="cache").ids
+    theirs, _ = LlamaCpp(path, n_ctx=T).greedy(prompt, 64)
+    assert theirs == ours
+    window = heldout_ids(tok, T)
+    lc = LlamaCpp(path, n_ctx=T, logits_all=True)
+    assert rel_err(lc.logits(window), m.logits(np.array([window]))[0, 0]) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_llama_cpp_reduced_precision_stays_close(run, tmp_path, dtype):
+    m, tok = Model.load(run), load_tokenizer(run)
+    path = export_gguf(m, tok, tmp_path / f"m-{dtype}.gguf", dtype, progress=False)
+    assert path.stat().st_size < 0.6 * 4 * m.n_params()
+    window = heldout_ids(tok, m.config.ctx_len)
+    lc = LlamaCpp(path, n_ctx=m.config.ctx_len, logits_all=True)
+    assert rel_err(lc.logits(window), m.logits(np.array([window]))[0, 0]) <= 5e-2
+
+
+def test_llama_cpp_reads_the_tokenizer_metadata(run, tmp_path):
+    """llama.cpp's own tokenizer (gpt-2 pre-tokenizer) on our vocabulary gives our ids on ordinary text."""
+    m, tok = Model.load(run), load_tokenizer(run)
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)
+    llm = LlamaCpp(path, n_ctx=m.config.ctx_len).llm
+    text = bundled_works()["macbeth"][:20000]
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text)
+    assert llm.token_eos() == tok.eos_id
