@@ -259,7 +259,7 @@ def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict,
 
 def fast_supports(cfg: Config) -> bool:
     """Whether the fast engine (nanoeuler/fast/) runs this architecture; otherwise the reference runs."""
-    return cfg.arch == "euler"
+    return cfg.arch in ("euler", "gpt2")
 
 
 # ---- arch "gpt2" ------------------------------------------------------------------------------------

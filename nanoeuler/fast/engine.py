@@ -90,6 +90,9 @@ class Workspace:
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
         self.parts[0].single = len(self.parts) == 1
+        if cfg.arch == "gpt2":  # LayerNorm means, the MLP pre-activations, stacked biases, no RoPE (fast/gpt2.py)
+            from .gpt2 import extend_workspace
+            extend_workspace(self, cfg)
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
@@ -371,6 +374,9 @@ def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Work
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
     best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout.
     counts: targets per head to divide by (see `heads`)."""
+    if cfg.arch == "gpt2":
+        from . import gpt2
+        return gpt2.loss_and_grads(cfg, P, tokens, loss_mask, ws, grads, dropout, counts)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
@@ -384,6 +390,9 @@ def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Work
 
 def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
     """Forward only: (head-0 loss, objective)."""
+    if cfg.arch == "gpt2":
+        from . import gpt2
+        return gpt2.loss(cfg, P, tokens, loss_mask, ws, dropout)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     forward(cfg, P, inputs, ws, dropout)
