@@ -360,7 +360,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         stops = stop_list(body.stop)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        max_tokens = min(16, max_tokens_cap) if body.max_tokens is None else body.max_tokens
         p = body.prompt
         raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not raw:

@@ -13,13 +13,21 @@ message's instruction, separated by a blank line.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..errors import UserError
 
 MAX_STOP = 4
+
+
+def _whole(v):
+    """JSON has one number type: 2.0 is accepted where an integer is expected (JSON Schema agrees), 2.5 not."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Base(BaseModel):
@@ -36,17 +44,17 @@ Stop = Optional[Union[str, list[str]]]
 class CompletionRequest(_Base):
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)
+    max_tokens: Optional[Int] = Field(None, ge=0)  # None: 16 (as OpenAI), or the server's cap when lower
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    n: int = Field(1, ge=1)
+    top_k: Optional[Int] = Field(None, ge=0)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    logprobs: Optional[Int] = Field(None, ge=0, le=20)
     echo: bool = False
     stop: Stop = None
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -72,18 +80,18 @@ class Message(_Base):
 class ChatRequest(_Base):
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=0)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    max_tokens: Optional[Int] = Field(None, ge=0)
+    max_completion_tokens: Optional[Int] = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    n: int = Field(1, ge=1)
+    top_k: Optional[Int] = Field(None, ge=0)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
     stop: Stop = None
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
