@@ -324,7 +324,9 @@ class DataParallel(Trainer):
             error = "data-parallel training runs the CPU engine (--device cpu)"
         comm.agree(error, fingerprint(obj, opt, tcfg, state, rng, comm))
         self.params = obj.params
-        self.red = Reducer(comm, self.params, comm.bucket_mb)
+        # the flat layout in the config's order (a loaded checkpoint's dict is in file order)
+        order = list(obj.model.config.param_shapes()) if hasattr(obj, "model") else sorted(self.params)
+        self.red = Reducer(comm, {n: self.params[n] for n in order if n in self.params}, comm.bucket_mb)
         self.zero = comm.zero
         if self.zero:
             self.m = self.red.own(opt.m)  # this rank's pieces of the moments; the full ones are dropped
@@ -357,7 +359,7 @@ class DataParallel(Trainer):
         if not grads:
             return 0.0
         red = self.red
-        sq = sum(float(np.vdot(piece, piece)) for piece in red.my_pieces())
+        sq = sum(sum_of_squares(piece) for piece in red.my_pieces())
         norm = math.sqrt(float(self.comm.sum_in_order(np.array([sq]))[0]))
         clip = self.tcfg.grad_clip
         if clip > 0 and norm > clip:
@@ -407,6 +409,34 @@ class DataParallel(Trainer):
             full.__dict__.update(self.opt.__dict__)
             full.m, full.v = m, v
             write(full)
+
+
+def sum_of_squares(x: np.ndarray) -> float:
+    """Σ x² in float64, in an order fixed by the indices alone: the same bits wherever x sits in memory
+    (BLAS dot products and NumPy's SIMD sums group their additions by the address alignment, which
+    differs from run to run)."""
+    global _sumsq
+    if _sumsq is None:
+        import numba
+
+        @numba.njit(cache=True)
+        def kernel(x):
+            acc = np.zeros(8)           # 8 running sums, element i into sum i % 8
+            n8 = x.size - x.size % 8
+            for i in range(0, n8, 8):
+                for j in range(8):
+                    v = np.float64(x[i + j])
+                    acc[j] += v * v
+            tail = 0.0
+            for i in range(n8, x.size):
+                v = np.float64(x[i])
+                tail += v * v
+            return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+        _sumsq = kernel
+    return float(_sumsq(x))
+
+
+_sumsq = None
 
 
 def _adamw_type():
