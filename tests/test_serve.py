@@ -115,6 +115,12 @@ def test_stop_strings_and_max_tokens(ckpt, client):
     assert "".join(c.choices[0].text for c in chunks) == full[:cut] and chunks[-1].choices[0].finish_reason == "stop"
     r = client.completions.create(model="tiny", prompt=LONG, max_tokens=5, temperature=0)
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    # ignore_eos (vLLM's extension): PROMPT's greedy reply ends with </s> early; with it, exactly max_tokens
+    short = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text.startswith(short.choices[0].text + "</s>")
 
 
 def test_seed_reproducible_and_n_choices(ckpt, client):

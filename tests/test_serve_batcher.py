@@ -8,7 +8,8 @@ import pytest
 from nanoeuler import Config, Model
 from nanoeuler.generate import forward_cached, generate, new_cache
 from nanoeuler.optim import AdamW
-from nanoeuler.serve.batcher import Batcher, Closed, Job, QueueFull, decode_step, log_softmax, top_logprobs
+from nanoeuler.serve.batcher import (Batcher, Closed, Job, QueueFull, decode_step, log_softmax, prefill_groups,
+                                     top_logprobs)
 
 CFG = Config(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=48, n_mtp=2)
 
@@ -69,7 +70,7 @@ def test_greedy_alone_equals_batched_equals_generate(trained, which):
     model = trained if which == "trained" else Model.init(CFG, seed=5)
     ps = prompts(6)
     specs = [dict(ids=p, max_tokens=40) for p in ps]  # 40 > ctx 24: every row's window jumps at least once
-    batched, b = run_jobs(model, specs, max_batch=4, join_at=[0, 0, 3, 5, 9, 11])
+    batched, b = run_jobs(model, specs, max_batch=4, join_at=[0, 0, 3, 5, 9, 9])
     assert max(b.batch_sizes) == 4 and min(b.batch_sizes) < 4  # rows really were shared, and came and went
     for p, out in zip(ps, batched):
         alone, _ = run_jobs(model, [dict(ids=p, max_tokens=40)], max_batch=1)
@@ -117,16 +118,20 @@ def test_stop_ids_max_tokens_and_zero_tokens(trained):
     assert outs[2].tokens == [] and outs[2].reason == "length"
 
 
-def test_echo_logprobs_score_the_prompt(trained):
-    p = [3, 1, 4, 15, 9, 2, 6]
-    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=1, logprobs=2, echo=True)])
-    scored = outs[0].prompt
-    logits = forward_cached(CFG, trained.params, np.array([p]), new_cache(CFG))[0, 0]  # [T, V]
-    logp = log_softmax(logits)
-    assert [t for t, _, _ in scored] == p and scored[0][1] is None
-    for i in range(1, len(p)):
-        assert scored[i][1] == pytest.approx(logp[i - 1, p[i]], abs=1e-6)
-        assert [t for t, _ in scored[i][2]] == list(np.argsort(-logp[i - 1])[:2])
+@pytest.mark.parametrize("together", [1, 3])
+def test_echo_logprobs_score_the_prompt(trained, together):
+    """Alone, and prefilled in one padded batch with prompts of other lengths."""
+    ps = [[3, 1, 4, 15, 9, 2, 6], [5, 8], [7, 20, 11, 30, 22, 17]][:together]
+    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=1, logprobs=2, echo=True) for p in ps])
+    for p, out in zip(ps, outs):
+        scored = out.prompt
+        logits = forward_cached(CFG, trained.params, np.array([p]), new_cache(CFG))[0, 0]  # [T, V]
+        logp = log_softmax(logits)
+        assert [t for t, _, _ in scored] == p and scored[0][1] is None
+        for i in range(1, len(p)):
+            assert scored[i][1] == pytest.approx(logp[i - 1, p[i]], abs=1e-5)
+            assert [t for t, _ in scored[i][2]] == list(np.argsort(-logp[i - 1])[:2])
+        assert out.tokens == [int(np.argmax(logits[-1]))]
 
 
 def test_cancel_frees_the_row_at_the_next_step(trained):
@@ -157,6 +162,15 @@ def test_queue_is_bounded_and_close_ends_everything(trained):
     assert outs[0].reason == outs[1].reason == "shutdown"
     with pytest.raises(Closed):
         b.submit(Job(ids=[1], max_tokens=1))
+
+
+def test_prefill_groups_bound_the_padding():
+    assert prefill_groups([5, 50, 6, 48]) == [[0, 2], [3, 1]]
+    lengths = [1, 3, 7, 12, 24, 30, 30, 29, 2]
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g)
 
 
 def test_top_logprobs_order():

@@ -378,7 +378,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         run = Run(batcher)
         for pi, ids in enumerate(prompts):
             for j in range(body.n):
-                c = Choice(len(run.choices), tok, ids, stops, {tok.eos_id}, chat=False)
+                c = Choice(len(run.choices), tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=False)
                 run.add(c, **job_args(body, ids, max_tokens, body.logprobs, body.echo, j))
         run.submit()
         rid, now = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
@@ -431,7 +431,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher)
         for j in range(body.n):
-            c = Choice(j, tok, ids, stops, {tok.eos_id}, chat=True)
+            c = Choice(j, tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=True)
             run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
         run.submit()
         rid, now = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())

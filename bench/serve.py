@@ -1,0 +1,185 @@
+"""Benchmark `nanoeuler serve`: 1, 4, 16, 64 concurrent streaming clients against a real server on 127.0.0.1.
+
+For each model, one server process (`nanoeuler serve --port 0 --max-batch 64`) and, per concurrency level C,
+C clients in this process (asyncio + httpx, one event loop: no GIL fight with the server) that each stream
+--requests completions of --tokens tokens (ignore_eos: every reply has exactly that many) from different
+prompts, all starting together. Reported per level:
+
+    tok/s     aggregate completion tokens per second (all tokens / the level's wall time)
+    ttft      time to first token, p50 / p99 (request sent -> first text chunk)
+    itl       per-token latency, p50 / p99 (gap between successive tokens of one stream)
+    errors    failed or incomplete streams (no [DONE], fewer tokens than asked); 429s are counted apart
+
+`x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
+machine's load average is printed: on a shared machine compare ratios, not absolute numbers.
+Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
+
+    .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
+    .venv/bin/python bench/serve.py --ckpt runs/small --clients 1,16 --json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
+
+
+def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
+    """A random-init checkpoint of a preset (speed does not depend on the weights). Its tokenizer: the given
+    one if its vocabulary matches, else one trained on the bundled Shakespeare to the preset's vocab size."""
+    from nanoeuler import Model
+    from nanoeuler.config import PRESETS
+    from nanoeuler.corpus import bundled_works
+    from nanoeuler.tokenizer import Tokenizer
+    cfg = PRESETS[name]
+    tok = Tokenizer.load(tokenizer) if tokenizer else None
+    if tok is None or tok.vocab_size != cfg.vocab_size:
+        print(f"training a {cfg.vocab_size}-token tokenizer for {name} ...", file=sys.stderr, flush=True)
+        tok = Tokenizer.train(list(bundled_works().values()), cfg.vocab_size, progress=False)
+    d = out / name
+    Model.from_preset(name, seed=0).save(d, tokenizer=tok)
+    return d
+
+
+def start_server(ckpt: Path, max_batch: int, max_queue: int):
+    """`nanoeuler serve` on 127.0.0.1, any free port -> (process, base url)."""
+    cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--port", "0", "--model-name", "bench",
+           "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", "4096"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()
+    if "on http://" not in line:
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
+    return proc, line.split("on ", 1)[1].split("/ ", 1)[0]
+
+
+async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, n_tokens, done, status = [], 0, False, None
+    try:
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            status = r.status_code
+            if status != 200:
+                await r.aread()
+                return {"status": status, "ok": False}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    n_tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk["choices"]:
+                    if c.get("text"):
+                        stamps.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001  (a broken connection is an error of the level, not of the bench)
+        return {"status": status, "ok": False, "error": repr(e)}
+    ok = done and n_tokens == tokens
+    return {"status": status, "ok": ok, "tokens": n_tokens, "ttft": stamps[0] - t0 if stamps else None,
+            "gaps": list(np.diff(stamps)), "t_end": time.perf_counter()}
+
+
+async def level(url: str, clients: int, requests: int, tokens: int, prompts: list[str], timeout: float) -> dict:
+    import httpx
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        async def client(i):
+            return [await one_stream(http, url, prompts[(i * requests + j) % len(prompts)], tokens, i * 1000 + j)
+                    for j in range(requests)]
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(clients))), timeout)
+                   for r in rs]
+        wall = time.perf_counter() - t0
+    good = [r for r in results if r["ok"]]
+    ttft = [r["ttft"] for r in good if r["ttft"] is not None]
+    gaps = [g for r in good for g in r["gaps"]]
+    pct = (lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan"))
+    return {"clients": clients, "requests": len(results), "tokens": sum(r.get("tokens", 0) for r in good),
+            "wall_s": wall, "tok_s": sum(r.get("tokens", 0) for r in good) / wall,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99),
+            "errors": sum(1 for r in results if not r["ok"] and r.get("status") != 429),
+            "rejected_429": sum(1 for r in results if r.get("status") == 429),
+            "error_examples": [{k: r.get(k) for k in ("status", "error", "tokens")}
+                               for r in results if not r["ok"] and r.get("status") != 429][:3]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint to serve (repeatable)")
+    ap.add_argument("--preset", action="append", default=None, help="a preset with random weights (default: big)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json for --preset models (trained if absent)")
+    ap.add_argument("--clients", default="1,4,16,64", help="concurrency levels (default 1,4,16,64)")
+    ap.add_argument("--tokens", type=int, default=128, help="completion tokens per request (default 128)")
+    ap.add_argument("--requests", type=int, default=1, help="requests per client per level (default 1)")
+    ap.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch (default 64)")
+    ap.add_argument("--level-timeout", type=float, default=120, help="seconds a level may take (default 120)")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args()
+    presets = ["big"] if args.preset is None else [p for p in args.preset if p]
+    levels = [int(c) for c in args.clients.split(",")]
+    from nanoeuler.corpus import bundled_works
+    text = "".join(bundled_works().values())
+    prompts = [text[TEXT_START + 997 * i: TEXT_START + 997 * i + 200] for i in range(64)]
+    report = {"load_before": os.getloadavg(), "tokens": args.tokens, "requests": args.requests, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [(Path(c).name, Path(c)) for c in args.ckpt]
+        models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
+        for name, ckpt in models:
+            proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)))
+            rows = []
+            try:
+                asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout))  # warm-up
+                for c in levels:
+                    rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
+                    print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
+            finally:
+                proc.send_signal(2)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            base = rows[0]["tok_s"] if rows and rows[0]["clients"] == 1 else None
+            for r in rows:
+                r["x1"] = r["tok_s"] / base if base else None
+            report["models"][name] = rows
+    report["load_after"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"load average before {report['load_before'][0]:.1f}, after {report['load_after'][0]:.1f}; "
+          f"{args.tokens} tokens x {args.requests} request(s) per client")
+    for name, rows in report["models"].items():
+        print(f"\n{name}")
+        print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'itl p50':>8} {'p99':>8} "
+              f"{'errors':>7} {'429':>5}")
+        for r in rows:
+            print(f"{r['clients']:>8} {r['tok_s']:>8.1f} {r['x1'] or 0:>6.2f} {r['ttft_p50_ms']:>7.0f}ms "
+                  f"{r['ttft_p99_ms']:>6.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms "
+                  f"{r['errors']:>7} {r['rejected_429']:>5}")
+            for e in r["error_examples"]:
+                print(f"{'':>8} error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
