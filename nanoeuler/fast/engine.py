@@ -36,7 +36,7 @@ from numpy import matmul
 
 from .. import ops
 from ..config import Config
-from . import kernels as K
+from . import kernels
 from . import parallel
 from .parallel import run_parts, single_threaded_blas
 
@@ -158,12 +158,12 @@ def _matmul_into(a, b, outs):
         off += o.shape[0]
 
 
-def _in_parts(fn, cfg: Config, P: dict, ws: Workspace, grads: dict | None, *args) -> None:
-    """fn(cfg, P, ws, w, grads of w, *args) for every part w of ws, one thread each, BLAS single-threaded.
+def _in_parts(fn, cfg: Config, params: dict, ws: Workspace, grads: dict | None, *args) -> None:
+    """fn(cfg, params, ws, w, grads of w, *args) for every part w of ws, one thread each, BLAS single-threaded.
     Part 0 writes gradients into `grads`, the others into their own buffers."""
     def one(k):
         w = ws.parts[k]
-        fn(cfg, P, ws, w, w.grads if k and grads is not None else grads, *args)
+        fn(cfg, params, ws, w, w.grads if k and grads is not None else grads, *args)
     with single_threaded_blas():
         run_parts(one, len(ws.parts))
 
@@ -180,24 +180,24 @@ def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A) -> None:
     """qkv rows [n, (H + 2·Hkv)·hd] -> A [n, H·hd] (the input of wo). Fills q [b·Hkv, G·T, hd], k, v
     [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch."""
     cos, sin = rope
-    K.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
+    kernels.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
     matmul(q, k.transpose(0, 2, 1), out=P)                                  # scores
-    K.causal_softmax(P, k.shape[1])
+    kernels.causal_softmax(P, k.shape[1])
     matmul(P, v, out=y)                                                     # [b·Hkv, G·T, hd]
-    K.heads_to_rows(y, n_kv_heads, A)
+    kernels.heads_to_rows(y, n_kv_heads, A)
 
 
 def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv) -> None:
     """dA [n, H·hd] -> dqkv [n, (H + 2·Hkv)·hd], from what attention_forward kept (q, k, v, P);
     dy, dq (like q), dk, dv (like k) and dS (like P) are scratch."""
     cos, sin = rope
-    K.rows_to_heads(dA, n_kv_heads, dy)                                     # [b·Hkv, G·T, hd]
+    kernels.rows_to_heads(dA, n_kv_heads, dy)                               # [b·Hkv, G·T, hd]
     matmul(dy, v.transpose(0, 2, 1), out=dS)                                # dP
-    K.causal_softmax_backward(P, dS, k.shape[1])                            # dS
+    kernels.causal_softmax_backward(P, dS, k.shape[1])                      # dS
     matmul(dS, k, out=dq)                                                   # [b·Hkv, G·T, hd]
     matmul(dS.transpose(0, 2, 1), q, out=dk)                                # [b·Hkv, T, hd] (sums the G heads)
     matmul(P.transpose(0, 2, 1), dy, out=dv)
-    K.attention_join(dq, dk, dv, cos, sin, qscale, n_kv_heads, dqkv)
+    kernels.attention_join(dq, dk, dv, cos, sin, qscale, n_kv_heads, dqkv)
 
 
 # ---- one part's work (runs in that part's thread) ---------------------------------------------------------
@@ -206,14 +206,14 @@ def _residual_add(x, t, drop, site: int, row0: int, out) -> None:
     if drop is None:
         np.add(x, t, out=out)
     else:
-        K.dropout_add(x, t, *_dropout_args(drop, site, row0, t), out)
+        kernels.dropout_add(x, t, *_dropout_args(drop, site, row0, t), out)
 
 
 def _dropped(g, drop, site: int, row0: int, out):
     """The gradient reaching a dropped-out branch: g · mask (into out), or g itself without dropout."""
     if drop is None:
         return g
-    K.dropout_scale(g, *_dropout_args(drop, site, row0, g), out)
+    kernels.dropout_scale(g, *_dropout_args(drop, site, row0, g), out)
     return out
 
 
@@ -221,33 +221,34 @@ def _dropout_args(drop, site: int, row0: int, a):
     return np.uint64(drop.base(site, row0, a.shape[1])), np.uint64(drop.threshold), a.dtype.type(drop.scale)
 
 
-def _forward_part(cfg: Config, P: dict, ws: Workspace, w, _grads, inputs, drop) -> None:
+def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, drop) -> None:
     Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
-    np.take(P["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
+    np.take(params["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         x, mid = w.X[i], w.M[i]
         # attention sub-block
-        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])
+        kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])
         matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
         attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i])
-        matmul(w.A[i], P[p + "attn.wo.weight"].T, out=w.t)
+        matmul(w.A[i], params[p + "attn.wo.weight"].T, out=w.t)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block
-        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
+        kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
         matmul(w.h, ws.wgu[i].T, out=w.GU[i])                               # [n, 2F]
-        K.swiglu_forward(w.GU[i], w.S[i])                                   # [n, F]
-        matmul(w.S[i], P[p + "ffn.down.weight"].T, out=w.t)
+        kernels.swiglu_forward(w.GU[i], w.S[i])                             # [n, F]
+        matmul(w.S[i], params[p + "ffn.down.weight"].T, out=w.t)
         _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
-    K.rmsnorm_forward(w.X[cfg.n_layers], P["norm.weight"], eps, w.hf, w.rf)
+    kernels.rmsnorm_forward(w.X[cfg.n_layers], params["norm.weight"], eps, w.hf, w.rf)
 
 
-def _heads_part(cfg: Config, P: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
+def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        W = P[f"heads.{k}.weight"]                                          # [V, d]
+        W = params[f"heads.{k}.weight"]                                     # [V, d]
         matmul(w.hf, W.T, out=w.logits)                                     # [n, V]
-        K.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)  # logits := dlogits
+        # logits := dlogits
+        kernels.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
             matmul(w.logits.T, w.hf, out=grads[f"heads.{k}.weight"])        # [V, d]
@@ -258,12 +259,12 @@ def _heads_part(cfg: Config, P: dict, ws: Workspace, w, grads, targets, scales, 
                 w.dh += w.t
 
 
-def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids, drop) -> None:
+def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop) -> None:
     Hkv = cfg.n_kv_heads
     eps = ws.X.dtype.type(cfg.norm_eps)
     dx = w.dx
     dx[...] = 0
-    K.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, P["norm.weight"], dx, w.dw)
+    kernels.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, params["norm.weight"], dx, w.dw)
     grads["norm.weight"][...] = w.dw
     _announce_part(w, ["norm.weight"], grads)
     for i in reversed(range(cfg.n_layers)):
@@ -272,27 +273,27 @@ def _backward_part(cfg: Config, P: dict, ws: Workspace, w, grads, ids, drop) -> 
         # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
         df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
         matmul(df.T, w.S[i], out=grads[p + "ffn.down.weight"])              # [d, F]
-        matmul(df, P[p + "ffn.down.weight"], out=w.ds)                      # [n, F]
-        K.swiglu_backward(w.ds, GU)                                         # GU := [dg | du]
-        K.rmsnorm_forward(mid, P[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
+        matmul(df, params[p + "ffn.down.weight"], out=w.ds)                 # [n, F]
+        kernels.swiglu_backward(w.ds, GU)                                   # GU := [dg | du]
+        kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
         _matmul_into(GU.T, w.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
         matmul(GU, ws.wgu[i], out=w.dh)                                     # [n, d]
-        K.rmsnorm_backward(w.dh, mid, w.r2[i], P[p + "ffn_norm.weight"], dx, w.dw)
+        kernels.rmsnorm_backward(w.dh, mid, w.r2[i], params[p + "ffn_norm.weight"], dx, w.dw)
         grads[p + "ffn_norm.weight"][...] = w.dw
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
         matmul(do.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
-        matmul(do, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
+        matmul(do, params[p + "attn.wo.weight"], out=w.A[i])                # dA [n, H·hd] (A is spent)
         attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
                            w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)            # [n, (H+2Hkv)·hd]
-        K.rmsnorm_forward(x, P[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
+        kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
         _matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
                                      grads[p + "attn.wv.weight"]])
         matmul(w.dqkv, ws.wqkv[i], out=w.dh)
-        K.rmsnorm_backward(w.dh, x, w.r1[i], P[p + "attn_norm.weight"], dx, w.dw)
+        kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
-    K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
     _announce_part(w, ["embed.weight"], grads)
 
 
@@ -326,17 +327,18 @@ def _announce_part(w, names, grads) -> None:
 
 
 # ---- the public steps: every part at once ----------------------------------------------------------------
-def forward(cfg: Config, P: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
+def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]], out=ws.wqkv[i])
-        np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]], out=ws.wgu[i])
-    _in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
+        np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
+                       out=ws.wqkv[i])
+        np.concatenate([params[p + "ffn.gate.weight"], params[p + "ffn.up.weight"]], out=ws.wgu[i])
+    _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
-def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):
+def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):
     """The K heads and their losses, one head at a time. targets int [K, N] (−1 = ignored).
     With grads: also dlogits -> grads['heads.k.weight'] and the gradient of hf into ws.dh.
     Returns (per-head mean losses, objective). counts: the number of targets of each head to divide by
@@ -347,7 +349,7 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
         counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(Kh)]
     scales = [ws.logits.dtype.type(1.0 / (n * Kh) if n else 0.0) for n in counts]
     sums = np.zeros((Kh, len(ws.parts)))                                   # per head, per part: Σ losses
-    _in_parts(_heads_part, cfg, P, ws, grads, targets, scales, sums)
+    _in_parts(_heads_part, cfg, params, ws, grads, targets, scales, sums)
     if grads is not None:
         _sum_part_grads(ws, grads, [f"heads.{k}.weight" for k in range(Kh)])
         announce([f"heads.{k}.weight" for k in range(Kh)], grads)
@@ -355,10 +357,10 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws: Workspace, grads: dict 
     return losses, sum(losses) / Kh
 
 
-def backward(cfg: Config, P: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
+def backward(cfg: Config, params: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
     except the heads'. ids int [B·T]; dropout: the one `forward` ran with."""
-    _in_parts(_backward_part, cfg, P, ws, grads, ids, dropout)
+    _in_parts(_backward_part, cfg, params, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
     if len(ws.parts) > 1:
         announce([n for n in grads if not n.startswith("heads.")], grads)
@@ -369,32 +371,32 @@ def flat_targets(tokens, T, Kh, loss_mask):
     return ops.mtp_targets(tokens, T, Kh, loss_mask).reshape(Kh, -1)
 
 
-def loss_and_grads(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, grads: dict | None = None,
+def loss_and_grads(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws: Workspace, grads: dict | None = None,
                    dropout=None, counts=None):
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
     best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout.
     counts: targets per head to divide by (see `heads`)."""
     if cfg.arch == "gpt2":
         from . import gpt2
-        return gpt2.loss_and_grads(cfg, P, tokens, loss_mask, ws, grads, dropout, counts)
+        return gpt2.loss_and_grads(cfg, params, tokens, loss_mask, ws, grads, dropout, counts)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
     if grads is None:
         grads = grad_buffers(cfg, ws.X.dtype)
-    forward(cfg, P, inputs, ws, dropout)
-    losses, objective = heads(cfg, P, targets, ws, grads, counts)
-    backward(cfg, P, inputs.reshape(-1), ws, grads, dropout)
+    forward(cfg, params, inputs, ws, dropout)
+    losses, objective = heads(cfg, params, targets, ws, grads, counts)
+    backward(cfg, params, inputs.reshape(-1), ws, grads, dropout)
     return losses[0], objective, grads
 
 
-def loss(cfg: Config, P: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
+def loss(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
     """Forward only: (head-0 loss, objective)."""
     if cfg.arch == "gpt2":
         from . import gpt2
-        return gpt2.loss(cfg, P, tokens, loss_mask, ws, dropout)
+        return gpt2.loss(cfg, params, tokens, loss_mask, ws, dropout)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
-    forward(cfg, P, inputs, ws, dropout)
-    losses, objective = heads(cfg, P, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
+    forward(cfg, params, inputs, ws, dropout)
+    losses, objective = heads(cfg, params, flat_targets(tokens, T, cfg.n_mtp, loss_mask), ws, None)
     return losses[0], objective
