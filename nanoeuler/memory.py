@@ -5,7 +5,8 @@ exactly (tests/test_memory.py checks the count against the caches; the fast engi
 the same order):
     per layer   rmsnorm n, h and 1/rms (2·B·T·d + B·T), rotated q (B·T·d), k and v (2·B·T·Hkv·hd),
                 attention probabilities (B·H·T·T), attention output (B·T·d), second rmsnorm (2·B·T·d + B·T),
-                gate, up, σ(gate) and silu·up (4·B·T·F)
+                gate, up, σ(gate) and silu·up (4·B·T·F); arch gpt2: LayerNorm's n, h and 1/σ (same count),
+                fc's output, its tanh and gelu (3·B·T·F) instead of SwiGLU's four
     once        final norm n, h and 1/rms (2·B·T·d + B·T), logits of the K heads (K·B·T·V)
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from .config import Config
 def activation_floats(cfg: Config, B: int, T: int) -> int:
     d, F, hd, N = cfg.dim, cfg.ffn_hidden, cfg.head_dim, B * T
     norm = 2 * N * d + N
-    per_layer = norm + N * d + 2 * N * cfg.n_kv_heads * hd + B * cfg.n_heads * T * T + N * d + norm + 4 * N * F
+    ffn = (3 if cfg.arch == "gpt2" else 4) * N * F
+    per_layer = norm + N * d + 2 * N * cfg.n_kv_heads * hd + B * cfg.n_heads * T * T + N * d + norm + ffn
     return cfg.n_layers * per_layer + norm + cfg.n_mtp * N * cfg.vocab_size
 
 

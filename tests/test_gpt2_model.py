@@ -63,3 +63,20 @@ def test_gpt2_init_and_context_limit():
     assert abs(h0 - np.log(cfg.vocab_size)) < 0.1
     with pytest.raises(UserError, match="longer than the context"):
         m.logits(np.zeros((1, cfg.ctx_len + 1), dtype=np.int64))
+
+
+def test_info_activation_count_matches_the_gpt2_caches():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_memory import _kept_floats
+
+    from nanoeuler.memory import activation_floats, training_memory
+    from nanoeuler.model import forward
+    cfg = GPT2_CHECK_CONFIG
+    model = Model.init(cfg)
+    B, T = 3, cfg.ctx_len
+    logits, caches = forward(cfg, model.params, np.zeros((B, T), dtype=np.int64))
+    assert _kept_floats(caches, model.params) + logits.size == activation_floats(cfg, B, T)
+    mem = training_memory(Config.preset("gpt2"), 4, 256)     # the 124M fine-tuning step of the benchmark
+    assert mem["weights"] == 4 * 124_439_808 and mem["total"] < 4 * 2**30
