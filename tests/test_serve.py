@@ -133,6 +133,14 @@ def test_seed_reproducible_and_n_choices(ckpt, client):
     r = client.completions.create(seed=7, n=3, **kw)
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert texts[0] == a and len(set(texts)) > 1  # choice i samples with seed + i
+    streamed, finishes = ["", "", ""], [0, 0, 0]
+    for chunk in client.completions.create(seed=7, n=3, stream=True, stop=["e"], **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            finishes[c.index] += c.finish_reason is not None
+    stopped = client.completions.create(seed=7, n=3, stop=["e"], **kw)
+    assert streamed == [c.text for c in sorted(stopped.choices, key=lambda c: c.index)] and finishes == [1, 1, 1]
+    assert streamed == [t.split("e")[0] for t in texts]
     assert sample_cli(d, PROMPT, 30, "--temperature", "1", "--top-p", "0.9", "--seed", "7")["text"] == a
 
 

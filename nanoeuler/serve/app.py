@@ -20,8 +20,10 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import threading
 import time
 import uuid
+from collections import deque
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -160,19 +162,52 @@ class Choice:
                             for t, lp, top, _ in self.logprobs[start:end]]}
 
 
+class Dispatcher:
+    """Engine events into the event loop: the engine thread appends them here, and one call_soon_threadsafe
+    per burst (not one per token: a wake-up is a system call) moves them onto their requests' queues."""
+
+    def __init__(self, loop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.items: deque = deque()
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
+            pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, deque(), False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+    @staticmethod
+    def of(app) -> "Dispatcher":
+        """The dispatcher of the running event loop (one per loop, kept on app.state)."""
+        loop = asyncio.get_running_loop()
+        d = getattr(app.state, "dispatcher", None)
+        if d is None or d.loop is not loop:
+            d = app.state.dispatcher = Dispatcher(loop)
+        return d
+
+
 class Run:
     """The jobs of one HTTP request; engine events arrive (from the engine thread) on one asyncio queue."""
 
-    def __init__(self, batcher: Batcher):
-        self.batcher, self.loop, self.queue = batcher, asyncio.get_running_loop(), asyncio.Queue()
+    def __init__(self, batcher: Batcher, dispatcher: Dispatcher):
+        self.batcher, self.dispatcher, self.queue = batcher, dispatcher, asyncio.Queue()
         self.choices: list[Choice] = []
 
     def add(self, choice: Choice, **job) -> None:
         def on_event(kind, *args, _i=len(self.choices)):
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (_i, kind, args))
-            except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
-                pass
+            self.dispatcher.put(self.queue, (_i, kind, args))
         choice.job = Job(on_event=on_event, **job)
         self.choices.append(choice)
 
@@ -192,19 +227,27 @@ class Run:
         for c in self.choices:
             c.job.cancel()
 
-    async def events(self, request: Request | None = None):
-        """(choice, new text, new logprobs entries) until every choice has finished."""
+    async def updates(self, request: Request | None = None):
+        """Batches of what changed: {choice: (new text, new logprobs entries)}, every event that has arrived
+        folded into one batch (a client that reads slower than tokens come gets fewer, longer chunks),
+        until every choice has finished. request: stop early when that client has gone (non-streaming)."""
         while any(c.finish_reason is None for c in self.choices):
             try:
-                i, kind, args = await asyncio.wait_for(self.queue.get(), 1.0)
+                events = [await asyncio.wait_for(self.queue.get(), 1.0)]
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
                     self.cancel()
                     return
                 continue
-            c = self.choices[i]
-            piece, n_lp = c.on_event(kind, args)
-            yield c, piece, n_lp
+            while not self.queue.empty():
+                events.append(self.queue.get_nowait())
+            batch: dict[Choice, tuple[str, int]] = {}
+            for i, kind, args in events:
+                c = self.choices[i]
+                piece, n_lp = c.on_event(kind, args)
+                text, n = batch.get(c, ("", 0))
+                batch[c] = (text + piece, n + n_lp)
+            yield batch
 
 
 def is_loopback(host: str) -> bool:
@@ -375,7 +418,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             ids, dropped = truncate_left(ids, cfg.ctx_len)
             prompts.append(ids)
             truncated.append(dropped)
-        run = Run(batcher)
+        run = Run(batcher, Dispatcher.of(app))
         for pi, ids in enumerate(prompts):
             for j in range(body.n):
                 c = Choice(len(run.choices), tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=False)
@@ -395,23 +438,27 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
         if body.stream:
             async def gen():
-                first = set()
-                async for c, piece, n_lp in run.events():
-                    text = piece
-                    if c.index not in first and (piece or n_lp or c.finish_reason):
-                        first.add(c.index)
-                        text = echo_text(c) + piece
-                    if not (text or n_lp or c.finish_reason):
-                        continue
-                    lp = c.completion_logprobs(len(c.logprobs) - n_lp) if body.logprobs is not None else None
-                    yield sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
-                                      "finish_reason": c.finish_reason}], **({"nanoeuler": notes} if notes else {})))
+                first, ended = set(), set()
+                async for batch in run.updates():
+                    for c, (text, n_lp) in batch.items():
+                        if c.index in ended:
+                            continue
+                        if c.finish_reason:
+                            ended.add(c.index)
+                        if c.index not in first and (text or n_lp or c.finish_reason):
+                            first.add(c.index)
+                            text = echo_text(c) + text
+                        if not (text or n_lp or c.finish_reason):
+                            continue
+                        lp = c.completion_logprobs(len(c.logprobs) - n_lp) if body.logprobs is not None else None
+                        yield sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
+                                          "finish_reason": c.finish_reason}], **({"nanoeuler": notes} if notes else {})))
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse(chunk([], usage=usage(prompts, run.choices)))
             return stream_response(gen(), run)
 
         try:
-            async for _ in run.events(request):
+            async for _ in run.updates(request):
                 pass
         finally:
             run.cancel()
@@ -429,7 +476,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         check_limits(max_tokens, body.n)
         ids, notes = render_chat(model, tok, body.messages, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        run = Run(batcher)
+        run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):
             c = Choice(j, tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=True)
             run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
@@ -446,20 +493,25 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                 for c in run.choices:
                     yield sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
-                async for c, piece, n_lp in run.events():
-                    lp = c.chat_logprobs(len(c.logprobs) - n_lp) if logprobs is not None and n_lp else None
-                    if piece or lp:
-                        yield sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
-                                          "finish_reason": None}]))
-                    if c.finish_reason:
-                        yield sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": c.finish_reason}]))
+                ended = set()
+                async for batch in run.updates():
+                    for c, (piece, n_lp) in batch.items():
+                        if c.index in ended:
+                            continue
+                        lp = c.chat_logprobs(len(c.logprobs) - n_lp) if logprobs is not None and n_lp else None
+                        if piece or lp:
+                            yield sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                              "finish_reason": None}]))
+                        if c.finish_reason:
+                            ended.add(c.index)
+                            yield sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                              "finish_reason": c.finish_reason}]))
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse(chunk([], usage=usage([ids], run.choices)))
             return stream_response(gen(), run)
 
         try:
-            async for _ in run.events(request):
+            async for _ in run.updates(request):
                 pass
         finally:
             run.cancel()
