@@ -33,7 +33,7 @@ class Config:
         for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[name]:
-                raise UserError(f"config: {name} must be an integer in [1, {LIMITS[name]:,}], got {value!r:.60}")
+                raise UserError(f"config: {name} must be a positive integer <= {LIMITS[name]:,}, got {value!r:.60}")
         if self.dim % self.n_heads:
             raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
