@@ -51,7 +51,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")   # a plain file nam
 
 
 # ---- finiteness ---------------------------------------------------------------------------------
-def check_finite(tensors: dict[str, np.ndarray], what: str) -> None:
+def check_finite(tensors: dict[str, np.ndarray], what: str, hint: str = "") -> None:
     """Refuse (UserError) if any tensor holds NaN or inf; names the first such tensor and the count.
 
         check_finite({"a": np.ones(2)}, "weights")            # passes
@@ -66,8 +66,7 @@ def check_finite(tensors: dict[str, np.ndarray], what: str) -> None:
     if bad:
         name, n = bad[0]
         more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
-        raise UserError(f"{what}: tensor {name} has {n} non-finite value(s) (NaN/inf){more}; the training "
-                        f"diverged (try a lower --lr)")
+        raise UserError(f"{what}: tensor {name} has {n} non-finite value(s) (NaN/inf){more}{hint}")
 
 
 # ---- the journal --------------------------------------------------------------------------------
@@ -236,7 +235,8 @@ def tensors_writer(tensors: dict[str, np.ndarray], metadata: dict[str, str] | No
     """A writer for a safetensors file; refuses (now, before anything is written) non-finite tensors
     unless allow_nonfinite (for files where NaN is a marker, such as DPO's not-yet-drawn log-probs)."""
     if not allow_nonfinite:
-        check_finite(tensors, what)
+        check_finite(tensors, what, "; the training diverged: nothing was written, the previous checkpoint is "
+                                    "intact (try a lower --lr)")
     def write(path: Path) -> None:
         from safetensors.numpy import save
         data = save({n: np.ascontiguousarray(a) for n, a in tensors.items()}, metadata)
@@ -305,7 +305,7 @@ def load_model(run_dir, read_only: bool = False) -> tuple[Config, dict[str, np.n
     params = read_tensors(member(run_dir, "model.safetensors", journal), "checkpoint weights")
     try:
         check_params(config, params)
-        check_finite(params, "weights")
+        check_finite(params, "weights", "; this checkpoint cannot be used (retrain, or resume from an earlier copy)")
     except UserError as e:
         raise UserError(f"checkpoint {run_dir}: {e}") from None
     return config, params

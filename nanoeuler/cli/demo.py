@@ -54,8 +54,8 @@ def run(args) -> int:
     trainer_json = out / "trainer.json"
     resume = trainer_json.exists()
     if resume:
-        import json
-        done = json.loads(trainer_json.read_text())["step"] >= steps
+        from ..checkpoint import check_trainer_state, read_json
+        done = check_trainer_state(read_json(trainer_json, "resume state"), trainer_json)["step"] >= steps
         model, tok = Model.load(out), load_tokenizer(out)
     else:
         done = False
