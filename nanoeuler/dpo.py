@@ -128,11 +128,12 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
         logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
         return logps, ("reference", cfg1, P1, model_cache, lp_cache)
     from . import fast
+    from .model import head_weight
     B, T = inputs.shape
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
     fast.engine.forward(cfg, P, inputs, ws)                              # ws.hf: final normed state [B·T, d]
-    logits = (ws.hf @ P["heads.0.weight"].T).reshape(B, T, -1)           # [B, T, V]
+    logits = (ws.hf @ head_weight(P, 0).T).reshape(B, T, -1)             # [B, T, V] (gpt2: the tied embedding)
     logps, lp_cache = response_logprobs_forward(logits, targets, mask)
     return logps, ("fast", cfg, P, inputs, ws, lp_cache)
 
@@ -145,12 +146,15 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
         dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
         return backward(cfg1, P1, dlogits[None], model_cache)
     from . import fast
+    from .model import head_weight
     _, cfg, P, inputs, ws, lp_cache = cache
     dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
     grads = fast.grad_buffers(cfg, ws.hf.dtype)
-    W0 = P["heads.0.weight"]
-    np.matmul(dlogits.T, ws.hf, out=grads["heads.0.weight"])  # [V, d]
-    fast.engine.announce(["heads.0.weight"], grads)          # final: a data-parallel run may send it now
+    W0 = head_weight(P, 0)
+    head0 = "heads.0.weight" if "heads.0.weight" in P else "embed.weight"  # arch gpt2: tied to the embedding
+    np.matmul(dlogits.T, ws.hf, out=grads[head0])             # [V, d]
+    if head0 == "heads.0.weight":
+        fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
     np.matmul(dlogits, W0, out=ws.dh)                         # gradient of the final normed state [B·T, d]
     fast.engine.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return {n: grads[n] for n in trained_params(cfg, P)}

@@ -83,3 +83,21 @@ def test_fast_loss_and_every_gradient_match_reference(dtype, dropout, monkeypatc
     # a second step on the same workspace gives the same result (no state left behind)
     h0b, _, grads_b = m.loss_and_grads(tokens, mask, dropout=drop)
     assert h0b == h0 and all(np.array_equal(grads_b[n], grads[n]) for n in grads)
+
+
+def test_dpo_sequence_logprobs_fast_equals_reference_on_gpt2():
+    """DPO's head-0 log-probs and their gradient run on the fast engine for arch gpt2 too (tied head)."""
+    from nanoeuler import dpo
+    m = _model(np.float64, seed=3)
+    rng = np.random.default_rng(5)
+    inputs = rng.integers(0, CFG.vocab_size, (3, 10))
+    targets = rng.integers(0, CFG.vocab_size, (3, 10))
+    mask = rng.random((3, 10)) > 0.4
+    dl = rng.standard_normal(3)
+    ref, rc = dpo.sequence_logprobs_forward(CFG, m.params, inputs, targets, mask)
+    fast, fc = dpo.sequence_logprobs_forward(CFG, m.params, inputs, targets, mask, dpo.Workspaces(CFG, np.float64))
+    assert rel(fast, ref) < 1e-12
+    gr, gf = dpo.sequence_logprobs_backward(dl, rc), dpo.sequence_logprobs_backward(dl, fc)
+    assert set(gr) == set(gf) == set(dpo.trained_params(CFG, m.params)) and "heads.1.weight" not in gf
+    bad = {n: rel(gf[n], gr[n]) for n in gr if not (rel(gf[n], gr[n]) < 1e-11 or n.endswith("attn.wk.bias"))}
+    assert not bad, bad

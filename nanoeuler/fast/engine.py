@@ -330,6 +330,9 @@ def _announce_part(w, names, grads) -> None:
 def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
+    if cfg.arch == "gpt2":
+        from . import gpt2
+        return gpt2.forward(cfg, params, inputs, ws, dropout)
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
@@ -359,7 +362,11 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
 
 def backward(cfg: Config, params: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
-    except the heads'. ids int [B·T]; dropout: the one `forward` ran with."""
+    except the heads'. ids int [B·T]; dropout: the one `forward` ran with.
+    arch gpt2: the tied head's share must already be in grads["embed.weight"] (the lookup's is added)."""
+    if cfg.arch == "gpt2":
+        from . import gpt2
+        return gpt2.backward(cfg, params, ids, ws, grads, dropout)
     _in_parts(_backward_part, cfg, params, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
     if len(ws.parts) > 1:

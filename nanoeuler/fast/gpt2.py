@@ -14,8 +14,10 @@ what differs:
   gradient is the sum over the part's sequences (`position_backward`);
 - the MLP keeps its pre-activation f = fc(h) + b in ws.FC and gelu(f) in ws.S (the input of proj);
   `gelu_backward` turns dgelu into df in place;
-- head 0 is the token embedding: its weight gradient is written straight into grads["embed.weight"],
-  and the lookup's gradient is added to it (`embedding_backward_add`); heads 1..K-1 as in engine.py.
+- head 0 is the token embedding: its weight gradient is written straight into grads["embed.weight"]
+  (the parts' shares summed by `heads`), and `backward` adds the lookup's gradient to it
+  (`embedding_backward_add`; DPO writes the head's share itself, then calls `backward`); heads 1..K-1
+  as in engine.py.
 
 GELU-tanh through the sigmoid: ½·x·(1 + tanh(u)) = x·σ(2u), and 1 − tanh²(u) = 4·σ(2u)·(1 − σ(2u)), so
 
@@ -273,7 +275,10 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         _set(grads, p + "attn_norm.bias", w.db)
         engine._announce_part(w, [n for n in grads if n.startswith(p)], grads)
     position_backward(dx, ws.T, grads["pos_embed.weight"])
-    embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    if w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
+        embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    else:             # another part's own buffer: its lookup share only, summed into the caller's by `backward`
+        K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
     engine._announce_part(w, ["pos_embed.weight", "embed.weight"], grads)
 
 
@@ -296,8 +301,8 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws, grads: dict | None, cou
     scales = [ws.logits.dtype.type(1.0 / (n * Kh) if n else 0.0) for n in counts]
     sums = np.zeros((Kh, len(ws.parts)))
     engine._in_parts(_heads_part, cfg, P, ws, grads, targets, scales, sums)
-    if grads is not None:
-        engine._sum_part_grads(ws, grads, [f"heads.{k}.weight" for k in range(1, Kh)])
+    if grads is not None:  # embed.weight: the tied head's share, whole batch, before `backward` adds the lookup's
+        engine._sum_part_grads(ws, grads, ["embed.weight"] + [f"heads.{k}.weight" for k in range(1, Kh)])
         engine.announce([f"heads.{k}.weight" for k in range(1, Kh)], grads)
     losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]
     return losses, sum(losses) / Kh
