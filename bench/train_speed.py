@@ -19,6 +19,7 @@ All engines use 2 threads.
 
     python bench/train_speed.py                         # small B=32 T=128 and big B=16 T=256, 10 steps
     python bench/train_speed.py --presets big --steps 20 --json
+    python bench/train_speed.py --presets gpt2 --steps 3 --warmup 1   # GPT-2 124M (arch gpt2), B=4 T=256
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {"small": (32, 128), "big": (16, 256)}
+SHAPES = {"small": (32, 128), "big": (16, 256), "gpt2": (4, 256)}  # gpt2: the 124 M GPT-2 fine-tuning step
+DEFAULT_PRESETS = ["small", "big"]
 ENGINES = ("ours", "eager", "compile")
 THREADS = 2
 
@@ -92,6 +94,8 @@ def torch_model(cfg, params):
     """The SPEC model written the way a PyTorch user would: fused SDPA with GQA, F.rms_norm, F.silu."""
     import torch
     import torch.nn.functional as F
+    if cfg.arch == "gpt2":
+        return torch_gpt2_model(cfg, params)
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -162,6 +166,69 @@ def torch_model(cfg, params):
     for k, head in enumerate(model.heads):
         names[f"heads.{k}.weight"] = head.weight
     with torch.no_grad():
+        for name, t in names.items():
+            t.copy_(torch.from_numpy(params[name]))
+    return model
+
+
+def torch_gpt2_model(cfg, params):
+    """GPT-2 (arch gpt2) as nanoGPT writes it: nn.Linear with biases, F.layer_norm, fused causal SDPA,
+    F.gelu(approximate="tanh"), learned positions, the head tied to the token embedding."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            d, F_ = cfg.dim, cfg.ffn_hidden
+            self.ln_1, self.ln_2 = torch.nn.LayerNorm(d, eps=cfg.norm_eps), torch.nn.LayerNorm(d, eps=cfg.norm_eps)
+            self.c_attn = torch.nn.Linear(d, 3 * d)
+            self.c_proj = torch.nn.Linear(d, d)
+            self.c_fc = torch.nn.Linear(d, F_)
+            self.mlp_proj = torch.nn.Linear(F_, d)
+
+        def forward(self, x):
+            B, T, d = x.shape
+            H, hd = cfg.n_heads, cfg.head_dim
+            q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(a.transpose(1, 2).reshape(B, T, d))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT2(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.wpe = torch.nn.Embedding(cfg.ctx_len, cfg.dim)
+            self.h = torch.nn.ModuleList([Block() for _ in range(cfg.n_layers)])
+            self.ln_f = torch.nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+        def forward(self, tokens):
+            T = tokens.shape[1] - 1
+            x = self.wte(tokens[:, :T]) + self.wpe(torch.arange(T))
+            for blk in self.h:
+                x = blk(x)
+            logits = self.ln_f(x) @ self.wte.weight.T                          # tied head
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            return loss, loss
+
+    assert cfg.n_mtp == 1 and cfg.n_kv_heads == cfg.n_heads
+    model = GPT2()
+    names = {"embed.weight": model.wte.weight, "pos_embed.weight": model.wpe.weight,
+             "norm.weight": model.ln_f.weight, "norm.bias": model.ln_f.bias}
+    with torch.no_grad():
+        for i, blk in enumerate(model.h):
+            p = f"layers.{i}."
+            blk.c_attn.weight.copy_(torch.from_numpy(
+                __import__("numpy").concatenate([params[p + f"attn.w{x}.weight"] for x in "qkv"])))
+            blk.c_attn.bias.copy_(torch.from_numpy(
+                __import__("numpy").concatenate([params[p + f"attn.w{x}.bias"] for x in "qkv"])))
+            names |= {p + "attn_norm.weight": blk.ln_1.weight, p + "attn_norm.bias": blk.ln_1.bias,
+                      p + "ffn_norm.weight": blk.ln_2.weight, p + "ffn_norm.bias": blk.ln_2.bias,
+                      p + "attn.wo.weight": blk.c_proj.weight, p + "attn.wo.bias": blk.c_proj.bias,
+                      p + "ffn.fc.weight": blk.c_fc.weight, p + "ffn.fc.bias": blk.c_fc.bias,
+                      p + "ffn.proj.weight": blk.mlp_proj.weight, p + "ffn.proj.bias": blk.mlp_proj.bias}
         for name, t in names.items():
             t.copy_(torch.from_numpy(params[name]))
     return model
@@ -285,7 +352,7 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=list(SHAPES))
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
