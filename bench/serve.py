@@ -7,7 +7,9 @@ prompts, all starting together. Reported per level:
 
     tok/s     aggregate completion tokens per second (all tokens / the level's wall time)
     ttft      time to first token, p50 / p99 (request sent -> first text chunk)
-    itl       per-token latency, p50 / p99 (gap between successive tokens of one stream)
+    tpot      per-token latency of a stream, p50 / p99 over streams: (last token - first token) / (tokens - 1)
+    itl       gap between successive chunks of one stream, p50 / p99 (a chunk holds every token that arrived
+              while the server was busy writing the previous ones, so under load a chunk can carry several)
     errors    failed or incomplete streams (no [DONE], fewer tokens than asked); 429s are counted apart
 
 `x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
@@ -94,8 +96,9 @@ async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dic
     except Exception as e:  # noqa: BLE001  (a broken connection is an error of the level, not of the bench)
         return {"status": status, "ok": False, "error": repr(e)}
     ok = done and n_tokens == tokens
+    tpot = (stamps[-1] - stamps[0]) / (n_tokens - 1) if len(stamps) > 1 and n_tokens > 1 else None
     return {"status": status, "ok": ok, "tokens": n_tokens, "ttft": stamps[0] - t0 if stamps else None,
-            "gaps": list(np.diff(stamps)), "t_end": time.perf_counter()}
+            "gaps": list(np.diff(stamps)), "tpot": tpot, "t_end": time.perf_counter()}
 
 
 async def level(url: str, clients: int, requests: int, tokens: int, prompts: list[str], timeout: float) -> dict:
@@ -112,11 +115,13 @@ async def level(url: str, clients: int, requests: int, tokens: int, prompts: lis
     good = [r for r in results if r["ok"]]
     ttft = [r["ttft"] for r in good if r["ttft"] is not None]
     gaps = [g for r in good for g in r["gaps"]]
+    tpot = [r["tpot"] for r in good if r["tpot"] is not None]
     pct = (lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else float("nan"))
     return {"clients": clients, "requests": len(results), "tokens": sum(r.get("tokens", 0) for r in good),
             "wall_s": wall, "tok_s": sum(r.get("tokens", 0) for r in good) / wall,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "itl_p50_ms": pct(gaps, 50), "itl_p99_ms": pct(gaps, 99),
+            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
             "errors": sum(1 for r in results if not r["ok"] and r.get("status") != 429),
             "rejected_429": sum(1 for r in results if r.get("status") == 429),
             "error_examples": [{k: r.get(k) for k in ("status", "error", "tokens")}
@@ -170,12 +175,12 @@ def main() -> int:
           f"{args.tokens} tokens x {args.requests} request(s) per client")
     for name, rows in report["models"].items():
         print(f"\n{name}")
-        print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'itl p50':>8} {'p99':>8} "
-              f"{'errors':>7} {'429':>5}")
+        print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'tpot p50':>9} {'p99':>8} "
+              f"{'itl p50':>8} {'p99':>8} {'errors':>7} {'429':>5}")
         for r in rows:
             print(f"{r['clients']:>8} {r['tok_s']:>8.1f} {r['x1'] or 0:>6.2f} {r['ttft_p50_ms']:>7.0f}ms "
-                  f"{r['ttft_p99_ms']:>6.0f}ms {r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms "
-                  f"{r['errors']:>7} {r['rejected_429']:>5}")
+                  f"{r['ttft_p99_ms']:>6.0f}ms {r['tpot_p50_ms']:>7.1f}ms {r['tpot_p99_ms']:>6.1f}ms "
+                  f"{r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms {r['errors']:>7} {r['rejected_429']:>5}")
             for e in r["error_examples"]:
                 print(f"{'':>8} error: {e}")
     return 0
