@@ -283,8 +283,15 @@ def affine_backward(dy, cache, grads: dict, name: str, ops=reference_ops):
     return dx
 
 
+GPT2_OPS = ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "bias_forward",
+            "bias_backward", "position_forward", "position_backward")
+
+
 def gpt2_forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout=None):
     """arch gpt2: inputs int [B, T] -> (logits [K, B, T, V], caches). Dropout sites as in `forward`."""
+    missing = [f for f in GPT2_OPS if not hasattr(ops, f)]
+    if missing:  # e.g. the GPU backend, which has no LayerNorm / GELU / bias / position kernels yet
+        raise UserError(f"arch gpt2 cannot run on this backend (no {', '.join(missing)}); use --device cpu")
     B, T = inputs.shape
     dtype = P["embed.weight"].dtype
     x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]

@@ -80,3 +80,14 @@ def test_info_activation_count_matches_the_gpt2_caches():
     assert _kept_floats(caches, model.params) + logits.size == activation_floats(cfg, B, T)
     mem = training_memory(Config.preset("gpt2"), 4, 256)     # the 124M fine-tuning step of the benchmark
     assert mem["weights"] == 4 * 124_439_808 and mem["total"] < 4 * 2**30
+
+
+def test_backend_without_gpt2_kernels_is_a_user_error():
+    import types
+
+    from nanoeuler import model as M, ops
+    cfg = GPT2_CHECK_CONFIG
+    m = Model.init(cfg)
+    no_layernorm = types.SimpleNamespace(**{n: getattr(ops, n) for n in ops.__all__ if not n.startswith("layernorm")})
+    with pytest.raises(UserError, match="arch gpt2 cannot run on this backend .no layernorm_forward"):
+        M.forward(cfg, m.params, np.zeros((1, 4), dtype=np.int64), ops=no_layernorm)
