@@ -259,7 +259,7 @@ def test_ten_adamw_steps_match_torch(folder):
         theirs.append(tl.item())
     errs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     assert max(errs) <= 1e-5, (ours, theirs, errs)
-    assert theirs[-1] < theirs[0] - 0.5   # it is learning
+    assert theirs[-1] < theirs[0] - 0.3   # it is learning (6.05 -> 5.54 measured)
 
 
 def test_export_then_transformers_and_import_round_trip(folder, tmp_path):
@@ -400,3 +400,70 @@ def test_cli_import_sample_export_and_bad_input(folder, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "unknown arch 'gpt3'" in err
     assert main(["sample", "--ckpt", str(run), "--prompt", "x" * 200, "--max-new-tokens", "2"]) == 0  # a long prompt: the window keeps the last ctx tokens
+
+
+def measure(tmp: Path) -> dict:
+    """Every number the tests above bound, measured once (python tests/test_gpt2_torch.py prints them)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Tokenizer
+
+    from nanoeuler.optim import AdamW
+    tf = tmp / "tok"
+    tf.mkdir()
+    t = ByteLevelBPETokenizer(add_prefix_space=False)
+    t.train_from_iterator([corpus_text(400_000)], vocab_size=420, min_frequency=2, special_tokens=[EOT],
+                          show_progress=False)
+    t.save_model(str(tf))
+    folder = save_folder(make_hf_model(tf), tf, tmp / "hf")
+    out = {}
+    cfg, params, tok = load_gpt2_folder(folder)
+    _, perm = read_gpt2_tokenizer(folder, cfg.vocab_size, vocab_of(folder)[EOT])
+    text = corpus_text(2_000_000)
+    ours_ids = np.asarray(perm)[tok.encode_array(text)]
+    out["tokenizer_equal_tokens"] = (ours_ids.tolist() == GPT2Tokenizer.from_pretrained(str(folder))(text)["input_ids"],
+                                     len(ours_ids))
+    m = make_hf_model_from(folder)
+    hf_ids = hf_tokens(cfg.vocab_size, 1, B=2, T=cfg.ctx_len - 1)[:, :cfg.ctx_len]
+    with torch.no_grad():
+        theirs = m(input_ids=torch.as_tensor(hf_ids)).logits.numpy()[..., np.asarray(perm)]
+    out["logits_rel_f32"] = rel_err(Model(cfg, params).logits(to_ours(hf_ids, perm))[0], theirs)
+    for dtype, tdt in ((np.float32, torch.float32), (np.float64, torch.float64)):
+        m = make_hf_model_from(folder, tdt)
+        model = Model(cfg, {n: p.astype(dtype) for n, p in params.items()})
+        ids = hf_tokens(cfg.vocab_size, 2)
+        loss, _, grads = model.loss_and_grads(to_ours(ids, perm))
+        tl = torch_loss(m, ids)
+        tl.backward()
+        tg = torch_grads_as_ours(m, cfg, perm)
+        errs = {n: rel_err(grads[n], tg[n]) for n in grads if not n.endswith("attn.wk.bias")}
+        worst = max(errs, key=errs.get)
+        out[f"loss_rel_{np.dtype(dtype).name}"] = abs(loss - tl.item()) / abs(tl.item())
+        out[f"max_grad_rel_{np.dtype(dtype).name}"] = (errs[worst], worst)
+        out[f"wk_bias_abs_{np.dtype(dtype).name}"] = max(float(np.abs(grads[n]).max()) for n in grads if n.endswith("wk.bias"))
+    m = make_hf_model_from(folder).train()
+    model = Model(cfg, params)
+    opt = AdamW(model.params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ps = list(m.parameters())
+    topt = torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ids = np.array(GPT2Tokenizer.from_pretrained(str(folder))(corpus_text(5000))["input_ids"][:68]).reshape(4, 17)
+    losses = []
+    for _ in range(10):
+        loss, _, grads = model.loss_and_grads(to_ours(ids, perm))
+        opt.step(model.params, grads)
+        topt.zero_grad()
+        tl = torch_loss(m, ids)
+        tl.backward()
+        topt.step()
+        losses.append((loss, tl.item()))
+    out["adamw_10_losses_ours_torch"] = [(round(a, 6), round(b, 6)) for a, b in losses]
+    out["adamw_max_rel"] = max(abs(a - b) / abs(b) for a, b in losses)
+    return out
+
+
+if __name__ == "__main__":
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        for k, v in measure(Path(d)).items():
+            print(f"{k:28s} {v}")
