@@ -10,7 +10,8 @@ parity  - transformers (HF export, float32): logits max relative error on a held
 speed   - greedy decoding of --new-tokens tokens after the same prompt, --threads threads each: our KV-cache
           decoding (nanoeuler.generate, mode "cache", float32) against llama.cpp on the f32 and f16 GGUF,
           back to back, --repeat times; tokens/s of the decode phase (the prompt's prefill excluded), median.
-          `ratio` = ours / llama.cpp (>= 1.0: we are at least as fast).
+          `ratio` = ours / llama.cpp (>= 1.0: we are at least as fast). llama.cpp is also run with 1 thread:
+          its threads spin-wait for each other, which collapses on a machine busier than its cores.
 
     .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
@@ -24,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# this file is named llama_cpp.py: take bench/ off the path so that `import llama_cpp` finds the package
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 
@@ -95,9 +98,10 @@ def parity(run: str, tmp: Path, per_work: int) -> dict:
 
     for dtype in ("f32", "f16", "q8_0"):
         path = export_gguf(m, tok, tmp / f"m-{dtype}.gguf", dtype, force=True, progress=False)
-        g, _ = LlamaCpp(path, n_ctx=T).greedy(prompt, 64)
+        kv_f32 = dtype == "f32"  # f16 / q8_0 run as llama.cpp runs them by default (f16 KV cache)
+        g, _ = LlamaCpp(path, n_ctx=T, kv_f32=kv_f32).greedy(prompt, 64)
         same = [a == b for a, b in zip(g, ours_greedy)]
-        lc = LlamaCpp(path, n_ctx=T, logits_all=True)
+        lc = LlamaCpp(path, n_ctx=T, logits_all=True, kv_f32=kv_f32)
         lc_nll = [nll_sum(lc.logits(w[:T]), np.array(w[1:])) for w, _ in windows]
         res[f"llama.cpp {dtype}"] = {
             "greedy64_same_positions": sum(same), "first_difference": same.index(False) if False in same else None,
@@ -121,9 +125,12 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     T = m.config.ctx_len
     prompt = tok.encode("HAMLET.\nTo be, or not to be, that is the question:\n")[:32]
     n = min(new_tokens, T - len(prompt))
-    engines = {dt: LlamaCpp(export_gguf(m, tok, tmp / f"s-{dt}.gguf", dt, force=True, progress=False), n_ctx=T,
-                            threads=threads) for dt in ("f32", "f16")}
-    rows = {"ours f32": [], "llama.cpp f32": [], "llama.cpp f16": []}
+    files = {dt: export_gguf(m, tok, tmp / f"s-{dt}.gguf", dt, force=True, progress=False) for dt in ("f32", "f16")}
+    # llama.cpp's threads wait for each other by spinning: on a machine with more runnable processes than
+    # cores a preempted thread stalls the rest, so 1 thread is measured too (the name says which)
+    engines = {f"{dt}" + ("" if th == threads else f" {th}t"): LlamaCpp(files[dt], n_ctx=T, threads=th, kv_f32=dt == "f32")
+               for th in sorted({threads, 1}, reverse=True) for dt in ("f32", "f16")}
+    rows = {"ours f32": [], **{f"llama.cpp {k}": [] for k in engines}}
     generate(m, prompt, max_new_tokens=4, temperature=0)  # warm-up (numba, caches)
     for e in engines.values():
         e.greedy(prompt, 4)
@@ -138,7 +145,9 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     med = {k: float(np.median(v)) for k, v in rows.items()}
     return {"run": run, "new_tokens": n, "threads": threads, "tokens_per_s": med,
             "ratio_vs_f32": med["ours f32"] / med["llama.cpp f32"],
-            "ratio_vs_f16": med["ours f32"] / med["llama.cpp f16"]}
+            "ratio_vs_f16": med["ours f32"] / med["llama.cpp f16"],
+            "ratio_vs_f32_1t": med["ours f32"] / med.get("llama.cpp f32 1t", med["llama.cpp f32"]),
+            "ratio_vs_f16_1t": med["ours f32"] / med.get("llama.cpp f16 1t", med["llama.cpp f16"])}
 
 
 def main() -> None:
@@ -177,7 +186,8 @@ def main() -> None:
         tps = s["tokens_per_s"]
         print(f"{s['run']}: {s['new_tokens']} greedy tokens, {s['threads']} threads: "
               + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items())
-              + f"; ours/llama.cpp f32 {s['ratio_vs_f32']:.2f}x, f16 {s['ratio_vs_f16']:.2f}x")
+              + f"; ours/llama.cpp f32 {s['ratio_vs_f32']:.2f}x, f16 {s['ratio_vs_f16']:.2f}x"
+              + f" (vs llama.cpp 1 thread: f32 {s['ratio_vs_f32_1t']:.2f}x, f16 {s['ratio_vs_f16_1t']:.2f}x)")
     print(f"load average {out['load_average']} -> {out['load_average_end']}")
 
 
