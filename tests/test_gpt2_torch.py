@@ -283,6 +283,12 @@ def test_export_then_transformers_and_import_round_trip(folder, tmp_path):
     cfg2, params2, tok2 = load_gpt2_folder(out)
     assert cfg2 == cfg and tok2.merges == tok.merges and tok2.eos_token == tok.eos_token
     assert all(np.array_equal(params2[n], params[n]) for n in params)
+    # a folder with tokenizer.json only (no vocab.json / merges.txt) imports the same
+    (out / "vocab.json").unlink()
+    (out / "merges.txt").unlink()
+    cfg3, params3, tok3 = load_gpt2_folder(out)
+    assert tok3.merges == tok.merges and tok3.special_tokens == tok.special_tokens
+    assert all(np.array_equal(params3[n], params[n]) for n in params)
 
 
 # ------------------------------------------------------------------------------ bad folders
