@@ -129,8 +129,10 @@ class Config:
             d = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise UserError(f"config: {path} not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"config: {path} is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:   # bad UTF-8 or JSON, or nested too deep
+            raise UserError(f"config: {path} is not valid JSON ({str(e)[:120]})") from None
+        except IsADirectoryError:
+            raise UserError(f"config: {path} is a directory, not a config.json") from None
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:

@@ -184,7 +184,7 @@ def read_manifest(data_dir: str | Path) -> dict:
         raise UserError(f"data directory {data_dir} is {'empty' if empty else 'missing manifest.json'}; {hint}")
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:     # ValueError: bad JSON or UTF-8
         raise UserError(f"{path} is not valid JSON ({e}); re-run `nanoeuler prepare`") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise UserError(f"{path}: not a nanoeuler token-shard manifest (format {FORMAT!r} expected)")
@@ -415,7 +415,7 @@ def _json_text(record, where: str, text_field: str) -> str:
 def _load_json_records(path: Path) -> list:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:          # bad UTF-8 or JSON, or nested too deep
         raise UserError(f"{path}: not valid JSON ({e})") from None
     if isinstance(data, dict):
         data = [data]
@@ -458,7 +458,7 @@ def iter_documents(path: Path, text_field: str = "text") -> Iterator[Iterator[st
                 if line.strip():
                     try:
                         record = json.loads(line)
-                    except json.JSONDecodeError as e:
+                    except (ValueError, RecursionError) as e:
                         raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
                     yield iter((_normalise(_json_text(record, f"{path}:{lineno}", text_field)),))
     elif suffix == ".json":

@@ -47,7 +47,7 @@ def load_manifest(out_dir: Path) -> dict:
         return {"files": {}}
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); delete it to start over") from None
     m.setdefault("files", {})
     return m
@@ -324,7 +324,7 @@ def fetch_alpaca(out_dir: str | Path, url: str = ALPACA_URL, sha256: str | None 
     manifest["files"][raw.name] = {k: info[k] for k in ("url", "bytes", "sha256")}
     try:
         records = json.loads(raw.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise UserError(f"{raw} (from {url}) is not valid JSON ({e}); delete it and check --url") from None
     good, bad = validate_alpaca(records)
     if not good:

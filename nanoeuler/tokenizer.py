@@ -471,7 +471,7 @@ class Tokenizer:
             d = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise UserError(f"tokenizer file not found: {path}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:   # bad UTF-8 or JSON, or nested too deep
             raise UserError(f"{path} is not valid JSON ({e}); is it a tokenizer.json?") from None
         try:
             return cls.from_dict(d)

@@ -384,3 +384,25 @@ def test_no_traceback_ever(monkeypatch, capsys):
     monkeypatch.setattr("nanoeuler.cli.info.run", lambda args: {}["boom"])
     line = one_line_error(["info", "small"], capsys)
     assert "internal error KeyError" in line
+
+
+def test_deeply_nested_or_binary_json_is_one_line(run_dir, tmp_path, tok, text_file, capsys):
+    """json.loads raises RecursionError on '[[[[...' and UnicodeDecodeError on binary junk: both one line."""
+    import shutil
+    from nanoeuler.shards import TokenShards, prepare
+    prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    for junk in (b"[" * 200_000, b"\xff\xfe\x00garbage", b""):
+        for path in (run / "config.json", run / "tokenizer.json", tmp_path / "d" / "manifest.json"):
+            saved = path.read_bytes()
+            path.write_bytes(junk)
+            if path.name == "manifest.json":
+                with pytest.raises(UserError):
+                    TokenShards(tmp_path / "d", "train")
+            else:
+                one_line_error(["sample", "--ckpt", run, "--prompt", "a"], capsys)
+            path.write_bytes(saved)
+        (run / "trainer.json").write_bytes(junk)
+        with pytest.raises(UserError):
+            ckpt.check_trainer_state(ckpt.read_json(run / "trainer.json", "resume state"))

@@ -2,6 +2,7 @@
 a valid file, mutated by hypothesis (a field replaced by any JSON value, deleted, added; nested too),
 must load or raise UserError — never another exception, never an allocation over a bound."""
 import json
+import os
 import shutil
 import tracemalloc
 
@@ -21,7 +22,9 @@ from nanoeuler.shards import TokenShards, prepare
 from nanoeuler.tokenizer import Tokenizer
 
 ALLOC_BOUND = 256 << 20        # bytes: no mutated file may make a loader allocate more than this
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+# NANOEULER_FUZZ_EXAMPLES=2000 for a longer run (and NANOEULER_FUZZ_RANDOM=1 for fresh examples each time)
+FUZZ = settings(max_examples=int(os.environ.get("NANOEULER_FUZZ_EXAMPLES", "120")), deadline=None,
+                derandomize=os.environ.get("NANOEULER_FUZZ_RANDOM") != "1",
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 scalars = st.one_of(
@@ -160,6 +163,33 @@ def test_fuzz_tokenizer_json(tok, tmp_path_factory, data):
         ids = t.encode("To be, or not to be: 42 \u00e9\U0001f600\n")
         assert t.decode(ids) == "To be, or not to be: 42 \u00e9\U0001f600\n"
     _bounded(load)
+
+
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["config.json", "tokenizer.json", "manifest.json"]))
+def test_fuzz_file_bytes(run_dir, data_dir, tmp_path_factory, data, which):
+    """Byte-level damage (truncation, flipped bytes, junk, invalid UTF-8) of each file: UserError or success."""
+    src = data_dir if which == "manifest.json" else run_dir
+    d = tmp_path_factory.mktemp("b") / "d"
+    shutil.copytree(src, d)
+    raw = (d / which).read_bytes()
+    cut = data.draw(st.integers(0, len(raw)))
+    junk = data.draw(st.binary(max_size=16))
+    at = data.draw(st.integers(0, max(0, len(raw) - 1)))
+    mode = data.draw(st.sampled_from(["truncate", "flip", "insert"]))
+    if mode == "truncate":
+        raw = raw[:cut]
+    elif mode == "flip":
+        raw = raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:] if raw else raw
+    else:
+        raw = raw[:at] + junk + raw[at:]
+    (d / which).write_bytes(raw)
+    if which == "manifest.json":
+        _bounded(lambda: (TokenShards(d, "train"), TokenShards(d, "val")))
+    elif which == "tokenizer.json":
+        _bounded(lambda: Tokenizer.load(d / which).encode("To be, or not"))
+    else:
+        _bounded(lambda: Model.load(d, read_only=True))
 
 
 def test_fuzz_mutations_reach_both_outcomes(tok, tmp_path):
