@@ -269,3 +269,27 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():
     assert [ts.feed(b) for b in b"zab"] == ["z", "", ""] and ts.stopped and ts.flush() == ""
     ts = TextStream(ByteTok(), ["ab"])
     assert ts.feed(ord("a")) == "" and ts.flush() == "a"  # at the end, a held prefix is released
+
+
+def test_a_gpt2_arch_model_with_a_gpt2_style_tokenizer():
+    """An imported-style checkpoint: arch gpt2 (learned positions, LayerNorm, biases) and <|endoftext|> as
+    the end token instead of </s>. Greedy completions and chat equal `generate` on the same ids."""
+    from nanoeuler import Config, Model
+    from nanoeuler.corpus import bundled_works
+    from nanoeuler.serve.app import create_app
+    from nanoeuler.tokenizer import Tokenizer
+    tok = Tokenizer.train([bundled_works()["hamlet"][:8000]], 280, specials=("<|endoftext|>",), progress=False)
+    cfg = Config(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=128, ffn_hidden=64,
+                 n_mtp=1, arch="gpt2")
+    model = Model.init(cfg, seed=3)
+    end = tok.special_tokens["<|endoftext|>"]
+    with ServerThread(create_app(model, tok, "g")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="g", prompt=PROMPT, max_tokens=20, temperature=0)
+        ref = generate(model, tok.encode(PROMPT), 20, temperature=0, stop_ids=[end])
+        assert r.choices[0].text == tok.decode(ref.ids)
+        msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ho"}, {"role": "user", "content": "Ha"}]
+        c = client.chat.completions.create(model="g", messages=msgs, max_tokens=5, temperature=0)
+        ids = render(tok, "Hi")[0] + tok.encode("Ho") + [end] + render(tok, "Ha")[0]
+        assert c.choices[0].message.content == tok.decode(generate(model, ids, 5, temperature=0, stop_ids=[end]).ids)
+        assert httpx.get(srv.url + "/tokenizer_info").json()["eos_token"] == "<|endoftext|>"

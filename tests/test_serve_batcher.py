@@ -65,9 +65,13 @@ def prompts(n, seed=0, lengths=(1, 3, 7, 12, 24, 30)):
     return [[int(t) for t in rng.integers(0, CFG.vocab_size, lengths[i % len(lengths)])] for i in range(n)]
 
 
-@pytest.mark.parametrize("which", ["trained", "random"])
+GPT2 = Config(vocab_size=40, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=24, ffn_hidden=64, n_mtp=1,
+              arch="gpt2")
+
+
+@pytest.mark.parametrize("which", ["trained", "random", "gpt2"])
 def test_greedy_alone_equals_batched_equals_generate(trained, which):
-    model = trained if which == "trained" else Model.init(CFG, seed=5)
+    model = {"trained": trained, "random": Model.init(CFG, seed=5), "gpt2": Model.init(GPT2, seed=5)}[which]
     ps = prompts(6)
     specs = [dict(ids=p, max_tokens=40) for p in ps]  # 40 > ctx 24: every row's window jumps at least once
     batched, b = run_jobs(model, specs, max_batch=4, join_at=[0, 0, 3, 5, 9, 9])

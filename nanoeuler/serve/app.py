@@ -250,6 +250,12 @@ class Run:
             yield batch
 
 
+def end_token(tok) -> str | None:
+    """The tokenizer's end-of-text special token: </s> (ours), else <|endoftext|> (an imported GPT-2), else None."""
+    specials = getattr(tok, "special_tokens", {})
+    return next((s for s in ("</s>", "<|endoftext|>") if s in specials), None)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -268,6 +274,12 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     if tok.vocab_size != cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size}")
     batcher = Batcher(model, max_batch, max_queue)
+    eos_name = end_token(tok)
+    eos = tok.special_tokens[eos_name] if eos_name else None
+
+    def stop_ids(body) -> set:
+        """The ids that end a reply: the end-of-text token unless the request says ignore_eos."""
+        return set() if body.ignore_eos or eos is None else {eos}
     created = int(time.time())
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
@@ -339,7 +351,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         # below 0.01, logits / T overflow: such a temperature is greedy (as `sample` refuses 0 < T < 0.01)
         return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature if body.temperature >= 0.01 else 0.0,
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
-                    stop_ids=() if body.ignore_eos else (tok.eos_id,), logprobs=logprobs, echo=echo)
+                    stop_ids=tuple(stop_ids(body)), logprobs=logprobs, echo=echo)
 
     def usage(prompts, choices) -> dict:
         p = sum(len(ids) for ids in prompts)
@@ -382,7 +394,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
     @app.get("/tokenizer_info", dependencies=[Depends(auth)])
     async def tokenizer_info():
-        return {"eos_token": "</s>", "bos_token": None, "pad_token": "</s>", "model_max_length": cfg.ctx_len,
+        return {"eos_token": eos_name, "bos_token": None, "pad_token": eos_name, "model_max_length": cfg.ctx_len,
                 "vocab_size": tok.vocab_size}
 
     @app.post("/tokenize", dependencies=[Depends(auth)])
@@ -421,7 +433,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         run = Run(batcher, Dispatcher.of(app))
         for pi, ids in enumerate(prompts):
             for j in range(body.n):
-                c = Choice(len(run.choices), tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=False)
+                c = Choice(len(run.choices), tok, ids, stops, stop_ids(body), chat=False)
                 run.add(c, **job_args(body, ids, max_tokens, body.logprobs, body.echo, j))
         run.submit()
         rid, now = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
@@ -474,11 +486,11 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           min(chat_max_tokens, max_tokens_cap))
         check_limits(max_tokens, body.n)
-        ids, notes = render_chat(model, tok, body.messages, max_tokens)
+        ids, notes = render_chat(model, tok, body.messages, max_tokens, eos)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):
-            c = Choice(j, tok, ids, stops, set() if body.ignore_eos else {tok.eos_id}, chat=True)
+            c = Choice(j, tok, ids, stops, stop_ids(body), chat=True)
             run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
         run.submit()
         rid, now = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())

@@ -331,6 +331,7 @@ def decode_step(cfg, W: dict, kc: list, vc: list, cos: np.ndarray, sin: np.ndarr
                 pos: np.ndarray) -> np.ndarray:
     """One token for each of n rows: tokens int [n] at positions pos [n] (row r of the caches kc/vc holds
     positions 0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r].
+    W = generate.fuse_weights; arch "gpt2" (learned positions, LayerNorm, biases, GELU) as gpt2_cached.py.
 
     Attention of row r reads keys 0..pos[r]; the rest of the [0, max(pos)] block gets -inf scores:
 
@@ -338,31 +339,43 @@ def decode_step(cfg, W: dict, kc: list, vc: list, cos: np.ndarray, sin: np.ndarr
     """
     n = len(tokens)
     H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-    G = H // Hkv
-    rows = np.arange(n)
-    c, s = cos[pos][:, None], sin[pos][:, None]  # [n, 1, hd/2]
     Lk = int(pos.max()) + 1
     masked = np.arange(Lk)[None, :] > pos[:, None]  # [n, Lk]
     bias = np.where(masked, -np.inf, 0.0).astype(kc[0].dtype)[:, None, None, :]  # [n, 1, 1, Lk]
-    scale = kc[0].dtype.type(1.0 / np.sqrt(hd))
+    rows = np.arange(n)
+
+    def attend(i, qkv, rope):  # qkv [n, (H + 2·Hkv)·hd] -> attention output [n, H·hd]
+        q = qkv[:, :H * hd].reshape(n, H, hd)
+        k = qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd)
+        if rope is not None:
+            q, k = ops.rope_forward(q, *rope)[0], ops.rope_forward(k, *rope)[0]
+        kc[i][rows, :, pos] = k
+        vc[i][rows, :, pos] = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
+        K, V = kc[i][:n, :, :Lk], vc[i][:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
+        S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc[i].dtype.type(1.0 / np.sqrt(hd)) + bias
+        S -= S.max(axis=-1, keepdims=True)  # [n, Hkv, G, Lk]
+        P = np.exp(S)
+        P /= P.sum(axis=-1, keepdims=True)
+        return (P @ V).reshape(n, H * hd)  # [n, Hkv, G, hd] -> [n, H·hd]
+
+    if getattr(cfg, "arch", "euler") == "gpt2":
+        eps = cfg.norm_eps
+        x = W["embed"][tokens] + W["pos"][pos]  # [n, d]
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            h, _ = ops.layernorm_forward(x, *W[p + "attn_norm"], eps)
+            a = attend(i, batched_linear(h, W[p + "qkv"]) + W[p + "qkv.bias"], None)
+            x = x + batched_linear(a, W[p + "attn.wo"]) + W[p + "attn.wo.bias"]
+            h2, _ = ops.layernorm_forward(x, *W[p + "ffn_norm"], eps)
+            g, _ = ops.gelu_forward(batched_linear(h2, W[p + "ffn.fc"]) + W[p + "ffn.fc.bias"])  # [n, F]
+            x = x + batched_linear(g, W[p + "ffn.proj"]) + W[p + "ffn.proj.bias"]
+        return ops.layernorm_forward(x, *W["norm"], eps)[0]
+    rope = (cos[pos][:, None], sin[pos][:, None])  # [n, 1, hd/2]
     x = W["embed"][tokens]  # [n, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm"], cfg.norm_eps)
-        qkv = batched_linear(h, W[p + "qkv"])  # [n, (H + 2·Hkv)·hd]
-        q = qkv[:, :H * hd].reshape(n, H, hd)
-        k = qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd)
-        v = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
-        q, _ = ops.rope_forward(q, c, s)
-        k, _ = ops.rope_forward(k, c, s)
-        kc[i][rows, :, pos] = k
-        vc[i][rows, :, pos] = v
-        K, V = kc[i][:n, :, :Lk], vc[i][:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
-        S = (q.reshape(n, Hkv, G, hd) @ K.swapaxes(-1, -2)) * scale + bias  # [n, Hkv, G, Lk]
-        S -= S.max(axis=-1, keepdims=True)
-        P = np.exp(S)
-        P /= P.sum(axis=-1, keepdims=True)
-        a = (P @ V).reshape(n, H * hd)  # [n, Hkv, G, hd] -> [n, H·hd]
+        a = attend(i, batched_linear(h, W[p + "qkv"]), rope)  # [n, H·hd]
         x = x + batched_linear(a, W[p + "wo"])
         h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm"], cfg.norm_eps)
         gu = batched_linear(h2, W[p + "gate_up"])  # [n, 2F]

@@ -145,15 +145,16 @@ def chat_turns(messages: list[Message]) -> tuple[list[tuple[str, str]], str]:
     return turns, user
 
 
-def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[list[int], dict]:
+def render_chat(model, tok, messages: list[Message], max_tokens: int, eos: int | None) -> tuple[list[int], dict]:
     """The conversation as prompt ids, the way the `chat` REPL builds it -> (ids, notes), notes say what
-    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones)."""
+    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones). eos: the
+    end-of-text id closing each earlier turn."""
     from ..cli.chat import Chat
     from ..sft import render
     turns, last = chat_turns(messages)
     chat = Chat(model, tok, max_new_tokens=max(1, max_tokens))
-    eos = tok.eos_id
-    chat.turns = [render(tok, u)[0] + tok.encode(a) + [eos] for u, a in turns]
+    end = [] if eos is None else [eos]  # a tokenizer without an end-of-text token: turns simply follow
+    chat.turns = [render(tok, u)[0] + tok.encode(a) + end for u, a in turns]
     prompt = render(tok, last)[0]
     n_turns = len(chat.turns)
     ids = chat.context(prompt)
