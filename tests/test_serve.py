@@ -293,3 +293,31 @@ def test_a_gpt2_arch_model_with_a_gpt2_style_tokenizer():
         ids = render(tok, "Hi")[0] + tok.encode("Ho") + [end] + render(tok, "Ha")[0]
         assert c.choices[0].message.content == tok.decode(generate(model, ids, 5, temperature=0, stop_ids=[end]).ids)
         assert httpx.get(srv.url + "/tokenizer_info").json()["eos_token"] == "<|endoftext|>"
+
+
+def test_streams_never_split_a_character(ckpt):
+    """A random model samples raw byte tokens: multi-byte characters arrive split over several tokens. The
+    streamed pieces, joined, equal the one-shot decode of the same ids (a character cut between two chunks
+    would show up as extra U+FFFD), in the completions and the chat stream."""
+    from nanoeuler import Model
+    from nanoeuler.serve.app import create_app
+    d, trained, tok = ckpt
+    model = Model.init(trained.config, seed=11)
+    split_chars = 0
+    with ServerThread(create_app(model, tok, "r")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for seed in range(12):
+            chunks = [c.choices[0].text for c in client.completions.create(
+                model="r", prompt="é☃", max_tokens=40, temperature=1, seed=seed, stream=True, extra_body={"ignore_eos": True})]
+            ref = generate(model, tok.encode("é☃"), 40, temperature=1, seed=seed)
+            full = tok.decode(ref.ids)
+            assert "".join(chunks) == full
+            split_chars += sum(1 for ch in full if ord(ch) > 127 and ch != "\ufffd"
+                               and len(ch.encode()) > 1 and ch.encode() not in {tok.token_bytes(t) for t in ref.ids})
+        chat = client.chat.completions.create(model="r", messages=[{"role": "user", "content": "é"}], max_tokens=40,
+                                              temperature=1, seed=1, stream=True, extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        plain = client.chat.completions.create(model="r", messages=[{"role": "user", "content": "é"}], max_tokens=40,
+                                               temperature=1, seed=1, extra_body={"ignore_eos": True})
+        assert streamed == plain.choices[0].message.content
+    assert split_chars > 0  # the test saw characters whose bytes came in different tokens
