@@ -67,8 +67,11 @@ def run(args) -> int:
     if warning:
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
+    cache_mb = sum(k.nbytes + v.nbytes for k, v in zip(app.state.batcher.k, app.state.batcher.v)) / 2**20
     print(f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
           f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
+    print(f"  {args.max_batch} rows decoded together, KV cache up to {cache_mb:,.0f} MiB; up to {args.max_queue} "
+          f"requests wait, more get 429{'; API key required' if args.api_key else ''}", flush=True)
     run_server(app, sock, args.log_level)
     print("nanoeuler serve: stopped", flush=True)
     return 0
