@@ -53,3 +53,20 @@ def check_fits(cfg: Config, B: int, T: int, what: str = "a training step", limit
         raise UserError(f"{what} of batch {B:,} x ctx {T:,} needs about {need / 2**30:.1f} GiB, more than this "
                         f"machine's {limit / 2**30:.1f} GiB; use a smaller --batch-size (or --grad-accum) or context")
     return need
+
+
+def inference_memory(cfg: Config, batch: int = 1, bytes_per_float: int = 4) -> int:
+    """Bytes generation holds: the weights and a KV cache of ctx_len positions (keys and values per layer)."""
+    kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim
+    return (cfg.n_params() + kv) * bytes_per_float
+
+
+def check_inference_fits(cfg: Config, batch: int = 1, limit: int | None = None) -> int:
+    """Refuse (UserError) a model whose weights + full-context KV cache exceed `limit` (default: RAM)."""
+    from .errors import UserError
+    need = inference_memory(cfg, batch)
+    limit = physical_memory() if limit is None else limit
+    if limit and need > limit:
+        raise UserError(f"generating with this model (ctx_len {cfg.ctx_len:,}) needs about {need / 2**30:.1f} GiB "
+                        f"for its weights and KV cache, more than this machine's {limit / 2**30:.1f} GiB")
+    return need

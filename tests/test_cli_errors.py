@@ -188,6 +188,10 @@ def test_sizes_checked_before_allocating(tmp_path, capsys):
     assert check_fits(PRESETS["small"], 32, 128) < 1 << 30
     with pytest.raises(UserError, match="more than this machine's 1.0 GiB"):
         check_fits(PRESETS["big"], 64, 256, limit=1 << 30)
+    from nanoeuler.memory import check_inference_fits
+    check_inference_fits(PRESETS["gpt"])
+    with pytest.raises(UserError, match="KV cache"):
+        check_inference_fits(PRESETS["gpt"].replace(ctx_len=1 << 20), limit=8 << 30)
 
 
 # ---- every field of every file we read is type- and range-checked -------------------------------------

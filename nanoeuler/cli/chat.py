@@ -145,6 +145,8 @@ def run(args) -> int:
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    from ..memory import check_inference_fits
+    check_inference_fits(model.config)
     chat = Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
                 speculative=not args.no_speculative)
     interactive = sys.stdin.isatty()

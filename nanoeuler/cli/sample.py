@@ -96,6 +96,8 @@ def run(args) -> int:
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    from ..memory import check_inference_fits
+    check_inference_fits(model.config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = tok.encode(prompt)
     if not ids:
