@@ -1,14 +1,20 @@
-"""Benchmark generation: tokens/s of full recomputation vs KV cache vs self-speculative decoding (MTP drafts
-verified by head 0), side by side for each model, plus the draft acceptance rate.
+"""Benchmark generation: self-speculative decoding (MTP drafts verified by head 0) against plain KV-cache
+decoding, greedy and sampled, side by side for each model in one run, with the draft acceptance rate.
 
-Each model generates --new-tokens greedy tokens (no stop token) from the same prompt in the three modes;
-the speculative output is checked to equal the KV-cache output token for token. Speed is decode tokens/s
-(new tokens / time after the prompt's prefill), best of --repeat interleaved runs. Random-init weights are fine for
-the full-vs-cache comparison; the acceptance rate (and so the speculative speed-up) only means something
-for a trained model: pass one with --ckpt (its preset is read from the checkpoint).
+For each model, greedy (temperature 0) and sampled (--temperature, --top-k) decoding of --new-tokens tokens
+(no stop token) from the same prompt, plain ("cache") and "speculative" back to back, --repeat times with
+seeds 0..repeat-1 (sampled text differs per seed; both modes get the same seeds). Speed is decode tokens/s
+(new tokens / time after the prompt's prefill); `spec/plain` is the median over repeats of the ratio of the
+two back-to-back runs, and `cpu` the same comparison in the process's CPU time summed over the repeats:
+on a machine shared with others, where wall time mostly measures the scheduler, run with
+OPENBLAS_NUM_THREADS=1 and read `cpu` (the work done). Greedy speculative output is checked
+to equal plain greedy token for token (`same`). `drafts` is the share of rounds that verified drafts (the
+rest were plain steps: the planner's fallback); `accept` the share of verified drafts accepted.
+Random-init weights show the fallback (drafts never pay there); the speed-up needs a trained model: pass one
+with --ckpt (its preset is read from the checkpoint). --full adds the slow full-recomputation reference.
 
-    .venv/bin/python bench/generate.py                                   # small and big, random weights
-    .venv/bin/python bench/generate.py --ckpt runs/small --presets big   # trained small + random big
+    .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
+    .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --json
 """
 from __future__ import annotations
 
@@ -49,32 +55,40 @@ def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
     return out
 
 
-def bench_model(name, model, prompt_ids, n_new, repeat, modes=("full", "cache", "speculative")) -> dict:
+def compare(model, prompt_ids, n_new, repeat, temperature, top_k) -> dict:
+    """Plain vs speculative decoding, back to back per seed -> tokens/s, ratio, acceptance."""
+    from nanoeuler.generate import generate
+    runs: dict = {"cache": [], "speculative": []}
+    for seed in range(repeat):
+        for mode in runs:
+            runs[mode].append(generate(model, prompt_ids, n_new, temperature, top_k=top_k if temperature else None,
+                                       seed=seed, mode=mode))
+    tok_s = {m: [len(g.ids) / g.decode_s for g in gs] for m, gs in runs.items()}
+    cpu_s = {m: sum(g.decode_cpu_s for g in gs) for m, gs in runs.items()}
+    spec = runs["speculative"]
+    drafted, accepted = sum(g.drafted for g in spec), sum(g.accepted for g in spec)
+    rounds = sum(g.forwards - 1 for g in spec)  # decode forwards: plain steps + verification rounds
+    return {"plain_tok_s": float(np.median(tok_s["cache"])), "spec_tok_s": float(np.median(tok_s["speculative"])),
+            "spec_vs_plain": float(np.median(np.array(tok_s["speculative"]) / np.array(tok_s["cache"]))),
+            "spec_vs_plain_cpu": cpu_s["cache"] / cpu_s["speculative"],
+            "acceptance": accepted / drafted if drafted else 0.0, "drafted": drafted, "accepted": accepted,
+            "draft_round_share": sum(g.draft_rounds for g in spec) / max(1, rounds),
+            "tokens_per_forward": sum(len(g.ids) for g in spec) / max(1, rounds),
+            "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec)) if temperature == 0 else None}
+
+
+def bench_model(name, model, prompt_ids, args) -> dict:
     from nanoeuler.generate import generate
     row = {"model": name, "params": model.n_params(), "ctx": model.config.ctx_len, "K": model.config.n_mtp,
-           "prompt_tokens": len(prompt_ids), "new_tokens": n_new}
-    outs: dict = {}
-    for r in range(repeat):  # modes interleaved, best of `repeat` each: robust to a machine shared with others
-        for mode in modes:
-            if mode == "full" and r:
-                continue  # the slow reference runs once
-            g = generate(model, prompt_ids, n_new, temperature=0, mode=mode)
-            if mode not in outs or g.decode_s < outs[mode].decode_s:
-                outs[mode] = g
-    for mode, best in outs.items():
-        row[f"{mode}_tok_s"] = len(best.ids) / best.decode_s
-        row[f"{mode}_forwards"] = best.forwards
-    if "speculative" in outs:
-        spec = outs["speculative"]
-        row["acceptance"] = spec.acceptance
-        row["drafted"], row["accepted"] = spec.drafted, spec.accepted
-        row["tokens_per_forward"] = len(spec.ids) / max(1, spec.forwards - 1)  # decode forwards (prefill excluded)
-        row["speculative_equals_greedy"] = spec.ids == outs["cache"].ids
-        row["speculative_vs_cache"] = row["speculative_tok_s"] / row["cache_tok_s"]
-        row["step_ms"] = step_costs(model, model.config.n_mtp)  # forward of 1..K tokens
-    if "full" in outs:
-        row["cache_vs_full"] = row["cache_tok_s"] / row["full_tok_s"]
-        row["full_equals_cache"] = outs["full"].ids == outs["cache"].ids
+           "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
+           "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, 0.0, None),
+           "sampled": compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature, args.top_k),
+           "step_ms": step_costs(model, model.config.n_mtp)}  # forward of 1..K tokens
+    if args.full:
+        full = generate(model, prompt_ids, args.new_tokens, temperature=0, mode="full")
+        cache = generate(model, prompt_ids, args.new_tokens, temperature=0, mode="cache")
+        row["full_tok_s"] = len(full.ids) / full.decode_s
+        row["full_equals_cache"] = full.ids == cache.ids
     return row
 
 
@@ -84,36 +98,48 @@ def main() -> int:
     ap.add_argument("--ckpt", action="append", default=[], help="a trained checkpoint to run too (repeatable)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for random-init models")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per mode, interleaved (best is kept; full runs once)")
+    ap.add_argument("--repeat", type=int, default=5, help="back-to-back pairs per model and temperature (seeds 0..)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rows (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=40, help="top-k of the sampled rows (default 40; 0 = all)")
+    ap.add_argument("--full", action="store_true", help="also time full recomputation (slow) once per model")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
+    if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0:
+        ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0")
+    args.top_k = args.top_k or None
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.model import Model
     rows = []
     for path in args.ckpt:
         model, tok = Model.load(path), load_tokenizer(path)
         ids = tok.encode(PROMPT)[-model.config.ctx_len:]
-        rows.append(bench_model(f"{path} (trained)", model, ids, args.new_tokens, args.repeat))
+        rows.append(bench_model(f"{path} (trained)", model, ids, args))
     for preset in [p for p in args.presets.split(",") if p]:
         model = Model.from_preset(preset, seed=0)
         ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens))
-        rows.append(bench_model(f"{preset} (random init)", model, ids, args.new_tokens, args.repeat))
+        rows.append(bench_model(f"{preset} (random init)", model, ids, args))
     info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "cpus": os.cpu_count(),
-            "numpy": np.__version__, "rows": rows}
+            "load_avg": os.getloadavg()[0], "numpy": np.__version__, "rows": rows}
     if args.json:
         print(json.dumps(info))
         return 0
-    print(f"greedy decoding of {args.new_tokens} new tokens; decode tokens/s (best of {args.repeat}); "
-          f"OMP_NUM_THREADS={info['threads']}")
-    head = f"{'model':<34} {'full':>8} {'cache':>8} {'spec':>8} {'cache/full':>10} {'spec/cache':>10} {'accept':>7} {'tok/fwd':>7} {'same':>5}"
+    print(f"{args.new_tokens} new tokens; decode tokens/s, median of {args.repeat} back-to-back pairs; sampled = "
+          f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OMP_NUM_THREADS={info['threads']}, "
+          f"load average {info['load_avg']:.2f}")
+    head = (f"{'model':<30} {'decoding':<8} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
+            f"{'tok/fwd':>7} {'same':>5}")
     print(head + "  forward of 1..K tokens (ms, best of 200)")
     print("-" * len(head))
     for r in rows:
-        same = r["speculative_equals_greedy"] and r["full_equals_cache"]
-        print(f"{r['model']:<34} {r['full_tok_s']:8.1f} {r['cache_tok_s']:8.1f} {r['speculative_tok_s']:8.1f} "
-              f"{r['cache_vs_full']:9.2f}x {r['speculative_vs_cache']:9.2f}x {r['acceptance']:7.1%} "
-              f"{r['tokens_per_forward']:7.2f} {'yes' if same else 'NO':>5}  "
-              + " / ".join(f"{t:.2f}" for t in r["step_ms"]))
+        for kind in ("greedy", "sampled"):
+            c = r[kind]
+            same = "-" if c["same"] is None else "yes" if c["same"] else "NO"
+            print(f"{r['model'] if kind == 'greedy' else '':<30} {kind:<8} {c['plain_tok_s']:7.1f} {c['spec_tok_s']:7.1f} "
+                  f"{c['spec_vs_plain']:9.2f}x {c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} {c['draft_round_share']:7.1%} "
+                  f"{c['tokens_per_forward']:7.2f} {same:>5}"
+                  + ("  " + " / ".join(f"{t:.2f}" for t in r["step_ms"]) if kind == "greedy" else ""))
+        if "full_tok_s" in r:
+            print(f"{'':<30} full recomputation: {r['full_tok_s']:.1f} tok/s, equals cache: {r['full_equals_cache']}")
     return 0
 
 

@@ -5,17 +5,28 @@ in a cache, then feeds one token at a time: each new token attends to the cached
 recomputing the whole prefix. `forward_cached` is that forward (inference only, no backward caches);
 its logits equal `model.forward`'s full recomputation (tests/test_generate.py checks ≤ 1e-5).
 
-Self-speculative decoding (greedy only) uses the K multi-token-prediction heads as a free draft model.
-At the last processed position, head 0 gives the next token t1 for certain and heads 1..K-1 guess the
-tokens after it, d2..dK. One forward over [t1, d2, .., dK] then verifies every guess with head 0:
+Self-speculative decoding uses the K multi-token-prediction heads as a free draft model. At the last
+processed position, head 0 gives the next token t1 for certain and heads 1..K-1 guess the tokens after
+it, d2..dK. One forward over [t1, d2, .., dK] then verifies every guess with head 0:
 
     fed:       t1    d2    d3          (K = 3)
     head 0:    a2    a3    a4          a2 == d2?  a3 == d3?  accept the longest agreeing prefix
     d2 == a2, d3 != a3  ->  emit t1, d2; next round starts from certain token a3 (no extra forward)
 
-The cache is rolled back to the accepted tokens (rejected drafts are simply overwritten later), so the
-output is token for token the greedy output of head 0 alone, in fewer forwards. How many drafts a round
-sends adapts to how often they have been accepted (a rejected draft costs part of a forward).
+That is greedy (temperature 0): the output is token for token head 0's greedy output, in fewer forwards.
+At temperature > 0 the drafts are sampled from the draft heads' distributions q (same temperature /
+top-k / top-p) and verified by the standard accept/reject rule against head 0's distribution p there:
+
+    d2 ~ q2:  accept w.p. min(1, p2(d2) / q2(d2))  ->  then d3 the same way against p3 (from the same forward)
+              reject -> the token is drawn from norm(max(p2 - q2, 0)) and the round ends
+    all accepted -> the next round's t1 is drawn from head 0 after the last draft (the "bonus" token)
+
+so every emitted token has exactly plain sampling's distribution (`_Sampled`; tests/test_generate.py
+checks it by chi-square). The cache is rolled back to the accepted tokens (rejected drafts are simply
+overwritten later). How many drafts a round verifies, 0 (a plain step) .. K-1, is decided per round by
+`_Planner` from the measured acceptance (per draft confidence) and the measured cost of rounds of each
+depth: a verification forward of a few tokens costs little more than a 1-token step, but a draft that
+is rarely accepted still does not pay, and then decoding falls back to plain steps.
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
 the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import codecs
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -92,13 +104,19 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     for the 1..4 rows of a decoding or verification step. OpenBLAS (0.3.31, measured here, one thread) is
     uneven on such shapes: a 2-row x @ W.T can cost 3-10x a 1-row one; 2-3 rows against a contiguous
     [in, out] copy cost 1.0-1.7x one row while out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide
-    outputs ([2048, 384]: 339 µs vs 46), where row-by-row matrix-vector products (exactly n x) are kept."""
+    outputs ([2048, 384]: 339 µs vs 46), where row-by-row matrix-vector products (exactly n x) are kept.
+    One row also goes through the [in, out] copy where there is one (x @ Wt is as fast as W @ x): a plain
+    decoding step and a speculative verification then read the same matrices, so alternating between them
+    does not pull the other copy of every weight back into the CPU cache (that made a verification after
+    plain steps cost 2x a plain step instead of 1.2x, measured here on `small`)."""
     W, Wt = W
     rows = x.reshape(-1, x.shape[-1])
-    if len(rows) == 1:
+    if len(rows) <= 4 and Wt is not None:
+        y = rows @ Wt
+    elif len(rows) == 1:
         y = (W @ rows[0])[None]
     elif len(rows) <= 4:
-        y = rows @ Wt if Wt is not None else np.stack([W @ r for r in rows])
+        y = np.stack([W @ r for r in rows])
     else:
         y = ops.linear_forward(rows, W)[0]
     return y.reshape(*x.shape[:-1], W.shape[0])
@@ -209,7 +227,8 @@ class Generation:
     accepted: int = 0              # speculative: draft tokens the verification accepted
     draft_rounds: int = 0          # speculative: rounds that verified drafts (the others were plain steps)
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0          # wall time after the prefill
+    decode_cpu_s: float = 0.0      # the process's CPU time over the same span (robust on a loaded machine)
 
     @property
     def acceptance(self) -> float:
@@ -228,7 +247,7 @@ class _Window:
 
     def __init__(self, model, seq: list[int], mode: str):
         self.cfg, self.P = model.config, model.params
-        self.mode, self.seq, self.forwards = mode, seq, 0
+        self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fuse_weights(self.cfg, self.P)
@@ -240,7 +259,7 @@ class _Window:
     def head(self, k: int) -> np.ndarray:
         """Logits [V] of head k at the last position."""
         if k not in self._heads:
-            self._heads[k] = self.W[f"head.{k}"][0] @ self.h
+            self._heads[k] = linear(self.h, self.W[f"head.{k}"])
         return self._heads[k]
 
     def _forward(self, tokens, last_only: bool) -> np.ndarray:
@@ -261,6 +280,7 @@ class _Window:
         self.seq.append(token)
         if len(self.seq) - self.start > self.cfg.ctx_len:
             self.start = len(self.seq) - self.cfg.ctx_len // 2
+            self.jumps += 1
             self._refill()
         elif self.mode == "full":
             self._refill()
@@ -316,6 +336,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     t0 = time.perf_counter()
     win = _Window(model, [int(t) for t in prompt_ids], mode)
     out.prefill_s = time.perf_counter() - t0
+    cpu0 = time.process_time()  # (a system call, which on a busy machine may yield: outside the wall time)
     t0 = time.perf_counter()
 
     def emit(token: int) -> bool:
@@ -333,7 +354,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     if max_new_tokens > 0:
         if mode == "speculative" and model.config.n_mtp > 1:
             rule = _Greedy() if temperature == 0 else _Sampled(temperature, top_k, top_p, rng)
-            _speculate(win, rule, emit, out, spec_depth)
+            _speculate(win, rule, emit, out, spec_depth, _planner(model, (temperature, top_k, top_p)))
         else:
             while True:
                 token = sample_token(win.head(0), temperature, top_k, top_p, rng)
@@ -341,6 +362,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
                     break
                 win.push(token)
     out.decode_s = time.perf_counter() - t0
+    out.decode_cpu_s = time.process_time() - cpu0
     out.forwards = win.forwards
     return out
 
@@ -414,83 +436,118 @@ class _Planner:
 
     Acceptance: rate(j, conf) estimates P(draft j+1 accepted | the drafts before it accepted) for a draft
     whose head is `conf` sure of it (4 confidence bins, priors .15/.45/.72/.92, a memory of ~30
-    observations per bin). Cost: cost[d] is the measured wall time of a round that verifies d drafts
-    (drafting, the forward of d+1 tokens, the checks; cost[0] is a plain step), a running mean; an
-    unmeasured depth is extrapolated from the measured ones. A round verifying d drafts is worth
-    E(d) / cost[d] tokens per second, E(d) = 1 + r1 + r1·r2 + ... (the expected tokens it emits); the
-    round picks the d with the best worth, proposing drafts one by one while each adds worth:
+    observations per bin). Cost: cost[w][d] is the wall time of a round that verifies d drafts
+    (drafting, the forward of d+1 tokens, the checks, emitting; d = 0 is a plain step), w = whether the
+    round before it verified drafts too, as the lower quartile of its last 15 samples: on a busy machine
+    about one round in five loses the CPU to another process for ~20 ms, and a quartile (the minimum of
+    the first 3) is not moved by that, where a mean or a median of few samples was. The two tables differ: on `small` here a lone verification among plain steps
+    cost 1.6x a plain step, one after another only 1.25x (the verification's code and data are no longer
+    in the CPU caches). (CPU-time clocks are system calls, which on a busy machine yield the CPU and cost
+    more than they measure; perf_counter is not.) An unmeasured cost is taken from the other table, else
+    extrapolated (+25 % of a plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the
+    forward of d + 1 tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A round verifying d drafts is worth E(d) / cost[w][d]
+    tokens per second, E(d) = 1 + r1 + r1·r2 + ... (the expected tokens it emits); the round picks the d
+    with the best worth, proposing drafts one by one while each adds worth, and needs 5 % more worth than
+    a plain step to draft at all (the costs are noisy on a busy machine; plain decoding is the safe side):
 
-        cost = [1.0, 1.1, 1.25] ms, r1 = .5, r2 = .3:  worth 1/1 = 1.0,  1.5/1.1 = 1.36,  1.65/1.25 = 1.32  -> d = 1
-        r1 = .05:                                       worth 1.05/1.1 = .95 < 1.0                           -> d = 0
+        cost = [1.0, 1.1, 1.25] ms, r1 = .5, r2 = .3:  worth 1.05/1 (margin),  1.5/1.1 = 1.36,  1.65/1.25 = 1.32  -> d = 1
+        r1 = .1:                                        worth 1.1/1.1 = 1.0 < 1.05                                 -> d = 0
 
-    Looking at a draft costs a head's matmul; it is skipped altogether while the drafts' confidence
-    history says no bin would pay (a random model: plain decoding plus ~1 % of probing). Every
+    So starting to speculate takes drafts that pay at the lone-verification price, and then it goes on
+    while they pay at the back-to-back price. Looking at a draft (a head's matmul, and at temperature > 0
+    its distribution) has a measured cost too; it is skipped altogether, for 8 rounds at a time, while the
+    drafts' confidence history says no bin would pay for it (a random model gets plain decoding plus ~1 %
+    of probing). A planner lives as long as its model, one per sampling setting (`_planner`), so a chat's
+    short replies do not each start from the priors. Every
     `probe_every`-th round verifies one draft more than the planner would, to keep rates and costs fresh.
-    Which drafts are verified never changes the output (greedy) or its distribution (sampling)."""
+    Which drafts are verified never changes the output (greedy) or its distribution (sampling); at
+    temperature > 0 it changes which random numbers are drawn, so a seed reproduces speculative samples
+    only with a fixed depth (generate's spec_depth)."""
 
     EDGES = (0.3, 0.6, 0.85)
     PRIOR = (0.15, 0.45, 0.72, 0.92)
+    MARGIN = 1.05   # worth needed over a plain step to draft (costs measured on a busy machine are noisy)
 
     def __init__(self, max_depth: int, memory: float = 0.97):
+        # plain Python floats throughout: this runs every round, where a numpy call on 4 numbers costs more
+        # than the arithmetic (it was 5 % of a `small` decoding step)
         self.D, self.memory = max_depth, memory
-        self.hits = np.tile(np.array(self.PRIOR), (max_depth, 1))  # [D, bins] decayed sums of acceptance
-        self.seen = np.ones((max_depth, len(self.PRIOR)))           # [D, bins] decayed counts
-        self.freq = np.ones(len(self.PRIOR))                        # decayed counts of draft 1's bins
-        self.cost: list[float | None] = [None] * (max_depth + 1)    # seconds per round of depth d
-        self.look: float | None = None                              # seconds to propose one draft
+        self.hits = [list(self.PRIOR) for _ in range(max_depth)]    # [D][bins] decayed sums of acceptance
+        self.seen = [[1.0] * len(self.PRIOR) for _ in range(max_depth)]  # [D][bins] decayed counts
+        self.freq = [1.0] * len(self.PRIOR)                         # decayed counts of draft 1's bins
+        self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
+        self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 15 of each
+        self.look, self.skip = [True, True], [0, 0]  # [w]: whether to look at draft 1, decided every 8 rounds
+        self.look_s: list[float] = []                               # the last 15 times of proposing draft 1
 
     def _bin(self, conf: float) -> int:
-        return sum(conf >= e for e in self.EDGES)
+        return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)  # EDGES
 
     def rate(self, j: int, conf: float) -> float:
         b = self._bin(conf)
-        return self.hits[j, b] / self.seen[j, b]
+        return self.hits[j][b] / self.seen[j][b]
 
     def observe(self, j: int, conf: float, accepted: float) -> None:
         """Draft j+1 (confidence conf) was verified; accepted: 0/1, or its acceptance probability."""
-        b = self._bin(conf)
-        self.hits[j] *= self.memory  # only this draft position's bins age
-        self.seen[j] *= self.memory
-        self.hits[j, b] += accepted
-        self.seen[j, b] += 1
+        b, m, hits, seen = self._bin(conf), self.memory, self.hits[j], self.seen[j]
+        for i in range(len(hits)):  # only this draft position's bins age
+            hits[i] *= m
+            seen[i] *= m
+        hits[b] += accepted
+        seen[b] += 1
 
-    def timed(self, d: int, seconds: float) -> None:
-        """A round of depth d took `seconds` (running mean; a spike, e.g. another process, counts at most 3x)."""
-        c = self.cost[d]
-        self.cost[d] = seconds if c is None else c + 0.1 * (min(seconds, 3 * c) - c)
+    @staticmethod
+    def _quartile(last: list, seconds: float) -> float:
+        """Add a sample to the last 15 and return their lower quartile."""
+        last.append(seconds)
+        if len(last) > 15:
+            del last[0]
+        return sorted(last)[len(last) // 4]
 
-    def c(self, d: int) -> float:
-        """Cost of a round of depth d: measured, or extrapolated from the deepest measured one below."""
-        if self.cost[d] is not None:
-            return self.cost[d]
-        m = max(i for i in range(d) if self.cost[i] is not None)
-        slope = (self.cost[m] - self.cost[0]) / m if m else 0.15 * self.cost[0]
-        return self.cost[m] + (d - m) * max(slope, 0.02 * self.cost[0])
+    def timed(self, w: int, d: int, seconds: float) -> None:
+        """A round of depth d (after a round that drafted: w = 1) took `seconds`."""
+        self.cost[w][d] = self._quartile(self.samples[w][d], seconds)
 
-    def choose(self, win: _Window, rule, room: int, probe: bool) -> tuple[list, int]:
-        """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round."""
+    def c(self, w: int, d: int) -> float:
+        """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps."""
+        for table in (self.cost[w], self.cost[1 - w]):
+            if table[d] is not None:
+                return table[d] if d == 0 else max(table[d], self.c(w, 0) * (1 + 0.1 * d))
+        return self.c(w, 0) * (1 + 0.25 * d)
+
+    def choose(self, win: _Window, rule, room: int, probe: bool, w: int) -> tuple[list, int]:
+        """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round
+        (w = 1: the round before it verified drafts)."""
         D = min(self.D, room)
-        if self.cost[0] is None or D == 0:
-            return [], 0  # the first round is a plain step: it measures cost[0]
-        c0 = self.cost[0]
-        if not probe and self.look is not None:  # would knowing draft 1's confidence pay for looking?
-            gain = (1 + self.hits[0] / self.seen[0]) * c0 / self.c(1) - 1  # [bins] relative speed-up
-            if self.freq @ np.maximum(gain, 0) / self.freq.sum() < self.look / c0:
+        if (self.cost[0][0] is None and self.cost[1][0] is None) or D == 0:
+            return [], 0  # the first round is a plain step: it measures a plain step's cost
+        c0 = self.c(w, 0)
+        if not probe:
+            if self.skip[w] > 0:
+                self.skip[w] -= 1
+            else:  # would knowing draft 1's confidence pay for looking? (expected gain over its bins)
+                speed = c0 / (self.MARGIN * self.c(w, 1))
+                gain = sum(f * max(0.0, (1 + h / n) * speed - 1) for f, h, n in zip(self.freq, self.hits[0], self.seen[0]))
+                look = sorted(self.look_s)[len(self.look_s) // 4] / c0 if self.look_s else 0.0
+                self.look[w], self.skip[w] = gain >= look * sum(self.freq), 7
+            if not self.look[w]:
                 return [], 0
         props: list = []
-        best_worth, depth, expected, chance = 1 / c0, 0, 1.0, 1.0
+        best_worth, depth, expected, chance = self.MARGIN / c0, 0, 1.0, 1.0
         for j in range(D):
+            if not probe and (expected + chance * max(h / n for h, n in zip(self.hits[j], self.seen[j]))) \
+                    / self.c(w, j + 1) <= best_worth:
+                break  # even this draft's most confident bin would not pay: do not look at it
             t0 = time.perf_counter()
             q, conf = rule.propose(win.head(j + 1))
             if j == 0:
-                dt = time.perf_counter() - t0
-                self.look = dt if self.look is None else self.look + 0.1 * (min(dt, 3 * self.look) - self.look)
-                self.freq *= self.memory
+                self._quartile(self.look_s, time.perf_counter() - t0)
+                self.freq = [f * self.memory for f in self.freq]
                 self.freq[self._bin(conf)] += 1
             props.append((q, conf))
             chance *= self.rate(j, conf)
             expected += chance
-            worth = expected / self.c(j + 1)
+            worth = expected / self.c(w, j + 1)
             if worth > best_worth:
                 best_worth, depth = worth, j + 1
             elif len(props) > depth + probe:
@@ -498,50 +555,68 @@ class _Planner:
         return props, min(len(props), depth + probe)
 
 
-def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = None, probe_every: int = 16) -> None:
+_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sampling setting: _Planner}
+
+
+def _planner(model, setting: tuple) -> "_Planner":
+    """The model's planner for a sampling setting (temperature, top_k, top_p), made on first use; at most 8
+    settings are kept per model (the oldest goes)."""
+    try:
+        plans = _PLANNERS.setdefault(model, {})
+    except TypeError:  # not weakly referenceable: a fresh planner every call
+        return _Planner(model.config.n_mtp - 1)
+    if setting not in plans:
+        if len(plans) >= 8:
+            del plans[next(iter(plans))]
+        plans[setting] = _Planner(model.config.n_mtp - 1)
+    return plans[setting]
+
+
+def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = None, plan: _Planner | None = None,
+               probe_every: int = 16) -> None:
     """Speculative decoding (see the module docstring) with verification `rule` (_Greedy or _Sampled) and
-    depth chosen by a _Planner (or fixed: depth). Ends when emit() says so."""
+    depth chosen by `plan` (or fixed: depth). Ends when emit() says so."""
     K = win.cfg.n_mtp
-    plan = _Planner(K - 1)
-    clock = time.perf_counter
+    plan = plan or _Planner(K - 1)
+    clock = time.perf_counter  # one reading per round
     forced, rounds = None, 0  # forced: the next token, when a rejection already decided it
+    last, w, jumps = clock(), 0, win.jumps  # w: whether the last round drafted
     while True:
-        t0 = clock()
         t1 = forced if forced is not None else rule.pick(win.head(0))
-        spent = clock() - t0  # the round's own time, without the caller's on_token
         if emit(t1):
             return
-        t0 = clock()
         room = max(0, win.room() - 1)  # the window is (nearly) full: do what plain decoding would
         rounds += 1
         if depth is None:
-            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 0)
+            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 0, w=w)
         else:
             d = min(depth, K - 1, room)
             props = [rule.propose(win.head(k)) for k in range(1, d + 1)]
+        forced = None
         if d == 0:
             win.push(t1)
-            forced = None
-            plan.timed(0, spent + clock() - t0)
-            continue
-        drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
-        n_before = len(win.seq) - win.start
-        h, head0 = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, V]
-        out.drafted += d
-        out.draft_rounds += 1
-        n_ok, forced = 0, None
-        for j in range(d):
-            ok, p_accept, forced = rule.check(head0[j], drafts[j], props[j][0])
-            plan.observe(j, props[j][1], p_accept)
-            if not ok:
-                break
-            n_ok += 1
-        out.accepted += n_ok
-        win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
-        plan.timed(d, spent + clock() - t0)
-        for t in drafts[:n_ok]:
-            if emit(t):
-                return
+        else:
+            drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
+            n_before = len(win.seq) - win.start
+            h, head0 = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, V]
+            out.drafted += d
+            out.draft_rounds += 1
+            n_ok = 0
+            for j in range(d):
+                ok, p_accept, forced = rule.check(head0[j], drafts[j], props[j][0])
+                plan.observe(j, props[j][1], p_accept)
+                if not ok:
+                    break
+                n_ok += 1
+            out.accepted += n_ok
+            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
+            for t in drafts[:n_ok]:
+                if emit(t):
+                    return
+        now = clock()
+        if win.jumps == jumps:  # a round that refilled the window after a jump is no plain step
+            plan.timed(w, d, now - last)  # this round: from the end of the last one (its emits included)
+        last, w, jumps = now, int(d > 0), win.jumps
 
 
 # ---- text in, text out ---------------------------------------------------------------------------

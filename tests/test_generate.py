@@ -18,6 +18,14 @@ from nanoeuler.optim import AdamW
 TINY = Config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=3)
 
 
+@pytest.fixture
+def steady_costs(monkeypatch):
+    """Deterministic planner decisions: every round of depth d is timed as 1 + 0.2·d ms whatever the clock
+    says (the machine's real timings are noisy; the decisions then depend on acceptance alone)."""
+    original = gen._Planner.timed
+    monkeypatch.setattr(gen._Planner, "timed", lambda self, w, d, seconds: original(self, w, d, (1 + 0.2 * d) * 1e-3))
+
+
 @pytest.fixture(scope="module")
 def trained():
     """A tiny model trained on a periodic sequence, so its MTP heads draft well (acceptance near 1)."""
@@ -85,7 +93,7 @@ def test_greedy_step_logits_equal_model_forward(trained):
 
 
 @pytest.mark.parametrize("which", ["random", "trained"])
-def test_speculative_equals_greedy_token_for_token(which, trained):
+def test_speculative_equals_greedy_token_for_token(which, trained, steady_costs):
     model, period = trained
     if which == "random":
         model = Model.init(TINY, seed=3)
@@ -270,7 +278,7 @@ def test_chi_square_catches_a_wrong_rule(spec_model, monkeypatch, wrong):
     assert chi_square_p(spec_model, "speculative", temperature=1.0, spec_depth=2) < 1e-4
 
 
-def test_speculative_sampling_drafts_on_a_trained_model(trained):
+def test_speculative_sampling_drafts_on_a_trained_model(trained, steady_costs):
     """At temperature 0.8 the adaptive planner drafts on the periodic model and most drafts are accepted."""
     model, period = trained
     g = generate(model, [int(t) for t in period[:6]], 80, temperature=0.8, seed=0, mode="speculative")
@@ -293,35 +301,46 @@ class FakeRule:
         return 0, self.confs.pop(0)
 
 
-@pytest.mark.parametrize("r1,depth", [(0.5, 1), (0.05, 0), (0.95, 2)])
+@pytest.mark.parametrize("r1,depth", [(0.5, 1), (0.1, 0), (0.95, 2)])
 def test_planner_picks_the_depth_worth_most(r1, depth):
     """The docstring's example: costs 1.0 / 1.1 / 1.25 ms for 0 / 1 / 2 drafts, r2 = .3 (r1 = .95: worth
     1.95/1.1 = 1.77 < (1.95 + .95·.3)/1.25 = 1.79, so both drafts)."""
     plan = gen._Planner(2)
-    plan.cost = [1.0e-3, 1.1e-3, 1.25e-3]
-    plan.look = 0.0
-    plan.hits[:] = [[r1] * 4, [0.3] * 4]
-    props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False)
-    assert d == depth and len(props) >= d
-    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=True)
+    plan.cost = [[1.0e-3, 1.1e-3, 1.25e-3], [None] * 3]  # measured after plain rounds only: used for both
+    plan.hits = [[r1] * 4, [0.3] * 4]
+    for w in (0, 1):
+        props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False, w=w)
+        assert d == depth and len(props) >= d
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=True, w=0)
     assert d == min(depth + 1, 2)  # a probe verifies one more
-    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=0, probe=True)
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=0, probe=True, w=0)
     assert d == 0  # no room in the window
+
+
+def test_planner_uses_the_cost_after_a_drafting_round():
+    """A lone verification costs 1.6 plain steps, one right after another 1.2: with r1 = .4 drafting does not
+    pay from a plain round (1.4/1.6) but does from a drafting one (1.4/1.2)."""
+    plan = gen._Planner(1)
+    plan.cost = [[1.0e-3, 1.6e-3], [1.0e-3, 1.2e-3]]
+    plan.hits = [[0.4] * 4]
+    assert plan.choose(FakeWindow(), FakeRule([0.5]), room=10, probe=False, w=0)[1] == 0
+    assert plan.choose(FakeWindow(), FakeRule([0.5]), room=10, probe=False, w=1)[1] == 1
 
 
 def test_planner_skips_looking_when_no_confidence_bin_pays():
     plan = gen._Planner(2)
-    plan.cost = [1.0e-3, 1.1e-3, None]
-    plan.look = 0.01e-3
+    plan.cost = [[1.0e-3, 1.1e-3, None], [None] * 3]
     plan.hits[0] = [0.01, 0.02, 0.05, 0.9]  # only very confident drafts pay ...
-    plan.freq[:] = [100, 1, 1, 0.1]          # ... and they almost never occur
-    assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)  # not even looked at
-    plan.freq[:] = [1, 1, 1, 10]
-    _, d = plan.choose(FakeWindow(), FakeRule([0.9, 0.1]), room=10, probe=False)
+    plan.freq = [100, 1, 1, 0.1]            # ... and they almost never occur ...
+    plan.look_s = [0.05e-3]                 # ... while looking costs 5 % of a plain step
+    for _ in range(8):  # decided once for 8 rounds
+        assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False, w=0) == ([], 0)  # not even looked at
+    plan.freq = [1, 1, 1, 10]
+    _, d = plan.choose(FakeWindow(), FakeRule([0.9, 0.1]), room=10, probe=False, w=0)
     assert d == 1
 
 
-def test_speculation_falls_back_to_plain_steps_on_a_random_model():
+def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs):
     """Drafts of a random model are never accepted: after a few rounds only the probes verify any."""
     model = Model.init(TINY, seed=3)
     g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
