@@ -279,9 +279,10 @@ def fetch_web(out_dir: str | Path, target_bytes: int, urls: list[str] | None = N
 
 # ---- Alpaca ----------------------------------------------------------------------------------------------
 
-def validate_alpaca(records) -> tuple[list[dict], list[str]]:
+def validate_alpaca(records, names: list[str] | None = None) -> tuple[list[dict], list[str]]:
     """(valid records, one problem string per bad record). A record needs string `instruction`, `input`,
-    `output` (a missing `input` counts as ""), with non-empty instruction and output.
+    `output` (a missing `input` counts as ""), with non-empty instruction and output. `names` labels the
+    records in the problems (e.g. "line 121" for JSON Lines; default "record i").
 
         >>> validate_alpaca([{"instruction": "Hi", "input": "", "output": "Hello"}, {"instruction": 3}])[1]
         ['record 1: instruction is not a string']
@@ -290,22 +291,23 @@ def validate_alpaca(records) -> tuple[list[dict], list[str]]:
         raise UserError("the Alpaca file must be a JSON list of records")
     good, bad = [], []
     for i, r in enumerate(records):
+        label = names[i] if names is not None else f"record {i}"     # "record 3" or "line 121"
         if not isinstance(r, dict):
-            bad.append(f"record {i}: not a JSON object")
+            bad.append(f"{label}: not a JSON object")
             continue
         r = {"input": "", **r}
         problem = None
         for key in ("instruction", "input", "output"):
             if key not in r:
-                problem = f"record {i}: no '{key}' field"
+                problem = f"{label}: no '{key}' field"
             elif not isinstance(r[key], str):
-                problem = f"record {i}: {key} is not a string"
+                problem = f"{label}: {key} is not a string"
             if problem:
                 break
         if not problem and not r["instruction"].strip():
-            problem = f"record {i}: empty instruction"
+            problem = f"{label}: empty instruction"
         if not problem and not r["output"].strip():
-            problem = f"record {i}: empty output"
+            problem = f"{label}: empty output"
         if problem:
             bad.append(problem)
         else:
