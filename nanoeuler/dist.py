@@ -508,6 +508,7 @@ class Reducer:
         self.recv = [np.empty(N * (p[r][1] - p[r][0]), dtype) for _, _, p, _ in self.spans]
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self._segments = None
+        self.hook_s = self.exposed_s = 0.0  # seconds in the backward hook / in communication after backward
         self.reset(None)
 
     def reset(self, acc) -> None:
@@ -519,6 +520,11 @@ class Reducer:
 
     # the hook: called by the engine with tensors whose gradient is final --------------------------
     def ready(self, names, grads) -> None:
+        t0 = time.perf_counter()
+        self._ready(names, grads)
+        self.hook_s += time.perf_counter() - t0
+
+    def _ready(self, names, grads) -> None:
         for name in names:
             k = self.bucket_of.get(name)
             if k is None or name not in self.pending[k]:
@@ -563,6 +569,7 @@ class Reducer:
 
     def finish(self, grads) -> None:
         """After accumulation: send what the hook has not sent yet (all of it without overlap), wait, sum."""
+        t0 = time.perf_counter()
         for k, names in enumerate(self.buckets):
             if self.state[k] == "idle":
                 for name in names:
@@ -573,6 +580,7 @@ class Reducer:
                 self.comm.wait(self.reqs[k])
                 self._sum(k)
         self.reset(None)
+        self.exposed_s += time.perf_counter() - t0
 
     def my_pieces(self):
         r = self.comm.rank
@@ -580,6 +588,7 @@ class Reducer:
 
     def allgather(self, buf: np.ndarray) -> None:
         """Every rank's pieces of buf -> the whole buf on every rank."""
+        t0 = time.perf_counter()
         dt = self.MPI._typedict[buf.dtype.char]
         reqs = []
         for b0, b1, pieces, _ in self.spans:
@@ -588,6 +597,7 @@ class Reducer:
             displs = [ps - b0 for ps, _ in pieces]
             reqs.append(self.comm.comm.Iallgatherv([buf[s:e].copy(), dt], [buf[b0:b1], counts, displs, dt]))
         self.comm.wait(*reqs)
+        self.exposed_s += time.perf_counter() - t0
 
     # ZeRO-1 ------------------------------------------------------------------------------------
     def my_segments(self):
