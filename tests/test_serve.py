@@ -216,6 +216,18 @@ def test_bad_completion_requests_get_error_objects(server, body, status, param):
         assert err["param"] == param
 
 
+def test_a_chunked_body_over_the_cap_is_413(server):
+    def body():  # no Content-Length: the server counts while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(600):
+            yield b"a" * 100
+        yield b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=body(),
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
 @pytest.mark.parametrize("messages", [[], [{"role": "assistant", "content": "hi"}],
                                       [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                                       [{"role": "robot", "content": "a"}], "hello"])

@@ -52,10 +52,8 @@ def error_json(status: int, message: str, type: str = "invalid_request_error", p
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a request body over `limit` bytes (by Content-Length, or while reading)."""
-
-    class TooLarge(Exception):
-        pass
+    """ASGI middleware: 413 for a request body over `limit` bytes, by Content-Length or (chunked uploads) by
+    reading it: the body is read here, at most limit + 1 bytes, then handed to the app."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -69,26 +67,22 @@ class BodyLimit:
                 return await error_json(400, "bad Content-Length header")(scope, receive, send)
             if int(length) > self.limit:
                 return await self._too_large(scope, receive, send)
-        seen, started = 0, False
-
-        async def limited_receive():
-            nonlocal seen
+        body, more = [], True
+        size = 0
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyLimit.TooLarge()
-            return message
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            body.append(message.get("body", b""))
+            size += len(body[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyLimit.TooLarge:
-            if not started:
-                await self._too_large(scope, receive, send)
+        async def replay_receive():
+            return replay.pop() if replay else await receive()
+        await self.app(scope, replay_receive, send)
 
     async def _too_large(self, scope, receive, send):
         await error_json(413, f"request body larger than {self.limit} bytes", code="body_too_large")(scope, receive, send)
