@@ -473,3 +473,24 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         for k, v in measure(Path(d)).items():
             print(f"{k:28s} {v}")
+
+
+def test_cli_fine_tune_an_imported_gpt2_on_shakespeare(folder, tmp_path, capsys):
+    """llm.c's quick start: import GPT-2, prepare the corpus with its tokenizer, `train --init-from` it."""
+    from nanoeuler.cli import main
+    run, data = tmp_path / "gpt2", tmp_path / "data"
+    (tmp_path / "corpus.txt").write_text(corpus_text(200_000))
+    assert main(["import", "--from", str(folder), "--out", str(run), "--no-progress"]) == 0
+    assert main(["prepare", str(tmp_path / "corpus.txt"), "--tokenizer", str(run / "tokenizer.json"), "--out",
+                 str(data), "--no-progress"]) == 0
+    assert main(["train", "--init-from", str(run), "--out", str(tmp_path / "ft"), "--data", str(data), "--steps", "6",
+                 "--batch-size", "4", "--lr", "1e-3", "--warmup", "1", "--eval-every", "6", "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["finished"] and summary["step"] == 6
+    log = [json.loads(x) for x in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < losses[0]                                    # it fine-tunes
+    before, after = Model.load(run), Model.load(tmp_path / "ft")
+    assert after.config == before.config and not np.array_equal(after.params["embed.weight"], before.params["embed.weight"])
+    assert main(["train", "--init-from", str(run), "gpt2-tiny", "--out", str(tmp_path / "x"), "--data", str(data)]) == 2
+    assert "--init-from takes the config of its checkpoint" in capsys.readouterr().err

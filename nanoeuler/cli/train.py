@@ -29,6 +29,9 @@ def register(sub) -> None:
                    help="stop (with a checkpoint) after N steps of this invocation; --steps stays the planned total")
     add_hyperparameters(p)
     p.add_argument("--init-seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
+    p.add_argument("--init-from", metavar="RUN", default=None,
+                   help="fine-tune: start from this checkpoint's weights and config (e.g. GPT-2 from `nanoeuler "
+                        "import`) instead of a fresh init; its tokenizer unless --tokenizer; needs --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                    help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
@@ -154,6 +157,12 @@ def run_train(args) -> int:
         cfg = model.config
         saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
         tcfg = train_config_from_args(args, saved)
+    elif args.init_from:  # fine-tuning: the checkpoint's weights and config, a fresh optimizer and schedule
+        if args.config or not args.out:
+            raise UserError("--init-from takes the config of its checkpoint: give --out, and no config")
+        model = Model.load(args.init_from, read_only=True)
+        cfg = model.config
+        tcfg = train_config_from_args(args, {})
     else:
         cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
         tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
@@ -169,6 +178,8 @@ def run_train(args) -> int:
     data = Path(args.data) if args.data else ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
     if args.resume:
         tok = load_tokenizer(out)
+    elif args.init_from and not args.tokenizer:
+        tok = load_tokenizer(args.init_from)
     else:
         tok_path = Path(args.tokenizer) if args.tokenizer else data / "tokenizer.json"
         if not tok_path.exists():
