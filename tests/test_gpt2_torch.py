@@ -494,3 +494,22 @@ def test_cli_fine_tune_an_imported_gpt2_on_shakespeare(folder, tmp_path, capsys)
     assert after.config == before.config and not np.array_equal(after.params["embed.weight"], before.params["embed.weight"])
     assert main(["train", "--init-from", str(run), "gpt2-tiny", "--out", str(tmp_path / "x"), "--data", str(data)]) == 2
     assert "--init-from takes the config of its checkpoint" in capsys.readouterr().err
+
+
+def test_openai_layout_without_prefix_and_with_mask_buffers_imports(folder, tmp_path):
+    """OpenAI's upload on the Hub names tensors without `transformer.` and stores the causal-mask buffers
+    h.i.attn.bias [1, 1, ctx, ctx]: the same model must come out."""
+    from nanoeuler.interop.safetensors_io import read_tensors, write_tensors
+    bad = _copy(folder, tmp_path)
+    W = {n.removeprefix("transformer."): a for n, (_, a) in read_tensors(bad / "model.safetensors").items()}
+    n_pos = W["wpe.weight"].shape[0]
+    for i in range(2):
+        W[f"h.{i}.attn.bias"] = np.tril(np.ones((n_pos, n_pos), np.float32))[None, None]
+    write_tensors(bad / "model.safetensors", W)
+    cfg, params, tok = load_gpt2_folder(bad)
+    cfg0, params0, tok0 = load_gpt2_folder(folder)
+    assert cfg == cfg0 and all(np.array_equal(params[n], params0[n]) for n in params0)
+    W["h.0.mlp.c_fc.extra"] = np.zeros(3, np.float32)
+    write_tensors(bad / "model.safetensors", W)
+    with pytest.raises(UserError, match="unexpected tensor h.0.mlp.c_fc.extra"):
+        load_gpt2_folder(bad)
