@@ -138,6 +138,22 @@ def test_echo_logprobs_score_the_prompt(trained, together):
         assert out.tokens == [int(np.argmax(logits[-1]))]
 
 
+def test_prefill_budget_spreads_admissions_over_steps(trained):
+    b = Batcher(trained, max_batch=8, max_queue=8, prefill_tokens=20)
+    outs = [Collect() for _ in range(4)]
+    for out in outs:
+        b.submit(Job(ids=list(range(1, 11)), max_tokens=3, on_event=out))  # 10 tokens each: 2 per step
+    b.step()
+    assert b.stats()["active"] == 2 and b.stats()["queued"] == 2
+    while b.step():
+        pass
+    assert all(o.reason == "length" and len(o.tokens) == 3 for o in outs)
+    big = Batcher(trained, max_batch=8, prefill_tokens=5)  # a prompt over the budget still gets in, alone
+    big.submit(Job(ids=list(range(1, 11)), max_tokens=1))
+    big.step()
+    assert big.stats()["queued"] == 0
+
+
 def test_cancel_frees_the_row_at_the_next_step(trained):
     b = Batcher(trained, max_batch=2)
     a, c = Collect(), Collect()

@@ -69,6 +69,7 @@ def test_lm_eval_local_completions_equals_direct_scoring(tmp_path, monkeypatch):
                               tasks=["nanoeuler_serve_mc"], task_manager=TaskManager(include_path=str(tasks)),
                               log_samples=True, limit=None)
     acc = out["results"]["nanoeuler_serve_mc"]["acc,none"]
+    print(f"lm-eval accuracy {acc:.4f}, direct {direct_acc:.4f} ({len(docs)} questions)")
     assert acc == pytest.approx(direct_acc)
     samples = sorted(out["samples"]["nanoeuler_serve_mc"], key=lambda s: s["doc_id"])
     assert len(samples) == len(docs)

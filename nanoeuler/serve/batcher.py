@@ -3,8 +3,9 @@
 The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]; row r of it belongs to the r-th
 active request, which has its own length (the positions it has filled). One engine step:
 
-    1. admit   waiting jobs take the free rows; their prompts are prefilled together (grouped by length,
-               right-padded; generate.forward_hidden on a view of their rows of the cache)
+    1. admit   waiting jobs take the free rows, up to `prefill_tokens` prompt tokens a step; their prompts are
+               prefilled together (grouped by length, right-padded; generate.forward_hidden on a view of
+               their rows of the cache)
     2. sample  every row samples its next token from its head-0 logits (generate.sample_token, with the
                job's own random generator): </s> or max_tokens ends the job and frees its row
     3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
@@ -113,9 +114,10 @@ class Batcher:
     or b.start() to run steps on a background thread until b.close().
     """
 
-    def __init__(self, model, max_batch: int = 32, max_queue: int = 64):
+    def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 2048):
         cfg = self.cfg = model.config
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
+        self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
         self.W = fuse_weights(cfg, model.params)
         dtype = model.dtype
         shape = (self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
@@ -149,13 +151,18 @@ class Batcher:
     def step(self) -> bool:
         """Admit, sample, decode (module docstring). Returns False when there was nothing to do."""
         with self.cond:
-            admit = []
+            admit, budget = [], self.prefill_tokens
             while self.pending and len(self.rows) + len(admit) < self.max_batch:
-                job = self.pending.popleft()
+                job = self.pending[0]
                 if job.cancelled:
+                    self.pending.popleft()
                     job.on_event("done", "cancelled")
-                else:
-                    admit.append(job)
+                    continue
+                n = min(len(job.ids), self.cfg.ctx_len)
+                if admit and n > budget:  # the rest join at the next steps: running streams are not stalled long
+                    break
+                budget -= n
+                admit.append(self.pending.popleft())
         for group in prefill_groups([min(len(j.ids), self.cfg.ctx_len) for j in admit]):
             self._admit([admit[i] for i in group])
         if not self.rows:
