@@ -45,7 +45,8 @@ import numpy as np
 from .errors import UserError
 from .optim import clip_grad_norm
 
-FAULT_TAG = 7001
+FAULT_TAG = 7001  # (and FAULT_TAG + 1: "I have stopped")
+ACK_WAIT_S = 10.0
 INSTALL_HINT = "data-parallel training needs MPI: pip install 'nanoeuler[dist]'"
 
 
@@ -124,6 +125,8 @@ class World:
         msg = bytes(buf[:status.Get_count(self.MPI.BYTE)]).decode("utf-8", "replace")
         print(f"error: rank {self.rank}: stopping because rank {status.Get_source()} failed: {msg}",
               file=sys.stderr, flush=True)
+        self.comm.Send([b"ok", self.MPI.BYTE], dest=status.Get_source(), tag=FAULT_TAG + 1)
+        time.sleep(10)  # the failed rank aborts the job once every rank has said it stopped
         self.comm.Abort(1)
 
     def fail(self, message: str, code: int = 1) -> None:
@@ -131,10 +134,13 @@ class World:
         print(f"error: rank {self.rank}: {message}", file=sys.stderr, flush=True)
         data = message.encode()[:4000]
         reqs = [self.comm.Isend([data, self.MPI.BYTE], dest=r, tag=FAULT_TAG) for r in range(self.size) if r != self.rank]
+        # wait (at most ACK_WAIT_S: a rank deep in a long step may not look) until every other rank has printed
+        acks = [self.comm.Irecv([bytearray(8), self.MPI.BYTE], source=r, tag=FAULT_TAG + 1)
+                for r in range(self.size) if r != self.rank]
         t0 = time.time()
-        while time.time() - t0 < 2.0 and not all(r.Test() for r in reqs):
+        while time.time() - t0 < ACK_WAIT_S and not all(r.Test() for r in reqs + acks):
             time.sleep(0.01)
-        time.sleep(0.5)  # let the others print before the job is torn down
+        time.sleep(0.2)  # their lines reach mpiexec before the job is torn down
         self.comm.Abort(code)
 
     # ---- small collectives (no pickle: arrays and JSON bytes) ----------------------------------
