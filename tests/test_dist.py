@@ -258,6 +258,19 @@ def test_ranks_with_different_arguments(work):
     assert not (work / "diff" / "trainer.json").exists()
 
 
+def test_ranks_with_different_data(work):
+    from nanoeuler.shards import prepare
+    from nanoeuler.tokenizer import Tokenizer
+    other = work / "book2.txt"
+    other.write_text((work / "book.txt").read_text()[::-1])       # same tokenizer, same size, other text
+    prepare([other], Tokenizer.load(work / "tok.json"), work / "data2", processes=1, progress=False)
+    p = mpirun(2, [], work, sections=[TRAIN + ["--out", "ddata"], TRAIN + ["--out", "ddata", "--data", "data2"]])
+    errs = _errors(p)
+    assert p.returncode != 0 and len(errs) == 2 and all("rank 1 differs from rank 0 in" in e and "first_batch" in e
+                                                        for e in errs), p.stderr
+    assert not (work / "ddata" / "trainer.json").exists()
+
+
 def test_data_one_rank_cannot_read(work):
     p = mpirun(2, [], work, sections=[TRAIN + ["--out", "nodata"], TRAIN + ["--out", "nodata", "--data", "missing"]])
     errs = _errors(p)
