@@ -13,7 +13,9 @@ prompts, all starting together. Reported per level:
     errors    failed or incomplete streams (no [DONE], fewer tokens than asked); 429s are counted apart
 
 `x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
-machine's load average is printed: on a shared machine compare ratios, not absolute numbers.
+machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
+adds the engine alone (no HTTP, jobs stepped in this process), timed also in CPU time, which a shared
+machine does not distort as much.
 Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
 
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
@@ -128,6 +130,26 @@ async def level(url: str, clients: int, requests: int, tokens: int, prompts: lis
                                for r in results if not r["ok"] and r.get("status") != 429][:3]}
 
 
+def engine_level(ckpt: Path, clients: int, tokens: int, prompts: list[str]) -> dict:
+    """The engine alone (no HTTP): `clients` jobs submitted together, stepped in this thread until done.
+    cpu_tok_s uses this thread's CPU time, so it holds on a machine shared with other jobs."""
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.fast.parallel import single_threaded_blas
+    from nanoeuler.serve.batcher import Batcher, Job
+    model, tok = Model.load(ckpt), load_tokenizer(ckpt)
+    b = Batcher(model, max_batch=max(64, clients), max_queue=max(64, clients))
+    for i in range(clients):
+        b.submit(Job(ids=tok.encode(prompts[i % len(prompts)])[-model.config.ctx_len:], max_tokens=tokens,
+                     temperature=0.8, seed=i))
+    with single_threaded_blas():
+        t0, c0 = time.perf_counter(), time.thread_time()
+        while b.step():
+            pass
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return {"clients": clients, "tok_s": clients * tokens / wall, "cpu_tok_s": clients * tokens / cpu}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint to serve (repeatable)")
@@ -138,6 +160,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1, help="requests per client per level (default 1)")
     ap.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch (default 64)")
     ap.add_argument("--level-timeout", type=float, default=120, help="seconds a level may take (default 120)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time the engine alone (no HTTP), in wall and in this thread's CPU time")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
     presets = ["big"] if args.preset is None else [p for p in args.preset if p]
@@ -167,6 +191,11 @@ def main() -> int:
             for r in rows:
                 r["x1"] = r["tok_s"] / base if base else None
             report["models"][name] = rows
+            if args.engine:
+                eng = [engine_level(ckpt, c, args.tokens, prompts) for c in levels]
+                for r in eng:
+                    r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
+                report.setdefault("engine", {})[name] = eng
     report["load_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(report))
@@ -183,6 +212,9 @@ def main() -> int:
                   f"{r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms {r['errors']:>7} {r['rejected_429']:>5}")
             for e in r["error_examples"]:
                 print(f"{'':>8} error: {e}")
+        for r in report.get("engine", {}).get(name, []):
+            print(f"{'engine':>8} {r['clients']:>3} jobs: {r['tok_s']:>8.1f} tok/s wall, {r['cpu_tok_s']:>8.1f} tok/s "
+                  f"of CPU time (x{r['x1_cpu'] or 0:.2f})")
     return 0
 
 
