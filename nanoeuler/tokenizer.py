@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from .errors import UserError
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FORMAT = "nanoeuler-bpe"
 VERSION = 1
+NORMALIZERS = (None, "NFC", "NFD", "NFKC", "NFKD")
 MAX_CACHED_PIECE = 64  # pre-tokens longer than this (bytes) are not cached when encoding
 CHUNK_BYTES = 1 << 22  # long texts are scanned in pieces of about this size (bounded scratch memory)
 _SAFE_CUT = re.compile(rb"[\x21-\x7e](?=[ \n])")
@@ -175,7 +177,10 @@ class Tokenizer:
     """A trained byte-level BPE tokenizer (immutable once built)."""
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
-                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>"):
+                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None):
+        if normalizer not in NORMALIZERS:
+            raise UserError(f"unknown normalizer {normalizer!r}; choose one of NFC, NFD, NFKC, NFKD or none")
+        self.normalizer = normalizer  # Unicode normal form applied to text before encoding (Qwen2: NFC)
         self.pattern = pattern
         self.eos_token = eos  # the special that ends a text / response ("</s>" here; "<|endoftext|>" for GPT-2)
         self.merges = [(int(a), int(b)) for a, b in merges]
@@ -322,6 +327,8 @@ class Tokenizer:
         """Like encode, as an int32 array (no Python list: the fast path for bulk work)."""
         if not isinstance(text, str):
             raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
+        if self.normalizer:
+            text = unicodedata.normalize(self.normalizer, text)
         if allow_special and self._special_regex is not None:
             parts = self._special_regex.split(text)
             if len(parts) > 1:
@@ -415,6 +422,8 @@ class Tokenizer:
              "merges": [list(m) for m in self.merges]}
         if self.eos_token != "</s>":  # e.g. an imported GPT-2 tokenizer: "eos": "<|endoftext|>"
             d["eos"] = self.eos_token
+        if self.normalizer:
+            d["normalizer"] = self.normalizer
         return d
 
     @classmethod
@@ -448,7 +457,7 @@ class Tokenizer:
         eos = d.get("eos", "</s>")
         if eos is not None and not isinstance(eos, str):
             raise UserError("tokenizer.json: \"eos\" must be the string of a special token (or null)")
-        tok = cls([tuple(m) for m in merges], order, pattern, eos)
+        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"))
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
@@ -483,6 +492,8 @@ class Tokenizer:
         content = {"pattern": self.pattern, "merges": self.merges, "specials": self.special_tokens}
         if self.eos_token != "</s>":
             content["eos"] = self.eos_token
+        if self.normalizer:
+            content["normalizer"] = self.normalizer
         canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
@@ -526,7 +537,8 @@ class Tokenizer:
             "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                               "normalized": False, "special": True} for s, i in self.special_tokens.items()],
-            "normalizer": None, "pre_tokenizer": pre, "post_processor": None,
+            "normalizer": {"type": self.normalizer} if self.normalizer else None,
+            "pre_tokenizer": pre, "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,

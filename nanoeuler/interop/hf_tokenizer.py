@@ -13,6 +13,7 @@ vocabularies, e.g. Qwen2's) become reserved specials `<|reserved_ID|>` so that n
 Pre-tokenizers understood (any other is a one-line error naming it):
 - `ByteLevel(use_regex=true)`                       -> the GPT-2 pattern (GPT-2, our own export)
 - `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export)
+A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
 - `Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)]` -> SMOLLM_PATTERN (SmolLM)
 """
 from __future__ import annotations
@@ -27,8 +28,10 @@ from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
 SMOLLM_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+""")
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # llama.cpp picks its pre-tokenizer by name (tokenizer.ggml.pre), not by regex
-GGUF_PRE_NAMES = {GPT2_PATTERN: "gpt-2", LLAMA3_PATTERN: "llama-bpe", SMOLLM_PATTERN: "smollm"}
+GGUF_PRE_NAMES = {GPT2_PATTERN: "gpt-2", LLAMA3_PATTERN: "llama-bpe", SMOLLM_PATTERN: "smollm", QWEN2_PATTERN: "qwen2"}
 
 
 def _bad(msg: str):
@@ -90,9 +93,10 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
             _bad(f"model.{field}={m.get(field)!r} is not supported")
-    if d.get("normalizer") is not None:
-        _bad(f"normalizer {d['normalizer'].get('type') if isinstance(d['normalizer'], dict) else d['normalizer']} "
-             "is not supported (byte-level BPE without normalization only)")
+    norm = d.get("normalizer")
+    if norm is not None and not (isinstance(norm, dict) and norm.get("type") in ("NFC", "NFD", "NFKC", "NFKD")):
+        _bad(f"normalizer {norm.get('type') if isinstance(norm, dict) else norm} is not supported "
+             "(none, or one Unicode normal form: NFC, NFD, NFKC, NFKD)")
     dec = d.get("decoder")
     if dec is not None and not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
         _bad(f"decoder {dec.get('type') if isinstance(dec, dict) else dec} is not supported (ByteLevel only)")
@@ -161,7 +165,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         if eos_id not in special_ids:
             _bad(f"the eos token id {eos_id} is not in the tokenizer")
         eos = specials[special_ids.index(eos_id)]
-    tok = Tokenizer(pairs, specials, pattern, eos=eos)
+    tok = Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None)
     if m.get("ignore_merges"):
         check_ignore_merges(tok)
     return tok, perm + special_ids
