@@ -491,3 +491,16 @@ def test_ignore_merges_is_accepted_only_where_it_changes_nothing(corpus):
         from_hf_json(d)
     d["model"]["ignore_merges"] = False
     from_hf_json(d)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_import_of_half_precision_weights_is_exact(corpus, tmp_path, dtype):
+    d = tmp_path / "hf"
+    model = make_hf_llama(d, hf_tokenizer_json(corpus["hamlet"][:30000], "gpt2"), tied=False, shards=1)
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    model.to(getattr(torch, dtype)).save_pretrained(d)
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    m = Model.load(tmp_path / "run")
+    w = model.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
+    assert m.dtype == np.float32 and np.array_equal(m.params["layers.1.attn.wk.weight"], w)
