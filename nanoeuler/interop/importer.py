@@ -3,9 +3,11 @@
 
     nanoeuler import --from SmolLM-135M --out runs/smol --mtp 2
 
-The folder's config.json names the architecture (`model_type`, else `architectures[0]`); each supported
-architecture is one function `folder, hf_config, n_mtp -> (Config, params, Tokenizer)` in ARCHITECTURES
-(looked up lazily, "module:function"). The helpers it needs are shared: `read_hf_config`,
+The folder's config.json names the architecture (`model_type`, else an entry of `architectures` through
+ARCH_ALIASES); each supported architecture is one function
+`fn(folder, hf_config, n_mtp, progress=False) -> (Config, params, Tokenizer)` registered in ARCHITECTURES
+as "module:function" (imported lazily; a new architecture adds one line there and, if its config names
+it differently, one in ARCH_ALIASES). The helpers it needs are shared: `read_hf_config`,
 `read_weights` (one model.safetensors or shards listed in model.safetensors.index.json, every shard
 checked), `read_tokenizer` (byte-level BPE tokenizer.json -> our Tokenizer + id permutation) and
 `mtp_heads` (heads 1..K-1 from an export's side file, else copies of head 0).
