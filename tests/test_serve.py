@@ -265,6 +265,13 @@ def test_full_queue_429_and_disconnect_frees_rows(ckpt):
             time.sleep(0.01)
         assert h["active"] == 0 and h["queued"] == 0
         assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3}).status_code == 200
+        # a non-streaming client that gives up: its job is cancelled too (checked every half second)
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        deadline = time.time() + 5
+        while (h := http.get("/health").json())["active"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert h["active"] == 0
 
 
 def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():

@@ -225,13 +225,16 @@ class Run:
         """Batches of what changed: {choice: (new text, new logprobs entries)}, every event that has arrived
         folded into one batch (a client that reads slower than tokens come gets fewer, longer chunks),
         until every choice has finished. request: stop early when that client has gone (non-streaming)."""
+        checked = time.monotonic()
         while any(c.finish_reason is None for c in self.choices):
-            try:
-                events = [await asyncio.wait_for(self.queue.get(), 1.0)]
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+            if request is not None and time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if await request.is_disconnected():
                     self.cancel()
                     return
+            try:
+                events = [await asyncio.wait_for(self.queue.get(), 0.5)]
+            except asyncio.TimeoutError:
                 continue
             while not self.queue.empty():
                 events.append(self.queue.get_nowait())
