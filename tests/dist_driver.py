@@ -4,6 +4,7 @@
     NANOEULER_TEST_FAULT=1:5:raise     rank 1 raises an exception in step 5
     NANOEULER_TEST_FAULT=1:5:sleep     rank 1 sleeps 0.3 s in every step from step 5 on (time to signal it)
     NANOEULER_TEST_FAULT=*:0:slow      every rank sleeps 0.05 s per step
+    NANOEULER_TEST_FAULT=*:7:nan       every rank's loss is NaN from step 7 on (as a diverged run's would be)
     NANOEULER_TEST_PIDS=DIR            each rank writes its pid to DIR/rank<r>.pid
 """
 import os
@@ -28,7 +29,10 @@ def install_fault(spec: str) -> None:
                 time.sleep(0.3)
         if kind == "slow":
             time.sleep(0.05)
-        return real(*a, **k)
+        out = real(*a, **k)
+        if kind == "nan" and calls["n"] >= int(step_s):
+            out[0]["loss"] = float("nan")
+        return out
 
     t.accumulate = faulty
 

@@ -239,6 +239,14 @@ def test_an_exception_on_one_rank_stops_every_rank_with_a_message(work):
     Model.load(work / "exc")
 
 
+def test_a_diverged_loss_stops_every_rank_at_once_and_keeps_the_last_checkpoint(work):
+    t0 = time.time()
+    p = mpirun(2, TRAIN + ["--out", "nan"], work, env={"NANOEULER_TEST_FAULT": "*:7:nan"})
+    assert p.returncode == 3 and time.time() - t0 < 60, p.stderr               # TrainingDiverged, no abort
+    assert p.stderr.count("error: loss became nan at step 7") == 2
+    assert json.loads((work / "nan" / "trainer.json").read_text())["step"] == 4  # the last good checkpoint
+
+
 # ---- bad input: a clear error on every rank, nothing written --------------------------------------------
 def _errors(p) -> list[str]:
     return [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
