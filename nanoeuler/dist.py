@@ -259,7 +259,7 @@ def mpiexec_path() -> str | None:
 
 
 def launch(n: int) -> int:
-    """Re-run this command line under `mpiexec -n n` (without --nproc) and return its exit code."""
+    """Re-run this process's command line (sys.argv) under `mpiexec -n n`, without --nproc; return its exit code."""
     import subprocess
     if n < 1:
         raise UserError(f"--nproc must be >= 1, got {n}")
