@@ -34,6 +34,17 @@ def test_a_checkpoint_that_does_not_load_is_one_line(tmp_path, capsys):
     (bad / "model.safetensors").write_bytes(b"\x00" * 64)
     code, out = run_main(["serve", "--ckpt", str(bad)], capsys)
     assert code != 0 and out.err.startswith("error:") and out.err.count("\n") == 1 and out.out == ""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    nan = tmp_path / "nan"
+    shutil.copytree(shared_checkpoint()[0], nan)
+    params = load_file(str(nan / "model.safetensors"))
+    params["embed.weight"][:] = np.nan  # a diverged model: refused, not served
+    save_file(params, str(nan / "model.safetensors"))
+    code, out = run_main(["serve", "--ckpt", str(nan)], capsys)
+    assert code != 0 and "non-finite" in out.err and out.err.count("\n") == 1 and out.out == ""
 
 
 def test_a_port_in_use_is_one_line(capsys):
