@@ -431,42 +431,45 @@ class _Sampled:
 
 
 class _Planner:
-    """Decides, round by round, how many drafts to verify (0 = a plain decoding step), from measured
+    """Decides whether to speculate at all, and how many drafts each round verifies, from measured
     acceptance and measured cost, so that speculation is used only where it pays.
 
-    Acceptance: rate(j, conf) estimates P(draft j+1 accepted | the drafts before it accepted) for a draft
-    whose head is `conf` sure of it (4 confidence bins, priors .15/.45/.72/.92, a memory of ~30
-    observations per bin). Cost: cost[w][d] is the wall time of a round that verifies d drafts
-    (drafting, the forward of d+1 tokens, the checks, emitting; d = 0 is a plain step), w = whether the
-    round before it verified drafts too, as the lower quartile of its last 15 samples: on a busy machine
-    about one round in five loses the CPU to another process for ~20 ms, and a quartile (the minimum of
-    the first 3) is not moved by that, where a mean or a median of few samples was. The two tables differ: on `small` here a lone verification among plain steps
-    cost 1.6x a plain step, one after another only 1.25x (the verification's code and data are no longer
-    in the CPU caches). (CPU-time clocks are system calls, which on a busy machine yield the CPU and cost
-    more than they measure; perf_counter is not.) An unmeasured cost is taken from the other table, else
-    extrapolated (+25 % of a plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the
-    forward of d + 1 tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A round verifying d drafts is worth E(d) / cost[w][d]
-    tokens per second, E(d) = 1 + r1 + r1·r2 + ... (the expected tokens it emits); the round picks the d
-    with the best worth, proposing drafts one by one while each adds worth, and needs 5 % more worth than
-    a plain step to draft at all (the costs are noisy on a busy machine; plain decoding is the safe side):
+    Cost: cost[w][d] is the wall time of a round that verifies d drafts (drafting, the forward of d+1
+    tokens, the checks, emitting; d = 0 is a plain step), w = whether the round before it verified drafts
+    too, as the lower quartile of its last 15 samples (on a busy machine about one round in five loses
+    the CPU to another process for ~20 ms; a quartile, the minimum of the first 3, is not moved by that,
+    where a mean or a median of few samples was). The two tables differ: on `small` here a lone
+    verification among plain steps cost 1.6-1.75x a plain step, one after another only 1.2-1.3x (the
+    verification's code and data are no longer in the CPU caches). So the planner works in two regimes
+    rather than round by round (mixing them paid the lone price for every draft, and lost):
 
-        cost = [1.0, 1.1, 1.25] ms, r1 = .5, r2 = .3:  worth 1.05/1 (margin),  1.5/1.1 = 1.36,  1.65/1.25 = 1.32  -> d = 1
-        r1 = .1:                                        worth 1.1/1.1 = 1.0 < 1.05                                 -> d = 0
+        off: plain steps; every `probe_every`-th round a burst of 3 rounds verifying every draft
+             (rates and back-to-back costs stay fresh; ~1.5 % of a plain step's time per round)
+        on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts
 
-    So starting to speculate takes drafts that pay at the lone-verification price, and then it goes on
-    while they pay at the back-to-back price. Looking at a draft (a head's matmul, and at temperature > 0
-    its distribution) has a measured cost too; it is skipped altogether, for 8 rounds at a time, while the
-    drafts' confidence history says no bin would pay for it (a random model gets plain decoding plus ~1 %
-    of probing). A planner lives as long as its model, one per sampling setting (`_planner`), so a chat's
-    short replies do not each start from the priors. Every
-    `probe_every`-th round verifies one draft more than the planner would, to keep rates and costs fresh.
+    Worth of a round verifying d drafts: E(d) / cost[1][d] tokens per second, E(d) = 1 + r1 + r1·r2 + ...
+    the expected tokens it emits. The regime is `on` while the best worth with the drafts' average
+    acceptance beats a plain step (cost[0][0]) by 5 % (costs are noisy on a busy machine; plain decoding
+    is the safe side), decided again every 8 rounds:
+
+        cost = 1.0 ms plain, 1.2 / 1.45 ms for 1 / 2 drafts back to back
+        r1 = .5, r2 = .3:  worth 1.5/1.2 = 1.25, 1.65/1.45 = 1.14  > 1.05/1.0  -> on, mostly 1 draft
+        r1 = .15:          worth 1.15/1.2 = 0.96                  < 1.05      -> off
+
+    Within `on`, the depth follows how sure the draft heads are: rate(j, conf) estimates P(draft j+1
+    accepted | the drafts before it accepted) for a draft whose head is `conf` sure of it (4 confidence
+    bins, priors .15/.45/.72/.92, a memory of ~30 observations per bin); drafts are proposed one by one
+    while each adds worth. An unmeasured cost is taken from the other table, else extrapolated (+25 % of a
+    plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the forward of d + 1
+    tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A planner lives as long as its model,
+    one per sampling setting (`_planner`), so a chat's short replies do not each start from the priors.
     Which drafts are verified never changes the output (greedy) or its distribution (sampling); at
     temperature > 0 it changes which random numbers are drawn, so a seed reproduces speculative samples
     only with a fixed depth (generate's spec_depth)."""
 
-    EDGES = (0.3, 0.6, 0.85)
     PRIOR = (0.15, 0.45, 0.72, 0.92)
-    MARGIN = 1.05   # worth needed over a plain step to draft (costs measured on a busy machine are noisy)
+    MARGIN = 1.05   # worth needed over a plain step to speculate (costs measured on a busy machine are noisy)
+    BURST = 3       # rounds of a probe
 
     def __init__(self, max_depth: int, memory: float = 0.97):
         # plain Python floats throughout: this runs every round, where a numpy call on 4 numbers costs more
@@ -474,14 +477,13 @@ class _Planner:
         self.D, self.memory = max_depth, memory
         self.hits = [list(self.PRIOR) for _ in range(max_depth)]    # [D][bins] decayed sums of acceptance
         self.seen = [[1.0] * len(self.PRIOR) for _ in range(max_depth)]  # [D][bins] decayed counts
-        self.freq = [1.0] * len(self.PRIOR)                         # decayed counts of draft 1's bins
+        self.avg = [[0.3, 1.0] for _ in range(max_depth)]           # [D] (decayed sum, count) over all bins
         self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
         self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 15 of each
-        self.look, self.skip = [True, True], [0, 0]  # [w]: whether to look at draft 1, decided every 8 rounds
-        self.look_s: list[float] = []                               # the last 15 times of proposing draft 1
+        self.on, self.recheck, self.burst = False, 0, 0
 
     def _bin(self, conf: float) -> int:
-        return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)  # EDGES
+        return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)
 
     def rate(self, j: int, conf: float) -> float:
         b = self._bin(conf)
@@ -495,18 +497,16 @@ class _Planner:
             seen[i] *= m
         hits[b] += accepted
         seen[b] += 1
-
-    @staticmethod
-    def _quartile(last: list, seconds: float) -> float:
-        """Add a sample to the last 15 and return their lower quartile."""
-        last.append(seconds)
-        if len(last) > 15:
-            del last[0]
-        return sorted(last)[len(last) // 4]
+        a = self.avg[j]
+        a[0], a[1] = a[0] * m + accepted, a[1] * m + 1
 
     def timed(self, w: int, d: int, seconds: float) -> None:
         """A round of depth d (after a round that drafted: w = 1) took `seconds`."""
-        self.cost[w][d] = self._quartile(self.samples[w][d], seconds)
+        last = self.samples[w][d]
+        last.append(seconds)
+        if len(last) > 15:
+            del last[0]
+        self.cost[w][d] = sorted(last)[len(last) // 4]
 
     def c(self, w: int, d: int) -> float:
         """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps."""
@@ -515,44 +515,45 @@ class _Planner:
                 return table[d] if d == 0 else max(table[d], self.c(w, 0) * (1 + 0.1 * d))
         return self.c(w, 0) * (1 + 0.25 * d)
 
-    def choose(self, win: _Window, rule, room: int, probe: bool, w: int) -> tuple[list, int]:
-        """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round
-        (w = 1: the round before it verified drafts)."""
+    def pays(self) -> bool:
+        """Does speculating, round after round, beat plain steps (by MARGIN) at the average acceptance?"""
+        expected, chance, best = 1.0, 1.0, 0.0
+        for j in range(self.D):
+            chance *= self.avg[j][0] / self.avg[j][1]
+            expected += chance
+            best = max(best, expected / self.c(1, j + 1))
+        return best > self.MARGIN / self.c(0, 0)
+
+    def choose(self, win: _Window, rule, room: int, probe: bool) -> tuple[list, int]:
+        """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round."""
         D = min(self.D, room)
-        if (self.cost[0][0] is None and self.cost[1][0] is None) or D == 0:
+        if D == 0 or (self.cost[0][0] is None and self.cost[1][0] is None):
             return [], 0  # the first round is a plain step: it measures a plain step's cost
-        c0 = self.c(w, 0)
-        if not probe:
-            if self.skip[w] > 0:
-                self.skip[w] -= 1
-            else:  # would knowing draft 1's confidence pay for looking? (expected gain over its bins)
-                speed = c0 / (self.MARGIN * self.c(w, 1))
-                gain = sum(f * max(0.0, (1 + h / n) * speed - 1) for f, h, n in zip(self.freq, self.hits[0], self.seen[0]))
-                look = sorted(self.look_s)[len(self.look_s) // 4] / c0 if self.look_s else 0.0
-                self.look[w], self.skip[w] = gain >= look * sum(self.freq), 7
-            if not self.look[w]:
+        if self.recheck > 0:
+            self.recheck -= 1
+        else:
+            self.on, self.recheck = self.pays(), 7
+        if self.burst == 0 and not self.on:
+            if not probe:
                 return [], 0
+            self.burst = self.BURST
+        if self.burst > 0:
+            self.burst -= 1
+            self.recheck = 0 if self.burst == 0 else self.recheck  # decide on what the probe found
+            return [rule.propose(win.head(j + 1)) for j in range(D)], D
         props: list = []
-        best_worth, depth, expected, chance = self.MARGIN / c0, 0, 1.0, 1.0
+        best_worth, depth, expected, chance = 0.0, 1, 1.0, 1.0
         for j in range(D):
-            if not probe and (expected + chance * max(h / n for h, n in zip(self.hits[j], self.seen[j]))) \
-                    / self.c(w, j + 1) <= best_worth:
-                break  # even this draft's most confident bin would not pay: do not look at it
-            t0 = time.perf_counter()
             q, conf = rule.propose(win.head(j + 1))
-            if j == 0:
-                self._quartile(self.look_s, time.perf_counter() - t0)
-                self.freq = [f * self.memory for f in self.freq]
-                self.freq[self._bin(conf)] += 1
             props.append((q, conf))
             chance *= self.rate(j, conf)
             expected += chance
-            worth = expected / self.c(w, j + 1)
+            worth = expected / self.c(1, j + 1)
             if worth > best_worth:
                 best_worth, depth = worth, j + 1
-            elif len(props) > depth + probe:
+            else:
                 break
-        return props, min(len(props), depth + probe)
+        return props, depth
 
 
 _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sampling setting: _Planner}
@@ -573,7 +574,7 @@ def _planner(model, setting: tuple) -> "_Planner":
 
 
 def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = None, plan: _Planner | None = None,
-               probe_every: int = 16) -> None:
+               probe_every: int = 64) -> None:
     """Speculative decoding (see the module docstring) with verification `rule` (_Greedy or _Sampled) and
     depth chosen by `plan` (or fixed: depth). Ends when emit() says so."""
     K = win.cfg.n_mtp
@@ -588,7 +589,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         room = max(0, win.room() - 1)  # the window is (nearly) full: do what plain decoding would
         rounds += 1
         if depth is None:
-            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 0, w=w)
+            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 2)
         else:
             d = min(depth, K - 1, room)
             props = [rule.propose(win.head(k)) for k in range(1, d + 1)]
@@ -614,8 +615,8 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
                 if emit(t):
                     return
         now = clock()
-        if win.jumps == jumps:  # a round that refilled the window after a jump is no plain step
-            plan.timed(w, d, now - last)  # this round: from the end of the last one (its emits included)
+        if win.jumps == jumps and (d or w or rounds % 4 == 1):  # a round that refilled the window after a
+            plan.timed(w, d, now - last)  # jump is no plain step; 1 in 4 plain steps after plain steps suffice  # this round: from the end of the last one (its emits included)
         last, w, jumps = now, int(d > 0), win.jumps
 
 

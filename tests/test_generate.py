@@ -301,43 +301,46 @@ class FakeRule:
         return 0, self.confs.pop(0)
 
 
-@pytest.mark.parametrize("r1,depth", [(0.5, 1), (0.1, 0), (0.95, 2)])
+def planner(r1: float, r2: float = 0.3) -> "gen._Planner":
+    """The docstring's example: 1.0 ms a plain step, 1.2 / 1.45 ms for 1 / 2 drafts back to back, 1.6 / 1.9 ms
+    for a lone verification among plain steps; acceptance r1, r2 in every confidence bin and on average."""
+    plan = gen._Planner(2)
+    plan.cost = [[1.0e-3, 1.6e-3, 1.9e-3], [1.0e-3, 1.2e-3, 1.45e-3]]
+    plan.hits, plan.seen = [[r1] * 4, [r2] * 4], [[1.0] * 4, [1.0] * 4]
+    plan.avg = [[r1, 1.0], [r2, 1.0]]
+    return plan
+
+
+@pytest.mark.parametrize("r1,on", [(0.5, True), (0.4, True), (0.15, False), (0.0, False)])
+def test_planner_speculates_where_back_to_back_rounds_pay(r1, on):
+    """r1 = .4 does not pay for a lone verification (1.4/1.6 < 1) but does round after round (1.4/1.2)."""
+    plan = planner(r1)
+    assert plan.pays() is on
+    props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False)
+    assert (d >= 1) is on and len(props) >= d
+    if not on:
+        assert props == []  # off: not even looked at
+
+
+@pytest.mark.parametrize("r1,depth", [(0.5, 1), (0.95, 2)])
 def test_planner_picks_the_depth_worth_most(r1, depth):
-    """The docstring's example: costs 1.0 / 1.1 / 1.25 ms for 0 / 1 / 2 drafts, r2 = .3 (r1 = .95: worth
-    1.95/1.1 = 1.77 < (1.95 + .95·.3)/1.25 = 1.79, so both drafts)."""
-    plan = gen._Planner(2)
-    plan.cost = [[1.0e-3, 1.1e-3, 1.25e-3], [None] * 3]  # measured after plain rounds only: used for both
-    plan.hits = [[r1] * 4, [0.3] * 4]
-    for w in (0, 1):
-        props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False, w=w)
-        assert d == depth and len(props) >= d
-    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=True, w=0)
-    assert d == min(depth + 1, 2)  # a probe verifies one more
-    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=0, probe=True, w=0)
-    assert d == 0  # no room in the window
+    """r1, r2 = .5, .3: 1.5/1.2 = 1.25 > 1.65/1.45 = 1.14 -> 1 draft; r1, r2 = .95, .9: 1.95/1.2 = 1.63 <
+    2.805/1.45 = 1.93 -> 2 drafts."""
+    plan = planner(r1, 0.9 if depth == 2 else 0.3)
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False)
+    assert d == depth
+    _, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=1, probe=False)
+    assert d == 1  # the window has room for one draft only
+    assert plan.choose(FakeWindow(), FakeRule([]), room=0, probe=True) == ([], 0)  # no room at all
 
 
-def test_planner_uses_the_cost_after_a_drafting_round():
-    """A lone verification costs 1.6 plain steps, one right after another 1.2: with r1 = .4 drafting does not
-    pay from a plain round (1.4/1.6) but does from a drafting one (1.4/1.2)."""
-    plan = gen._Planner(1)
-    plan.cost = [[1.0e-3, 1.6e-3], [1.0e-3, 1.2e-3]]
-    plan.hits = [[0.4] * 4]
-    assert plan.choose(FakeWindow(), FakeRule([0.5]), room=10, probe=False, w=0)[1] == 0
-    assert plan.choose(FakeWindow(), FakeRule([0.5]), room=10, probe=False, w=1)[1] == 1
-
-
-def test_planner_skips_looking_when_no_confidence_bin_pays():
-    plan = gen._Planner(2)
-    plan.cost = [[1.0e-3, 1.1e-3, None], [None] * 3]
-    plan.hits[0] = [0.01, 0.02, 0.05, 0.9]  # only very confident drafts pay ...
-    plan.freq = [100, 1, 1, 0.1]            # ... and they almost never occur ...
-    plan.look_s = [0.05e-3]                 # ... while looking costs 5 % of a plain step
-    for _ in range(8):  # decided once for 8 rounds
-        assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False, w=0) == ([], 0)  # not even looked at
-    plan.freq = [1, 1, 1, 10]
-    _, d = plan.choose(FakeWindow(), FakeRule([0.9, 0.1]), room=10, probe=False, w=0)
-    assert d == 1
+def test_planner_probes_in_bursts_while_off():
+    plan = planner(0.0)
+    assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)
+    for _ in range(gen._Planner.BURST):  # a probe: this round and the next two verify every draft
+        props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False if _ else True)
+        assert d == 2 and len(props) == 2
+    assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)
 
 
 def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs):
