@@ -29,7 +29,7 @@ def run(args) -> int:
     else:
         if args.samples < 1:
             raise UserError("--samples must be at least 1")
-        from ..dpo import check_dpo
+        from ..check import check_dpo
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
                 + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
                 + [dataclasses.replace(r, name="gpt2: " + r.name)
