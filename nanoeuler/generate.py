@@ -436,30 +436,32 @@ class _Planner:
 
     Cost: cost[w][d] is the wall time of a round that verifies d drafts (drafting, the forward of d+1
     tokens, the checks, emitting; d = 0 is a plain step), w = whether the round before it verified drafts
-    too, as the lower quartile of its last 15 samples (on a busy machine about one round in five loses
+    too, as the lower quartile of its last 31 samples (on a busy machine about one round in five loses
     the CPU to another process for ~20 ms; a quartile, the minimum of the first 3, is not moved by that,
     where a mean or a median of few samples was). The two tables differ: on `small` here a lone
     verification among plain steps cost 1.6-1.75x a plain step, one after another only 1.2-1.3x (the
     verification's code and data are no longer in the CPU caches). So the planner works in two regimes
     rather than round by round (mixing them paid the lone price for every draft, and lost):
 
-        off: plain steps; every `probe_every`-th round a burst of 3 rounds verifying every draft
-             (rates and back-to-back costs stay fresh; ~1.5 % of a plain step's time per round)
-        on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts
+        off: plain steps; every `probe_every`-th round a burst of 3 rounds verifying 1 draft each
+             (draft 1's rate and the back-to-back cost stay fresh; ~1 % of a plain step's time per round)
+        on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts;
+             every `probe_every`-th round a burst of 3 plain steps (the plain cost stays fresh)
 
     Worth of a round verifying d drafts: E(d) / cost[1][d] tokens per second, E(d) = 1 + r1 + r1·r2 + ...
     the expected tokens it emits. The regime is `on` while the best worth with the drafts' average
-    acceptance beats a plain step (cost[0][0]) by 5 % (costs are noisy on a busy machine; plain decoding
-    is the safe side), decided again every 8 rounds:
+    acceptance beats a plain step (cost[0][0]) by 15 %, decided again every 8 rounds (with 5 % it was on
+    at 30 % acceptance on the `make demo` model and measured 0.93-0.99x: costs and rates measured on a
+    busy machine err, and plain decoding is the safe side):
 
         cost = 1.0 ms plain, 1.2 / 1.45 ms for 1 / 2 drafts back to back
-        r1 = .5, r2 = .3:  worth 1.5/1.2 = 1.25, 1.65/1.45 = 1.14  > 1.05/1.0  -> on, mostly 1 draft
-        r1 = .15:          worth 1.15/1.2 = 0.96                  < 1.05      -> off
+        r1 = .5, r2 = .3:  worth 1.5/1.2 = 1.25, 1.65/1.45 = 1.14  > 1.15/1.0  -> on, mostly 1 draft
+        r1 = .3:           worth 1.3/1.2 = 1.08                    < 1.15      -> off
 
     Within `on`, the depth follows how sure the draft heads are: rate(j, conf) estimates P(draft j+1
     accepted | the drafts before it accepted) for a draft whose head is `conf` sure of it (4 confidence
     bins, priors .15/.45/.72/.92, a memory of ~30 observations per bin); drafts are proposed one by one
-    while each adds worth. An unmeasured cost is taken from the other table, else extrapolated (+25 % of a
+    while each adds 5 % of worth. An unmeasured cost is taken from the other table, else extrapolated (+25 % of a
     plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the forward of d + 1
     tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A planner lives as long as its model,
     one per sampling setting (`_planner`), so a chat's short replies do not each start from the priors.
@@ -468,7 +470,7 @@ class _Planner:
     only with a fixed depth (generate's spec_depth)."""
 
     PRIOR = (0.15, 0.45, 0.72, 0.92)
-    MARGIN = 1.05   # worth needed over a plain step to speculate (costs measured on a busy machine are noisy)
+    MARGIN = 1.15   # worth needed over a plain step to speculate (costs measured on a busy machine are noisy)
     BURST = 3       # rounds of a probe
 
     def __init__(self, max_depth: int, memory: float = 0.97):
@@ -479,8 +481,8 @@ class _Planner:
         self.seen = [[1.0] * len(self.PRIOR) for _ in range(max_depth)]  # [D][bins] decayed counts
         self.avg = [[0.3, 1.0] for _ in range(max_depth)]           # [D] (decayed sum, count) over all bins
         self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
-        self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 15 of each
-        self.on, self.recheck, self.burst = False, 0, 0
+        self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 31 of each
+        self.on, self.recheck, self.burst, self.plain = False, 0, 0, 0
 
     def _bin(self, conf: float) -> int:
         return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)
@@ -504,7 +506,7 @@ class _Planner:
         """A round of depth d (after a round that drafted: w = 1) took `seconds`."""
         last = self.samples[w][d]
         last.append(seconds)
-        if len(last) > 15:
+        if len(last) > 31:
             del last[0]
         self.cost[w][d] = sorted(last)[len(last) // 4]
 
@@ -533,6 +535,9 @@ class _Planner:
             self.recheck -= 1
         else:
             self.on, self.recheck = self.pays(), 7
+        if self.on and (probe or self.plain > 0):
+            self.plain = self.BURST - 1 if probe else self.plain - 1
+            return [], 0
         if self.burst == 0 and not self.on:
             if not probe:
                 return [], 0
@@ -540,7 +545,7 @@ class _Planner:
         if self.burst > 0:
             self.burst -= 1
             self.recheck = 0 if self.burst == 0 else self.recheck  # decide on what the probe found
-            return [rule.propose(win.head(j + 1)) for j in range(D)], D
+            return [rule.propose(win.head(1))], 1
         props: list = []
         best_worth, depth, expected, chance = 0.0, 1, 1.0, 1.0
         for j in range(D):
@@ -549,7 +554,7 @@ class _Planner:
             chance *= self.rate(j, conf)
             expected += chance
             worth = expected / self.c(1, j + 1)
-            if worth > best_worth:
+            if worth > best_worth * (1.05 if j else 1.0):
                 best_worth, depth = worth, j + 1
             else:
                 break
@@ -574,7 +579,7 @@ def _planner(model, setting: tuple) -> "_Planner":
 
 
 def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = None, plan: _Planner | None = None,
-               probe_every: int = 64) -> None:
+               probe_every: int = 128) -> None:
     """Speculative decoding (see the module docstring) with verification `rule` (_Greedy or _Sampled) and
     depth chosen by `plan` (or fixed: depth). Ends when emit() says so."""
     K = win.cfg.n_mtp
