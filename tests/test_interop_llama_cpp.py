@@ -86,3 +86,21 @@ def test_llama_cpp_reads_the_tokenizer_metadata(run, tmp_path):
     text = bundled_works()["macbeth"][:20000]
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text)
     assert llm.token_eos() == tok.eos_id
+
+
+@pytest.mark.parametrize("style", ["gpt2", "smollm", "llama3", "qwen2"])
+def test_imported_tokenizers_keep_their_pre_tokenizer_in_llama_cpp(style, tmp_path):
+    """An imported Hugging Face tokenizer exported to GGUF names llama.cpp's matching pre-tokenizer
+    (gpt-2, smollm, llama-bpe, qwen2): llama.cpp then encodes text as we do."""
+    pytest.importorskip("transformers")
+    from test_interop import hf_tokenizer_json, make_hf_llama
+    from nanoeuler.interop.importer import import_folder
+    text = bundled_works()["hamlet"][:60000]
+    d = tmp_path / "hf"
+    make_hf_llama(d, hf_tokenizer_json(text, style), tied=True, shards=1)
+    import_folder(d, tmp_path / "run", progress=False)
+    m, tok = Model.load(tmp_path / "run"), load_tokenizer(tmp_path / "run")
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)
+    llm = LlamaCpp(path, n_ctx=m.config.ctx_len).llm
+    probe = bundled_works()["tempest"][:20000] + " In 1599, 12345 men  spent $3.50\n\n  in 2 days\t\n 7 "
+    assert llm.tokenize(probe.encode(), add_bos=False, special=False) == tok.encode(probe)
