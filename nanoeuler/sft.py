@@ -63,13 +63,21 @@ def load_examples(path: str | Path) -> tuple[list[dict], list[str]]:
         raise UserError(f"SFT data {path} not found")
     try:
         text = path.read_text(encoding="utf-8")
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        names = None
+        if path.suffix == ".jsonl":              # errors name the file's line, not the record's index
+            records, names = [], []
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except (ValueError, RecursionError) as e:
+                        raise UserError(f"SFT data {path}, line {lineno}: not valid JSON ({e})") from None
+                    names.append(f"line {lineno}")
         else:
             records = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"SFT data {path} is not valid JSON ({e})") from None
-    good, bad = validate_alpaca(records)
+    except (ValueError, RecursionError) as e:   # not UTF-8, not JSON, nested too deep
+        raise UserError(f"SFT data {path} is not valid JSON ({str(e)[:120]})") from None
+    good, bad = validate_alpaca(records, names)
     if not good:
         raise UserError(f"SFT data {path} holds no valid record" + (f" ({bad[0]})" if bad else ""))
     return good, bad

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -464,8 +465,18 @@ def truncate_log(log_path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from (they will be written again)."""
     if not log_path.exists():
         return
-    lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    kept, junk = [], 0
+    for ln in log_path.read_bytes().decode("utf-8", "replace").splitlines():   # a damaged log is no reason to stop
+        try:
+            row = json.loads(ln) if ln.strip() else None
+        except (ValueError, RecursionError):
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step", 0), int) and row.get("step", 0) <= step:
+            kept.append(ln)
+        elif ln.strip() and not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            junk += 1
+    if junk:
+        print(f"warning: dropped {junk} unreadable line(s) of {log_path}", file=sys.stderr)
     log_path.write_text("".join(ln + "\n" for ln in kept))
 
 

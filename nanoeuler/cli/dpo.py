@@ -45,7 +45,9 @@ def register(sub) -> None:
                    help=f"add this times the per-token NLL of the chosen responses to the loss (DPO + NLL; "
                         f"default {NLL_WEIGHT}; 0 = plain DPO; on --resume: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the DPO run in --out")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
+    from .args import positive_int
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
+                   help="stop (with a checkpoint) after N steps")
     add_hyperparameters(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -151,7 +153,15 @@ def run_eval(args) -> int:
     from ..sft import fits_context
     if args.limit < 0 or args.max_new_tokens < 1 or not args.beta > 0:
         raise UserError("--limit must be >= 0, --max-new-tokens >= 1 and --beta > 0")
-    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    if args.ref:   # the reference must be the same model shape with the same tokenizer, or its loss means nothing
+        ref = Model.load(args.ref, read_only=True)
+        if ref.config != model.config:
+            raise UserError(f"--ref {args.ref} has a different config than {args.ckpt}; give the SFT run it was "
+                            f"tuned from")
+        if load_tokenizer(args.ref, read_only=True).fingerprint() != tok.fingerprint():
+            raise UserError(f"--ref {args.ref} has a different tokenizer than {args.ckpt}; give the SFT run it was "
+                            f"tuned from")
     fits = fits_context(tok, model.config.ctx_len)
     pairs = offline_pairs(fits=fits)[1] if args.data == "offline" else load_pairs(args.data)[0]
     if args.limit:
@@ -163,7 +173,6 @@ def run_eval(args) -> int:
     result = {"ckpt": args.ckpt, "pairs": len(tp), "truncated": tp.truncated, "dropped": tp.dropped,
               "policy_accuracy": float(np.mean(pc > pr))}
     if args.ref:
-        ref = Model.load(args.ref)
         rc, rr = pair_logprobs(ref.config, ref.params, tp, pad_id=tok.eos_id, progress=not args.no_progress)
         result |= {k: v for k, v in preference_metrics(pc, pr, rc, rr, args.beta).items() if k != "policy_accuracy"}
         result["ref"] = args.ref
@@ -200,7 +209,7 @@ def run_data(args) -> int:
         from ..checkpoint import load_tokenizer
         from ..model import Model
         from ..sft import fits_context
-        model, tok = Model.load(args.from_model), load_tokenizer(args.from_model)
+        model, tok = Model.load(args.from_model, read_only=True), load_tokenizer(args.from_model, read_only=True)
         train, held = offline_pairs(fits=fits_context(tok, model.config.ctx_len))
         if args.n_train:
             train = train[:args.n_train]

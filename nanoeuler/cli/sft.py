@@ -35,7 +35,9 @@ def register(sub) -> None:
                    help="validation file (default: 1 in 50 records of --data, chosen by hash; offline: its held-out split)")
     p.add_argument("--out", required=True, help="run directory of the fine-tuned model")
     p.add_argument("--resume", action="store_true", help="continue the SFT run in --out")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop (with a checkpoint) after N steps")
+    from .args import positive_int
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
+                   help="stop (with a checkpoint) after N steps")
     p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
     add_hyperparameters(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -109,7 +111,7 @@ def run_sft(args) -> int:
     else:
         if not args.base:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
-        model, tok = Model.load(args.base), load_tokenizer(args.base)
+        model, tok = Model.load(args.base, read_only=True), load_tokenizer(args.base, read_only=True)
         tcfg = train_config_from_args(args, SFT_DEFAULTS)
     cfg = model.config
     train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
@@ -137,7 +139,7 @@ def run_eval(args) -> int:
     from ..errors import UserError
     from ..model import Model
     from ..sft import load_examples, score_answers
-    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     if args.limit < 0 or args.max_new_tokens < 1:
         raise UserError("--limit must be >= 0 and --max-new-tokens >= 1")
     records = offline_records(tok, model.config.ctx_len)[1] if args.data == "offline" else load_examples(args.data)[0]

@@ -25,10 +25,11 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: DATA/tokenizer.json)")
     p.add_argument("--out", default=None, help="run directory (default: runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+    from .args import nonneg_int, positive_int
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps of this invocation; --steps stays the planned total")
     add_hyperparameters(p)
-    p.add_argument("--init-seed", type=int, default=0, help="seed of the weight initialisation (default 0)")
+    p.add_argument("--init-seed", type=nonneg_int, default=0, help="seed of the weight initialisation (default 0)")
     p.add_argument("--init-from", metavar="RUN", default=None,
                    help="fine-tune: start from this checkpoint's weights and config (e.g. GPT-2 from `nanoeuler "
                         "import`) instead of a fresh init; its tokenizer unless --tokenizer; needs --out")
@@ -46,8 +47,8 @@ def register(sub) -> None:
                                    "validation split of a token shard directory (all of it by default).")
     e.add_argument("--ckpt", required=True, help="checkpoint directory")
     e.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
-    e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--max-batches", type=int, default=0, help="evaluate only this many batches (0 = all)")
+    e.add_argument("--batch-size", type=positive_int, default=16)
+    e.add_argument("--max-batches", type=nonneg_int, default=0, help="evaluate only this many batches (0 = all)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(run=run_eval)
 
@@ -55,21 +56,22 @@ def register(sub) -> None:
 def add_hyperparameters(p, dropout: bool = True) -> None:
     """The TrainConfig fields as flags; unset flags take the TrainConfig (or preset) default.
     dropout=False leaves out --dropout (for a loop that does not apply it: DPO)."""
+    from .args import finite_float, nonneg_int, positive_int   # every value finite and in range (issue 14)
     g = p.add_argument_group("hyper-parameters (defaults: nanoeuler.train.TrainConfig)")
-    g.add_argument("--steps", type=int, help="planned total number of optimizer steps")
-    g.add_argument("--batch-size", type=int, help="sequences per optimizer step")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per step (batch-size must divide by it)")
-    g.add_argument("--lr", type=float, help="peak learning rate")
-    g.add_argument("--warmup", type=int, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
-    g.add_argument("--grad-clip", type=float, help="global gradient-norm clip")
+    g.add_argument("--steps", type=positive_int, help="planned total number of optimizer steps")
+    g.add_argument("--batch-size", type=positive_int, help="sequences per optimizer step")
+    g.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (batch-size must divide by it)")
+    g.add_argument("--lr", type=finite_float(0, 10, lo_open=True), help="peak learning rate, in (0, 10]")
+    g.add_argument("--warmup", type=nonneg_int, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=finite_float(0, 10), help="decoupled weight decay on matrices")
+    g.add_argument("--grad-clip", type=finite_float(0, lo_open=True), help="global gradient-norm clip")
     if dropout:
-        g.add_argument("--dropout", type=float, help="dropout rate on every residual branch while training "
-                                                     "(0 = none)")
-    g.add_argument("--seed", type=int, help="seed of the data order")
-    g.add_argument("--eval-every", type=int, help="steps between validation evals")
-    g.add_argument("--eval-batches", type=int, help="validation batches per periodic eval (0 = all)")
-    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+        g.add_argument("--dropout", type=finite_float(0, 1, hi_open=True),
+                       help="dropout rate on every residual branch while training (0 = none)")
+    g.add_argument("--seed", type=nonneg_int, help="seed of the data order (>= 0)")
+    g.add_argument("--eval-every", type=positive_int, help="steps between validation evals")
+    g.add_argument("--eval-batches", type=nonneg_int, help="validation batches per periodic eval (0 = all)")
+    g.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
 
 
 def add_dist_arguments(p) -> None:
@@ -151,12 +153,20 @@ def run_train(args) -> int:
     preset = args.config if args.config in PRESETS else None
     out = Path(args.out or f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
     if args.resume:
+        from ..checkpoint import check_trainer_state, read_json
+        if not (out / "trainer.json").is_file():   # validate first, create nothing (no bundled data) before
+            raise UserError(f"nothing to resume in {out} (no trainer.json); start without --resume")
+        state = check_trainer_state(read_json(out / "trainer.json", "resume state"), out / "trainer.json")
+        if state.get("kind", "pretrain") != "pretrain":
+            raise UserError(f"{out} is a {state.get('kind')} run, not a pretraining run; resume it with its command")
+        if not args.data and not (BUNDLED_DATA / "manifest.json").exists():
+            raise UserError(f"give --data DATA (the data {out} was trained on): without it --resume reads the "
+                            f"bundled corpus, which is not prepared in {BUNDLED_DATA}")
         model = Model.load(out)
         if args.config and model.config != (PRESETS[preset] if preset else Config.load(args.config)):
             raise UserError(f"{out} was trained with a different config than {args.config}")
         cfg = model.config
-        saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
-        tcfg = train_config_from_args(args, saved)
+        tcfg = train_config_from_args(args, state.get("train_config") or {})
     elif args.init_from:  # fine-tuning: the checkpoint's weights and config, a fresh optimizer and schedule
         if args.config or not args.out:
             raise UserError("--init-from takes the config of its checkpoint: give --out, and no config")
@@ -166,6 +176,15 @@ def run_train(args) -> int:
     else:
         cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
         tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
+        data_tok = Path(args.tokenizer) if args.tokenizer else Path(args.data) / "tokenizer.json" if args.data else None
+        if data_tok is not None and data_tok.is_file():
+            n_vocab = Tokenizer.load(data_tok).vocab_size
+            if n_vocab > cfg.vocab_size:   # the data's tokenizer is larger: take its vocab, keep the other dims
+                print(f"vocab_size {n_vocab} from the data's tokenizer ({preset or args.config} has "
+                      f"{cfg.vocab_size}; its other dimensions unchanged)")
+                cfg = cfg.replace(vocab_size=n_vocab)
+        from ..memory import check_fits
+        check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
     if args.device == "gpu":
         from ..gpu.engine import GpuModel  # UserError when CuPy or a device is missing
@@ -179,7 +198,7 @@ def run_train(args) -> int:
     if args.resume:
         tok = load_tokenizer(out)
     elif args.init_from and not args.tokenizer:
-        tok = load_tokenizer(args.init_from)
+        tok = load_tokenizer(args.init_from, read_only=True)
     else:
         tok_path = Path(args.tokenizer) if args.tokenizer else data / "tokenizer.json"
         if not tok_path.exists():
@@ -217,14 +236,14 @@ def run_eval(args) -> int:
     from ..errors import UserError
     from ..model import Model
     from ..train import PretrainSource, evaluate
-    model = Model.load(args.ckpt)
+    model = Model.load(args.ckpt, read_only=True)      # eval changes nothing in the checkpoint
     data = Path(args.data) if args.data else BUNDLED_DATA
     if not (data / "manifest.json").exists():
         raise UserError(f"no token shards in {data}; run `nanoeuler prepare` (or `nanoeuler train` for the bundled corpus)")
     if args.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     source = PretrainSource(data, args.batch_size, model.config.ctx_len, model.config.n_mtp)
-    source.val.check_tokenizer(load_tokenizer(args.ckpt).fingerprint())
+    source.val.check_tokenizer(load_tokenizer(args.ckpt, read_only=True).fingerprint())
     result = evaluate(model, source, args.max_batches)
     if args.json:
         print(json.dumps(result))
