@@ -98,6 +98,7 @@ def main() -> int:
     ap.add_argument("--ckpt", action="append", default=[], help="a trained checkpoint to run too (repeatable)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for random-init models")
+    ap.add_argument("--prompt", default=PROMPT, help="prompt text for trained models (default: the opening of Hamlet's soliloquy)")
     ap.add_argument("--repeat", type=int, default=5, help="back-to-back pairs per model and temperature (seeds 0..)")
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rows (default 0.8)")
     ap.add_argument("--top-k", type=int, default=40, help="top-k of the sampled rows (default 40; 0 = all)")
@@ -112,7 +113,7 @@ def main() -> int:
     rows = []
     for path in args.ckpt:
         model, tok = Model.load(path), load_tokenizer(path)
-        ids = tok.encode(PROMPT)[-model.config.ctx_len:]
+        ids = tok.encode(args.prompt)[-model.config.ctx_len:]
         rows.append(bench_model(f"{path} (trained)", model, ids, args))
     for preset in [p for p in args.presets.split(",") if p]:
         model = Model.from_preset(preset, seed=0)

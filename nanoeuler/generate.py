@@ -518,7 +518,11 @@ class _Planner:
         return self.c(w, 0) * (1 + 0.25 * d)
 
     def pays(self) -> bool:
-        """Does speculating, round after round, beat plain steps (by MARGIN) at the average acceptance?"""
+        """Does speculating, round after round, beat plain steps (by MARGIN) at the average acceptance? Not
+        before 5 plain steps are timed (a first plain step that lost the CPU for 20 ms once made every
+        verification look cheap)."""
+        if len(self.samples[0][0]) < 5:
+            return False
         expected, chance, best = 1.0, 1.0, 0.0
         for j in range(self.D):
             chance *= self.avg[j][0] / self.avg[j][1]
