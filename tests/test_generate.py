@@ -306,6 +306,7 @@ def planner(r1: float, r2: float = 0.3) -> "gen._Planner":
     for a lone verification among plain steps; acceptance r1, r2 in every confidence bin and on average."""
     plan = gen._Planner(2)
     plan.cost = [[1.0e-3, 1.6e-3, 1.9e-3], [1.0e-3, 1.2e-3, 1.45e-3]]
+    plan.samples[0][0] = [1.0e-3] * 5  # enough plain steps timed to decide
     plan.hits, plan.seen = [[r1] * 4, [r2] * 4], [[1.0] * 4, [1.0] * 4]
     plan.avg = [[r1, 1.0], [r2, 1.0]]
     return plan
@@ -317,6 +318,10 @@ def test_planner_speculates_where_back_to_back_rounds_pay(r1, on):
     1.21 > 1.15); r1 = .3 does not pay enough (1.3/1.2 = 1.08 < 1.15)."""
     plan = planner(r1)
     assert plan.pays() is on
+    if on:  # not before 5 plain steps were timed
+        plan.samples[0][0] = plan.samples[0][0][:4]
+        assert not plan.pays()
+        plan.samples[0][0].append(1.0e-3)
     props, d = plan.choose(FakeWindow(), FakeRule([0.5, 0.5]), room=10, probe=False)
     assert (d >= 1) is on and len(props) >= d
     if not on:
