@@ -23,10 +23,10 @@ top-k / top-p) and verified by the standard accept/reject rule against head 0's 
 
 so every emitted token has exactly plain sampling's distribution (`_Sampled`; tests/test_generate.py
 checks it by chi-square). The cache is rolled back to the accepted tokens (rejected drafts are simply
-overwritten later). How many drafts a round verifies, 0 (a plain step) .. K-1, is decided per round by
-`_Planner` from the measured acceptance (per draft confidence) and the measured cost of rounds of each
-depth: a verification forward of a few tokens costs little more than a 1-token step, but a draft that
-is rarely accepted still does not pay, and then decoding falls back to plain steps.
+overwritten later). Whether to speculate at all, and how many drafts a round verifies (1 .. K-1), is
+decided by `_Planner` from the measured acceptance and the measured cost of rounds: a verification
+forward of a few tokens costs little more than a 1-token step, but drafts that are rarely accepted
+still do not pay, and then decoding is plain KV-cache decoding with a short probe every 128 rounds.
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
 the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
@@ -443,8 +443,9 @@ class _Planner:
     verification's code and data are no longer in the CPU caches). So the planner works in two regimes
     rather than round by round (mixing them paid the lone price for every draft, and lost):
 
-        off: plain steps; every `probe_every`-th round a burst of 3 rounds verifying 1 draft each
-             (draft 1's rate and the back-to-back cost stay fresh; ~1 % of a plain step's time per round)
+        off: plain steps; every `probe_every`-th round (counted over all calls sharing the planner) a
+             burst of 3 rounds verifying 1 draft each (draft 1's rate and the back-to-back cost stay
+             fresh; ~1 % of a plain step's time per round)
         on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts;
              every `probe_every`-th round a burst of 3 plain steps (the plain cost stays fresh)
 
@@ -483,6 +484,7 @@ class _Planner:
         self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
         self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 31 of each
         self.on, self.recheck, self.burst, self.plain = False, 0, 0, 0
+        self.rounds = 0  # rounds decided, over all the calls that share this planner (the probe clock)
 
     def _bin(self, conf: float) -> int:
         return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)
@@ -589,16 +591,16 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
     K = win.cfg.n_mtp
     plan = plan or _Planner(K - 1)
     clock = time.perf_counter  # one reading per round
-    forced, rounds = None, 0  # forced: the next token, when a rejection already decided it
+    forced = None  # the next token, when a rejection already decided it
     last, w, jumps = clock(), 0, win.jumps  # w: whether the last round drafted
     while True:
         t1 = forced if forced is not None else rule.pick(win.head(0))
         if emit(t1):
             return
         room = max(0, win.room() - 1)  # the window is (nearly) full: do what plain decoding would
-        rounds += 1
+        plan.rounds += 1
         if depth is None:
-            props, d = plan.choose(win, rule, room, probe=rounds % probe_every == 2)
+            props, d = plan.choose(win, rule, room, probe=plan.rounds % probe_every == 2)
         else:
             d = min(depth, K - 1, room)
             props = [rule.propose(win.head(k)) for k in range(1, d + 1)]
@@ -624,7 +626,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
                 if emit(t):
                     return
         now = clock()
-        if win.jumps == jumps and (d or w or rounds % 4 == 1):  # a round that refilled the window after a
+        if win.jumps == jumps and (d or w or plan.rounds % 4 == 1):  # a round that refilled the window after a
             plan.timed(w, d, now - last)  # jump is no plain step; 1 in 4 plain steps after plain steps suffice  # this round: from the end of the last one (its emits included)
         last, w, jumps = now, int(d > 0), win.jumps
 
