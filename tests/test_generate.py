@@ -267,6 +267,15 @@ def test_speculative_sampling_has_plain_sampling_distribution(spec_model, mode, 
     assert chi_square_p(spec_model, mode, **kwargs) > 1e-4
 
 
+def test_adaptive_speculative_sampling_has_plain_sampling_distribution(spec_model, monkeypatch, steady_costs):
+    """The planner's own choices (forced into its `on` regime: depth 1 or 2 by the drafts' confidence)
+    keep the distribution exact: depth is decided before the drafts are drawn."""
+    monkeypatch.setattr(gen._Planner, "pays", lambda self: True)
+    assert chi_square_p(spec_model, "speculative", temperature=1.0) > 1e-4
+    g = generate(spec_model, PROMPT, 60, temperature=1.0, seed=0, mode="speculative")
+    assert g.draft_rounds > 0.5 * (g.forwards - 1)  # it did speculate
+
+
 @pytest.mark.parametrize("wrong", ["reject_draws_from_p", "always_accept"])
 def test_chi_square_catches_a_wrong_rule(spec_model, monkeypatch, wrong):
     """The test above has power: a classic bug in the rule makes it fail by a wide margin."""
