@@ -106,12 +106,12 @@ def run_dpo(args) -> int:
         sft = sft or state.get("sft")
         if not sft:
             raise UserError("--sft RUN is required: the run does not record its reference checkpoint")
-        reference = Model.load(sft)
+        reference = Model.load(sft, read_only=True)     # the SFT run is only read
     else:
         if not sft:
             raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
-        model, tok = Model.load(sft), load_tokenizer(sft)
-        reference = Model.load(sft)  # a separate copy: the policy is trained in place
+        model, tok = Model.load(sft, read_only=True), load_tokenizer(sft, read_only=True)
+        reference = Model.load(sft, read_only=True)  # a separate copy: the policy is trained in place
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
