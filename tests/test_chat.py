@@ -100,3 +100,33 @@ def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):
     assert "kept the last 256" in capsys.readouterr().err
     assert main(["sample", "--ckpt", str(run_dir), "--prompt", "x", "--top-p", "2"]) == 2
     assert "error: --top-p" in capsys.readouterr().err
+
+
+def test_sampling_speculates_unless_a_seed_must_replay(run_dir, capsys):
+    """Speculative sampling draws plain sampling's distribution but not its tokens for a seed, so `sample`
+    speculates at temperature > 0 only without --seed; a seeded sample replays exactly."""
+    import json
+    from nanoeuler.cli import main
+
+    def run(*flags):
+        assert main(["sample", "--ckpt", str(run_dir), "--prompt", "Who", "--max-new-tokens", "8",
+                     "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+    assert run("--temperature", "0.8")["mode"] == "speculative"
+    assert run("--temperature", "0")["mode"] == "speculative"
+    assert run("--temperature", "0.8", "--no-speculative")["mode"] == "cache"
+    seeded = [run("--temperature", "0.8", "--seed", "3") for _ in range(2)]
+    assert seeded[0]["mode"] == "cache" and seeded[0]["text"] == seeded[1]["text"]
+
+
+def test_chat_speculates_when_sampling_without_a_seed(run_dir, monkeypatch):
+    calls = []
+
+    def fake_generate(model, ids, *a, mode="cache", **kw):
+        calls.append(mode)
+        return generate(model, ids, *a, mode=mode, **kw)
+    monkeypatch.setattr("nanoeuler.generate.generate", fake_generate)
+    model, tok = Model.load(run_dir, read_only=True), Tokenizer.load(run_dir / "tokenizer.json")
+    for seed, expect in ((None, "speculative"), (5, "cache")):
+        Chat(model, tok, temperature=0.8, seed=seed, max_new_tokens=4).handle("Who speaks?", lambda s: None)
+        assert calls[-1] == expect

@@ -100,3 +100,22 @@ def test_signal_ends_open_streams_and_exits_0(sig):
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_serve_loads_read_only(tmp_path, capsys):
+    """serve only reads its checkpoint: debris of an interrupted save is left where it lies (a writing load
+    would remove it), even on the way to an error."""
+    import shutil
+
+    from nanoeuler import checkpoint as ckpt
+    run = tmp_path / "run"
+    shutil.copytree(shared_checkpoint()[0], run)
+    (run / ckpt.STAGING).mkdir()
+    (run / ckpt.STAGING / "half.bin").write_bytes(b"x")
+    before = sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        code, out = run_main(["serve", "--ckpt", str(run), "--port", str(busy.getsockname()[1])], capsys)
+    assert code == 2 and "in use" in out.err
+    assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before

@@ -43,6 +43,7 @@ class Chat:
         self.model, self.tok = model, tok
         self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
         self.speculative = speculative
+        self.replay = seed is not None  # a seeded chat replays the same text: its sampling stays plain
         self.rng = np.random.default_rng(seed)
         self.turns: list[list[int]] = []  # ids of each finished turn: prompt + reply + </s>
         self.last_reply: list[int] = []
@@ -91,11 +92,11 @@ class Chat:
         def stream(token):
             if token != eos:
                 write(escape_control(dec.feed(token)))
-        greedy = self.temperature == 0
+        speculate = self.speculative and (self.temperature == 0 or not self.replay)
         seed = int(self.rng.integers(2**31))
         try:
             g = generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
-                         stop_ids=[eos], mode="speculative" if greedy and self.speculative else "cache",
+                         stop_ids=[eos], mode="speculative" if speculate else "cache",
                          on_token=stream)
             reply, self.last_stopped = g.ids, g.stopped
             note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"

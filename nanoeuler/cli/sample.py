@@ -22,8 +22,9 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
     p.add_argument("--seed", type=nonneg_int, default=None, help="random seed >= 0 (same seed, same text)")
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"default {max_new}")
     p.add_argument("--no-speculative", action="store_true",
-                   help="greedy decoding one token per forward (by default greedy decoding drafts with the MTP "
-                        "heads and verifies with head 0: the same text, faster)")
+                   help="one token per forward. By default decoding drafts with the MTP heads and verifies with "
+                        "head 0 where that pays (greedy: the same text; sampling: the same distribution). "
+                        "With --seed, sampling is plain so that the same seed gives the same text")
 
 
 MIN_TEMPERATURE = 0.01   # below it (but > 0) logits / T overflow float32: use 0 (greedy) instead
@@ -73,7 +74,11 @@ class StdoutStream:
 
 
 def mode_of(args) -> str:
-    return "speculative" if args.temperature == 0 and not args.no_speculative else "cache"
+    """Speculative unless asked not to, or unless a seeded sample must replay the same text: speculative
+    sampling draws the same distribution as plain sampling, but which tokens a seed gives depends on the
+    timing-based planner."""
+    replay = args.temperature > 0 and args.seed is not None
+    return "cache" if args.no_speculative or replay else "speculative"
 
 
 def register(sub) -> None:

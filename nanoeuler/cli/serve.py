@@ -57,7 +57,7 @@ def run(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..model import Model
     from ..serve.app import bind, create_app, run_server
-    model, tok = Model.load(args.ckpt), load_tokenizer(args.ckpt)
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body)
