@@ -125,11 +125,7 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError("empty path")
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(f"{parent} is a file, not a directory")
-            break
+    _check_parents(p)
     return text
 
 
@@ -140,12 +136,17 @@ def output_dir(text: str) -> str:
         raise argparse.ArgumentTypeError("empty path")
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is a file, not a directory")
+    _check_parents(p)
+    return text
+
+
+def _check_parents(p: Path) -> None:
+    """The nearest existing folder above p must be a folder, not a file in the way."""
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise argparse.ArgumentTypeError(f"{parent} is a file, not a directory")
-            break
-    return text
+            return
 
 
 def escape_control(text: str) -> str:
