@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, say
 from .optim import clip_grad_norm
 
 FAULT_TAG = 7001  # (and FAULT_TAG + 1: "I have stopped")
@@ -123,15 +123,14 @@ class World:
         buf = bytearray(4096)
         self.comm.Recv([buf, self.MPI.BYTE], source=self.MPI.ANY_SOURCE, tag=FAULT_TAG, status=status)
         msg = bytes(buf[:status.Get_count(self.MPI.BYTE)]).decode("utf-8", "replace")
-        print(f"error: rank {self.rank}: stopping because rank {status.Get_source()} failed: {msg}",
-              file=sys.stderr, flush=True)
+        say(f"error: rank {self.rank}: stopping because rank {status.Get_source()} failed: {msg}")
         self.comm.Send([b"ok", self.MPI.BYTE], dest=status.Get_source(), tag=FAULT_TAG + 1)
         time.sleep(10)  # the failed rank aborts the job once every rank has said it stopped
         self.comm.Abort(1)
 
     def fail(self, message: str, code: int = 1) -> None:
         """This rank cannot go on: tell every other rank (they print it and exit) and abort the job."""
-        print(f"error: rank {self.rank}: {message}", file=sys.stderr, flush=True)
+        say(f"error: rank {self.rank}: {message}")
         data = message.encode()[:4000]
         reqs = [self.comm.Isend([data, self.MPI.BYTE], dest=r, tag=FAULT_TAG) for r in range(self.size) if r != self.rank]
         # wait (at most ACK_WAIT_S: a rank deep in a long step may not look) until every other rank has printed

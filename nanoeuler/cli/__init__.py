@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, say
 
 COMMAND_MODULES = ["check", "info", "tokenizer", "prepare", "train", "sample", "sft", "dpo", "chat", "data",
                    "bench", "demo", "interop", "serve"]
@@ -42,27 +42,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.run(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return e.exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        say("\ninterrupted")
         return 130
     except BrokenPipeError:
         return 0
     except MemoryError:
-        print("error: out of memory (use a smaller batch, context or model)", file=sys.stderr)
+        say("error: out of memory (use a smaller batch, context or model)")
         return 3
     except OSError as e:            # a full disk, a permission, a vanished file: one line, never a traceback
         if os.environ.get("NANOEULER_TRACEBACK"):
             raise
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        say(f"error: {e.strerror or e}{where}")
         return 3
     except Exception as e:          # a bug: still one line; NANOEULER_TRACEBACK=1 shows where it happened
         if os.environ.get("NANOEULER_TRACEBACK"):
             raise
-        print(f"error: internal error {type(e).__name__}: {str(e)[:300]} (a bug: please report it; "
-              f"NANOEULER_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        say(f"error: internal error {type(e).__name__}: {str(e)[:300]} (a bug: please report it; "
+            f"NANOEULER_TRACEBACK=1 shows the traceback)")
         return 1
     return int(code or 0)
 
