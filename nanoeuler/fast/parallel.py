@@ -68,6 +68,20 @@ def single_threaded_blas():
             _set_threads(prev)
 
 
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """OpenBLAS on n threads inside the block (the previous count restored after); a no-op without OpenBLAS."""
+    if _set_threads is None:
+        yield
+        return
+    prev = _get_threads()
+    _set_threads(n)
+    try:
+        yield
+    finally:
+        _set_threads(prev)
+
+
 def run_parts(fn, n: int) -> None:
     """fn(0), ..., fn(n-1) at once: fn(0) in the calling thread, the rest on a pool (exceptions re-raised)."""
     global _pool, _pool_size
