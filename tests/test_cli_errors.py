@@ -281,6 +281,10 @@ def test_read_only_commands_change_nothing(run_dir, tmp_path, capsys):
     assert main(["info", str(run)]) == 0
     capsys.readouterr()
     assert _snapshot(tmp_path) == before
+    out = tmp_path.parent / (tmp_path.name + "-export.gguf")   # export writes only its --out, outside tmp_path
+    assert main(["export", "--ckpt", str(run), "--format", "gguf", "--out", str(out), "--no-progress"]) == 0
+    assert out.exists() and _snapshot(tmp_path) == before
+    out.unlink()
 
 
 def test_non_finite_model_is_refused_by_sample(run_dir, tmp_path, capsys):

@@ -46,8 +46,8 @@ def register(sub) -> None:
 def run_export(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..model import Model
-    model = Model.load(args.ckpt)
-    tok = load_tokenizer(args.ckpt)
+    model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
+    tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":
         from ..interop.hf import export_hf
         dtype = args.dtype or "float32"
