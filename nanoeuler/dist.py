@@ -257,9 +257,9 @@ def mpiexec_path() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
 
 
-def launch(n: int) -> int:
-    """Re-run this process's command line (sys.argv) under `mpiexec -n n`, without --nproc; return its exit code."""
-    import subprocess
+def check_launch(n: int) -> str:
+    """--nproc n can run here: n >= 1, mpi4py and mpiexec installed. Returns mpiexec's path.
+    Checked before anything is prepared, so a missing MPI creates nothing."""
     if n < 1:
         raise UserError(f"--nproc must be >= 1, got {n}")
     try:
@@ -269,6 +269,13 @@ def launch(n: int) -> int:
     exe = mpiexec_path()
     if exe is None:
         raise UserError(INSTALL_HINT)
+    return exe
+
+
+def launch(n: int) -> int:
+    """Re-run this process's command line (sys.argv) under `mpiexec -n n`, without --nproc; return its exit code."""
+    import subprocess
+    exe = check_launch(n)
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:

@@ -304,3 +304,14 @@ def test_nproc_launches_mpiexec(work):
     p = one(TRAIN + ["--out", "np", "--nproc", "2", "--steps", "3"], work)
     assert p.returncode == 0, p.stderr
     assert "mpiexec -n 2" in p.stderr and json.loads(p.stdout.strip().splitlines()[-1])["step"] == 3
+
+
+def test_nproc_without_mpi_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    """--nproc checks for MPI before preparing the bundled corpus (it used to build data/ first)."""
+    from nanoeuler.cli import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py -> ImportError
+    assert main(["train", "small", "--nproc", "2", "--out", "runs/x", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "nanoeuler[dist]" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -83,9 +83,11 @@ def data_parallel(fn, prepare=None):
     """fn as a command that also runs under `mpiexec -n N` and with --nproc N (see nanoeuler/dist.py).
     prepare(args): what must exist before the ranks start (--nproc only)."""
     def run(args):
-        from ..dist import command
-        if getattr(args, "nproc", 0) and prepare is not None:
-            prepare(args)
+        from ..dist import check_launch, command
+        if getattr(args, "nproc", 0):
+            check_launch(args.nproc)  # no MPI: one line, before anything is prepared
+            if prepare is not None:
+                prepare(args)
         return command(fn)(args)
     return run
 
