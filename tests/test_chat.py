@@ -3,7 +3,6 @@ replies equal to plain generation on the rendered conversation."""
 import io
 import sys
 
-import numpy as np
 import pytest
 
 from nanoeuler import Config, Model

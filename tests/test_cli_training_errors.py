@@ -111,7 +111,6 @@ def test_eval_changes_nothing(data, tmp_path, capsys):
 
 
 def test_dpo_eval_refuses_a_mismatched_reference(tmp_path, capsys):
-    from nanoeuler.sft import fits_context  # noqa: F401  (dpo-eval needs the offline pairs to fit)
     tok = Tokenizer.train([bundled_works()["hamlet"][:30000]], 300, progress=False)
     cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=128)
     Model.init(cfg, seed=0).save(tmp_path / "policy", tok)

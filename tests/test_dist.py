@@ -17,12 +17,13 @@ from safetensors.numpy import load_file
 
 pytest.importorskip("mpi4py")
 from nanoeuler import Config, Model  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 from nanoeuler.dist import mpiexec_path  # noqa: E402
 
 MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'nanoeuler[dist]')")
 DRIVER = str(Path(__file__).parent / "dist_driver.py")
-TINY = Config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=64, n_mtp=2)
+TINY = tiny_config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=64, n_mtp=2)
 ROUNDING = 1e-5  # max |a - b| / max |a| per tensor after 20 steps: float32 rounding, not a different run
 
 

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from nanoeuler import Config, Model, UserError
+from nanoeuler import Model, UserError
 from nanoeuler.check import TOLERANCE, check_dpo
 from nanoeuler.dpo import (dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
                            make_batch, offline_pairs, response_logprobs_forward, run_dpo, sequence_logprobs_forward,
                            split_pairs, tokenize_pairs, tokenize_response, trained_params)
 from nanoeuler.train import TrainConfig
+from conftest import tiny_config
 
-TINY = Config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=2)
+TINY = tiny_config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=2)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ import pytest
 from nanoeuler import Config, Model, ops
 from nanoeuler.fast import Workspace, engine, kernels, loss_and_grads, parallel
 from nanoeuler.optim import AdamW
+from conftest import rel_err
 
 BASE = Config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=12, ffn_hidden=40, n_mtp=3)
 CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_mtp=1, n_heads=2, n_kv_heads=1)}
 TOL = {np.float32: 2e-5, np.float64: 1e-12}
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
 def far_from_init(cfg, dtype, seed=0):

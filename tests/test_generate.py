@@ -14,8 +14,9 @@ from nanoeuler.generate import (StreamDecoder, draw_token, forward_cached, gener
                                 truncate_left)
 from nanoeuler.model import forward
 from nanoeuler.optim import AdamW
+from conftest import tiny_config
 
-TINY = Config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=3)
+TINY = tiny_config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=3)
 
 
 @pytest.fixture

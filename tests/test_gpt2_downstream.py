@@ -1,13 +1,13 @@
 """arch gpt2 downstream: KV-cache generation (logits equal to the full recomputation, every mode the same
 greedy tokens), and the CLI pipeline (train with resume, sft, sample, eval, info, import/export)."""
 import numpy as np
-import pytest
 
-from nanoeuler import Config, Model
+from nanoeuler import Model
 from nanoeuler.generate import forward_cached, generate, new_cache
+from conftest import tiny_config
 
-TINY = Config(vocab_size=300, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=24, ffn_hidden=64, n_mtp=2,
-              arch="gpt2")
+TINY = tiny_config(vocab_size=300, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=24, ffn_hidden=64, n_mtp=2,
+                   arch="gpt2")
 
 
 def random_model(cfg, seed=0, dtype=np.float64):

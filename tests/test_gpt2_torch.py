@@ -28,6 +28,7 @@ import torch
 from nanoeuler import Model
 from nanoeuler.errors import UserError
 from nanoeuler.interop.gpt2 import export_gpt2_folder, load_gpt2_folder, read_gpt2_tokenizer
+from conftest import rel_err
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")  # the `test` extra installs it; see pyproject
@@ -36,9 +37,6 @@ TOL = {np.float32: 1e-5, np.float64: 1e-10}
 EOT = "<|endoftext|>"
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
 def corpus_text(n_chars: int) -> str:

@@ -6,9 +6,10 @@ import pytest
 
 from nanoeuler import PRESETS, Config, Model, UserError
 from nanoeuler.check import TOLERANCE, check_model
+from conftest import tiny_config
 
 SPEC_COUNTS = {"small": 1_049_728, "big": 11_013_504, "gpt": 116_417_280}
-TINY = Config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2)
+TINY = tiny_config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2)
 
 
 @pytest.mark.parametrize("name", list(SPEC_COUNTS))

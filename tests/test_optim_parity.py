@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_ref import TorchModel, make_adamw, set_lr, to_torch  # noqa: E402
 
 from nanoeuler import Config  # noqa: E402
+from conftest import rel_err  # noqa: E402
 
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
 TOL_UPDATE = 1e-9          # float64, on p - p0
@@ -35,9 +36,6 @@ STEPS = 10
 TINY = 1e-30
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), TINY))
 
 
 def lr_at(step: int, peak: float = 3e-3) -> float:

@@ -5,7 +5,6 @@ per-choice log-likelihoods and the same accuracy as scoring the task directly wi
 lm-eval is heavy (datasets, pandas, scikit-learn...): it is the optional extra `eval`
 (pip install 'nanoeuler[eval]', i.e. lm-eval[api]); without it this file is skipped."""
 import json
-import os
 import sys
 from pathlib import Path
 

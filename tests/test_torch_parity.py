@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_ref import TorchModel, apply_rope, causal_gqa_attention, rope_cos_sin, spec_init  # noqa: E402
 
 from nanoeuler import Config  # noqa: E402
+from conftest import rel_err  # noqa: E402
 
 SMALL = Config.preset("small")
 CONFIGS = {
@@ -37,9 +38,6 @@ B, T = 2, 32
 TINY = 1e-30
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), TINY))
 
 
 def random_params(config, seed: int, dtype) -> dict[str, np.ndarray]:

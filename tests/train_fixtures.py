@@ -1,9 +1,9 @@
 """A tiny synthetic batch source and config for training-loop tests (also run in subprocesses)."""
 import numpy as np
 
-from nanoeuler import Config
+from conftest import tiny_config
 
-TINY = Config(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2)
+TINY = tiny_config(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2)
 
 
 class SyntheticSource:
