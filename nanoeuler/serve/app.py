@@ -221,6 +221,15 @@ class Run:
         for c in self.choices:
             c.job.cancel()
 
+    async def finish(self, request: Request) -> None:
+        """A non-streaming request: wait until every choice has finished (or the client has gone); whatever
+        ends the wait, no job is left running."""
+        try:
+            async for _ in self.updates(request):
+                pass
+        finally:
+            self.cancel()
+
     async def updates(self, request: Request | None = None):
         """Batches of what changed: {choice: (new text, new logprobs entries)}, every event that has arrived
         folded into one batch (a client that reads slower than tokens come gets fewer, longer chunks),
@@ -466,11 +475,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                     yield sse(chunk([], usage=usage(prompts, run.choices)))
             return stream_response(gen(), run)
 
-        try:
-            async for _ in run.updates(request):
-                pass
-        finally:
-            run.cancel()
+        await run.finish(request)
         choices = [{"index": c.index, "text": echo_text(c) + c.text,
                     "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
                     "finish_reason": c.finish_reason} for c in run.choices]
@@ -519,11 +524,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                     yield sse(chunk([], usage=usage([ids], run.choices)))
             return stream_response(gen(), run)
 
-        try:
-            async for _ in run.updates(request):
-                pass
-        finally:
-            run.cancel()
+        await run.finish(request)
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "system_fingerprint": None,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},

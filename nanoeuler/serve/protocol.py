@@ -41,24 +41,28 @@ class StreamOptions(_Base):
 Stop = Optional[Union[str, list[str]]]
 
 
-class CompletionRequest(_Base):
+class _Generation(_Base):
+    """The fields both completion routes share (sampling, stopping, streaming)."""
     model: str
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[Int] = Field(None, ge=0)  # None: 16 (as OpenAI), or the server's cap when lower
+    max_tokens: Optional[Int] = Field(None, ge=0)  # None: the route's default (completions 16, as OpenAI), capped
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: Optional[Int] = Field(None, ge=0)
     n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[Int] = Field(None, ge=0, le=20)
-    echo: bool = False
     stop: Stop = None
     seed: Optional[Int] = None
     ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    echo: bool = False
 
 
 class TextPart(_Base):
@@ -77,25 +81,11 @@ class Message(_Base):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatRequest(_Base):
-    model: str
+class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: Optional[Int] = Field(None, ge=0)
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: Optional[Int] = Field(None, ge=0)
-    n: Int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
     logprobs: bool = False
     top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
-    stop: Stop = None
-    seed: Optional[Int] = None
-    ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    user: Optional[str] = None
 
 
 class TokenizeRequest(_Base):
