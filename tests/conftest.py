@@ -8,6 +8,8 @@ directly (`from conftest import tiny_config, rel_err`) works too, since pytest p
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,23 @@ def rel_err(a, b, floor: float = 1e-30) -> float:
     """max |a - b| / max(max |b|, floor), in float64: rel_err([1.0, 2.0], [1.0, 2.002]) -> 0.000999..."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor))
+
+
+def snapshot(root) -> dict:
+    """Every path under root (links not followed) -> (kind, mode, bytes or link target, mtime): equal before
+    and after a command iff it changed nothing there."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[p] = ("link", st.st_mode, os.readlink(p), st.st_mtime_ns)
+            elif os.path.isdir(p):
+                out[p] = ("dir", st.st_mode, None, st.st_mtime_ns)
+            else:
+                out[p] = ("file", st.st_mode, open(p, "rb").read(), st.st_mtime_ns)
+    return out
 
 
 @pytest.fixture(name="tiny_config")

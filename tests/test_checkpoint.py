@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import snapshot, tiny_config
 
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
@@ -23,22 +23,6 @@ TINY = tiny_config()
 def _assert_same(a: Model, b: Model):
     for n in a.params:
         assert np.array_equal(a.params[n], b.params[n]), n
-
-
-def _snapshot(root):
-    """Every path under root (links not followed) -> (kind, bytes or link target, mtime)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            if os.path.islink(p):
-                out[p] = ("link", os.readlink(p), st.st_mtime_ns)
-            elif os.path.isdir(p):
-                out[p] = ("dir", None, st.st_mtime_ns)
-            else:
-                out[p] = ("file", open(p, "rb").read(), st.st_mtime_ns)
-    return out
 
 
 def _interrupted_save(run, new: Model, moved: int = 1):
@@ -89,7 +73,7 @@ def test_full_disk_in_the_real_tensor_writer_keeps_old_files(tmp_path, monkeypat
     run = tmp_path / "run"
     old = Model.init(TINY, seed=1)
     old.save(run)
-    before = _snapshot(run)
+    before = snapshot(run)
 
     class FullDisk(io.BytesIO):
         def write(self, data):
@@ -101,7 +85,7 @@ def test_full_disk_in_the_real_tensor_writer_keeps_old_files(tmp_path, monkeypat
     with pytest.raises(UserError, match="disk is full"):
         Model.init(TINY, seed=2).save(run)
     monkeypatch.undo()
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
     _assert_same(Model.load(run), old)
 
 
@@ -140,11 +124,11 @@ def test_symlinked_commit_is_refused_and_nothing_moves(tmp_path):
     (victim / "precious.txt").write_text("do not move me")
     (victim / "model.safetensors").write_bytes(b"not yours")
     (run / ckpt.COMMIT).symlink_to(victim)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for read_only in (False, True):
         with pytest.raises(UserError, match="link.*left untouched"):
             Model.load(run, read_only=read_only)
-        assert _snapshot(tmp_path) == before
+        assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize("defect", ["no journal", "foreign journal", "unlisted file", "wrong size", "link inside",
@@ -175,10 +159,10 @@ def test_commit_not_provably_ours_is_refused_untouched(tmp_path, defect):
     elif defect == "bad name":
         journal["files"]["../outside.txt"] = 7
         (commit / ckpt.JOURNAL).write_text(json.dumps(journal))
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(UserError, match="left untouched"):
         Model.load(run)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_symlinked_staging_is_removed_as_a_name_only(tmp_path):
@@ -198,10 +182,10 @@ def test_read_only_load_changes_nothing_and_reads_the_new_set(tmp_path, capsys):
     new = Model.init(TINY.replace(ffn_hidden=32), seed=2)
     _interrupted_save(run, new, moved=1)
     (run / ckpt.STAGING).mkdir()          # a half-written staging from another crash
-    before = _snapshot(run)
+    before = snapshot(run)
     loaded = Model.load(run, read_only=True)
     assert "not yet moved into place" in capsys.readouterr().err
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
     assert loaded.config == new.config
     _assert_same(loaded, new)
     Model.load(run)                        # a writing load completes it
@@ -214,12 +198,12 @@ def test_non_finite_weights_are_never_saved(tmp_path, bad):
     run = tmp_path / "run"
     old = Model.init(TINY, seed=1)
     old.save(run)
-    before = _snapshot(run)
+    before = snapshot(run)
     broken = Model.init(TINY, seed=2)
     broken.params["layers.0.ffn.up.weight"][3, 4] = bad
     with pytest.raises(UserError, match="layers.0.ffn.up.weight has 1 non-finite"):
         broken.save(run)
-    assert _snapshot(run) == before
+    assert snapshot(run) == before
 
 
 def test_non_finite_optimizer_state_is_never_saved(tmp_path):

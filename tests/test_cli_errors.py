@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import snapshot, tiny_config
 
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
@@ -51,16 +51,6 @@ def one_line_error(argv, capsys, monkeypatch=None, stdin: str = ""):
     assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
     assert "Traceback" not in err
     return lines[0]
-
-
-def _snapshot(root):
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            out[p] = (st.st_mode, st.st_size, st.st_mtime_ns, open(p, "rb").read() if os.path.isfile(p) else None)
-    return out
 
 
 # ---- every numeric flag finite and in range; a 0 never silently means "default" -----------------------
@@ -276,14 +266,14 @@ def test_read_only_commands_change_nothing(run_dir, tmp_path, capsys):
     shutil.copytree(run_dir, run)
     (run / ckpt.STAGING).mkdir()                 # debris a writing load would clean up
     (run / ckpt.STAGING / "half.bin").write_bytes(b"x")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     assert main(["sample", "--ckpt", str(run), "--prompt", "a", "--max-new-tokens", "3", "--seed", "0"]) == 0
     assert main(["info", str(run)]) == 0
     capsys.readouterr()
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     out = tmp_path.parent / (tmp_path.name + "-export.gguf")   # export writes only its --out, outside tmp_path
     assert main(["export", "--ckpt", str(run), "--format", "gguf", "--out", str(out), "--no-progress"]) == 0
-    assert out.exists() and _snapshot(tmp_path) == before
+    assert out.exists() and snapshot(tmp_path) == before
     out.unlink()
 
 
@@ -349,7 +339,7 @@ def test_prepare_full_disk_ends_promptly_with_old_data_intact(tmp_path, tok, tex
             "--no-progress", "--processes", str(processes)]
     assert main(base) == 0
     capsys.readouterr()
-    before = _snapshot(data)
+    before = snapshot(data)
     calls = {"n": 0}
     real_write = shards._ShardWriter.write
 
@@ -365,7 +355,7 @@ def test_prepare_full_disk_ends_promptly_with_old_data_intact(tmp_path, tok, tex
     line = one_line_error(base + ["--shard-tokens", "1000"], capsys)
     assert time.perf_counter() - t0 < 60
     assert "disk is full" in line and "intact" in line
-    assert _snapshot(data) == before
+    assert snapshot(data) == before
 
 
 def _die(batch):

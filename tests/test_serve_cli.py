@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import snapshot  # noqa: E402
 from serve_fixtures import shared_checkpoint  # noqa: E402
 
 from nanoeuler.cli import main  # noqa: E402
@@ -111,10 +112,10 @@ def test_serve_loads_read_only(tmp_path, capsys):
     shutil.copytree(shared_checkpoint()[0], run)
     (run / ckpt.STAGING).mkdir()
     (run / ckpt.STAGING / "half.bin").write_bytes(b"x")
-    before = sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*"))
+    before = snapshot(run)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         code, out = run_main(["serve", "--ckpt", str(run), "--port", str(busy.getsockname()[1])], capsys)
     assert code == 2 and "in use" in out.err
-    assert sorted((p.relative_to(run), p.read_bytes() if p.is_file() else None) for p in run.rglob("*")) == before
+    assert snapshot(run) == before
