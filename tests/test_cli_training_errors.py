@@ -6,8 +6,8 @@ import shutil
 import tracemalloc
 
 import pytest
-from conftest import tiny_config
-from test_cli_errors import _snapshot, one_line_error
+from conftest import snapshot, tiny_config
+from test_cli_errors import one_line_error
 
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
@@ -104,10 +104,10 @@ def test_eval_changes_nothing(data, tmp_path, capsys):
     assert main(["train", "small", "--data", str(data), "--out", str(run), "--steps", "1", "--batch-size", "2",
                  "--no-progress"]) == 0
     (run / ckpt.STAGING).mkdir()
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     assert main(["eval", "--ckpt", str(run), "--data", str(data), "--max-batches", "1"]) == 0
     capsys.readouterr()
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_dpo_eval_refuses_a_mismatched_reference(tmp_path, capsys):
