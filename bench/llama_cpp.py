@@ -38,7 +38,7 @@ def set_threads(n: int) -> None:
 
 def held_out_windows(tok, T: int, per_work: int):
     """Up to per_work windows of T + 1 ids from each held-out work (ids, and the bytes of the T targets)."""
-    from nanoeuler.corpus import bundled_split, bundled_works
+    from nanoeuler.data.corpus import bundled_split, bundled_works
     _, val = bundled_split()
     works = bundled_works()
     out = []

@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_size(text: str) -> int:
-    from nanoeuler.sources import parse_size as ps
+    from nanoeuler.data.sources import parse_size as ps
     return ps(text)
 
 
 def make_tokenizer(path: Path, vocab_size: int = 4096) -> float:
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     from nanoeuler.tokenizer import Tokenizer
     if path.exists():
         return 0.0
@@ -62,7 +62,7 @@ def make_tokenizer(path: Path, vocab_size: int = 4096) -> float:
 
 def make_corpus(root: Path, size: int, seed: int = 0) -> dict:
     """Write books/*.txt (the bundled works) and web/*.jsonl (synthetic) so that books + web >= size bytes."""
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     rng = np.random.default_rng(seed)
     works = bundled_works()
     (root / "books").mkdir(parents=True, exist_ok=True)

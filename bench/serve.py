@@ -46,7 +46,7 @@ def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
     one if its vocabulary matches, else one trained on the bundled Shakespeare to the preset's vocab size."""
     from nanoeuler import Model
     from nanoeuler.config import PRESETS
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     from nanoeuler.tokenizer import Tokenizer
     cfg = PRESETS[name]
     tok = Tokenizer.load(tokenizer) if tokenizer else None
@@ -166,7 +166,7 @@ def main() -> int:
     args = ap.parse_args()
     presets = ["big"] if args.preset is None else [p for p in args.preset if p]
     levels = [int(c) for c in args.clients.split(",")]
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     text = "".join(bundled_works().values())
     prompts = [text[TEXT_START + 997 * i: TEXT_START + 997 * i + 200] for i in range(64)]
     report = {"load_before": os.getloadavg(), "tokens": args.tokens, "requests": args.requests, "models": {}}

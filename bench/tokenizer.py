@@ -78,7 +78,7 @@ def varied_text(n_chars: int, seed: int = 0) -> str:
 
 def english_docs(mb: float, seed: int = 0) -> list[str]:
     """The bundled works repeated (each pass shuffled differently) up to about mb megabytes."""
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     works = list(bundled_works().values())
     rnd = random.Random(seed)
     docs, size = [], 0
@@ -165,7 +165,7 @@ def main() -> None:
     same = ours[2] == hf_r[2] == tt_r[2]
     n_tokens = sum(len(x) for x in ours[2])
 
-    from nanoeuler.corpus import bundled_split, bundled_works
+    from nanoeuler.data.corpus import bundled_split, bundled_works
     works, (train_names, val_names) = bundled_works(), bundled_split()
     held = Tokenizer.train([works[n] for n in train_names], args.vocab_size, progress=False)
     val_bytes = sum(len(works[n].encode("utf-8")) for n in val_names)

@@ -57,7 +57,7 @@ def render(tok, instruction: str, input: str = "", output: str | None = None) ->
 def load_examples(path: str | Path) -> tuple[list[dict], list[str]]:
     """An Alpaca-format JSON list (or JSON Lines) of {instruction, input, output} -> (valid records, problems).
     Raises UserError when the file is unreadable or holds no valid record."""
-    from .sources import validate_alpaca
+    from .data.sources import validate_alpaca
     path = Path(path)
     if not path.is_file():
         raise UserError(f"SFT data {path} not found")
@@ -276,7 +276,7 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
         {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
          "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
     """
-    from .corpus import bundled_works
+    from .data.corpus import bundled_works
     rng = np.random.default_rng(seed)
     pools: dict[bool, list[dict]] = {False: [], True: []}
     for work, text in bundled_works().items():

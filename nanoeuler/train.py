@@ -114,7 +114,7 @@ class PretrainSource:
     """Random windows of the train split; validation = sequential windows of the val split (token shards)."""
 
     def __init__(self, data_dir, batch_size: int, ctx: int, n_mtp: int, eval_batch_size: int | None = None):
-        from .shards import TokenShards
+        from .data.shards import TokenShards
         self.train = TokenShards(data_dir, "train")
         self.val = TokenShards(data_dir, "val")
         self.batch_size, self.length = batch_size, ctx + n_mtp

@@ -22,7 +22,7 @@ if [ -n "$(ls -A .)" ]; then echo "error: $work is not empty" >&2; exit 2; fi
 python_bin="$(dirname "$(command -v nanoeuler)")/python"
 [ -x "$python_bin" ] || python_bin=python3
 "$python_bin" - <<'PY'
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 works = bundled_works()
 open("plays.txt", "w", encoding="utf-8").write("".join(works[n] for n in sorted(works)[:3])[:400_000])
 PY

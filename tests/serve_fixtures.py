@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from nanoeuler import Config, Model
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.tokenizer import Tokenizer
 
 CTX = 256

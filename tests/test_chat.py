@@ -7,7 +7,7 @@ import pytest
 
 from nanoeuler import Config, Model
 from nanoeuler.cli.chat import Chat
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.generate import generate
 from nanoeuler.sft import render
 from nanoeuler.tokenizer import Tokenizer

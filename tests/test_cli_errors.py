@@ -16,7 +16,7 @@ from conftest import snapshot, tiny_config
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
 from nanoeuler.cli import main
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
 from nanoeuler.tokenizer import Tokenizer
 
@@ -210,7 +210,7 @@ def test_file_fields_checked(run_dir, tmp_path, tok, capsys):
 
 
 def test_manifest_fields_checked(tmp_path, tok, text_file):
-    from nanoeuler.shards import TokenShards, prepare
+    from nanoeuler.data.shards import TokenShards, prepare
     prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
     good = json.loads((tmp_path / "d" / "manifest.json").read_text())
     bad = [{"vocab_size": "abc"}, {"vocab_size": 70000}, {"eos_id": -1}, {"eos_id": "0"}, {"splits": []},
@@ -236,7 +236,7 @@ def test_tokenizer_pattern_validated(tok, pattern, why):
 
 
 def test_tokenizer_encoding_time_is_bounded(tok, monkeypatch):
-    import nanoeuler.tokenizer as T
+    import nanoeuler.tokenizer.tokenizer as T
     slow = Tokenizer(tok.merges, ("</s>",), r"(?:a|aa)+$|\s+|(?s:.)")   # built directly: not validated
     monkeypatch.setattr(T, "ENCODE_TIMEOUT_PER_CHAR", 0.0)
     t0 = time.perf_counter()
@@ -323,7 +323,7 @@ def test_prepare_empty_input_is_an_error(tmp_path, tok, capsys):
 
 def test_prepare_counts_documents_per_split(tmp_path, tok, text_file):
     """One big document held out by chunks: each split holds text of 1 document (was: val 0 documents)."""
-    from nanoeuler.shards import prepare
+    from nanoeuler.data.shards import prepare
     m = prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
     assert m["splits"]["train"]["documents"] == 1 and m["splits"]["val"]["documents"] == 1
     assert json.loads((tmp_path / "d" / "tokenizer.json").read_text()) == tok.to_dict()
@@ -332,7 +332,7 @@ def test_prepare_counts_documents_per_split(tmp_path, tok, text_file):
 @pytest.mark.parametrize("processes", [1, 2])
 def test_prepare_full_disk_ends_promptly_with_old_data_intact(tmp_path, tok, text_file, capsys, monkeypatch,
                                                               processes):
-    from nanoeuler import shards
+    from nanoeuler.data import shards
     tok.save(tmp_path / "tok.json")
     data = tmp_path / "d"
     base = ["prepare", str(text_file), "--tokenizer", str(tmp_path / "tok.json"), "--out", str(data),
@@ -364,7 +364,7 @@ def _die(batch):
 
 def test_dead_encoding_worker_ends_the_command(tok):
     """A worker killed mid-way (out of memory, kill -9) ends the command with one error, no hang."""
-    import nanoeuler.tokenizer as T
+    import nanoeuler.tokenizer.tokenizer as T
     texts = ("hello world " * 2000 for _ in range(40))
     real = T._worker_encode
     T._worker_encode = _die
@@ -387,7 +387,7 @@ def test_no_traceback_ever(monkeypatch, capsys):
 def test_deeply_nested_or_binary_json_is_one_line(run_dir, tmp_path, tok, text_file, capsys):
     """json.loads raises RecursionError on '[[[[...' and UnicodeDecodeError on binary junk: both one line."""
     import shutil
-    from nanoeuler.shards import TokenShards, prepare
+    from nanoeuler.data.shards import TokenShards, prepare
     prepare([text_file], tok, tmp_path / "d", processes=1, progress=False)
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

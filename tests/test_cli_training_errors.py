@@ -12,8 +12,8 @@ from test_cli_errors import one_line_error
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
 from nanoeuler.cli import main
-from nanoeuler.corpus import bundled_works
-from nanoeuler.shards import prepare
+from nanoeuler.data.corpus import bundled_works
+from nanoeuler.data.shards import prepare
 from nanoeuler.tokenizer import Tokenizer
 
 

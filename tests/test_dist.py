@@ -66,8 +66,8 @@ def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A byte-level tokenizer, token shards of a few Shakespeare scenes, a tiny config."""
-    from nanoeuler.corpus import bundled_works
-    from nanoeuler.shards import prepare
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.data.shards import prepare
     from nanoeuler.tokenizer import Tokenizer
     d = tmp_path_factory.mktemp("dist")
     tok = Tokenizer([])
@@ -268,7 +268,7 @@ def test_ranks_with_different_arguments(work):
 
 
 def test_ranks_with_different_data(work):
-    from nanoeuler.shards import prepare
+    from nanoeuler.data.shards import prepare
     from nanoeuler.tokenizer import Tokenizer
     other = work / "book2.txt"
     other.write_text((work / "book.txt").read_text()[::-1])       # same tokenizer, same size, other text

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("requests")
 
 from nanoeuler.cli import main as cli_main  # noqa: E402
-from nanoeuler.download import HttpRangeFile, download, sha256_file  # noqa: E402
+from nanoeuler.data.download import HttpRangeFile, download, sha256_file  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
-from nanoeuler.sources import (fetch_alpaca, fetch_gutenberg, fetch_web, parse_size,  # noqa: E402
+from nanoeuler.data.sources import (fetch_alpaca, fetch_gutenberg, fetch_web, parse_size,  # noqa: E402
                                strip_gutenberg, validate_alpaca)
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -225,7 +225,7 @@ def test_fetch_web_streams_row_groups_until_the_budget(server, tmp_path):
     m = json.loads((tmp_path / "web" / "manifest.json").read_text())
     assert m["text_bytes"] == s["text_bytes"] and len(m["parts"]) == s["parts"]
     # the parts are ready for `prepare`
-    from nanoeuler.shards import count_documents
+    from nanoeuler.data.shards import count_documents
     assert sum(count_documents(Path(p)) for p in s["files"]) == len(texts) + 1
 
 

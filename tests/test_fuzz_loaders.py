@@ -16,9 +16,9 @@ from hypothesis.control import currently_in_test_context
 from nanoeuler import Model
 from nanoeuler import checkpoint as ckpt
 from nanoeuler.config import Config
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
-from nanoeuler.shards import TokenShards, prepare
+from nanoeuler.data.shards import TokenShards, prepare
 from nanoeuler.tokenizer import Tokenizer
 
 ALLOC_BOUND = 256 << 20        # bytes: no mutated file may make a loader allocate more than this

@@ -52,7 +52,7 @@ def test_cli_pipeline_on_gpt2(tmp_path, monkeypatch, capsys):
 
     from nanoeuler import Tokenizer
     from nanoeuler.cli import main
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     from nanoeuler.sft import offline_instructions
     works = bundled_works()
     text = "".join(works[n] for n in sorted(works)[:3])[:300_000]

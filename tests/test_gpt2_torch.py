@@ -40,7 +40,7 @@ EOT = "<|endoftext|>"
 
 
 def corpus_text(n_chars: int) -> str:
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     works = bundled_works()
     return "".join(works[name] for name in sorted(works))[:n_chars]
 

@@ -15,7 +15,7 @@ from conftest import rel_err
 from nanoeuler import Model, Tokenizer
 from nanoeuler.cli import main
 from nanoeuler.config import Config
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.generate import generate
 from nanoeuler.sft import prompt_text, render
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import rel_err
 from nanoeuler import Model, Tokenizer
 from nanoeuler.checkpoint import load_tokenizer
-from nanoeuler.corpus import bundled_split, bundled_works
+from nanoeuler.data.corpus import bundled_split, bundled_works
 from nanoeuler.generate import generate
 
 pytest.importorskip("llama_cpp")

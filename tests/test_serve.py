@@ -294,7 +294,7 @@ def test_a_gpt2_arch_model_with_a_gpt2_style_tokenizer():
     """An imported-style checkpoint: arch gpt2 (learned positions, LayerNorm, biases) and <|endoftext|> as
     the end token instead of </s>. Greedy completions and chat equal `generate` on the same ids."""
     from nanoeuler import Config, Model
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     from nanoeuler.serve.app import create_app
     from nanoeuler.tokenizer import Tokenizer
     tok = Tokenizer.train([bundled_works()["hamlet"][:8000]], 280, specials=("<|endoftext|>",), progress=False)

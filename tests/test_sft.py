@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model, UserError, ops
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.sft import (HEADER, SFTSource, load_examples, offline_instructions, pack_rows, prompt_text, render,
                            render_all, split_heldout)
 from nanoeuler.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanoeuler.errors import UserError
-from nanoeuler.shards import TokenShards, cut_at_paragraphs, prepare, prepare_bundled, read_manifest
+from nanoeuler.data.shards import TokenShards, cut_at_paragraphs, prepare, prepare_bundled, read_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -205,7 +205,7 @@ def test_reader_errors(tmp_path):
 
 
 def test_prepare_bundled_holds_out_whole_works(tmp_path):
-    from nanoeuler.corpus import bundled_split, bundled_works
+    from nanoeuler.data.corpus import bundled_split, bundled_works
     m = prepare_bundled(ByteTok(), tmp_path / "d", processes=1, progress=False)
     works = bundled_works()
     train, val = bundled_split()
@@ -215,7 +215,7 @@ def test_prepare_bundled_holds_out_whole_works(tmp_path):
 
 
 def _real_tokenizer(vocab_size=300):
-    from nanoeuler.corpus import bundled_works
+    from nanoeuler.data.corpus import bundled_works
     from nanoeuler.tokenizer import Tokenizer
     works = bundled_works()
     return Tokenizer.train([works[n][:50_000] for n in list(works)[:4]], vocab_size, progress=False)

@@ -1,4 +1,4 @@
-"""Tests for the byte-level BPE tokenizer (nanoeuler/tokenizer.py, nanoeuler/bpe_fast.py, the CLI).
+"""Tests for the byte-level BPE tokenizer (nanoeuler/tokenizer/, the CLI).
 
 - the compiled scanner, encoder and trainer equal the plain-Python reference definitions;
 - round trips for arbitrary Unicode, arbitrary bytes (invalid UTF-8) and text holding special-token strings;
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoeuler import bpe_fast as bf
+from nanoeuler.tokenizer import bpe_fast as bf
 from nanoeuler.cli import main
-from nanoeuler.corpus import bundled_works
+from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
-from nanoeuler import tokenizer as tokenizer_module
-from nanoeuler.tokenizer import (Tokenizer, bpe, cut_points, encode_parallel, get_stats, merge, pretokenize,
+from nanoeuler.tokenizer import tokenizer as tokenizer_module
+from nanoeuler.tokenizer.tokenizer import (Tokenizer, bpe, cut_points, encode_parallel, get_stats, merge, pretokenize,
                                  train_reference)
 
 ROOT = Path(__file__).resolve().parent.parent

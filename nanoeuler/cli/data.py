@@ -53,10 +53,10 @@ def run(args) -> int:
     import json
     import sys
 
-    from .. import sources
+    from ..data import sources
     from ..errors import UserError
 
-    from ..download import check_url
+    from ..data.download import check_url
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
     if args.mirror:

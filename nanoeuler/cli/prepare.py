@@ -56,7 +56,7 @@ def run(args) -> int:
     import time
 
     from ..errors import UserError
-    from ..shards import DEFAULT_SHARD_TOKENS, prepare, prepare_bundled
+    from ..data.shards import DEFAULT_SHARD_TOKENS, prepare, prepare_bundled
 
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes must be >= 1, got {args.processes}")

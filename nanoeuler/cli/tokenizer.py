@@ -67,8 +67,8 @@ def run_train(args) -> int:
     specials = tuple(args.special) if args.special else ("</s>",)
     t0 = time.perf_counter()
     if args.files:
-        from ..shards import expand_paths, is_plain_text, iter_documents
-        from ..tokenizer import _read_blocks
+        from ..data.shards import expand_paths, is_plain_text, iter_documents
+        from ..tokenizer.tokenizer import _read_blocks
         paths = expand_paths(args.files)          # the rule `prepare` applies, so both read the same text
         nbytes = sum(p.stat().st_size for p in paths)
 
@@ -81,7 +81,7 @@ def run_train(args) -> int:
                         yield "".join(doc).encode("utf-8", "surrogatepass")
         tok = Tokenizer._train_utf8(blocks(), args.vocab_size, specials, not args.no_progress, nbytes)
     else:
-        from ..corpus import bundled_split, bundled_works
+        from ..data.corpus import bundled_split, bundled_works
 
         print("no FILES given: training on the bundled Shakespeare corpus", file=sys.stderr)
         works = bundled_works()

@@ -125,8 +125,8 @@ PRESET_DEFAULTS = {
 
 def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress: bool = True) -> Path:
     """Train the bundled corpus's tokenizer and token shards in data_dir unless they exist already."""
-    from ..corpus import bundled_split, bundled_works
-    from ..shards import prepare_bundled
+    from ..data.corpus import bundled_split, bundled_works
+    from ..data.shards import prepare_bundled
     from ..tokenizer import Tokenizer
     tok_path = data_dir / "tokenizer.json"
     if (data_dir / "manifest.json").exists() and tok_path.exists():

@@ -176,7 +176,7 @@ def check_ignore_merges(tok: Tokenizer) -> None:
     BPE. That changes nothing when BPE builds every such token from its own bytes, which is checked here
     for every token that could be a pre-token; otherwise the tokenizer is refused (never a silently
     different encoding)."""
-    from ..tokenizer import bpe
+    from ..tokenizer.tokenizer import bpe
     ranks = {pair: 256 + i for i, pair in enumerate(tok.merges)}
     for i in range(256, 256 + len(tok.merges)):
         b = tok.token_bytes(i)

@@ -11,7 +11,7 @@ Text is first cut into pre-tokens with the GPT-2 pattern (contractions, letter r
 punctuation runs, whitespace; one leading space sticks to the next word), then each pre-token's bytes
 are merged by BPE. Training counts unique pre-tokens once and updates pair counts incrementally per
 merge; encoding caches the ids of every pre-token it has seen. The hot loops are compiled with numba
-(`nanoeuler.bpe_fast`); the plain-Python reference versions below (`get_stats`, `merge`, `bpe`) define
+(`nanoeuler.tokenizer.bpe_fast`); the plain-Python reference versions below (`get_stats`, `merge`, `bpe`) define
 what they compute, and the tests hold the two equal.
 
 `tokenizer.json` is our own readable format (pattern, merges as id pairs, specials); `save` also
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import regex
 
-from .errors import UserError
+from ..errors import UserError
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FORMAT = "nanoeuler-bpe"
@@ -465,7 +465,7 @@ class Tokenizer:
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json (atomically) and a readable tokenizer.vocab beside it."""
-        from .fileio import atomic_write_json, atomic_write_text
+        from ..fileio import atomic_write_json, atomic_write_text
 
         path = Path(path)
         atomic_write_json(path, self.to_dict())

@@ -13,7 +13,7 @@ import tarfile
 from functools import cache
 from pathlib import Path
 
-ARCHIVE = Path(__file__).parent / "assets" / "shakespeare.tar.xz"
+ARCHIVE = Path(__file__).parent.parent / "assets" / "shakespeare.tar.xz"
 VAL_EVERY = 10
 
 

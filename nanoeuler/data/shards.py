@@ -45,8 +45,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import UserError
-from .fileio import atomic_write_json
+from ..errors import UserError
+from ..fileio import atomic_write_json
 
 FORMAT = "nanoeuler-shards-v1"
 SPLITS = ("train", "val")
@@ -607,7 +607,7 @@ def _interleave(streams: list[Iterator[Iterator[tuple[str, str, bool]]]], planne
 def _encode_stream(tok, texts: Iterator[str], processes: int | None) -> Iterator[np.ndarray]:
     """Token ids of each text, in order: `tokenizer.encode_parallel` (a process pool; in-process for
     processes=1). Any other object with an `encode` method (a test stand-in) is run in this process."""
-    from .tokenizer import Tokenizer, encode_parallel
+    from ..tokenizer import Tokenizer, encode_parallel
     if isinstance(tok, Tokenizer):
         return encode_parallel(tok, texts, processes=processes)
     return (np.asarray(tok.encode(t), dtype=np.int64) for t in texts)
@@ -615,7 +615,7 @@ def _encode_stream(tok, texts: Iterator[str], processes: int | None) -> Iterator
 
 def _load_tokenizer(tokenizer):
     if isinstance(tokenizer, (str, Path)):
-        from .tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer
         path = Path(tokenizer)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -704,7 +704,7 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
 
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file, not a directory")
-    from .checkpoint import run_lock
+    from ..checkpoint import run_lock
     with run_lock(out_dir, "data"):            # one prepare (or training reading it) per DATA directory
         try:
             return _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, processes, progress,

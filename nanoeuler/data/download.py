@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import UserError
+from ..errors import UserError
 
 CHUNK = 1 << 16
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 from .download import HttpRangeFile, Unreachable, download, session, sha256_file
-from .errors import UserError
-from .fileio import atomic_path, atomic_write_json, atomic_write_text
+from ..errors import UserError
+from ..fileio import atomic_path, atomic_write_json, atomic_write_text
 
-BOOKS_TSV = Path(__file__).parent / "assets" / "gutenberg_books.tsv"
+BOOKS_TSV = Path(__file__).parent.parent / "assets" / "gutenberg_books.tsv"
 GUTENBERG_URL = "https://www.gutenberg.org/cache/epub/{id}/pg{id}.txt"
 FINEWEB_EDU_URLS = [f"https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT/"
                     f"{i:03d}_00000.parquet" for i in range(14)]
