@@ -330,6 +330,41 @@ def _token_bytes(left, right, t, out):
     return k
 
 
+@njit(inline="always")
+def _append(a, n, value):
+    """a[n] = value, growing a first if it is full -> a (maybe a new array)."""
+    a = _grow(a, n + 1)
+    a[n] = value
+    return a
+
+
+@njit(inline="always")
+def _add_pair(pair_index, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries, key, p, w):
+    """Count w more of pair `key` (its id created if new) and file position p under it.
+
+    Returns (pid, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries): the arrays may have grown.
+    """
+    if key in pair_index:
+        pid = pair_index[key]
+    else:
+        pid = n_pairs
+        pair_index[key] = pid
+        n_pairs += 1
+        if n_pairs > pcount.shape[0]:
+            old = pcount.shape[0]
+            pcount = _grow(pcount, n_pairs)
+            pkey = _grow(pkey, n_pairs)
+            phead = _grow(phead, n_pairs)
+            pcount[old:] = 0
+            phead[old:] = -1
+        pkey[pid] = key
+    pcount[pid] += w
+    e_pos = _append(e_pos, n_entries, p)
+    e_next = _append(e_next, n_entries, phead[pid])
+    phead[pid] = n_entries
+    return pid, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries + 1
+
+
 @njit(cache=True)
 def train_init(pool, w_off, w_len, w_cnt):
     """Lay the unique words out as linked symbol lists and count every adjacent pair once.
@@ -360,38 +395,68 @@ def train_init(pool, w_off, w_len, w_cnt):
             wcount[k + j] = w_cnt[w]
         k += L
     pair_index = Dict.empty(key_type=types.int64, value_type=types.int64)
-    cap = 1024
-    pcount = np.zeros(cap, np.int64)
-    pkey = np.zeros(cap, np.int64)
-    phead = np.full(cap, -1, np.int32)
+    pcount = np.zeros(1024, np.int64)
+    pkey = np.zeros(1024, np.int64)
+    phead = np.full(1024, -1, np.int32)
     e_pos = np.empty(max(total, 16), np.int32)
     e_next = np.empty(max(total, 16), np.int32)
     n_pairs = 0
     n_entries = 0
     for p in range(total):
         q = nxt[p]
-        if q < 0:
-            continue
-        key = (np.int64(sym[p]) << 32) | np.int64(sym[q])
-        pid = pair_index[key] if key in pair_index else -1
-        if pid < 0:
-            pid = n_pairs
-            pair_index[key] = pid
-            n_pairs += 1
-            if n_pairs > pcount.shape[0]:
-                pcount = _grow(pcount, n_pairs)
-                pkey = _grow(pkey, n_pairs)
-                old = phead.shape[0]
-                phead = _grow(phead, n_pairs)
-                phead[old:] = -1
-                pcount[old:] = 0
-            pkey[pid] = key
-        pcount[pid] += wcount[p]
-        e_pos[n_entries] = p
-        e_next[n_entries] = phead[pid]
-        phead[pid] = n_entries
-        n_entries += 1
+        if q >= 0:
+            key = (np.int64(sym[p]) << 32) | np.int64(sym[q])
+            _, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries = _add_pair(
+                pair_index, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries, key, p, wcount[p])
     return sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, e_next, n_pairs, n_entries
+
+
+@njit(inline="always")
+def _pop_best(h_cnt, h_pid, h_size, pcount, pkey, banned):
+    """Pop the lazy heap until its top is a pair with an up-to-date positive count that is not banned.
+
+    Returns (pid or -1 if the heap ran out, h_size). A stale entry whose pair still counts is pushed back
+    with its current count.
+    """
+    while h_size > 0:
+        cnt = h_cnt[0]
+        pid = h_pid[0]
+        _heap_pop(h_cnt, h_pid, h_size, pkey)
+        h_size -= 1
+        if banned.shape[0] > pid and banned[pid]:
+            continue
+        if cnt != pcount[pid]:
+            if pcount[pid] > 0:
+                _heap_push(h_cnt, h_pid, h_size, pcount[pid], pid, pkey)
+                h_size += 1
+            continue
+        if cnt > 0:
+            return pid, h_size
+    return -1, h_size
+
+
+@njit(inline="always")
+def _same_bytes(left, right, a, b, other, length, buf_a, buf_b):
+    """Whether token a's bytes followed by b's equal token other's (all `length` bytes long)."""
+    k = _token_bytes(left, right, a, buf_a)
+    _token_bytes(left, right, b, buf_a[k:])
+    _token_bytes(left, right, other, buf_b)
+    for i in range(length):
+        if buf_a[i] != buf_b[i]:
+            return False
+    return True
+
+
+@njit(inline="always")
+def _positions(phead, e_pos, e_next, pid, scratch):
+    """The positions filed under pair pid, sorted (left to right) -> (positions, scratch)."""
+    m = 0
+    e = phead[pid]
+    while e >= 0:
+        scratch = _append(scratch, m, e_pos[e])
+        m += 1
+        e = e_next[e]
+    return np.sort(scratch[:m]), scratch
 
 
 @njit(cache=True)
@@ -412,44 +477,24 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
     scratch = np.empty(64, np.int64)
     buf_a = np.empty(16, np.int64)
     buf_b = np.empty(16, np.int64)
-    while n_done < n_stop and h_size > 0:
-        cnt = h_cnt[0]
-        pid = h_pid[0]
-        _heap_pop(h_cnt, h_pid, h_size, pkey)
-        h_size -= 1
-        if banned.shape[0] > pid and banned[pid]:
-            continue
-        if cnt != pcount[pid]:
-            if pcount[pid] > 0:
-                _heap_push(h_cnt, h_pid, h_size, pcount[pid], pid, pkey)
-                h_size += 1
-            continue
-        if cnt <= 0:
-            continue
+    while n_done < n_stop:
+        pid, h_size = _pop_best(h_cnt, h_pid, h_size, pcount, pkey, banned)
+        if pid < 0:
+            break
         key = pkey[pid]
         a = key >> 32
         b = key & 0xFFFFFFFF
         c = 256 + n_done
         th = tok_hash[a] * tok_pow[b] + tok_hash[b]
         tl = tok_len[a] + tok_len[b]
-        hk = np.int64(th)
-        other = tok_index[hk] if hk in tok_index else -1
+        other = tok_index[np.int64(th)] if np.int64(th) in tok_index else -1
         if other >= 0 and tok_len[other] == tl:
             buf_a = _grow(buf_a, tl)
             buf_b = _grow(buf_b, tl)
-            k1 = _token_bytes(left, right, a, buf_a)
-            _token_bytes(left, right, b, buf_a[k1:])
-            _token_bytes(left, right, other, buf_b)
-            same = True
-            for i in range(tl):
-                if buf_a[i] != buf_b[i]:
-                    same = False
-                    break
-            if same:
-                if banned.shape[0] <= pid:
-                    old = banned.shape[0]
-                    banned = _grow(banned, pid + 1)
-                    banned[old:] = False
+            if _same_bytes(left, right, a, b, other, tl, buf_a, buf_b):
+                old = banned.shape[0]
+                banned = _grow(banned, pid + 1)
+                banned[old:] = False
                 banned[pid] = True
                 continue
         left[c] = a
@@ -458,86 +503,29 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
         tok_pow[c] = tok_pow[a] * tok_pow[b]
         tok_len[c] = tl
         tok_index[np.int64(th)] = c
-        # the positions of this pair, left to right
-        m = 0
-        e = phead[pid]
-        while e >= 0:
-            if m + 1 > scratch.shape[0]:
-                scratch = _grow(scratch, m + 1)
-            scratch[m] = e_pos[e]
-            m += 1
-            e = e_next[e]
-        positions = np.sort(scratch[:m])
+        positions, scratch = _positions(phead, e_pos, e_next, pid, scratch)
         n_touched = 0
-        for t in range(m):
-            p = positions[t]
-            if sym[p] != a:
-                continue
+        for p in positions:
             r = nxt[p]
-            if r < 0 or sym[r] != b:
-                continue
+            if sym[p] != a or r < 0 or sym[r] != b:
+                continue  # an earlier merge in this word took one of the two symbols
             w = wcount[p]
             q = prv[p]
             s = nxt[r]
-            if q >= 0:
+            if q >= 0:  # x a b -> x c
                 x = np.int64(sym[q])
                 pcount[pair_index[(x << 32) | a]] -= w
-                k2 = (x << 32) | c
-                pid2 = pair_index[k2] if k2 in pair_index else -1
-                if pid2 < 0:
-                    pid2 = n_pairs
-                    pair_index[k2] = pid2
-                    n_pairs += 1
-                    if n_pairs > pcount.shape[0]:
-                        pcount = _grow(pcount, n_pairs)
-                        pkey = _grow(pkey, n_pairs)
-                        old = phead.shape[0]
-                        phead = _grow(phead, n_pairs)
-                        phead[old:] = -1
-                        pcount[old:] = 0
-                    pkey[pid2] = k2
-                pcount[pid2] += w
-                if n_entries + 1 > e_pos.shape[0]:
-                    e_pos = _grow(e_pos, n_entries + 1)
-                if n_entries + 1 > e_next.shape[0]:
-                    e_next = _grow(e_next, n_entries + 1)
-                e_pos[n_entries] = q
-                e_next[n_entries] = phead[pid2]
-                phead[pid2] = n_entries
-                n_entries += 1
-                if n_touched + 1 > touched.shape[0]:
-                    touched = _grow(touched, n_touched + 1)
-                touched[n_touched] = pid2
+                pid2, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries = _add_pair(
+                    pair_index, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries, (x << 32) | c, q, w)
+                touched = _append(touched, n_touched, pid2)
                 n_touched += 1
-            if s >= 0:
+            if s >= 0:  # a b y -> c y
                 y = np.int64(sym[s])
                 pcount[pair_index[(b << 32) | y]] -= w
-                k2 = (np.int64(c) << 32) | y
-                pid2 = pair_index[k2] if k2 in pair_index else -1
-                if pid2 < 0:
-                    pid2 = n_pairs
-                    pair_index[k2] = pid2
-                    n_pairs += 1
-                    if n_pairs > pcount.shape[0]:
-                        pcount = _grow(pcount, n_pairs)
-                        pkey = _grow(pkey, n_pairs)
-                        old = phead.shape[0]
-                        phead = _grow(phead, n_pairs)
-                        phead[old:] = -1
-                        pcount[old:] = 0
-                    pkey[pid2] = k2
-                pcount[pid2] += w
-                if n_entries + 1 > e_pos.shape[0]:
-                    e_pos = _grow(e_pos, n_entries + 1)
-                if n_entries + 1 > e_next.shape[0]:
-                    e_next = _grow(e_next, n_entries + 1)
-                e_pos[n_entries] = p
-                e_next[n_entries] = phead[pid2]
-                phead[pid2] = n_entries
-                n_entries += 1
-                if n_touched + 1 > touched.shape[0]:
-                    touched = _grow(touched, n_touched + 1)
-                touched[n_touched] = pid2
+                pid2, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries = _add_pair(
+                    pair_index, pcount, pkey, phead, n_pairs, e_pos, e_next, n_entries, (np.int64(c) << 32) | y,
+                    p, w)
+                touched = _append(touched, n_touched, pid2)
                 n_touched += 1
             sym[p] = c
             nxt[p] = s
@@ -546,14 +534,11 @@ def train_merges(sym, nxt, prv, wcount, pair_index, pcount, pkey, phead, e_pos, 
             sym[r] = -1
         pcount[pid] = 0
         phead[pid] = -1
-        # push the pairs that grew, once each
-        for t in range(n_touched):
+        for t in range(n_touched):  # push the pairs that grew (one touched twice goes in twice: the stale copy is dropped on pop)
             pid2 = touched[t]
             if pcount[pid2] > 0:
-                if h_size + 1 > h_cnt.shape[0]:
-                    h_cnt = _grow(h_cnt, h_size + 1)
-                if h_size + 1 > h_pid.shape[0]:
-                    h_pid = _grow(h_pid, h_size + 1)
+                h_cnt = _grow(h_cnt, h_size + 1)
+                h_pid = _grow(h_pid, h_size + 1)
                 _heap_push(h_cnt, h_pid, h_size, pcount[pid2], pid2, pkey)
                 h_size += 1
         n_done += 1
