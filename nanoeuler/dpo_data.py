@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,29 +214,57 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
     return out[0], out[1]
 
 
+def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens: int = 16,
+                  progress: bool = True) -> list[tuple[list[int], bool]]:
+    """Greedy answers to many prompts at once -> [(new ids without the stop id, stopped?)], in order.
+
+    The prompts share forward passes through the serving engine's continuous batching (serve/batcher.py:
+    a request's greedy tokens there equal `generate`'s), ~20x faster than one prompt after another on
+    a small model. Each prompt keeps its last ctx_len tokens."""
+    from tqdm import tqdm
+
+    from .serve.batcher import Batcher, Job
+    answers: list = [None] * len(prompts)
+    engine = Batcher(model, max_batch=32, max_queue=max(1, len(prompts)))
+    bar = tqdm(total=len(prompts), desc="model answers", unit="prompt", dynamic_ncols=True, disable=not progress)
+
+    def collect(i):
+        made = []
+
+        def on_event(kind, *args):
+            if kind == "token" and args[0] != stop_id:
+                made.append(int(args[0]))
+            elif kind == "done":
+                answers[i] = (made, args[0] == "stop")
+                bar.update(1)
+        return on_event
+
+    for i, ids in enumerate(prompts):
+        engine.submit(Job(list(ids), max_new_tokens, temperature=0.0, stop_ids=(stop_id,), on_event=collect(i)))
+    while engine.step():
+        pass
+    bar.close()
+    return answers
+
+
 def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, progress: bool = True) -> tuple[list[dict], int]:
     """On-policy wrong answers: for each pair of a scored task, the model's own greedy answer replaces
     `rejected` when it is wrong (non-empty, ends with </s>, differs from chosen after `sft.normalize`) —
     the mistakes this model actually makes, which rule-made negatives rarely are. Other pairs are kept.
     -> (new pairs, number replaced). Each replaced pair gets "rejected_source": "model"."""
-    from .generate import generate
     from .sft import SCORED, normalize
-    out, replaced = [], 0
-    it = pairs
+    asked = [i for i, p in enumerate(pairs) if p.get("task", "") in SCORED or not p.get("task")]
     if progress:
-        from tqdm import tqdm
-        it = tqdm(pairs, desc="model answers", unit="prompt", dynamic_ncols=True)
-    ctx = model.config.ctx_len
-    for p in it:
-        if p.get("task", "") in SCORED or not p.get("task"):
-            ids = tok.encode(p["prompt"])[-ctx:]
-            g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
-                         mode="speculative")
-            answer = tok.decode(g.ids).strip()
-            if g.stopped and answer and "###" not in answer and normalize(answer) != normalize(p["chosen"]):
-                p = p | {"rejected": answer, "rejected_source": "model"}
-                replaced += 1
-        out.append(p)
+        print(f"answering {len(asked):,} training questions with the model (greedy, up to {max_new_tokens} tokens "
+              f"each; --n-train N asks only the first N pairs)", file=sys.stderr)
+    answers = model_answers(model, [tok.encode(pairs[i]["prompt"]) for i in asked], tok.eos_id, max_new_tokens,
+                            progress)
+    out, replaced = list(pairs), 0
+    for i, (ids, stopped) in zip(asked, answers):
+        answer = tok.decode(ids).strip()
+        if stopped and answer and "###" not in answer and normalize(answer) != normalize(pairs[i]["chosen"]):
+            out[i] = pairs[i] | {"rejected": answer, "rejected_source": "model"}
+            replaced += 1
     return out, replaced
 
 

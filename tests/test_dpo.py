@@ -271,17 +271,33 @@ def test_cli_dpo_on_a_pair_file_and_errors(tok, tmp_path, capsys):
 
 
 def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, monkeypatch):
-    import nanoeuler.generate as gen
+    import nanoeuler.dpo_data as dd
     from nanoeuler.dpo import model_negatives
     answers = {"q0=": (b"Hamlet", True), "q1=": (b"Lear", True), "q2=": (b"Lear", False), "q3=": (b"hamlet.", True)}
 
-    def fake_generate(model, ids, **kw):
-        text, stopped = answers[bytes(ids).decode()]
-        return gen.Generation(list(text), stopped=stopped)
+    def fake_answers(model, prompts, stop_id, max_new_tokens, progress):
+        out = [answers[bytes(ids).decode()] for ids in prompts]
+        return [(list(text), stopped) for text, stopped in out]
 
-    monkeypatch.setattr(gen, "generate", fake_generate)
+    monkeypatch.setattr(dd, "model_answers", fake_answers)
     pairs = [{"prompt": f"q{i}=", "chosen": "Hamlet", "rejected": "Othello", "task": "speaker"} for i in range(4)]
     pairs.append({"prompt": "q9=", "chosen": "a line", "rejected": "another", "task": "continue"})
     out, n = model_negatives(Model.init(TINY, seed=0), tok, pairs, progress=False)
     assert n == 1 and out[1]["rejected"] == "Lear" and out[1]["rejected_source"] == "model"
     assert [p["rejected"] for p in out] == ["Othello", "Lear", "Othello", "Othello", "another"]  # right / unfinished kept
+
+
+def test_model_answers_in_a_batch_equal_generate_one_by_one():
+    """The batched answers (continuous batching, 40 prompts > one batch of 32) are each prompt's greedy
+    `generate` output, cut at the stop id, in the prompts' order."""
+    from nanoeuler.dpo_data import model_answers
+    from nanoeuler.generate import generate
+    model = Model.init(TINY, seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, TINY.vocab_size, size=int(rng.integers(1, TINY.ctx_len + 8))).tolist() for _ in range(40)]
+    stop = int(np.argmax(np.bincount(np.concatenate([generate(model, p, 6, temperature=0).ids for p in prompts[:8]]))))
+    got = model_answers(model, prompts, stop, max_new_tokens=6, progress=False)
+    want = [generate(model, p[-TINY.ctx_len:], 6, temperature=0, stop_ids=[stop]) for p in prompts]
+    assert [ids for ids, _ in got] == [[t for t in g.ids if t != stop] for g in want]
+    assert [stopped for _, stopped in got] == [g.stopped for g in want]
+    assert any(stopped for _, stopped in got) and not all(stopped for _, stopped in got)
