@@ -203,13 +203,15 @@ def hf_tokenizer_json(text: str, style: str, vocab: int = 330) -> str:
     return t.to_str()
 
 
-def make_hf_llama(folder, tok_json: str, tied: bool, seed: int = 0, shards: int = 2, pad_rows: int = 3):
+def make_hf_llama(folder, tok_json: str, tied: bool, seed: int = 0, shards: int = 2, pad_rows: int = 3,
+                  eos: int = 0, bos: int | None = None):
     """A random LlamaForCausalLM saved by transformers (GQA, `shards` safetensors files), plus tokenizer."""
     n_tok = json.loads(tok_json)["model"]["vocab"].__len__()
     cfg = transformers.LlamaConfig(vocab_size=n_tok + pad_rows, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0,
-                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+                                   tie_word_embeddings=tied, bos_token_id=eos if bos is None else bos,
+                                   eos_token_id=eos)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).float()
     with torch.no_grad():
@@ -222,6 +224,43 @@ def make_hf_llama(folder, tok_json: str, tied: bool, seed: int = 0, shards: int 
     model.save_pretrained(folder, max_shard_size=int(total * 0.55) if shards > 1 else "1GB")
     (folder / "tokenizer.json").write_text(tok_json)
     return model
+
+
+BOS = "<|begin_of_text|>"
+
+
+def shuffled_tokenizer_json(tok_json: str, seed: int) -> str:
+    """The same tokenizer with every id shuffled (bytes out of order, specials anywhere) and, as Llama-3's,
+    a <|begin_of_text|> that the post_processor puts before every text."""
+    d = json.loads(tok_json)
+    vocab = d["model"]["vocab"]
+    vocab[BOS] = len(vocab)
+    d["added_tokens"].append({"id": vocab[BOS], "content": BOS, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True})
+    new = np.random.default_rng(seed).permutation(len(vocab)).tolist()
+    d["model"]["vocab"] = {s: new[i] for s, i in vocab.items()}
+    for t in d["added_tokens"]:
+        t["id"] = new[t["id"]]
+    b = d["model"]["vocab"][BOS]
+    template = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": BOS, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {BOS: {"id": BOS, "ids": [b], "tokens": [BOS]}}}
+    d["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}, template]}
+    return json.dumps(d)
+
+
+@pytest.fixture(scope="module")
+def shuffled(corpus, tmp_path_factory):
+    """A Llama-3-style folder (Split regex pre-tokenizer, bos post_processor) whose vocabulary is numbered
+    in a random order, with 3 padded rows that no token names."""
+    tok_json = shuffled_tokenizer_json(hf_tokenizer_json(corpus["hamlet"][:60000], "llama3"), seed=5)
+    vocab = json.loads(tok_json)["model"]["vocab"]
+    d = tmp_path_factory.mktemp("shuffled") / "llama3"
+    model = make_hf_llama(d, tok_json, tied=False, seed=4, shards=1, eos=vocab["<|endoftext|>"], bos=vocab[BOS])
+    return model, d, vocab
 
 
 @pytest.fixture(scope="module")
@@ -253,23 +292,20 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     ht = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
     text = bundled_works()["othello"][3000:3400]
     ours_ids = tok.encode(text)
-    theirs_ids = ht.encode(text).ids
-    from nanoeuler.interop.hf_tokenizer import from_hf_json
-    _, perm = from_hf_json(json.loads((d / "tokenizer.json").read_text()), cfg.vocab_size, 0)
-    perm = np.asarray(perm)
-    assert perm[ours_ids].tolist() == theirs_ids  # same text, same tokens, renumbered
-    assert sorted(perm.tolist()) == list(range(cfg.vocab_size))
-    assert tok.eos_token == "<|endoftext|>" and perm[tok.eos_id] == 0
+    assert ours_ids == ht.encode(text).ids  # same text, same ids (the HF trainer's numbering, not ours)
+    assert tok.ids is not None and tok.ids[:256].tolist() != list(range(256))
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_id == 0
+    assert np.array_equal(m.params["embed.weight"], hf.model.embed_tokens.weight.detach().numpy())  # rows as they were
     ids = ours_ids[:65]
     # logits
     ours = m.logits(np.array([ids[:64]]))[0, 0]
-    theirs = hf_logits(hf, theirs_ids[:64])
-    assert rel_err(ours, theirs[:, perm]) <= 1e-5
+    theirs = hf_logits(hf, ids[:64])
+    assert rel_err(ours, theirs) <= 1e-5
     # loss gradients: ours by hand vs torch autograd
     batch = np.array([ids, ours_ids[70:135]])
     loss, _, grads = m.loss_and_grads(batch)
     hf.zero_grad()
-    t_in = torch.tensor(perm[batch])
+    t_in = torch.tensor(batch)
     logits = hf(t_in[:, :-1]).logits
     t_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
     t_loss.backward()
@@ -279,10 +315,10 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     for ours_name, theirs_name in hf_names(cfg.n_layers).items():
         if ours_name == "embed.weight":
             mine = grads["embed.weight"] + (grads["heads.0.weight"] if tied else 0)
-            assert rel_err(mine, g[theirs_name][perm]) <= 1e-5
+            assert rel_err(mine, g[theirs_name]) <= 1e-5
         elif ours_name == "heads.0.weight":
             if not tied:
-                assert rel_err(grads[ours_name], g[theirs_name][perm]) <= 1e-5
+                assert rel_err(grads[ours_name], g[theirs_name]) <= 1e-5
         else:
             assert rel_err(grads[ours_name], g[theirs_name]) <= 1e-5, ours_name
 
@@ -292,13 +328,13 @@ def test_imported_tokenizer_encodes_like_hf(corpus, style):
     from nanoeuler.interop.hf_tokenizer import from_hf_json
     text = corpus["hamlet"][:60000]
     d = json.loads(hf_tokenizer_json(text, style))
-    tok, perm = from_hf_json(d)
-    perm = np.asarray(perm)
+    tok = from_hf_json(d)
     ht = tokenizers.Tokenizer.from_str(json.dumps(d))
     probes = [corpus["tempest"][:50000], "In 1599, 12345 men  spent\n\n  $3.50 (or 1,000,000!) in   2 days\t\n 7 ",
               "ÀÉ 日本語 😀 don't I'M  ok\r\n\r\n99 bottles", "cafe\u0301 Ame\u0301lie \u212b"]
     for s in probes:
-        assert perm[tok.encode(s)].tolist() == ht.encode(s).ids
+        assert tok.encode(s) == ht.encode(s).ids
+        assert tok.decode(ht.encode(s).ids) == ht.decode(ht.encode(s).ids)
         if style != "qwen2":  # NFC changes the text (e + U+0301 -> é), as Hugging Face's does
             assert tok.decode(tok.encode(s)) == s
     assert tok.normalizer == ("NFC" if style == "qwen2" else None)
@@ -306,6 +342,86 @@ def test_imported_tokenizer_encodes_like_hf(corpus, style):
     ht2 = tokenizers.Tokenizer.from_str(tok.to_hf_json())
     assert ht2.encode(probes[2]).ids == tok.encode(probes[2])
     assert Tokenizer.from_dict(json.loads(json.dumps(tok.to_dict()))).fingerprint() == tok.fingerprint()
+
+
+def test_shuffled_vocabulary_keeps_its_ids_through_import_and_export(shuffled, corpus, tmp_path):
+    """Ids in no order of ours: the imported tokenizer gives AutoTokenizer's ids (bos included), the model
+    keeps the folder's rows and gives transformers' logits for the same ids; export -> hf gives the same
+    ids and logits again, export -> gguf lists token i at index i; import -> export -> import is the identity."""
+    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.tokenizer import bytes_to_unicode
+    hf, d, vocab = shuffled
+    import_folder(d, tmp_path / "run", progress=False)
+    m, tok = Model.load(tmp_path / "run"), Tokenizer.load(tmp_path / "run")  # through the saved files
+    alpha = bytes_to_unicode()
+    assert [vocab[alpha[b]] for b in range(256)] == tok.ids[:256].tolist() != list(range(256))
+    assert min(tok.special_tokens[s] for s in ("<|endoftext|>", "<|im_start|>", BOS)) < 256 + len(tok.merges)
+    assert tok.bos_token == BOS and tok.bos_id == vocab[BOS] and tok.eos_id == vocab["<|endoftext|>"]
+    assert tok.vocab_size == m.config.vocab_size == len(vocab) + 3  # the padded rows: reserved ids
+    assert np.array_equal(m.params["embed.weight"], hf.model.embed_tokens.weight.detach().numpy())
+    assert np.array_equal(m.params["heads.0.weight"], hf.lm_head.weight.detach().numpy())
+    at = transformers.AutoTokenizer.from_pretrained(d)
+    texts = [corpus["tempest"][:60000], "In 1599, 12345 men  spent\n\n  $3.50 in 2 days\t\n 7 ",
+             f"ÀÉ 日本語 😀 don't<|im_start|>I'M  ok\r\n\r\n99 {BOS}bottles<|endoftext|>"]
+    for text in texts:
+        with_bos = at(text)["input_ids"]
+        assert with_bos[0] == tok.bos_id and with_bos == tok.encode(text, allow_special=True, add_bos=True)
+        assert at(text, add_special_tokens=False)["input_ids"] == tok.encode(text, allow_special=True)
+        assert tok.decode(with_bos[1:]) == at.decode(with_bos[1:]) == text
+        assert tok.encode_array(text, allow_special=True, add_bos=True).tolist() == with_bos
+    assert tok.encode("a b") == at("a b", add_special_tokens=False)["input_ids"] != tok.encode("a b", add_bos=True)
+    ids = at(texts[0])["input_ids"][:64]
+    assert rel_err(m.logits(np.array([ids]))[0, 0], hf_logits(hf, ids)) <= 1e-5
+    # export -> transformers: the same ids, the same logits
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"),
+                 "--no-progress"]) == 0
+    at2 = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for text in texts:
+        assert at2(text)["input_ids"] == at(text)["input_ids"]
+    assert at2.bos_token_id == tok.bos_id and at2.eos_token_id == tok.eos_id
+    assert rel_err(hf_logits(hf2, ids), hf_logits(hf, ids)) <= 1e-6
+    # export -> gguf: token i of llama.cpp's list is our token i, the embedding rows are ours
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import export_gguf
+    r = gguf.GGUFReader(str(export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)))
+    f = r.fields
+    listed = [bytes(f["tokenizer.ggml.tokens"].parts[i]).decode("utf-8") for i in f["tokenizer.ggml.tokens"].data]
+    inv = {i: s for s, i in vocab.items()}
+    assert listed[:len(vocab)] == [inv[i] for i in range(len(vocab))]   # the folder's own numbering
+    assert all(listed[i] == "".join(alpha[c] for c in tok.token_bytes(i)) or i in tok.special_tokens.values()
+               for i in range(tok.vocab_size))
+    types = [int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data]
+    assert {i for i, t in enumerate(types) if t == int(gguf.TokenType.CONTROL)} == set(tok.special_tokens.values())
+    assert int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]) == tok.bos_id
+    assert int(f["tokenizer.ggml.eos_token_id"].parts[-1][0]) == tok.eos_id
+    assert bool(f["tokenizer.ggml.add_bos_token"].parts[-1][0])
+    emb = next(np.array(t.data) for t in r.tensors if t.name == "token_embd.weight")
+    assert np.array_equal(emb, m.params["embed.weight"])
+    # import -> export -> import: the same tokenizer and tensors
+    assert main(["import", "--from", str(tmp_path / "hf"), "--out", str(tmp_path / "again"), "--no-progress"]) == 0
+    again = Model.load(tmp_path / "again")
+    assert Tokenizer.load(tmp_path / "again").fingerprint() == tok.fingerprint()
+    assert all(np.array_equal(again.params[n], m.params[n]) for n in m.params)
+
+
+def test_post_processors_we_cannot_carry_are_refused(shuffled):
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    _, d, vocab = shuffled
+    base = json.loads((d / "tokenizer.json").read_text())
+    eos = vocab["<|endoftext|>"]
+    after = json.loads(json.dumps(base))   # an eos after the text
+    t = after["post_processor"]["processors"][1]
+    t["single"] = [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}]
+    t["special_tokens"] = {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [eos], "tokens": ["<|endoftext|>"]}}
+    with pytest.raises(UserError, match="after the text"):
+        from_hf_json(after)
+    roberta = dict(base, post_processor={"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0]})
+    with pytest.raises(UserError, match="post_processor RobertaProcessing is not supported"):
+        from_hf_json(roberta)
+    plain = dict(base, post_processor={"type": "ByteLevel", "trim_offsets": True})
+    assert from_hf_json(plain).bos_token is None and from_hf_json(base).bos_token == BOS
 
 
 def test_import_export_import_is_the_identity(hf_folders, tmp_path):
@@ -477,10 +593,10 @@ def test_ignore_merges_is_accepted_only_where_it_changes_nothing(corpus):
     from nanoeuler.interop.hf_tokenizer import from_hf_json
     d = json.loads(hf_tokenizer_json(corpus["hamlet"][:60000], "llama3"))
     d["model"]["ignore_merges"] = True  # as Llama-3's tokenizer.json has it
-    tok, perm = from_hf_json(d)
+    tok = from_hf_json(d)
     ht = tokenizers.Tokenizer.from_str(json.dumps(d))
     s = corpus["tempest"][:20000]
-    assert np.asarray(perm)[tok.encode(s)].tolist() == ht.encode(s).ids
+    assert tok.encode(s) == ht.encode(s).ids
     # 'abc' is in the vocabulary, but BPE (b c first, then nothing joins a + bc) never builds it
     from nanoeuler.tokenizer import bytes_to_unicode
     vocab = {c: i for i, c in enumerate(bytes_to_unicode())}
@@ -504,3 +620,42 @@ def test_import_of_half_precision_weights_is_exact(corpus, tmp_path, dtype):
     m = Model.load(tmp_path / "run")
     w = model.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
     assert m.dtype == np.float32 and np.array_equal(m.params["layers.1.attn.wk.weight"], w)
+
+
+def test_serving_an_imported_model_speaks_its_ids(shuffled, tmp_path):
+    """serve over a shuffled-vocabulary import: /tokenize is AutoTokenizer (bos with add_special_tokens),
+    logprobs name the tokens of the ids the model scores, and greedy text is `generate` on the same ids."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from serve_fixtures import ServerThread
+    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.serve.app import create_app
+    _, d, vocab = shuffled
+    import_folder(d, tmp_path / "run", progress=False)
+    m, tok = Model.load(tmp_path / "run"), Tokenizer.load(tmp_path / "run")
+    at = transformers.AutoTokenizer.from_pretrained(d)
+    prompt = "Where is the king? \u00e9"
+    with ServerThread(create_app(m, tok, "imp")) as srv:
+        got = httpx.post(srv.url + "/tokenize", json={"prompt": prompt, "add_special_tokens": True}).json()
+        assert got["tokens"] == at(prompt)["input_ids"] and got["tokens"][0] == tok.bos_id
+        got = httpx.post(srv.url + "/tokenize", json={"prompt": prompt}).json()
+        assert got["tokens"] == at(prompt, add_special_tokens=False)["input_ids"]
+        info = httpx.get(srv.url + "/tokenizer_info").json()
+        assert info["bos_token"] == BOS and info["eos_token"] == "<|endoftext|>"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "imp", "prompt": prompt, "max_tokens": 6,
+                                                         "temperature": 0, "logprobs": 2, "ignore_eos": True}).json()
+        ref = generate(m, tok.encode(prompt), 6, temperature=0)
+        choice = r["choices"][0]
+        assert choice["text"] == tok.decode(ref.ids)
+        from nanoeuler.serve.protocol import token_text
+        assert choice["logprobs"]["tokens"] == [token_text(tok, i) for i in ref.ids]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "imp", "max_tokens": 4, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1,
+                       "ignore_eos": True}).json()
+        ref = generate(m, render(tok, "Hi")[0], 4, temperature=0)
+        content = r["choices"][0]["logprobs"]["content"]
+        # the bytes of each scored id, read from the Hugging Face tokenizer's own token strings
+        from nanoeuler.tokenizer import bytes_to_unicode
+        byte_of = {c: b for b, c in enumerate(bytes_to_unicode())}
+        assert [bytes(c["bytes"]) for c in content] == \
+            [bytes(byte_of[ch] for ch in at.convert_ids_to_tokens(i)) for i in ref.ids]

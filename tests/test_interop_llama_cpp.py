@@ -104,3 +104,26 @@ def test_imported_tokenizers_keep_their_pre_tokenizer_in_llama_cpp(style, tmp_pa
     llm = LlamaCpp(path, n_ctx=m.config.ctx_len).llm
     probe = bundled_works()["tempest"][:20000] + " In 1599, 12345 men  spent $3.50\n\n  in 2 days\t\n 7 "
     assert llm.tokenize(probe.encode(), add_bos=False, special=False) == tok.encode(probe)
+
+
+def test_a_shuffled_vocabulary_with_bos_keeps_its_ids_in_llama_cpp(tmp_path):
+    """A Llama-3-style folder numbered in a random order, with a bos post_processor: imported, exported to
+    GGUF, llama.cpp's tokenizer gives our ids (bos first, as AutoTokenizer) and its greedy tokens are ours."""
+    pytest.importorskip("transformers")
+    from test_interop import hf_tokenizer_json, make_hf_llama, shuffled_tokenizer_json
+    from nanoeuler.interop.importer import import_folder
+    tok_json = shuffled_tokenizer_json(hf_tokenizer_json(bundled_works()["hamlet"][:60000], "llama3"), seed=7)
+    vocab = __import__("json").loads(tok_json)["model"]["vocab"]
+    d = tmp_path / "hf"
+    make_hf_llama(d, tok_json, tied=False, shards=1, eos=vocab["<|endoftext|>"], bos=vocab["<|begin_of_text|>"])
+    import_folder(d, tmp_path / "run", progress=False)
+    m, tok = Model.load(tmp_path / "run"), load_tokenizer(tmp_path / "run")
+    assert tok.ids[:256].tolist() != list(range(256)) and tok.bos_id == vocab["<|begin_of_text|>"]
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False)
+    lc = LlamaCpp(path, n_ctx=m.config.ctx_len)
+    probe = bundled_works()["tempest"][:20000] + " In 1599, 12345 men  spent $3.50\n\n  in 2 days\t\n 7 "
+    assert lc.llm.tokenize(probe.encode(), add_bos=True, special=False) == tok.encode(probe, add_bos=True)
+    assert lc.llm.token_bos() == tok.bos_id and lc.llm.token_eos() == tok.eos_id
+    prompt = tok.encode(probe, add_bos=True)[:24]
+    theirs, _ = lc.greedy(prompt, 24)
+    assert theirs == generate(m, prompt, max_new_tokens=24, temperature=0, mode="cache").ids

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoeuler.tokenizer import bpe_fast as bf
+from test_fuzz_loaders import _bounded, _dump, mutated
 from nanoeuler.cli import main
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
@@ -437,3 +438,114 @@ def test_cli_errors(tmp_path, monkeypatch, capsysbinary):
     assert code == 2 and b"out of range" in err
     code, _, err = run_cli(["tokenizer", "decode", "--tokenizer", out], b"1 two", monkeypatch, capsysbinary)
     assert code == 2 and b"'two'" in err
+
+
+# ------------------------------------------------------------------------------ id maps (imported vocabularies)
+
+def mapped(tok: Tokenizer, seed: int = 0) -> Tokenizer:
+    """tok with its ids shuffled, as an imported vocabulary numbers them (bytes out of order, specials anywhere)."""
+    d = tok.to_dict()
+    d["ids"] = np.random.default_rng(seed).permutation(tok.vocab_size).tolist()
+    return Tokenizer.from_dict(d)
+
+
+def test_docstring_example_of_an_id_map():
+    tok = Tokenizer([(104, 105)], ["</s>"], ids=[*range(1, 257), 0, 257])
+    assert tok.encode("hi!") == [0, 34] and tok.decode([0, 34]) == "hi!" and tok.token_bytes(34) == b"!"
+    assert tok.special_tokens == {"</s>": 257} and tok.eos_id == 257 and tok.bos_id is None
+
+
+@SETTINGS
+@given(text=any_text, seed=st.integers(0, 3))
+def test_an_id_map_renames_every_id_and_nothing_else(tok, text, seed):
+    """encode* of a mapped tokenizer = the map applied to the unmapped ids; decode*, token_bytes inverse."""
+    m = mapped(tok, seed)
+    ids = np.asarray(m.ids)
+    plain = tok.encode(text)
+    assert m.encode(text) == ids[plain].tolist() == m.encode_array(text).tolist()
+    assert m.encode_array(text).dtype == np.int32
+    assert m.encode_bytes(text.encode("utf-8", "surrogatepass")) == ids[plain].tolist()
+    assert m.decode(m.encode(text)) == tok.decode(plain)
+    assert m.decode_bytes(m.encode(text)) == tok.decode_bytes(plain)
+    assert all(m.token_bytes(ids[i]) == tok.token_bytes(i) for i in plain)
+    s = text + "</s>" + text
+    assert m.encode(s, allow_special=True) == ids[tok.encode(s, allow_special=True)].tolist()
+
+
+def test_an_id_map_is_saved_loaded_and_fingerprinted(tok, tmp_path):
+    m = mapped(tok, 1)
+    assert m.ids[:256].tolist() != list(range(256)) and m.eos_id == m.ids[tok.eos_id] != tok.eos_id
+    m.save(tmp_path / "tokenizer.json")
+    back = Tokenizer.load(tmp_path)
+    assert back.fingerprint() == m.fingerprint() != tok.fingerprint() != mapped(tok, 2).fingerprint()
+    assert back.ids.tolist() == m.ids.tolist() and back.special_tokens == m.special_tokens
+    import copy
+    assert copy.deepcopy(m).encode("To be") == m.encode("To be")   # copies (and worker processes) keep the map
+    got = list(encode_parallel(m, ["To be, or not", "to be"], processes=2))
+    assert [g.tolist() for g in got] == [m.encode("To be, or not"), m.encode("to be")]
+    # the readable vocabulary lists tokens in id order
+    lines = (tmp_path / "tokenizer.vocab").read_text(encoding="utf-8").splitlines()[1:]
+    assert [int(ln.split("\t")[0]) for ln in lines] == list(range(m.vocab_size))
+    assert lines[m.eos_id].endswith("(special)") and lines[m.encode("a")[0]].split("\t")[1] == "'a'"
+    # no map and the identity map are one tokenizer: old files load unchanged, same fingerprint
+    d = tok.to_dict()
+    assert "ids" not in d and "bos" not in d
+    same = Tokenizer.from_dict(dict(d, ids=list(range(tok.vocab_size))))
+    assert same.ids is None and same.fingerprint() == tok.fingerprint()
+
+
+def test_a_mapped_tokenizer_exports_to_hf_with_its_ids(tok, parity_text):
+    import tokenizers
+    m = mapped(tok, 3)
+    hf = tokenizers.Tokenizer.from_str(m.to_hf_json())
+    text = "".join(parity_text)[:200_000] + " a</s>b"
+    assert hf.encode(text).ids == m.encode(text, allow_special=True)
+    assert hf.decode(m.encode(text[:5000]), skip_special_tokens=False) == text[:5000]
+    assert hf.token_to_id("</s>") == m.eos_id
+
+
+def test_bos_is_put_first_when_asked(tok):
+    d = dict(tok.to_dict(), bos="</s>")
+    b = Tokenizer.from_dict(d)
+    assert b.bos_id == b.eos_id and b.encode("hi") == tok.encode("hi")
+    assert b.encode("hi", add_bos=True) == [b.bos_id] + tok.encode("hi") == b.encode_array("hi", add_bos=True).tolist()
+    assert tok.encode("hi", add_bos=True) == tok.encode("hi")           # no bos: nothing to add
+    assert Tokenizer.from_dict(b.to_dict()).fingerprint() == b.fingerprint() != tok.fingerprint()
+    with pytest.raises(UserError, match="bos token 'nope' is not one of the special tokens"):
+        Tokenizer.from_dict(dict(d, bos="nope"))
+    with pytest.raises(UserError, match="bos"):
+        Tokenizer.from_dict(dict(d, bos=5))
+
+
+@pytest.mark.parametrize("ids, message", [
+    ("x", "must be a list of integer"),
+    ([0, 1, 2], "has 3 entries"),
+    (lambda n: [*range(n - 1), 0], "two tokens share an id"),
+    (lambda n: [*range(n - 1), n], "id .* is out of range"),
+    (lambda n: [*range(n - 1), -1], "out of range"),
+    (lambda n: [*range(n - 1), True], "integer"),
+    (lambda n: [*range(n - 1), float(n - 1)], "integer"),
+    (lambda n: [*range(n - 1), 2 ** 70], "out of range"),
+])
+def test_corrupt_id_maps_are_user_errors(tok, tmp_path, ids, message):
+    d = tok.to_dict()
+    d["ids"] = ids(tok.vocab_size) if callable(ids) else ids
+    (tmp_path / "tokenizer.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match=message):
+        Tokenizer.load(tmp_path / "tokenizer.json")
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_a_mapped_tokenizer_json(tok, tmp_path, data):
+    """A mapped tokenizer.json mutated by the loader fuzzer: it loads (and round-trips text) or says UserError."""
+    path = tmp_path / "tokenizer.json"
+    good = dict(mapped(tok, 4).to_dict(), bos="</s>")
+    path.write_text(_dump(data.draw(mutated(good))))
+
+    def load():
+        t = Tokenizer.load(path)
+        ids = t.encode("To be, or not to be: 42 \u00e9\U0001f600\n")
+        assert t.decode(ids) == "To be, or not to be: 42 \u00e9\U0001f600\n"
+    _bounded(load)

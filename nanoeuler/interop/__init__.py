@@ -5,13 +5,14 @@ directions are exact; only the names differ (SPEC "Interop names"), plus three d
 
 - MTP heads: head 0 is Llama's `lm_head`; heads 1..K-1 travel in a side file (`nanoeuler_mtp.safetensors`)
   that `import` reads back, so export -> import restores the full model.
-- token ids: a Hugging Face vocabulary may order its tokens any way (SmolLM puts its specials first); our
-  Tokenizer numbers bytes 0..255, then merges, then specials. `import` renumbers, permuting the rows of the
-  embedding and the head, so the imported model computes the same function of the *text*.
+- token ids: a Hugging Face vocabulary may order its tokens any way (GPT-2 puts the bytes in its
+  byte-to-unicode order, SmolLM its specials first). `import` keeps them: the Tokenizer carries the
+  folder's ids (`tok.ids`) and the embedding and head rows stay in the folder's order, so the imported
+  model takes and gives the very ids transformers / llama.cpp use; `export` writes them back.
 - GGUF: llama.cpp applies RoPE to interleaved pairs (2i, 2i+1), we and HF to (i, i + hd/2); the q and k
   rows are permuted as llama.cpp's `convert_hf_to_gguf.py` does (`gguf_export.permute_qk`).
 
 Modules: `safetensors_io` (read/write f32/f16/bf16 without torch), `hf_tokenizer` (HF tokenizer.json ->
-our Tokenizer + id permutation; the Alpaca chat template), `hf` (export), `importer` (import, one
+our Tokenizer with the same ids; the Alpaca chat template), `hf` (export), `importer` (import, one
 function per architecture), `gguf_export`, `outputs` (refuse-or-replace output paths atomically).
 """

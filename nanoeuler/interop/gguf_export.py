@@ -59,21 +59,14 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
 
 
 def token_metadata(tok, vocab_size: int):
-    """(tokens, token types, merges) in llama.cpp's GPT-2 BPE form, padded to the model's vocab_size."""
+    """(tokens, token types, merges) in llama.cpp's GPT-2 BPE form: entry i is the token of id i (the
+    tokenizer's ids, which an imported vocabulary keeps), padded to the model's vocab_size."""
     from gguf import TokenType
-
-    from ..tokenizer import bytes_to_unicode
-    alphabet = bytes_to_unicode()
-    n_regular = 256 + len(tok.merges)
-    tokens = ["".join(alphabet[b] for b in tok.token_bytes(i)) for i in range(n_regular)]
-    types = [TokenType.NORMAL] * n_regular
-    for s in sorted(tok.special_tokens, key=tok.special_tokens.get):
-        tokens.append(s)
-        types.append(TokenType.CONTROL)
+    tokens, special, merges = tok.byte_level_vocab()
+    types = [TokenType.CONTROL if s else TokenType.NORMAL for s in special]
     for i in range(len(tokens), vocab_size):
         tokens.append(f"[PAD{i}]")
         types.append(TokenType.UNUSED)
-    merges = [f"{tokens[a]} {tokens[b]}" for a, b in tok.merges]
     return tokens, types, merges
 
 
@@ -128,8 +121,11 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         w.add_token_merges(merges)
         if tok.eos_token in tok.special_tokens:
             w.add_eos_token_id(tok.eos_id)
+        if tok.bos_id is not None:  # an imported Llama-3's <|begin_of_text|>: llama.cpp puts it first, as HF does
+            w.add_bos_token_id(tok.bos_id)
+        elif tok.eos_token in tok.special_tokens:
             w.add_bos_token_id(tok.eos_id)
-        w.add_add_bos_token(False)
+        w.add_add_bos_token(tok.bos_id is not None)
         w.add_chat_template(alpaca_chat_template())
         for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
             if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:

@@ -17,15 +17,15 @@ so every matrix is transposed, and the fused c_attn [d, 3d] is cut into wq | wk 
     h.i.ln_2.{weight,bias}        -> layers.i.ffn_norm.{weight,bias}
     h.i.mlp.c_fc.{weight,bias}    -> layers.i.ffn.fc   (weight [d, F] -> [F, d])
     h.i.mlp.c_proj.{weight,bias}  -> layers.i.ffn.proj (weight [F, d] -> [d, F])
-    ln_f.{weight,bias} -> norm.{weight,bias};  wte.weight -> embed.weight (rows renumbered);  wpe.weight -> pos_embed.weight
+    ln_f.{weight,bias} -> norm.{weight,bias};  wte.weight -> embed.weight;  wpe.weight -> pos_embed.weight
     lm_head.weight: tied to wte (our head 0 is embed.weight)
 
-Token ids: our Tokenizer numbers the 256 bytes 0..255 in byte order, then merge i as 256 + i, then the
-specials. GPT-2 numbers the bytes in the order of its byte-to-unicode table ('!' = 0, ..., 'Ġ' = byte 32 =
-220), then its 50,000 merges as 256 + i, then `<|endoftext|>` = 50256. So only the byte ids move:
-`perm[our id] = GPT-2 id` (interop/hf_tokenizer.py) and `embed = wte[perm]`. All 50,257 tokens are kept,
-merges and the end-of-text token keep their GPT-2 ids, and the model computes the same function of the text.
-Export writes GPT-2's own numbering back (`gpt2_ids`), so import -> export of OpenAI's folder gives back its ids.
+Token ids are GPT-2's, exactly: GPT-2 numbers the bytes in the order of its byte-to-unicode table
+('!' = 0, ..., 'Ġ' = byte 32 = 220; `gpt2_byte_order`), then its 50,000 merges as 256 + i, then
+`<|endoftext|>` = 50256. The imported Tokenizer carries that numbering (`tok.ids`, see
+tokenizer/tokenizer.py), so its encode gives the ids GPT2Tokenizer gives, and wte's rows are kept in
+order. Export writes the tokenizer's ids back, so import -> export of OpenAI's folder is the same folder
+(vocab.json, merges.txt, tensors); a GPT-2-architecture model trained here exports with our numbering.
 """
 from __future__ import annotations
 
@@ -45,13 +45,6 @@ def gpt2_byte_order() -> list[int]:
     gpt2_byte_order()[0] -> 33 ('!'), gpt2_byte_order().index(32) -> 220 (' ', shown as 'Ġ')"""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     return printable + [b for b in range(256) if b not in printable]
-
-
-def gpt2_ids(tok) -> np.ndarray:
-    """our id -> the id GPT-2's numbering gives it (bytes reordered, merges and specials unchanged)."""
-    ids = np.arange(tok.vocab_size)
-    ids[np.asarray(gpt2_byte_order())] = np.arange(256)
-    return ids
 
 
 def hf_names(n_layers: int) -> dict[str, tuple[str, str]]:
@@ -130,7 +123,7 @@ def tokenizer_dict_from_vocab_merges(vocab: dict, merges_text: str) -> dict:
 
 
 def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
-    """(our Tokenizer, perm: our id -> GPT-2 id) from vocab.json + merges.txt, else tokenizer.json.
+    """Our Tokenizer (the folder's ids kept) from vocab.json + merges.txt, else tokenizer.json.
     The tokenizer must name exactly the embedding's rows (GPT-2: 50,257)."""
     from .hf_tokenizer import from_hf_json
     from .importer import read_json_file
@@ -146,10 +139,11 @@ def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
         what = "tokenizer.json"
     else:
         raise UserError(f"{folder} has neither vocab.json + merges.txt nor tokenizer.json")
-    tok, perm = from_hf_json(d, None, eos_id)
-    if tok.vocab_size != vocab_rows:
-        raise UserError(f"{what} names {tok.vocab_size} tokens but the embedding (wte) has {vocab_rows} rows")
-    return tok, perm
+    tok = from_hf_json(d, None, eos_id)
+    named = sum(1 for s in tok.special_tokens if not s.startswith("<|reserved_")) + 256 + len(tok.merges)
+    if named != vocab_rows or tok.vocab_size != vocab_rows:  # an id no token names is a hole, not a token
+        raise UserError(f"{what} names {named} tokens but the embedding (wte) has {vocab_rows} rows")
+    return tok
 
 
 def read_gpt2_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
@@ -199,8 +193,7 @@ def import_gpt2(folder: Path, c: dict, n_mtp: int | None = None, progress: bool 
     extra = sorted(set(W) - {theirs for theirs, _ in names.values()})
     if extra:
         raise UserError(f"unexpected tensor {extra[0]} in a GPT-2 folder")
-    tok, perm = read_gpt2_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
-    params["embed.weight"] = np.ascontiguousarray(params["embed.weight"][np.asarray(perm)])
+    tok = read_gpt2_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
     params.update(mtp_heads(folder, n_mtp, params["embed.weight"]))
     cfg = cfg.replace(n_mtp=1 + sum(1 for n in params if n.startswith("heads.")))
     return cfg, {n: params[n] for n in cfg.param_shapes()}, tok
@@ -235,18 +228,15 @@ def hf_config(cfg, eos: int | None, dtype: str = "float32") -> dict:
 
 
 def tokenizer_files(tok) -> tuple[dict, list[str], list[dict]]:
-    """(vocab: token string -> GPT-2 id, merges ["left right", ...], added tokens) in GPT-2's numbering."""
-    from ..tokenizer import bytes_to_unicode
-    alphabet, ids = bytes_to_unicode(), gpt2_ids(tok)
-    strings = ["".join(alphabet[b] for b in tok.token_bytes(i)) for i in range(256 + len(tok.merges))]
-    vocab = {s: int(ids[i]) for i, s in enumerate(strings)}
+    """(vocab: token string -> id, merges ["left right", ...], added tokens), in the tokenizer's ids."""
+    strings, special, merges = tok.byte_level_vocab()
+    vocab = {s: i for i, s in enumerate(strings) if not special[i]}
     for s in tok.special_tokens:
         if s in vocab:
             raise UserError(f"cannot export: the special token {s!r} is also an ordinary token")
-    vocab.update({s: int(ids[i]) for s, i in tok.special_tokens.items()})
-    merges = [f"{strings[a]} {strings[b]}" for a, b in tok.merges]
-    added = [{"id": int(ids[i]), "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for s, i in tok.special_tokens.items()]
+    vocab.update(tok.special_tokens)
+    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for s, i in sorted(tok.special_tokens.items(), key=lambda x: x[1])]
     return vocab, merges, added
 
 
@@ -268,25 +258,21 @@ def export_gpt2_folder(model, tok, out: str | Path, dtype: str = "float32", forc
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     if tok.pattern != GPT2_PATTERN:
         raise UserError("a GPT-2 folder needs the GPT-2 pre-tokenizer pattern; this tokenizer has another one")
-    ids = gpt2_ids(tok)
-    order = np.argsort(ids)  # GPT-2 id -> our id
     tensors, qkv = {}, {}
     for ours, (theirs, how) in tqdm(hf_names(cfg.n_layers).items(), desc="export", disable=not progress):
         a = np.asarray(P[ours], dtype=np.float32)
-        if ours == "embed.weight":
-            a = a[order]
         if how in ("q", "k", "v"):
             qkv.setdefault(theirs, {})[how] = a.T if a.ndim == 2 else a
             if len(qkv[theirs]) == 3:
                 tensors["transformer." + theirs] = np.concatenate([qkv[theirs][p] for p in "qkv"], axis=-1)
             continue
         tensors["transformer." + theirs] = a.T if how == "T" else a
-    eos = int(ids[tok.eos_id]) if tok.eos_token in tok.special_tokens else None
+    eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     vocab, merges, added = tokenizer_files(tok)
     tok_json = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-        "post_processor": None,
+        "post_processor": tok.hf_post_processor(),
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
@@ -297,7 +283,7 @@ def export_gpt2_folder(model, tok, out: str | Path, dtype: str = "float32", forc
                   "bos_token": eos_tok, "eos_token": eos_tok, "unk_token": eos_tok, "pad_token": None}
     with output_dir(out, force) as tmp:
         write_tensors(tmp / "model.safetensors", tensors, HF_DTYPES[dtype], {"format": "pt"})
-        if cfg.n_mtp > 1:  # MTP heads 1..K-1, rows in our id order: only `nanoeuler import` reads them
+        if cfg.n_mtp > 1:  # MTP heads 1..K-1 (rows in token id order, as wte): only `nanoeuler import` reads them
             write_tensors(tmp / MTP_FILE, {f"heads.{k}.weight": P[f"heads.{k}.weight"] for k in range(1, cfg.n_mtp)},
                           "F32", {"format": "nanoeuler-mtp", "n_mtp": str(cfg.n_mtp)})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eos, dtype), indent=2) + "\n")

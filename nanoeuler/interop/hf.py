@@ -46,6 +46,7 @@ def require_llama(cfg) -> None:
 def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     """config.json of the Llama model equal to ours (every field that changes the function)."""
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
+    bos = tok.bos_id if tok.bos_id is not None else eos
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden,
@@ -54,7 +55,7 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
         "max_position_embeddings": cfg.ctx_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True,
-        "tie_word_embeddings": tied, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None,
+        "tie_word_embeddings": tied, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None,
         "torch_dtype": dtype, "nanoeuler_n_mtp": cfg.n_mtp,
     }
 
@@ -63,7 +64,7 @@ def tokenizer_config(tok, ctx_len: int) -> dict:
     from .hf_tokenizer import alpaca_chat_template
     eos = tok.eos_token if tok.eos_token in tok.special_tokens else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ctx_len,
-            "eos_token": eos, "bos_token": None, "pad_token": None, "unk_token": None,
+            "eos_token": eos, "bos_token": tok.bos_token, "pad_token": None, "unk_token": None,
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
             "chat_template": alpaca_chat_template()}
 
@@ -97,6 +98,6 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
         (tmp / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
         eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
-        gen = {"bos_token_id": eos, "eos_token_id": eos, "do_sample": False, "max_length": cfg.ctx_len}
+        gen = {"bos_token_id": tok.bos_id if tok.bos_id is not None else eos, "eos_token_id": eos, "do_sample": False, "max_length": cfg.ctx_len}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out)

@@ -1,14 +1,21 @@
-"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer plus the id renumbering; the Alpaca
-chat template in Jinja for `tokenizer_config.json`.
+"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer, keeping its token ids exactly; the
+Alpaca chat template in Jinja for `tokenizer_config.json`.
 
-Our Tokenizer numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
-vocabulary numbers them as it likes, so `from_hf_json` returns `perm` with perm[our id] = HF id:
+Our BPE engine numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
+vocabulary numbers them as it likes, so `from_hf_json` gives the Tokenizer the HF id of every token in
+the engine's order (`Tokenizer(..., ids=...)`), and its encode/decode speak the HF ids:
 
     GPT-2 vocabulary:   '!' -> 0, ..., 'Ġ' -> 220, ..., 'Ġt' -> 256 (merge 0), ..., '<|endoftext|>' -> 50256
-    ours:               byte 33 '!' -> 33 (perm[33] = 0), byte 32 ' ' -> 32 (perm[32] = 220), ...
+    tok.ids:            [220 at byte 32, 0 at byte 33, ..., 256 for merge 0, ..., 50256 for the special]
+    tok.encode(" t")    -> [256], as GPT-2's tokenizer; the model's rows stay in the folder's order.
 
-so that `embed_ours = embed_hf[perm]`. Ids a Hugging Face model has but its tokenizer never names (padded
-vocabularies, e.g. Qwen2's) become reserved specials `<|reserved_ID|>` so that no row is dropped.
+Ids a Hugging Face model has but its tokenizer never names (padded vocabularies, e.g. Qwen2's) become
+reserved specials `<|reserved_ID|>` at those ids so that no row is dropped.
+
+Post-processors: none, `ByteLevel` (offsets only: ids unchanged), and `TemplateProcessing` that puts one
+special token before the text (Llama-3's `<|begin_of_text|>`): it becomes the Tokenizer's `bos`, so that
+`tok.encode(text, allow_special=True, add_bos=True) == AutoTokenizer(text)["input_ids"]`; anything
+else (a token after the text, Bert/Roberta processors) is refused by name.
 
 Pre-tokenizers understood (any other is a one-line error naming it):
 - `ByteLevel(use_regex=true)`                       -> the GPT-2 pattern (GPT-2, our own export)
@@ -77,8 +84,48 @@ def pattern_of(pre) -> str:
     _bad(f"pre_tokenizer {kind} is not supported (only byte-level BPE: ByteLevel, Split+ByteLevel, Digits+ByteLevel)")
 
 
-def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None) -> tuple[Tokenizer, list[int]]:
-    """A parsed Hugging Face tokenizer.json -> (our Tokenizer, perm with perm[our id] = HF id).
+def bos_of(post, added: dict[int, str]) -> int | None:
+    """The HF id of the one special token a post_processor puts before the text (None if it adds none).
+    added: HF id -> content of the added tokens. Anything that adds tokens elsewhere is refused."""
+    if post is None:
+        return None
+    if not isinstance(post, dict):
+        _bad(f"post_processor {post!r} is not supported")
+    kind = post.get("type")
+    if kind == "ByteLevel":
+        return None  # trims offsets only; ids unchanged
+    if kind == "Sequence" and isinstance(post.get("processors"), list):
+        found = [b for b in (bos_of(p, added) for p in post["processors"]) if b is not None]
+        if len(found) > 1:
+            _bad("post_processor adds more than one token before the text; not supported")
+        return found[0] if found else None
+    if kind != "TemplateProcessing":
+        _bad(f"post_processor {kind} is not supported (none, ByteLevel, or a TemplateProcessing adding a bos)")
+    single, table = post.get("single"), post.get("special_tokens") or {}
+    if not isinstance(single, list) or not isinstance(table, dict):
+        _bad("post_processor TemplateProcessing: \"single\" must be a list")
+    kinds = [next(iter(x)) if isinstance(x, dict) and len(x) == 1 else None for x in single]
+    if kinds.count("Sequence") != 1 or any(k not in ("Sequence", "SpecialToken") for k in kinds):
+        _bad(f"post_processor TemplateProcessing single={single!r} is not supported")
+    at = kinds.index("Sequence")
+    if at != len(kinds) - 1:
+        _bad("post_processor TemplateProcessing adds tokens after the text; not supported (only a bos before it)")
+    if at == 0:
+        return None
+    if at > 1:
+        _bad("post_processor TemplateProcessing adds more than one token before the text; not supported")
+    name = single[0]["SpecialToken"].get("id") if isinstance(single[0]["SpecialToken"], dict) else None
+    entry = table.get(name)
+    ids = entry.get("ids") if isinstance(entry, dict) else None
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int)):
+        _bad(f"post_processor TemplateProcessing: special token {name!r} needs one id in \"special_tokens\"")
+    if ids[0] not in added:
+        _bad(f"post_processor TemplateProcessing: the bos id {ids[0]} is not an added special token")
+    return ids[0]
+
+
+def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None) -> Tokenizer:
+    """A parsed Hugging Face tokenizer.json -> our Tokenizer with the same token ids (`tok.ids`).
 
     vocab_size: the model's embedding rows (>= the tokenizer's ids; extra rows become reserved specials).
     eos_id: the HF id of the end-of-text token (from config.json), which becomes our Tokenizer's eos.
@@ -104,21 +151,25 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     vocab, merges = m.get("vocab"), m.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         _bad("model.vocab must be an object and model.merges a list")
+    for s, i in vocab.items():
+        if type(i) is not int or i < 0:
+            _bad(f"vocab token {s!r} has id {i!r}; ids are non-negative integers")
     added = {}
     for t in d.get("added_tokens") or []:
-        if not (isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str) and t["content"]):
+        if not (isinstance(t, dict) and type(t.get("id")) is int and t["id"] >= 0 and isinstance(t.get("content"), str)
+                and t["content"]):
             _bad(f"malformed added token {t!r}")
         added[t["id"]] = t["content"]
 
     alphabet = bytes_to_unicode()
     ours: dict[str, int] = {}     # HF token string -> our id
-    perm: list[int] = []          # our id -> HF id
+    hf_ids: list[int] = []        # the engine's number -> HF id
     for b in range(256):
         s = alphabet[b]
         if s not in vocab:
             _bad(f"the byte token {s!r} (byte {b}) is missing from model.vocab: not a byte-level BPE")
         ours[s] = b
-        perm.append(vocab[s])
+        hf_ids.append(vocab[s])
     pairs = []
     for i, mg in enumerate(merges):
         if isinstance(mg, str) and mg.count(" ") == 1:
@@ -135,20 +186,20 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         if s in ours:
             _bad(f"merge {i} makes {s!r} a second time (duplicate merge results are not supported)")
         ours[s] = 256 + i
-        perm.append(vocab[s])
+        hf_ids.append(vocab[s])
         pairs.append((ours[a], ours[b]))
-    built = set(perm)
+    built = set(hf_ids)
     for s, i in vocab.items():
         if i not in built and i not in added:
             _bad(f"vocab token {s!r} (id {i}) is neither a byte, a merge result nor an added token")
     specials = [added[i] for i in sorted(added) if i not in built]
     special_ids = [i for i in sorted(added) if i not in built]
-    n_ids = max([*perm, *special_ids]) + 1
+    n_ids = max([*hf_ids, *special_ids]) + 1
     vocab_size = n_ids if vocab_size is None else vocab_size
     if n_ids > vocab_size:
         _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
-    used = set(perm) | set(special_ids)
-    if len(used) != len(perm) + len(special_ids):
+    used = set(hf_ids) | set(special_ids)
+    if len(used) != len(hf_ids) + len(special_ids):
         _bad("two tokens share one id")
     for i in range(vocab_size):
         if i not in used:  # an embedding row no token names: keep it, as a reserved special
@@ -157,18 +208,23 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
                 _bad(f"cannot name the unused id {i}: {name!r} is taken")
             specials.append(name)
             special_ids.append(i)
+    if len(set(specials)) != len(specials):
+        twice = next(t for t in specials if specials.count(t) > 1)
+        _bad(f"two added tokens are both {twice!r}")
     eos = None
     if eos_id is not None:
-        hf_to_ours = {h: o for o, h in enumerate(perm)}
-        if eos_id in hf_to_ours:
+        if eos_id in built:
             _bad(f"the eos token id {eos_id} is an ordinary token, not a special one")
         if eos_id not in special_ids:
             _bad(f"the eos token id {eos_id} is not in the tokenizer")
         eos = specials[special_ids.index(eos_id)]
-    tok = Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None)
+    bos_id = bos_of(d.get("post_processor"), {i: added[i] for i in added if i not in built})
+    bos = None if bos_id is None else specials[special_ids.index(bos_id)]
+    tok = Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None,
+                    ids=hf_ids + special_ids, bos=bos)
     if m.get("ignore_merges"):
         check_ignore_merges(tok)
-    return tok, perm + special_ids
+    return tok
 
 
 def check_ignore_merges(tok: Tokenizer) -> None:
@@ -178,8 +234,11 @@ def check_ignore_merges(tok: Tokenizer) -> None:
     different encoding)."""
     from ..tokenizer.tokenizer import bpe
     ranks = {pair: 256 + i for i, pair in enumerate(tok.merges)}
+    vocab = [bytes([i]) for i in range(256)]  # in the engine's numbering (tok.token_bytes takes the HF ids)
+    for a, b in tok.merges:
+        vocab.append(vocab[a] + vocab[b])
     for i in range(256, 256 + len(tok.merges)):
-        b = tok.token_bytes(i)
+        b = vocab[i]
         if bpe(b, ranks) == [i]:
             continue
         s = b.decode("utf-8", "surrogateescape")

@@ -9,7 +9,7 @@ ARCH_ALIASES); each supported architecture is one function
 as "module:function" (imported lazily; a new architecture adds one line there and, if its config names
 it differently, one in ARCH_ALIASES). The helpers it needs are shared: `read_hf_config`,
 `read_weights` (one model.safetensors or shards listed in model.safetensors.index.json, every shard
-checked), `read_tokenizer` (byte-level BPE tokenizer.json -> our Tokenizer + id permutation) and
+checked), `read_tokenizer` (byte-level BPE tokenizer.json -> our Tokenizer, keeping the folder's ids) and
 `mtp_heads` (heads 1..K-1 from an export's side file, else copies of head 0).
 
 Anything that would make the imported model compute something else (rope_scaling, biases, sliding
@@ -112,7 +112,7 @@ def eos_id_of(folder: Path, c: dict):
 
 
 def read_tokenizer(folder: Path, vocab_size: int, eos_id):
-    """(our Tokenizer, perm: our id -> HF id) from the folder's tokenizer.json."""
+    """Our Tokenizer (the folder's token ids kept exactly) from the folder's tokenizer.json."""
     from .hf_tokenizer import from_hf_json
     path = folder / "tokenizer.json"
     if not path.is_file():
@@ -185,7 +185,7 @@ def llama_config(c: dict, n_mtp: int):
 
 
 def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = False):
-    """A LlamaForCausalLM folder -> (Config, params, Tokenizer), token rows renumbered (hf_tokenizer)."""
+    """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order."""
     from .hf import hf_names
     cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
     tied = bool(c.get("tie_word_embeddings"))
@@ -205,13 +205,10 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
     if extra:
         what = " (biases are not supported)" if extra[0].endswith(".bias") else ""
         raise UserError(f"unexpected tensor {extra[0]}{what}")
-    tok, perm = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
-    perm = np.asarray(perm)
+    tok = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
     params = {ours: W[theirs] for ours, theirs in names.items()}
     if tied:
-        params["heads.0.weight"] = params["embed.weight"]
-    params["embed.weight"] = params["embed.weight"][perm]
-    params["heads.0.weight"] = params["heads.0.weight"][perm]
+        params["heads.0.weight"] = params["embed.weight"].copy()
     params.update(mtp_heads(folder, n_mtp, params["heads.0.weight"]))
     K = sum(1 for n in params if n.startswith("heads."))
     cfg = cfg.replace(n_mtp=K)

@@ -400,12 +400,13 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
     @app.get("/tokenizer_info", dependencies=[Depends(auth)])
     async def tokenizer_info():
-        return {"eos_token": eos_name, "bos_token": None, "pad_token": eos_name, "model_max_length": cfg.ctx_len,
-                "vocab_size": tok.vocab_size}
+        return {"eos_token": eos_name, "bos_token": getattr(tok, "bos_token", None), "pad_token": eos_name,
+                "model_max_length": cfg.ctx_len, "vocab_size": tok.vocab_size}
 
     @app.post("/tokenize", dependencies=[Depends(auth)])
     async def tokenize(body: TokenizeRequest):
-        ids = tok.encode(body.prompt, allow_special=True)
+        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it
+        ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len}
 
     @app.post("/detokenize", dependencies=[Depends(auth)])

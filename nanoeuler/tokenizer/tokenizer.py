@@ -17,6 +17,21 @@ what they compute, and the tests hold the two equal.
 `tokenizer.json` is our own readable format (pattern, merges as id pairs, specials); `save` also
 writes a `tokenizer.vocab` beside it, one token per line, for people. `to_hf_json()` exports to the
 Hugging Face `tokenizers` format, which then encodes identically.
+
+Imported vocabularies keep their own ids. A Hugging Face vocabulary numbers the same tokens its own way
+(GPT-2: '!' = 0, ..., byte 32 'Ġ' = 220; SmolLM: specials first), and a model's embedding rows follow it.
+Such a Tokenizer carries `ids`, the id of each token in the order above (bytes, merges, specials), and
+applies it only at its boundary: the BPE engine works in its own numbering, while encode* return, and
+decode*, token_bytes, special_tokens, eos_id take or give, the model's ids. Without `ids` (every
+tokenizer trained here) the two numberings are one and nothing is mapped:
+
+    tok = Tokenizer([(104, 105)], ["</s>"], ids=[*range(1, 257), 0, 257])   # 'hi' -> id 0, '</s>' -> 257
+    tok.encode("hi!")            # -> [0, 34]: 'hi', '!' (byte 33 has id 34)
+    tok.decode([0, 34])          # -> 'hi!'
+
+`bos` names a special token that `encode(..., add_bos=True)` puts first (an imported Llama-3's
+`<|begin_of_text|>`, from its tokenizer.json post_processor), so that
+`encode(text, allow_special=True, add_bos=True)` gives what `AutoTokenizer(text)` gives.
 """
 from __future__ import annotations
 
@@ -177,7 +192,11 @@ class Tokenizer:
     """A trained byte-level BPE tokenizer (immutable once built)."""
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
-                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None):
+                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
+                 ids: Iterable[int] | None = None, bos: str | None = None):
+        """merges: (left, right) pairs in the engine's numbering (byte b = b, merge i = 256 + i);
+        ids: the id of each token, bytes then merges then specials (None: that order; see the module
+        docstring); bos: a special put first by encode(..., add_bos=True)."""
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r}; choose one of NFC, NFD, NFKC, NFKD or none")
         self.normalizer = normalizer  # Unicode normal form applied to text before encoding (Qwen2: NFC)
@@ -188,17 +207,33 @@ class Tokenizer:
         for a, b in self.merges:
             self._vocab.append(self._vocab[a] + self._vocab[b])
         n = len(self._vocab)
-        self.special_tokens = {s: n + i for i, s in enumerate(specials)}
-        for s in self.special_tokens:
+        self._specials = {s: n + i for i, s in enumerate(specials)}  # in the engine's numbering
+        for s in self._specials:
             self._vocab.append(s.encode("utf-8"))
+        # the id map (None: the identity), its inverse, and the vocabulary in the model's id order
+        self.ids = None if ids is None else check_ids(ids, len(self._vocab))
+        if self.ids is not None and np.array_equal(self.ids, np.arange(len(self._vocab))):
+            self.ids = None  # the identity is no map: same file, same fingerprint as without one
+        if self.ids is None:
+            self._ids32, self._vocab_ext = None, self._vocab
+        else:
+            self._ids32 = self.ids.astype(np.int32)
+            self._vocab_ext = [b""] * len(self._vocab)
+            for i, e in enumerate(self.ids.tolist()):
+                self._vocab_ext[e] = self._vocab[i]
+        self.special_tokens = {s: self._external(i) for s, i in self._specials.items()}
+        if bos is not None and bos not in self._specials:
+            raise UserError(f"the bos token {bos!r} is not one of the special tokens {list(self._specials)}")
+        self.bos_token = bos
         self._ranks = {pair: 256 + i for i, pair in enumerate(self.merges)}
         self._regex = regex.compile(pattern)
         self._special_regex = (regex.compile("(" + "|".join(regex.escape(s) for s in
-                                                             sorted(self.special_tokens, key=len, reverse=True)) + ")")
-                               if self.special_tokens else None)
+                                                             sorted(self._specials, key=len, reverse=True)) + ")")
+                               if self._specials else None)
         self._fast = None   # numba tables, built on first encode
         self._lock = threading.Lock()  # the cache and scratch arrays are shared: one encode at a time
-        self._int_objects = np.arange(len(self._vocab)).astype(object)
+        # the Python int of each token's id, indexed in the engine's numbering (the map costs nothing here)
+        self._int_objects = (np.arange(len(self._vocab)) if self.ids is None else self.ids).astype(object)
         self._cache: dict[bytes, list[int]] = {}  # for the pure-Python path (non-GPT-2 patterns)
 
     # -- basic facts -------------------------------------------------------------------------------
@@ -212,11 +247,34 @@ class Tokenizer:
             raise UserError(f"this tokenizer has no {self.eos_token or 'end-of-text'} special token")
         return self.special_tokens[self.eos_token]
 
+    @property
+    def bos_id(self) -> int | None:
+        """The id encode(..., add_bos=True) puts first; None when the tokenizer has no bos."""
+        return None if self.bos_token is None else self.special_tokens[self.bos_token]
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes of token i.  token_bytes(104) -> b'h'"""
         if not 0 <= int(i) < self.vocab_size:
             raise UserError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
-        return self._vocab[int(i)]
+        return self._vocab_ext[int(i)]
+
+    def _external(self, i: int) -> int:
+        """The id of the token the engine numbers i."""
+        return i if self.ids is None else int(self.ids[i])
+
+    def byte_level_vocab(self) -> tuple[list[str], list[bool], list[str]]:
+        """What the Hugging Face / GGUF byte-level BPE formats store: (the string of each id, bytes in
+        GPT-2's printable alphabet and specials as they are; whether each id is special; the merges as
+        "left right" strings, in merge order).  Trained on 'hi': (['!', ..., 'Ġ', 'hi', '</s>'], [..., True], ['h i'])"""
+        alphabet = bytes_to_unicode()
+        n = 256 + len(self.merges)
+        strings = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(n)] + list(self._specials)
+        merges = [f"{strings[a]} {strings[b]}" for a, b in self.merges]
+        special = [i >= n for i in range(len(strings))]
+        if self.ids is not None:
+            order = np.argsort(self.ids).tolist()   # id -> the engine's number
+            strings, special = [strings[i] for i in order], [special[i] for i in order]
+        return strings, special, merges
 
     def __reduce__(self):  # copy / multiprocessing: rebuild from the readable content, not the caches
         return (Tokenizer.from_dict, (self.to_dict(),))
@@ -318,13 +376,25 @@ class Tokenizer:
         return cls(merges, specials)
 
     # -- encoding -----------------------------------------------------------------------------------
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """text -> ids. Special-token strings in text are ordinary text unless allow_special=True."""
+    def encode(self, text: str, allow_special: bool = False, add_bos: bool = False) -> list[int]:
+        """text -> ids. Special-token strings in text are ordinary text unless allow_special=True;
+        add_bos=True puts the bos token first (if the tokenizer has one)."""
         # one shared Python int per id (the list is built from them: ~2.5x faster than array.tolist())
-        return self._int_objects.take(self.encode_array(text, allow_special)).tolist()
+        return self._int_objects.take(self._encode_engine(text, allow_special, add_bos)).tolist()
 
-    def encode_array(self, text: str, allow_special: bool = False) -> np.ndarray:
+    def encode_array(self, text: str, allow_special: bool = False, add_bos: bool = False) -> np.ndarray:
         """Like encode, as an int32 array (no Python list: the fast path for bulk work)."""
+        out = self._encode_engine(text, allow_special, add_bos)
+        return out if self._ids32 is None else self._ids32.take(out)
+
+    def _encode_engine(self, text: str, allow_special: bool, add_bos: bool) -> np.ndarray:
+        """encode_array in the engine's numbering (the id map not applied)."""
+        out = self._encode_text(text, allow_special)
+        if add_bos and self.bos_token is not None:
+            out = np.concatenate([np.array([self._specials[self.bos_token]], np.int32), out])
+        return out
+
+    def _encode_text(self, text: str, allow_special: bool) -> np.ndarray:
         if not isinstance(text, str):
             raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
         if self.normalizer:
@@ -335,7 +405,7 @@ class Tokenizer:
                 out = []
                 for i, part in enumerate(parts):
                     if i % 2:
-                        out.append(np.array([self.special_tokens[part]], np.int32))
+                        out.append(np.array([self._specials[part]], np.int32))
                     elif part:
                         out.append(self._encode_utf8(part.encode("utf-8", "surrogatepass"), part))
                 return np.concatenate(out) if out else np.zeros(0, np.int32)
@@ -343,7 +413,7 @@ class Tokenizer:
 
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (invalid UTF-8 included); decode_bytes(encode_bytes(b)) == b exactly."""
-        return self._encode_utf8(bytes(data), None).tolist()
+        return self._int_objects.take(self._encode_utf8(bytes(data), None)).tolist()
 
     def _encode_utf8(self, data: bytes, text: str | None) -> np.ndarray:
         if self.pattern == GPT2_PATTERN:
@@ -407,7 +477,7 @@ class Tokenizer:
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise UserError(f"token id {bad} is out of range (vocabulary size {self.vocab_size})")
-        vocab = self._vocab
+        vocab = self._vocab_ext
         return b"".join([vocab[i] for i in ids.tolist()])
 
     def decode(self, ids) -> str:
@@ -416,14 +486,20 @@ class Tokenizer:
 
     # -- persistence --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}."""
+        """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}
+        in the engine's numbering, plus, for an imported vocabulary, "ids" (the id of each token in that
+        order: bytes, merges, specials) and "bos"."""
         d = {"format": FORMAT, "version": VERSION, "pattern": self.pattern,
-             "vocab_size": self.vocab_size, "specials": dict(self.special_tokens),
+             "vocab_size": self.vocab_size, "specials": dict(self._specials),
              "merges": [list(m) for m in self.merges]}
         if self.eos_token != "</s>":  # e.g. an imported GPT-2 tokenizer: "eos": "<|endoftext|>"
             d["eos"] = self.eos_token
         if self.normalizer:
             d["normalizer"] = self.normalizer
+        if self.bos_token is not None:
+            d["bos"] = self.bos_token
+        if self.ids is not None:
+            d["ids"] = self.ids.tolist()
         return d
 
     @classmethod
@@ -457,7 +533,13 @@ class Tokenizer:
         eos = d.get("eos", "</s>")
         if eos is not None and not isinstance(eos, str):
             raise UserError("tokenizer.json: \"eos\" must be the string of a special token (or null)")
-        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"))
+        bos = d.get("bos")
+        if bos is not None and not isinstance(bos, str):
+            raise UserError("tokenizer.json: \"bos\" must be the string of a special token (or null)")
+        ids = d.get("ids")
+        if ids is not None:
+            check_ids(ids, 256 + len(merges) + len(order))
+        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
@@ -489,22 +571,27 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
-        content = {"pattern": self.pattern, "merges": self.merges, "specials": self.special_tokens}
+        content = {"pattern": self.pattern, "merges": self.merges, "specials": self._specials}
         if self.eos_token != "</s>":
             content["eos"] = self.eos_token
         if self.normalizer:
             content["normalizer"] = self.normalizer
+        if self.bos_token is not None:
+            content["bos"] = self.bos_token
+        if self.ids is not None:
+            content["ids"] = self.ids.tolist()
         canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
     def vocab_text(self) -> str:
-        """One line per token: id, the token shown readably, and for merges the two parts.
+        """One line per token, in id order: id, the token shown readably, and for merges the two parts.
 
             256  ' t'  = ' ' + 't'
         """
         lines = [f"# nanoeuler byte-level BPE: {self.vocab_size} tokens; fingerprint {self.fingerprint()[:16]}"]
-        for i in range(self.vocab_size):
-            line = f"{i}\t{_show(self._vocab[i])}"
+        order = range(self.vocab_size) if self.ids is None else np.argsort(self.ids).tolist()
+        for e, i in enumerate(order):  # e: the id, i: the engine's number of that token
+            line = f"{e}\t{_show(self._vocab[i])}"
             if 256 <= i < 256 + len(self.merges):
                 a, b = self.merges[i - 256]
                 line += f"\t= {_show(self._vocab[a])} + {_show(self._vocab[b])}"
@@ -519,14 +606,16 @@ class Tokenizer:
 
         Bytes become the GPT-2 printable alphabet (byte 32 ' ' -> 'Ġ'), merges become "left right" strings.
         """
-        alphabet = bytes_to_unicode()
-        tok_str = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(256 + len(self.merges))]
-        vocab = {s: i for i, s in enumerate(tok_str)}
+        strings, special, merge_strings = self.byte_level_vocab()
+        vocab = {s: i for i, s in enumerate(strings) if not special[i]}
         for s in self.special_tokens:
             if s in vocab:
                 raise UserError(f"cannot export: the special token {s!r} is also an ordinary token "
                                 f"(id {vocab[s]}), which the Hugging Face format cannot tell apart")
-        merges = [[tok_str[a], tok_str[b]] for a, b in self.merges]
+        # the specials are in the model's vocab too (as Hugging Face's trainer and GPT-2's vocab.json have
+        # them): transformers renumbers an added token that the vocab lacks to the end of the vocabulary
+        vocab.update(self.special_tokens)
+        merges = [m.split(" ") for m in merge_strings]
         if self.pattern == GPT2_PATTERN:
             pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
         else:
@@ -538,13 +627,48 @@ class Tokenizer:
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                               "normalized": False, "special": True} for s, i in self.special_tokens.items()],
             "normalizer": {"type": self.normalizer} if self.normalizer else None,
-            "pre_tokenizer": pre, "post_processor": None,
+            "pre_tokenizer": pre, "post_processor": self.hf_post_processor(),
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": False, "vocab": vocab, "merges": merges},
         }
         return json.dumps(d, ensure_ascii=False)
+
+    def hf_post_processor(self) -> dict | None:
+        """The bos as Hugging Face writes it (Llama-3): a TemplateProcessing that puts it before each text."""
+        if self.bos_token is None:
+            return None
+        b = self.bos_token
+        tok = {"SpecialToken": {"id": b, "type_id": 0}}
+        return {"type": "TemplateProcessing",
+                "single": [tok, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [tok, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": b, "type_id": 1}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {b: {"id": b, "ids": [self.bos_id], "tokens": [b]}}}
+
+
+def check_ids(ids, n: int) -> np.ndarray:
+    """A token id map must be a permutation of range(n) (n = 256 + merges + specials); as an int64 array,
+    else UserError.  check_ids([1, 0, 2], 3) -> array([1, 0, 2]);  check_ids([0, 0, 2], 3) -> UserError"""
+    if isinstance(ids, np.ndarray):
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise UserError("tokenizer: \"ids\" must be integers")
+        arr = ids.astype(np.int64).ravel()
+    else:
+        if not isinstance(ids, (list, tuple)) or not all(type(x) is int or isinstance(x, np.integer) for x in ids):
+            raise UserError("tokenizer.json: \"ids\" must be a list of integer token ids")
+        if any(not -(1 << 62) < int(x) < (1 << 62) for x in ids):
+            raise UserError("tokenizer.json: \"ids\" holds an id out of range")
+        arr = np.array([int(x) for x in ids], np.int64)
+    if len(arr) != n:
+        raise UserError(f"tokenizer.json: \"ids\" has {len(arr)} entries but the tokenizer has {n} tokens "
+                        f"(256 bytes + merges + specials)")
+    if n and (arr.min() < 0 or arr.max() >= n or len(np.unique(arr)) != n):
+        bad = next((int(x) for x in arr if not 0 <= x < n), None)
+        why = f"id {bad} is out of range" if bad is not None else "two tokens share an id"
+        raise UserError(f"tokenizer.json: \"ids\" must give each of the {n} tokens its own id in [0, {n}): {why}")
+    return arr
 
 
 def bytes_to_unicode() -> list[str]:
