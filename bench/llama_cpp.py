@@ -7,12 +7,15 @@ parity  - transformers (HF export, float32): logits max relative error on a held
         - llama.cpp on our GGUF at f32, f16 and q8_0: how many of 64 greedy tokens equal ours (and the first
           position that differs), logits max relative error, and bits per byte on held-out works (our model's
           next to it), every window of ctx_len tokens fed as ids.
-speed   - greedy decoding of --new-tokens tokens after the same prompt, --threads threads each: our KV-cache
-          decoding (nanoeuler.generate, mode "cache", float32) against llama.cpp on the f32 and f16 GGUF,
-          back to back, --repeat times; tokens/s of the decode phase (the prompt's prefill excluded), median.
-          `ratio` = ours / llama.cpp (>= 1.0: we are at least as fast). Both are also run with 1 thread
-          (ours through threadpoolctl): llama.cpp's and OpenBLAS's threads spin-wait for each other, which
-          collapses on a machine busier than its cores; on such a machine the 1-thread ratio is the fair one.
+speed   - greedy decoding of --new-tokens tokens after the same prompt, with --threads threads and with 1:
+          our KV-cache decoding (nanoeuler.generate, mode "cache") with float32 weights and with float16
+          (fast.decode.Float16Model: f16 weights, f32 arithmetic), each on the fused numba step
+          (fast/decode.py, the default) and on the NumPy reference path (decode.ENABLED = False), against
+          llama.cpp on the f32 and f16 GGUF; all interleaved, --repeat times; tokens/s of the decode phase
+          (the prompt's prefill excluded), median. `ours/llama.cpp` = ours fused / llama.cpp at the same
+          precision and thread count (>= 1.0: we are at least as fast). llama.cpp's threads wait for each
+          other by spinning, which collapses on a machine busier than its cores; on such a machine the
+          1-thread ratio is the fair one.
 
     .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
@@ -112,53 +115,69 @@ def parity(run: str, tmp: Path, per_work: int) -> dict:
 
 
 def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> dict:
-    import time
-
     import numpy as np
 
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.fast import decode
     from nanoeuler.generate import generate
     from nanoeuler.interop.gguf_export import export_gguf
     from nanoeuler.interop.llamacpp import LlamaCpp
+    try:  # our NumPy reference path's BLAS threads (threadpoolctl, when installed)
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        threadpool_limits = None
 
     m, tok = Model.load(run), load_tokenizer(run)
     T = m.config.ctx_len
     prompt = tok.encode("HAMLET.\nTo be, or not to be, that is the question:\n")[:32]
     n = min(new_tokens, T - len(prompt))
     files = {dt: export_gguf(m, tok, tmp / f"s-{dt}.gguf", dt, force=True, progress=False) for dt in ("f32", "f16")}
+    counts = sorted({threads, 1}, reverse=True)
+    models = {"f32": m, "f16": decode.Float16Model(m)}
     # llama.cpp's threads wait for each other by spinning: on a machine with more runnable processes than
-    # cores a preempted thread stalls the rest, so 1 thread is measured too (the name says which)
-    engines = {f"{dt}" + ("" if th == threads else f" {th}t"): LlamaCpp(files[dt], n_ctx=T, threads=th, kv_f32=dt == "f32")
-               for th in sorted({threads, 1}, reverse=True) for dt in ("f32", "f16")}
-    rows = {"ours f32": [], **{f"llama.cpp {k}": [] for k in engines}}
-    try:  # our BLAS at 1 thread too, for the same reason (threadpoolctl, when installed)
-        from threadpoolctl import threadpool_limits
-        if threads != 1:
-            rows["ours f32 1t"] = []
-    except ImportError:
-        threadpool_limits = None
-    generate(m, prompt, max_new_tokens=4, temperature=0)  # warm-up (numba, caches)
-    for e in engines.values():
-        e.greedy(prompt, 4)
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        g = generate(m, prompt, max_new_tokens=n, temperature=0, mode="cache")
-        rows["ours f32"].append(len(g.ids) / g.decode_s)
-        del t0
-        if "ours f32 1t" in rows:
-            with threadpool_limits(1):
-                g = generate(m, prompt, max_new_tokens=n, temperature=0, mode="cache")
-            rows["ours f32 1t"].append(len(g.ids) / g.decode_s)
-        for dt, e in engines.items():
-            ids, secs = e.greedy(prompt, n)
-            rows[f"llama.cpp {dt}"].append((len(ids) - 1) / secs)
+    # cores a preempted thread stalls the rest, so 1 thread is measured too; ours share work without waiting
+    engines = {(dt, th): LlamaCpp(files[dt], n_ctx=T, threads=th, kv_f32=dt == "f32") for th in counts for dt in models}
+    rows: dict[str, list[float]] = {}
+
+    def ours(dt: str, th: int, path: str) -> float:
+        decode.ENABLED, enabled = path == "fused", decode.ENABLED
+        decode.set_threads(th)
+        try:
+            if threadpool_limits is not None:
+                with threadpool_limits(th):
+                    g = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache")
+            else:
+                g = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache")
+        finally:
+            decode.ENABLED = enabled
+        return len(g.ids) / g.decode_s
+
+    same = {}
+    for th in counts:  # warm-up (numba, caches), and whether the greedy tokens agree
+        for dt in models:
+            ids = {path: None for path in ("fused", "reference")}
+            for path in ids:
+                decode.ENABLED, enabled = path == "fused", decode.ENABLED
+                ids[path] = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache").ids
+                decode.ENABLED = enabled
+            lc, _ = engines[dt, th].greedy(prompt, n)
+            same[dt] = {"fused_vs_reference": ids["fused"] == ids["reference"],
+                        "fused_vs_llama.cpp": sum(a == b for a, b in zip(ids["fused"], lc))}
+    for _ in range(repeat):  # interleaved, so that the machine's load falls on all of them alike
+        for th in counts:
+            for dt in models:
+                for path in ("fused", "reference"):
+                    rows.setdefault(f"ours {dt} {path} {th}t", []).append(ours(dt, th, path))
+                ids, secs = engines[dt, th].greedy(prompt, n)
+                rows.setdefault(f"llama.cpp {dt} {th}t", []).append((len(ids) - 1) / secs)
+    decode.set_threads(threads)
     med = {k: float(np.median(v)) for k, v in rows.items()}
-    return {"run": run, "new_tokens": n, "threads": threads, "tokens_per_s": med,
-            "ratio_vs_f32": med["ours f32"] / med["llama.cpp f32"],
-            "ratio_vs_f16": med["ours f32"] / med["llama.cpp f16"],
-            "ratio_1t_vs_f32_1t": med.get("ours f32 1t", med["ours f32"]) / med.get("llama.cpp f32 1t", med["llama.cpp f32"]),
-            "ratio_1t_vs_f16_1t": med.get("ours f32 1t", med["ours f32"]) / med.get("llama.cpp f16 1t", med["llama.cpp f16"])}
+    ratio = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"llama.cpp {dt} {th}t"] for th in counts for dt in models}
+    fused_vs_ref = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"ours {dt} reference {th}t"]
+                    for th in counts for dt in models}
+    return {"run": run, "new_tokens": n, "threads": counts, "tokens_per_s": med, "ours_vs_llama.cpp": ratio,
+            "fused_vs_reference": fused_vs_ref, "greedy": same}
 
 
 def main() -> None:
@@ -195,10 +214,19 @@ def main() -> None:
                   f"{r['file_mb']:.1f} MiB")
     for s in out["speed"]:
         tps = s["tokens_per_s"]
-        print(f"{s['run']}: {s['new_tokens']} greedy tokens, {s['threads']} threads: "
-              + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items())
-              + f"; ours/llama.cpp f32 {s['ratio_vs_f32']:.2f}x, f16 {s['ratio_vs_f16']:.2f}x"
-              + f" (both at 1 thread: f32 {s['ratio_1t_vs_f32_1t']:.2f}x, f16 {s['ratio_1t_vs_f16_1t']:.2f}x)")
+        print(f"{s['run']}: {s['new_tokens']} greedy tokens after a 32-token prompt, decode tokens/s (median of "
+              f"{args.repeat}, interleaved)")
+        print(f"  {'threads':>7} {'weights':>7} {'ours fused':>10} {'ours NumPy':>10} {'llama.cpp':>9} "
+              f"{'ours/llama.cpp':>14} {'fused/NumPy':>11}")
+        for th in s["threads"]:
+            for dt in ("f32", "f16"):
+                key = f"{dt} {th}t"
+                print(f"  {th:>7} {dt:>7} {tps[f'ours {dt} fused {th}t']:>10.0f} {tps[f'ours {dt} reference {th}t']:>10.0f} "
+                      f"{tps[f'llama.cpp {key}']:>9.0f} {s['ours_vs_llama.cpp'][key]:>13.2f}x "
+                      f"{s['fused_vs_reference'][key]:>10.2f}x")
+        for dt, g in s["greedy"].items():
+            print(f"  {dt}: fused greedy == NumPy greedy: {g['fused_vs_reference']}; same as llama.cpp's at "
+                  f"{g['fused_vs_llama.cpp']}/{s['new_tokens']} positions")
     print(f"load average {out['load_average']} -> {out['load_average_end']}")
 
 

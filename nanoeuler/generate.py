@@ -45,11 +45,17 @@ import numpy as np
 from . import ops
 from .config import Config
 from .errors import UserError
+from .fast import decode
 
 MODES = ("full", "cache", "speculative")
 
 
 # ---- the KV-cache forward ------------------------------------------------------------------------
+# Two implementations of the same step: the NumPy one below (the readable reference, any batch, any
+# dtype, both archs) and fast/decode.py's fused numba step, which `forward_hidden` and `linear` take for
+# one sequence of 1..decode.ROWS new tokens (plain decoding, speculative verification, short prompts) of a
+# float32 or float16 euler model. tests/test_decode.py checks that they agree; decode.ENABLED = False
+# turns the fused one off.
 @dataclass
 class KVCache:
     """Rotated keys and values of every layer for the first `length` positions of the window."""
@@ -58,6 +64,7 @@ class KVCache:
     cos: np.ndarray      # RoPE tables for positions 0 .. max_len-1, [max_len, hd/2]
     sin: np.ndarray
     length: int = 0
+    store: tuple | None = None  # (k, v) [layers, B, Hkv, max_len, hd] whose [i] are k[i], v[i] (new_cache)
 
     @property
     def max_len(self) -> int:
@@ -65,20 +72,36 @@ class KVCache:
 
 
 def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
-    """An empty cache for up to max_len (default ctx_len) positions."""
+    """An empty cache for up to max_len (default ctx_len) positions. A float16 model computes in float32
+    (see fuse_weights), so its cache is float32."""
     max_len = max_len or cfg.ctx_len
-    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    dtype = np.float32 if np.dtype(dtype) == np.float16 else dtype
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     cos, sin = ops.rope_tables(max_len, cfg.head_dim, cfg.rope_theta, dtype)
-    return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layers)],
-                   [np.zeros(shape, dtype) for _ in range(cfg.n_layers)], cos, sin)
+    k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    return KVCache(list(k), list(v), cos, sin, store=(k, v))
 
 
 def fuse_weights(cfg: Config, P: dict) -> dict:
     """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
     heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
-    is kept as (W [out, in], W.T made contiguous [in, out] or None), see `linear`."""
-    def pair(W):
-        return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None)
+    is kept as (W [out, in], W.T made contiguous [in, out] or None, W as fast/decode.py reads it or None),
+    see `linear`; W["decode"] holds the fused step's weights (float32 euler models, decode.ENABLED).
+
+    float16 weights (Model.astype(np.float16); `sample --dtype float16`) decode in float32 arithmetic on
+    the weights rounded to float16, as llama.cpp runs an f16 GGUF: the fused step reads the float16 bits
+    (half the memory traffic of float32), the NumPy path their float32 values."""
+    half = P["embed.weight"].dtype == np.float16
+    if half:
+        P = {name: p.astype(np.float32) for name, p in P.items()}
+    kernels = decode.ENABLED and P["embed.weight"].dtype == np.float32
+
+    def kernel_form(W):  # the matrix as the fused kernels read it: float32, or float16 bits
+        return None if not kernels else decode.half_bits(W) if half else np.ascontiguousarray(W)
+
+    def pair(W, Wk=None):
+        return (W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None),
+                Wk if Wk is not None else kernel_form(W))
     if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
         from . import gpt2_cached
         return gpt2_cached.fuse_weights(cfg, P, pair)
@@ -86,12 +109,23 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
          "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
     for k in range(cfg.n_mtp):  # one head at a time, for decoding (head 0, and drafts only when drafting)
         F[f"head.{k}"] = pair(P[f"heads.{k}.weight"])
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        F[p + "qkv"] = pair(np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]]))
-        F[p + "gate_up"] = pair(np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]]))  # [2F, d]
-        F[p + "wo"] = pair(P[p + "attn.wo.weight"])
-        F[p + "down"] = pair(P[p + "ffn.down.weight"])
+    layers = [f"layers.{i}." for i in range(cfg.n_layers)]
+    qkv = [np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]]) for p in layers]
+    gate_up = [np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]]) for p in layers]  # [2F, d]
+    wo, down = [P[p + "attn.wo.weight"] for p in layers], [P[p + "ffn.down.weight"] for p in layers]
+    if kernels:  # the fused step reads each kind of matrix stacked over layers [layers, out, in]
+        qkv, gate_up, wo, down = (np.stack(m) for m in (qkv, gate_up, wo, down))
+        stacks = [kernel_form(m) for m in (qkv, gate_up, wo, down)]
+        F["decode"] = decode.Weights(
+            P["embed.weight"], stacks[0], stacks[2], stacks[1], stacks[3],
+            np.stack([np.stack([P[p + "attn_norm.weight"], P[p + "ffn_norm.weight"]]) for p in layers]),
+            P["norm.weight"])
+    for i, p in enumerate(layers):
+        Wk = [None] * 4 if not kernels else [m[i] for m in stacks]
+        F[p + "qkv"] = pair(qkv[i], Wk[0])
+        F[p + "gate_up"] = pair(gate_up[i], Wk[1])
+        F[p + "wo"] = pair(wo[i], Wk[2])
+        F[p + "down"] = pair(down[i], Wk[3])
         F[p + "attn_norm"], F[p + "ffn_norm"] = P[p + "attn_norm.weight"], P[p + "ffn_norm.weight"]
     return F
 
@@ -100,18 +134,24 @@ NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-
 
 
 def linear(x: np.ndarray, W: tuple) -> np.ndarray:
-    """x [..., in] @ W[out, in].T (as ops.linear_forward) with W = (W, W.T contiguous or None), arranged
-    for the 1..4 rows of a decoding or verification step. OpenBLAS (0.3.31, measured here, one thread) is
-    uneven on such shapes: a 2-row x @ W.T can cost 3-10x a 1-row one; 2-3 rows against a contiguous
-    [in, out] copy cost 1.0-1.7x one row while out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide
-    outputs ([2048, 384]: 339 µs vs 46), where row-by-row matrix-vector products (exactly n x) are kept.
-    One row also goes through the [in, out] copy where there is one (x @ Wt is as fast as W @ x): a plain
-    decoding step and a speculative verification then read the same matrices, so alternating between them
-    does not pull the other copy of every weight back into the CPU cache (that made a verification after
-    plain steps cost 2x a plain step instead of 1.2x, measured here on `small`)."""
-    W, Wt = W
+    """x [..., in] @ W[out, in].T (as ops.linear_forward) with W = fuse_weights' (W, W.T contiguous or None,
+    kernel form or None), arranged for the 1..4 rows of a decoding or verification step.
+
+    Up to decode.ROWS float32 rows go to fast/decode.py's matrix-vector kernel when W has a kernel form
+    (both cores, float32 or float16 weights; on `big`'s [4096, 384] head 3-4x faster than OpenBLAS's one row).
+    Otherwise, OpenBLAS (0.3.31, measured here, one thread) is uneven on such shapes: a 2-row x @ W.T can
+    cost 3-10x a 1-row one; 2-3 rows against a contiguous [in, out] copy cost 1.0-1.7x one row while
+    out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide outputs ([2048, 384]: 339 µs vs 46), where
+    row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the [in, out] copy
+    where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative verification
+    then read the same matrices, so alternating between them does not pull the other copy of every weight
+    back into the CPU cache (that made a verification after plain steps cost 2x a plain step instead of
+    1.2x, measured here on `small`)."""
+    W, Wt, Wk = W[0], W[1], (W[2] if len(W) > 2 else None)
     rows = x.reshape(-1, x.shape[-1])
-    if len(rows) <= 4 and Wt is not None:
+    if Wk is not None and len(rows) <= decode.ROWS and rows.dtype == np.float32:
+        y = decode.matvec(Wk, rows)
+    elif len(rows) <= 4 and Wt is not None:
         y = rows @ Wt
     elif len(rows) == 1:
         y = (W @ rows[0])[None]
@@ -134,7 +174,8 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
 
 
 def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
-    """The KV-cache forward up to the final RMSNorm: inputs int [B, Tn] -> h [B, Tn|1, d] (W = fuse_weights)."""
+    """The KV-cache forward up to the final RMSNorm: inputs int [B, Tn] -> h [B, Tn|1, d] (W = fuse_weights).
+    One sequence of up to decode.ROWS tokens in a new_cache cache runs fast/decode.py's fused step."""
     if cfg.arch == "gpt2":
         from . import gpt2_cached
         return gpt2_cached.forward_hidden(cfg, W, inputs, cache, linear, last_only)
@@ -142,6 +183,12 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
     L = cache.length
     if L + Tn > cache.max_len:
         raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
+    if "decode" in W and B == 1 and Tn <= decode.ROWS and cache.store is not None \
+            and cache.store[0].dtype == np.float32:
+        k, v = cache.store
+        h = decode.forward(cfg, W["decode"], inputs[0], k[:, 0], v[:, 0], L, cache.cos, cache.sin, last_only)
+        cache.length = L + Tn
+        return h[None]  # [1, Tn|1, d]
     H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
     cos, sin = cache.cos[L:L + Tn], cache.sin[L:L + Tn]  # [Tn, hd/2]
     x = W["embed"][inputs]  # [B, Tn, d]

@@ -8,6 +8,8 @@ against PyTorch by bench/train_speed.py.
 - kernels.py  fused serial numba kernels: RMSNorm, RoPE + head split, causal softmax, SwiGLU, dropout, cross-entropy, AdamW
 - engine.py   the training step on preallocated buffers (`Workspace`), BLAS for every matmul
 - parallel.py one sub-batch per core, each on single-threaded BLAS; the thread pool
+- decode.py   inference: the fused KV-cache decoding step (generate.py's forward for 1..8 new tokens),
+              float32 or float16 weights, matrix-vector products shared by work-stealing threads
 """
 from .engine import Workspace, grad_buffers, loss, loss_and_grads
 

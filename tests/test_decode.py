@@ -1,0 +1,185 @@
+"""The fused decoding step (nanoeuler/fast/decode.py) against generate.py's NumPy reference path.
+
+float32 weights: logits within 1e-5 relative of the reference; float16 weights (Float16Model): within 1e-4
+of the reference run on the same float16-rounded weights. For 1 row and several, at cache lengths 0, mid
+and the context limit; greedy generation token for token the same; threads change nothing (every output
+is computed whole by one thread, so the bits are equal).
+"""
+import threading
+
+import numpy as np
+import pytest
+from conftest import rel_err, tiny_config
+
+from nanoeuler import Model
+from nanoeuler.fast import decode
+from nanoeuler.generate import forward_cached, forward_hidden, fuse_weights, generate, linear, new_cache
+
+# hd 8, an output width (qkv 64, gate_up 80, vocab 53) that is no multiple of decode.BLOCK
+CFG = tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=40, n_mtp=3)
+
+
+def model(cfg=CFG, seed=0, scale=4.0):
+    """Random weights a few times the init's size, so that logits are spread and argmaxes far from ties."""
+    m = Model.init(cfg, seed=seed)
+    for name, p in m.params.items():
+        if "norm" not in name:
+            p *= scale
+    return m
+
+
+def weights(m, fused: bool, monkeypatch) -> dict:
+    monkeypatch.setattr(decode, "ENABLED", fused)
+    W = fuse_weights(m.config, m.params)
+    monkeypatch.setattr(decode, "ENABLED", True)
+    assert ("decode" in W) == fused
+    return W
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the fused step ran."""
+    n = [0]
+    real = decode.forward
+
+    def counted(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(decode, "forward", counted)
+    return n
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("n", [1, 3, decode.ROWS])
+@pytest.mark.parametrize("where", ["empty", "mid", "limit"])
+def test_fused_step_equals_reference(half, n, where, monkeypatch, calls):
+    m = model()
+    if half:
+        m = decode.Float16Model(m)
+    T = CFG.ctx_len
+    L0 = {"empty": 0, "mid": 9, "limit": T - n}[where]
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, T))
+    Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
+    cf, cr = new_cache(CFG, dtype=m.dtype), new_cache(CFG, dtype=m.dtype)
+    if L0:  # the same prefix in both caches (the reference path: L0 may exceed decode.ROWS)
+        forward_hidden(CFG, Wr, ids[:, :L0], cr)
+        for a, b in zip(cf.k + cf.v, cr.k + cr.v):
+            a[...] = b
+        cf.length = L0
+    before = calls[0]
+    got = forward_cached(CFG, None, ids[:, L0:L0 + n], cf, fused=Wf)  # [K, 1, n, V]
+    want = forward_cached(CFG, None, ids[:, L0:L0 + n], cr, fused=Wr)
+    assert calls[0] == before + 1  # the fused step ran, once, for the fused weights only
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape == (CFG.n_mtp, 1, n, CFG.vocab_size)
+    tol = 1e-4 if half else 1e-5
+    assert rel_err(got, want) <= tol
+    assert cf.length == cr.length == L0 + n
+    for a, b in zip(cf.k + cf.v, cr.k + cr.v):  # the new keys and values, rotated, where the reference put them
+        assert rel_err(a[:, :, :L0 + n], b[:, :, :L0 + n]) <= tol
+    last = forward_cached(CFG, None, ids[:, L0:L0 + n], _copy(cf, L0), last_only=True, fused=Wf)
+    assert rel_err(last[:, :, 0], want[:, :, -1]) <= tol
+
+
+def _copy(cache, length):
+    c = new_cache(CFG)
+    for a, b in zip(c.k + c.v, cache.k + cache.v):
+        a[...] = b
+    c.length = length
+    return c
+
+
+def test_float16_weights_differ_from_float32_by_rounding_only(monkeypatch):
+    """A Float16Model decodes the float16-rounded weights: near the float32 model, not equal to it."""
+    m = model()
+    ids = np.array([[3, 1, 4, 1, 5]])
+    a = forward_cached(CFG, None, ids, new_cache(CFG), fused=weights(m, True, monkeypatch))
+    m16 = decode.Float16Model(m)
+    b = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m16.dtype), fused=weights(m16, True, monkeypatch))
+    assert 1e-5 < rel_err(b, a) < 1e-2
+    assert new_cache(CFG, dtype=np.float16).k[0].dtype == np.float32  # a float16 model computes in float32
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("mode", ["cache", "speculative"])
+def test_greedy_generate_identical(half, mode, monkeypatch, calls):
+    """64 greedy tokens, through two window jumps (ctx 24): fused and reference decode the same text."""
+    m = model(seed=3)
+    if half:
+        m = decode.Float16Model(m)
+    prompt = [5, 17, 2, 40, 33]
+    got = generate(m, prompt, 64, temperature=0, mode=mode, spec_depth=2 if mode == "speculative" else None)
+    assert calls[0] > 0
+    monkeypatch.setattr(decode, "ENABLED", False)
+    n = calls[0]
+    want = generate(m, prompt, 64, temperature=0, mode=mode, spec_depth=2 if mode == "speculative" else None)
+    assert calls[0] == n  # the reference ran without the fused step
+    assert len(got.ids) == 64 and got.ids == want.ids
+    assert len(set(got.ids)) > 2  # not one token repeated
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_matvec_matches_numpy(half):
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((77, 45)).astype(np.float32)
+    Wk = decode.half_bits(W) if half else W
+    ref = W.astype(np.float16).astype(np.float32) if half else W
+    for n in (1, 2, decode.ROWS):
+        X = rng.standard_normal((n, 45)).astype(np.float32)
+        assert rel_err(decode.matvec(Wk, X), X @ ref.T) <= 1e-6
+    assert decode.to_f32(np.uint16(0x3C00)) == 1.0 and list(decode.half_bits(np.ones(1))) == [0x3C00]
+
+
+def test_linear_takes_the_kernel_for_few_rows(monkeypatch):
+    m = model()
+    W = weights(m, True, monkeypatch)["head.0"]
+    assert len(W) == 3 and W[2] is not None
+    x = np.random.default_rng(2).standard_normal((2, 5, CFG.dim)).astype(np.float32)
+    assert rel_err(linear(x[:1, :3], W), x[:1, :3] @ W[0].T) <= 1e-6  # 3 rows: the kernel
+    assert rel_err(linear(x, W), x @ W[0].T) <= 1e-6                   # 10 rows: BLAS
+
+
+def test_threads_change_no_bit():
+    """1 thread, 2 threads, and two decoding threads at once (one takes the pool, the other runs alone)."""
+    m = model(seed=5)
+    rng = np.random.default_rng(4)
+    W = rng.standard_normal((1000, 64)).astype(np.float32)
+    X = rng.standard_normal((3, 64)).astype(np.float32)
+    old = decode.get_threads()
+    try:
+        decode.set_threads(1)
+        one = decode.matvec(W, X)
+        gen1 = generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids
+        decode.set_threads(2)
+        assert np.array_equal(decode.matvec(W, X), one)
+        assert generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids == gen1
+        results = []
+
+        def worker():
+            results.append([np.array_equal(decode.matvec(W, X), one) for _ in range(50)])
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert results == [[True] * 50] * 3
+    finally:
+        decode.set_threads(old)
+
+
+def test_fallbacks_keep_the_reference(monkeypatch, calls):
+    """float64 models, batches of several sequences and long blocks take the NumPy path."""
+    m = model()
+    W = weights(m, True, monkeypatch)
+    forward_hidden(CFG, W, np.zeros((2, 3), np.int64), new_cache(CFG, batch=2))
+    forward_hidden(CFG, W, np.zeros((1, decode.ROWS + 1), np.int64), new_cache(CFG))
+    m64 = m.astype(np.float64)
+    assert "decode" not in fuse_weights(CFG, m64.params)
+    generate(m64, [1, 2], 3, temperature=0)
+    assert calls[0] == 0
+
+
+def test_bad_token_id_raises(monkeypatch):
+    W = weights(model(), True, monkeypatch)
+    for bad in (CFG.vocab_size, -1):
+        with pytest.raises(IndexError):
+            forward_hidden(CFG, W, np.array([[1, bad]]), new_cache(CFG))
