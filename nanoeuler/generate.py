@@ -86,47 +86,54 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
     heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
     is kept as (W [out, in], W.T made contiguous [in, out] or None, W as fast/decode.py reads it or None),
-    see `linear`; W["decode"] holds the fused step's weights (float32 euler models, decode.ENABLED).
+    see `linear`; W["decode"] holds the fused step's weights (euler models in float32 or float16 while
+    decode.ENABLED), each kind of matrix stacked over the layers, and W's per-layer matrices are views of them.
 
-    float16 weights (Model.astype(np.float16); `sample --dtype float16`) decode in float32 arithmetic on
+    float16 weights (decode.Float16Model(model); `sample --dtype float16`) decode in float32 arithmetic on
     the weights rounded to float16, as llama.cpp runs an f16 GGUF: the fused step reads the float16 bits
     (half the memory traffic of float32), the NumPy path their float32 values."""
     half = P["embed.weight"].dtype == np.float16
-    if half:
-        P = {name: p.astype(np.float32) for name, p in P.items()}
-    kernels = decode.ENABLED and P["embed.weight"].dtype == np.float32
+    kernels = decode.ENABLED and (half or P["embed.weight"].dtype == np.float32)
 
-    def kernel_form(W):  # the matrix as the fused kernels read it: float32, or float16 bits
-        return None if not kernels else decode.half_bits(W) if half else np.ascontiguousarray(W)
+    def f32(a):  # the values the NumPy path computes with
+        return decode.widen(a) if half else a
+
+    def kernel_form(a):  # as the fused kernels read it: float32, or float16 bits
+        return None if not kernels else a.view(np.uint16) if half else a
 
     def pair(W, Wk=None):
         return (W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None),
-                Wk if Wk is not None else kernel_form(W))
+                Wk if Wk is not None or not kernels else np.ascontiguousarray(W))
     if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
         from . import gpt2_cached
-        return gpt2_cached.fuse_weights(cfg, P, pair)
-    F = {"embed": P["embed.weight"], "norm": P["norm.weight"],
-         "heads": pair(np.concatenate([P[f"heads.{k}.weight"] for k in range(cfg.n_mtp)]))}  # [K·V, d]
-    for k in range(cfg.n_mtp):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair(P[f"heads.{k}.weight"])
+        return gpt2_cached.fuse_weights(cfg, {name: f32(p) for name, p in P.items()}, pair)
+    K, V = cfg.n_mtp, cfg.vocab_size
+    heads = np.concatenate([P[f"heads.{k}.weight"] for k in range(K)])  # [K·V, d]
+    heads32, headsk = f32(heads), kernel_form(heads)
+    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, headsk)}
+    for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
+        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], None if headsk is None else headsk[k * V:(k + 1) * V])
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
-    qkv = [np.concatenate([P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]]) for p in layers]
-    gate_up = [np.concatenate([P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]]) for p in layers]  # [2F, d]
-    wo, down = [P[p + "attn.wo.weight"] for p in layers], [P[p + "ffn.down.weight"] for p in layers]
-    if kernels:  # the fused step reads each kind of matrix stacked over layers [layers, out, in]
-        qkv, gate_up, wo, down = (np.stack(m) for m in (qkv, gate_up, wo, down))
-        stacks = [kernel_form(m) for m in (qkv, gate_up, wo, down)]
-        F["decode"] = decode.Weights(
-            P["embed.weight"], stacks[0], stacks[2], stacks[1], stacks[3],
-            np.stack([np.stack([P[p + "attn_norm.weight"], P[p + "ffn_norm.weight"]]) for p in layers]),
-            P["norm.weight"])
+    mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
+            "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
+            "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
+    for name, parts in mats.items():
+        if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked
+            S = np.stack([np.concatenate(ps) if len(ps) > 1 else ps[0] for ps in parts])
+            S32, Sk = f32(S), kernel_form(S)
+            mats[name] = [(S32[i], Sk[i]) for i in range(len(layers))]
+            F.setdefault("stacks", {})[name] = Sk
+        else:
+            mats[name] = [(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]), None) for ps in parts]
     for i, p in enumerate(layers):
-        Wk = [None] * 4 if not kernels else [m[i] for m in stacks]
-        F[p + "qkv"] = pair(qkv[i], Wk[0])
-        F[p + "gate_up"] = pair(gate_up[i], Wk[1])
-        F[p + "wo"] = pair(wo[i], Wk[2])
-        F[p + "down"] = pair(down[i], Wk[3])
-        F[p + "attn_norm"], F[p + "ffn_norm"] = P[p + "attn_norm.weight"], P[p + "ffn_norm.weight"]
+        for name in mats:
+            F[p + name] = pair(*mats[name][i])
+        F[p + "attn_norm"], F[p + "ffn_norm"] = f32(P[p + "attn_norm.weight"]), f32(P[p + "ffn_norm.weight"])
+    if kernels:
+        st = F.pop("stacks")
+        F["decode"] = decode.Weights(F["embed"], st["qkv"], st["wo"], st["gate_up"], st["down"],
+                                     np.stack([np.stack([F[p + "attn_norm"], F[p + "ffn_norm"]]) for p in layers]),
+                                     F["norm"])
     return F
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from .args import escape_control
-from .sample import MIN_TEMPERATURE, add_sampling_args, check_sampling_args, check_temperature
+from .sample import MIN_TEMPERATURE, add_sampling_args, check_sampling_args, check_temperature, decoding_model
 
 HELP = """commands:
   /reset     forget the conversation so far
@@ -148,7 +148,7 @@ def run(args) -> int:
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
-    chat = Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
+    chat = Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
                 speculative=not args.no_speculative)
     interactive = sys.stdin.isatty()
     if interactive:
