@@ -183,3 +183,24 @@ def test_bad_token_id_raises(monkeypatch):
     for bad in (CFG.vocab_size, -1):
         with pytest.raises(IndexError):
             forward_hidden(CFG, W, np.array([[1, bad]]), new_cache(CFG))
+
+
+def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
+    """`sample --dtype float16` decodes the Float16Model: its greedy text, not necessarily the float32 one."""
+    import json
+
+    from nanoeuler.cli import main
+    from nanoeuler.tokenizer import Tokenizer
+    tok = Tokenizer.train(["to be or not to be, that is the question " * 20], 300, progress=False)
+    cfg = tiny_config(vocab_size=tok.vocab_size, dim=32, ctx_len=64)
+    m = model(cfg, seed=7)
+    m.save(tmp_path / "run", tokenizer=tok)
+    ids = tok.encode("to be")
+    for dtype, dec in (("float16", decode.Float16Model(m)), ("float32", m)):
+        assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "to be", "--temperature", "0",
+                     "--max-new-tokens", "12", "--no-speculative", "--dtype", dtype, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ids"] == generate(dec, ids, 12, temperature=0, mode="cache",
+                                                                             stop_ids=[tok.eos_id]).ids
+    assert calls[0] > 0
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "x", "--dtype", "float8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
