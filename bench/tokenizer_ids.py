@@ -4,14 +4,18 @@ and, with --before REV, the tokenizer code of that git revision (before id maps 
 
 Same text as bench/tokenizer.py (the bundled Shakespeare works, shuffled passes, --mb of it), vocab 4096.
 Every variant encodes with a fresh tokenizer (cold cache, as a new process), runs are interleaved
-(A B C A B C ...) and the best of --repeat is kept, so a busy machine disturbs all variants alike.
+(A B C, then B C A, ...: each variant takes each place) and the best of --repeat is kept, so a busy
+machine disturbs all variants alike; Python's garbage collector is paused while a run is timed (the
+kept results of earlier runs would otherwise make later runs pay for collections).
 
     .venv/bin/python bench/tokenizer_ids.py --before df31053~1      # ~1 minute
+    .venv/bin/python bench/tokenizer_ids.py --mb 2 --lines     # one call per line: the per-call overhead
     .venv/bin/python bench/tokenizer_ids.py --mb 5 --json
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -52,14 +56,18 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--before", help="a git revision whose tokenizer code is timed too (e.g. df31053~1)")
+    ap.add_argument("--lines", action="store_true",
+                    help="encode line by line (~40 bytes a call: the per-call overhead, as chat/serve see it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from nanoeuler.tokenizer import Tokenizer
     docs = load_bench_tokenizer().english_docs(args.mb)
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
     tok = Tokenizer.train(docs, args.vocab_size, progress=False)
+    if args.lines:
+        docs = [ln for d in docs for ln in d.splitlines(keepends=True)]
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
     plain = tok.to_dict()
     shuffled = dict(plain, ids=np.random.default_rng(0).permutation(tok.vocab_size).tolist())
     variants = {"no map": lambda: Tokenizer.from_dict(plain), "shuffled map": lambda: Tokenizer.from_dict(shuffled)}
@@ -67,18 +75,29 @@ def main() -> None:
         Before = tokenizer_class_at(args.before)
         variants = {f"before ({args.before})": lambda: Before.from_dict(plain), **variants}
 
+    def timed(fn):
+        gc.collect()
+        gc.disable()
+        try:
+            w, c = time.perf_counter(), time.process_time()
+            out = fn()
+            return time.perf_counter() - w, time.process_time() - c, out
+        finally:
+            gc.enable()
+
     def run(make, method):
         t = make()
-        w, c = time.perf_counter(), time.process_time()
-        out = [getattr(t, method)(d) for d in docs]
-        return time.perf_counter() - w, time.process_time() - c, out
+        f = getattr(t, method)
+        return timed(lambda: [f(d) for d in docs])
 
     for make in variants.values():  # compile / warm the kernels once
         make().encode("warm up")
     best: dict = {}
     outs: dict = {}
-    for _ in range(args.repeat):
-        for name, make in variants.items():
+    names = list(variants)
+    for r in range(args.repeat):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            make = variants[name]
             for method in ("encode", "encode_array"):
                 w, c, out = run(make, method)
                 b = best.setdefault((name, method), [w, c])
@@ -86,11 +105,9 @@ def main() -> None:
                 outs[(name, method)] = out
             t = make()
             ids = outs[(name, "encode")]
-            w, c = time.perf_counter(), time.process_time()
-            for x in ids:
-                t.decode(x)
-            b = best.setdefault((name, "decode"), [time.perf_counter() - w, time.process_time() - c])
-            b[0], b[1] = min(b[0], time.perf_counter() - w), min(b[1], time.process_time() - c)
+            w, c, _ = timed(lambda: [t.decode(x) for x in ids])
+            b = best.setdefault((name, "decode"), [w, c])
+            b[0], b[1] = min(b[0], w), min(b[1], c)
 
     ref = outs[("no map", "encode")]
     m = Tokenizer.from_dict(shuffled)
@@ -115,7 +132,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(res))
         return
-    print(f"{res['text_mb']} MB, {n_tokens:,} tokens, vocab {tok.vocab_size}, best of {args.repeat}, "
+    print(f"{res['text_mb']} MB in {len(docs):,} calls, {n_tokens:,} tokens, vocab {tok.vocab_size}, best of {args.repeat}, "
           f"load average {res['load_average']:.1f}")
     print(f"{'':24s} {'encode MB/s wall/CPU':>22s} {'encode_array':>16s} {'decode':>16s}   CPU time / no map")
     for name in variants:
