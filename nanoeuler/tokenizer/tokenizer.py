@@ -189,7 +189,12 @@ def train_reference(texts: Iterable[str], vocab_size: int, specials=("</s>",)) -
 # ------------------------------------------------------------------------------------ tokenizer
 
 class Tokenizer:
-    """A trained byte-level BPE tokenizer (immutable once built)."""
+    """A trained byte-level BPE tokenizer (immutable once built).
+
+    The ids it takes and gives are the model's (`special_tokens`, `eos_id`, `bos_id`, encode*, decode*,
+    token_bytes); `merges` and the saved "specials" are in the engine's numbering (bytes, merges, specials),
+    which `ids` (None: the same numbering) maps to the model's.
+    """
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
                  pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
