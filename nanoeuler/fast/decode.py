@@ -12,25 +12,34 @@ the same mathematics in one compiled call, layer after layer on preallocated row
                 x += a @ Woᵀ;  h = rmsnorm(x)·w;  x += (silu(g)·u) @ Wdownᵀ with [g u] = h @ Wgate_upᵀ
     h = rmsnorm(x)·w  (all rows, or the last only)              [n|1, d]
 
-and `gemv` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
+and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
+generate.py's `forward_hidden` and `linear` call them for one sequence of up to ROWS rows (plain decoding,
+speculative verification, short prompts); longer blocks and batches stay on the NumPy path.
 
-Matrix-vector products: each output is one dot product of a weight row with x, split over the threads by
-blocks of output rows (numba `prange`, numba's thread pool: `numba.set_num_threads` sets how many). The
-dot products accumulate in float32 with `fastmath` reassociation (LLVM vectorises them into 16-wide
-FMAs; the order of the sum is not NumPy's, so results equal the reference to rounding: tests/test_decode.py
-checks ≤ 1e-5 relative on the logits). At one row the products read their weights straight from memory
-and are bound by memory traffic: 31 MB of float32 weights per token on `big`.
+Matrix-vector products: each output is one dot product of a weight row with x. The dot products
+accumulate in float32 with `fastmath` reassociation (LLVM vectorises them into 16-wide FMAs; the order of
+the sum is not NumPy's, so results equal the reference to rounding: tests/test_decode.py checks ≤ 1e-5
+relative on the logits). At one row they are bound by memory traffic: 31 MB of float32 weights per token
+on `big` (the ~100 µs of attention, norms and SwiGLU are small beside it).
 
 float16 weights halve that traffic. They are kept as their IEEE half bits (uint16 arrays: numba has no
 float16 type on the CPU) and widened inside the dot product by `to_f32`, an LLVM `fpext half -> float`
 that x86 executes as one vcvtph2ps per 16 values (F16C), so the loop still vectorises; the arithmetic stays
 float32. A float16 model therefore decodes as the float32 model whose weights were rounded to float16.
 
-    W16 = W.astype(np.float16).view(np.uint16)
-    gemv(W16, x[None]) == (W.astype(np.float16).astype(np.float32) @ x)   (to float32 rounding)
+    W16 = half_bits(W)            # W.astype(np.float16).view(np.uint16)
+    matvec(W16, x[None]) == x @ W.astype(np.float16).astype(np.float32).T   (to float32 rounding)
 
-Several rows (a speculative verification of 2..K tokens, a short prompt) share each weight row: a float16
-row is widened once into a per-thread buffer and dotted with every x row.
+Several rows (a speculative verification of 2..K tokens) share each pass over a weight row: 4 and 2 rows at
+a time, each weight read and widened once for them (2 rows cost ~1.1-1.3x one on `big`).
+
+Threads: the products are cut into blocks of BLOCK output rows, and the calling thread and `threads - 1`
+helper threads (`set_threads`; default the cores, at most 8) claim blocks from a shared counter (a
+compare-and-swap, so each block runs once; see `_gemv`). The caller never waits for a helper to *arrive*:
+on a machine busier than its cores a descheduled helper simply does fewer blocks, where a fork-join pool
+(OpenMP, numba's `prange`) stalls at every product until its last thread is scheduled again (measured
+here: 7 tokens/s instead of 420 on `big` at load 4.6 on 2 cores). Every output is computed whole by one
+thread with the same code, so the result does not depend on the number of threads, bit for bit.
 
 Shapes: n new rows; L0 tokens already cached; d width; H / Hkv heads; hd head width; F SwiGLU width.
 """
