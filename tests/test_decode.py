@@ -204,3 +204,21 @@ def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
     assert calls[0] > 0
     assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "x", "--dtype", "float8"]) == 2
     assert "--dtype" in capsys.readouterr().err
+
+
+def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
+    """serve's batcher: one row per sequence, each at its own position of its own cache row, in one fused step,
+    equals the batcher's NumPy step (batcher.decode_step)."""
+    from nanoeuler.serve.batcher import decode_step
+    m = model(seed=9)
+    rng = np.random.default_rng(5)
+    W = weights(m, True, monkeypatch)
+    shape = (CFG.n_layers, 3, CFG.n_kv_heads, CFG.ctx_len, CFG.head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k2, v2 = k.copy(), v.copy()
+    cache = new_cache(CFG)
+    tokens, pos = np.array([7, 0, 52]), np.array([5, 0, CFG.ctx_len - 1])
+    got = decode.forward_rows(CFG, W["decode"], tokens, pos, np.arange(3), k, v, cache.cos, cache.sin)
+    want = decode_step(CFG, W, list(k2), list(v2), cache.cos, cache.sin, tokens, pos)
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(k, k2) <= 1e-5 and rel_err(v, v2) <= 1e-5  # the new keys and values where the reference put them

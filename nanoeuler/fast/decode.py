@@ -403,15 +403,17 @@ def gemv(ctl, pooled, W, X):
 
 
 @njit(**OPTS)
-def step(ctl, pooled, tokens, L0, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc, cos, sin,
-         last_only):
-    """The forward of tokens int [n] at positions L0 .. L0+n-1 -> final normed hidden states [n|1, d].
+def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc, cos,
+         sin, last_only):
+    """The forward of tokens int [n], row r at position pos[r] of cache row slot[r] -> final normed hidden
+    states [n|1, d]. One sequence: slot all 0, pos = L0, L0+1, ..; a batch of sequences: one row each.
 
     embed [V, d]; per layer l: qkv[l] [(H + 2·Hkv)·hd, d], wo[l] [d, H·hd], gate_up[l] [2F, d],
     down[l] [d, F] (float32 or float16 bits), norms[l] = (attn_norm, ffn_norm) [2, d]; norm [d].
-    kc, vc [layers, Hkv, max_len, hd]: positions 0 .. L0-1 are read, L0 .. L0+n-1 written."""
+    kc, vc [layers, B, Hkv, max_len, hd]: row r writes its key and value at (slot[r], pos[r]) and attends
+    to positions 0 .. pos[r] of its slot (all rows write before any attends)."""
     n, d = tokens.shape[0], embed.shape[1]
-    n_layers, Hkv, _, hd = kc.shape
+    n_layers, _, Hkv, _, hd = kc.shape
     H, F = n_heads, down.shape[2]
     G, Hhd = n_heads // Hkv, n_heads * hd
     scale = np.float32(1.0 / np.sqrt(hd))
@@ -425,22 +427,22 @@ def step(ctl, pooled, tokens, L0, embed, qkv, wo, gate_up, down, norms, norm, ep
     a = np.empty((n, Hhd), np.float32)              # attention output
     gu = np.empty((n, 2 * F), np.float32)
     s = np.empty((n, F), np.float32)
-    p = np.empty(L0 + n, np.float32)                # attention probabilities
+    p = np.empty(pos.max() + 1, np.float32)         # attention probabilities
     rot = np.empty(hd, np.float32)
     for l in range(n_layers):
         _rmsnorm(x, norms[l, 0], eps, h)
         _gemv(ctl, pooled, qkv[l], h, t, False)
         for r in range(n):  # RoPE; the new keys and values go into the cache
             for hh in range(H):
-                _rope(t[r], hh * hd, hd, cos, sin, L0 + r, rot)
+                _rope(t[r], hh * hd, hd, cos, sin, pos[r], rot)
                 t[r, hh * hd:(hh + 1) * hd] = rot
             for g in range(Hkv):
-                _rope(t[r], Hhd + g * hd, hd, cos, sin, L0 + r, kc[l, g, L0 + r])
-                vc[l, g, L0 + r] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
-        for r in range(n):  # row r, head hh reads kv head hh // G at positions 0 .. L0+r
+                _rope(t[r], Hhd + g * hd, hd, cos, sin, pos[r], kc[l, slot[r], g, pos[r]])
+                vc[l, slot[r], g, pos[r]] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
+        for r in range(n):  # row r, head hh reads kv head hh // G at positions 0 .. pos[r]
             for hh in range(H):
-                _attend(t[r, hh * hd:(hh + 1) * hd], kc[l, hh // G], vc[l, hh // G], L0 + r + 1, scale, p,
-                        a[r, hh * hd:(hh + 1) * hd])
+                _attend(t[r, hh * hd:(hh + 1) * hd], kc[l, slot[r], hh // G], vc[l, slot[r], hh // G], pos[r] + 1,
+                        scale, p, a[r, hh * hd:(hh + 1) * hd])
         _gemv(ctl, pooled, wo[l], a, x, True)  # x += a @ Woᵀ
         _rmsnorm(x, norms[l, 1], eps, h)
         _gemv(ctl, pooled, gate_up[l], h, gu, False)
@@ -559,14 +561,23 @@ class Float16Model:
 
 def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
             sin: np.ndarray, last_only: bool) -> np.ndarray:
-    """tokens int [n] at positions L0.. of one sequence whose caches are k, v [layers, Hkv, max_len, hd]
+    """tokens int [n] at positions L0.. of one sequence, cache row 0 of k, v [layers, B, Hkv, max_len, hd]
     -> final normed hidden states [n|1, d]."""
+    n = len(tokens)
+    return forward_rows(cfg, D, tokens, np.arange(L0, L0 + n), np.zeros(n, np.int64), k, v, cos, sin, last_only)
+
+
+def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray,
+                 v: np.ndarray, cos: np.ndarray, sin: np.ndarray, last_only: bool = False) -> np.ndarray:
+    """tokens int [n], row r at position pos[r] of cache row slot[r] of k, v [layers, B, Hkv, max_len, hd]
+    (one sequence, or one row per sequence as serve's batcher steps) -> final normed hidden states [n|1, d]."""
     pool = _POOL
     pooled = pool.acquire()
     try:
-        return step(pool.ctl, pooled, np.ascontiguousarray(tokens, dtype=np.int64), L0, D.embed, D.qkv, D.wo,
-                    D.gate_up, D.down, D.norms, D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin,
-                    last_only)
+        return step(pool.ctl, pooled, np.ascontiguousarray(tokens, dtype=np.int64),
+                    np.ascontiguousarray(pos, dtype=np.int64), np.ascontiguousarray(slot, dtype=np.int64), D.embed,
+                    D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v,
+                    cos, sin, last_only)
     finally:
         if pooled:
             pool.release()

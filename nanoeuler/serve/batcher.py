@@ -10,6 +10,8 @@ active request, which has its own length (the positions it has filled). One engi
                job's own random generator): </s> or max_tokens ends the job and frees its row
     3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
                attention masks every key past length_r, so rows of different lengths share the step
+               (up to fast/decode.py's ROWS rows: its fused step, each row attending to its own cache row;
+               more: `decode_step` below, on BLAS)
 
     rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
@@ -39,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from .. import ops
+from ..fast import decode
 from ..fast.parallel import PARTS, blas_threads
 from ..generate import KVCache, forward_hidden, fuse_weights, linear, sample_token
 
@@ -121,9 +124,9 @@ class Batcher:
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
         self.W = fuse_weights(cfg, model.params)
         dtype = model.dtype
-        shape = (self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
-        self.k = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
-        self.v = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+        shape = (cfg.n_layers, self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
+        self.kv = (np.zeros(shape, dtype), np.zeros(shape, dtype))  # [layers, ...]: fast/decode.py reads them whole
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])  # per layer [max_batch, Hkv, ctx_len, hd]
         self.cos, self.sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, dtype)
         self.rows: list[_Row] = []
         self.pending: deque[Job] = deque()
@@ -257,9 +260,14 @@ class Batcher:
                     self._prefill(slot, row.seq)
         tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
         pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
-        with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):
-            h = decode_step(self.cfg, self.W, self.k, self.v, self.cos, self.sin, tokens, pos)  # [n, d]
-            logits = batched_linear(h, self.W["head.0"])  # [n, V]
+        if "decode" in self.W and len(self.rows) <= decode.ROWS:  # the fused step, row r in cache row r
+            h = decode.forward_rows(self.cfg, self.W["decode"], tokens, pos, np.arange(len(tokens)), *self.kv,
+                                    self.cos, self.sin)  # [n, d]
+            logits = linear(h, self.W["head.0"])  # [n, V]
+        else:
+            with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):
+                h = decode_step(self.cfg, self.W, self.k, self.v, self.cos, self.sin, tokens, pos)  # [n, d]
+                logits = batched_linear(h, self.W["head.0"])  # [n, V]
         for row, lg in zip(self.rows, logits):
             row.seq.append(row.pending)
             row.pending, row.logits = None, lg
