@@ -307,7 +307,7 @@ class FakeRule:
     def __init__(self, confs):
         self.confs = confs
 
-    def propose(self, logits):
+    def propose_draft(self, win, j):
         return 0, self.confs.pop(0)
 
 
@@ -359,9 +359,36 @@ def test_planner_probes_in_bursts_while_off():
     assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)
 
 
-def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs):
-    """Drafts of a random model are never accepted: after a few rounds only the probes verify any."""
+def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs, monkeypatch):
+    """The draft heads of a random model are never right: after a few rounds only the probes verify any.
+    (Lookup drafts off: this model's greedy text repeats itself, which they catch, next test.)"""
+    monkeypatch.setattr(gen._Greedy, "NGRAM", 10 ** 6)  # no context ever matches
     model = Model.init(TINY, seed=3)
     g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
     assert g.acceptance < 0.2
     assert g.draft_rounds < 10 + 200 / 16
+
+
+def test_lookup_drafts_catch_repeating_text(steady_costs):
+    """The same random model's greedy text falls into a 4-token loop: drafts looked up in the text are
+    accepted, speculation switches on, and the output is still plain greedy's token for token."""
+    model = Model.init(TINY, seed=3)
+    plain = generate(model, [1, 2, 3], 200, temperature=0, mode="cache")
+    g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
+    assert g.ids == plain.ids and g.ids[100:104] == g.ids[104:108]
+    assert g.acceptance > 0.8 and g.forwards < 0.7 * len(g.ids)
+
+
+def test_lookup_finds_the_last_occurrence():
+    """(the last NGRAM-1 tokens, t1) -> the tokens after its last occurrence; none -> []; indexed incrementally."""
+    class Win:
+        cfg, start = tiny_config(n_mtp=3), 0
+    rule, win = gen._Greedy(), Win()
+    win.seq = [7, 3, 9, 4, 5, 7, 3, 9, 6, 1, 2, 7, 3]
+    rule.prepare(win, 9)
+    assert rule.lookup(win) == [6, 1]       # the later of the two (7, 3, 9)
+    rule.prepare(win, 8)
+    assert rule.lookup(win) == []
+    win.seq += [8, 0, 2, 7, 3]
+    rule.prepare(win, 8)
+    assert rule.lookup(win) == [0, 2]       # found among the tokens added since
