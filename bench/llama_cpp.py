@@ -15,7 +15,9 @@ speed   - greedy decoding of --new-tokens tokens after the same prompt, with --t
           (the prompt's prefill excluded), median. `ours/llama.cpp` = ours fused / llama.cpp at the same
           precision and thread count (>= 1.0: we are at least as fast). llama.cpp's threads wait for each
           other by spinning, which collapses on a machine busier than its cores; on such a machine the
-          1-thread ratio is the fair one.
+          1-thread ratios are the fair ones, and two more are printed: the best run of each (the least
+          disturbed), and at 1 thread tokens per CPU-second of the process (preemption does not count).
+          Our threads: fast.decode.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
 
     .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
@@ -189,7 +191,8 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     decode.set_threads(threads)
     med = {k: float(np.median(v)) for k, v in rows.items()}
     med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
-    ratio = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"llama.cpp {dt} {th}t"] for th in counts for dt in models}
+    ratio = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"llama.cpp {dt} {th}t"]
+             for th in counts for dt in models}
     ratio_cpu = {f"{dt} 1t": med_cpu[f"ours {dt} fused 1t"] / med_cpu[f"llama.cpp {dt} 1t"] for dt in models}
     best = {k: float(np.max(v)) for k, v in rows.items()}  # the least disturbed run of each (a busy machine)
     ratio_best = {f"{dt} {th}t": best[f"ours {dt} fused {th}t"] / best[f"llama.cpp {dt} {th}t"]
@@ -243,7 +246,8 @@ def main() -> None:
         for th in s["threads"]:
             for dt in ("f32", "f16"):
                 key = f"{dt} {th}t"
-                print(f"  {th:>7} {dt:>7} {tps[f'ours {dt} fused {th}t']:>10.0f} {tps[f'ours {dt} reference {th}t']:>10.0f} "
+                print(f"  {th:>7} {dt:>7} {tps[f'ours {dt} fused {th}t']:>10.0f} "
+                      f"{tps[f'ours {dt} reference {th}t']:>10.0f} "
                       f"{tps[f'llama.cpp {key}']:>9.0f} {s['ours_vs_llama.cpp'][key]:>13.2f}x "
                       f"{s['fused_vs_reference'][key]:>10.2f}x")
         rb = s["ours_vs_llama.cpp_best"]

@@ -169,7 +169,8 @@ def _pause(typingctx):
     """The spin-wait hint (x86 `pause`: ~40-140 cycles, no memory-order speculation while polling)."""
     def codegen(context, builder, sig, args):
         if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause")
             builder.call(fn, [])
         return context.get_dummy_value()
     return types.void(), codegen
