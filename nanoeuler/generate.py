@@ -356,7 +356,8 @@ class _Window:
         return h, linear(h, self.W_verify).reshape(len(block), self.n_verify, self.cfg.vocab_size)
 
     def keep(self, n_total: int, h: np.ndarray, heads: np.ndarray) -> None:
-        """Roll back seq and cache to n_total tokens of the window; h [d] and heads [n_verify, V] are the outputs there."""
+        """Roll back seq and cache to n_total tokens of the window; h [d] and heads [n_verify, V] are the
+        outputs there."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
@@ -549,13 +550,15 @@ class _Planner:
     """Decides whether to speculate at all, and how many drafts each round verifies, from measured
     acceptance and measured cost, so that speculation is used only where it pays.
 
-    Cost: cost[w][d] is the wall time of a round that verifies d drafts (drafting, the forward of d+1
-    tokens, the checks, emitting; d = 0 is a plain step), w = whether the round before it verified drafts
-    too, as the lower quartile of its last 31 samples (on a busy machine about one round in five loses
-    the CPU to another process for ~20 ms; a quartile, the minimum of the first 3, is not moved by that,
-    where a mean or a median of few samples was). The two tables differ: on `small` here a lone
-    verification among plain steps cost 1.6-1.75x a plain step, one after another only 1.2-1.3x (the
-    verification's code and data are no longer in the CPU caches). So the planner works in two regimes
+    Cost: cost[w][d] is the CPU time of this thread (time.thread_time) in a round that verifies d drafts
+    (drafting, the forward of d+1 tokens, the checks, emitting; d = 0 is a plain step), w = whether the
+    round before it verified drafts too, as the lower quartile of its last 31 samples. CPU time, not wall
+    time: on a machine shared with other processes a round's wall time mostly measures the scheduler (one
+    round in five lost the core for ~20 ms; with 2 helpers' jobs on 2 cores, wall-time tables put a
+    verification at 1.2-2.3x a plain step from one call to the next, thread CPU time at 1.24-1.42x), and
+    the quartile, the minimum of the first 3, is not moved by the rest. The two tables differ: on `small`
+    here a lone verification among plain steps cost 1.6-1.75x a plain step, one after another only 1.2-1.3x
+    (the verification's code and data are no longer in the CPU caches). So the planner works in two regimes
     rather than round by round (mixing them paid the lone price for every draft, and lost):
 
         off: plain steps; every `probe_every`-th round (counted over all calls sharing the planner) a
@@ -578,8 +581,8 @@ class _Planner:
     accepted | the drafts before it accepted) for a draft whose head is `conf` sure of it (4 confidence
     bins, priors .15/.45/.72/.92, a memory of ~30 observations per bin); drafts are proposed one by one
     while each adds 5 % of worth (a draft that could not add that even if sure to be accepted is not even
-    computed: its head's matrix product is ~5 % of a `small` step). An unmeasured cost is taken from the other table, else extrapolated (+25 % of a
-    plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the forward of d + 1
+    computed: its head's matrix product is ~5 % of a `small` step). An unmeasured cost is taken from the
+    other table, else extrapolated (+25 % of a plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the forward of d + 1
     tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A planner lives as long as its model,
     one per sampling setting (`_planner`), so a chat's short replies do not each start from the priors.
     Which drafts are verified never changes the output (greedy) or its distribution (sampling); at
@@ -708,7 +711,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
     depth chosen by `plan` (or fixed: depth). Ends when emit() says so."""
     K = win.cfg.n_mtp
     plan = plan or _Planner(K - 1)
-    clock = time.perf_counter  # one reading per round
+    clock = time.thread_time  # one reading per round: the work done, whoever else shares the CPU (see _Planner)
     forced = None  # the next token, when a rejection already decided it
     last, w, jumps = clock(), 0, win.jumps  # w: whether the last round drafted
     while True:
