@@ -305,14 +305,10 @@ class _Window:
         self.start = max(0, len(seq) - self.cfg.ctx_len)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fuse_weights(self.cfg, self.P)
-        self.n_verify = min(2, self.cfg.n_mtp)  # heads a verification computes: 0 (the check) and 1 (next drafts)
-        if mode == "speculative" and self.n_verify > 1:
-            self.W_verify = _first_rows(self.W["heads"], self.n_verify * self.cfg.vocab_size)
         self._refill()
 
-    def _set(self, h: np.ndarray, heads: np.ndarray | None = None) -> None:
-        """The last position's hidden state h [d] and, where already known, heads 0..j's logits there [j+1, V]."""
-        self.h, self._heads = h, {} if heads is None else dict(enumerate(heads))
+    def _set(self, h: np.ndarray, head0: np.ndarray | None = None) -> None:
+        self.h, self._heads = h, {} if head0 is None else {0: head0}
 
     def head(self, k: int) -> np.ndarray:
         """Logits [V] of head k at the last position."""
@@ -347,29 +343,20 @@ class _Window:
 
     def verify(self, block: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feed tokens block (must fit: len(block) <= room()) in one forward -> (hidden states [n, d],
-        logits [n, n_verify, V] of heads 0 and 1 at every fed position). Head 0 checks the drafts; head 1 at the
-        position that will be kept drafts the next round, and is cheaper here, in the same matrix product
-        (2 heads x n rows read the weights once), than as a product of its own next round (~8 % of a plain
-        step on `small`). The caller then calls `keep` to roll back to the accepted ones."""
+        head-0 logits [n, V]). The caller then calls `keep` to roll back to the accepted ones. (Head 1 for
+        the next round's drafts is not computed here for every row: its matrix product costs as much per
+        row as head 0's, and a lookup draft often makes it unnecessary.)"""
         h = self._forward(block, False)  # [n, d]
         self.seq.extend(block)
-        return h, linear(h, self.W_verify).reshape(len(block), self.n_verify, self.cfg.vocab_size)
+        return h, linear(h, self.W["head.0"])
 
-    def keep(self, n_total: int, h: np.ndarray, heads: np.ndarray) -> None:
-        """Roll back seq and cache to n_total tokens of the window; h [d] and heads [n_verify, V] are the
-        outputs there."""
+    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray) -> None:
+        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
-        self._set(h, heads)
-
-
-def _first_rows(W: tuple, n: int) -> tuple:
-    """fuse_weights' form (W [out, in], W.T contiguous or None, kernel form or None) of the first n output rows
-    of W: the stacked heads [K·V, d] -> heads 0..j [n, d]."""
-    W, Wt, *rest = W
-    return (W[:n], None if Wt is None else np.ascontiguousarray(Wt[:, :n]), *(w if w is None else w[:n] for w in rest))
+        self._set(h, head0)
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -732,18 +719,18 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         else:
             drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
             n_before = len(win.seq) - win.start
-            h, heads = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, 2, V]
+            h, head0 = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, V]
             out.drafted += d
             out.draft_rounds += 1
             n_ok = 0
             for j in range(d):
-                ok, p_accept, forced = rule.check(heads[j, 0], drafts[j], props[j][0])
+                ok, p_accept, forced = rule.check(head0[j], drafts[j], props[j][0])
                 plan.observe(j, props[j][1], p_accept)
                 if not ok:
                     break
                 n_ok += 1
             out.accepted += n_ok
-            win.keep(n_before + 1 + n_ok, h[n_ok], heads[n_ok])
+            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
             for t in drafts[:n_ok]:
                 if emit(t):
                     return
