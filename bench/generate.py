@@ -7,11 +7,15 @@ seeds 0..repeat-1 (sampled text differs per seed; both modes get the same seeds)
 (new tokens / time after the prompt's prefill); `spec/plain` is the median over repeats of the ratio of the
 two back-to-back runs, and `cpu` the same comparison in the process's CPU time summed over the repeats:
 on a machine shared with others, where wall time mostly measures the scheduler, run with
-OPENBLAS_NUM_THREADS=1 and read `cpu` (the work done). Greedy speculative output is checked
+OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 and read `cpu` (the work done; with two numba threads the
+process's CPU time also counts a thread waiting for the other). Greedy speculative output is checked
 to equal plain greedy token for token (`same`). `drafts` is the share of rounds that verified drafts (the
 rest were plain steps: the planner's fallback); `accept` the share of verified drafts accepted.
 Random-init weights show the fallback (drafts never pay there); the speed-up needs a trained model: pass one
 with --ckpt (its preset is read from the checkpoint). --full adds the slow full-recomputation reference.
+`jumps` counts the window refills of one run: a generation longer than the context recomputes the last
+ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~2.8 ms, ~25 plain steps), the same in both modes, so
+they dilute the speed-up; `--new-tokens 58` keeps the default prompt (70 tokens on small) inside the window.
 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --json
@@ -73,6 +77,7 @@ def compare(model, prompt_ids, n_new, repeat, temperature, top_k) -> dict:
             "spec_vs_plain_cpu": cpu_s["cache"] / cpu_s["speculative"],
             "acceptance": accepted / drafted if drafted else 0.0, "drafted": drafted, "accepted": accepted,
             "draft_round_share": sum(g.draft_rounds for g in spec) / max(1, rounds),
+            "jumps": spec[0].jumps,
             "tokens_per_forward": sum(len(g.ids) for g in spec) / max(1, rounds),
             "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec)) if temperature == 0 else None}
 
@@ -119,16 +124,18 @@ def main() -> int:
         model = Model.from_preset(preset, seed=0)
         ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens))
         rows.append(bench_model(f"{preset} (random init)", model, ids, args))
-    info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "cpus": os.cpu_count(),
+    import numba
+    info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "numba_threads": numba.get_num_threads(),
+            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "numpy": np.__version__, "rows": rows}
     if args.json:
         print(json.dumps(info))
         return 0
     print(f"{args.new_tokens} new tokens; decode tokens/s, median of {args.repeat} back-to-back pairs; sampled = "
-          f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OMP_NUM_THREADS={info['threads']}, "
-          f"load average {info['load_avg']:.2f}")
+          f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OPENBLAS_NUM_THREADS="
+          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, load average {info['load_avg']:.2f}")
     head = (f"{'model':<30} {'decoding':<8} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
-            f"{'tok/fwd':>7} {'same':>5}")
+            f"{'tok/fwd':>7} {'jumps':>5} {'same':>5}")
     print(head + "  forward of 1..K tokens (ms, best of 200)")
     print("-" * len(head))
     for r in rows:
@@ -137,7 +144,7 @@ def main() -> int:
             same = "-" if c["same"] is None else "yes" if c["same"] else "NO"
             print(f"{r['model'] if kind == 'greedy' else '':<30} {kind:<8} {c['plain_tok_s']:7.1f} {c['spec_tok_s']:7.1f} "
                   f"{c['spec_vs_plain']:9.2f}x {c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} {c['draft_round_share']:7.1%} "
-                  f"{c['tokens_per_forward']:7.2f} {same:>5}"
+                  f"{c['tokens_per_forward']:7.2f} {c['jumps']:5d} {same:>5}"
                   + ("  " + " / ".join(f"{t:.2f}" for t in r["step_ms"]) if kind == "greedy" else ""))
         if "full_tok_s" in r:
             print(f"{'':<30} full recomputation: {r['full_tok_s']:.1f} tok/s, equals cache: {r['full_equals_cache']}")

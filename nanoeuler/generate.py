@@ -280,6 +280,7 @@ class Generation:
     drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1 and verified
     accepted: int = 0              # speculative: draft tokens the verification accepted
     draft_rounds: int = 0          # speculative: rounds that verified drafts (the others were plain steps)
+    jumps: int = 0                 # times the window jumped forward (and the cache was refilled)
     prefill_s: float = 0.0
     decode_s: float = 0.0          # wall time after the prefill
     decode_cpu_s: float = 0.0      # the process's CPU time over the same span (robust on a loaded machine)
@@ -419,7 +420,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
                 win.push(token)
     out.decode_s = time.perf_counter() - t0
     out.decode_cpu_s = time.process_time() - cpu0
-    out.forwards = win.forwards
+    out.forwards, out.jumps = win.forwards, win.jumps
     return out
 
 
