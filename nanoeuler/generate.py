@@ -549,9 +549,12 @@ class _Planner:
     (the verification's code and data are no longer in the CPU caches). So the planner works in two regimes
     rather than round by round (mixing them paid the lone price for every draft, and lost):
 
-        off: plain steps; every `probe_every`-th round (counted over all calls sharing the planner) a
-             burst of 3 rounds verifying 1 draft each (draft 1's rate and the back-to-back cost stay
-             fresh; ~1 % of a plain step's time per round)
+        off: plain steps; at round 8, then `probe_every` rounds later, then twice as far each time up to
+             8 x probe_every while the regime stays off (rounds counted over all calls sharing the
+             planner), a burst of 3 rounds verifying 1 draft each (draft 1's rate and the back-to-back
+             cost stay fresh). A lone verification among plain steps costs 2-4x a plain step (cold
+             caches), so a probe every 128 rounds cost ~3 % of plain decoding where drafts never pay;
+             backing off makes it < 1 %
         on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts;
              every `probe_every`-th round a burst of 3 plain steps (the plain cost stays fresh)
 
@@ -591,6 +594,7 @@ class _Planner:
         self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
         self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 31 of each
         self.on, self.recheck, self.burst, self.plain = False, 0, 0, 0
+        self.next_probe, self.gap = 8, 0  # the round of the next probe, and the last gap between probes
         self.rounds = 0  # rounds decided, over all the calls that share this planner (the probe clock)
 
     def _bin(self, conf: float) -> int:
@@ -710,7 +714,11 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         plan.rounds += 1
         rule.prepare(win, t1)
         if depth is None:
-            props, d = plan.choose(win, rule, room, probe=plan.rounds % probe_every == 8)
+            probe = plan.rounds >= plan.next_probe
+            if probe:  # while off, each probe comes twice as late as the last (up to 8 x probe_every)
+                plan.gap = min(2 * plan.gap, 8 * probe_every) if plan.gap and not plan.on else probe_every
+                plan.next_probe = plan.rounds + plan.gap
+            props, d = plan.choose(win, rule, room, probe=probe)
         else:
             d = min(depth, K - 1, room)
             props = [rule.propose_draft(win, j) for j in range(d)]

@@ -367,6 +367,9 @@ def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs, m
     g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
     assert g.acceptance < 0.2
     assert g.draft_rounds < 10 + 200 / 16
+    # probes back off while drafts keep not paying: rounds 8, 136, 392, 904, 1928 (not every 128: 15 probes)
+    g = generate(model, [1, 2, 3], 2000, temperature=0, mode="speculative")
+    assert g.acceptance < 0.2 and g.draft_rounds <= 3 * 5
 
 
 def test_lookup_drafts_catch_repeating_text(steady_costs):
