@@ -19,6 +19,7 @@ they dilute the speed-up; `--new-tokens 58` keeps the default prompt (70 tokens 
 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --json
+    .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --spec-depth 1   # acceptance of draft 1
 """
 from __future__ import annotations
 
@@ -59,14 +60,14 @@ def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
     return out
 
 
-def compare(model, prompt_ids, n_new, repeat, temperature, top_k) -> dict:
+def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) -> dict:
     """Plain vs speculative decoding, back to back per seed -> tokens/s, ratio, acceptance."""
     from nanoeuler.generate import generate
     runs: dict = {"cache": [], "speculative": []}
     for seed in range(repeat):
         for mode in runs:
             runs[mode].append(generate(model, prompt_ids, n_new, temperature, top_k=top_k if temperature else None,
-                                       seed=seed, mode=mode))
+                                       seed=seed, mode=mode, spec_depth=depth))
     tok_s = {m: [len(g.ids) / g.decode_s for g in gs] for m, gs in runs.items()}
     cpu_s = {m: sum(g.decode_cpu_s for g in gs) for m, gs in runs.items()}
     spec = runs["speculative"]
@@ -86,8 +87,9 @@ def bench_model(name, model, prompt_ids, args) -> dict:
     from nanoeuler.generate import generate
     row = {"model": name, "params": model.n_params(), "ctx": model.config.ctx_len, "K": model.config.n_mtp,
            "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
-           "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, 0.0, None),
-           "sampled": compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature, args.top_k),
+           "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, 0.0, None, args.spec_depth),
+           "sampled": compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature, args.top_k,
+                              args.spec_depth),
            "step_ms": step_costs(model, model.config.n_mtp)}  # forward of 1..K tokens
     if args.full:
         full = generate(model, prompt_ids, args.new_tokens, temperature=0, mode="full")
@@ -108,10 +110,14 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rows (default 0.8)")
     ap.add_argument("--top-k", type=int, default=40, help="top-k of the sampled rows (default 40; 0 = all)")
     ap.add_argument("--full", action="store_true", help="also time full recomputation (slow) once per model")
+    ap.add_argument("--spec-depth", type=int, default=None, metavar="D",
+                    help="verify D drafts every round instead of the planner's choice (the acceptance of drafts "
+                         "1..D whatever they cost, and what a fixed depth would gain)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0:
-        ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0")
+    if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0 \
+            or (args.spec_depth is not None and args.spec_depth < 1):
+        ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0, --spec-depth >= 1")
     args.top_k = args.top_k or None
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.model import Model
@@ -133,7 +139,8 @@ def main() -> int:
         return 0
     print(f"{args.new_tokens} new tokens; decode tokens/s, median of {args.repeat} back-to-back pairs; sampled = "
           f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OPENBLAS_NUM_THREADS="
-          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, load average {info['load_avg']:.2f}")
+          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, load average {info['load_avg']:.2f}; "
+          f"drafts per round: {args.spec_depth or 'adaptive'}")
     head = (f"{'model':<30} {'decoding':<8} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
             f"{'tok/fwd':>7} {'jumps':>5} {'same':>5}")
     print(head + "  forward of 1..K tokens (ms, best of 200)")
