@@ -64,7 +64,8 @@ class KVCache:
     cos: np.ndarray      # RoPE tables for positions 0 .. max_len-1, [max_len, hd/2]
     sin: np.ndarray
     length: int = 0
-    store: tuple | None = None  # (k, v) [layers, B, Hkv, max_len, hd] whose [i] are k[i], v[i] (new_cache)
+    store: tuple | None = None  # (k, v, b0): arrays [layers, batch, Hkv, max_len, hd] whose rows b0.. are
+                                #   k[i], v[i] (new_cache: b0 = 0; serve's batcher: a view of its rows)
 
     @property
     def max_len(self) -> int:
@@ -79,7 +80,7 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     cos, sin = ops.rope_tables(max_len, cfg.head_dim, cfg.rope_theta, dtype)
     k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
-    return KVCache(list(k), list(v), cos, sin, store=(k, v))
+    return KVCache(list(k), list(v), cos, sin, store=(k, v, 0))
 
 
 def fuse_weights(cfg: Config, P: dict) -> dict:
@@ -192,8 +193,8 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
         raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
     if "decode" in W and B == 1 and Tn <= decode.ROWS and cache.store is not None \
             and cache.store[0].dtype == np.float32:
-        k, v = cache.store
-        h = decode.forward(cfg, W["decode"], inputs[0], k, v, L, cache.cos, cache.sin, last_only)
+        k, v, b0 = cache.store
+        h = decode.forward(cfg, W["decode"], inputs[0], k, v, L, cache.cos, cache.sin, last_only, b0)
         cache.length = L + Tn
         return h[None]  # [1, Tn|1, d]
     H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden

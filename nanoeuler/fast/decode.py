@@ -305,7 +305,7 @@ def _gemv(ctl, pooled, W, X, Y, add):
     caller, where a fork-join pool (OpenMP) would stall every job until the helper runs again."""
     O, I = W.shape
     nb = (O + BLOCK - 1) // BLOCK
-    if not pooled or nb < 2:
+    if not pooled or nb < 2 or nb > 0xFFFF:  # (the claim word counts blocks in 16 bits)
         for b in range(nb):
             _gemv_block(W, X, Y, add, b)
         return
@@ -561,11 +561,12 @@ class Float16Model:
 
 
 def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
-            sin: np.ndarray, last_only: bool) -> np.ndarray:
-    """tokens int [n] at positions L0.. of one sequence, cache row 0 of k, v [layers, B, Hkv, max_len, hd]
+            sin: np.ndarray, last_only: bool, slot: int = 0) -> np.ndarray:
+    """tokens int [n] at positions L0.. of one sequence, cache row `slot` of k, v [layers, B, Hkv, max_len, hd]
     -> final normed hidden states [n|1, d]."""
     n = len(tokens)
-    return forward_rows(cfg, D, tokens, np.arange(L0, L0 + n), np.zeros(n, np.int64), k, v, cos, sin, last_only)
+    return forward_rows(cfg, D, tokens, np.arange(L0, L0 + n), np.full(n, slot, np.int64), k, v, cos, sin,
+                        last_only)
 
 
 def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray,

@@ -196,7 +196,7 @@ class Batcher:
         for r, row in enumerate(rows):
             tokens[r, :len(row.seq)] = row.seq
         view = KVCache([k[n0:n0 + len(rows)] for k in self.k], [v[n0:n0 + len(rows)] for v in self.v],
-                       self.cos, self.sin)
+                       self.cos, self.sin, store=(*self.kv, n0))  # (one prompt: generate's fused step)
         scores = [row.job.echo and row.job.logprobs is not None for row in rows]
         last_only = len(rows) == 1 and not scores[0]
         h = forward_hidden(self.cfg, self.W, tokens, view, last_only=last_only)  # [n, T|1, d]
@@ -245,7 +245,8 @@ class Batcher:
 
     def _prefill(self, slot: int, tokens: list[int], all_positions: bool = False) -> np.ndarray:
         """Run tokens alone into cache row `slot` from position 0 -> final hidden states [T|1, d]."""
-        view = KVCache([k[slot:slot + 1] for k in self.k], [v[slot:slot + 1] for v in self.v], self.cos, self.sin)
+        view = KVCache([k[slot:slot + 1] for k in self.k], [v[slot:slot + 1] for v in self.v], self.cos, self.sin,
+                       store=(*self.kv, slot))
         return forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], view,
                               last_only=not all_positions)[0]
 
