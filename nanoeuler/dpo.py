@@ -245,7 +245,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
         it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
     ctx = model.config.ctx_len
     for p in it:
-        ids = tok.encode(p["prompt"])[-ctx:]
+        ids = tok.encode(p["prompt"], add_bos=True)[-ctx:]
         g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
                      mode="speculative")
         text = tok.decode(g.ids)

@@ -156,7 +156,7 @@ def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
     dropped (counted)."""
     out = TokenizedPairs([], [], [])
     for p in pairs:
-        prompt_ids = tok.encode(p["prompt"])
+        prompt_ids = tok.encode(p["prompt"], add_bos=True)
         c = tokenize_response(tok, prompt_ids, p["chosen"])
         r = tokenize_response(tok, prompt_ids, p["rejected"])
         cut = max(len(c[0]), len(r[0])) - (ctx_len + 1)
@@ -257,7 +257,7 @@ def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, pro
     if progress:
         print(f"answering {len(asked):,} training questions with the model (greedy, up to {max_new_tokens} tokens "
               f"each; --n-train N asks only the first N pairs)", file=sys.stderr)
-    answers = model_answers(model, [tok.encode(pairs[i]["prompt"]) for i in asked], tok.eos_id, max_new_tokens,
+    answers = model_answers(model, [tok.encode(pairs[i]["prompt"], add_bos=True) for i in asked], tok.eos_id, max_new_tokens,
                             progress)
     out, replaced = list(pairs), 0
     for i, (ids, stopped) in zip(asked, answers):

@@ -43,8 +43,9 @@ def prompt_text(instruction: str, input: str = "") -> str:
 
 def render(tok, instruction: str, input: str = "", output: str | None = None) -> tuple[list[int], list[bool]]:
     """One example -> (ids, mask). mask is True on the response tokens and the closing </s>, False on the
-    prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model)."""
-    ids = tok.encode(prompt_text(instruction, input))
+    prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model).
+    A tokenizer with a bos (an imported Llama-3's) puts it first, as its own tokenizer does."""
+    ids = tok.encode(prompt_text(instruction, input), add_bos=True)
     mask = [False] * len(ids)
     if output is not None:
         response = tok.encode(output) + [tok.eos_id]

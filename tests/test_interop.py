@@ -405,6 +405,36 @@ def test_shuffled_vocabulary_keeps_its_ids_through_import_and_export(shuffled, c
     assert all(np.array_equal(again.params[n], m.params[n]) for n in m.params)
 
 
+def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, corpus, tmp_path, monkeypatch, capsys):
+    """prepare (each document), sft/chat (render), sample (the prompt) and dpo's prompts put the bos first, as
+    the model's own tokenizer does; our own tokenizers have no bos and are unchanged."""
+    import nanoeuler.generate as gen
+    from nanoeuler.data.shards import TokenShards, prepare
+    from nanoeuler.interop.importer import import_folder
+    _, d, vocab = shuffled
+    import_folder(d, tmp_path / "run", progress=False)
+    tok, bos = Tokenizer.load(tmp_path / "run"), vocab[BOS]
+    assert render(tok, "Who speaks?")[0] == [bos] + tok.encode(prompt_text("Who speaks?"))
+    docs = [tmp_path / f"doc{i}.txt" for i in range(12)]
+    for i, f in enumerate(docs):
+        f.write_text(corpus["hamlet"][i * 3000:(i + 1) * 3000])
+    prepare([str(f) for f in docs], tmp_path / "run", tmp_path / "data", progress=False)
+    for split in ("train", "val"):
+        shards = TokenShards(tmp_path / "data", split)
+        ids = shards.window(0, len(shards))
+        assert ids[0] == bos and (ids == bos).sum() == (ids == tok.eos_id).sum()  # one bos per document
+        starts = np.flatnonzero(ids == tok.eos_id)[:-1] + 1
+        assert (ids[starts] == bos).all()
+    seen = []
+    monkeypatch.setattr(gen, "generate", lambda model, ids, *a, **kw: seen.append(list(ids)) or gen.Generation([]))
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "HAMLET.", "--max-new-tokens", "2",
+                 "--temperature", "0"]) == 0
+    assert seen[0] == [bos] + tok.encode("HAMLET.")
+    assert capsys.readouterr().out.startswith("HAMLET.")  # the echo is the prompt as typed
+    plain = Tokenizer.train([corpus["hamlet"][:20000]], vocab_size=300, progress=False)
+    assert plain.bos_id is None and render(plain, "Who?")[0] == plain.encode(prompt_text("Who?"))
+
+
 def test_post_processors_we_cannot_carry_are_refused(shuffled):
     from nanoeuler.errors import UserError
     from nanoeuler.interop.hf_tokenizer import from_hf_json
@@ -624,7 +654,8 @@ def test_import_of_half_precision_weights_is_exact(corpus, tmp_path, dtype):
 
 def test_serving_an_imported_model_speaks_its_ids(shuffled, tmp_path):
     """serve over a shuffled-vocabulary import: /tokenize is AutoTokenizer (bos with add_special_tokens),
-    logprobs name the tokens of the ids the model scores, and greedy text is `generate` on the same ids."""
+    logprobs name the tokens of the ids the model scores, and greedy text is `generate` on the same ids
+    (a completion's prompt opens with the bos, as vLLM does)."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from serve_fixtures import ServerThread
@@ -644,7 +675,7 @@ def test_serving_an_imported_model_speaks_its_ids(shuffled, tmp_path):
         assert info["bos_token"] == BOS and info["eos_token"] == "<|endoftext|>"
         r = httpx.post(srv.url + "/v1/completions", json={"model": "imp", "prompt": prompt, "max_tokens": 6,
                                                          "temperature": 0, "logprobs": 2, "ignore_eos": True}).json()
-        ref = generate(m, tok.encode(prompt), 6, temperature=0)
+        ref = generate(m, tok.encode(prompt, add_bos=True), 6, temperature=0)  # the server puts the bos first
         choice = r["choices"][0]
         assert choice["text"] == tok.decode(ref.ids)
         from nanoeuler.serve.protocol import token_text

@@ -122,21 +122,22 @@ def run(args) -> int:
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    ids = tok.encode(prompt)
-    if not ids:
+    if not tok.encode(prompt):
         raise UserError("the prompt is empty")
+    ids = tok.encode(prompt, add_bos=True)  # the bos of an imported Llama-3 first, as its own tokenizer does
     ids, dropped = truncate_left(ids, model.config.ctx_len)
+    shown = ids[1:] if tok.bos_id is not None and ids[:1] == [tok.bos_id] else ids  # the prompt as typed
     if dropped:
         print(f"note: the prompt has {len(ids) + dropped} tokens, more than the context of {model.config.ctx_len}; "
               f"kept the last {len(ids)}", file=sys.stderr)
     stream = None
     if not args.json:
-        sys.stdout.write(escape_control(tok.decode(ids)))
+        sys.stdout.write(escape_control(tok.decode(shown)))
         stream = StdoutStream(tok)
     g = generate(decoding_model(model, args), ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                  stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)
     if args.json:
-        print(json.dumps({"prompt": tok.decode(ids), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,
+        print(json.dumps({"prompt": tok.decode(shown), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,
                           "prompt_truncated": dropped, "tokens_per_s": g.tokens_per_s, "mode": mode_of(args)}))
     else:
         stream.flush()

@@ -720,6 +720,8 @@ def _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, pro
     n_bytes = dict.fromkeys(SPLITS, 0)
     docs_seen: dict[str, set] = {split: set() for split in SPLITS}
     eos = np.array([tok.eos_id], dtype=np.int64)
+    bos_id = getattr(tok, "bos_id", None)  # an imported Llama-3's <|begin_of_text|> opens every document
+    bos = None if bos_id is None else np.array([bos_id], dtype=np.int64)
     meta: deque = deque()
 
     def texts():                       # feeds the encoder; meta remembers, in order, where each text goes
@@ -733,6 +735,8 @@ def _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, pro
         for ids in encoded:
             split, nbytes, nchars, last, key = meta.popleft()
             w = writers[split]
+            if bos is not None and key not in docs_seen[split]:
+                w.write(bos)
             w.write(ids)
             if last:
                 w.write(eos)

@@ -430,7 +430,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         check_limits(max_tokens, body.n, len(raw))
         prompts, truncated = [], []
         for item in raw:
-            ids = tok.encode(item) if isinstance(item, str) else list(item)
+            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
             check_ids(ids, "prompt")
