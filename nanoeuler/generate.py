@@ -541,11 +541,13 @@ class _Planner:
 
     Cost: cost[w][d] is the CPU time of this thread (time.thread_time) in a round that verifies d drafts
     (drafting, the forward of d+1 tokens, the checks, emitting; d = 0 is a plain step), w = whether the
-    round before it verified drafts too, as the lower quartile of its last 31 samples. CPU time, not wall
-    time: on a machine shared with other processes a round's wall time mostly measures the scheduler (one
-    round in five lost the core for ~20 ms; with 2 helpers' jobs on 2 cores, wall-time tables put a
-    verification at 1.2-2.3x a plain step from one call to the next, thread CPU time at 1.24-1.42x), and
-    the quartile, the minimum of the first 3, is not moved by the rest. The two tables differ: on `small`
+    round before it verified drafts too, as the median of its last 31 samples. CPU time, not wall time: on
+    a machine shared with other processes a round's wall time mostly measures the scheduler (one round in
+    five lost the core for ~20 ms; with 2 helpers' jobs on 2 cores, wall-time tables put a verification at
+    1.2-2.3x a plain step from one call to the next, thread CPU time at 1.24-1.42x). The median, not a lower
+    quartile: CPU time is not inflated by preemption, and a verification's cost varies more than a plain
+    step's (a rejected sampled draft adds the residual's draw), so a lower quartile favoured speculation
+    (measured on because of it at 0.91x, sampling on the default-trained small). The two tables differ: on `small`
     here a lone verification among plain steps cost 1.6-1.75x a plain step, one after another only 1.2-1.3x
     (the verification's code and data are no longer in the CPU caches). So the planner works in two regimes
     rather than round by round (mixing them paid the lone price for every draft, and lost):
@@ -622,7 +624,7 @@ class _Planner:
         last.append(seconds)
         if len(last) > 31:
             del last[0]
-        self.cost[w][d] = sorted(last)[len(last) // 4]
+        self.cost[w][d] = sorted(last)[len(last) // 2]
 
     def c(self, w: int, d: int) -> float:
         """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps."""
@@ -745,9 +747,9 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
                 if emit(t):
                     return
         now = clock()
-        # a round that refilled the window after a jump is no plain step; of the plain steps after plain steps,
-        # the first 5 (so that the first probe, at round 8, can decide) and then 1 in 4 suffice
-        if win.jumps == jumps and (d or w or plan.rounds % 4 == 1 or len(plan.samples[0][0]) < 5):
+        # a round that refilled the window after a jump is no plain step; 1 in 4 plain steps after plain steps
+        # suffice (not the first ones: right after the prefill they are slow, and made verifications look cheap)
+        if win.jumps == jumps and (d or w or plan.rounds % 4 == 1):
             plan.timed(w, d, now - last)  # this round: from the end of the last one (its emits included)
         last, w, jumps = now, int(d > 0), win.jumps
 
