@@ -11,7 +11,8 @@ speed   - greedy decoding of --new-tokens tokens after the same prompt, with --t
           our KV-cache decoding (nanoeuler.generate, mode "cache") with float32 weights and with float16
           (fast.decode.Float16Model: f16 weights, f32 arithmetic), each on the fused numba step
           (fast/decode.py, the default) and on the NumPy reference path (decode.ENABLED = False), against
-          llama.cpp on the f32 and f16 GGUF; all interleaved, --repeat times; tokens/s of the decode phase
+          llama.cpp on the f32 and f16 GGUF; ours fused and llama.cpp interleaved, --repeat times, then our
+          NumPy path (its BLAS threads spin after each call and would slow the next one); tokens/s of the decode phase
           (the prompt's prefill excluded), median. `ours/llama.cpp` = ours fused / llama.cpp at the same
           precision and thread count (>= 1.0: we are at least as fast). llama.cpp's threads wait for each
           other by spinning, which collapses on a machine busier than its cores; on such a machine the
@@ -173,7 +174,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     same = {}
     for th in counts:  # warm-up (numba, caches), and whether the greedy tokens agree
         for dt in models:
-            ids = {path: None for path in ("fused", "reference")}
+            ids = {path: None for path in ("reference", "fused")}
             for path in ids:
                 decode.ENABLED, enabled = path == "fused", decode.ENABLED
                 ids[path] = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache").ids
@@ -181,13 +182,18 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
             lc, _ = engines[dt, th].greedy(prompt, n)
             same[dt] = {"fused_vs_reference": ids["fused"] == ids["reference"],
                         "fused_vs_llama.cpp": sum(a == b for a, b in zip(ids["fused"], lc))}
-    for _ in range(repeat):  # interleaved, so that the machine's load falls on all of them alike
-        for th in counts:
-            for dt in models:
-                for key, (wall, cpu_rate) in [(f"ours {dt} {path} {th}t", ours(dt, th, path)) for path in
-                                              ("fused", "reference")] + [(f"llama.cpp {dt} {th}t", theirs(dt, th))]:
-                    rows.setdefault(key, []).append(wall)
-                    cpu.setdefault(key, []).append(cpu_rate)
+    # ours fused and llama.cpp interleaved, so that the machine's load falls on both alike; our NumPy path
+    # after them: its BLAS calls wake OpenBLAS's threads, which spin for a while and would take a core
+    # from whatever runs next
+    for paths in (("fused", "llama.cpp"), ("reference",)):
+        for _ in range(repeat):
+            for th in counts:
+                for dt in models:
+                    for path in paths:
+                        key = f"llama.cpp {dt} {th}t" if path == "llama.cpp" else f"ours {dt} {path} {th}t"
+                        wall, cpu_rate = theirs(dt, th) if path == "llama.cpp" else ours(dt, th, path)
+                        rows.setdefault(key, []).append(wall)
+                        cpu.setdefault(key, []).append(cpu_rate)
     decode.set_threads(threads)
     med = {k: float(np.median(v)) for k, v in rows.items()}
     med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}

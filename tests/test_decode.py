@@ -61,7 +61,7 @@ def test_fused_step_equals_reference(half, n, where, monkeypatch, calls):
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, T))
     Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
     cf, cr = new_cache(CFG, dtype=m.dtype), new_cache(CFG, dtype=m.dtype)
-    if L0:  # the same prefix in both caches (the reference path: L0 may exceed decode.ROWS)
+    if L0:  # the same prefix in both caches (computed by the reference path)
         forward_hidden(CFG, Wr, ids[:, :L0], cr)
         for a, b in zip(cf.k + cf.v, cr.k + cr.v):
             a[...] = b
@@ -166,12 +166,28 @@ def test_threads_change_no_bit():
         decode.set_threads(old)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_a_prompt_goes_in_chunks(half, monkeypatch, calls):
+    """A prompt longer than decode.CHUNK: several fused calls, the same logits as the reference at every position."""
+    m = model(seed=11)
+    if half:
+        m = decode.Float16Model(m)
+    monkeypatch.setattr(decode, "CHUNK", 5)
+    ids = np.random.default_rng(6).integers(0, CFG.vocab_size, (1, 23))
+    Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
+    got = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m.dtype), fused=Wf)
+    assert calls[0] == 5  # 5 + 5 + 5 + 5 + 3
+    want = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m.dtype), fused=Wr)
+    assert rel_err(got, want) <= (1e-4 if half else 1e-5)
+    last = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m.dtype), last_only=True, fused=Wf)
+    assert rel_err(last[:, :, 0], want[:, :, -1]) <= (1e-4 if half else 1e-5)
+
+
 def test_fallbacks_keep_the_reference(monkeypatch, calls):
-    """float64 models, batches of several sequences and long blocks take the NumPy path."""
+    """float64 models and batches of several sequences take the NumPy path."""
     m = model()
     W = weights(m, True, monkeypatch)
     forward_hidden(CFG, W, np.zeros((2, 3), np.int64), new_cache(CFG, batch=2))
-    forward_hidden(CFG, W, np.zeros((1, decode.ROWS + 1), np.int64), new_cache(CFG))
     m64 = m.astype(np.float64)
     assert "decode" not in fuse_weights(CFG, m64.params)
     generate(m64, [1, 2], 3, temperature=0)

@@ -60,7 +60,8 @@ from numba.extending import intrinsic, overload
 from .vmath import vexp
 
 BLOCK = 16        # output rows per unit of work a thread claims
-ROWS = 8          # most new tokens per call on the fused path (more: the BLAS reference is as fast)
+ROWS = 8          # most rows `linear` and serve's batcher send to the kernels (more: BLAS is as fast)
+CHUNK = 32        # a prompt's tokens per fused call (generate.forward_hidden)
 ENABLED = True    # False: every decoding step takes generate.py's NumPy reference path (tests, bench)
 FAST = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; no assumptions on inf/nan
 OPTS = dict(cache=True, nogil=True, error_model="numpy", fastmath=FAST)
