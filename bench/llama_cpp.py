@@ -156,6 +156,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
                 g = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache")
         finally:
             decode.ENABLED = enabled
+            decode.set_threads(th)  # our helper threads go to sleep now (else they spin on into the next run)
         return len(g.ids) / g.decode_s, len(g.ids) / g.decode_cpu_s
 
     def theirs(dt: str, th: int) -> tuple[float, float]:
@@ -190,6 +191,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
             for th in counts:
                 for dt in models:
                     for path in paths:
+                        time.sleep(0.02)  # the threads of the run before (theirs or ours) have gone idle
                         key = f"llama.cpp {dt} {th}t" if path == "llama.cpp" else f"ours {dt} {path} {th}t"
                         wall, cpu_rate = theirs(dt, th) if path == "llama.cpp" else ours(dt, th, path)
                         rows.setdefault(key, []).append(wall)
