@@ -118,9 +118,20 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
             "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
+    if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked, all four in one buffer (one
+        # allocation of > 4 MB: NumPy asks the kernel for huge pages, fewer TLB misses per token)
+        shapes = {name: (len(layers), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1])
+                  for name, parts in mats.items()}
+        buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), P["embed.weight"].dtype)
+        stacked, off = {}, 0
+        for name, sh in shapes.items():
+            stacked[name] = buf[off:off + np.prod(sh)].reshape(sh)
+            off += np.prod(sh)
+            for i, ps in enumerate(mats[name]):
+                np.concatenate(ps, out=stacked[name][i])
     for name, parts in mats.items():
-        if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked
-            S = np.stack([np.concatenate(ps) if len(ps) > 1 else ps[0] for ps in parts])
+        if kernels:
+            S = stacked[name]
             S32, Sk = f32(S), kernel_form(S)
             mats[name] = [(S32[i], Sk[i]) for i in range(len(layers))]
             F.setdefault("stacks", {})[name] = Sk
