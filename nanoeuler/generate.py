@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+from numba import njit
 
 from . import ops
 from .config import Config
@@ -322,8 +323,8 @@ class _Window:
         self.W = fuse_weights(self.cfg, self.P)
         self._refill()
 
-    def _set(self, h: np.ndarray, head0: np.ndarray | None = None) -> None:
-        self.h, self._heads = h, {} if head0 is None else {0: head0}
+    def _set(self, h: np.ndarray, head0: np.ndarray | None = None, best: int | None = None) -> None:
+        self.h, self._heads, self.best = h, {} if head0 is None else {0: head0}, best  # best: head 0's argmax
 
     def head(self, k: int) -> np.ndarray:
         """Logits [V] of head k at the last position."""
@@ -356,22 +357,75 @@ class _Window:
         else:
             self._set(self._forward([token], True)[0])
 
-    def verify(self, block: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Feed tokens block (must fit: len(block) <= room()) in one forward -> (hidden states [n, d],
-        head-0 logits [n, V]). The caller then calls `keep` to roll back to the accepted ones. (Head 1 for
-        the next round's drafts is not computed here for every row: its matrix product costs as much per
-        row as head 0's, and a lookup draft often makes it unnecessary.)"""
-        h = self._forward(block, False)  # [n, d]
-        self.seq.extend(block)
-        return h, linear(h, self.W["head.0"])
+    def fast(self) -> bool:
+        """Can rounds take `_round_kernel` (an euler model on the fused step, with a kernel form of head 0)?"""
+        if not hasattr(self, "_fast"):
+            self._fast = (self.cfg.arch != "gpt2" and "decode" in self.W and self.W["head.0"][2] is not None
+                          and self.cfg.n_mtp <= decode.ROWS
+                          and self.cache.store is not None and self.cache.store[0].dtype == np.float32)
+            self._slot = np.full(decode.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
+        return self._fast
 
-    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray) -> None:
-        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there."""
+    def advance(self, block: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Feed tokens block (1 <= len(block) <= min(room(), decode.ROWS)) in one call -> (hidden states
+        [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
+        one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax. The
+        caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
+        self.forwards += 1
+        n, L = len(block), self.cache.length
+        if self.fast():
+            k, v, _ = self.cache.store
+            D, pool = self.W["decode"], decode._POOL
+            pooled = pool.acquire()
+            try:
+                h, logits, best = _round_kernel(pool.ctl, pooled, np.array(block, np.int64), np.arange(L, L + n),
+                                                self._slot[:n], D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
+                                                D.norm, np.float32(self.cfg.norm_eps), self.cfg.n_heads, k, v,
+                                                self.cache.cos, self.cache.sin, self.W["head.0"][2])
+            finally:
+                if pooled:
+                    pool.release()
+            self.cache.length = L + n
+            best = best.tolist()
+        else:
+            h = forward_hidden(self.cfg, self.W, np.asarray(block, dtype=np.int64)[None], self.cache)[0]
+            logits = linear(h, self.W["head.0"])
+            best = [int(i) for i in np.argmax(logits, axis=-1)]
+        self.seq.extend(block)
+        self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
+        return h, logits, best
+
+    def feed(self, token: int) -> None:
+        """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
+        if self.room() >= 1:
+            self.advance([token])
+        else:
+            self.push(token)
+
+    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray, best: int | None = None) -> None:
+        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there
+        (best: head0's argmax, when known)."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
-        self._set(h, head0)
+        self._set(h, head0, best)
+
+
+@njit(**decode.OPTS)
+def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
+                  cos, sin, head0):
+    """A speculative round's model work in one compiled call: decode.step over tokens [n] (hidden states
+    h [n, d], all rows), head 0's logits [n, V] and their argmax [n]. The same kernels as a plain step's
+    forward_hidden + linear + argmax, so the same numbers (and a greedy round's checks are integer compares)."""
+    h = decode.step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
+                    cos, sin, False)
+    logits = np.empty((h.shape[0], head0.shape[0]), np.float32)
+    decode._gemv(ctl, pooled, head0, h, logits, False)
+    best = np.empty(h.shape[0], np.int64)
+    for r in range(h.shape[0]):
+        best[r] = np.argmax(logits[r])
+    return h, logits, best
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -487,6 +541,22 @@ class _Greedy:
     def pick(self, logits: np.ndarray) -> int:
         return int(np.argmax(logits))
 
+    def next(self, win: "_Window") -> int:
+        """The token after the window: head 0's argmax (known already after `advance`)."""
+        return win.best if win.best is not None else int(np.argmax(win.head(0)))
+
+    def accept(self, logits: np.ndarray, best: list[int], drafts: list[int], props: list, plan) -> tuple[int, None]:
+        """-> (drafts accepted, None): the next token is then head 0's argmax after them, best[n_ok]."""
+        n_ok = 0
+        for j, x in enumerate(drafts):
+            ok = best[j] == x
+            if plan is not None:
+                plan.observe(j, props[j][1], 1.0 if ok else 0.0)
+            if not ok:
+                break
+            n_ok += 1
+        return n_ok, None
+
     def propose(self, logits: np.ndarray) -> tuple[int, float]:
         t = int(np.argmax(logits))
         return t, 1.0 / float(np.exp(logits - logits[t]).sum())
@@ -525,6 +595,19 @@ class _Sampled:
 
     def pick(self, logits: np.ndarray) -> int:
         return draw_token(self.probs(logits), self.rng)
+
+    def next(self, win: "_Window") -> int:
+        return self.pick(win.head(0))
+
+    def accept(self, logits: np.ndarray, best: list[int], drafts: list[int], props: list, plan) -> tuple[int, int | None]:
+        """-> (drafts accepted, the token drawn at the first rejection or None)."""
+        for j, x in enumerate(drafts):
+            ok, p_accept, forced = self.check(logits[j], x, props[j][0])
+            if plan is not None:
+                plan.observe(j, props[j][1], p_accept)
+            if not ok:
+                return j, forced
+        return len(drafts), None
 
     def propose(self, logits: np.ndarray) -> tuple[np.ndarray, float]:
         q = self.probs(logits)
@@ -723,7 +806,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
     forced = None  # the next token, when a rejection already decided it
     last, w, jumps = clock(), 0, win.jumps  # w: whether the last round drafted
     while True:
-        t1 = forced if forced is not None else rule.pick(win.head(0))
+        t1 = forced if forced is not None else rule.next(win)
         if emit(t1):
             return
         room = max(0, win.room() - 1)  # the window is (nearly) full: do what plain decoding would
@@ -740,22 +823,16 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
             props = [rule.propose_draft(win, j) for j in range(d)]
         forced = None
         if d == 0:
-            win.push(t1)
+            win.feed(t1)
         else:
             drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
             n_before = len(win.seq) - win.start
-            h, head0 = win.verify([t1] + drafts)  # [1 + d, dim], [1 + d, V]
+            h, head0, best = win.advance([t1] + drafts)  # [1 + d, dim], [1 + d, V], [1 + d] argmax of head 0
             out.drafted += d
             out.draft_rounds += 1
-            n_ok = 0
-            for j in range(d):
-                ok, p_accept, forced = rule.check(head0[j], drafts[j], props[j][0])
-                plan.observe(j, props[j][1], p_accept)
-                if not ok:
-                    break
-                n_ok += 1
+            n_ok, forced = rule.accept(head0, best, drafts, props, plan)
             out.accepted += n_ok
-            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok])
+            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok], best[n_ok])
             for t in drafts[:n_ok]:
                 if emit(t):
                     return
@@ -770,10 +847,10 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
             # without its round around each (that bookkeeping was ~3 % of a plain step of `small`)
             for r in range(plan.rounds + 1, min(plan.next_probe, plan.rounds + plan.recheck + 1)):
                 t0 = clock() if r % 4 == 1 else None  # 1 in 4 still timed
-                token = rule.pick(win.head(0))
+                token = rule.next(win)
                 if emit(token):
                     return
-                win.push(token)
+                win.feed(token)
                 plan.rounds, plan.recheck = r, plan.recheck - 1
                 if t0 is not None and win.jumps == jumps:
                     plan.timed(0, 0, clock() - t0)
