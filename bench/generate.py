@@ -113,12 +113,18 @@ def main() -> int:
     ap.add_argument("--spec-depth", type=int, default=None, metavar="D",
                     help="verify D drafts every round instead of the planner's choice (the acceptance of drafts "
                          "1..D whatever they cost, and what a fixed depth would gain)")
+    ap.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                    help="threads of the fused decoding step (default: the cores, at most 8). At 1, `cpu` is the "
+                         "work done: with 2, the process's CPU time also counts a helper thread that waits for work")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0 \
             or (args.spec_depth is not None and args.spec_depth < 1):
         ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0, --spec-depth >= 1")
     args.top_k = args.top_k or None
+    if args.decode_threads is not None:
+        from nanoeuler.fast import decode
+        decode.set_threads(max(1, args.decode_threads))
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.model import Model
     rows = []
@@ -131,7 +137,9 @@ def main() -> int:
         ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens))
         rows.append(bench_model(f"{preset} (random init)", model, ids, args))
     import numba
+    from nanoeuler.fast import decode
     info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "numba_threads": numba.get_num_threads(),
+            "decode_threads": decode.get_threads(),
             "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "numpy": np.__version__, "rows": rows}
     if args.json:
@@ -139,7 +147,7 @@ def main() -> int:
         return 0
     print(f"{args.new_tokens} new tokens; decode tokens/s, median of {args.repeat} back-to-back pairs; sampled = "
           f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OPENBLAS_NUM_THREADS="
-          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, load average {info['load_avg']:.2f}; "
+          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, decode threads {info['decode_threads']}, load average {info['load_avg']:.2f}; "
           f"drafts per round: {args.spec_depth or 'adaptive'}")
     head = (f"{'model':<30} {'decoding':<8} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
             f"{'tok/fwd':>7} {'jumps':>5} {'same':>5}")

@@ -319,12 +319,14 @@ class _Window:
         self.cfg, self.P = model.config, model.params
         self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
+        self.want_draft = False  # `feed` makes the greedy draft of head 1 too (see `advance`)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fuse_weights(self.cfg, self.P)
         self._refill()
 
     def _set(self, h: np.ndarray, head0: np.ndarray | None = None, best: int | None = None) -> None:
         self.h, self._heads, self.best = h, {} if head0 is None else {0: head0}, best  # best: head 0's argmax
+        self.draft1 = None  # (head 1's argmax, its probability) at the last position, when `advance` made it
 
     def head(self, k: int) -> np.ndarray:
         """Logits [V] of head k at the last position."""
@@ -364,13 +366,15 @@ class _Window:
                           and self.cfg.n_mtp <= decode.ROWS
                           and self.cache.store is not None and self.cache.store[0].dtype == np.float32)
             self._slot = np.full(decode.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
+            self._pos = np.arange(self.cache.max_len, dtype=np.int64)
         return self._fast
 
-    def advance(self, block: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def advance(self, block: list[int], draft: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Feed tokens block (1 <= len(block) <= min(room(), decode.ROWS)) in one call -> (hidden states
         [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
-        one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax. The
-        caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
+        one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax; with
+        `draft` the call also makes the greedy draft from head 1 where a greedy round goes on (`draft1`).
+        The caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
         self.forwards += 1
         n, L = len(block), self.cache.length
         if self.fast():
@@ -378,54 +382,78 @@ class _Window:
             D, pool = self.W["decode"], decode._POOL
             pooled = pool.acquire()
             try:
-                h, logits, best = _round_kernel(pool.ctl, pooled, np.array(block, np.int64), np.arange(L, L + n),
-                                                self._slot[:n], D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
-                                                D.norm, np.float32(self.cfg.norm_eps), self.cfg.n_heads, k, v,
-                                                self.cache.cos, self.cache.sin, self.W["head.0"][2])
+                h, logits, best, row, t, conf = _round_kernel(
+                    pool.ctl, pooled, np.array(block, np.int64), self._pos[L:L + n], self._slot[:n], D.embed, D.qkv,
+                    D.wo, D.gate_up, D.down, D.norms, D.norm, np.float32(self.cfg.norm_eps), self.cfg.n_heads, k, v,
+                    self.cache.cos, self.cache.sin, self.W["head.0"][2], self.W["head.1"][2], draft)
             finally:
                 if pooled:
                     pool.release()
             self.cache.length = L + n
             best = best.tolist()
+            self._draft1 = (row, int(t), float(conf)) if draft else None
         else:
             h = forward_hidden(self.cfg, self.W, np.asarray(block, dtype=np.int64)[None], self.cache)[0]
             logits = linear(h, self.W["head.0"])
             best = [int(i) for i in np.argmax(logits, axis=-1)]
+            self._draft1 = None
         self.seq.extend(block)
         self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
+        self.draft1 = self._draft1[1:] if self._draft1 is not None and self._draft1[0] == n - 1 else None
         return h, logits, best
 
     def feed(self, token: int) -> None:
         """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
         if self.room() >= 1:
-            self.advance([token])
+            self.advance([token], self.want_draft)
         else:
             self.push(token)
 
-    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray, best: int | None = None) -> None:
+    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray, best: int | None = None, row: int = -1) -> None:
         """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there
-        (best: head0's argmax, when known)."""
+        (best: head0's argmax, when known; row: which row of the last `advance` they are)."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
         self._set(h, head0, best)
+        d1 = getattr(self, "_draft1", None)
+        self.draft1 = d1[1:] if d1 is not None and d1[0] == row else None
 
 
 @njit(**decode.OPTS)
 def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
-                  cos, sin, head0):
+                  cos, sin, head0, head1, draft):
     """A speculative round's model work in one compiled call: decode.step over tokens [n] (hidden states
-    h [n, d], all rows), head 0's logits [n, V] and their argmax [n]. The same kernels as a plain step's
-    forward_hidden + linear + argmax, so the same numbers (and a greedy round's checks are integer compares)."""
+    h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
+    forward_hidden + linear + argmax, so the same numbers); then, with `draft`, the greedy draft for the
+    next round: head 1's argmax and its probability at row n_ok, the first row whose argmax differs from
+    the token fed after it (the last row when all agree): where a greedy round continues.
+
+        tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: head 1 at row 1 drafts the token after a3
+    -> (h, logits, best, n_ok, draft token or -1, its probability)."""
     h = decode.step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
                     cos, sin, False)
-    logits = np.empty((h.shape[0], head0.shape[0]), np.float32)
+    n = h.shape[0]
+    logits = np.empty((n, head0.shape[0]), np.float32)
     decode._gemv(ctl, pooled, head0, h, logits, False)
-    best = np.empty(h.shape[0], np.int64)
-    for r in range(h.shape[0]):
+    best = np.empty(n, np.int64)
+    for r in range(n):
         best[r] = np.argmax(logits[r])
-    return h, logits, best
+    n_ok = 0
+    while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
+        n_ok += 1
+    if not draft:
+        return h, logits, best, n_ok, -1, 0.0
+    x = np.empty((1, h.shape[1]), np.float32)
+    x[0] = h[n_ok]
+    l1 = np.empty((1, head1.shape[0]), np.float32)
+    decode._gemv(ctl, pooled, head1, x, l1, False)
+    t = np.argmax(l1[0])
+    z = 0.0
+    for i in range(l1.shape[1]):
+        z += np.exp(np.float64(l1[0, i] - l1[0, t]))
+    return h, logits, best, n_ok, t, 1.0 / z
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -536,6 +564,8 @@ class _Greedy:
             self.cont = self.lookup(win)
         if j < len(self.cont):
             return self.cont[j], self.LOOKUP_CONF
+        if j == 0 and win.draft1 is not None:
+            return win.draft1  # made by the last round's compiled call
         return self.propose(win.head(j + 1))
 
     def pick(self, logits: np.ndarray) -> int:
@@ -681,6 +711,7 @@ class _Planner:
 
     PRIOR = (0.15, 0.45, 0.72, 0.92)
     MARGIN = 1.15   # worth needed over a plain step to speculate (costs measured on a busy machine are noisy)
+    STAY = 1.05     # .. and to go on speculating once on (one margin only flapped at its edge, paying probes)
     BURST = 3       # rounds of a probe
 
     def __init__(self, max_depth: int, memory: float = 0.97):
@@ -694,6 +725,7 @@ class _Planner:
         self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 31 of each
         self.on, self.recheck, self.burst, self.plain = False, 0, 0, 0
         self.next_probe, self.gap = 8, 0  # the round of the next probe, and the last gap between probes
+        self.n_timed = 0  # rounds timed
         self.rounds = 0  # rounds decided, over all the calls that share this planner (the probe clock)
 
     def _bin(self, conf: float) -> int:
@@ -720,7 +752,9 @@ class _Planner:
         last.append(seconds)
         if len(last) > 31:
             del last[0]
-        self.cost[w][d] = sorted(last)[len(last) // 2]
+        self.n_timed += 1
+        if len(last) < 16 or self.n_timed % 4 == 0:  # a sort every round was ~2 % of a round
+            self.cost[w][d] = sorted(last)[len(last) // 2]
 
     def c(self, w: int, d: int) -> float:
         """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps."""
@@ -740,7 +774,7 @@ class _Planner:
             chance *= self.avg[j][0] / self.avg[j][1]
             expected += chance
             best = max(best, expected / self.c(1, j + 1))
-        return best > self.MARGIN / self.c(0, 0)
+        return best > (self.STAY if self.on else self.MARGIN) / self.c(0, 0)
 
     def choose(self, win: _Window, rule, room: int, probe: bool) -> tuple[list, int]:
         """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round."""
@@ -805,6 +839,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
     clock = time.thread_time  # one reading per round: the work done, whoever else shares the CPU (see _Planner)
     forced = None  # the next token, when a rejection already decided it
     last, w, jumps = clock(), 0, win.jumps  # w: whether the last round drafted
+    greedy = isinstance(rule, _Greedy)
     while True:
         t1 = forced if forced is not None else rule.next(win)
         if emit(t1):
@@ -822,17 +857,19 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
             d = min(depth, K - 1, room)
             props = [rule.propose_draft(win, j) for j in range(d)]
         forced = None
+        # greedy: the next round's head-1 draft comes out of this round's compiled call where it will draft
+        win.want_draft = greedy and (bool(depth) if depth is not None else plan.on or plan.burst > 0)
         if d == 0:
             win.feed(t1)
         else:
             drafts = [rule.draft(q) for q, _ in props[:d]]  # drawn only now: which drafts go never depends on them
             n_before = len(win.seq) - win.start
-            h, head0, best = win.advance([t1] + drafts)  # [1 + d, dim], [1 + d, V], [1 + d] argmax of head 0
+            h, head0, best = win.advance([t1] + drafts, win.want_draft)  # [1 + d, dim], [1 + d, V], argmax [1 + d]
             out.drafted += d
             out.draft_rounds += 1
             n_ok, forced = rule.accept(head0, best, drafts, props, plan)
             out.accepted += n_ok
-            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok], best[n_ok])
+            win.keep(n_before + 1 + n_ok, h[n_ok], head0[n_ok], best[n_ok], n_ok)
             for t in drafts[:n_ok]:
                 if emit(t):
                     return
@@ -845,6 +882,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         if d == 0 and depth is None and not (plan.on or plan.burst or plan.plain) and plan.recheck > 0:
             # off, with nothing to decide before the planner's next check or probe: plain steps until then,
             # without its round around each (that bookkeeping was ~3 % of a plain step of `small`)
+            win.want_draft = False
             for r in range(plan.rounds + 1, min(plan.next_probe, plan.rounds + plan.recheck + 1)):
                 t0 = clock() if r % 4 == 1 else None  # 1 in 4 still timed
                 token = rule.next(win)

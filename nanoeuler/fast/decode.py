@@ -30,7 +30,7 @@ float32. A float16 model therefore decodes as the float32 model whose weights we
     W16 = half_bits(W)            # W.astype(np.float16).view(np.uint16)
     matvec(W16, x[None]) == x @ W.astype(np.float16).astype(np.float32).T   (to float32 rounding)
 
-Several rows (a speculative verification of 2..K tokens) share each pass over a weight row: 4 and 2 rows at
+Several rows (a speculative verification of 2..K tokens) share each pass over a weight row: 4, 3 and 2 rows at
 a time, each weight read and widened once for them (2 rows cost ~1.1-1.3x one on `big`).
 
 Threads: the products are cut into blocks of BLOCK output rows, and the calling thread and `threads - 1`
