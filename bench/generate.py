@@ -7,8 +7,8 @@ seeds 0..repeat-1 (sampled text differs per seed; both modes get the same seeds)
 (new tokens / time after the prompt's prefill); `spec/plain` is the median over repeats of the ratio of the
 two back-to-back runs, and `cpu` the same comparison in the process's CPU time summed over the repeats:
 on a machine shared with others, where wall time mostly measures the scheduler, run with
-OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 and read `cpu` (the work done; with two numba threads the
-process's CPU time also counts a thread waiting for the other). Greedy speculative output is checked
+OPENBLAS_NUM_THREADS=1 --decode-threads 1 and read `cpu` (the work done; with two decode threads the
+process's CPU time also counts a helper thread waiting for work). Greedy speculative output is checked
 to equal plain greedy token for token (`same`). `drafts` is the share of rounds that verified drafts (the
 rest were plain steps: the planner's fallback); `accept` the share of verified drafts accepted.
 Random-init weights show the fallback (drafts never pay there); the speed-up needs a trained model: pass one

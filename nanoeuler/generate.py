@@ -27,6 +27,10 @@ overwritten later). Whether to speculate at all, and how many drafts a round ver
 decided by `_Planner` from the measured acceptance and the measured cost of rounds: a verification
 forward of a few tokens costs little more than a 1-token step, but drafts that are rarely accepted
 still do not pay, and then decoding is plain KV-cache decoding with a short probe every 128 rounds.
+A round's model work is one compiled call (`_round_kernel`: the fused step over [t1, drafts], head 0 and
+its argmax at every row, and for greedy decoding the next round's head-1 draft where the round goes on),
+so the Python around it is a few integer compares (on `small`, 1 decode thread: ~15 µs a round beside a
+~110 µs step; the NumPy head products, argmax and draft softmax around the forward had cost 30-40 µs).
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
 the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
@@ -691,7 +695,9 @@ class _Planner:
     the expected tokens it emits. The regime is `on` while the best worth with the drafts' average
     acceptance beats a plain step (cost[0][0]) by 15 %, decided again every 8 rounds (with 5 % it was on
     at 30 % acceptance on the `make demo` model and measured 0.93-0.99x: costs and rates measured on a
-    busy machine err, and plain decoding is the safe side):
+    busy machine err, and plain decoding is the safe side); once on, it stays on while that worth beats
+    a plain step by 5 % (STAY: with one margin, a model at its edge flapped, paying a lone probe's cost
+    at every switch):
 
         cost = 1.0 ms plain, 1.2 / 1.45 ms for 1 / 2 drafts back to back
         r1 = .5, r2 = .3:  worth 1.5/1.2 = 1.25, 1.65/1.45 = 1.14  > 1.15/1.0  -> on, mostly 1 draft
@@ -738,11 +744,8 @@ class _Planner:
     def observe(self, j: int, conf: float, accepted: float) -> None:
         """Draft j+1 (confidence conf) was verified; accepted: 0/1, or its acceptance probability."""
         b, m, hits, seen = self._bin(conf), self.memory, self.hits[j], self.seen[j]
-        for i in range(len(hits)):  # only this draft position's bins age
-            hits[i] *= m
-            seen[i] *= m
-        hits[b] += accepted
-        seen[b] += 1
+        hits[b] = hits[b] * m + accepted  # only this bin ages: a memory of ~30 of its own observations
+        seen[b] = seen[b] * m + 1
         a = self.avg[j]
         a[0], a[1] = a[0] * m + accepted, a[1] * m + 1
 
@@ -754,10 +757,27 @@ class _Planner:
             del last[0]
         self.n_timed += 1
         if len(last) < 16 or self.n_timed % 4 == 0:  # a sort every round was ~2 % of a round
-            self.cost[w][d] = sorted(last)[len(last) // 2]
+            self._cost[w][d] = sorted(last)[len(last) // 2]
+            self._c.clear()
+
+    @property
+    def cost(self) -> list:
+        """[after a plain round / a draft round][depth d] -> seconds (median), or None while unmeasured."""
+        return self._cost
+
+    @cost.setter
+    def cost(self, table: list) -> None:
+        self._cost, self._c = table, {}
 
     def c(self, w: int, d: int) -> float:
-        """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps."""
+        """Cost of a round of depth d after a round that drafted (w = 1) or not; at least 1 + 0.1·d plain steps.
+        (Remembered until the next median: it is asked several times a round.)"""
+        key = (w, d)
+        if key not in self._c:
+            self._c[key] = self._c_of(w, d)
+        return self._c[key]
+
+    def _c_of(self, w: int, d: int) -> float:
         for table in (self.cost[w], self.cost[1 - w]):
             if table[d] is not None:
                 return table[d] if d == 0 else max(table[d], self.c(w, 0) * (1 + 0.1 * d))
