@@ -64,6 +64,9 @@ def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) ->
     """Plain vs speculative decoding, back to back per seed -> tokens/s, ratio, acceptance."""
     from nanoeuler.generate import generate
     runs: dict = {"cache": [], "speculative": []}
+    for mode in runs:  # untimed: the first call of a process loads (or compiles) the numba kernels
+        generate(model, prompt_ids, 8, temperature, top_k=top_k if temperature else None, seed=0, mode=mode,
+                 spec_depth=depth)
     for seed in range(repeat):
         for mode in runs:
             runs[mode].append(generate(model, prompt_ids, n_new, temperature, top_k=top_k if temperature else None,

@@ -28,7 +28,7 @@ decided by `_Planner` from the measured acceptance and the measured cost of roun
 forward of a few tokens costs little more than a 1-token step, but drafts that are rarely accepted
 still do not pay, and then decoding is plain KV-cache decoding with a short probe every 128 rounds.
 A round's model work is one compiled call (`_round_kernel`: the fused step over [t1, drafts], head 0 and
-its argmax at every row, and for greedy decoding the next round's head-1 draft where the round goes on),
+its argmax at every row, and for greedy decoding the next round's head drafts where the round goes on),
 so the Python around it is a few integer compares (on `small`, 1 decode thread: ~15 µs a round beside a
 ~110 µs step; the NumPy head products, argmax and draft softmax around the forward had cost 30-40 µs).
 
@@ -330,7 +330,7 @@ class _Window:
 
     def _set(self, h: np.ndarray, head0: np.ndarray | None = None, best: int | None = None) -> None:
         self.h, self._heads, self.best = h, {} if head0 is None else {0: head0}, best  # best: head 0's argmax
-        self.draft1 = None  # (head 1's argmax, its probability) at the last position, when `advance` made it
+        self.head_drafts = None  # [(head k's argmax, its probability), k = 1..K-1] at the last position (`advance`)
 
     def head(self, k: int) -> np.ndarray:
         """Logits [V] of head k at the last position."""
@@ -371,13 +371,15 @@ class _Window:
                           and self.cache.store is not None and self.cache.store[0].dtype == np.float32)
             self._slot = np.full(decode.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
             self._pos = np.arange(self.cache.max_len, dtype=np.int64)
+            self._drafting = self.W["heads"][2][self.cfg.vocab_size:] if self._fast else None  # heads 1..K-1
         return self._fast
 
     def advance(self, block: list[int], draft: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Feed tokens block (1 <= len(block) <= min(room(), decode.ROWS)) in one call -> (hidden states
         [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
         one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax; with
-        `draft` the call also makes the greedy draft from head 1 where a greedy round goes on (`draft1`).
+        `draft` the call also makes the greedy drafts of heads 1..K-1 where a greedy round goes on
+        (`head_drafts`).
         The caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
         self.forwards += 1
         n, L = len(block), self.cache.length
@@ -389,21 +391,22 @@ class _Window:
                 h, logits, best, row, t, conf = _round_kernel(
                     pool.ctl, pooled, np.array(block, np.int64), self._pos[L:L + n], self._slot[:n], D.embed, D.qkv,
                     D.wo, D.gate_up, D.down, D.norms, D.norm, np.float32(self.cfg.norm_eps), self.cfg.n_heads, k, v,
-                    self.cache.cos, self.cache.sin, self.W["head.0"][2], self.W["head.1"][2], draft)
+                    self.cache.cos, self.cache.sin, self.W["head.0"][2], self._drafting, draft)
             finally:
                 if pooled:
                     pool.release()
             self.cache.length = L + n
             best = best.tolist()
-            self._draft1 = (row, int(t), float(conf)) if draft else None
+            self._head_drafts = (row, list(zip(t.tolist(), conf.tolist()))) if draft else None
         else:
             h = forward_hidden(self.cfg, self.W, np.asarray(block, dtype=np.int64)[None], self.cache)[0]
             logits = linear(h, self.W["head.0"])
             best = [int(i) for i in np.argmax(logits, axis=-1)]
-            self._draft1 = None
+            self._head_drafts = None
         self.seq.extend(block)
         self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
-        self.draft1 = self._draft1[1:] if self._draft1 is not None and self._draft1[0] == n - 1 else None
+        made = self._head_drafts
+        self.head_drafts = made[1] if made is not None and made[0] == n - 1 else None
         return h, logits, best
 
     def feed(self, token: int) -> None:
@@ -421,21 +424,22 @@ class _Window:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
         self._set(h, head0, best)
-        d1 = getattr(self, "_draft1", None)
-        self.draft1 = d1[1:] if d1 is not None and d1[0] == row else None
+        d1 = getattr(self, "_head_drafts", None)
+        self.head_drafts = d1[1] if d1 is not None and d1[0] == row else None
 
 
 @njit(**decode.OPTS)
 def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
-                  cos, sin, head0, head1, draft):
+                  cos, sin, head0, heads, draft):
     """A speculative round's model work in one compiled call: decode.step over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
-    forward_hidden + linear + argmax, so the same numbers); then, with `draft`, the greedy draft for the
-    next round: head 1's argmax and its probability at row n_ok, the first row whose argmax differs from
-    the token fed after it (the last row when all agree): where a greedy round continues.
+    forward_hidden + linear + argmax, so the same numbers); then, with `draft`, the greedy drafts for the
+    next round: the argmax of each draft head (heads [(K-1)·V, d]: heads 1..K-1 stacked) and its
+    probability at row n_ok, the first row whose argmax differs from the token fed after it (the last row
+    when all agree): where a greedy round continues.
 
-        tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: head 1 at row 1 drafts the token after a3
-    -> (h, logits, best, n_ok, draft token or -1, its probability)."""
+        tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: heads 1, 2 at row 1 draft the tokens after a3
+    -> (h, logits, best, n_ok, draft tokens [K-1], their probabilities [K-1]) (drafts empty without `draft`)."""
     h = decode.step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
                     cos, sin, False)
     n = h.shape[0]
@@ -447,17 +451,23 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     n_ok = 0
     while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
         n_ok += 1
-    if not draft:
-        return h, logits, best, n_ok, -1, 0.0
+    V = head0.shape[0]
+    nd = heads.shape[0] // V if draft else 0
+    tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
+    if nd == 0:
+        return h, logits, best, n_ok, tok, conf
     x = np.empty((1, h.shape[1]), np.float32)
     x[0] = h[n_ok]
-    l1 = np.empty((1, head1.shape[0]), np.float32)
-    decode._gemv(ctl, pooled, head1, x, l1, False)
-    t = np.argmax(l1[0])
-    z = 0.0
-    for i in range(l1.shape[1]):
-        z += np.exp(np.float64(l1[0, i] - l1[0, t]))
-    return h, logits, best, n_ok, t, 1.0 / z
+    ld = np.empty((1, heads.shape[0]), np.float32)
+    decode._gemv(ctl, pooled, heads, x, ld, False)
+    for k in range(nd):
+        lk = ld[0, k * V:(k + 1) * V]
+        t = np.argmax(lk)
+        z = 0.0
+        for i in range(V):
+            z += np.exp(np.float64(lk[i] - lk[t]))
+        tok[k], conf[k] = t, 1.0 / z
+    return h, logits, best, n_ok, tok, conf
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -568,8 +578,8 @@ class _Greedy:
             self.cont = self.lookup(win)
         if j < len(self.cont):
             return self.cont[j], self.LOOKUP_CONF
-        if j == 0 and win.draft1 is not None:
-            return win.draft1  # made by the last round's compiled call
+        if win.head_drafts is not None and j < len(win.head_drafts):
+            return win.head_drafts[j]  # made by the last round's compiled call
         return self.propose(win.head(j + 1))
 
     def pick(self, logits: np.ndarray) -> int:
@@ -633,7 +643,8 @@ class _Sampled:
     def next(self, win: "_Window") -> int:
         return self.pick(win.head(0))
 
-    def accept(self, logits: np.ndarray, best: list[int], drafts: list[int], props: list, plan) -> tuple[int, int | None]:
+    def accept(self, logits: np.ndarray, best: list[int], drafts: list[int], props: list,
+               plan) -> tuple[int, int | None]:
         """-> (drafts accepted, the token drawn at the first rejection or None)."""
         for j, x in enumerate(drafts):
             ok, p_accept, forced = self.check(logits[j], x, props[j][0])
@@ -877,7 +888,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
             d = min(depth, K - 1, room)
             props = [rule.propose_draft(win, j) for j in range(d)]
         forced = None
-        # greedy: the next round's head-1 draft comes out of this round's compiled call where it will draft
+        # greedy: the next round's head drafts come out of this round's compiled call where it will draft
         win.want_draft = greedy and (bool(depth) if depth is not None else plan.on or plan.burst > 0)
         if d == 0:
             win.feed(t1)
