@@ -698,7 +698,10 @@ class _Planner:
              planner), a burst of 3 rounds verifying 1 draft each (draft 1's rate and the back-to-back
              cost stay fresh). A lone verification among plain steps costs 2-4x a plain step (cold
              caches), so a probe every 128 rounds cost ~3 % of plain decoding where drafts never pay;
-             backing off makes it < 1 %
+             backing off makes it < 1 %. Only while draft 1's average acceptance is below BACKOFF: drafts
+             that are often right are near paying, and one burst measures costs roughly (the default-
+             trained small with distilled heads stayed off for 1000s of rounds after one unlucky burst);
+             their bursts are 3x as long (more back-to-back rounds timed, after the first colder ones)
         on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts;
              every `probe_every`-th round a burst of 3 plain steps (the plain cost stays fresh)
 
@@ -730,6 +733,7 @@ class _Planner:
     MARGIN = 1.15   # worth needed over a plain step to speculate (costs measured on a busy machine are noisy)
     STAY = 1.05     # .. and to go on speculating once on (one margin only flapped at its edge, paying probes)
     BURST = 3       # rounds of a probe
+    BACKOFF = 0.5   # draft 1's average acceptance below which probes come ever later while off
 
     def __init__(self, max_depth: int, memory: float = 0.97):
         # plain Python floats throughout: this runs every round, where a numpy call on 4 numbers costs more
@@ -822,7 +826,7 @@ class _Planner:
         if self.burst == 0 and not self.on:
             if not probe:
                 return [], 0
-            self.burst = self.BURST
+            self.burst = self.BURST * (3 if self.avg[0][0] >= self.BACKOFF * self.avg[0][1] else 1)
         if self.burst > 0:
             self.burst -= 1
             self.recheck = 0 if self.burst == 0 else self.recheck  # decide on what the probe found
@@ -880,8 +884,9 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         rule.prepare(win, t1)
         if depth is None:
             probe = plan.rounds >= plan.next_probe
-            if probe:  # while off, each probe comes twice as late as the last (up to 8 x probe_every)
-                plan.gap = min(2 * plan.gap, 8 * probe_every) if plan.gap and not plan.on else probe_every
+            if probe:  # while off with drafts mostly rejected, each probe comes twice as late as the last
+                backoff = plan.gap and not plan.on and plan.avg[0][0] < plan.BACKOFF * plan.avg[0][1]
+                plan.gap = min(2 * plan.gap, 8 * probe_every) if backoff else probe_every
                 plan.next_probe = plan.rounds + plan.gap
             props, d = plan.choose(win, rule, room, probe=probe)
         else:

@@ -107,6 +107,33 @@ def test_speculative_equals_greedy_token_for_token(which, trained, steady_costs)
         assert spec.acceptance > 0.8 and spec.forwards < 0.7 * len(spec.ids)
 
 
+@pytest.mark.parametrize("agree", [0, 1, 2])
+def test_round_kernel_checks_and_drafts_where_the_round_goes_on(trained, agree):
+    """One compiled call of a round: head 0's argmax at every row as NumPy's, n_ok the agreeing prefix of the
+    drafts, and the next drafts (heads 1..K-1, argmax and probability) at row n_ok, as the NumPy heads say."""
+    model, period = trained
+    win = gen._Window(model, [int(t) for t in period[:6]], "speculative")
+    assert win.fast()  # the fused path, or this test tests nothing
+    t1 = int(np.argmax(win.head(0)))
+    n0, block = len(win.seq), [t1]
+    for _ in range(2):  # drafts: head 0's own greedy tokens for the first `agree`, then a wrong one
+        ref = gen._Window(model, win.seq + block, "cache")
+        right = int(np.argmax(ref.head(0)))
+        block.append(right if len(block) <= agree else (right + 1) % TINY.vocab_size)
+    h, logits, best = win.advance(block, draft=True)
+    assert best == [int(np.argmax(gen.linear(h[r], win.W["head.0"]))) for r in range(3)]
+    n_ok = next((j for j in range(2) if best[j] != block[j + 1]), 2)
+    assert n_ok == agree
+    win.keep(n0 + 1 + n_ok, h[n_ok], logits[n_ok], best[n_ok], n_ok)
+    for k in range(1, TINY.n_mtp):
+        lk = gen.linear(h[n_ok], win.W[f"head.{k}"])
+        t, conf = win.head_drafts[k - 1]
+        assert t == int(np.argmax(lk)) and conf == pytest.approx(1 / np.exp(lk - lk[t]).sum(), rel=1e-5)
+    other = (n_ok + 1) % 3
+    win.keep(n0 + 1 + other, h[other], logits[other], best[other], other)
+    assert win.head_drafts is None  # drafts made at another row are not used
+
+
 def test_stop_token_and_max_new_tokens(trained):
     model, period = trained
     prompt = [int(t) for t in period[:4]]  # greedy continues the period: 9, 2, 6, ...
