@@ -894,7 +894,9 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
             props = [rule.propose_draft(win, j) for j in range(d)]
         forced = None
         # greedy: the next round's head drafts come out of this round's compiled call where it will draft
-        win.want_draft = greedy and (bool(depth) if depth is not None else plan.on or plan.burst > 0)
+        # (not after a round drafted by lookup: the text repeats, and the next lookup most likely hits too)
+        win.want_draft = greedy and not (d and rule.cont) and (
+            bool(depth) if depth is not None else plan.on or plan.burst > 0)
         if d == 0:
             win.feed(t1)
         else:
