@@ -709,9 +709,9 @@ class _Planner:
     the expected tokens it emits. The regime is `on` while the best worth with the drafts' average
     acceptance beats a plain step (cost[0][0]) by 15 %, decided again every 8 rounds (with 5 % it was on
     at 30 % acceptance on the `make demo` model and measured 0.93-0.99x: costs and rates measured on a
-    busy machine err, and plain decoding is the safe side); once on, it stays on while that worth beats
-    a plain step by 5 % (STAY: with one margin, a model at its edge flapped, paying a lone probe's cost
-    at every switch):
+    busy machine err, and plain decoding is the safe side); once on, greedy decoding stays on while that
+    worth beats a plain step by 5 % (STAY: with one margin, a model at its edge flapped, paying a lone
+    probe's cost at every switch; sampling keeps MARGIN, see `_planner`):
 
         cost = 1.0 ms plain, 1.2 / 1.45 ms for 1 / 2 drafts back to back
         r1 = .5, r2 = .3:  worth 1.5/1.2 = 1.25, 1.65/1.45 = 1.14  > 1.15/1.0  -> on, mostly 1 draft
@@ -735,10 +735,11 @@ class _Planner:
     BURST = 3       # rounds of a probe
     BACKOFF = 0.5   # draft 1's average acceptance below which probes come ever later while off
 
-    def __init__(self, max_depth: int, memory: float = 0.97):
+    def __init__(self, max_depth: int, memory: float = 0.97, stay: float | None = None):
         # plain Python floats throughout: this runs every round, where a numpy call on 4 numbers costs more
         # than the arithmetic (it was 5 % of a `small` decoding step)
         self.D, self.memory = max_depth, memory
+        self.stay = self.STAY if stay is None else stay  # the margin to stay on (sampling: MARGIN, see _planner)
         self.hits = [list(self.PRIOR) for _ in range(max_depth)]    # [D][bins] decayed sums of acceptance
         self.seen = [[1.0] * len(self.PRIOR) for _ in range(max_depth)]  # [D][bins] decayed counts
         self.avg = [[0.3, 1.0] for _ in range(max_depth)]           # [D] (decayed sum, count) over all bins
@@ -809,7 +810,7 @@ class _Planner:
             chance *= self.avg[j][0] / self.avg[j][1]
             expected += chance
             best = max(best, expected / self.c(1, j + 1))
-        return best > (self.STAY if self.on else self.MARGIN) / self.c(0, 0)
+        return best > (self.stay if self.on else self.MARGIN) / self.c(0, 0)
 
     def choose(self, win: _Window, rule, room: int, probe: bool) -> tuple[list, int]:
         """-> (proposals [(q, conf)] of drafts 1, 2, .., depth): the drafts to verify this round."""
@@ -853,15 +854,17 @@ _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model ->
 
 def _planner(model, setting: tuple) -> "_Planner":
     """The model's planner for a sampling setting (temperature, top_k, top_p), made on first use; at most 8
-    settings are kept per model (the oldest goes)."""
+    settings are kept per model (the oldest goes). Sampling planners stay on only at MARGIN, as they switch
+    on: a sampled round's cost varies more (a rejection adds the residual's draw, none of it compiled), and
+    with STAY the distilled small sampled at 0.94x plain under load 4."""
     try:
         plans = _PLANNERS.setdefault(model, {})
     except TypeError:  # not weakly referenceable: a fresh planner every call
-        return _Planner(model.config.n_mtp - 1)
+        return _Planner(model.config.n_mtp - 1, stay=_Planner.STAY if setting[0] == 0 else _Planner.MARGIN)
     if setting not in plans:
         if len(plans) >= 8:
             del plans[next(iter(plans))]
-        plans[setting] = _Planner(model.config.n_mtp - 1)
+        plans[setting] = _Planner(model.config.n_mtp - 1, stay=_Planner.STAY if setting[0] == 0 else _Planner.MARGIN)
     return plans[setting]
 
 
