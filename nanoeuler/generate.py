@@ -323,7 +323,7 @@ class _Window:
         self.cfg, self.P = model.config, model.params
         self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
-        self.want_draft = False  # `feed` makes the greedy draft of head 1 too (see `advance`)
+        self.want_draft = 0  # `feed` makes the greedy drafts of heads 1..want_draft too (see `advance`)
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fuse_weights(self.cfg, self.P)
         self._refill()
@@ -374,12 +374,11 @@ class _Window:
             self._drafting = self.W["heads"][2][self.cfg.vocab_size:] if self._fast else None  # heads 1..K-1
         return self._fast
 
-    def advance(self, block: list[int], draft: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def advance(self, block: list[int], draft: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Feed tokens block (1 <= len(block) <= min(room(), decode.ROWS)) in one call -> (hidden states
         [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
-        one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax; with
-        `draft` the call also makes the greedy drafts of heads 1..K-1 where a greedy round goes on
-        (`head_drafts`).
+        one compiled call (`_round_kernel`) where the model allows, else forward + head 0 + argmax; the
+        call also makes the greedy drafts of heads 1..draft where a greedy round goes on (`head_drafts`).
         The caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
         self.forwards += 1
         n, L = len(block), self.cache.length
@@ -391,7 +390,7 @@ class _Window:
                 h, logits, best, row, t, conf = _round_kernel(
                     pool.ctl, pooled, np.array(block, np.int64), self._pos[L:L + n], self._slot[:n], D.embed, D.qkv,
                     D.wo, D.gate_up, D.down, D.norms, D.norm, np.float32(self.cfg.norm_eps), self.cfg.n_heads, k, v,
-                    self.cache.cos, self.cache.sin, self.W["head.0"][2], self._drafting, draft)
+                    self.cache.cos, self.cache.sin, self.W["head.0"][2], self._drafting, int(draft))
             finally:
                 if pooled:
                     pool.release()
@@ -433,13 +432,13 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
                   cos, sin, head0, heads, draft):
     """A speculative round's model work in one compiled call: decode.step over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
-    forward_hidden + linear + argmax, so the same numbers); then, with `draft`, the greedy drafts for the
-    next round: the argmax of each draft head (heads [(K-1)·V, d]: heads 1..K-1 stacked) and its
+    forward_hidden + linear + argmax, so the same numbers); then the greedy drafts for the next round:
+    the argmax of each of the first `draft` draft heads (heads [(K-1)·V, d]: heads 1..K-1 stacked) and its
     probability at row n_ok, the first row whose argmax differs from the token fed after it (the last row
     when all agree): where a greedy round continues.
 
         tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: heads 1, 2 at row 1 draft the tokens after a3
-    -> (h, logits, best, n_ok, draft tokens [K-1], their probabilities [K-1]) (drafts empty without `draft`)."""
+    -> (h, logits, best, n_ok, draft tokens [draft], their probabilities [draft])."""
     h = decode.step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
                     cos, sin, False)
     n = h.shape[0]
@@ -452,14 +451,14 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
         n_ok += 1
     V = head0.shape[0]
-    nd = heads.shape[0] // V if draft else 0
+    nd = min(draft, heads.shape[0] // V)
     tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
     if nd == 0:
         return h, logits, best, n_ok, tok, conf
     x = np.empty((1, h.shape[1]), np.float32)
     x[0] = h[n_ok]
-    ld = np.empty((1, heads.shape[0]), np.float32)
-    decode._gemv(ctl, pooled, heads, x, ld, False)
+    ld = np.empty((1, nd * V), np.float32)
+    decode._gemv(ctl, pooled, heads[:nd * V], x, ld, False)
     for k in range(nd):
         lk = ld[0, k * V:(k + 1) * V]
         t = np.argmax(lk)
@@ -749,6 +748,7 @@ class _Planner:
         self.next_probe, self.gap = 8, 0  # the round of the next probe, and the last gap between probes
         self.n_timed = 0  # rounds timed
         self.rounds = 0  # rounds decided, over all the calls that share this planner (the probe clock)
+        self.looked = 1.0  # decayed average of the drafts proposed a round (choose): the head drafts to make
 
     def _bin(self, conf: float) -> int:
         return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)
@@ -846,7 +846,13 @@ class _Planner:
                 best_worth, depth = worth, j + 1
             else:
                 break
+        self.looked = 0.9 * self.looked + 0.1 * len(props)
         return props, depth
+
+    def heads_wanted(self) -> int:
+        """How many draft heads' drafts to make ahead (`_round_kernel`): 1, or all where rounds often ask for
+        draft 2 (then made in NumPy, a cold head product costs ~25 µs; in the call ~10 µs)."""
+        return 1 if self.looked < 1.5 else self.D
 
 
 _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sampling setting: _Planner}
@@ -898,8 +904,9 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         forced = None
         # greedy: the next round's head drafts come out of this round's compiled call where it will draft
         # (not after a round drafted by lookup: the text repeats, and the next lookup most likely hits too)
-        win.want_draft = greedy and not (d and rule.cont) and (
-            bool(depth) if depth is not None else plan.on or plan.burst > 0)
+        # (as many heads as rounds use: a fixed depth, or 1 unless the planner often looks at draft 2)
+        win.want_draft = 0 if not greedy or (d and rule.cont) else (
+            min(depth, K - 1) if depth is not None else (plan.on or plan.burst > 0) * plan.heads_wanted())
         if d == 0:
             win.feed(t1)
         else:
@@ -923,7 +930,7 @@ def _speculate(win: _Window, rule, emit, out: Generation, depth: int | None = No
         if d == 0 and depth is None and not (plan.on or plan.burst or plan.plain) and plan.recheck > 0:
             # off, with nothing to decide before the planner's next check or probe: plain steps until then,
             # without its round around each (that bookkeeping was ~3 % of a plain step of `small`)
-            win.want_draft = False
+            win.want_draft = 0
             for r in range(plan.rounds + 1, min(plan.next_probe, plan.rounds + plan.recheck + 1)):
                 t0 = clock() if r % 4 == 1 else None  # 1 in 4 still timed
                 token = rule.next(win)

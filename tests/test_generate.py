@@ -120,7 +120,7 @@ def test_round_kernel_checks_and_drafts_where_the_round_goes_on(trained, agree):
         ref = gen._Window(model, win.seq + block, "cache")
         right = int(np.argmax(ref.head(0)))
         block.append(right if len(block) <= agree else (right + 1) % TINY.vocab_size)
-    h, logits, best = win.advance(block, draft=True)
+    h, logits, best = win.advance(block, draft=TINY.n_mtp - 1)
     assert best == [int(np.argmax(gen.linear(h[r], win.W["head.0"]))) for r in range(3)]
     n_ok = next((j for j in range(2) if best[j] != block[j + 1]), 2)
     assert n_ok == agree
