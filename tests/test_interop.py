@@ -431,6 +431,12 @@ def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, co
                  "--temperature", "0"]) == 0
     assert seen[0] == [bos] + tok.encode("HAMLET.")
     assert capsys.readouterr().out.startswith("HAMLET.")  # the echo is the prompt as typed
+    long = corpus["hamlet"][:20000]  # longer than the context: cut from the left, the bos first to go
+    ctx = Model.load(tmp_path / "run").config.ctx_len
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", long, "--max-new-tokens", "2",
+                 "--temperature", "0", "--json"]) == 0
+    assert seen[1] == tok.encode(long)[-ctx:]
+    assert json.loads(capsys.readouterr().out)["prompt"] == tok.decode(seen[1])
     plain = Tokenizer.train([corpus["hamlet"][:20000]], vocab_size=300, progress=False)
     assert plain.bos_id is None and render(plain, "Who?")[0] == plain.encode(prompt_text("Who?"))
 

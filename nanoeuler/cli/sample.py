@@ -122,11 +122,12 @@ def run(args) -> int:
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not tok.encode(prompt):
+    text_ids = tok.encode(prompt)
+    if not text_ids:
         raise UserError("the prompt is empty")
-    ids = tok.encode(prompt, add_bos=True)  # the bos of an imported Llama-3 first, as its own tokenizer does
-    ids, dropped = truncate_left(ids, model.config.ctx_len)
-    shown = ids[1:] if tok.bos_id is not None and ids[:1] == [tok.bos_id] else ids  # the prompt as typed
+    bos = [] if tok.bos_id is None else [tok.bos_id]  # an imported Llama-3's bos first, as its own tokenizer does
+    ids, dropped = truncate_left(bos + text_ids, model.config.ctx_len)
+    shown = ids if dropped else ids[len(bos):]  # the prompt as typed, as kept (a cut prompt lost its bos first)
     if dropped:
         print(f"note: the prompt has {len(ids) + dropped} tokens, more than the context of {model.config.ctx_len}; "
               f"kept the last {len(ids)}", file=sys.stderr)
