@@ -96,7 +96,7 @@ def rollouts(model, prompts: np.ndarray, n_new: int, temperature: float, rng: np
     -> (tokens int [N, Lp + n_new], hidden [N, Lp + n_new, d]): hidden[:, t] is the final normed hidden
     state after token t, from which head k predicts token t+k+1. Batched KV-cache decoding (generate.py's
     forward_hidden), `batch` sequences at a time; tick(n) is called after each batch of n rollouts."""
-    from .generate import forward_hidden, fuse_weights, new_cache
+    from .generate import forward_hidden, fuse_weights, new_cache, scaled_logits
     cfg = model.config
     N, Lp = prompts.shape
     L = Lp + n_new
@@ -117,7 +117,7 @@ def rollouts(model, prompts: np.ndarray, n_new: int, temperature: float, rng: np
             if temperature == 0:
                 nxt = z.argmax(-1)
             else:  # Gumbel-max: argmax(z + Gumbel noise) is a draw from softmax(z), for every row at once
-                z = _scaled(z, temperature, top_k)
+                z = scaled_logits(z, temperature, top_k)
                 nxt = (z + rng.gumbel(size=z.shape)).argmax(-1)
             tokens[rows, t] = nxt
             hidden[rows, t] = forward_hidden(cfg, W, nxt[:, None], cache)[:, 0]
@@ -198,17 +198,8 @@ def sampled_acceptance(heads: list[np.ndarray], hidden: np.ndarray, start: int, 
 
 def _probs(z: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:
     """generate.token_probs (without top_p) on every row of z [..., V] at once."""
-    return softmax(_scaled(z, temperature, top_k))
-
-
-def _scaled(z: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:
-    """Logits z [..., V] / temperature, all but each row's top_k set to -inf (float64).
-    _scaled(np.array([1., 3., 2.]), 0.5, 2) -> [-inf, 6., 4.]"""
-    z = z.astype(np.float64) / temperature
-    if top_k is not None and 0 < top_k < z.shape[-1]:
-        kth = np.partition(z, -top_k, axis=-1)[..., -top_k:].min(-1, keepdims=True)
-        z = np.where(z >= kth, z, -np.inf)
-    return z
+    from .generate import scaled_logits
+    return softmax(scaled_logits(z, temperature, top_k))
 
 
 # ---- the whole procedure -------------------------------------------------------------------------

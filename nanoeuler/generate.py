@@ -242,6 +242,17 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
 
 
 # ---- sampling ------------------------------------------------------------------------------------
+def scaled_logits(logits: np.ndarray, temperature: float, top_k: int | None = None) -> np.ndarray:
+    """logits [..., V] / temperature (> 0) in float64, all but each row's top_k largest set to -inf: what
+    sampling's softmax is taken of (token_probs; drafts.py on many rows at once).
+    scaled_logits(np.array([1., 3., 2.]), 0.5, 2) -> [-inf, 6., 4.]"""
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and 0 < top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[..., [-top_k]]  # each row's top_k-th largest [..., 1]
+        z = np.where(z >= kth, z, -np.inf)
+    return z
+
+
 def token_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None) -> np.ndarray:
     """logits [V] -> the distribution [V] (float64, sums to 1) that sampling draws from: softmax of
@@ -252,10 +263,7 @@ def token_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int | None 
         token_probs(np.log([1., 2., 1.]), top_k=1)   -> [0., 1., 0.]
         token_probs(np.log([1., 2., 1.]), top_p=.6)  -> [.333, .667, 0.]   (.5 < .6, so the next one joins)
     """
-    z = logits.astype(np.float64) / temperature
-    if top_k is not None and 0 < top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z >= kth, z, -np.inf)
+    z = scaled_logits(logits, temperature, top_k)
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p is not None and top_p < 1.0:
