@@ -384,22 +384,22 @@ class Tokenizer:
     def encode(self, text: str, allow_special: bool = False, add_bos: bool = False) -> list[int]:
         """text -> ids. Special-token strings in text are ordinary text unless allow_special=True;
         add_bos=True puts the bos token first (if the tokenizer has one)."""
-        out = self._encode_text(text, allow_special)  # in the engine's numbering
-        if add_bos and self.bos_token is not None:
-            out = self._with_bos(out)
+        out = self._engine_ids(text, allow_special, add_bos)
         # one shared Python int per id, the map folded in (the list is built from them: ~2.5x faster than
         # array.tolist(), and the map costs nothing here)
         return self._int_objects.take(out).tolist()
 
     def encode_array(self, text: str, allow_special: bool = False, add_bos: bool = False) -> np.ndarray:
         """Like encode, as an int32 array (no Python list: the fast path for bulk work)."""
-        out = self._encode_text(text, allow_special)
-        if add_bos and self.bos_token is not None:
-            out = self._with_bos(out)
+        out = self._engine_ids(text, allow_special, add_bos)
         return out if self._ids32 is None else self._ids32.take(out)
 
-    def _with_bos(self, out: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.array([self._specials[self.bos_token]], np.int32), out])
+    def _engine_ids(self, text: str, allow_special: bool, add_bos: bool) -> np.ndarray:
+        """encode's ids in the engine's numbering (the map not applied yet), the bos first if asked and any."""
+        out = self._encode_text(text, allow_special)
+        if add_bos and self.bos_token is not None:
+            out = np.concatenate([np.array([self._specials[self.bos_token]], np.int32), out])
+        return out
 
     def _encode_text(self, text: str, allow_special: bool) -> np.ndarray:
         """text -> ids in the engine's numbering (the id map not applied)."""
@@ -579,15 +579,7 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
-        content = {"pattern": self.pattern, "merges": self.merges, "specials": self._specials}
-        if self.eos_token != "</s>":
-            content["eos"] = self.eos_token
-        if self.normalizer:
-            content["normalizer"] = self.normalizer
-        if self.bos_token is not None:
-            content["bos"] = self.bos_token
-        if self.ids is not None:
-            content["ids"] = self.ids.tolist()
+        content = {k: v for k, v in self.to_dict().items() if k not in ("format", "version", "vocab_size")}
         canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
