@@ -94,10 +94,11 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
         if cfg.n_mtp > 1:  # MTP heads 1..K-1 stay float32: only `nanoeuler import` reads them
             write_tensors(tmp / MTP_FILE, {f"heads.{k}.weight": P[f"heads.{k}.weight"] for k in range(1, cfg.n_mtp)},
                           "F32", {"format": "nanoeuler-mtp", "n_mtp": str(cfg.n_mtp)})
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, tok, tied, dtype), indent=2) + "\n")
+        config = hf_config(cfg, tok, tied, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
-        eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
-        gen = {"bos_token_id": tok.bos_id if tok.bos_id is not None else eos, "eos_token_id": eos, "do_sample": False, "max_length": cfg.ctx_len}
+        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False,
+               "max_length": cfg.ctx_len}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out)
