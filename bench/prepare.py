@@ -81,6 +81,8 @@ def make_corpus(root: Path, size: int, seed: int = 0) -> dict:
         pool.append(" ".join(drawn[pos:pos + n]).capitalize() + end)
         pos += n
     target = size - 2 * book_bytes                               # books enter the mix with weight 2
+    if target <= 0:
+        raise SystemExit(f"error: a size must be more than twice the books ({2 * book_bytes / 1e6:.1f} MB): got {size:,}")
     written, n_docs, file_index = 0, 0, 0
     f = None
     while written < target:
