@@ -589,9 +589,6 @@ class _Greedy:
             return win.head_drafts[j]  # made by the last round's compiled call
         return self.propose(win.head(j + 1))
 
-    def pick(self, logits: np.ndarray) -> int:
-        return int(np.argmax(logits))
-
     def next(self, win: "_Window") -> int:
         """The token after the window: head 0's argmax (known already after `advance`)."""
         return win.best if win.best is not None else int(np.argmax(win.head(0)))
@@ -614,10 +611,6 @@ class _Greedy:
 
     def draft(self, q: int) -> int:
         return q
-
-    def check(self, logits: np.ndarray, x: int, q: int) -> tuple[bool, float, int | None]:
-        a = int(np.argmax(logits))
-        return a == x, float(a == x), None if a == x else a
 
 
 class _Sampled:
