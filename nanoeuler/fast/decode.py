@@ -57,7 +57,6 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .kernels import rmsnorm_forward, swiglu_forward
 from .vmath import vexp
 
 BLOCK = 16        # output rows per unit of work a thread claims
@@ -369,6 +368,19 @@ def _serve(ctl, patience):
     return 1
 
 
+@njit(**OPTS)
+def _rmsnorm(x, w, eps, y):
+    """y [n, d] = x·w / sqrt(mean(x²) + eps) row by row (ops/rmsnorm.py)."""
+    n, d = x.shape
+    for r in range(n):
+        ss = np.float32(0.0)
+        for j in range(d):
+            ss += x[r, j] * x[r, j]
+        k = np.float32(1.0 / np.sqrt(ss / d + eps))
+        for j in range(d):
+            y[r, j] = (x[r, j] * k) * w[j]
+
+
 @njit(inline="always", **OPTS)
 def _rope(x, base, hd, cos, sin, t, out):
     """out[:hd] = x[base : base+hd] rotated to position t (rotate-half: i pairs with i + hd/2; ops/rope.py)."""
@@ -437,10 +449,9 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
     gu = np.empty((n, 2 * F), np.float32)
     s = np.empty((n, F), np.float32)
     p = np.empty(pos.max() + 1, np.float32)         # attention probabilities
-    inv_rms = np.empty(n, np.float32)               # rmsnorm_forward's 1/rms per row (unused here)
     rot = np.empty(hd, np.float32)
     for l in range(n_layers):
-        rmsnorm_forward(x, norms[l, 0], eps, h, inv_rms)
+        _rmsnorm(x, norms[l, 0], eps, h)
         _gemv(ctl, pooled, qkv[l], h, t, False)
         for r in range(n):  # RoPE; the new keys and values go into the cache
             for hh in range(H):
@@ -454,13 +465,16 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
                 _attend(t[r, hh * hd:(hh + 1) * hd], kc[l, slot[r], hh // G], vc[l, slot[r], hh // G], pos[r] + 1,
                         scale, p, a[r, hh * hd:(hh + 1) * hd])
         _gemv(ctl, pooled, wo[l], a, x, True)  # x += a @ Woᵀ
-        rmsnorm_forward(x, norms[l, 1], eps, h, inv_rms)
+        _rmsnorm(x, norms[l, 1], eps, h)
         _gemv(ctl, pooled, gate_up[l], h, gu, False)
-        swiglu_forward(gu, s)  # silu(g)·u
+        for r in range(n):  # SwiGLU: silu(g)·u
+            for j in range(F):
+                g_ = gu[r, j]
+                s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
         _gemv(ctl, pooled, down[l], s, x, True)  # x += s @ Wdownᵀ
     first = n - 1 if last_only else 0
     out = np.empty((n - first, d), np.float32)
-    rmsnorm_forward(x[first:], norm, eps, out, inv_rms)
+    _rmsnorm(x[first:], norm, eps, out)
     return out
 
 
