@@ -91,8 +91,9 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
 def fuse_weights(cfg: Config, P: dict) -> dict:
     """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
     heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
-    is kept as (W [out, in], W.T made contiguous [in, out] or None, W as fast/decode.py reads it or None),
-    see `linear`; W["decode"] holds the fused step's weights (euler models in float32 or float16 while
+    is kept as (W [out, in], W.T made contiguous [in, out] or None, W as fast/decode.py reads it (its panels,
+    decode.pack) or None), see `linear` (serve's batcher reads W.T for more rows than the kernels take);
+    W["decode"] holds the fused step's weights (euler models in float32 or float16 while
     decode.ENABLED), each kind of matrix stacked over the layers, and W's per-layer matrices are views of them.
 
     float16 weights (decode.Float16Model(model); `sample --dtype float16`) decode in float32 arithmetic on
@@ -104,40 +105,40 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     def f32(a):  # the values the NumPy path computes with
         return decode.widen(a) if half else a
 
-    def kernel_form(a):  # as the fused kernels read it: float32, or float16 bits
-        return None if not kernels else a.view(np.uint16) if half else a
+    def kernel_form(a):  # as the fused kernels read it: panels (decode.pack) of float32, or of float16 bits
+        return None if not kernels else decode.pack(a.view(np.uint16) if half else a)
 
     def pair(W, Wk=None):
-        return (W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None),
-                Wk if Wk is not None or not kernels else np.ascontiguousarray(W))
+        Wk = Wk if Wk is not None or not kernels else decode.pack(np.ascontiguousarray(W))
+        return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None), Wk
     if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
         from . import gpt2_cached
         return gpt2_cached.fuse_weights(cfg, {name: f32(p) for name, p in P.items()}, pair)
     K, V = cfg.n_mtp, cfg.vocab_size
     heads = np.concatenate([P[f"heads.{k}.weight"] for k in range(K)])  # [K·V, d]
-    heads32, headsk = f32(heads), kernel_form(heads)
-    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, headsk)}
+    heads32 = f32(heads)
+    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, kernel_form(heads))}
     for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], None if headsk is None else headsk[k * V:(k + 1) * V])
+        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], kernel_form(heads[k * V:(k + 1) * V]))
+    if kernels:  # heads 1..K-1 for speculative rounds' drafts: [K-1, panels, d, PANEL]
+        F["drafting"] = kernel_form(heads[V:].reshape(K - 1, V, heads.shape[1]))
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
             "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
-    if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked, all four in one buffer (one
-        # allocation of > 4 MB: NumPy asks the kernel for huge pages, fewer TLB misses per token)
-        shapes = {name: (len(layers), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1])
-                  for name, parts in mats.items()}
-        buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), P["embed.weight"].dtype)
-        stacked, off = {}, 0
-        for name, sh in shapes.items():
-            stacked[name] = buf[off:off + np.prod(sh)].reshape(sh)
-            off += np.prod(sh)
-            for i, ps in enumerate(mats[name]):
-                np.concatenate(ps, out=stacked[name][i])
+    if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked; their kernel forms
+        # [layers, panels, in, PANEL] all in one buffer (one allocation of > 4 MB: NumPy asks the kernel for
+        # huge pages, fewer TLB misses per token: big f32 1268 -> 1049 µs a token at 1 thread)
+        stacked = {name: np.stack([np.concatenate(ps) for ps in parts]) for name, parts in mats.items()}
+        forms = {name: kernel_form(S) for name, S in stacked.items()}
+        buf, off = np.empty(sum(f.size for f in forms.values()), forms["qkv"].dtype), 0
+        for name, f in forms.items():
+            forms[name] = buf[off:off + f.size].reshape(f.shape)
+            forms[name][...] = f
+            off += f.size
     for name, parts in mats.items():
         if kernels:
-            S = stacked[name]
-            S32, Sk = f32(S), kernel_form(S)
+            S32, Sk = f32(stacked[name]), forms[name]
             mats[name] = [(S32[i], Sk[i]) for i in range(len(layers))]
             F.setdefault("stacks", {})[name] = Sk
         else:
@@ -174,7 +175,7 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     W, Wt, Wk = W[0], W[1], (W[2] if len(W) > 2 else None)
     rows = x.reshape(-1, x.shape[-1])
     if Wk is not None and len(rows) <= decode.ROWS and rows.dtype == np.float32:
-        y = decode.matvec(Wk, rows)
+        y = decode.matvec(Wk, rows, W.shape[0])
     elif len(rows) <= 4 and Wt is not None:
         y = rows @ Wt
     elif len(rows) == 1:
@@ -379,7 +380,7 @@ class _Window:
                           and self.cache.store is not None and self.cache.store[0].dtype == np.float32)
             self._slot = np.full(decode.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
             self._pos = np.arange(self.cache.max_len, dtype=np.int64)
-            self._drafting = self.W["heads"][2][self.cfg.vocab_size:] if self._fast else None  # heads 1..K-1
+            self._drafting = self.W["drafting"] if self._fast else None  # heads 1..K-1
         return self._fast
 
     def advance(self, block: list[int], draft: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -441,7 +442,7 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     """A speculative round's model work in one compiled call: decode.step over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
     forward_hidden + linear + argmax, so the same numbers); then the greedy drafts for the next round:
-    the argmax of each of the first `draft` draft heads (heads [(K-1)·V, d]: heads 1..K-1 stacked) and its
+    the argmax of each of the first `draft` draft heads (heads: heads 1..K-1, [K-1] kernel forms) and its
     probability at row n_ok, the first row whose argmax differs from the token fed after it (the last row
     when all agree): where a greedy round continues.
 
@@ -449,8 +450,8 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     -> (h, logits, best, n_ok, draft tokens [draft], their probabilities [draft])."""
     h = decode.step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
                     cos, sin, False)
-    n = h.shape[0]
-    logits = np.empty((n, head0.shape[0]), np.float32)
+    n, V = h.shape[0], embed.shape[0]
+    logits = np.empty((n, V), np.float32)
     decode._gemv(ctl, pooled, head0, h, logits, False)
     best = np.empty(n, np.int64)
     for r in range(n):
@@ -458,17 +459,16 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     n_ok = 0
     while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
         n_ok += 1
-    V = head0.shape[0]
-    nd = min(draft, heads.shape[0] // V)
+    nd = min(draft, heads.shape[0])
     tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
     if nd == 0:
         return h, logits, best, n_ok, tok, conf
     x = np.empty((1, h.shape[1]), np.float32)
     x[0] = h[n_ok]
-    ld = np.empty((1, nd * V), np.float32)
-    decode._gemv(ctl, pooled, heads[:nd * V], x, ld, False)
+    ld = np.empty((nd, V), np.float32)
     for k in range(nd):
-        lk = ld[0, k * V:(k + 1) * V]
+        decode._gemv(ctl, pooled, heads[k], x, ld[k:k + 1], False)
+        lk = ld[k]
         t = np.argmax(lk)
         z = 0.0
         for i in range(V):

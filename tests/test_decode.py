@@ -15,7 +15,7 @@ from nanoeuler import Model
 from nanoeuler.fast import decode
 from nanoeuler.generate import forward_cached, forward_hidden, fuse_weights, generate, linear, new_cache
 
-# hd 8, an output width (qkv 64, gate_up 80, vocab 53) that is no multiple of decode.BLOCK
+# hd 8, output widths (gate_up 80, vocab 53) that are no multiple of decode.PANEL
 CFG = tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=40, n_mtp=3)
 
 
@@ -120,13 +120,31 @@ def test_greedy_generate_identical(half, mode, monkeypatch, calls):
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 def test_matvec_matches_numpy(half):
     rng = np.random.default_rng(0)
-    W = rng.standard_normal((77, 45)).astype(np.float32)
-    Wk = decode.half_bits(W) if half else W
+    W = rng.standard_normal((77, 45)).astype(np.float32)  # 2 panels, the second 13 outputs wide
+    Wk = decode.pack(decode.half_bits(W) if half else W)
     ref = W.astype(np.float16).astype(np.float32) if half else W
-    for n in (1, 2, decode.ROWS):
+    for n in (1, 2, 3, 4, 5, decode.ROWS):
         X = rng.standard_normal((n, 45)).astype(np.float32)
-        assert rel_err(decode.matvec(Wk, X), X @ ref.T) <= 1e-6
+        assert rel_err(decode.matvec(Wk, X, 77), X @ ref.T) <= 1e-6
     assert decode.to_f32(np.uint16(0x3C00)) == 1.0 and list(decode.half_bits(np.ones(1))) == [0x3C00]
+
+
+def test_pack_lays_out_panels_input_by_input():
+    W = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)
+    Wp = decode.pack(W)
+    assert Wp.shape == (2, 3, decode.PANEL) and Wp.flags.c_contiguous
+    assert Wp[1, 2, 5] == W[decode.PANEL + 5, 2] and not Wp[1, :, 70 - decode.PANEL:].any()  # zero padding
+    assert np.array_equal(decode.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
+
+
+def test_a_row_gets_the_same_bits_whichever_rows_share_its_pass():
+    """Rows go 4 at a time through a panel, each summed in the same order: a row of a 7-row product equals the
+    same row alone, bit for bit (a speculative verification computes exactly what plain steps compute)."""
+    rng = np.random.default_rng(1)
+    Wk = decode.pack(rng.standard_normal((150, 40)).astype(np.float32))
+    X = rng.standard_normal((7, 40)).astype(np.float32)
+    Y = decode.matvec(Wk, X, 150)
+    assert all(np.array_equal(Y[r], decode.matvec(Wk, X[r:r + 1], 150)[0]) for r in range(7))
 
 
 def test_linear_takes_the_kernel_for_few_rows(monkeypatch):
@@ -142,20 +160,20 @@ def test_threads_change_no_bit():
     """1 thread, 2 threads, and two decoding threads at once (one takes the pool, the other runs alone)."""
     m = model(seed=5)
     rng = np.random.default_rng(4)
-    W = rng.standard_normal((1000, 64)).astype(np.float32)
+    W = decode.pack(rng.standard_normal((1000, 64)).astype(np.float32))
     X = rng.standard_normal((3, 64)).astype(np.float32)
     old = decode.get_threads()
     try:
         decode.set_threads(1)
-        one = decode.matvec(W, X)
+        one = decode.matvec(W, X, 1000)
         gen1 = generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids
         decode.set_threads(2)
-        assert np.array_equal(decode.matvec(W, X), one)
+        assert np.array_equal(decode.matvec(W, X, 1000), one)
         assert generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids == gen1
         results = []
 
         def worker():
-            results.append([np.array_equal(decode.matvec(W, X), one) for _ in range(50)])
+            results.append([np.array_equal(decode.matvec(W, X, 1000), one) for _ in range(50)])
         threads = [threading.Thread(target=worker) for _ in range(3)]
         for th in threads:
             th.start()
