@@ -23,14 +23,16 @@ top-k / top-p) and verified by the standard accept/reject rule against head 0's 
 
 so every emitted token has exactly plain sampling's distribution (`_Sampled`; tests/test_generate.py
 checks it by chi-square). The cache is rolled back to the accepted tokens (rejected drafts are simply
-overwritten later). Whether to speculate at all, and how many drafts a round verifies (1 .. K-1), is
-decided by `_Planner` from the measured acceptance and the measured cost of rounds: a verification
-forward of a few tokens costs little more than a 1-token step, but drafts that are rarely accepted
-still do not pay, and then decoding is plain KV-cache decoding with a short probe every 128 rounds.
-A round's model work is one compiled call (`_round_kernel`: the fused step over [t1, drafts], head 0 and
-its argmax at every row, and for greedy decoding the next round's head drafts where the round goes on),
-so the Python around it is a few integer compares (on `small`, 1 decode thread: ~15 µs a round beside a
-~110 µs step; the NumPy head products, argmax and draft softmax around the forward had cost 30-40 µs).
+overwritten later). Whether to speculate at all, and how many drafts a round verifies (1 .. K-1 from
+the heads; greedy rounds up to 7 where the text repeats, see `_Greedy`), is decided by `_Planner` from
+the measured acceptance and the measured cost of rounds: a verification forward of a few tokens costs
+little more than a 1-token step, but drafts that are rarely accepted still do not pay, and then decoding
+is plain KV-cache decoding with a short probe every 128 rounds. A round's model work is one compiled call
+(`_round_kernel`: the fused step over [t1, drafts], head 0 and its argmax at every row, and for greedy
+decoding the next round's head drafts where the round goes on), so the Python around it is bookkeeping
+(on `small`, 1 decode thread, 100 cached positions: ~20 µs a round beside a compiled call of 62 µs for
+1 row, 74 for 2, 88 for 3, +4 per head draft; the NumPy head products, argmax and draft softmax around
+the forward had cost 30-40 µs).
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
 the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
@@ -51,6 +53,7 @@ from . import ops
 from .config import Config
 from .errors import UserError
 from .fast import decode
+from .fast.vmath import vexp
 
 MODES = ("full", "cache", "speculative")
 
@@ -417,6 +420,18 @@ class _Window:
         self.head_drafts = made[1] if made is not None and made[0] == n - 1 else None
         return h, logits, best
 
+    def make_head_drafts(self) -> None:
+        """head_drafts at the last position, in one compiled call (fast path only)."""
+        pool = decode._POOL
+        pooled = pool.acquire()
+        try:
+            x = np.ascontiguousarray(self.h[None], dtype=np.float32)
+            t, conf = _drafts(pool.ctl, pooled, self._drafting, x, self.cfg.vocab_size, len(self._drafting))
+        finally:
+            if pooled:
+                pool.release()
+        self.head_drafts = list(zip(t.tolist(), conf.tolist()))
+
     def feed(self, token: int) -> None:
         """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
         if self.room() >= 1:
@@ -459,22 +474,25 @@ def _round_kernel(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down,
     n_ok = 0
     while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
         n_ok += 1
-    nd = min(draft, heads.shape[0])
-    tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
-    if nd == 0:
-        return h, logits, best, n_ok, tok, conf
-    x = np.empty((1, h.shape[1]), np.float32)
-    x[0] = h[n_ok]
-    ld = np.empty((nd, V), np.float32)
-    for k in range(nd):
-        decode._gemv(ctl, pooled, heads[k], x, ld[k:k + 1], False)
-        lk = ld[k]
-        t = np.argmax(lk)
-        z = 0.0
-        for i in range(V):
-            z += np.exp(np.float64(lk[i] - lk[t]))
-        tok[k], conf[k] = t, 1.0 / z
+    tok, conf = _drafts(ctl, pooled, heads, h[n_ok:n_ok + 1], V, min(draft, heads.shape[0]))
     return h, logits, best, n_ok, tok, conf
+
+
+@njit(**decode.OPTS)
+def _drafts(ctl, pooled, heads, x, V, nd):
+    """The greedy drafts of heads 1..nd at one hidden state x [1, d] (heads: the kernel forms of heads
+    1..K-1, V outputs each) -> (each one's argmax [nd], its softmax probability [nd])."""
+    tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
+    logits = np.empty((nd, V), np.float32)
+    for k in range(nd):
+        decode._gemv(ctl, pooled, heads[k], x, logits[k:k + 1], False)
+        lk = logits[k]
+        t = np.argmax(lk)
+        z = np.float32(0.0)
+        for i in range(V):  # (vexp: vectorised; a libm exp per logit was ~40 % of this head's cost)
+            z += vexp(lk[i] - lk[t])
+        tok[k], conf[k] = t, 1.0 / z
+    return tok, conf
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -546,12 +564,18 @@ class _Greedy:
     """Temperature 0: a draft is accepted when it is head 0's argmax; on a miss, head 0's argmax is the next
     token. Drafts come from the text itself where it repeats (prompt lookup), else from the draft heads:
     when the last NGRAM tokens, t1 included, occurred before in the sequence, the tokens that followed them
-    there are drafts 1, 2, ..; the rest are the draft heads' argmax. Any draft keeps the output exact (a
-    draft only ever saves a forward), so the source is chosen for acceptance alone: on the default-trained
-    `small` (distilled heads, 1000-token greedy generations) the heads' drafts were accepted 78.5 %, lookup
-    drafts 90 % where the 3 tokens had occurred (69 % of the rounds), the two together 83 %.
+    there are drafts 1, 2, .. (as many as one verification takes, decode.ROWS - 1: a lookup is not bound
+    to the K - 1 draft heads); else drafts 1..K-1 are the draft heads' argmax. Any draft keeps the output
+    exact (a draft only ever saves a forward), so the source is chosen for acceptance alone: on the
+    default-trained `small` (distilled heads, 1000-token greedy generations) the heads' drafts were accepted
+    78.5 %, lookup drafts 90 % where the 3 tokens had occurred (69 % of the rounds), the two together 83 %.
 
-        seq ... 7 3 9 4 ... 2 7 3,  t1 = 9:  (7, 3, 9) occurred, followed by 4  ->  draft 1 = 4
+        seq ... 7 3 9 4 5 ... 2 7 3,  t1 = 9:  (7, 3, 9) occurred, followed by 4 5 ..  ->  drafts 4, 5, ..
+
+    Where the occurrence is recent, the text is in a loop: the copy runs on into the round's own tokens
+    (t1, then the drafts themselves), so that a loop of period P drafts a whole round, not P - 1 tokens:
+
+        seq ... 5 7 3 8 0 2 7 3,  t1 = 8:  (7, 3, 8) occurred 5 back  ->  drafts 0 2 7 3 8 0 2
 
     Confidence (the planner's bin): LOOKUP_CONF for a lookup draft, else the draft head's softmax
     probability of its draft."""
@@ -570,23 +594,34 @@ class _Greedy:
 
     def lookup(self, win: "_Window") -> list[int]:
         """Index the tokens added since the last lookup, then -> the tokens that followed the last occurrence
-        of (the last NGRAM-1 tokens, t1), at most K-1 of them (or []). Drafts are rolled back before a lookup
-        ever indexes them, so the index holds only tokens that stay."""
-        seq, n, index = win.seq, self.NGRAM, self.index
+        of (the last NGRAM-1 tokens, t1), continued periodically past the end (see the class), at most
+        decode.ROWS - 1 of them (or []). Drafts are rolled back before a lookup ever indexes them, so the
+        index holds only tokens that stay."""
+        seq, n, index, most = win.seq, self.NGRAM, self.index, decode.ROWS - 1
         for p in range(max(self.indexed, win.start + n), len(seq)):
             index[tuple(seq[p - n:p])] = p
         self.indexed = len(seq)
         p = index.get((*seq[len(seq) - n + 1:], self.t1))
-        return seq[p:p + win.cfg.n_mtp - 1] if p is not None else []
+        if p is None:
+            return []
+        if len(seq) - p >= most:
+            return seq[p:p + most]
+        loop = seq[p:] + [self.t1]  # what followed the occurrence, up to this round: one period
+        return [loop[i % len(loop)] for i in range(most)]
 
-    def propose_draft(self, win: "_Window", j: int) -> tuple[int, float]:
-        """Draft j+1 (j = 0, 1, ..: asked in this order) of this round, and its confidence."""
+    def propose_draft(self, win: "_Window", j: int) -> tuple[int, float] | None:
+        """Draft j+1 (j = 0, 1, ..: asked in this order) of this round and its confidence, or None: no lookup
+        draft that far and j + 1 >= K (no head drafts it)."""
         if j == 0:
             self.cont = self.lookup(win)
         if j < len(self.cont):
             return self.cont[j], self.LOOKUP_CONF
+        if j >= win.cfg.n_mtp - 1:
+            return None
+        if win.head_drafts is None and win.fast():
+            win.make_head_drafts()  # (the last round's compiled call did not: a lookup round, a jump)
         if win.head_drafts is not None and j < len(win.head_drafts):
-            return win.head_drafts[j]  # made by the last round's compiled call
+            return win.head_drafts[j]
         return self.propose(win.head(j + 1))
 
     def next(self, win: "_Window") -> int:
@@ -702,7 +737,7 @@ class _Planner:
              that are often right are near paying, and one burst measures costs roughly (the default-
              trained small with distilled heads stayed off for 1000s of rounds after one unlucky burst);
              their bursts are 3x as long (more back-to-back rounds timed, after the first colder ones)
-        on:  every round verifies 1..K-1 drafts, the depth with the best worth for this round's drafts;
+        on:  every round verifies 1..D drafts, the depth with the best worth for this round's drafts;
              every `probe_every`-th round a burst of 3 plain steps (the plain cost stays fresh)
 
     Worth of a round verifying d drafts: E(d) / cost[1][d] tokens per second, E(d) = 1 + r1 + r1·r2 + ...
@@ -719,11 +754,13 @@ class _Planner:
 
     Within `on`, the depth follows how sure the draft heads are: rate(j, conf) estimates P(draft j+1
     accepted | the drafts before it accepted) for a draft whose head is `conf` sure of it (4 confidence
-    bins, priors .15/.45/.72/.92, a memory of ~30 observations per bin); drafts are proposed one by one
+    bins, priors .15/.45/.72/.92, a memory of ~30 observations per bin; greedy lookups go past the K-1
+    heads, to D = decode.ROWS - 1, and drafts past the last head share its row: a deep row of its own,
+    once unlucky, was never tried again, and its rate stuck low); drafts are proposed one by one
     while each adds 5 % of worth (a draft that could not add that even if sure to be accepted is not even
     computed: its head's matrix product is ~5 % of a `small` step). An unmeasured cost is taken from the
-    other table, else extrapolated (+25 % of a plain step per draft), and never counts as less than 1 + 0.1·d plain steps (the forward of d + 1
-    tokens alone costs that much on `small`: 0.33 / 0.38 / 0.43 ms). A planner lives as long as its model,
+    other table, else extrapolated (+25 % of a plain step per draft), and never counts as less than
+    1 + 0.1·d plain steps. A planner lives as long as its model,
     one per sampling setting (`_planner`), so a chat's short replies do not each start from the priors.
     Which drafts are verified never changes the output (greedy) or its distribution (sampling); at
     temperature > 0 it changes which random numbers are drawn, so a seed reproduces speculative samples
@@ -735,14 +772,15 @@ class _Planner:
     BURST = 3       # rounds of a probe
     BACKOFF = 0.5   # draft 1's average acceptance below which probes come ever later while off
 
-    def __init__(self, max_depth: int, memory: float = 0.97, stay: float | None = None):
+    def __init__(self, max_depth: int, memory: float = 0.97, stay: float | None = None, rows: int | None = None):
         # plain Python floats throughout: this runs every round, where a numpy call on 4 numbers costs more
         # than the arithmetic (it was 5 % of a `small` decoding step)
         self.D, self.memory = max_depth, memory
         self.stay = self.STAY if stay is None else stay  # the margin to stay on (sampling: MARGIN, see _planner)
-        self.hits = [list(self.PRIOR) for _ in range(max_depth)]    # [D][bins] decayed sums of acceptance
-        self.seen = [[1.0] * len(self.PRIOR) for _ in range(max_depth)]  # [D][bins] decayed counts
-        self.avg = [[0.3, 1.0] for _ in range(max_depth)]           # [D] (decayed sum, count) over all bins
+        R = self.R = min(max_depth, rows or max_depth)  # rate rows: draft j+1 is judged by row min(j, R - 1)
+        self.hits = [list(self.PRIOR) for _ in range(R)]    # [R][bins] decayed sums of acceptance
+        self.seen = [[1.0] * len(self.PRIOR) for _ in range(R)]  # [R][bins] decayed counts
+        self.avg = [[0.3, 1.0] for _ in range(R)]           # [R] (decayed sum, count) over all bins
         self.cost = [[None] * (max_depth + 1) for _ in range(2)]    # [after a plain / a draft round][d] seconds
         self.samples = [[[] for _ in range(max_depth + 1)] for _ in range(2)]  # the last 31 of each
         self.on, self.recheck, self.burst, self.plain = False, 0, 0, 0
@@ -755,11 +793,12 @@ class _Planner:
         return (conf >= 0.3) + (conf >= 0.6) + (conf >= 0.85)
 
     def rate(self, j: int, conf: float) -> float:
-        b = self._bin(conf)
-        return self.hits[j][b] / self.seen[j][b]
+        b, r = self._bin(conf), min(j, self.R - 1)
+        return self.hits[r][b] / self.seen[r][b]
 
     def observe(self, j: int, conf: float, accepted: float) -> None:
         """Draft j+1 (confidence conf) was verified; accepted: 0/1, or its acceptance probability."""
+        j = min(j, self.R - 1)
         b, m, hits, seen = self._bin(conf), self.memory, self.hits[j], self.seen[j]
         hits[b] = hits[b] * m + accepted  # only this bin ages: a memory of ~30 of its own observations
         seen[b] = seen[b] * m + 1
@@ -808,7 +847,8 @@ class _Planner:
             return False
         expected, chance, best = 1.0, 1.0, 0.0
         for j in range(self.D):
-            chance *= self.avg[j][0] / self.avg[j][1]
+            a = self.avg[min(j, self.R - 1)]
+            chance *= a[0] / a[1]
             expected += chance
             best = max(best, expected / self.c(1, j + 1))
         return best > (self.stay if self.on else self.MARGIN) / self.c(0, 0)
@@ -838,7 +878,10 @@ class _Planner:
         for j in range(D):
             if j and (expected + chance) / self.c(1, j + 1) <= best_worth * 1.05:
                 break  # even a sure draft j+1 would not add 5 %: its head is not computed at all
-            q, conf = rule.propose_draft(win, j)
+            prop = rule.propose_draft(win, j)
+            if prop is None:
+                break
+            q, conf = prop
             props.append((q, conf))
             chance *= self.rate(j, conf)
             expected += chance
@@ -864,14 +907,19 @@ def _planner(model, setting: tuple) -> "_Planner":
     settings are kept per model (the oldest goes). Sampling planners stay on only at MARGIN, as they switch
     on: a sampled round's cost varies more (a rejection adds the residual's draw, none of it compiled), and
     with STAY the distilled small sampled at 0.94x plain under load 4."""
+    greedy, K = setting[0] == 0, model.config.n_mtp
+
+    def make():  # greedy: lookup drafts go up to decode.ROWS - 1 deep, judged by the last head's rates
+        return _Planner(decode.ROWS - 1 if greedy else K - 1, stay=_Planner.STAY if greedy else _Planner.MARGIN,
+                        rows=K - 1)
     try:
         plans = _PLANNERS.setdefault(model, {})
     except TypeError:  # not weakly referenceable: a fresh planner every call
-        return _Planner(model.config.n_mtp - 1, stay=_Planner.STAY if setting[0] == 0 else _Planner.MARGIN)
+        return make()
     if setting not in plans:
         if len(plans) >= 8:
             del plans[next(iter(plans))]
-        plans[setting] = _Planner(model.config.n_mtp - 1, stay=_Planner.STAY if setting[0] == 0 else _Planner.MARGIN)
+        plans[setting] = make()
     return plans[setting]
 
 

@@ -407,6 +407,7 @@ def test_lookup_drafts_catch_repeating_text(steady_costs):
     g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
     assert g.ids == plain.ids and g.ids[100:104] == g.ids[104:108]
     assert g.acceptance > 0.8 and g.forwards < 0.7 * len(g.ids)
+    assert g.drafted > (TINY.n_mtp - 1) * g.draft_rounds  # rounds verify more drafts than the K - 1 heads make
 
 
 def test_lookup_finds_the_last_occurrence():
@@ -414,11 +415,13 @@ def test_lookup_finds_the_last_occurrence():
     class Win:
         cfg, start = tiny_config(n_mtp=3), 0
     rule, win = gen._Greedy(), Win()
-    win.seq = [7, 3, 9, 4, 5, 7, 3, 9, 6, 1, 2, 7, 3]
+    assert gen.decode.ROWS - 1 == 7  # drafts a lookup gives at most: what one verification takes
+    win.seq = [7, 3, 9, 4, 5, 7, 3, 9, 6, 1, 2, 4, 4, 4, 4, 4, 7, 3]
     rule.prepare(win, 9)
-    assert rule.lookup(win) == [6, 1]       # the later of the two (7, 3, 9)
+    assert rule.lookup(win) == [6, 1, 2, 4, 4, 4, 4]  # after the later of the two (7, 3, 9)
     rule.prepare(win, 8)
     assert rule.lookup(win) == []
     win.seq += [8, 0, 2, 7, 3]
     rule.prepare(win, 8)
-    assert rule.lookup(win) == [0, 2]       # found among the tokens added since
+    assert rule.lookup(win) == [0, 2, 7, 3, 8, 0, 2]  # found among the tokens added since; 5 back: a loop
+    #                                                 (of period 5) runs on into this round's own tokens
