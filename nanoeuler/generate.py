@@ -420,13 +420,13 @@ class _Window:
         self.head_drafts = made[1] if made is not None and made[0] == n - 1 else None
         return h, logits, best
 
-    def make_head_drafts(self) -> None:
-        """head_drafts at the last position, in one compiled call (fast path only)."""
+    def make_head_drafts(self, n: int) -> None:
+        """head_drafts of heads 1..n at the last position, in one compiled call (fast path only)."""
         pool = decode._POOL
         pooled = pool.acquire()
         try:
             x = np.ascontiguousarray(self.h[None], dtype=np.float32)
-            t, conf = _drafts(pool.ctl, pooled, self._drafting, x, self.cfg.vocab_size, len(self._drafting))
+            t, conf = _drafts(pool.ctl, pooled, self._drafting, x, self.cfg.vocab_size, n)
         finally:
             if pooled:
                 pool.release()
@@ -618,8 +618,8 @@ class _Greedy:
             return self.cont[j], self.LOOKUP_CONF
         if j >= win.cfg.n_mtp - 1:
             return None
-        if win.head_drafts is None and win.fast():
-            win.make_head_drafts()  # (the last round's compiled call did not: a lookup round, a jump)
+        if (win.head_drafts is None or j >= len(win.head_drafts)) and win.fast():
+            win.make_head_drafts(j + 1)  # (the last round's compiled call did not: a lookup round, a jump)
         if win.head_drafts is not None and j < len(win.head_drafts):
             return win.head_drafts[j]
         return self.propose(win.head(j + 1))
@@ -842,12 +842,13 @@ class _Planner:
     def pays(self) -> bool:
         """Does speculating, round after round, beat plain steps (by MARGIN) at the average acceptance? Not
         before 5 plain steps are timed (a first plain step that lost the CPU for 20 ms once made every
-        verification look cheap)."""
+        verification look cheap). Counts the depths the draft heads reach only (the rate rows): deeper
+        lookups come now and then, and are a bonus on top."""
         if len(self.samples[0][0]) < 5:
             return False
         expected, chance, best = 1.0, 1.0, 0.0
-        for j in range(self.D):
-            a = self.avg[min(j, self.R - 1)]
+        for j in range(self.R):
+            a = self.avg[j]
             chance *= a[0] / a[1]
             expected += chance
             best = max(best, expected / self.c(1, j + 1))
