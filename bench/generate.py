@@ -14,7 +14,7 @@ rest were plain steps: the planner's fallback); `accept` the share of verified d
 Random-init weights show the fallback (drafts never pay there); the speed-up needs a trained model: pass one
 with --ckpt (its preset is read from the checkpoint). --full adds the slow full-recomputation reference.
 `jumps` counts the window refills of one run: a generation longer than the context recomputes the last
-ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~2.8 ms, ~25 plain steps), the same in both modes, so
+ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~1.4 ms at 1 thread, ~20 plain steps), the same in both modes, so
 they dilute the speed-up; `--new-tokens 58` keeps the default prompt (70 tokens on small) inside the window.
 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
