@@ -103,7 +103,7 @@ def rollouts(model, prompts: np.ndarray, n_new: int, temperature: float, rng: np
     if L > cfg.ctx_len:
         raise UserError(f"a rollout of {L} tokens does not fit the context of {cfg.ctx_len}")
     P = {n: p.astype(np.float32) for n, p in model.params.items()}  # float16 models: as decoding computes
-    W = fuse_weights(cfg, P)
+    W = fuse_weights(cfg, P, batched=True)
     W0 = head_matrix(P, 0)
     tokens = np.zeros((N, L), dtype=np.int64)
     tokens[:, :Lp] = prompts

@@ -91,11 +91,12 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     return KVCache(list(k), list(v), cos, sin, store=(k, v, 0))
 
 
-def fuse_weights(cfg: Config, P: dict) -> dict:
+def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
     """Inference layout of the weights: q/k/v stacked into one matrix per layer, gate/up into one, and the K
     heads into one [K·V, d], so a decoding step makes 4 matmuls per layer plus 1 for the heads. Each matrix
     is kept as (W [out, in], W.T made contiguous [in, out] or None, W as fast/decode.py reads it (its panels,
-    decode.pack) or None), see `linear` (serve's batcher reads W.T for more rows than the kernels take);
+    decode.pack) or None), see `linear`; the copy W.T only where there is no kernel form, or `batched`
+    (serve's batcher and the drafts' rollouts read it for more rows than the kernels take);
     W["decode"] holds the fused step's weights (euler models in float32 or float16 while
     decode.ENABLED), each kind of matrix stacked over the layers, and W's per-layer matrices are views of them.
 
@@ -108,12 +109,12 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     def f32(a):  # the values the NumPy path computes with
         return decode.widen(a) if half else a
 
-    def kernel_form(a):  # as the fused kernels read it: panels (decode.pack) of float32, or of float16 bits
-        return None if not kernels else decode.pack(a.view(np.uint16) if half else a)
+    def kernel_form(a, out=None):  # as the fused kernels read it: panels (decode.pack) of float32 or float16 bits
+        return None if not kernels else decode.pack(a.view(np.uint16) if half else a, out)
 
     def pair(W, Wk=None):
         Wk = Wk if Wk is not None or not kernels else decode.pack(np.ascontiguousarray(W))
-        return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW else None), Wk
+        return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW and (batched or Wk is None) else None), Wk
     if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
         from . import gpt2_cached
         return gpt2_cached.fuse_weights(cfg, {name: f32(p) for name, p in P.items()}, pair)
@@ -132,13 +133,18 @@ def fuse_weights(cfg: Config, P: dict) -> dict:
     if kernels:  # one array [layers, out, in] per kind, its rows the parts stacked; their kernel forms
         # [layers, panels, in, PANEL] all in one buffer (one allocation of > 4 MB: NumPy asks the kernel for
         # huge pages, fewer TLB misses per token: big f32 1268 -> 1049 µs a token at 1 thread)
-        stacked = {name: np.stack([np.concatenate(ps) for ps in parts]) for name, parts in mats.items()}
-        forms = {name: kernel_form(S) for name, S in stacked.items()}
-        buf, off = np.empty(sum(f.size for f in forms.values()), forms["qkv"].dtype), 0
-        for name, f in forms.items():
-            forms[name] = buf[off:off + f.size].reshape(f.shape)
-            forms[name][...] = f
-            off += f.size
+        stacked = {}
+        for name, parts in mats.items():
+            stacked[name] = S = np.empty((len(layers), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1]),
+                                         P["embed.weight"].dtype)
+            for i, ps in enumerate(parts):
+                np.concatenate(ps, out=S[i])
+        shapes = {name: decode.packed_shape(S.shape) for name, S in stacked.items()}
+        buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), np.uint16 if half else np.float32)
+        forms, off = {}, 0
+        for name, sh in shapes.items():
+            forms[name] = kernel_form(stacked[name], buf[off:off + np.prod(sh)].reshape(sh))
+            off += np.prod(sh)
     for name, parts in mats.items():
         if kernels:
             S32, Sk = f32(stacked[name]), forms[name]

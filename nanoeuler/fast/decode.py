@@ -205,17 +205,28 @@ PANEL = LANES * VECS  # outputs per panel, the unit of work a thread claims
 MAX_R = 4             # rows of X sharing one pass over a panel (4 rows x 4 vectors: 16 accumulators in registers)
 
 
-def pack(W: np.ndarray) -> np.ndarray:
+def packed_shape(shape: tuple) -> tuple:
+    """The shape of pack(W) for W of `shape`.  packed_shape((3, 100, 8)) -> (3, 2, 8, PANEL)"""
+    *lead, O, I = shape
+    return (*lead, -(-O // PANEL), I, PANEL)
+
+
+def pack(W: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The kernel form of W [..., out, in] (float32, or float16 bits as uint16): panels
     [..., ceil(out / PANEL), in, PANEL], panel b holding outputs b·PANEL .. b·PANEL + PANEL - 1 input by input
     (zeros pad the last one), so that a panel is one contiguous stream.
 
-        pack(W)[..., b, i, j] == W[..., b·PANEL + j, i]"""
+        pack(W)[..., b, i, j] == W[..., b·PANEL + j, i]
+
+    out: where to write it (C-contiguous, packed_shape(W.shape), W's dtype), else a new array."""
     *lead, O, I = W.shape
-    nb = -(-O // PANEL)
-    padded = np.zeros((*lead, nb * PANEL, I), W.dtype)
-    padded[..., :O, :] = W
-    return np.ascontiguousarray(padded.reshape(*lead, nb, PANEL, I).swapaxes(-1, -2))
+    out = np.empty(packed_shape(W.shape), W.dtype) if out is None else out
+    full = O // PANEL  # whole panels; then the last one, zero-padded
+    out[..., :full, :, :] = W[..., :full * PANEL, :].reshape(*lead, full, PANEL, I).swapaxes(-1, -2)
+    if full < out.shape[-3]:
+        out[..., full, :, :] = 0
+        out[..., full, :, :O - full * PANEL] = W[..., full * PANEL:, :].swapaxes(-1, -2)
+    return out
 
 
 def _panel_intrinsic(rows: int, half: bool):

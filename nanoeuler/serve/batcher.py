@@ -122,7 +122,7 @@ class Batcher:
         cfg = self.cfg = model.config
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
-        self.W = fuse_weights(cfg, model.params)
+        self.W = fuse_weights(cfg, model.params, batched=True)
         dtype = model.dtype
         shape = (cfg.n_layers, self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
         self.kv = (np.zeros(shape, dtype), np.zeros(shape, dtype))  # [layers, ...]: fast/decode.py reads them whole
