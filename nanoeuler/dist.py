@@ -432,6 +432,9 @@ def sum_of_squares(x: np.ndarray) -> float:
     if _sumsq is None:
         import numba
 
+        from .numba_cache import install
+        install()
+
         @numba.njit(cache=True)
         def kernel(x):
             acc = np.zeros(8)           # 8 running sums, element i into sum i % 8

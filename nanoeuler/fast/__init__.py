@@ -11,6 +11,10 @@ against PyTorch by bench/train_speed.py.
 - decode.py   inference: the fused KV-cache decoding step (generate.py's forward for 1..8 new tokens),
               float32 or float16 weights, matrix-vector products shared by work-stealing threads
 """
-from .engine import Workspace, grad_buffers, loss, loss_and_grads
+from ..numba_cache import install
+
+install()  # before any kernel is compiled or loaded from the cache (see numba_cache.py)
+
+from .engine import Workspace, grad_buffers, loss, loss_and_grads  # noqa: E402
 
 __all__ = ["Workspace", "grad_buffers", "loss", "loss_and_grads"]

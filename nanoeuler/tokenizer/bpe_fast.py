@@ -21,6 +21,10 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
+from ..numba_cache import install
+
+install()  # before any kernel is compiled or loaded from the cache (see numba_cache.py)
+
 OTHER, LETTER, NUMBER, SPACE, CONT = 0, 1, 2, 3, 4
 MIX = np.uint64(0x9E3779B97F4A7C15)
 FNV_OFFSET = np.uint64(0xCBF29CE484222325)
