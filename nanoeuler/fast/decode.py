@@ -64,7 +64,7 @@ from numba.extending import intrinsic, overload
 
 from .vmath import vexp
 
-ROWS = 8          # most rows `linear` and serve's batcher send to the kernels (more: BLAS is as fast)
+ROWS = 8          # most rows `linear` and serve's batcher send to the fused step (a round: t1 + 7 drafts)
 CHUNK = 32        # a prompt's tokens per fused call (generate.forward_hidden)
 ENABLED = True    # False: every decoding step takes generate.py's NumPy reference path (tests, bench)
 FAST = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; no assumptions on inf/nan
