@@ -113,7 +113,7 @@ def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
         return None if not kernels else decode.pack(a.view(np.uint16) if half else a, out)
 
     def pair(W, Wk=None):
-        Wk = Wk if Wk is not None or not kernels else decode.pack(np.ascontiguousarray(W))
+        Wk = Wk if Wk is not None or not kernels else decode.pack(W)
         return W, (np.ascontiguousarray(W.T) if W.shape[0] <= NARROW and (batched or Wk is None) else None), Wk
     if cfg.arch == "gpt2":  # LayerNorm, biases, learned positions, tied head: nanoeuler/gpt2_cached.py
         from . import gpt2_cached
@@ -122,10 +122,11 @@ def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
     heads = np.concatenate([P[f"heads.{k}.weight"] for k in range(K)])  # [K·V, d]
     heads32 = f32(heads)
     F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, kernel_form(heads))}
+    each = kernel_form(heads.reshape(K, V, -1))  # [K, panels, d, PANEL]: head k's kernel form is each[k]
     for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], kernel_form(heads[k * V:(k + 1) * V]))
-    if kernels:  # heads 1..K-1 for speculative rounds' drafts: [K-1, panels, d, PANEL]
-        F["drafting"] = kernel_form(heads[V:].reshape(K - 1, V, heads.shape[1]))
+        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], None if each is None else each[k])
+    if kernels:  # heads 1..K-1 for speculative rounds' drafts
+        F["drafting"] = each[1:]
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
@@ -342,6 +343,7 @@ class _Window:
         self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
         self.want_draft = 0  # `feed` makes the greedy drafts of heads 1..want_draft too (see `advance`)
+        self._head_drafts = None  # (row, drafts) the last `advance` made, for `keep`
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fuse_weights(self.cfg, self.P)
         self._refill()
@@ -453,8 +455,8 @@ class _Window:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
         self._set(h, head0, best)
-        d1 = getattr(self, "_head_drafts", None)
-        self.head_drafts = d1[1] if d1 is not None and d1[0] == row else None
+        made = self._head_drafts
+        self.head_drafts = made[1] if made is not None and made[0] == row else None
 
 
 @njit(**decode.OPTS)
@@ -901,9 +903,9 @@ class _Planner:
         return props, depth
 
     def heads_wanted(self) -> int:
-        """How many draft heads' drafts to make ahead (`_round_kernel`): 1, or all where rounds often ask for
-        draft 2 (then made in NumPy, a cold head product costs ~25 µs; in the call ~10 µs)."""
-        return 1 if self.looked < 1.5 else self.D
+        """How many draft heads' drafts to make ahead (`_round_kernel`): 1, or all (the R rate rows are the
+        K - 1 heads) where rounds often ask for draft 2 (made apart, `make_head_drafts`, it is a second call)."""
+        return 1 if self.looked < 1.5 else self.R
 
 
 _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sampling setting: _Planner}

@@ -191,10 +191,10 @@ def _f32_at(typingctx, addr):
 # ---- small pieces (inlined into the kernels) -------------------------------------------------------
 @njit(inline="always", **OPTS)
 def _dot(w, x, n):
-    """Σ w[:n]·x[:n] in float32 (w float32 or float16 bits)."""
+    """Σ w[:n]·x[:n] in float32."""
     s = np.float32(0.0)
     for i in range(n):
-        s += to_f32(w[i]) * x[i]
+        s += w[i] * x[i]
     return s
 
 
@@ -230,9 +230,9 @@ def pack(W: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def _panel_intrinsic(rows: int, half: bool):
-    """An intrinsic (w, x, sx, t, n_in) running one panel for `rows` rows of X, all addresses:
+    """An intrinsic (w, x, t, n_in) running one panel for `rows` rows of X, all addresses:
 
-        t[r, j] = Σ_i panel[i, j] · x[r·sx + i]      r < rows, j < PANEL, i < n_in (>= 1)
+        t[r, j] = Σ_i panel[i, j] · x[r·n_in + i]      r < rows, j < PANEL, i < n_in (>= 1)
 
     with the panel [n_in, PANEL] float32 (or float16 bits) at w, t [rows, PANEL] float32. One loop over i
     keeps rows x VECS accumulator vectors in registers: per input i it loads the panel's PANEL weights once
@@ -245,7 +245,7 @@ def _panel_intrinsic(rows: int, half: bool):
     elt = ir.IntType(16) if half else f32
 
     def codegen(context, builder, sig, args):
-        w, x, sx, t, n_in = args
+        w, x, t, n_in = args
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
                                              f"llvm.fma.v{LANES}f32")
         wp, xp, tp = (builder.inttoptr(w, elt.as_pointer()), builder.inttoptr(x, f32.as_pointer()),
@@ -269,7 +269,7 @@ def _panel_intrinsic(rows: int, half: bool):
                 ws.append(builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4))
         new = []
         for r in range(rows):
-            xr = builder.load(builder.gep(xp, [builder.add(builder.mul(ir.Constant(i64, r), sx), i)]))
+            xr = builder.load(builder.gep(xp, [builder.add(builder.mul(ir.Constant(i64, r), n_in), i)]))
             xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vec, ir.Undefined), xr,
                                                                ir.Constant(ir.IntType(32), 0)),
                                         ir.Constant(vec, ir.Undefined), splat)
@@ -285,8 +285,8 @@ def _panel_intrinsic(rows: int, half: bool):
             builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(i64, k * LANES)]), vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def typer(typingctx, w, x, sx, t, n_in):
-        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+    def typer(typingctx, w, x, t, n_in):
+        return types.void(types.int64, types.int64, types.int64, types.int64), codegen
     typer.__name__ = f"_panel{rows}_{'f16' if half else 'f32'}"
     return intrinsic(typer)
 
@@ -296,25 +296,25 @@ _h1, _h2, _h3, _h4 = (_panel_intrinsic(r, True) for r in range(1, 5))
 
 
 @njit(inline="always", **OPTS)
-def _panel(half, k, w, x, sx, t):
-    """t[:k] = the panel at w for rows x .. (k <= MAX_R of them, sx floats apart; see _panel_intrinsic)."""
+def _panel(half, k, w, x, t, n_in):
+    """t[:k] = the panel at w for rows x .. (k <= MAX_R of them, n_in floats each; see _panel_intrinsic)."""
     if half:
         if k == 4:
-            _h4(w, x, sx, t, sx)
+            _h4(w, x, t, n_in)
         elif k == 3:
-            _h3(w, x, sx, t, sx)
+            _h3(w, x, t, n_in)
         elif k == 2:
-            _h2(w, x, sx, t, sx)
+            _h2(w, x, t, n_in)
         else:
-            _h1(w, x, sx, t, sx)
+            _h1(w, x, t, n_in)
     elif k == 4:
-        _p4(w, x, sx, t, sx)
+        _p4(w, x, t, n_in)
     elif k == 3:
-        _p3(w, x, sx, t, sx)
+        _p3(w, x, t, n_in)
     elif k == 2:
-        _p2(w, x, sx, t, sx)
+        _p2(w, x, t, n_in)
     else:
-        _p1(w, x, sx, t, sx)
+        _p1(w, x, t, n_in)
 
 
 @njit(**OPTS)
@@ -329,7 +329,7 @@ def _gemv_panel(half, Wa, Xa, Ya, n, O, I, add, b, T):
     r = 0
     while r < n:
         k = min(MAX_R, n - r)
-        _panel(half, k, w, Xa + r * I * 4, I, T.ctypes.data)
+        _panel(half, k, w, Xa + r * I * 4, T.ctypes.data, I)
         for q in range(k):
             y = Y[r + q]
             if add:
