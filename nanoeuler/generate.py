@@ -290,8 +290,24 @@ def token_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int | None 
 
 def draw_token(p: np.ndarray, rng: np.random.Generator) -> int:
     """One token from the distribution p [V] (inverse CDF, one uniform draw).  draw_token([0, 1, 0], rng) -> 1"""
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+    return int(_inverse_cdf(np.asarray(p, dtype=np.float64), rng.random()))
+
+
+@njit(cache=True)
+def _inverse_cdf(p, r):
+    """The first i with cdf[i] > r·cdf[-1], cdf = np.cumsum(p) (the same sums, in the same order: the same
+    bits), at most len(p) - 1; as np.searchsorted(cdf, r * cdf[-1], side="right") but without the cdf array
+    (V 4096: 5 µs, NumPy's cumsum alone 15)."""
+    total = 0.0
+    for i in range(p.shape[0]):
+        total += p[i]
+    u = r * total
+    c = 0.0
+    for i in range(p.shape[0]):
+        c += p[i]
+        if c > u:
+            return i
+    return p.shape[0] - 1
 
 
 def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,

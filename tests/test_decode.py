@@ -256,3 +256,39 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     want = decode_step(CFG, W, list(k2), list(v2), cache.cos, cache.sin, tokens, pos)
     assert rel_err(got, want) <= 1e-5
     assert rel_err(k, k2) <= 1e-5 and rel_err(v, v2) <= 1e-5  # the new keys and values where the reference put them
+
+
+def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(monkeypatch):
+    """Many rows at long positions (serve's batcher under load): the attention units go to the pool's threads
+    (one pooled job more per layer than a short step), the result equals the NumPy reference, and with one
+    thread it is the same bit for bit."""
+    from nanoeuler.serve.batcher import decode_step
+    cfg = tiny_config(vocab_size=53, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=256, ffn_hidden=40)
+    m = model(cfg, seed=3)
+    rng = np.random.default_rng(8)
+    W = weights(m, True, monkeypatch)
+    n = 24
+    tokens, pos = rng.integers(0, cfg.vocab_size, n), rng.integers(100, cfg.ctx_len, n)
+    assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= decode.POOLED_ATTENTION
+    shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    cos, sin = new_cache(cfg).cos, new_cache(cfg).sin
+    ctl = decode._POOL.ctl
+
+    def run(threads, rows):
+        decode.set_threads(threads)
+        kk, vv = k.copy(), v.copy()
+        g0 = ctl[decode.GEN]
+        h = decode.forward_rows(cfg, W["decode"], tokens[rows], pos[rows], np.arange(n)[rows], kk, vv, cos, sin)
+        return h, kk, vv, ctl[decode.GEN] - g0
+    old = decode.get_threads()
+    try:
+        one, k1, v1, _ = run(1, slice(None))
+        two, k2, v2, jobs = run(2, slice(None))
+        _, _, _, jobs_short = run(2, slice(0, 1))  # one row: its attention stays on the calling thread
+    finally:
+        decode.set_threads(old)
+    assert jobs - jobs_short == cfg.n_layers
+    assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
+    want = decode_step(cfg, W, list(k.copy()), list(v.copy()), cos, sin, tokens, pos)
+    assert rel_err(two, want) <= 1e-5

@@ -201,6 +201,21 @@ def test_token_probs_examples():
     assert {draw_token(np.array([0.0, 1.0, 0.0]), rng) for _ in range(50)} == {1}
 
 
+def test_draw_token_is_the_inverse_cdf_of_numpy_cumsum():
+    """The compiled draw picks what np.searchsorted over np.cumsum picks, for every draw (seeded sampling
+    replays the texts it made before), zeros, unnormalised p and the extreme draws included."""
+    rng = np.random.default_rng(1)
+    for t in range(3000):
+        V = int(rng.integers(1, 40))
+        p = rng.random(V) * (rng.random(V) < 0.5)
+        p[0] += p.sum() == 0
+        p = p / p.sum() if t % 2 else p
+        r = (0.0, 1 - 2.0 ** -53, rng.random())[t % 3]
+        cdf = np.cumsum(p)
+        want = int(min(np.searchsorted(cdf, r * cdf[-1], side="right"), V - 1))
+        assert gen._inverse_cdf(p, r) == want
+
+
 # ---- speculative sampling is exact: chi-square against the enumerated plain-sampling distribution ----
 def chi2_sf(x: float, df: int) -> float:
     """P(chi-square with df degrees of freedom > x): the regularized upper incomplete gamma Q(df/2, x/2)

@@ -247,7 +247,7 @@ def test_unknown_route_and_method(server):
 def test_full_queue_429_and_disconnect_frees_rows(ckpt):
     from nanoeuler.serve.app import create_app
     d, model, tok = ckpt
-    app = create_app(model, tok, "tiny", max_batch=1, max_queue=1, max_tokens_cap=5000)
+    app = create_app(model, tok, "tiny", max_batch=1, max_queue=1, max_tokens_cap=10 ** 6)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5000, "temperature": 1, "stream": True, "ignore_eos": True}
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as first:
@@ -266,8 +266,8 @@ def test_full_queue_429_and_disconnect_frees_rows(ckpt):
         assert h["active"] == 0 and h["queued"] == 0
         assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3}).status_code == 200
         # a non-streaming client that gives up: its job is cancelled too (checked every half second)
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        with pytest.raises(httpx.ReadTimeout):  # (10^6 tokens: minutes, whatever the machine)
+            http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 10 ** 6}, timeout=0.5)
         deadline = time.time() + 5
         while (h := http.get("/health").json())["active"] and time.time() < deadline:
             time.sleep(0.05)

@@ -83,6 +83,35 @@ def test_greedy_alone_equals_batched_equals_generate(trained, which):
         assert out.reason == "length"
 
 
+def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
+    """More streams than decode.ROWS still decode in the fused step, one prompt at a time prefilled through it:
+    a request's logprobs are the same bits alone as among 12 others that join at different steps."""
+    from nanoeuler.fast import decode
+    ps = prompts(12, seed=3)
+    specs = [dict(ids=p, max_tokens=30, logprobs=1) for p in ps]
+
+    class Scored(Collect):
+        def __call__(self, kind, *args):
+            super().__call__(kind, *args)
+            if kind == "token":
+                self.scores = getattr(self, "scores", []) + [(args[0], args[1], args[2])]
+    outs = [Scored() for _ in specs]
+    b = Batcher(trained, max_batch=12)
+    for i, (spec, out) in enumerate(zip(specs, outs)):
+        b.submit(Job(on_event=out, **spec))
+        b.step() if i % 4 == 3 else None
+    while b.step():
+        pass
+    assert max(b.batch_sizes) > decode.ROWS and "decode" in b.W
+    for spec, out in zip(specs, outs):
+        alone = Scored()
+        b1 = Batcher(trained, max_batch=1)
+        b1.submit(Job(on_event=alone, **spec))
+        while b1.step():
+            pass
+        assert out.scores == alone.scores
+
+
 def test_seeded_sampling_equals_generate():
     model = Model.init(CFG, seed=5)  # untrained: sampling has real choices to make
     ps = prompts(4, seed=1)

@@ -1,4 +1,5 @@
-"""The fused decoding step: the KV-cache forward of 1..ROWS new tokens of one sequence in one numba call.
+"""The fused decoding step: the KV-cache forward of a few new tokens (of one sequence, or one per sequence of
+serve's batch) in one numba call.
 
 `generate.forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
 calls per token; at one token a step each of them is too short for BLAS or NumPy to pay for its own
@@ -14,7 +15,8 @@ the same mathematics in one compiled call, layer after layer on preallocated row
 
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 generate.py's `forward_hidden` and `linear` call them for one sequence of up to ROWS rows (plain decoding,
-speculative verification, short prompts); longer blocks and batches stay on the NumPy path.
+speculative verification, a prompt CHUNK rows at a time); serve's batcher for a row per stream, any number
+(its prompts one at a time); batches of sequences in generate stay on the NumPy path.
 
 Matrix products: a weight matrix W [out, in] is kept in kernel form (`pack`): panels of PANEL = 64
 outputs, each stored input by input, [in, 64]. A panel is one contiguous stream, and the kernel
@@ -44,7 +46,9 @@ each panel runs once; see `_gemv`). The caller never waits for a helper to *arri
 than its cores a descheduled helper simply does fewer panels, where a fork-join pool (OpenMP, numba's
 `prange`) stalls at every product until its last thread is scheduled again (measured here: 7 tokens/s
 instead of 420 on `big` at load 4.6 on 2 cores). Every output is computed whole by one thread with the
-same code, so the result does not depend on the number of threads, bit for bit.
+same code, so the result does not depend on the number of threads, bit for bit. A step of many rows at
+long positions (serve's streams) shares its attention the same way, a row and a key/value head per unit
+(`_attention`; `big`, 16 rows at position 120, 2 threads: the step 1.85 -> 1.49 ms).
 
 Shapes: n new rows; L0 tokens already cached; d width; H / Hkv heads; hd head width; F SwiGLU width.
 """
@@ -64,7 +68,7 @@ from numba.extending import intrinsic, overload
 
 from .vmath import vexp
 
-ROWS = 8          # most rows `linear` and serve's batcher send to the fused step (a round: t1 + 7 drafts)
+ROWS = 8          # most rows `linear` sends to the kernels (a speculative round: t1 + 7 drafts)
 CHUNK = 32        # a prompt's tokens per fused call (generate.forward_hidden)
 ENABLED = True    # False: every decoding step takes generate.py's NumPy reference path (tests, bench)
 FAST = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; no assumptions on inf/nan
@@ -186,6 +190,13 @@ def _f32_at(typingctx, addr):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
     return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def _i64_at(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(64)))
+    return types.CPointer(types.int64)(types.int64), codegen
 
 
 # ---- small pieces (inlined into the kernels) -------------------------------------------------------
@@ -352,8 +363,10 @@ def _kind_impl(W):
 
 
 # The control block shared by the threads (int64): the claim word and the done count sit on their own
-# cache lines; the descriptor says what the current job is.
-CLAIM, DONE, STOP, GEN, DESC = 0, 8, 16, 24, 32   # DESC: kind, W, out, in, X, n, Y, add
+# cache lines; the descriptor says what the current job is: a matrix product (kind 0: float32 weights,
+# 1: float16 bits; then W, out, in, X, n, Y, add) or a step's attention (kind ATTEND; see _attention).
+CLAIM, DONE, STOP, GEN, DESC = 0, 8, 16, 24, 32
+ATTEND = 2
 SPIN = 8192  # polls (with `pause`: ~0.2-1 ms) a waiting thread spins before it yields its core to others
 
 
@@ -362,15 +375,19 @@ def _run_claimed(ctl, w):
     """Claim panels of the job in the descriptor, if the claim word is still w (its next panel on): a
     quarter of those left (at least one), so that a job of many panels takes few claims ("guided"
     scheduling: each claim is a cache line passed between cores). Whether the claim succeeded."""
-    half, Wa, O, I = ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3]
-    Xa, n, Ya, add = ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] != 0
+    kind = ctl[DESC]
     b, nb = w & 0xFFFF, (w >> 16) & 0xFFFF
     k = max(1, (nb - b) >> 2)
     if not _cas(ctl, CLAIM, w, w + k):
         return False
-    T = np.empty((MAX_R, PANEL), np.float32)
-    for j in range(b, b + k):
-        _gemv_panel(half, Wa, Xa, Ya, n, O, I, add, j, T)
+    if kind == ATTEND:
+        _attend_units(ctl, b, b + k)
+    else:
+        Wa, O, I = ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3]
+        Xa, n, Ya, add = ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] != 0
+        T = np.empty((MAX_R, PANEL), np.float32)
+        for j in range(b, b + k):
+            _gemv_panel(kind, Wa, Xa, Ya, n, O, I, add, j, T)
     _add(ctl, DONE, k)
     return True
 
@@ -396,6 +413,12 @@ def _gemv(ctl, pooled, W, X, Y, add):
         return
     ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = half, W.ctypes.data, O, I
     ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = X.ctypes.data, n, Y.ctypes.data, add
+    _run_pooled(ctl, nb)
+
+
+@njit(**OPTS)
+def _run_pooled(ctl, nb):
+    """Run the job in the descriptor, nb units (panels, or attention units), with whichever helpers are awake."""
     _store(ctl, DONE, 0)
     g = ctl[GEN] + 1
     ctl[GEN] = g
@@ -641,6 +664,60 @@ def _attend(q, K, V, Tk, scale, p, out):
         out[i] *= inv
 
 
+# ---- a step's attention, one unit (a row and a key/value head) at a time ----------------------------
+POOLED_ATTENTION = 1 << 17  # multiply-adds (positions x heads x hd, all rows) from which helpers share it
+
+
+@njit(inline="always", **OPTS)
+def _attend_unit(t, a, K, V, pos, slot, H, u, p):
+    """Unit u = r·Hkv + g: row r's query heads of group g (hh // G == g) attend to key/value head g of its
+    cache row, positions 0 .. pos[r]. t [n, (H + 2·Hkv)·hd] the row's q (rotated) first; a [n, H·hd] out;
+    K, V [B, Hkv, max_len, hd] one layer's cache; p [>= pos[r] + 1] scratch."""
+    Hkv, hd = K.shape[1], K.shape[3]
+    r, g = u // Hkv, u % Hkv
+    G = H // Hkv
+    scale = np.float32(1.0 / np.sqrt(hd))
+    for hh in range(g * G, (g + 1) * G):
+        _attend(t[r, hh * hd:(hh + 1) * hd], K[slot[r], g], V[slot[r], g], pos[r] + 1, scale, p,
+                a[r, hh * hd:(hh + 1) * hd])
+
+
+@njit(**OPTS)
+def _attend_units(ctl, u0, u1):
+    """Units u0 .. u1 - 1 of the attention job in the descriptor (a helper's claim; see _attention)."""
+    ta, tw, aa, ka, va = ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3], ctl[DESC + 4], ctl[DESC + 5]
+    pa, sa, H, Hkv = ctl[DESC + 6], ctl[DESC + 7], ctl[DESC + 8], ctl[DESC + 9]
+    hd, L, B, n = ctl[DESC + 10], ctl[DESC + 11], ctl[DESC + 12], ctl[DESC + 13]
+    t, a = carray(_f32_at(ta), (n, tw)), carray(_f32_at(aa), (n, H * hd))
+    K, V = carray(_f32_at(ka), (B, Hkv, L, hd)), carray(_f32_at(va), (B, Hkv, L, hd))
+    pos, slot = carray(_i64_at(pa), n), carray(_i64_at(sa), n)
+    p = np.empty(L, np.float32)
+    for u in range(u0, u1):
+        _attend_unit(t, a, K, V, pos, slot, H, u, p)
+
+
+@njit(**OPTS)
+def _attention(ctl, pooled, t, a, K, V, pos, slot, H, p):
+    """Every row's attention of one layer (see _attend_unit), units shared with the helpers (as the panels
+    of a matrix product) when there is enough of it: a batch of serve's streams, not one sequence's step."""
+    n, Hkv, hd = t.shape[0], K.shape[1], K.shape[3]
+    units = n * Hkv
+    work = 0
+    for r in range(n):
+        work += (pos[r] + 1) * H * hd
+    if pooled and units >= 2 and work >= POOLED_ATTENTION and t.flags.c_contiguous and a.flags.c_contiguous \
+            and K.flags.c_contiguous and V.flags.c_contiguous:
+        ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = ATTEND, t.ctypes.data, t.shape[1], a.ctypes.data
+        ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = K.ctypes.data, V.ctypes.data, \
+            pos.ctypes.data, slot.ctypes.data
+        ctl[DESC + 8], ctl[DESC + 9], ctl[DESC + 10], ctl[DESC + 11] = H, Hkv, hd, K.shape[2]
+        ctl[DESC + 12], ctl[DESC + 13] = K.shape[0], n
+        _run_pooled(ctl, units)
+        return
+    for u in range(units):
+        _attend_unit(t, a, K, V, pos, slot, H, u, p)
+
+
 # ---- the kernels ---------------------------------------------------------------------------------
 @njit(**OPTS)
 def gemv(ctl, pooled, W, X, out):
@@ -665,8 +742,7 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
     n, d = tokens.shape[0], embed.shape[1]
     n_layers, _, Hkv, _, hd = kc.shape
     H, F = n_heads, down.shape[2]
-    G, Hhd = n_heads // Hkv, n_heads * hd
-    scale = np.float32(1.0 / np.sqrt(hd))
+    Hhd = n_heads * hd
     x = np.empty((n, d), np.float32)
     for r in range(n):
         if tokens[r] < 0 or tokens[r] >= embed.shape[0]:
@@ -689,10 +765,7 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
             for g in range(Hkv):
                 _rope(t[r], Hhd + g * hd, hd, cos, sin, pos[r], kc[l, slot[r], g, pos[r]])
                 vc[l, slot[r], g, pos[r]] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
-        for r in range(n):  # row r, head hh reads kv head hh // G at positions 0 .. pos[r]
-            for hh in range(H):
-                _attend(t[r, hh * hd:(hh + 1) * hd], kc[l, slot[r], hh // G], vc[l, slot[r], hh // G], pos[r] + 1,
-                        scale, p, a[r, hh * hd:(hh + 1) * hd])
+        _attention(ctl, pooled, t, a, kc[l], vc[l], pos, slot, H, p)  # row r, head hh: kv head hh // G, 0 .. pos[r]
         _gemv(ctl, pooled, wo[l], a, x, True)  # x += a @ Woᵀ
         _rmsnorm(x, norms[l, 1], eps, h)
         _gemv(ctl, pooled, gate_up[l], h, gu, False)

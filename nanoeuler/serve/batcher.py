@@ -3,15 +3,17 @@
 The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]; row r of it belongs to the r-th
 active request, which has its own length (the positions it has filled). One engine step:
 
-    1. admit   waiting jobs take the free rows, up to `prefill_tokens` prompt tokens a step; their prompts are
-               prefilled together (grouped by length, right-padded; generate.forward_hidden on a view of
-               their rows of the cache)
+    1. admit   waiting jobs take the free rows, up to `prefill_tokens` prompt tokens a step; each prompt is
+               prefilled through fast/decode.py's fused step in its own row of the cache (generate's
+               prefill; on every core, faster than one batched BLAS forward on one), or, for models the
+               fused step does not run (gpt2, float64), together (grouped by length, right-padded;
+               generate.forward_hidden on a view of their rows of the cache)
     2. sample  every row samples its next token from its head-0 logits (generate.sample_token, with the
                job's own random generator): </s> or max_tokens ends the job and frees its row
     3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
                attention masks every key past length_r, so rows of different lengths share the step
-               (up to fast/decode.py's ROWS rows: its fused step, each row attending to its own cache row;
-               more: `decode_step` below, on BLAS)
+               (fast/decode.py's fused step, each row attending to its own cache row, and the head in its
+               kernel; models it does not run: `decode_step` below, on BLAS)
 
     rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
@@ -25,10 +27,11 @@ The context window follows generate.py's rule, so a request's output is `generat
 pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled.
 
 Equal output alone or in a batch: every row's computation is the same arithmetic whatever the other
-rows hold (masked keys get probability exactly 0). It is not bit-for-bit the same: BLAS picks its
-kernels by the number of rows (a 1-row product is a matrix-vector product, 2..n rows take other
-blocking), so logits differ in the last bits (~1e-6 relative); greedy tokens agree unless two logits tie
-that closely (tests/test_serve_batcher.py checks tokens and logits, alone vs batched vs `generate`).
+rows hold. In the fused step it is the same bits (a row's products do not depend on the rows sharing
+its pass, its attention reads its own cache row); on the BLAS path (masked keys get probability exactly
+0) BLAS picks its kernels by the number of rows, so logits differ in the last bits (~1e-6 relative) and
+greedy tokens agree unless two logits tie that closely (tests/test_serve_batcher.py checks tokens and
+logits, alone vs batched vs `generate`).
 """
 from __future__ import annotations
 
@@ -167,7 +170,9 @@ class Batcher:
                     break
                 budget -= n
                 admit.append(self.pending.popleft())
-        for group in prefill_groups([min(len(j.ids), self.cfg.ctx_len) for j in admit]):
+        lengths = [min(len(j.ids), self.cfg.ctx_len) for j in admit]
+        groups = [[i] for i in range(len(admit))] if "decode" in self.W else prefill_groups(lengths)
+        for group in groups:  # (the fused step takes one prompt at a time, on every core: faster than BLAS)
             self._admit([admit[i] for i in group])
         if not self.rows:
             return bool(admit)
@@ -261,10 +266,10 @@ class Batcher:
                     self._prefill(slot, row.seq)
         tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
         pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
-        if "decode" in self.W and len(self.rows) <= decode.ROWS:  # the fused step, row r in cache row r
+        if "decode" in self.W:  # the fused step, row r in cache row r
             h = decode.forward_rows(self.cfg, self.W["decode"], tokens, pos, np.arange(len(tokens)), *self.kv,
                                     self.cos, self.sin)  # [n, d]
-            logits = linear(h, self.W["head.0"])  # [n, V]
+            logits = decode.matvec(self.W["head.0"][2], h, self.cfg.vocab_size)  # [n, V]
         else:
             with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):
                 h = decode_step(self.cfg, self.W, self.k, self.v, self.cos, self.sin, tokens, pos)  # [n, d]
@@ -284,9 +289,10 @@ class Batcher:
     def _loop(self) -> None:
         """Steps until close(). BLAS runs on one thread here: OpenBLAS's helper threads spin while they wait,
         and would take the core the HTTP event loop needs (measured on 2 shared cores: 16 streams went from
-        40 to 600 tokens/s); see fast/parallel.py. Only decoding steps of WIDE_STEP rows or more, whose matrix
-        products are long enough to pay, use every core (`big`, quiet machine: 16 streams 1307-1403 ->
-        1372-1519 tokens/s, 64 streams 1716 -> 1832-1912)."""
+        40 to 600 tokens/s); see fast/parallel.py. On the BLAS path (models without the fused step) only
+        decoding steps of WIDE_STEP rows or more, whose matrix products are long enough to pay, use every
+        core (`big`, quiet machine: 16 streams 1307-1403 -> 1372-1519 tokens/s, 64 streams 1716 ->
+        1832-1912). The fused step's helpers claim work only while a step runs (fast/decode.py)."""
         from ..fast.parallel import single_threaded_blas
         with single_threaded_blas():
             self._run()
