@@ -765,15 +765,18 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
             for g in range(Hkv):
                 _rope(t[r], Hhd + g * hd, hd, cos, sin, pos[r], kc[l, slot[r], g, pos[r]])
                 vc[l, slot[r], g, pos[r]] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
-        _attention(ctl, pooled, t, a, kc[l], vc[l], pos, slot, H, p)  # row r, head hh: kv head hh // G, 0 .. pos[r]
-        _gemv(ctl, pooled, wo[l], a, x, True)  # x += a @ Woᵀ
-        _rmsnorm(x, norms[l, 1], eps, h)
-        _gemv(ctl, pooled, gate_up[l], h, gu, False)
-        for r in range(n):  # SwiGLU: silu(g)·u
+        # Past the last layer's keys and values only the rows returned matter: with last_only, the last
+        # row alone goes on (a prompt's or a window refill's other rows skip ~1/layers of their work).
+        f = n - 1 if last_only and l == n_layers - 1 else 0
+        _attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, p)  # row r, head hh: kv head hh // G
+        _gemv(ctl, pooled, wo[l], a[f:], x[f:], True)  # x += a @ Woᵀ
+        _rmsnorm(x[f:], norms[l, 1], eps, h[f:])
+        _gemv(ctl, pooled, gate_up[l], h[f:], gu[f:], False)
+        for r in range(f, n):  # SwiGLU: silu(g)·u
             for j in range(F):
                 g_ = gu[r, j]
                 s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
-        _gemv(ctl, pooled, down[l], s, x, True)  # x += s @ Wdownᵀ
+        _gemv(ctl, pooled, down[l], s[f:], x[f:], True)  # x += s @ Wdownᵀ
     first = n - 1 if last_only else 0
     out = np.empty((n - first, d), np.float32)
     _rmsnorm(x[first:], norm, eps, out)
