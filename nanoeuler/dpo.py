@@ -236,10 +236,11 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     """Greedy answers to each pair's prompt; correct when it ends with </s> and (normalized) equals `chosen`.
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
-    from .generate import generate
+    from .generate import fuse_weights, generate
     from .sft import SCORED, normalize
     rows = []
     it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]
+    W = fuse_weights(model.config, model.params)  # once for every prompt (the model does not change here)
     if progress:
         from tqdm import tqdm
         it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
@@ -247,7 +248,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     for p in it:
         ids = tok.encode(p["prompt"], add_bos=True)[-ctx:]
         g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
-                     mode="speculative")
+                     mode="speculative", fused=W)
         text = tok.decode(g.ids)
         ok = g.stopped and normalize(text) == normalize(p["chosen"])
         rows.append({"task": p.get("task", ""), "answer": text, "expected": p["chosen"], "correct": ok,

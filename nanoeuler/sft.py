@@ -323,9 +323,10 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     when it is in format and (normalized) equals the record's output. *Lenient* ignores the format: the
     first non-empty line of the text equals the output (fairer to a base model that never says </s>).
     Accuracies are over the scored tasks."""
-    from .generate import generate
+    from .generate import fuse_weights, generate
     rows = []
     it = records
+    W = fuse_weights(model.config, model.params)  # once for every prompt (the model does not change here)
     if progress:
         from tqdm import tqdm
         it = tqdm(records, desc="answers", unit="prompt", dynamic_ncols=True)
@@ -335,7 +336,7 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
         ids, _ = render(tok, r["instruction"], r["input"])
         ids = ids[-ctx:]
         g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
-                     mode="speculative")
+                     mode="speculative", fused=W)
         drafted, accepted = drafted + g.drafted, accepted + g.accepted
         text = tok.decode(g.ids)
         in_format = g.stopped and bool(text.strip()) and "###" not in text

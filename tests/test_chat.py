@@ -54,14 +54,19 @@ def test_bad_sampling_flags(run_dir, monkeypatch, capsys):
     assert code == 2 and "error: --temperature" in out.err
 
 
-def test_replies_continue_the_rendered_conversation(run_dir):
+def test_replies_continue_the_rendered_conversation(run_dir, monkeypatch):
+    """... and the session fuses the model's weights once, not at every reply."""
+    import nanoeuler.generate as gen
     model = Model.load(run_dir)
     from nanoeuler.checkpoint import load_tokenizer
     tok = load_tokenizer(run_dir)
     chat = Chat(model, tok, temperature=0, max_new_tokens=5)
-    written = []
+    written, fused = [], []
+    real = gen.fuse_weights
+    monkeypatch.setattr(gen, "fuse_weights", lambda *a, **k: fused.append(1) or real(*a, **k))
     chat.handle("First question?", written.append)
     chat.handle("Second question?", written.append)
+    assert len(fused) == 1
     p1, p2 = render(tok, "First question?")[0], render(tok, "Second question?")[0]
     r1 = generate(model, p1, 5, temperature=0).ids
     assert chat.turns[0] == p1 + r1 + [tok.eos_id]

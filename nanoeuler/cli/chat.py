@@ -49,6 +49,7 @@ class Chat:
         self.last_reply: list[int] = []
         self.last_stopped = False
         self.dropped_turns = 0
+        self.fused = None  # the model's inference layout, made at the first reply and kept (the model never changes)
 
     def context(self, prompt_ids: list[int]) -> list[int]:
         """Earlier turns (newest kept first) + the new prompt. Earlier turns must leave room for a reply
@@ -77,7 +78,7 @@ class Chat:
             return
         if line.startswith("/"):
             return self.command(line, write)
-        from ..generate import StreamDecoder, generate
+        from ..generate import StreamDecoder, fuse_weights, generate
         from ..sft import render
         prompt_ids, _ = render(self.tok, line)
         n_turns = len(self.turns)
@@ -95,9 +96,11 @@ class Chat:
         speculate = self.speculative and (self.temperature == 0 or not self.replay)
         seed = int(self.rng.integers(2**31))
         try:
+            if self.fused is None:
+                self.fused = fuse_weights(self.model.config, self.model.params)
             g = generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
                          stop_ids=[eos], mode="speculative" if speculate else "cache",
-                         on_token=stream)
+                         on_token=stream, fused=self.fused)
             reply, self.last_stopped = g.ids, g.stopped
             note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"
         except KeyboardInterrupt:
