@@ -706,7 +706,7 @@ def _attention(ctl, pooled, t, a, K, V, pos, slot, H, p):
     for r in range(n):
         work += (pos[r] + 1) * H * hd
     if pooled and units >= 2 and work >= POOLED_ATTENTION and t.flags.c_contiguous and a.flags.c_contiguous \
-            and K.flags.c_contiguous and V.flags.c_contiguous:
+            and K.flags.c_contiguous and V.flags.c_contiguous and pos.flags.c_contiguous and slot.flags.c_contiguous:
         ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = ATTEND, t.ctypes.data, t.shape[1], a.ctypes.data
         ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = K.ctypes.data, V.ctypes.data, \
             pos.ctypes.data, slot.ctypes.data
