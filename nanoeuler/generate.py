@@ -289,7 +289,8 @@ def token_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int | None 
 
 
 def draw_token(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from the distribution p [V] (inverse CDF, one uniform draw).  draw_token([0, 1, 0], rng) -> 1"""
+    """One token from the distribution p [V] (inverse CDF, one uniform draw; summed in float64, the dtype
+    token_probs gives).  draw_token([0, 1, 0], rng) -> 1"""
     return int(_inverse_cdf(np.asarray(p, dtype=np.float64), rng.random()))
 
 

@@ -295,3 +295,33 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
     assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
     want = decode_step(cfg, W, list(k.copy()), list(v.copy()), cos, sin, tokens, pos)
     assert rel_err(two, want) <= 1e-5
+
+
+def test_more_attention_units_than_the_claim_word_counts_run_on_the_caller():
+    """70,000 rows x 1 key/value head: more units than the claim word's 16 bits hold, so the step's attention
+    stays on the calling thread (pooled, the count overflowed and the step never ended). In a child process
+    with a deadline, since a hang would not return to pytest."""
+    import subprocess
+    import sys
+    code = """
+import numpy as np
+from conftest import tiny_config
+from nanoeuler import Model, ops
+from nanoeuler.fast import decode
+from nanoeuler.generate import fuse_weights
+cfg = tiny_config(vocab_size=11, dim=8, n_heads=1, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=8)
+W = fuse_weights(cfg, Model.init(cfg, seed=0).params)["decode"]
+n = 70000
+assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= decode.POOLED_ATTENTION
+cos, sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32)
+out = []
+for threads in (2, 1):
+    decode.set_threads(threads)
+    k = np.zeros((1, n, 1, cfg.ctx_len, cfg.head_dim), np.float32)
+    out.append(decode.forward_rows(cfg, W, np.arange(n) % 11, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
+assert np.array_equal(out[0], out[1])
+print("ok")
+"""
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -112,6 +112,18 @@ def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
         assert out.scores == alone.scores
 
 
+def test_a_float16_model_decodes_in_the_batcher(trained):
+    """Float16 weights (decode.Float16Model) with a float32 cache, as generate keeps it: a batch wider than the
+    fused rows gives each request generate's greedy tokens."""
+    from nanoeuler.fast.decode import Float16Model
+    m16 = Float16Model(trained)
+    ps = prompts(10, seed=4)
+    outs, b = run_jobs(m16, [dict(ids=p, max_tokens=12) for p in ps], max_batch=10)
+    assert max(b.batch_sizes) == 10 and b.kv[0].dtype == np.float32
+    for p, out in zip(ps, outs):
+        assert out.tokens == generate(m16, p, 12, temperature=0, mode="cache").ids and out.reason == "length"
+
+
 def test_seeded_sampling_equals_generate():
     model = Model.init(CFG, seed=5)  # untrained: sampling has real choices to make
     ps = prompts(4, seed=1)

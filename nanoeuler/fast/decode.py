@@ -699,13 +699,14 @@ def _attend_units(ctl, u0, u1):
 @njit(**OPTS)
 def _attention(ctl, pooled, t, a, K, V, pos, slot, H, p):
     """Every row's attention of one layer (see _attend_unit), units shared with the helpers (as the panels
-    of a matrix product) when there is enough of it: a batch of serve's streams, not one sequence's step."""
+    of a matrix product) when there is enough of it: a batch of serve's streams, not one sequence's step.
+    (The claim word counts units in 16 bits: more than 0xFFFF run on the calling thread.)"""
     n, Hkv, hd = t.shape[0], K.shape[1], K.shape[3]
     units = n * Hkv
     work = 0
     for r in range(n):
         work += (pos[r] + 1) * H * hd
-    if pooled and units >= 2 and work >= POOLED_ATTENTION and t.flags.c_contiguous and a.flags.c_contiguous \
+    if pooled and 2 <= units <= 0xFFFF and work >= POOLED_ATTENTION and t.flags.c_contiguous and a.flags.c_contiguous \
             and K.flags.c_contiguous and V.flags.c_contiguous and pos.flags.c_contiguous and slot.flags.c_contiguous:
         ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = ATTEND, t.ctypes.data, t.shape[1], a.ctypes.data
         ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = K.ctypes.data, V.ctypes.data, \

@@ -126,7 +126,7 @@ class Batcher:
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
         self.W = fuse_weights(cfg, model.params, batched=True)
-        dtype = model.dtype
+        dtype = np.float32 if model.dtype == np.float16 else model.dtype  # (as generate's new_cache)
         shape = (cfg.n_layers, self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
         self.kv = (np.zeros(shape, dtype), np.zeros(shape, dtype))  # [layers, ...]: fast/decode.py reads them whole
         self.k, self.v = list(self.kv[0]), list(self.kv[1])  # per layer [max_batch, Hkv, ctx_len, hd]
