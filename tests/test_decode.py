@@ -222,6 +222,16 @@ def test_bad_token_id_raises(monkeypatch):
             forward_hidden(CFG, W, np.array([[1, bad]]), new_cache(CFG))
 
 
+def test_positions_and_rows_outside_the_cache_raise_before_anything_is_written(monkeypatch):
+    W = weights(model(), True, monkeypatch)["decode"]
+    c = new_cache(CFG)
+    k, v = c.store[0], c.store[1]
+    for pos, slot in (([0, CFG.ctx_len], [0, 0]), ([0, -1], [0, 0]), ([0, 1], [0, 1]), ([0, 1], [0, -1])):
+        with pytest.raises(IndexError):
+            decode.forward_rows(CFG, W, np.array([1, 2]), np.array(pos), np.array(slot), k, v, c.cos, c.sin)
+    assert not k.any() and not v.any()
+
+
 def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
     """`sample --dtype float16` decodes the Float16Model: its greedy text, not necessarily the float32 one."""
     import json

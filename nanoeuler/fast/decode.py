@@ -748,6 +748,8 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
     for r in range(n):
         if tokens[r] < 0 or tokens[r] >= embed.shape[0]:
             raise IndexError("token id out of range")
+        if pos[r] < 0 or pos[r] >= kc.shape[3] or slot[r] < 0 or slot[r] >= kc.shape[1]:
+            raise IndexError("cache position or row out of range")
         x[r] = embed[tokens[r]]
     h = np.empty((n, d), np.float32)
     t = np.empty((n, (H + 2 * Hkv) * hd), np.float32)  # q, k, v of the new rows
