@@ -46,7 +46,7 @@ import numpy as np
 from .. import ops
 from ..fast import decode
 from ..fast.parallel import PARTS, blas_threads
-from ..generate import KVCache, forward_hidden, fuse_weights, linear, sample_token
+from ..generate import KVCache, forward_hidden, fuse_weights, linear, new_cache, sample_token
 
 
 class QueueFull(Exception):
@@ -126,11 +126,10 @@ class Batcher:
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
         self.W = fuse_weights(cfg, model.params, batched=True)
-        dtype = np.float32 if model.dtype == np.float16 else model.dtype  # (as generate's new_cache)
-        shape = (cfg.n_layers, self.max_batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
-        self.kv = (np.zeros(shape, dtype), np.zeros(shape, dtype))  # [layers, ...]: fast/decode.py reads them whole
-        self.k, self.v = list(self.kv[0]), list(self.kv[1])  # per layer [max_batch, Hkv, ctx_len, hd]
-        self.cos, self.sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, dtype)
+        cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
+        self.kv = cache.store[:2]  # [layers, max_batch, Hkv, ctx_len, hd]: fast/decode.py reads them whole
+        self.k, self.v = cache.k, cache.v  # per layer [max_batch, Hkv, ctx_len, hd]
+        self.cos, self.sin = cache.cos, cache.sin
         self.rows: list[_Row] = []
         self.pending: deque[Job] = deque()
         self.cond = threading.Condition()
