@@ -243,3 +243,43 @@ def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
             assert "\n" not in str(e)
 
     check()
+
+
+def test_gpt2_architecture_file_imports_to_the_same_parameters(tmp_path, tok):
+    from nanoeuler.config import Config
+    from nanoeuler.interop.gguf_export import token_metadata
+    cfg = Config(vocab_size=tok.vocab_size, dim=64, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=32, ffn_hidden=256,
+                 n_mtp=1, arch="gpt2")
+    P = {n: np.random.default_rng(1).standard_normal(a.shape).astype(np.float32)
+         for n, a in Model.init(cfg, seed=0).params.items()}
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
+    w.add_context_length(32)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_layer_norm_eps(1e-5)
+    toks, types, merges = token_metadata(tok, tok.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    t = {"token_embd.weight": P["embed.weight"], "position_embd.weight": P["pos_embed.weight"],
+         "output_norm.weight": P["norm.weight"], "output_norm.bias": P["norm.bias"]}
+    for i in range(2):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        for s in ("weight", "bias"):
+            t[f"{g}attn_norm.{s}"], t[f"{g}ffn_norm.{s}"] = P[f"{o}attn_norm.{s}"], P[f"{o}ffn_norm.{s}"]
+            t[f"{g}attn_qkv.{s}"] = np.concatenate([P[f"{o}attn.w{x}.{s}"] for x in "qkv"])
+            t[f"{g}attn_output.{s}"], t[f"{g}ffn_up.{s}"] = P[f"{o}attn.wo.{s}"], P[f"{o}ffn.fc.{s}"]
+            t[f"{g}ffn_down.{s}"] = P[f"{o}ffn.proj.{s}"]
+    for n, a in t.items():
+        w.add_tensor(n, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg2, P2, _, _ = load_gguf(tmp_path / "g.gguf")
+    assert cfg2 == cfg
+    assert set(P2) == set(P) and all(np.array_equal(P2[n], P[n]) for n in P)
