@@ -22,8 +22,10 @@ SFT_DEFAULTS = dict(steps=1500, batch_size=16, lr=2e-3, warmup=50, weight_decay=
 def register(sub) -> None:
     p = sub.add_parser(
         "sft", help="supervised fine-tuning on instructions (loss on the response only)",
-        description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the SPEC "
-                    "template; the loss covers only the response and its </s>. Examples are packed back to back "
+        description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the "
+                    "checkpoint's chat template (its own, e.g. ChatML for an imported model, else the SPEC Alpaca "
+                    "template; --chat-template FILE overrides it and the fine-tuned model keeps it); the loss "
+                    "covers exactly the response and its end-of-turn token. Examples are packed back to back "
                     "into rows of the context (--no-pack: one per row); longer ones are truncated or dropped and "
                     "counted. A batch with no trainable position is skipped and counted. Checkpoints and "
                     "--resume work as in `nanoeuler train`.")
@@ -39,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps")
     p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
+    from .args import add_template_arg
+    add_template_arg(p)
     add_hyperparameters(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -113,6 +117,8 @@ def run_sft(args) -> int:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
         model, tok = Model.load(args.base, read_only=True), load_tokenizer(args.base, read_only=True)
         tcfg = train_config_from_args(args, SFT_DEFAULTS)
+    from ..chat_template import with_template_file
+    tok = with_template_file(tok, args.chat_template)
     cfg = model.config
     train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,

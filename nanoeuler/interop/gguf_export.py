@@ -6,7 +6,7 @@ Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, 
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
 in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
 the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
-name, eos, and the Alpaca chat template. MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
 `permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row
@@ -80,7 +80,8 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
 
     from ..fileio import atomic_path
     from .hf import require_llama
-    from .hf_tokenizer import GGUF_PRE_NAMES, alpaca_chat_template
+    from ..chat_template import template_of
+    from .hf_tokenizer import GGUF_PRE_NAMES
     from .outputs import check_free
 
     if dtype not in GGUF_DTYPES:
@@ -126,7 +127,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         elif tok.eos_token in tok.special_tokens:
             w.add_bos_token_id(tok.eos_id)
         w.add_add_bos_token(tok.bos_id is not None)
-        w.add_chat_template(alpaca_chat_template())
+        w.add_chat_template(template_of(tok))
         for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
             if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(name, a)

@@ -61,12 +61,12 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
 
 
 def tokenizer_config(tok, ctx_len: int) -> dict:
-    from .hf_tokenizer import alpaca_chat_template
+    from ..chat_template import template_of
     eos = tok.eos_token if tok.eos_token in tok.special_tokens else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ctx_len,
             "eos_token": eos, "bos_token": tok.bos_token, "pad_token": None, "unk_token": None,
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-            "chat_template": alpaca_chat_template()}
+            "chat_template": template_of(tok)}
 
 
 def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool = False, progress: bool = True) -> Path:
@@ -98,7 +98,9 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
-        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False,
+        ends = tok.stop_ids
+        gen = {"bos_token_id": config["bos_token_id"], "do_sample": False,
+               "eos_token_id": ends if len(ends) > 1 else config["eos_token_id"],
                "max_length": cfg.ctx_len}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out)

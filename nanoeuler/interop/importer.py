@@ -138,6 +138,33 @@ def mtp_heads(folder: Path, n_mtp: int | None, head0: np.ndarray) -> dict[str, n
     return {f"heads.{k}.weight": saved.get(f"heads.{k}.weight", head0).copy() for k in range(1, K)}
 
 
+def with_chat_extras(folder: Path, c: dict, tok):
+    """tok with the folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template)
+    and, as stops, every other eos id config.json / generation_config.json name (Llama-3's <|eot_id|>)."""
+    from ..tokenizer import Tokenizer
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        try:
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{folder / 'chat_template.jinja'} is not UTF-8 ({e})") from None
+    elif (folder / "tokenizer_config.json").is_file():
+        t = read_json_file(folder / "tokenizer_config.json", "tokenizer config")
+        template = t.get("chat_template") if isinstance(t, dict) else None
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((x.get("template") for x in template if isinstance(x, dict) and x.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
+    ends = []
+    gen = folder / "generation_config.json"
+    for d in (c, read_json_file(gen, "generation config") if gen.is_file() else {}):
+        e = d.get("eos_token_id") if isinstance(d, dict) else None
+        ends += e if isinstance(e, list) else [e]
+    names = {i: s for s, i in tok.special_tokens.items()}
+    stops = [names[i] for i in dict.fromkeys(ends) if isinstance(i, int) and i in names and names[i] != tok.eos_token]
+    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template, "stops": stops})
+
+
 def require(c: dict, field: str, default=None):
     v = c.get(field, default)
     if v is None:
@@ -228,7 +255,7 @@ def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = F
     importer = getattr(importlib.import_module(module, __package__), fn)
     cfg, params, tok = importer(folder, c, n_mtp, progress=progress)
     check_params(cfg, params)
-    return cfg, params, tok
+    return cfg, params, with_chat_extras(folder, c, tok)
 
 
 def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
