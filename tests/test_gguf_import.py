@@ -109,6 +109,11 @@ def test_cli_import_gguf_and_info(tmp_path, model, tok, capsys):
     assert "imported" in capsys.readouterr().out
     assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "4",
                  "--temperature", "0"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "source       gguf m.gguf: Q8_0 x16, F32 x5 tensors" in out  # embedding, 7 x 2 layers, output
+    assert "MiB of tensors in the source file" in out and "MiB in memory (float32)" in out
 
 
 # --------------------------------------------------------------------------------------------- bad input

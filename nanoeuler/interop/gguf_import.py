@@ -7,7 +7,8 @@
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K, ...); the type each tensor
 had in the file is kept in the checkpoint's `source.json`:
 
-    {"format": "gguf", "file": "smol.gguf", "tensor_types": {"embed.weight": "Q8_0", "norm.weight": "F32", ...}}
+    {"format": "gguf", "file": "smol.gguf", "file_tensor_bytes": 144000000,
+     "tensor_types": {"embed.weight": "Q8_0", "norm.weight": "F32", ...}}
 
 llama: the q and k rows come back from llama.cpp's interleaved RoPE order (`gguf_export.unpermute_qk`, the
 inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bit at f32. gpt2: the fused
@@ -105,11 +106,14 @@ def field(meta: dict, key: str, kind=int, default=None):
 
 
 def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """GGUF name -> float32 array in numpy order ([out, in] for matrices), and GGUF name -> source type."""
+    """GGUF name -> float32 array in numpy order ([out, in] for matrices), and GGUF name -> source type
+    (and "*bytes": the bytes all tensors take in the file)."""
     import gguf
     from tqdm import tqdm
     out, types = {}, {}
+    types["*bytes"] = 0
     for t in tqdm(reader.tensors, desc="dequantize", disable=not progress):
+        types["*bytes"] += int(t.n_bytes)
         shape = tuple(reversed([int(n) for n in t.shape]))
         try:
             a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
@@ -325,7 +329,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     tok = gguf_tokenizer(meta, cfg.vocab_size)
     params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}
     check_params(cfg, params)
-    source = {"format": "gguf", "file": path.name,
+    source = {"format": "gguf", "file": path.name, "file_tensor_bytes": types["*bytes"],
               "tensor_types": {n: types[g] for n, g in src_names.items() if n in params}}
     return cfg, params, tok, source
 
