@@ -236,6 +236,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     """Greedy answers to each pair's prompt; correct when it ends with </s> and (normalized) equals `chosen`.
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
+    from .dpo_data import pair_prompt_ids
     from .generate import fuse_weights, generate
     from .sft import SCORED, normalize
     rows = []
@@ -246,7 +247,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
         it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
     ctx = model.config.ctx_len
     for p in it:
-        ids = tok.encode(p["prompt"], add_bos=True)[-ctx:]
+        ids = pair_prompt_ids(tok, p)[-ctx:]
         g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
                      mode="speculative", fused=W)
         text = tok.decode(g.ids)

@@ -137,14 +137,21 @@ def test_make_batch_layout():
 
 
 def test_pair_tokens_match_the_sft_rendering():
-    from nanoeuler.sft import prompt_text, render
+    """... for a prompt given as text and as messages (rendered by the chat template), with ours and ChatML."""
+    from gguf_fixtures import CHATML
+    from nanoeuler.sft import prompt_text, render, user_message
     from nanoeuler.tokenizer import Tokenizer
     tok = Tokenizer([(32, 116), (104, 101), (256, 257), (72, 97), (259, 109)])  # ' t', 'he', ' the', 'Ha', 'Ham'
-    prompt = prompt_text("Which character speaks this line?", "To be, or not to be, that is the question:")
-    ids, mask = tokenize_response(tok, tok.encode(prompt), "Hamlet")
-    ref_ids, ref_mask = render(tok, "Which character speaks this line?", "To be, or not to be, that is the question:",
-                               "Hamlet")
-    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    q, line = "Which character speaks this line?", "To be, or not to be, that is the question:"
+    ref_ids, ref_mask = render(tok, q, line, "Hamlet")
+    for p in ({"prompt": prompt_text(q, line)}, {"prompt": "-", "messages": [user_message(q, line)]}):
+        ids, mask = tokenize_response(tok, p, "Hamlet")
+        assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    chatml = Tokenizer.from_dict(Tokenizer([(32, 116)], ["</s>", "<|im_start|>", "<|im_end|>"]).to_dict()
+                                 | {"chat_template": CHATML, "stops": ["<|im_end|>"]})
+    ids, mask = tokenize_response(chatml, {"prompt": "-", "messages": [user_message(q, line)]}, "Hamlet")
+    assert ids.tolist() == render(chatml, q, line, "Hamlet")[0]
+    assert chatml.decode(ids[mask].tolist()) == "Hamlet<|im_end|>"
 
 
 def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_prompts():

@@ -51,6 +51,8 @@ def register(sub) -> None:
     add_hyperparameters(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    from .args import add_template_arg
+    add_template_arg(p)
     add_dist_arguments(p)
     p.set_defaults(run=data_parallel(run_dpo))
 
@@ -115,6 +117,8 @@ def run_dpo(args) -> int:
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
+    from ..chat_template import with_template_file
+    tok = with_template_file(tok, args.chat_template)
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
