@@ -20,13 +20,11 @@ def chatml_tokenizer(vocab: int = 320) -> Tokenizer:
 
 def chatml_model(tok: Tokenizer, seed: int = 0, tied: bool = False) -> Model:
     cfg = Config(vocab_size=tok.vocab_size, dim=256, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=128,
-                 ffn_hidden=256, n_mtp=1, rope_theta=10000.0, norm_eps=1e-5)
+                 ffn_hidden=256, n_mtp=1, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=tied)
     m = Model.init(cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for n, a in m.params.items():  # random, not the init's ones/zeros: every row and element matters
         m.params[n] = (a + 0.05 * rng.standard_normal(a.shape)).astype(np.float32)
-    if tied:
-        m.params["heads.0.weight"] = m.params["embed.weight"].copy()
     return m
 
 

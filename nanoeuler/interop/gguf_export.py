@@ -53,8 +53,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         t[g + "ffn_up.weight"] = P[o + "ffn.up.weight"]
         t[g + "ffn_down.weight"] = P[o + "ffn.down.weight"]
     t["output_norm.weight"] = P["norm.weight"]
-    if not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
-        t["output.weight"] = P["heads.0.weight"]
+    if "heads.0.weight" in P and not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
+        t["output.weight"] = P["heads.0.weight"]  # left out when tied: llama.cpp then uses token_embd
     return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in t.items()}
 
 

@@ -234,7 +234,8 @@ def llama_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                      ("attn.wv", "attn_v"), ("attn.wo", "attn_output"), ("ffn_norm", "ffn_norm"),
                      ("ffn.gate", "ffn_gate"), ("ffn.up", "ffn_up"), ("ffn.down", "ffn_down")):
             src[f"{o}{a}.weight"] = f"{g}{b}.weight"
-    src["heads.0.weight"] = "output.weight" if "output.weight" in T else "token_embd.weight"  # tied: a copy
+    if not cfg.tie_embeddings:
+        src["heads.0.weight"] = "output.weight"
     P = {n: T[g] for n, g in src.items() if g in T}
     take(T, src.values())
     shapes = cfg.param_shapes()
@@ -243,7 +244,6 @@ def llama_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             n = f"layers.{i}.attn.{w}.weight"
             if P[n].shape == shapes[n]:  # a wrong shape is reported by the caller
                 P[n] = unpermute_qk(P[n], heads)
-    P["heads.0.weight"] = P["heads.0.weight"].copy()
     return P, src
 
 
@@ -301,7 +301,7 @@ ARCHS = {"llama": (llama_config, llama_params), "gpt2": (gpt2_config, gpt2_param
 def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False):
     """A GGUF file -> (Config, params, Tokenizer, source) without writing anything; source is source.json's
     dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0."""
-    from ..model import check_params
+    from ..config import check_params, head_weight
     if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
         raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
     path = Path(src)
@@ -315,6 +315,8 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
     make_config, make_params = ARCHS[arch]
     cfg = make_config(meta, T)
+    if arch == "llama" and "output.weight" not in T:  # no output matrix: the head is the embedding, one matrix
+        cfg = cfg.replace(tie_embeddings=True)
     params, src_names = make_params(cfg, T)
     if T:
         raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {arch} model)")
@@ -324,7 +326,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
             raise UserError(f"tensor {src_names[ours]} has shape {list(a.shape)}, expected {list(shapes[ours])} "
                             "from the metadata")
     for k in range(1, n_mtp or 1):
-        params[f"heads.{k}.weight"] = params.get("heads.0.weight", params["embed.weight"]).copy()
+        params[f"heads.{k}.weight"] = head_weight(params, 0).copy()
     cfg = cfg.replace(n_mtp=n_mtp or 1)
     tok = gguf_tokenizer(meta, cfg.vocab_size)
     params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}

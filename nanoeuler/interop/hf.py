@@ -85,10 +85,8 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     names = hf_names(cfg.n_layers)
-    tied = bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
-    tensors = {names[n]: P[n] for n in P if n in names}
-    if tied:
-        del tensors["lm_head.weight"]
+    tied = "heads.0.weight" not in P or bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
+    tensors = {names[n]: P[n] for n in P if n in names and not (tied and n == "heads.0.weight")}
     with output_dir(out, force) as tmp:
         write_tensors(tmp / "model.safetensors", tensors, HF_DTYPES[dtype], {"format": "pt"})
         if cfg.n_mtp > 1:  # MTP heads 1..K-1 stay float32: only `nanoeuler import` reads them

@@ -212,7 +212,9 @@ def llama_config(c: dict, n_mtp: int):
 
 
 def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = False):
-    """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order."""
+    """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order.
+    tie_word_embeddings: head 0 is the embedding (tie_embeddings), one matrix as in transformers."""
+    from ..config import head_weight
     from .hf import hf_names
     cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
     tied = bool(c.get("tie_word_embeddings"))
@@ -221,6 +223,7 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
     if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
         del names["heads.0.weight"]
         W.pop("lm_head.weight", None)
+        cfg = cfg.replace(tie_embeddings=True)  # one matrix for the embedding and head 0
     shapes = cfg.param_shapes()
     for ours, theirs in names.items():
         if theirs not in W:
@@ -234,11 +237,8 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
         raise UserError(f"unexpected tensor {extra[0]}{what}")
     tok = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
     params = {ours: W[theirs] for ours, theirs in names.items()}
-    if tied:
-        params["heads.0.weight"] = params["embed.weight"].copy()
-    params.update(mtp_heads(folder, n_mtp, params["heads.0.weight"]))
-    K = sum(1 for n in params if n.startswith("heads."))
-    cfg = cfg.replace(n_mtp=K)
+    params.update(mtp_heads(folder, n_mtp, head_weight(params, 0)))
+    cfg = cfg.replace(n_mtp=1 + sum(1 for n in params if n.startswith("heads.") and n != "heads.0.weight"))
     return cfg, {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}, tok
 
 
