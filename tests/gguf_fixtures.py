@@ -28,24 +28,29 @@ def chatml_model(tok: Tokenizer, seed: int = 0, tied: bool = False) -> Model:
     return m
 
 
+def train_briefly(m: Model, tok: Tokenizer, steps: int, lr: float, length: int) -> Model:
+    """A few SGD steps on Hamlet (batches of 8 rows of `length` tokens): predictions with margins."""
+    ids = np.array(tok.encode(bundled_works()["hamlet"][:40000]))
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        starts = rng.integers(0, len(ids) - length - 4, 8)
+        _, _, grads = m.loss_and_grads(np.stack([ids[i:i + length] for i in starts]))
+        for n in m.params:
+            m.params[n] -= lr * grads[n]
+    return m
+
+
 def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str | None = CHATML,
                tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None):
     """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
     tokens: replace the token list; meta: extra/overriding key -> value; drop: tensor names left out;
     shapes: tensor name -> a different array (to write a wrong shape)."""
     import gguf
-    from nanoeuler.interop.gguf_export import gguf_tensors, token_metadata
+    from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, token_metadata
     q = getattr(gguf.GGMLQuantizationType, qtype)
     cfg = m.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(cfg.ctx_len)
-    w.add_embedding_length(cfg.dim)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.ffn_hidden)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    add_hparams(w, cfg)
     toks, types, merges = token_metadata(tok, cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf  # noqa: E402
+from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, train_briefly, write_gguf  # noqa: E402
 
 from nanoeuler import Model  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
@@ -36,15 +36,7 @@ TEXTS = ["Hello, world!", "  two  spaces\n\nand lines\t end  ", "numbers 1234567
 @pytest.fixture(scope="module")
 def trained():
     tok = chatml_tokenizer()
-    m = chatml_model(tok)
-    ids = np.array(tok.encode(bundled_works()["hamlet"][:40000]))
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        starts = rng.integers(0, len(ids) - 140, 8)
-        _, _, grads = m.loss_and_grads(np.stack([ids[i:i + 129] for i in starts]))
-        for n in m.params:
-            m.params[n] -= 0.3 * grads[n]
-    return m, tok
+    return train_briefly(chatml_model(tok), tok, 40, 0.3, 129), tok
 
 
 @pytest.fixture(scope="module")

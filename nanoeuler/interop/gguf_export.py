@@ -58,6 +58,20 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in t.items()}
 
 
+def add_hparams(w, cfg) -> None:
+    """The llama.* hyperparameters of cfg into a gguf.GGUFWriter."""
+    w.add_context_length(cfg.ctx_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.ffn_hidden)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def token_metadata(tok, vocab_size: int):
     """(tokens, token types, merges) in llama.cpp's GPT-2 BPE form: entry i is the token of id i (the
     tokenizer's ids, which an imported vocabulary keeps), padded to the model's vocab_size."""
@@ -103,16 +117,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
         w.add_name("nanoeuler")
-        w.add_context_length(cfg.ctx_len)
-        w.add_embedding_length(cfg.dim)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.ffn_hidden)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.n_kv_heads)
-        w.add_rope_dimension_count(cfg.head_dim)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_vocab_size(cfg.vocab_size)
+        add_hparams(w, cfg)
         w.add_file_type(int(ftype))
         tokens, types, merges = token_metadata(tok, cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
