@@ -3,6 +3,7 @@ the tokenizer equals the Hugging Face import of the same vocabulary, bad files a
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -15,7 +16,7 @@ from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf  # 
 from nanoeuler import Model  # noqa: E402
 from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
-from nanoeuler.interop.gguf_export import export_gguf, gguf_tensors, unpermute_qk  # noqa: E402
+from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk  # noqa: E402
 from nanoeuler.interop.gguf_import import import_gguf, load_gguf  # noqa: E402
 
 TEXTS = ["Hello, world!", "  two  spaces\n\nand lines\t", "numbers 1234567 and 3.14", "ümlaut café 日本",
@@ -228,7 +229,6 @@ def small(tmp_path_factory):
 def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    import os
     header = small.index(b"blk.0.attn_norm") + 400  # the metadata and tensor infos: where a change matters most
 
     @settings(max_examples=int(os.environ.get("NANOEULER_FUZZ_EXAMPLES", "120")), deadline=None,
