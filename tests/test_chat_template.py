@@ -180,3 +180,27 @@ def test_chat_template_option_overrides_and_a_bad_file_is_one_line(chatml_run, t
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/tokens\n"))
     assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "plain.jinja"),
                  "--max-new-tokens", "2", "--temperature", "0"]) == 0
+
+
+def test_sft_cli_on_an_imported_chatml_model_trains_in_its_template_and_keeps_it(chatml_run, tmp_path):
+    """`sft --chat-template FILE`: the fine-tuned model carries the template it was trained in."""
+    import json
+
+    import numpy as np
+
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.cli import main
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"Say {w}.", "input": "", "output": w}
+                                for w in ("yes", "no", "maybe", "never", "always", "soon") * 4]))
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(plain)
+    for out, extra in (("a", []), ("b", ["--chat-template", str(tmp_path / "t.jinja")])):
+        assert main(["sft", "--base", str(chatml_run), "--data", str(data), "--val", str(data), "--steps", "2",
+                     "--out", str(tmp_path / out), "--batch-size", "2", "--no-progress", "--eval-every", "1000",
+                     *extra]) == 0
+    assert load_tokenizer(tmp_path / "a").chat_template == CHATML
+    assert load_tokenizer(tmp_path / "b").chat_template == plain
+    base = Model.load(chatml_run).params["layers.0.attn.wq.weight"]
+    assert not np.array_equal(Model.load(tmp_path / "a").params["layers.0.attn.wq.weight"], base)

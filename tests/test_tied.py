@@ -49,7 +49,7 @@ def test_reference_gradient_is_the_sum_of_both_uses_and_matches_finite_differenc
         return float((M.forward(CFG, Q, inputs)[0] * dlogits).sum())
     for r, c in ((inputs[0, 0], 3), (5, 0), (60, 15)):  # a looked-up row, a row only the head uses, the last
         e = 1e-6
-        Pp, Pm = dict(P, **{"embed.weight": P["embed.weight"].copy()}), dict(P, **{"embed.weight": P["embed.weight"].copy()})
+        Pp, Pm = ({**P, "embed.weight": P["embed.weight"].copy()} for _ in range(2))
         Pp["embed.weight"][r, c] += e
         Pm["embed.weight"][r, c] -= e
         assert abs((f(Pp) - f(Pm)) / (2 * e) - gt["embed.weight"][r, c]) < 1e-6

@@ -6,7 +6,8 @@ Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, 
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
 in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
 the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
-name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported
+(llama.cpp uses head 0).
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
 `permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row

@@ -152,7 +152,8 @@ def with_chat_extras(folder: Path, c: dict, tok):
         t = read_json_file(folder / "tokenizer_config.json", "tokenizer config")
         template = t.get("chat_template") if isinstance(t, dict) else None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            template = next((x.get("template") for x in template if isinstance(x, dict) and x.get("name") == "default"), None)
+            template = next((x.get("template") for x in template
+                             if isinstance(x, dict) and x.get("name") == "default"), None)
         if template is not None and not isinstance(template, str):
             raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
     ends = []

@@ -283,7 +283,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     eos_name = end_token(tok)
 
     def stop_ids(body) -> set:
-        """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids) unless the request says ignore_eos."""
+        """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids), unless ignore_eos."""
         return set() if body.ignore_eos else set(tok.stop_ids)
     created = int(time.time())
     page = (STATIC / "index.html").read_text(encoding="utf-8")
