@@ -248,7 +248,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     ctx = model.config.ctx_len
     for p in it:
         ids = pair_prompt_ids(tok, p)[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
+        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
                      mode="speculative", fused=W)
         text = tok.decode(g.ids)
         ok = g.stopped and normalize(text) == normalize(p["chosen"])

@@ -341,7 +341,7 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     for r in it:
         ids, _ = render(tok, r["instruction"], r["input"])
         ids = ids[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
+        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
                      mode="speculative", fused=W)
         drafted, accepted = drafted + g.drafted, accepted + g.accepted
         text = tok.decode(g.ids)

@@ -147,6 +147,8 @@ def test_export_writes_the_template_and_import_keeps_it(chatml_run, tmp_path):
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
     hf_tok = load_hf_folder(tmp_path / "hf")[2]
     assert hf_tok.chat_template == CHATML and hf_tok.stop_ids == tok.stop_ids
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # newer transformers' file
+    assert load_hf_folder(tmp_path / "hf")[2].chat_template == "{{ messages[0]['content'] }}"
     g_tok = load_gguf(export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False))[2]
     assert g_tok.chat_template == CHATML
 
