@@ -103,3 +103,18 @@ def test_tied_gguf_and_hf_imports_stay_tied_and_export_tied(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
     cfg2, P2, _ = load_hf_folder(tmp_path / "hf")
     assert cfg2 == cfg and set(P2) == set(P) and all(np.array_equal(P2[n], P[n]) for n in P)
+
+
+def test_dpo_fast_engine_gives_the_reference_gradients_on_a_tied_model():
+    from nanoeuler.dpo import Workspaces, dpo_loss_and_grads, make_batch
+    P, _ = tied_and_untied(np.float64)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 61, n) for n in (9, 12, 7, 11)]
+    masks = [np.arange(len(s)) >= 3 for s in seqs]
+    batch = make_batch(seqs[:2], masks[:2], seqs[2:], masks[2:], length=CFG.ctx_len)
+    rc, rr = rng.normal(-30, 5, 2), rng.normal(-30, 5, 2)
+    l1, _, g1 = dpo_loss_and_grads(CFG, P, batch, rc, rr, 0.1)
+    l2, _, g2 = dpo_loss_and_grads(CFG, P, batch, rc, rr, 0.1, Workspaces(CFG, np.float64))
+    assert l2 == pytest.approx(l1, rel=1e-12) and "embed.weight" in g1 and g1.keys() == g2.keys()
+    for name in g1:
+        assert np.max(np.abs(g1[name] - g2[name])) <= 1e-12 * np.max(np.abs(g1[name])), name
