@@ -90,7 +90,8 @@ def metadata(reader, path: Path) -> dict:
 
 
 def field(meta: dict, key: str, kind=int, default=None):
-    """meta[key] checked to be `kind` (int fields: a non-negative integer); default when absent (None: required)."""
+    """meta[key] checked to be `kind` (int: a non-negative integer; float: a number); default when absent
+    (None: required)."""
     v = meta.get(key, default)
     if v is None:
         raise UserError(f"GGUF metadata {key} is missing")
@@ -100,20 +101,16 @@ def field(meta: dict, key: str, kind=int, default=None):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise UserError(f"GGUF metadata {key} = {v!r:.60} is not a number")
         return float(str(np.float32(v)))
-    if kind is str and not isinstance(v, str):
-        raise UserError(f"GGUF metadata {key} is not a string")
     return v
 
 
-def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """GGUF name -> float32 array in numpy order ([out, in] for matrices), and GGUF name -> source type
-    (and "*bytes": the bytes all tensors take in the file)."""
+def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
+    """(GGUF name -> float32 array in numpy order ([out, in] for matrices), GGUF name -> source type, the
+    bytes all tensors take in the file)."""
     import gguf
     from tqdm import tqdm
     out, types = {}, {}
-    types["*bytes"] = 0
     for t in tqdm(reader.tensors, desc="dequantize", disable=not progress):
-        types["*bytes"] += int(t.n_bytes)
         shape = tuple(reversed([int(n) for n in t.shape]))
         try:
             a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
@@ -121,7 +118,7 @@ def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np
             raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be read ({str(e)[:100]})") from None
         out[t.name] = np.ascontiguousarray(a, dtype=np.float32)
         types[t.name] = t.tensor_type.name
-    return out, types
+    return out, types, sum(int(t.n_bytes) for t in reader.tensors)
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
@@ -182,9 +179,9 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise UserError("GGUF metadata tokenizer.chat_template is not a string")
-    d = tok.to_dict()
-    d.update({"chat_template": template, "stops": [s for s in dict.fromkeys(stops) if s != tok.eos_token]})
-    return Tokenizer.from_dict({k: v for k, v in d.items() if v})
+    stops = [s for s in dict.fromkeys(stops) if s != tok.eos_token]
+    return Tokenizer.from_dict(tok.to_dict() | ({"chat_template": template} if template is not None else {})
+                               | ({"stops": stops} if stops else {}))
 
 
 # -------------------------------------------------------------------------------------- architectures
@@ -193,7 +190,7 @@ def refuse_unsupported(meta: dict, arch: str) -> None:
     for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.attention.sliding_window",
                 f"{arch}.expert_count", f"{arch}.attention.clamp_kqv", f"{arch}.logit_scale"):
         v = meta.get(key)
-        if v not in (None, "none", 0):
+        if v not in (None, "none", 0, 1):  # absent, or the values that change nothing
             raise UserError(f"GGUF metadata {key} = {v!r:.40} is not supported")
 
 
@@ -310,7 +307,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UserError(f"GGUF general.architecture {arch!r:.60} is not supported; importable: {', '.join(ARCHS)}")
-    T, types = tensors_of(reader, path, progress)
+    T, types, nbytes = tensors_of(reader, path, progress)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
     make_config, make_params = ARCHS[arch]
@@ -331,7 +328,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     tok = gguf_tokenizer(meta, cfg.vocab_size)
     params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}
     check_params(cfg, params)
-    source = {"format": "gguf", "file": path.name, "file_tensor_bytes": types["*bytes"],
+    source = {"format": "gguf", "file": path.name, "file_tensor_bytes": nbytes,
               "tensor_types": {n: types[g] for n, g in src_names.items() if n in params}}
     return cfg, params, tok, source
 
