@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from .args import escape_control
-from .sample import MIN_TEMPERATURE, add_sampling_args, check_sampling_args, check_temperature, decoding_model
+from .sample import add_sampling_args, check_sampling_args, check_temperature, decoding_model
 
 HELP = """commands:
   /reset     forget the conversation so far
@@ -120,6 +120,7 @@ class Chat:
             write("(conversation cleared)\n")
         elif name == "/temp":
             from ..errors import UserError
+            from ..generate import MIN_TEMPERATURE
             try:
                 value = check_temperature("/temp", arg)
             except UserError as e:

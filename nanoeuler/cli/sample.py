@@ -43,12 +43,10 @@ def decoding_model(model, args):
     return model
 
 
-MIN_TEMPERATURE = 0.01   # below it (but > 0) logits / T overflow float32: use 0 (greedy) instead
-
-
 def check_temperature(name: str, value) -> float:
     """0 (greedy) or a finite number in [0.01, 100]; 'nan', 'inf', '-1', '1e-300' -> UserError."""
     from ..errors import UserError
+    from ..generate import MIN_TEMPERATURE
     from .args import check_float
     t = check_float(name, value, 0, 100)
     if 0 < t < MIN_TEMPERATURE:

@@ -30,11 +30,12 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
-from ..generate import truncate_left
-from .batcher import Batcher, Closed, Job, QueueFull
+from ..generate import MIN_TEMPERATURE, truncate_left
+from .batcher import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        render_chat, stop_list, token_text)
 
@@ -47,8 +48,12 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 def error_json(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+    return JSONResponse(error_body(message, type, param, code), status)
 
 
 class BodyLimit:
@@ -132,7 +137,7 @@ class Choice:
             piece = self._finish("stop" if reason in ("stop", "cancelled") else "length")
             self.text += piece
             return piece, len(self.logprobs) - n_lp
-        raise APIError(500, str(args[0]), "server_error")  # "error": an engine failure
+        raise APIError(500, str(args[0]), "server_error", code="engine_error")  # "error": the engine failed
 
     def _finish(self, reason: str) -> str:
         self.finish_reason = reason
@@ -216,6 +221,9 @@ class Run:
         except Closed as e:
             self.cancel()
             raise APIError(503, str(e), "server_error", code="shutting_down")
+        except BadJob as e:  # (the routes check every field first: this is the engine's own last word)
+            self.cancel()
+            raise APIError(400, str(e), code="invalid_value")
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -342,7 +350,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_limits(max_tokens: int, n: int, n_prompts: int = 1) -> None:
+    def check_limits(max_tokens: int, n: int, seed: int | None, n_prompts: int = 1) -> None:
         if max_tokens > max_tokens_cap:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {max_tokens_cap}",
                            param="max_tokens", code="invalid_value")
@@ -351,11 +359,15 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         if n * n_prompts > max_queue:
             raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {max_queue}",
                            param="prompt", code="invalid_value")
+        if seed is not None and seed + n > SEED_LIMIT:  # choice i samples with seed + i
+            raise APIError(400, f"seed + n - 1 must be below 2**64 (choice i samples with seed + i), got seed {seed}",
+                           param="seed", code="invalid_value")
 
     def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
         seed = None if body.seed is None else body.seed + i
-        # below 0.01, logits / T overflow: such a temperature is greedy (as `sample` refuses 0 < T < 0.01)
-        return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature if body.temperature >= 0.01 else 0.0,
+        # below MIN_TEMPERATURE, logits / T overflow: such a temperature is greedy (`sample` refuses it)
+        t = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        return dict(ids=ids, max_tokens=max_tokens, temperature=t,
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
                     stop_ids=tuple(stop_ids(body)), logprobs=logprobs, echo=echo)
 
@@ -370,8 +382,11 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     def stream_response(gen, run: Run):
         async def body():
             try:
-                async for piece in gen:
-                    yield piece
+                try:
+                    async for piece in gen:
+                        yield piece
+                except APIError as e:  # the engine failed on a choice: the stream says so and ends
+                    yield sse(error_body(e.message, e.type, e.param, e.code))
                 yield "data: [DONE]\n\n"
             finally:
                 run.cancel()  # the client went away or we are done: free the rows now
@@ -405,14 +420,29 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
     @app.post("/tokenize", dependencies=[Depends(auth)])
     async def tokenize(body: TokenizeRequest):
-        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it
-        ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
+        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it.
+        # Tokenizing (and detokenizing, and the routes' prompts) runs off the event loop: a 1 MB text takes
+        # a second, and the loop must go on serving every other client meanwhile.
+        ids = await run_in_threadpool(tok.encode, body.prompt, allow_special=True, add_bos=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len}
 
     @app.post("/detokenize", dependencies=[Depends(auth)])
     async def detokenize(body: DetokenizeRequest):
         check_ids(body.tokens, "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(tok.decode, body.tokens)}
+
+    def prompt_ids(raw: list) -> tuple[list[list[int]], list[int]]:
+        """The prompts (texts or id lists) as ids kept to the context -> (ids, tokens dropped) per prompt."""
+        prompts, truncated = [], []
+        for item in raw:
+            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            check_ids(ids, "prompt")
+            ids, dropped = truncate_left(ids, cfg.ctx_len)
+            prompts.append(ids)
+            truncated.append(dropped)
+        return prompts, truncated
 
     def check_ids(ids, param) -> None:
         if any(not 0 <= t < cfg.vocab_size for t in ids):
@@ -427,16 +457,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not raw:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        check_limits(max_tokens, body.n, len(raw))
-        prompts, truncated = [], []
-        for item in raw:
-            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
-            if not ids:
-                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-            check_ids(ids, "prompt")
-            ids, dropped = truncate_left(ids, cfg.ctx_len)
-            prompts.append(ids)
-            truncated.append(dropped)
+        check_limits(max_tokens, body.n, body.seed, len(raw))
+        prompts, truncated = await run_in_threadpool(prompt_ids, raw)
         run = Run(batcher, Dispatcher.of(app))
         for pi, ids in enumerate(prompts):
             for j in range(body.n):
@@ -488,8 +510,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         stops = stop_list(body.stop)
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           min(chat_max_tokens, max_tokens_cap))
-        check_limits(max_tokens, body.n)
-        ids, notes = render_chat(model, tok, body.messages, max_tokens, eos)
+        check_limits(max_tokens, body.n, body.seed)
+        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens, eos)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):
