@@ -423,13 +423,17 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it.
         # Tokenizing (and detokenizing, and the routes' prompts) runs off the event loop: a 1 MB text takes
         # a second, and the loop must go on serving every other client meanwhile.
-        ids = await run_in_threadpool(tok.encode, body.prompt, allow_special=True, add_bos=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len}
+        def answer():  # (the JSON of a million ids too)
+            ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len})
+        return await run_in_threadpool(answer)
 
     @app.post("/detokenize", dependencies=[Depends(auth)])
     async def detokenize(body: DetokenizeRequest):
-        check_ids(body.tokens, "tokens")
-        return {"prompt": await run_in_threadpool(tok.decode, body.tokens)}
+        def answer():
+            check_ids(body.tokens, "tokens")
+            return {"prompt": tok.decode(body.tokens)}
+        return await run_in_threadpool(answer)
 
     def prompt_ids(raw: list) -> tuple[list[list[int]], list[int]]:
         """The prompts (texts or id lists) as ids kept to the context -> (ids, tokens dropped) per prompt."""
