@@ -58,10 +58,12 @@ def error_json(status: int, message: str, type: str = "invalid_request_error", p
 
 class BodyLimit:
     """ASGI middleware: 413 for a request body over `limit` bytes, by Content-Length or (chunked uploads) by
-    reading it: the body is read here, at most limit + 1 bytes, then handed to the app."""
+    reading it: the body is read here, at most limit + 1 bytes, then handed to the app. A body still arriving
+    when the server begins to shut down (`closing` is set) is answered 503 at once: shutdown does not wait
+    for bytes that may never come."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, closing: asyncio.Event):
+        self.app, self.limit, self.closing = app, limit, closing
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -75,7 +77,10 @@ class BodyLimit:
         body, more = [], True
         size = 0
         while more:
-            message = await receive()
+            message = await self._receive(receive)
+            if message is None:
+                return await error_json(503, "the server is shutting down", "server_error",
+                                        code="shutting_down")(scope, receive, send)
             if message["type"] != "http.request":  # the client left while sending
                 return
             body.append(message.get("body", b""))
@@ -88,6 +93,17 @@ class BodyLimit:
         async def replay_receive():
             return replay.pop() if replay else await receive()
         await self.app(scope, replay_receive, send)
+
+    async def _receive(self, receive):
+        """The next message of the request, or None once the server is shutting down."""
+        if self.closing.is_set():
+            return None
+        get, stop = asyncio.ensure_future(receive()), asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait((get, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            get.cancel(), stop.cancel()
+        return get.result() if get.done() and not get.cancelled() else None
 
     async def _too_large(self, scope, receive, send):
         await error_json(413, f"request body larger than {self.limit} bytes", code="body_too_large")(scope, receive, send)
@@ -297,16 +313,29 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     created = int(time.time())
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
+    closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
+    loops = []
+
+    def begin_shutdown() -> None:
+        """End the streams now (the lifespan shutdown joins the engine thread) and answer the bodies still
+        arriving (BodyLimit); safe to call from a signal handler."""
+        with batcher.cond:
+            batcher.closed = True
+            batcher.cond.notify_all()
+        for loop in loops:
+            loop.call_soon_threadsafe(closing.set)
+
     @asynccontextmanager
     async def lifespan(app):
+        loops.append(asyncio.get_running_loop())
         batcher.start()
         yield
         batcher.close()
 
     app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="An OpenAI-compatible API over a nanoeuler checkpoint.")
-    app.state.batcher = batcher
-    app.add_middleware(BodyLimit, limit=body_limit)
+    app.state.batcher, app.state.begin_shutdown = batcher, begin_shutdown
+    app.add_middleware(BodyLimit, limit=body_limit, closing=closing)
 
     # ---- errors ----
     @app.exception_handler(APIError)
@@ -596,9 +625,7 @@ def run_server(app: FastAPI, sock, log_level: str = "warning") -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            with app.state.batcher.cond:  # end the streams now; the lifespan shutdown joins the thread
-                app.state.batcher.closed = True
-                app.state.batcher.cond.notify_all()
+            app.state.begin_shutdown()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_level=log_level, http="h11", ws="none", lifespan="on",
