@@ -146,10 +146,11 @@ class Chat:
 
 
 def run(args) -> int:
-    from ..checkpoint import load_tokenizer
+    from ..checkpoint import check_vocab, load_tokenizer
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    check_vocab(model.config, tok)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     chat = Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,

@@ -111,12 +111,13 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import load_tokenizer
+    from ..checkpoint import check_vocab, load_tokenizer
     from ..errors import UserError
     from ..generate import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    check_vocab(model.config, tok)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

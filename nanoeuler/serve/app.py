@@ -300,9 +300,9 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
                chat_max_tokens: int = 256) -> FastAPI:
     """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
+    from ..checkpoint import check_vocab
     cfg = model.config
-    if tok.vocab_size != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size}")
+    check_vocab(cfg, tok)
     batcher = Batcher(model, max_batch, max_queue)
     eos_name = end_token(tok)
     eos = tok.special_tokens[eos_name] if eos_name else None
