@@ -430,3 +430,25 @@ def test_tokenize_runs_off_the_event_loop(ckpt):
     during = [span["start"]] + [t for t in answered if t < span["end"]] + [span["end"]]
     gaps = np.diff(during)
     assert duration > 0.5 and gaps.max() < duration / 3, (duration, gaps.max())
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_choice_i_of_n_samples_with_seed_plus_i(ckpt, client, route):
+    """The documented rule for n choices: choice i is exactly the single request with seed + i (a rule such
+    as seed + 2i passed the other tests)."""
+    d, model, tok = ckpt
+    if route == "completions":
+        def ask(**kw):
+            r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, **kw)
+            return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    else:
+        def ask(**kw):
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=20, temperature=1.0, **kw)
+            return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    texts = ask(seed=11, n=4)
+    singles = [ask(seed=11 + i)[0] for i in range(4)]
+    assert texts == singles and len(set(texts)) > 2
+    if route == "completions":
+        ref = generate(model, tok.encode(PROMPT, add_bos=True), 20, temperature=1.0, seed=13, stop_ids=[tok.eos_id])
+        assert texts[2] == tok.decode(ref.ids)
