@@ -363,6 +363,7 @@ def test_a_bad_seed_is_400_and_running_streams_finish(ckpt, extra):
             firsts = [next(it) for it in lines]  # both rows are busy
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+            assert "2**64" in r.json()["error"]["message"] or "greater than or equal to 0" in r.json()["error"]["message"]
             for first, it in zip(firsts, lines):
                 events = sse_events([first, *it])
                 assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"

@@ -389,8 +389,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {max_queue}",
                            param="prompt", code="invalid_value")
         if seed is not None and seed + n > SEED_LIMIT:  # choice i samples with seed + i
-            raise APIError(400, f"seed + n - 1 must be below 2**64 (choice i samples with seed + i), got seed {seed}",
-                           param="seed", code="invalid_value")
+            raise APIError(400, f"seed must be an integer in [0, 2**64 - n] (choice i of n samples with seed + i), "
+                                f"got {seed}"[:300], param="seed", code="invalid_value")
 
     def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
         seed = None if body.seed is None else body.seed + i
