@@ -9,7 +9,8 @@
 
 Every error is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its status:
 400 bad request (malformed JSON and wrong types included), 401 missing/wrong API key, 404 unknown model
-or route, 413 body over the cap, 429 queue full, 500 never shows a stack trace.
+or route, 413 body over the cap, 429 queue full, 503 shutting down, 500 never shows a stack trace (an engine
+failure on a request: code "engine_error"; in a stream, a `data: {"error": ...}` event, then [DONE]).
 
 Streams are server-sent events, one `data: {chunk}` per piece of text, ending with `data: [DONE]`.
 A client that goes away cancels its jobs (their batch rows are free at the next engine step).

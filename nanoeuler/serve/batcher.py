@@ -19,6 +19,9 @@ active request, which has its own length (the positions it has filled). One engi
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
             c  c  c  c  c  c        c: full (ctx_len): its window jumps first (below)
 
+A job the engine could not run is refused by submit (check_job), and an exception inside a step ends only
+the jobs it touched, with an "error" event (Batcher.step): the other rows and the waiting jobs go on.
+
 Rows are kept compact: when a job ends, the last row moves into its place (its cache rows are copied),
 so the batch is always rows 0..n-1 of the cache, a view and never a gather. A cancelled job (client gone)
 leaves at the next step.
