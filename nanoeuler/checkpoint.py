@@ -318,6 +318,14 @@ def load_tokenizer(run_dir, read_only: bool = False):
     return Tokenizer.from_dict(read_json(member(run_dir, "tokenizer.json", journal), "checkpoint tokenizer"))
 
 
+def check_vocab(config: Config, tok) -> None:
+    """Refuse a model and tokenizer whose vocabularies differ (before any text is made: a model id the
+    tokenizer lacks would fail mid-reply, a tokenizer id the model lacks at the first prompt)."""
+    if tok.vocab_size != config.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {config.vocab_size}: "
+                        "they do not belong together")
+
+
 # ---- trainer.json --------------------------------------------------------------------------------
 def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
     """Type- and range-check the fields of a trainer.json every loop reads; returns it unchanged.

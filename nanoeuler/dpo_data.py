@@ -255,13 +255,18 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
             elif kind == "done":
                 answers[i] = (made, args[0] == "stop")
                 bar.update(1)
+            elif kind == "error":  # the engine failed on this prompt (a bug): said after the loop
+                failed.append(args[0])
         return on_event
 
+    failed: list[str] = []
     for i, ids in enumerate(prompts):
         engine.submit(Job(list(ids), max_new_tokens, temperature=0.0, stop_ids=(stop_id,), on_event=collect(i)))
     while engine.step():
         pass
     bar.close()
+    if failed:
+        raise RuntimeError(failed[0])
     return answers
 
 

@@ -311,6 +311,9 @@ def _inverse_cdf(p, r):
     return p.shape[0] - 1
 
 
+MIN_TEMPERATURE = 0.01  # the least temperature > 0 sampling takes: below it logits / T overflow float32 (use 0, greedy)
+
+
 def sample_token(logits: np.ndarray, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, rng: np.random.Generator | None = None) -> int:
     """logits [V] -> one token id. temperature 0 is greedy (argmax); top_k keeps the k most likely

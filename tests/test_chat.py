@@ -148,3 +148,24 @@ def test_chat_speculates_when_sampling_without_a_seed(run_dir, monkeypatch):
     for seed, expect in ((None, "speculative"), (5, "cache")):
         Chat(model, tok, temperature=0.8, seed=seed, max_new_tokens=4).handle("Who speaks?", lambda s: None)
         assert calls[-1] == expect
+
+
+@pytest.mark.parametrize("extra", [40, -10])
+@pytest.mark.parametrize("command", ["sample", "chat", "serve"])
+def test_a_tokenizer_that_does_not_match_the_model_is_one_line_at_load(tmp_path, monkeypatch, capsys, command, extra):
+    """A model with 40 embeddings more than its tokenizer has tokens used to print part of a reply, then fail
+    on the first id the tokenizer lacks (10 fewer: on the prompt). Every command refuses it at load, with
+    the check `serve` has always made (checkpoint.check_vocab), before printing anything."""
+    from nanoeuler.cli import main
+    tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 270, progress=False)
+    cfg = Config(vocab_size=tok.vocab_size + extra, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=64,
+                 ffn_hidden=48, n_mtp=1)
+    d = tmp_path / "mismatch"
+    Model.init(cfg, seed=0).save(d, tokenizer=tok)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    flags = {"sample": ["--prompt", "hello there", "--max-new-tokens", "60", "--temperature", "1", "--seed", "1"],
+             "chat": ["--max-new-tokens", "60", "--temperature", "1", "--seed", "1"], "serve": ["--port", "0"]}
+    code = main([command, "--ckpt", str(d), *flags[command]])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err == (
+        f"error: the tokenizer has 270 tokens but the model {270 + extra}: they do not belong together\n")

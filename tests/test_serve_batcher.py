@@ -8,7 +8,7 @@ import pytest
 from nanoeuler import Config, Model
 from nanoeuler.generate import forward_cached, generate, new_cache
 from nanoeuler.optim import AdamW
-from nanoeuler.serve.batcher import (Batcher, Closed, Job, QueueFull, decode_step, log_softmax, prefill_groups,
+from nanoeuler.serve.batcher import (BadJob, Batcher, Closed, Job, QueueFull, decode_step, log_softmax, prefill_groups,
                                      top_logprobs)
 
 CFG = Config(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=48, n_mtp=2)
@@ -29,10 +29,10 @@ def trained():
 
 
 class Collect:
-    """on_event for a job: records tokens and the end reason."""
+    """on_event for a job: records tokens, the end reason or engine error, and how many times the job ended."""
 
     def __init__(self):
-        self.tokens, self.reason, self.prompt = [], None, None
+        self.tokens, self.reason, self.prompt, self.error, self.ends = [], None, None, None, 0
 
     def __call__(self, kind, *args):
         if kind == "token":
@@ -41,6 +41,9 @@ class Collect:
             self.reason = args[0]
         elif kind == "prompt":
             self.prompt = args[0]
+        elif kind == "error":
+            self.error = args[0]
+        self.ends += kind in ("done", "error")
 
 
 def run_jobs(model, specs, max_batch=8, join_at=None):
@@ -212,8 +215,8 @@ def test_cancel_frees_the_row_at_the_next_step(trained):
 def test_queue_is_bounded_and_close_ends_everything(trained):
     b = Batcher(trained, max_batch=1, max_queue=2)
     outs = [Collect() for _ in range(3)]
-    b.submit(Job(ids=[1], max_tokens=100, on_event=outs[0]))
-    b.submit(Job(ids=[2], max_tokens=100, on_event=outs[1]))
+    b.submit(Job(ids=[1], max_tokens=10 ** 9, on_event=outs[0]))  # (never done before close, however fast)
+    b.submit(Job(ids=[2], max_tokens=10 ** 9, on_event=outs[1]))
     with pytest.raises(QueueFull):
         b.submit(Job(ids=[3], max_tokens=100, on_event=outs[2]))
     b.step()  # job 0 takes the one row; job 1 waits
@@ -238,3 +241,177 @@ def test_top_logprobs_order():
     logp = np.log(np.array([0.1, 0.4, 0.1, 0.4]))
     assert [i for i, _ in top_logprobs(logp, 3)] == [1, 3, 0]
     assert top_logprobs(logp, 0) == []
+
+
+# ---- bad input and engine failures end only the jobs they touch --------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("seed", -1), ("seed", 2 ** 64), ("seed", 1.5), ("seed", True), ("temperature", -0.5),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e-300), ("temperature", "1"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", -1), ("top_k", 2.0), ("max_tokens", -1),
+    ("max_tokens", None), ("ids", []), ("ids", [1, 40]), ("ids", [-1]), ("ids", "abc"), ("ids", [1.0]),
+    ("logprobs", -1), ("logprobs", 41), ("stop_ids", (1.5,)), ("stop_ids", None), ("echo", 1), ("on_event", None)])
+def test_a_job_the_engine_cannot_run_is_refused_at_submit(trained, field, value):
+    """Each of these raised inside admission (a negative seed in np.random.default_rng, ...) or made NaN
+    probabilities; now submit refuses them, naming the field, and nothing reaches the queue."""
+    b = Batcher(trained, max_batch=2)
+    spec = dict(ids=[1, 2], max_tokens=3, on_event=Collect())
+    spec[field] = value
+    with pytest.raises(BadJob, match=field):
+        b.submit(Job(**spec))
+    assert b.stats()["queued"] == 0
+
+
+def test_edge_values_are_served(trained):
+    """The ends of every range are accepted and run: seed 0 and 2**64 - 1, temperature 0 / 0.01 / 100, top_p 1,
+    top_k 0 and far over the vocabulary, logprobs up to the vocabulary, numpy integers."""
+    specs = [dict(seed=0, temperature=0.01), dict(seed=2 ** 64 - 1, temperature=100.0, top_p=1.0),
+             dict(top_k=0, temperature=1), dict(top_k=10 ** 30, temperature=1, seed=np.uint64(3)),
+             dict(logprobs=CFG.vocab_size, echo=True), dict(ids=(np.int64(5), 6), stop_ids=frozenset({1}))]
+    outs, _ = run_jobs(trained, [{"ids": [1, 2], "max_tokens": 3, **s} for s in specs])
+    assert all(o.reason in ("length", "stop") and o.tokens for o in outs)
+
+
+def _raising_when(monkeypatch, name, bad):
+    """Make batcher.<name> raise RuntimeError("injected") when bad(*args) holds (else run as before)."""
+    from nanoeuler.serve import batcher
+    real = getattr(batcher, name)
+
+    def fake(*args, **kw):
+        if bad(*args, **kw):
+            raise RuntimeError("injected")
+        return real(*args, **kw)
+    monkeypatch.setattr(batcher, name, fake)
+
+
+POISON = 39  # a prompt holding this id makes the patched admission fail
+
+
+@pytest.mark.parametrize("which", ["trained", "gpt2"])
+def test_an_exception_in_admission_ends_only_its_job(trained, monkeypatch, which):
+    """The fused path admits one prompt at a time, the BLAS path (gpt2) in padded groups: a group that fails is
+    retried job by job, so the good prompts admitted in the same step as the bad one are served as usual
+    (before the fix they never got an answer), and the rows already running go on."""
+    model = trained if which == "trained" else Model.init(GPT2, seed=5)
+    ps = [[1, 2, 3], [4, 5, 6], [7, 8, POISON], [9, 10, 11]]  # equal lengths: one prefill group on BLAS
+    want = [run_jobs(model, [dict(ids=p, max_tokens=6)], max_batch=1)[0][0].tokens for p in ps]
+    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    b = Batcher(model, max_batch=8)
+    outs = [Collect() for _ in ps]
+    b.submit(Job(ids=ps[0], max_tokens=6, on_event=outs[0]))
+    b.step()  # a running row
+    for p, out in zip(ps[1:], outs[1:]):
+        b.submit(Job(ids=p, max_tokens=6, on_event=out))
+    while b.step():
+        pass
+    assert "injected" in outs[2].error and outs[2].reason is None and outs[2].tokens == []
+    for i in (0, 1, 3):
+        assert outs[i].error is None and outs[i].reason == "length" and outs[i].tokens == want[i]
+    assert all(o.ends == 1 for o in outs)
+
+
+def test_an_exception_in_sampling_ends_only_its_row(trained, monkeypatch):
+    _raising_when(monkeypatch, "sample_token", lambda logits, t, *a, **k: t == 0.5)
+    outs, b = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5), dict(ids=[3], max_tokens=5, temperature=0.5, seed=1),
+                                 dict(ids=[4, 5, 6], max_tokens=5)])
+    assert "injected" in outs[1].error and outs[1].reason is None
+    assert [o.reason for o in (outs[0], outs[2])] == ["length", "length"] and all(o.ends == 1 for o in outs)
+    again = Collect()
+    b.submit(Job(ids=[1, 2], max_tokens=5, on_event=again))
+    while b.step():
+        pass
+    assert again.tokens == outs[0].tokens  # the engine serves on, and its cache rows are intact
+
+
+def test_an_exception_in_decoding_ends_that_steps_rows_and_the_engine_serves_on(trained, monkeypatch):
+    from nanoeuler.fast import decode
+    real, calls = decode.forward_rows, []
+
+    def once(cfg, W, tokens, pos, rows, *rest):  # the first decoding step of two rows fails
+        if list(rows) == [0, 1] and not calls:
+            calls.append(1)
+            raise RuntimeError("injected")
+        return real(cfg, W, tokens, pos, rows, *rest)
+    monkeypatch.setattr(decode, "forward_rows", once)
+    outs, b = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5), dict(ids=[3], max_tokens=5)])
+    assert calls and all("injected" in o.error and o.ends == 1 and len(o.tokens) == 1 for o in outs)
+    ref, _ = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5)])
+    again = Collect()
+    b.submit(Job(ids=[1, 2], max_tokens=5, on_event=again))
+    while b.step():
+        pass
+    assert again.reason == "length" and again.tokens == ref[0].tokens
+
+
+def test_the_engine_thread_answers_every_job_when_admission_fails(trained, monkeypatch):
+    """On the background thread (as serve runs it): every job ends once, close() is quick."""
+    import time
+    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    b = Batcher(trained, max_batch=4).start()
+    outs = [Collect() for _ in range(6)]
+    for i, out in enumerate(outs):
+        b.submit(Job(ids=[1, POISON] if i % 2 else [1, 2], max_tokens=4, on_event=out))
+    deadline = time.time() + 30
+    while any(o.ends == 0 for o in outs) and time.time() < deadline:
+        time.sleep(0.01)
+    t0 = time.time()
+    b.close()
+    assert time.time() - t0 < 2
+    assert [o.error is not None for o in outs] == [False, True] * 3 and all(o.ends == 1 for o in outs)
+
+
+def test_fuzz_every_job_is_refused_up_front_or_served(trained):
+    """Hypothesis draws every field that reaches the engine (ids, max_tokens, temperature, top_p, top_k, seed,
+    stop_ids, logprobs, echo): good values, with up to two fields replaced by anything (negative, huge, NaN,
+    wrong types). Each job is either refused by submit (BadJob) or served: it runs a few steps beside a plain
+    job and ends with one "done", never an "error"; the plain job's tokens are never disturbed."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    plain_ref = run_jobs(trained, [dict(ids=[1, 2, 3], max_tokens=6)])[0][0].tokens
+    b = Batcher(trained, max_batch=4)
+    seen = {"refused": 0, "served": 0}
+    good = dict(
+        ids=st.lists(st.integers(0, CFG.vocab_size - 1), min_size=1, max_size=40), max_tokens=st.integers(0, 8),
+        temperature=st.one_of(st.just(0.0), st.floats(0.01, 100)), top_p=st.floats(0.001, 1.0),
+        top_k=st.integers(0, 50), seed=st.integers(0, 2 ** 64 - 1), stop_ids=st.tuples(st.integers(0, 39)),
+        logprobs=st.integers(0, CFG.vocab_size), echo=st.booleans())
+    anything = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+                         st.text(max_size=3), st.lists(st.integers(-3, 45), max_size=4), st.tuples(st.floats()))
+    bad = st.dictionaries(st.sampled_from(sorted(good)), anything, max_size=2)
+
+    @given(spec=st.fixed_dictionaries({"ids": good["ids"], "max_tokens": good["max_tokens"]},
+                                      optional={k: v for k, v in good.items() if k not in ("ids", "max_tokens")}),
+           overlay=bad)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def run(spec, overlay):
+        spec.update(overlay)
+        out, plain = Collect(), Collect()
+        b.submit(Job(ids=[1, 2, 3], max_tokens=6, on_event=plain))
+        try:
+            job = Job(on_event=out, **spec)
+            b.submit(job)
+        except BadJob:
+            seen["refused"] += 1
+        else:
+            seen["served"] += 1
+            for _ in range(4):
+                b.step()
+            job.cancel()  # (a served job with a huge max_tokens is cut here)
+        while b.step():
+            pass
+        assert out.error is None and plain.error is None, (spec, out.error, plain.error)
+        assert plain.tokens == plain_ref and plain.reason == "length"
+        if seen["served"] and out.ends:
+            assert out.ends == 1 and out.reason in ("length", "stop", "cancelled")
+    run()
+    assert seen["refused"] > 50 and seen["served"] > 50, seen
+
+
+def test_dpo_data_model_answers_says_when_the_engine_failed(trained, monkeypatch):
+    """model_answers (dpo-data's batch of greedy answers) turns an engine error into an exception naming it,
+    rather than an answer missing from its list."""
+    from nanoeuler.dpo_data import model_answers
+    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    assert len(model_answers(trained, [[1, 2], [3, 4]], stop_id=0, max_new_tokens=3, progress=False)) == 2
+    with pytest.raises(RuntimeError, match="injected"):
+        model_answers(trained, [[1, 2], [3, POISON]], stop_id=0, max_new_tokens=3, progress=False)

@@ -119,3 +119,44 @@ def test_serve_loads_read_only(tmp_path, capsys):
         code, out = run_main(["serve", "--ckpt", str(run), "--port", str(busy.getsockname()[1])], capsys)
     assert code == 2 and "in use" in out.err
     assert snapshot(run) == before
+
+
+def test_sigterm_with_half_sent_bodies_exits_quietly_and_fast():
+    """Clients that sent half a request body: shutdown used to wait for them for 10 s, then print a traceback
+    for each cancelled request. Now each gets a 503 at once, stderr stays empty, and the exit code is 0."""
+    import time
+    d = shared_checkpoint()[0]
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", d, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    socks = []
+    try:
+        first = proc.stdout.readline()
+        assert "on http://127.0.0.1:" in first, first + proc.stderr.read()
+        port = int(first.split("on http://127.0.0.1:", 1)[1].split("/", 1)[0])
+        body = b'{"model": "tiny", "prompt": "To be, or not to be", "max_tokens": 5}'
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        for _ in range(30):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(head % len(body) + body[:len(body) // 2])
+            socks.append(s)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:  # every connection is in
+            assert http.get("/health").status_code == 200
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - t0 < 5
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ERROR" not in err, err[:2000]
+        for s in socks:
+            s.settimeout(5)
+            assert s.recv(4096).startswith(b"HTTP/1.1 503")
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from .args import add_template_arg, escape_control
-from .sample import MIN_TEMPERATURE, add_sampling_args, check_sampling_args, check_temperature, decoding_model
+from .sample import add_sampling_args, check_sampling_args, check_temperature, decoding_model
 
 HELP = """commands:
   /reset     forget the conversation so far
@@ -124,6 +124,7 @@ class Chat:
             write("(conversation cleared)\n")
         elif name == "/temp":
             from ..errors import UserError
+            from ..generate import MIN_TEMPERATURE
             try:
                 value = check_temperature("/temp", arg)
             except UserError as e:
@@ -149,11 +150,12 @@ class Chat:
 
 
 def run(args) -> int:
-    from ..checkpoint import load_tokenizer
+    from ..checkpoint import check_vocab, load_tokenizer
     from ..model import Model
     check_sampling_args(args)
     from ..chat_template import with_template_file
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    check_vocab(model.config, tok)
     tok = with_template_file(tok, args.chat_template)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)

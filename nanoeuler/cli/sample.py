@@ -43,12 +43,10 @@ def decoding_model(model, args):
     return model
 
 
-MIN_TEMPERATURE = 0.01   # below it (but > 0) logits / T overflow float32: use 0 (greedy) instead
-
-
 def check_temperature(name: str, value) -> float:
     """0 (greedy) or a finite number in [0.01, 100]; 'nan', 'inf', '-1', '1e-300' -> UserError."""
     from ..errors import UserError
+    from ..generate import MIN_TEMPERATURE
     from .args import check_float
     t = check_float(name, value, 0, 100)
     if 0 < t < MIN_TEMPERATURE:
@@ -113,12 +111,13 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import load_tokenizer
+    from ..checkpoint import check_vocab, load_tokenizer
     from ..errors import UserError
     from ..generate import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    check_vocab(model.config, tok)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

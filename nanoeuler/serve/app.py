@@ -9,7 +9,8 @@
 
 Every error is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its status:
 400 bad request (malformed JSON and wrong types included), 401 missing/wrong API key, 404 unknown model
-or route, 413 body over the cap, 429 queue full, 500 never shows a stack trace.
+or route, 413 body over the cap, 429 queue full, 503 shutting down, 500 never shows a stack trace (an engine
+failure on a request: code "engine_error"; in a stream, a `data: {"error": ...}` event, then [DONE]).
 
 Streams are server-sent events, one `data: {chunk}` per piece of text, ending with `data: [DONE]`.
 A client that goes away cancels its jobs (their batch rows are free at the next engine step).
@@ -30,11 +31,12 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
-from ..generate import truncate_left
-from .batcher import Batcher, Closed, Job, QueueFull
+from ..generate import MIN_TEMPERATURE, truncate_left
+from .batcher import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        render_chat, stop_list, token_text)
 
@@ -47,16 +49,22 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 def error_json(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+    return JSONResponse(error_body(message, type, param, code), status)
 
 
 class BodyLimit:
     """ASGI middleware: 413 for a request body over `limit` bytes, by Content-Length or (chunked uploads) by
-    reading it: the body is read here, at most limit + 1 bytes, then handed to the app."""
+    reading it: the body is read here, at most limit + 1 bytes, then handed to the app. A body still arriving
+    when the server begins to shut down (`closing` is set) is answered 503 at once: shutdown does not wait
+    for bytes that may never come."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, closing: asyncio.Event):
+        self.app, self.limit, self.closing = app, limit, closing
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -70,7 +78,10 @@ class BodyLimit:
         body, more = [], True
         size = 0
         while more:
-            message = await receive()
+            message = await self._receive(receive)
+            if message is None:
+                return await error_json(503, "the server is shutting down", "server_error",
+                                        code="shutting_down")(scope, receive, send)
             if message["type"] != "http.request":  # the client left while sending
                 return
             body.append(message.get("body", b""))
@@ -83,6 +94,17 @@ class BodyLimit:
         async def replay_receive():
             return replay.pop() if replay else await receive()
         await self.app(scope, replay_receive, send)
+
+    async def _receive(self, receive):
+        """The next message of the request, or None once the server is shutting down."""
+        if self.closing.is_set():
+            return None
+        get, stop = asyncio.ensure_future(receive()), asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait((get, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            get.cancel(), stop.cancel()
+        return get.result() if get.done() and not get.cancelled() else None
 
     async def _too_large(self, scope, receive, send):
         await error_json(413, f"request body larger than {self.limit} bytes", code="body_too_large")(scope, receive, send)
@@ -132,7 +154,7 @@ class Choice:
             piece = self._finish("stop" if reason in ("stop", "cancelled") else "length")
             self.text += piece
             return piece, len(self.logprobs) - n_lp
-        raise APIError(500, str(args[0]), "server_error")  # "error": an engine failure
+        raise APIError(500, str(args[0]), "server_error", code="engine_error")  # "error": the engine failed
 
     def _finish(self, reason: str) -> str:
         self.finish_reason = reason
@@ -216,6 +238,9 @@ class Run:
         except Closed as e:
             self.cancel()
             raise APIError(503, str(e), "server_error", code="shutting_down")
+        except BadJob as e:  # (the routes check every field first: this is the engine's own last word)
+            self.cancel()
+            raise APIError(400, str(e), code="invalid_value")
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -276,9 +301,9 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
                chat_max_tokens: int = 256) -> FastAPI:
     """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
+    from ..checkpoint import check_vocab
     cfg = model.config
-    if tok.vocab_size != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size}")
+    check_vocab(cfg, tok)
     batcher = Batcher(model, max_batch, max_queue)
     eos_name = end_token(tok)
 
@@ -288,16 +313,29 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     created = int(time.time())
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
+    closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
+    loops = []
+
+    def begin_shutdown() -> None:
+        """End the streams now (the lifespan shutdown joins the engine thread) and answer the bodies still
+        arriving (BodyLimit); safe to call from a signal handler."""
+        with batcher.cond:
+            batcher.closed = True
+            batcher.cond.notify_all()
+        for loop in loops:
+            loop.call_soon_threadsafe(closing.set)
+
     @asynccontextmanager
     async def lifespan(app):
+        loops.append(asyncio.get_running_loop())
         batcher.start()
         yield
         batcher.close()
 
     app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="An OpenAI-compatible API over a nanoeuler checkpoint.")
-    app.state.batcher = batcher
-    app.add_middleware(BodyLimit, limit=body_limit)
+    app.state.batcher, app.state.begin_shutdown = batcher, begin_shutdown
+    app.add_middleware(BodyLimit, limit=body_limit, closing=closing)
 
     # ---- errors ----
     @app.exception_handler(APIError)
@@ -341,7 +379,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_limits(max_tokens: int, n: int, n_prompts: int = 1) -> None:
+    def check_limits(max_tokens: int, n: int, seed: int | None, n_prompts: int = 1) -> None:
         if max_tokens > max_tokens_cap:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {max_tokens_cap}",
                            param="max_tokens", code="invalid_value")
@@ -350,11 +388,15 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         if n * n_prompts > max_queue:
             raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {max_queue}",
                            param="prompt", code="invalid_value")
+        if seed is not None and seed + n > SEED_LIMIT:  # choice i samples with seed + i
+            raise APIError(400, f"seed must be an integer in [0, 2**64 - n] (choice i of n samples with seed + i), "
+                                f"got {seed}"[:300], param="seed", code="invalid_value")
 
     def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
         seed = None if body.seed is None else body.seed + i
-        # below 0.01, logits / T overflow: such a temperature is greedy (as `sample` refuses 0 < T < 0.01)
-        return dict(ids=ids, max_tokens=max_tokens, temperature=body.temperature if body.temperature >= 0.01 else 0.0,
+        # below MIN_TEMPERATURE, logits / T overflow: such a temperature is greedy (`sample` refuses it)
+        t = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        return dict(ids=ids, max_tokens=max_tokens, temperature=t,
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
                     stop_ids=tuple(stop_ids(body)), logprobs=logprobs, echo=echo)
 
@@ -369,8 +411,11 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     def stream_response(gen, run: Run):
         async def body():
             try:
-                async for piece in gen:
-                    yield piece
+                try:
+                    async for piece in gen:
+                        yield piece
+                except APIError as e:  # the engine failed on a choice: the stream says so and ends
+                    yield sse(error_body(e.message, e.type, e.param, e.code))
                 yield "data: [DONE]\n\n"
             finally:
                 run.cancel()  # the client went away or we are done: free the rows now
@@ -404,14 +449,33 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
     @app.post("/tokenize", dependencies=[Depends(auth)])
     async def tokenize(body: TokenizeRequest):
-        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it
-        ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len}
+        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it.
+        # Tokenizing (and detokenizing, and the routes' prompts) runs off the event loop: a 1 MB text takes
+        # a second, and the loop must go on serving every other client meanwhile.
+        def answer():  # (the JSON of a million ids too)
+            ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
+            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len})
+        return await run_in_threadpool(answer)
 
     @app.post("/detokenize", dependencies=[Depends(auth)])
     async def detokenize(body: DetokenizeRequest):
-        check_ids(body.tokens, "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        def answer():
+            check_ids(body.tokens, "tokens")
+            return {"prompt": tok.decode(body.tokens)}
+        return await run_in_threadpool(answer)
+
+    def prompt_ids(raw: list) -> tuple[list[list[int]], list[int]]:
+        """The prompts (texts or id lists) as ids kept to the context -> (ids, tokens dropped) per prompt."""
+        prompts, truncated = [], []
+        for item in raw:
+            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            check_ids(ids, "prompt")
+            ids, dropped = truncate_left(ids, cfg.ctx_len)
+            prompts.append(ids)
+            truncated.append(dropped)
+        return prompts, truncated
 
     def check_ids(ids, param) -> None:
         if any(not 0 <= t < cfg.vocab_size for t in ids):
@@ -426,16 +490,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not raw:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        check_limits(max_tokens, body.n, len(raw))
-        prompts, truncated = [], []
-        for item in raw:
-            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
-            if not ids:
-                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-            check_ids(ids, "prompt")
-            ids, dropped = truncate_left(ids, cfg.ctx_len)
-            prompts.append(ids)
-            truncated.append(dropped)
+        check_limits(max_tokens, body.n, body.seed, len(raw))
+        prompts, truncated = await run_in_threadpool(prompt_ids, raw)
         run = Run(batcher, Dispatcher.of(app))
         for pi, ids in enumerate(prompts):
             for j in range(body.n):
@@ -487,8 +543,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         stops = stop_list(body.stop)
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           min(chat_max_tokens, max_tokens_cap))
-        check_limits(max_tokens, body.n)
-        ids, notes = render_chat(model, tok, body.messages, max_tokens)
+        check_limits(max_tokens, body.n, body.seed)
+        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):
@@ -569,9 +625,7 @@ def run_server(app: FastAPI, sock, log_level: str = "warning") -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            with app.state.batcher.cond:  # end the streams now; the lifespan shutdown joins the thread
-                app.state.batcher.closed = True
-                app.state.batcher.cond.notify_all()
+            app.state.begin_shutdown()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_level=log_level, http="h11", ws="none", lifespan="on",

@@ -19,6 +19,9 @@ active request, which has its own length (the positions it has filled). One engi
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
             c  c  c  c  c  c        c: full (ctx_len): its window jumps first (below)
 
+A job the engine could not run is refused by submit (check_job), and an exception inside a step ends only
+the jobs it touched, with an "error" event (Batcher.step): the other rows and the waiting jobs go on.
+
 Rows are kept compact: when a job ends, the last row moves into its place (its cache rows are copied),
 so the batch is always rows 0..n-1 of the cache, a view and never a gather. A cancelled job (client gone)
 leaves at the next step.
@@ -35,6 +38,7 @@ logits, alone vs batched vs `generate`).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -46,7 +50,10 @@ import numpy as np
 from .. import ops
 from ..fast import decode
 from ..fast.parallel import PARTS, blas_threads
-from ..generate import KVCache, forward_hidden, fuse_weights, linear, new_cache, sample_token
+from ..generate import MIN_TEMPERATURE, KVCache, forward_hidden, fuse_weights, linear, new_cache, sample_token
+
+SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64)
+MAX_TEMPERATURE = 100.0
 
 
 class QueueFull(Exception):
@@ -57,6 +64,10 @@ class Closed(Exception):
     """The engine is shutting down and takes no new jobs."""
 
 
+class BadJob(ValueError):
+    """A job with a field the engine cannot run (submit refuses it; the HTTP layer answers 400)."""
+
+
 @dataclass
 class Job:
     """One generation request as the engine sees it (token ids in, token events out).
@@ -65,7 +76,10 @@ class Job:
       ("prompt", [(id, logprob or None, top), ...])  only with echo and logprobs: the prompt scored
       ("token", id, logprob or None, top)             each new token (</s> included when it ends the job)
       ("done", reason)                                reason: "stop" (a stop id), "length", "cancelled", "shutdown"
-    top is a list of (id, logprob) of the `logprobs` most likely tokens, or None.
+      ("error", message)                              the engine failed on this job: it ends here, instead of "done"
+    top is a list of (id, logprob) of the `logprobs` most likely tokens, or None. Every job ends with exactly
+    one "done" or "error"; on_event must not raise.
+    submit() refuses, with BadJob, a job whose fields the engine could not run (check_job).
     """
     ids: list[int]
     max_tokens: int
@@ -83,6 +97,46 @@ class Job:
     def cancel(self) -> None:
         """Ask the engine to drop this job (it leaves at the next step; its row is freed)."""
         self.cancelled = True
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return _is_int(x) or (isinstance(x, (float, np.floating)) and math.isfinite(x))
+
+
+def check_job(job: Job, vocab_size: int) -> None:
+    """Raise BadJob, naming the field, for a job the engine could not run; every other job is served.
+
+        check_job(Job([1, 2], 4, seed=-1), 40)  -> BadJob: seed must be an integer in [0, 2**64), got -1
+        check_job(Job([1, 2], 4, seed=7), 40)   -> None
+    """
+    def bad(field: str, rule: str):
+        raise BadJob(f"{field} must be {rule}, got {getattr(job, field)!r}"[:300])
+    ids = job.ids
+    if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        bad("ids", f"a non-empty list of token ids in [0, {vocab_size})")
+    if not _is_int(job.max_tokens) or job.max_tokens < 0:
+        bad("max_tokens", "an integer >= 0")
+    t = job.temperature
+    if not _is_real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        bad("temperature", f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    if job.top_k is not None and (not _is_int(job.top_k) or job.top_k < 0):
+        bad("top_k", "None or an integer >= 0")
+    if job.top_p is not None and (not _is_real(job.top_p) or not 0 < job.top_p <= 1):
+        bad("top_p", "None or a number in (0, 1]")
+    if job.seed is not None and (not _is_int(job.seed) or not 0 <= job.seed < SEED_LIMIT):
+        bad("seed", "None or an integer in [0, 2**64)")
+    if not isinstance(job.stop_ids, (tuple, list, set, frozenset)) or not all(_is_int(t) for t in job.stop_ids):
+        bad("stop_ids", "a tuple of token ids")
+    if job.logprobs is not None and (not _is_int(job.logprobs) or not 0 <= job.logprobs <= vocab_size):
+        bad("logprobs", f"None or an integer in [0, {vocab_size}]")
+    if not isinstance(job.echo, bool):
+        bad("echo", "True or False")
+    if not callable(job.on_event):
+        bad("on_event", "callable")
 
 
 class _Row:
@@ -140,7 +194,9 @@ class Batcher:
 
     # ---- the queue -------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue a job; raises QueueFull when max_queue jobs already wait, Closed after close()."""
+        """Queue a job; raises BadJob for fields the engine cannot run (check_job), QueueFull when max_queue
+        jobs already wait, Closed after close()."""
+        check_job(job, self.cfg.vocab_size)
         with self.cond:
             if self.closed:
                 raise Closed("the server is shutting down")
@@ -155,7 +211,40 @@ class Batcher:
 
     # ---- one engine step -------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, sample, decode (module docstring). Returns False when there was nothing to do."""
+        """Admit, sample, decode (module docstring). Returns False when there was nothing to do.
+        An exception inside the step ends only the jobs it touched, each with an "error" event: a failed
+        admission its group's jobs (a group of several is retried one job at a time), a failed sample its
+        row, a failed decoding step the rows in it. Waiting jobs and the other rows go on."""
+        admit = self._take()
+        lengths = [min(len(j.ids), self.cfg.ctx_len) for j in admit]
+        groups = [[i] for i in range(len(admit))] if "decode" in self.W else prefill_groups(lengths)
+        for group in groups:  # (the fused step takes one prompt at a time, on every core: faster than BLAS)
+            self._admit_or_fail([admit[i] for i in group])
+        if not self.rows:
+            return bool(admit)
+        for r in reversed(range(len(self.rows))):  # sample; reversed so that removing row r moves a done one
+            row = self.rows[r]
+            try:
+                reason = "cancelled" if row.job.cancelled else self._sample(row)
+            except Exception as e:
+                self._remove(r)
+                _fail([row.job], e)
+                continue
+            if reason:
+                self._remove(r)
+                row.job.on_event("done", reason)
+        if self.rows:
+            try:
+                self._decode()
+            except Exception as e:
+                jobs = [row.job for row in self.rows]
+                self.rows.clear()
+                _fail(jobs, e)
+        return True
+
+    def _take(self) -> list[Job]:
+        """The waiting jobs admitted at this step: free rows, up to prefill_tokens prompt tokens (at least one
+        job); cancelled waiting jobs end here."""
         with self.cond:
             admit, budget = [], self.prefill_tokens
             while self.pending and len(self.rows) + len(admit) < self.max_batch:
@@ -169,27 +258,26 @@ class Batcher:
                     break
                 budget -= n
                 admit.append(self.pending.popleft())
-        lengths = [min(len(j.ids), self.cfg.ctx_len) for j in admit]
-        groups = [[i] for i in range(len(admit))] if "decode" in self.W else prefill_groups(lengths)
-        for group in groups:  # (the fused step takes one prompt at a time, on every core: faster than BLAS)
-            self._admit([admit[i] for i in group])
-        if not self.rows:
-            return bool(admit)
-        for r in reversed(range(len(self.rows))):  # sample; reversed so that removing row r moves a done one
-            row = self.rows[r]
-            reason = "cancelled" if row.job.cancelled else self._sample(row)
-            if reason:
-                self._remove(r)
-                row.job.on_event("done", reason)
-        if self.rows:
-            self._decode()
-        return True
+        return admit
+
+    def _admit_or_fail(self, jobs: list[Job]) -> None:
+        """_admit, and when it raises: its rows go, and its jobs are retried one by one (a group of several)
+        or end with an "error" event (one job)."""
+        n0 = len(self.rows)
+        try:
+            self._admit(jobs)
+        except Exception as e:
+            del self.rows[n0:]
+            if len(jobs) == 1:
+                return _fail(jobs, e)
+            for job in jobs:
+                self._admit_or_fail([job])
 
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill new jobs together into the next free rows (each prompt keeps its last ctx_len tokens).
         Shorter prompts are padded on the right: causal attention keeps each row's positions blind to the
         padding after them, and the padding's keys/values sit past the row's length, masked and later
-        overwritten."""
+        overwritten. Events go out once every row is computed (a failed group sends none)."""
         ctx, n0 = self.cfg.ctx_len, len(self.rows)
         rows = [_Row(job) for job in jobs]
         for row in rows:
@@ -204,16 +292,18 @@ class Batcher:
         scores = [row.job.echo and row.job.logprobs is not None for row in rows]
         last_only = len(rows) == 1 and not scores[0]
         h = forward_hidden(self.cfg, self.W, tokens, view, last_only=last_only)  # [n, T|1, d]
+        prompts = []
         for r, (row, score) in enumerate(zip(rows, scores)):
             job, n = row.job, len(row.seq)
             hr = h[r, -1:] if last_only else h[r, :n] if score else h[r, n - 1:n]  # [n|1, d]
             logits = linear(hr, self.W["head.0"])  # [n|1, V]
             if score:
                 logp = log_softmax(logits[:-1])
-                scored = [(row.seq[0], None, None)] + [
-                    (t, float(logp[i, t]), top_logprobs(logp[i], job.logprobs)) for i, t in enumerate(row.seq[1:])]
-                job.on_event("prompt", scored)
+                prompts.append((job, [(row.seq[0], None, None)] + [
+                    (t, float(logp[i, t]), top_logprobs(logp[i], job.logprobs)) for i, t in enumerate(row.seq[1:])]))
             row.logits = logits[-1]
+        for job, scored in prompts:
+            job.on_event("prompt", scored)
 
     def _sample(self, row: _Row) -> str | None:
         """Sample the row's next token and report it; the reason the job ends, or None."""
@@ -305,10 +395,10 @@ class Batcher:
                     break
             try:
                 self.step()
-            except Exception as e:  # an engine bug must not hang every client: end their jobs
-                for row in self.rows:
-                    row.job.on_event("error", f"engine error: {type(e).__name__}: {e}")
+            except Exception as e:  # (step ends the jobs an exception touches; this is the last guard)
+                jobs = [row.job for row in self.rows]
                 self.rows.clear()
+                _fail(jobs, e)
         self._end_all("shutdown")
 
     def _end_all(self, reason: str) -> None:
@@ -329,6 +419,12 @@ class Batcher:
             self.thread.join(timeout)
         else:
             self._end_all("shutdown")
+
+
+def _fail(jobs: list[Job], e: Exception) -> None:
+    """End jobs the engine failed on: each gets ("error", message)."""
+    for job in jobs:
+        job.on_event("error", f"engine error: {type(e).__name__}: {e}"[:500])
 
 
 WIDE_STEP = 8  # decoding steps of at least this many rows use every core's BLAS (fewer: one thread, see _loop)

@@ -51,7 +51,7 @@ class _Generation(_Base):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Stop = None
-    seed: Optional[Int] = None
+    seed: Optional[Int] = Field(None, ge=0)  # choice i samples with seed + i, below 2**64 (the route checks)
     ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
