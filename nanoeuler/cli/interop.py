@@ -45,7 +45,9 @@ def register(sub) -> None:
 
 def run_export(args) -> int:
     from ..checkpoint import load_tokenizer
+    from ..interop.outputs import check_free
     from ..model import Model
+    check_free(args.out, args.force, inputs=[args.ckpt])    # before anything is read: never over the checkpoint
     model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
     tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":
@@ -66,6 +68,8 @@ def run_export(args) -> int:
 
 def run_import(args) -> int:
     from ..interop.importer import import_folder
+    from ..interop.outputs import check_free
+    check_free(args.out, args.force, inputs=[args.src])
     cfg, params, tok = import_folder(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),
