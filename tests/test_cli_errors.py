@@ -492,3 +492,16 @@ def test_prepare_and_tokenizer_replace_their_own_output_with_force(text_file, tm
     capsys.readouterr()
     assert "another tokenizer.json" in one_line_error(prep[:-3] + ["--out", str(tmp_path / "d3"), "--no-progress"],
                                                       capsys)
+
+
+def test_paths_that_cannot_be_looked_at_are_one_line(run_dir, tmp_path, capsys):
+    """A name longer than the filesystem allows (checked while parsing the flags) and a NUL character
+    (from an in-process caller) are one line, not a traceback or an internal error."""
+    long = tmp_path / ("n" * 300)
+    for argv in (["tokenizer", "export", "--tokenizer", run_dir, "--out", long],
+                 ["prepare", "--tokenizer", run_dir, "--out", long],
+                 ["import", "--from", tmp_path, "--out", tmp_path / "a\x00b"],
+                 ["sample", "--ckpt", run_dir, "--prompt", "a\x00"]):
+        line = one_line_error(argv, capsys)
+        assert "internal error" not in line, argv
+    assert os.listdir(tmp_path) == []
