@@ -64,7 +64,9 @@ def check_apart(path: str | Path, inputs=(), flag: str = "--out") -> None:
 
 
 def check_real_dir(path: str | Path, flag: str = "--out") -> Path:
-    """A directory the command writes into (it may exist): not a symbolic link, not a file."""
+    """A directory the command writes into (it may exist): named (not ''), not a symbolic link, not a file."""
+    if not str(path):
+        raise UserError(f"{flag} is empty; name a directory")
     path = Path(path)
     if path.is_symlink():
         raise UserError(f"{flag} {path} is a symbolic link; name the real directory (a link is never followed)")

@@ -452,6 +452,10 @@ def test_writes_never_follow_links_nor_replace_what_was_not_named(run_dir, text_
         (["sft-data", "--out", tmp_path / "sft"], "already exists"),
         (["sft-data", "--out", tmp_path / "linked", "--force"], "symbolic link"),
         (["dpo-data", "--out", tmp_path / "dpo"], "already exists"),
+        (["dpo-data", "--out", ""], "empty"),                              # was: written into the current directory
+        (["sft-data", "--out", ""], "empty"),
+        (["train", "--data", tmp_path / "d", "--out", ""], "empty"),            # was: the default runs/small
+        (["sft", "--base", run, "--out", ""], "empty"),                          # was: the current directory
         (["train", "--data", tmp_path / "d", "--out", tmp_path / "d"], "is the input"),
         (["train", "--data", tmp_path / "d", "--out", tmp_path / "linked"], "symbolic link"),
         (["train", "--data", tmp_path / "d", "--out", run], "not a training run"),

@@ -93,11 +93,11 @@ def run_dpo(args) -> int:
     from ..dpo import run_dpo as train_dpo
     from ..dpo_data import pair_records, tokenize_pairs
     from ..errors import UserError
-    from ..fileio import check_apart
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import fits_context
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
     sft = args.sft
     check_apart(out, [sft, *(p for p in (args.data, args.val) if p not in (None, "offline"))])
     if args.resume:

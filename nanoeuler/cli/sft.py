@@ -100,12 +100,12 @@ def sft_records(data: str, val: str | None, tok, ctx: int):
 def run_sft(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
-    from ..fileio import check_apart
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import SFTSource
     from ..train import run_training
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
     check_apart(out, [args.base, None if args.data == "offline" else args.data, args.val])
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)

@@ -151,13 +151,14 @@ def run_train(args) -> int:
     from ..config import PRESETS, Config
     from ..dist import under_mpi
     from ..errors import UserError
-    from ..fileio import check_apart
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, run_training
 
     preset = args.config if args.config in PRESETS else None
-    out = Path(args.out or f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
+    out = check_real_dir(args.out if args.out is not None else
+                         f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
     check_apart(out, [args.data or BUNDLED_DATA, args.tokenizer, args.init_from])
     if args.resume:
         from ..checkpoint import check_trainer_state, read_json
