@@ -17,7 +17,8 @@ def register(subparsers) -> None:
                     "breaks and every 10th chunk is held out). Streams the input and encodes on all cores. "
                     "Without FILES, prepares the bundled Shakespeare corpus (validation = held-out whole works). "
                     "DATA keeps a copy of the tokenizer (DATA/tokenizer.json), so `train --data DATA` needs no "
-                    "--tokenizer. The old contents of DATA stay intact until the new shards are complete.")
+                    "--tokenizer. DATA must be new, empty or an earlier prepare's (replacing that needs --force); its "
+                    "old contents stay intact until the new shards are complete.")
     p.add_argument("files", nargs="*", metavar="FILES", type=existing_path, help="input files or directories")
     p.add_argument("--tokenizer", required=True, metavar="T", type=existing_path,
                    help="tokenizer.json (or a run directory holding one)")

@@ -142,7 +142,7 @@ def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress
         tok = Tokenizer.train((works[n] for n in train_names), vocab_size, progress=progress)
         tok.save(tok_path)
     print(f"preparing token shards of the bundled corpus -> {data_dir}")
-    prepare_bundled(Tokenizer.load(tok_path), data_dir, progress=progress)
+    prepare_bundled(Tokenizer.load(tok_path), data_dir, progress=progress, force=True)   # the program's own
     return data_dir
 
 
