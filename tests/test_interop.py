@@ -535,6 +535,16 @@ def edit_config(d, **changes):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(model_type="bert", architectures=["BertModel"]), "model_type"),
     (dict(intermediate_size=50), "shape"),
+    (dict(max_position_embeddings=0), "ctx_len"),                   # was: a 2048 context
+    (dict(num_key_value_heads=0), "n_kv_heads"),                    # was: as many as the query heads
+    (dict(rms_norm_eps=0), "norm_eps"),
+    (dict(num_hidden_layers=-1), "n_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(max_position_embeddings=1e400), "ctx_len"),
+    (dict(model_type="mistral"), "model_type 'mistral'"),          # architectures still says LlamaForCausalLM
+    (dict(model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+    (dict(architectures=["LlamaForCausalLM", "BertModel"]), "BertModel"),
+    (dict(architectures="LlamaForCausalLM"), "architectures"),
 ])
 def test_unsupported_config_fields_are_one_line_errors(hf_folders, tmp_path, capsys, change, needle):
     d = tmp_path / "m"
@@ -580,6 +590,12 @@ def break_folder(d, how):
         else:
             t["pre_tokenizer"] = {"type": "Whitespace"}
         (d / "tokenizer.json").write_text(json.dumps(t))
+    elif how.startswith("split "):   # a Split + ByteLevel pre-tokenizer with this regex
+        t = json.loads((d / "tokenizer.json").read_text())
+        t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": how[6:]}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+        (d / "tokenizer.json").write_text(json.dumps(t))
     elif how == "pickle weights":
         for f in d.glob("model*.safetensors*"):
             f.unlink()
@@ -593,6 +609,9 @@ def break_folder(d, how):
     ("wrong dtype", "dtype I32"), ("sentencepiece", "SentencePiece"), ("byte_fallback", "byte_fallback"),
     ("normalizer", "normalizer"), ("pre_tokenizer", "pre_tokenizer Whitespace"), ("pickle weights", "safetensors"),
     ("not a model", "config.json"),
+    ("split (", "bad pre-tokenization pattern"),                   # was: a traceback from `regex`
+    (r"split \p{L}+", "drops characters"),                          # was: imported, then refused by every load
+    (r"split (?:a|aa)+$|\s+|(?s:.)", "backtracks"),
 ])
 def test_broken_folders_are_one_line_errors(hf_folders, tmp_path, capsys, how, needle):
     d = tmp_path / "m"

@@ -177,3 +177,43 @@ def _resume_with_lr(out):
     from train_fixtures import SyntheticSource
     tcfg = TrainConfig(steps=10, batch_size=4, lr=5e-3, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
     run_training(Model.load(out), None, SyntheticSource(), out, tcfg, resume=True, progress=False)
+
+
+def test_the_log_is_never_written_through_a_link(tmp_path):
+    """A log.jsonl in --out that links to a file elsewhere: training (fresh or resumed) refuses with one line
+    and the file elsewhere keeps its bytes (it was appended to, then read back as JSON: a crash)."""
+    from conftest import snapshot
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("my own notes, not JSON\n")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "log.jsonl").symlink_to(outside / "notes.txt")
+    before = snapshot(outside)
+    with pytest.raises(UserError, match="link"):
+        run(fresh, steps=4)
+    run(tmp_path / "resumed", steps=4, stop_after=2)
+    (tmp_path / "resumed" / "log.jsonl").unlink()
+    (tmp_path / "resumed" / "log.jsonl").symlink_to(outside / "notes.txt")
+    with pytest.raises(UserError, match="link"):
+        run(tmp_path / "resumed", steps=4, resume=True)
+    assert snapshot(outside) == before
+
+
+def test_a_new_run_never_replaces_files_it_did_not_write(tmp_path):
+    """--out holding a checkpoint without a run (an import, say): a new run refuses instead of replacing
+    its model.safetensors; a directory left by a run that never saved (its log only) is taken, log reset."""
+    from conftest import snapshot
+    from nanoeuler import Model
+    from train_fixtures import TINY
+    imported = tmp_path / "imported"
+    Model.init(TINY, seed=1).save(imported)
+    before = snapshot(imported)
+    with pytest.raises(UserError, match="not a training run"):
+        run(imported, steps=2)
+    assert snapshot(imported) == before
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    run(crashed, steps=2)
+    assert [r["step"] for r in map(json.loads, (crashed / "log.jsonl").read_text().splitlines())] == [1, 2]

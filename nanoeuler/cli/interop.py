@@ -47,7 +47,9 @@ def register(sub) -> None:
 
 def run_export(args) -> int:
     from ..checkpoint import load_tokenizer
+    from ..interop.outputs import check_free
     from ..model import Model
+    check_free(args.out, args.force, inputs=[args.ckpt])    # before anything is read: never over the checkpoint
     model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
     tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":
@@ -68,6 +70,8 @@ def run_export(args) -> int:
 
 def run_import(args) -> int:
     from pathlib import Path
+    from ..interop.outputs import check_free
+    check_free(args.out, args.force, inputs=[args.src])
     if Path(args.src).is_file():
         from ..interop.gguf_import import import_gguf as import_model
     else:

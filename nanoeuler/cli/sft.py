@@ -69,6 +69,7 @@ def register(sub) -> None:
     d.add_argument("--out", default="data/sft", help="output directory (default data/sft)")
     d.add_argument("--n-train", type=int, default=6000)
     d.add_argument("--n-heldout", type=int, default=400)
+    d.add_argument("--force", action="store_true", help="replace existing output files")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=run_data)
 
@@ -103,11 +104,13 @@ def sft_records(data: str, val: str | None, tok, ctx: int):
 def run_sft(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import SFTSource
     from ..train import run_training
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
+    check_apart(out, [args.base, None if args.data == "offline" else args.data, args.val])
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)
         saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
@@ -169,13 +172,14 @@ def run_eval(args) -> int:
 
 
 def run_data(args) -> int:
-    from ..fileio import atomic_write_text
+    from ..fileio import atomic_write_text, check_output_files
     from ..sft import offline_instructions
+    files = ("offline_train.json", "offline_heldout.json")
+    out = check_output_files(args.out, files, args.force)
     train, held = offline_instructions(args.n_train, args.n_heldout)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, recs in (("offline_train.json", train), ("offline_heldout.json", held)):
+    for name, recs in zip(files, (train, held)):
         atomic_write_text(out / name, json.dumps(recs, ensure_ascii=False, indent=1) + "\n")
         paths[name] = str(out / name)
     if args.json:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
+from ..tokenizer.tokenizer import check_pattern
 
 # GPT-2's pattern run on the pieces left after splitting off every digit (`Digits(individual_digits)`)
 # is this one pattern: a digit alone, and whitespace may also end just before a digit (the piece's end).
@@ -145,6 +146,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if dec is not None and not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
         _bad(f"decoder {dec.get('type') if isinstance(dec, dict) else dec} is not supported (ByteLevel only)")
     pattern = pattern_of(d.get("pre_tokenizer"))
+    check_pattern(pattern)          # the loader's own check: what import accepts, every later load accepts
     vocab, merges = m.get("vocab"), m.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         _bad("model.vocab must be an object and model.merges a list")

@@ -52,17 +52,20 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def architecture_of(c: dict) -> str:
-    """config.json -> our architecture key ('llama', ...), or a UserError naming what it found."""
-    mt = c.get("model_type")
-    if mt in ARCHITECTURES:
-        return mt
-    for a in c.get("architectures") or []:
-        if ARCH_ALIASES.get(a) in ARCHITECTURES:
-            return ARCH_ALIASES[a]
-        if a in ARCHITECTURES:
-            return a
-    raise UserError(f"config.json: model_type {mt!r} (architectures {c.get('architectures')}) is not supported; "
-                    f"importable: {', '.join(ARCHITECTURES)}")
+    """config.json -> our architecture key ('llama', ...), or a UserError naming what it found.
+
+    An allow-list: model_type, when given, must be one of ARCHITECTURES (a "mistral" or "qwen2" folder
+    whose `architectures` says LlamaForCausalLM is refused by name), and every entry of `architectures`
+    must name that same architecture."""
+    mt, archs = c.get("model_type"), c.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UserError("config.json: architectures must be a list of names")
+    found = {ARCH_ALIASES.get(a, a) for a in archs or []}
+    key = mt if mt is not None else next(iter(found), None) if len(found) == 1 else None
+    if key not in ARCHITECTURES or (found and found != {key}):
+        raise UserError(f"config.json: model_type {mt!r} (architectures {archs}) is not supported; "
+                        f"importable: {', '.join(ARCHITECTURES)} ({', '.join(ARCH_ALIASES)})")
+    return key
 
 
 def read_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
@@ -167,7 +170,9 @@ def with_chat_extras(folder: Path, c: dict, tok):
 
 
 def require(c: dict, field: str, default=None):
-    v = c.get(field, default)
+    """c[field], or default when it is absent or null (a 0 stays 0, and Config refuses it by name)."""
+    v = c.get(field)
+    v = default if v is None else v
     if v is None:
         raise UserError(f"config.json: {field} is missing")
     return v
@@ -202,11 +207,11 @@ def llama_config(c: dict, n_mtp: int):
         theta = rp.get("rope_theta")
     try:
         return Config(vocab_size=require(c, "vocab_size"), dim=dim, n_heads=heads,
-                      n_kv_heads=c.get("num_key_value_heads") or heads, n_layers=require(c, "num_hidden_layers"),
-                      ctx_len=c.get("max_position_embeddings") or 2048, ffn_hidden=require(c, "intermediate_size"),
+                      n_kv_heads=require(c, "num_key_value_heads", heads), n_layers=require(c, "num_hidden_layers"),
+                      ctx_len=require(c, "max_position_embeddings", 2048), ffn_hidden=require(c, "intermediate_size"),
                       n_mtp=n_mtp, rope_theta=float(theta if theta is not None else 10000.0),
-                      norm_eps=float(c.get("rms_norm_eps") or 1e-6))
-    except (TypeError, ValueError) as e:
+                      norm_eps=float(require(c, "rms_norm_eps", 1e-6)))
+    except (TypeError, ValueError, OverflowError) as e:
         raise UserError(f"config.json: {e}") from None
     except UserError as e:
         raise UserError(f"config.json: {e}") from None
@@ -261,10 +266,11 @@ def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = F
 
 def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
                   progress: bool = True):
-    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force)."""
+    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force, and
+    an out that is, holds or lies inside src)."""
     from ..checkpoint import save_model
     from .outputs import check_free, output_dir
-    check_free(out, force)
+    check_free(out, force, inputs=[src])
     cfg, params, tok = load_hf_folder(src, n_mtp, progress)
     with output_dir(out, force) as tmp:
         save_model(tmp, cfg, params, tok)
