@@ -38,7 +38,7 @@ def hf_names(n_layers: int) -> dict[str, str]:
 
 def require_llama(cfg) -> None:
     """Only our own (Llama) block exports as Llama; another arch would load as a different model."""
-    arch = getattr(cfg, "arch", "euler")
+    arch = cfg.arch
     if arch != "euler":
         raise UserError(f"config: arch {arch!r} cannot be exported as a Llama model")
 
@@ -74,7 +74,7 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     from .outputs import check_free, output_dir
     from .safetensors_io import write_tensors
 
-    if getattr(model.config, "arch", "euler") == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
+    if model.config.arch == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
         from .gpt2 import export_gpt2_folder
         return export_gpt2_folder(model, tok, out, dtype, force, progress)
     if dtype not in HF_DTYPES:
