@@ -481,9 +481,3 @@ def plot_dpo_curves(log_path: Path, png_path: Path) -> None:
     with atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-
-
-def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
-    """The DPO rows of the gradient check; they live in check.py (this name stays for old callers)."""
-    from .check import check_dpo as rows
-    return rows(seed, n_samples)

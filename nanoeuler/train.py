@@ -82,7 +82,9 @@ FREE_ON_RESUME = ("eval_every", "eval_batches", "ckpt_every")
 
 
 class TrainingDiverged(UserError):
-    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was."""
+    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was.
+    Collective (see dist.collective): the loss is summed over the ranks, so every rank raises it together."""
+    collective = True
 
     def __init__(self, message: str):
         super().__init__(message, exit_code=3)
