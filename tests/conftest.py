@@ -55,3 +55,42 @@ def _tiny_config_fixture():
 @pytest.fixture(name="rel_err")
 def _rel_err_fixture():
     return rel_err
+
+
+# ---- what `make test` did not check, and how to check it ----------------------------------------------------
+# test file -> (what it checks, what it needs: the command that enables it). `make test` installs every other
+# dependency (pyproject's `test` extra); these need root, a compiler run of minutes, or a GPU.
+OPTIONAL_CHECKS = {
+    "test_web.py": ("the web chat page in a real browser",
+                    "Debian's chromium: sudo apt-get install chromium (.ci/run installs it)"),
+    "test_interop_llama_cpp.py": ("exported GGUF files give our tokens and logits in llama.cpp",
+                                  "llama-cpp-python, which compiles llama.cpp (minutes): .venv/bin/pip install "
+                                  "'nanoeuler[llama]'"),
+    "test_gpu.py": ("the CUDA kernels and the GPU engine on a device",
+                    "an NVIDIA GPU and CuPy: .venv/bin/pip install 'nanoeuler[gpu-cuda13]' (or [gpu-cuda12])"),
+}
+
+
+def skipped_by_file(reports) -> dict:
+    """Skip reports -> {test file name: (count, first reason)}."""
+    out = {}
+    for r in reports:
+        path = str(r.location[0] if getattr(r, "location", None) else r.nodeid.split("::")[0])
+        name = os.path.basename(path)
+        reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
+        count, first = out.get(name, (0, reason.removeprefix("Skipped: ")))
+        out[name] = (count + 1, first)
+    return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After the run: each file with skipped tests, what it would have checked and what enables it."""
+    skipped = skipped_by_file(terminalreporter.stats.get("skipped", []))
+    if not skipped:
+        return
+    terminalreporter.section("optional checks that did not run")
+    for name, (count, reason) in sorted(skipped.items()):
+        what, needs = OPTIONAL_CHECKS.get(name, (None, None))
+        terminalreporter.write_line(f"{name} ({count} skipped): {reason}")
+        if what:
+            terminalreporter.write_line(f"    checks {what}; needs {needs}")
