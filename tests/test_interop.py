@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-
 from nanoeuler import Model, Tokenizer
 from nanoeuler.cli import main
 from nanoeuler.config import Config
