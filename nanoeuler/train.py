@@ -86,7 +86,9 @@ FREE_ON_RESUME = ("eval_every", "eval_batches", "ckpt_every")
 
 
 class TrainingDiverged(UserError):
-    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was."""
+    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was.
+    Collective (see dist.collective): the loss is summed over the ranks, so every rank raises it together."""
+    collective = True
 
     def __init__(self, message: str):
         super().__init__(message, exit_code=3)
@@ -254,25 +256,17 @@ def save_training_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, 
     opt_tensors, opt_scalars = opt.state_dict()
     params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
     writers = ckpt.model_writers(model.config, params, tokenizer)
-    writers["optimizer.safetensors"] = getattr(ckpt, "optimizer_writer", ckpt.tensors_writer)(opt_tensors)
+    writers["optimizer.safetensors"] = ckpt.optimizer_writer(opt_tensors)
     for name, tensors in (extra or {}).items():
-        writers[name] = _marker_writer(tensors)
+        writers[name] = ckpt.tensors_writer(tensors, allow_nonfinite=True)
     writers["trainer.json"] = ckpt.json_writer(state | {"optimizer": opt_scalars})
     ckpt.save_files(out_dir, writers)
-
-
-def _marker_writer(tensors: dict):
-    import inspect
-    if "allow_nonfinite" in inspect.signature(ckpt.tensors_writer).parameters:
-        return ckpt.tensors_writer(tensors, allow_nonfinite=True)
-    return ckpt.tensors_writer(tensors)
 
 
 def load_training_state(out_dir: Path, model, opt) -> dict:
     """Restore the AdamW moments of a run into opt (for the arrays model.params); return trainer.json."""
     state = ckpt.read_json(out_dir / "trainer.json", "resume state")
-    if hasattr(ckpt, "check_trainer_state"):
-        ckpt.check_trainer_state(state, out_dir / "trainer.json")
+    ckpt.check_trainer_state(state, out_dir / "trainer.json")
     tensors = ckpt.read_tensors(out_dir / "optimizer.safetensors", "optimizer state")
     for name, p in model.params.items():
         for kind in ("m", "v"):
@@ -328,7 +322,7 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     if not resume:
         check_fresh_run_dir(out_dir)
     with contextlib.ExitStack() as stack:
-        if lead and hasattr(ckpt, "run_lock"):
+        if lead:
             stack.enter_context(ckpt.run_lock(out_dir))
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)

@@ -14,7 +14,7 @@ from nanoeuler.dpo import (dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forwa
                            make_batch, offline_pairs, response_logprobs_forward, run_dpo, sequence_logprobs_forward,
                            split_pairs, tokenize_pairs, tokenize_response, trained_params)
 from nanoeuler.train import TrainConfig
-from conftest import tiny_config
+from conftest import rel_err, tiny_config
 
 TINY = tiny_config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=2)
 
@@ -102,8 +102,8 @@ def test_padding_does_not_change_a_sequence_log_prob():
     assert a[0] == pytest.approx(b[0], rel=1e-12)
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
-def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,entry_tol", [(np.float64, 1e-12, 5e-11), (np.float32, 1e-5, 3e-4)])
+def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_tol):
     from nanoeuler.dpo import Workspaces
     model = Model.init(TINY, seed=3).astype(dtype)
     rng = np.random.default_rng(0)
@@ -117,7 +117,7 @@ def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol):
     l2, m2, g2 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1, Workspaces(TINY, dtype))
     assert l2 == pytest.approx(l1, rel=tol) and g1.keys() == g2.keys()
     for name in g1:
-        assert np.max(np.abs(g1[name] - g2[name])) <= tol * np.max(np.abs(g1[name])), name
+        assert rel_err(g2[name], g1[name]) <= entry_tol, name
 
 
 def test_long_pairs_lose_the_start_of_the_prompt(tok):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .train import add_dist_arguments, add_hyperparameters, data_parallel, train_config_from_args
 
-# Measured on the offline set (notes/closing-stop11.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
+# Measured on the offline set (docs/benchmarks.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
 DPO_DEFAULTS = dict(steps=300, batch_size=16, lr=3e-4, warmup=10, weight_decay=0.0, eval_every=50,
                     eval_batches=0, ckpt_every=100)

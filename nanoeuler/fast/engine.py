@@ -90,9 +90,6 @@ class Workspace:
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
         self.parts[0].single = len(self.parts) == 1
-        if cfg.arch == "gpt2":  # LayerNorm means, the MLP pre-activations, stacked biases, no RoPE (fast/gpt2.py)
-            from .gpt2 import extend_workspace
-            extend_workspace(self, cfg)
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
@@ -339,9 +336,6 @@ def _announce_part(w, names, grads) -> None:
 def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.forward(cfg, params, inputs, ws, dropout)
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
@@ -373,11 +367,7 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
 def backward(cfg: Config, params: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
     except the heads'. ids int [B·T]; dropout: the one `forward` ran with.
-    arch gpt2 and tie_embeddings: the tied head's share must already be in grads["embed.weight"] (the
-    lookup's is added)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.backward(cfg, params, ids, ws, grads, dropout)
+    tie_embeddings: the tied head's share must already be in grads["embed.weight"] (the lookup's is added)."""
     _in_parts(_backward_part, cfg, params, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
     if len(ws.parts) > 1:
@@ -394,9 +384,6 @@ def loss_and_grads(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws:
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
     best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout.
     counts: targets per head to divide by (see `heads`)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.loss_and_grads(cfg, params, tokens, loss_mask, ws, grads, dropout, counts)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
@@ -410,9 +397,6 @@ def loss_and_grads(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws:
 
 def loss(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
     """Forward only: (head-0 loss, objective)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.loss(cfg, params, tokens, loss_mask, ws, dropout)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     forward(cfg, params, inputs, ws, dropout)

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-
-MTP_FILE = "nanoeuler_mtp.safetensors"
-HF_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+from .gpt2 import export_gpt2_folder
+from .hf_folder import HF_DTYPES, MTP_FILE
 
 
 def hf_names(n_layers: int) -> dict[str, str]:
@@ -38,7 +37,7 @@ def hf_names(n_layers: int) -> dict[str, str]:
 
 def require_llama(cfg) -> None:
     """Only our own (Llama) block exports as Llama; another arch would load as a different model."""
-    arch = getattr(cfg, "arch", "euler")
+    arch = cfg.arch
     if arch != "euler":
         raise UserError(f"config: arch {arch!r} cannot be exported as a Llama model")
 
@@ -74,8 +73,7 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     from .outputs import check_free, output_dir
     from .safetensors_io import write_tensors
 
-    if getattr(model.config, "arch", "euler") == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
-        from .gpt2 import export_gpt2_folder
+    if model.config.arch == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
         return export_gpt2_folder(model, tok, out, dtype, force, progress)
     if dtype not in HF_DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)} for --format hf")
