@@ -1,0 +1,176 @@
+"""LoRA fine-tuning: a frozen base `Model` plus low-rank adapters (adapters.py), trained by the one loop.
+
+`LoraModel` looks to `train.run_training` like a model whose `params` are the adapters only, so AdamW
+keeps moments for the adapters alone and data-parallel ranks reduce only their gradients.
+
+Two ways to a step, the same mathematics (tests/test_lora.py compares them):
+- reference (`reference=True`, and whenever the adapters use dropout): `model.forward`/`model.backward`
+  run with an ops namespace whose linear pair is `ops.lora_forward`/`ops.lora_backward` for an adapted
+  weight (the weight arrives wrapped as `Adapted`), so every adapter gets its own dA, dB;
+- fast: the fast engine runs on the merged weights W' = W + s·B·A (the adapted map without dropout is
+  exactly x·W'ᵀ), and the adapter gradients come from the merged weight's gradient G = dL/dW':
+      dB = s·G·Aᵀ     dA = s·Bᵀ·G      (summed over the weights of a stacked module)
+
+    model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
+    head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import adapters as ad
+from . import ops
+from .errors import UserError
+from .model import Model, backward, check_tokens, forward
+
+
+@dataclass
+class Adapted:
+    """A frozen weight [out, in] with its adapter (A [r, in], B [out, r] rows, scale) and dropout site."""
+    weight: np.ndarray
+    A: np.ndarray
+    B: np.ndarray
+    scale: float
+    drop: ops.Dropout | None
+    site: int
+
+    def mask(self, x):
+        if self.drop is None:
+            return None
+        rows, width = x.size // x.shape[-1], x.shape[-1]
+        return self.drop.mask(self.site, rows, width, x.dtype).reshape(x.shape)
+
+
+def _linear_forward(x, W):
+    if not isinstance(W, Adapted):
+        return ops.linear_forward(x, W)
+    y, cache = ops.lora_forward(x, W.weight, W.A, W.B, W.scale, W.mask(x))
+    return y, (W, cache)
+
+
+def _linear_backward(dy, cache):
+    """-> (dx, dW) for a plain weight, (dx, (dA, dB)) for an adapted one."""
+    if not isinstance(cache[0], Adapted):
+        return ops.linear_backward(dy, cache)
+    dx, dA, dB = ops.lora_backward(dy, cache[1])
+    return dx, (dA, dB)
+
+
+LORA_OPS = SimpleNamespace(**({n: getattr(ops, n) for n in ops.__all__}
+                              | {"linear_forward": _linear_forward, "linear_backward": _linear_backward}))
+
+
+class LoraModel:
+    """A frozen base model and its adapters; `params` are the adapters (what the optimizer trains)."""
+
+    def __init__(self, base: Model, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray], base_ref: dict):
+        self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
+        ad.check_adapters(base.config, lcfg, adapters, "adapters")
+        self.modules = ad.modules(base.config, lcfg)
+        self._grads = None
+
+    @classmethod
+    def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
+        """Fresh adapters (B = 0: the base's function) on the checkpoint in base_dir."""
+        if ad.is_adapter_run(base_dir):
+            raise UserError(f"{base_dir} is an adapter run; merge it first (nanoeuler lora merge) to use it as a base")
+        base = Model.load(base_dir, read_only=True)
+        ref = {"path": str(Path(base_dir).resolve()), "sha256": ad.base_fingerprint(base_dir)}
+        return cls(base, lcfg, ad.init_adapters(base.config, lcfg.check(base.config), seed, base.dtype), ref)
+
+    @classmethod
+    def load(cls, run_dir) -> "LoraModel":
+        """The adapter run in run_dir on its base (refused if the base changed)."""
+        lcfg, ref, adapters = ad.read_adapter_run(run_dir)
+        cfg, params = ad.load_base(run_dir, ref)
+        return cls(Model(cfg, params), lcfg, adapters, ref)
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def n_params(self) -> int:
+        """The parameters a step computes with (the base's): what MFU counts."""
+        return self.base.n_params()
+
+    def n_trainable(self) -> int:
+        return sum(a.size for a in self.params.values())
+
+    def checkpoint_writers(self, tokenizer=None) -> dict:
+        return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)
+
+    def merged(self) -> Model:
+        return Model(self.config, ad.merge_params(self.config, self.base.params, self.lcfg, self.params))
+
+    # ---- forward / backward -------------------------------------------------------------------------
+    def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
+                       counts=None, adapter_seed: int | None = None):
+        """As Model.loss_and_grads, with grads keyed like `params` (the adapters). dropout: on the residual
+        branches; adapter_seed: the seed of the adapters' input dropout (lcfg.dropout > 0; reference path)."""
+        cfg = self.config
+        check_tokens(cfg, tokens, extra=cfg.n_mtp)
+        adrop = ops.Dropout(self.lcfg.dropout, adapter_seed) if self.lcfg.dropout and adapter_seed is not None else None
+        if reference or adrop is not None:
+            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adrop)
+        else:
+            head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, counts)
+        if out is not None:
+            for name, g in grads.items():
+                out[name][...] = g
+            grads = out
+        return head0, objective, grads
+
+    def loss(self, tokens, loss_mask=None, *, reference: bool = False, dropout=None):
+        """Forward only (no adapter dropout: evaluation): (head-0 loss, objective)."""
+        return self.merged().loss(tokens, loss_mask, reference=reference, dropout=dropout)
+
+    def reference_objective(self, tokens, loss_mask=None, dropout=None, adapter_dropout=None):
+        """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
+        cfg, s = self.config, self.lcfg.scale
+        T = tokens.shape[1] - cfg.n_mtp
+        P = dict(self.base.params)
+        for j, (module, (bases, _)) in enumerate(self.modules.items()):
+            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            for name, rows in zip(bases, ad.row_slices(cfg, bases)):
+                P[name] = Adapted(P[name], A, B[rows], s, adapter_dropout, ad.DROPOUT_SITE0 + j)
+        logits, caches = forward(cfg, P, tokens[:, :T], ops=LORA_OPS, dropout=dropout)
+        objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask))
+        return head_losses, objective, (P, caches, loss_cache)
+
+    def _reference_step(self, tokens, loss_mask, dropout, adrop):
+        head_losses, objective, (P, caches, loss_cache) = self.reference_objective(tokens, loss_mask, dropout, adrop)
+        g = backward(self.config, P, ops.mtp_loss_backward(1.0, loss_cache), caches, ops=LORA_OPS)
+        grads = {}
+        for module, (bases, _) in self.modules.items():
+            grads[module + ".lora_A"] = sum(g[b][0] for b in bases)
+            grads[module + ".lora_B"] = np.concatenate([g[b][1] for b in bases])
+        return head_losses[0], objective, grads
+
+    def _fast_step(self, tokens, loss_mask, dropout, counts):
+        from . import fast
+        from .fast import engine
+        cfg, s = self.config, self.lcfg.scale
+        T = tokens.shape[1] - cfg.n_mtp
+        if self._grads is None:
+            self._grads = self.base.grad_buffers()
+        merged = ad.merge_params(cfg, self.base.params, self.lcfg, self.params)
+        with engine.grad_hook(None):   # the engine's gradients are the merged weights', not what ranks reduce
+            head0, objective, G = fast.loss_and_grads(cfg, merged, tokens, loss_mask,
+                                                      self.base._workspace(tokens.shape[0], T), self._grads,
+                                                      dropout, counts)
+        grads = {}
+        for module, (bases, _) in self.modules.items():
+            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            dt = A.dtype.type(s)
+            Gm = np.concatenate([G[b] for b in bases]) if len(bases) > 1 else G[bases[0]]  # [Σ out, in]
+            grads[module + ".lora_A"] = dt * (B.T @ Gm)                                    # [r, in]
+            grads[module + ".lora_B"] = dt * (Gm @ A.T)                                    # [Σ out, r]
+        return head0, objective, grads
