@@ -22,7 +22,7 @@ weight per token).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,7 @@ DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site D
 class LoraConfig:
     rank: int
     alpha: float
-    targets: tuple[str, ...]
+    targets: tuple[str, ...] = ()   # () = the arch's DEFAULT_TARGETS (filled in by `check`)
     dropout: float = 0.0
 
     @property
@@ -66,11 +66,14 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def check(self, cfg: Config) -> "LoraConfig":
+        """This config for a base of config cfg (default targets filled in), or UserError."""
+        if not self.targets:
+            return replace(self, targets=DEFAULT_TARGETS[cfg.arch]).check(cfg)
         known = TARGETS[cfg.arch]
         bad = [t for t in self.targets if t not in known]
-        if bad or not self.targets:
-            raise UserError(f"--lora-targets: {', '.join(bad) or 'none given'} not a target of arch {cfg.arch}; "
-                            f"choose from {','.join(known)}")
+        if bad or len(set(self.targets)) != len(self.targets):
+            raise UserError(f"--lora-targets: {', '.join(bad) or 'a target given twice'}: the targets of arch "
+                            f"{cfg.arch} are {','.join(known)}")
         if not 1 <= self.rank <= min(cfg.dim, 4096) or not self.alpha > 0:
             raise UserError(f"--lora must be in [1, {min(cfg.dim, 4096)}] and --lora-alpha > 0, "
                             f"got {self.rank} and {self.alpha}")

@@ -263,8 +263,8 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
     model = LoraModel(base, lcfg, adapters, {"path": "", "sha256": ""})
     tokens = rng.integers(0, config.vocab_size, (2, config.ctx_len + config.n_mtp))
     mask = rng.random(tokens.shape) > 0.2
-    _, _, grads = model.loss_and_grads(tokens, mask, reference=True, adapter_seed=seed)
     drop = ops.Dropout(dropout, seed) if dropout else None
+    _, _, grads = model.loss_and_grads(tokens, mask, reference=True, adapter_dropout=drop)
 
     def f():
         return model.reference_objective(tokens, mask, adapter_dropout=drop)[1]

@@ -80,7 +80,8 @@ class LoraModel:
             raise UserError(f"{base_dir} is an adapter run; merge it first (nanoeuler lora merge) to use it as a base")
         base = Model.load(base_dir, read_only=True)
         ref = {"path": str(Path(base_dir).resolve()), "sha256": ad.base_fingerprint(base_dir)}
-        return cls(base, lcfg, ad.init_adapters(base.config, lcfg.check(base.config), seed, base.dtype), ref)
+        lcfg = lcfg.check(base.config)
+        return cls(base, lcfg, ad.init_adapters(base.config, lcfg, seed, base.dtype), ref)
 
     @classmethod
     def load(cls, run_dir) -> "LoraModel":
@@ -112,14 +113,15 @@ class LoraModel:
 
     # ---- forward / backward -------------------------------------------------------------------------
     def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
-                       counts=None, adapter_seed: int | None = None):
+                       counts=None, adapter_dropout: ops.Dropout | None = None):
         """As Model.loss_and_grads, with grads keyed like `params` (the adapters). dropout: on the residual
-        branches; adapter_seed: the seed of the adapters' input dropout (lcfg.dropout > 0; reference path)."""
+        branches; adapter_dropout: on the adapters' inputs (runs the reference path, which applies it op by op).
+        counts: a data-parallel rank's target counts (see fast.heads); the reference path divides by its own."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
-        adrop = ops.Dropout(self.lcfg.dropout, adapter_seed) if self.lcfg.dropout and adapter_seed is not None else None
+        adrop = adapter_dropout
         if reference or adrop is not None:
-            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adrop)
+            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adrop, counts)
         else:
             head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, counts)
         if out is not None:
@@ -145,9 +147,17 @@ class LoraModel:
         objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask))
         return head_losses, objective, (P, caches, loss_cache)
 
-    def _reference_step(self, tokens, loss_mask, dropout, adrop):
+    def _reference_step(self, tokens, loss_mask, dropout, adrop, counts=None):
         head_losses, objective, (P, caches, loss_cache) = self.reference_objective(tokens, loss_mask, dropout, adrop)
-        g = backward(self.config, P, ops.mtp_loss_backward(1.0, loss_cache), caches, ops=LORA_OPS)
+        dlogits = ops.mtp_loss_backward(1.0, loss_cache)                    # [K, B, T, V]
+        if counts is not None:   # a rank's share: head k's mean over this rank's n_k targets -> its sum / counts[k]
+            cfg = self.config
+            targets = ops.mtp_targets(tokens, tokens.shape[1] - cfg.n_mtp, cfg.n_mtp, loss_mask)
+            share = [np.count_nonzero(targets[k] >= 0) / c if c else 0.0 for k, c in enumerate(counts)]
+            head_losses = [h * f for h, f in zip(head_losses, share)]
+            objective = sum(head_losses) / cfg.n_mtp
+            dlogits *= np.asarray(share, dlogits.dtype)[:, None, None, None]
+        g = backward(self.config, P, dlogits, caches, ops=LORA_OPS)
         grads = {}
         for module, (bases, _) in self.modules.items():
             grads[module + ".lora_A"] = sum(g[b][0] for b in bases)

@@ -75,3 +75,83 @@ def test_merged_model_computes_what_the_adapters_compute():
     frozen = {n for n in m.base.params if not any(n in b for b, _ in m.modules.values())}
     merged = m.merged().params
     assert all(merged[n] is m.base.params[n] for n in frozen)          # unadapted weights shared, not copied
+
+
+@pytest.mark.parametrize("adapter_dropout", [None, 0.2])
+def test_rank_shares_sum_to_the_whole_batch(adapter_dropout):
+    """Data parallel: each rank's rows with the whole batch's target counts give losses and gradients that
+    sum to the whole batch's (the fast path, and the reference path that adapter dropout runs)."""
+    from nanoeuler.train import LMObjective, TrainConfig
+    m = lora_model(dropout=adapter_dropout or 0.0)
+    obj = LMObjective(m, None, TrainConfig(dropout=0.0))
+    tokens, mask = batch(m.config, B=4)
+    seed = 7 if adapter_dropout else None
+    whole_loss, _, whole = obj.loss_and_grads((tokens, mask, seed))
+    parts = [obj.loss_and_grads(obj.share((tokens, mask, seed), r, 2)) for r in range(2)]
+    assert sum(p[0] for p in parts) == pytest.approx(whole_loss, abs=1e-12)
+    for name in whole:
+        assert rel_err(parts[0][2][name] + parts[1][2][name], whole[name]) < 1e-10, name
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.tokenizer import Tokenizer
+    return Tokenizer.train([bundled_works()["hamlet"][:30000]], 300, progress=False)
+
+
+def sft_setup(tmp_path, tok, arch="euler"):
+    import json
+
+    from nanoeuler.sft import offline_instructions
+    cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=160, arch=arch)
+    Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
+    train, held = offline_instructions(n_train=40, n_heldout=8)
+    (tmp_path / "sft.json").write_text(json.dumps(train))
+    (tmp_path / "val.json").write_text(json.dumps(held))
+    return ["sft", "--base", str(tmp_path / "base"), "--data", str(tmp_path / "sft.json"), "--val",
+            str(tmp_path / "val.json"), "--steps", "4", "--batch-size", "2", "--lr", "0.01", "--eval-every", "2",
+            "--no-progress", "--json"]
+
+
+@pytest.mark.parametrize("arch,extra", [("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"])])
+def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    common = sft_setup(tmp_path, tok, arch)
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "a")] + extra) == 0
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "b"), "--stop-after", "2"] + extra) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0          # an adapter run: found, not told
+    capsys.readouterr()
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert not (a / "model.safetensors").exists() and (a / "lora.json").exists()
+    ta, tb = read_tensors(a / "adapter.safetensors", "a"), read_tensors(b / "adapter.safetensors", "b")
+    assert all(np.array_equal(ta[n], tb[n]) for n in ta) and any(ta[n].any() for n in ta if "lora_B" in n)
+    opt = read_tensors(a / "optimizer.safetensors", "opt")
+    assert set(opt) == {f"{k}.{n}" for k in ("m", "v") for n in ta}               # moments of the adapters only
+    # the adapter run loads as the merged model, and `lora merge` writes exactly that
+    base = Model.load(tmp_path / "base")
+    merged = Model.load(a, read_only=True)
+    assert main(["lora", "merge", "--ckpt", str(a), "--out", str(tmp_path / "m")]) == 0
+    written = Model.load(tmp_path / "m")
+    assert all(np.array_equal(written.params[n], merged.params[n]) for n in merged.params)
+    changed = [n for n in base.params if not np.array_equal(base.params[n], merged.params[n])]
+    assert changed and all(".attn." in n or ".ffn." in n for n in changed)
+    assert main(["sample", "--ckpt", str(a), "--prompt", "To be", "--max-new-tokens", "3"]) == 0
+
+
+def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok, capsys):
+    from nanoeuler.cli import main
+    common = sft_setup(tmp_path, tok)
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "a"), "--stop-after", "1"]) == 0
+    assert main(common + ["--out", str(tmp_path / "a"), "--resume", "--lora", "8"]) == 2
+    assert "different LoRA settings" in capsys.readouterr().err
+    assert main(common + ["--out", str(tmp_path / "a"), "--resume", "--lora", "4", "--stop-after", "1"]) == 0
+    base = Model.load(tmp_path / "base")
+    base.params["embed.weight"][0, 0] += 1.0
+    base.save(tmp_path / "base", tokenizer=tok)
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(tmp_path / "a"), "--prompt", "To be", "--max-new-tokens", "2"]) == 2
+    assert "changed since the adapters were trained" in capsys.readouterr().err
+    assert main(["sft", "--base", str(tmp_path / "a"), "--lora", "4", "--out", str(tmp_path / "c")]) == 2
+    assert "is an adapter run" in capsys.readouterr().err
