@@ -155,3 +155,19 @@ def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok,
     assert "changed since the adapters were trained" in capsys.readouterr().err
     assert main(["sft", "--base", str(tmp_path / "a"), "--lora", "4", "--out", str(tmp_path / "c")]) == 2
     assert "is an adapter run" in capsys.readouterr().err
+
+
+def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
+    """MPI data parallel unchanged: only the adapters' gradients are reduced; 2 ranks = 1 process."""
+    pytest.importorskip("mpi4py")
+    from safetensors.numpy import load_file
+    from test_dist import MPIEXEC, mpirun, ok, one
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec")
+    common = sft_setup(tmp_path, tok) + ["--lora", "4", "--batch-size", "4"]
+    ok(one(common + ["--out", "one"], tmp_path))
+    ok(mpirun(2, common + ["--out", "two"], tmp_path))
+    a, b = load_file(str(tmp_path / "one" / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(rel_err(b[n], a[n]) for n in a if n.endswith("lora_B")) < 1e-5
+    assert any(a[n].any() for n in a if n.endswith("lora_B"))
