@@ -108,8 +108,24 @@ class LoraModel:
     def checkpoint_writers(self, tokenizer=None) -> dict:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)
 
+    def merged_params(self) -> dict[str, np.ndarray]:
+        """The base's params with W + s·B·A for every adapted weight (the rest shared, not copied)."""
+        return ad.merge_params(self.config, self.base.params, self.lcfg, self.params)
+
     def merged(self) -> Model:
-        return Model(self.config, ad.merge_params(self.config, self.base.params, self.lcfg, self.params))
+        return Model(self.config, self.merged_params())
+
+    def adapter_grads(self, G: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Gradients w.r.t. the merged weights -> the adapters': dB = s·G·Aᵀ, dA = s·Bᵀ·G (G of a stacked
+        module: its weights' gradients stacked by rows)."""
+        grads = {}
+        for module, (bases, _) in self.modules.items():
+            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            s = A.dtype.type(self.lcfg.scale)
+            Gm = np.concatenate([G[b] for b in bases]) if len(bases) > 1 else G[bases[0]]  # [Σ out, in]
+            grads[module + ".lora_A"] = s * (B.T @ Gm)                                     # [r, in]
+            grads[module + ".lora_B"] = s * (Gm @ A.T)                                     # [Σ out, r]
+        return grads
 
     # ---- forward / backward -------------------------------------------------------------------------
     def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
@@ -167,20 +183,11 @@ class LoraModel:
     def _fast_step(self, tokens, loss_mask, dropout, counts):
         from . import fast
         from .fast import engine
-        cfg, s = self.config, self.lcfg.scale
-        T = tokens.shape[1] - cfg.n_mtp
+        T = tokens.shape[1] - self.config.n_mtp
         if self._grads is None:
             self._grads = self.base.grad_buffers()
-        merged = ad.merge_params(cfg, self.base.params, self.lcfg, self.params)
         with engine.grad_hook(None):   # the engine's gradients are the merged weights', not what ranks reduce
-            head0, objective, G = fast.loss_and_grads(cfg, merged, tokens, loss_mask,
+            head0, objective, G = fast.loss_and_grads(self.config, self.merged_params(), tokens, loss_mask,
                                                       self.base._workspace(tokens.shape[0], T), self._grads,
                                                       dropout, counts)
-        grads = {}
-        for module, (bases, _) in self.modules.items():
-            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
-            dt = A.dtype.type(s)
-            Gm = np.concatenate([G[b] for b in bases]) if len(bases) > 1 else G[bases[0]]  # [Σ out, in]
-            grads[module + ".lora_A"] = dt * (B.T @ Gm)                                    # [r, in]
-            grads[module + ".lora_B"] = dt * (Gm @ A.T)                                    # [Σ out, r]
-        return head0, objective, grads
+        return head0, objective, self.adapter_grads(G)

@@ -171,3 +171,57 @@ def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
     assert a.keys() == b.keys()
     assert max(rel_err(b[n], a[n]) for n in a if n.endswith("lora_B")) < 1e-5
     assert any(a[n].any() for n in a if n.endswith("lora_B"))
+
+
+def test_dpo_lora_reference_is_the_base_and_resumes_bit_for_bit(tmp_path, capsys):
+    """dpo --lora: the policy starts as the base (DPO loss log 2), only adapters train, resume is bitwise."""
+    import json
+
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    from nanoeuler.tokenizer import Tokenizer
+    from test_dpo import TINY, _pairs
+    sft = tmp_path / "sft"
+    Model.init(TINY, seed=0).save(sft, Tokenizer([]))
+    f, v = tmp_path / "pairs.jsonl", tmp_path / "val.jsonl"
+    f.write_text("".join(json.dumps(p) + "\n" for p in _pairs(20)))
+    v.write_text("".join(json.dumps(p) + "\n" for p in _pairs(6, 500)))
+    common = ["dpo", "--sft", str(sft), "--data", str(f), "--val", str(v), "--steps", "4", "--batch-size", "4",
+              "--lr", "0.01", "--eval-every", "2", "--no-progress", "--json", "--lora", "4", "--lora-targets", "q,v"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["initial_eval"]["val_loss"] == pytest.approx(np.log(2)) and out["step"] == 4
+    assert main(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0
+    for name in ("adapter.safetensors", "optimizer.safetensors", "reference.safetensors"):
+        ta, tb = read_tensors(tmp_path / "a" / name, "a"), read_tensors(tmp_path / "b" / name, "b")
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k], equal_nan=True) for k in ta), name
+    adapters = read_tensors(tmp_path / "a" / "adapter.safetensors", "a")
+    assert sorted(adapters) == sorted(f"layers.{i}.attn.{w}.lora_{m}" for i in range(2) for w in ("wq", "wv")
+                                      for m in "AB")
+    assert any(adapters[n].any() for n in adapters if n.endswith("lora_B"))
+
+
+def test_train_init_from_lora_resumes_bit_for_bit(tmp_path, capsys):
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.data.shards import prepare
+    from nanoeuler.tokenizer import Tokenizer
+    tok = Tokenizer([])
+    (tmp_path / "book.txt").write_text(bundled_works()["hamlet"][:40000])
+    prepare([tmp_path / "book.txt"], tok, tmp_path / "data", processes=1, progress=False)
+    Model.init(tiny_config(vocab_size=257, ctx_len=16), seed=0).save(tmp_path / "base", tokenizer=tok)
+    common = ["train", "--init-from", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--steps", "4",
+              "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--no-progress", "--json",
+              "--lora", "2", "--lora-dropout", "0.1"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--stop-after", "3"]) == 0
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "b"), "--resume",
+                 "--no-progress", "--json"]) == 0
+    for name in ("adapter.safetensors", "optimizer.safetensors"):
+        ta, tb = read_tensors(tmp_path / "a" / name, "a"), read_tensors(tmp_path / "b" / name, "b")
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta), name
+    capsys.readouterr()
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "c"), "--lora", "2"]) == 2
+    assert "--init-from" in capsys.readouterr().err

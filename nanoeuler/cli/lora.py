@@ -27,7 +27,8 @@ def register(sub) -> None:
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
-def add_lora_arguments(p) -> None:
+def add_lora_arguments(p, dropout: bool = True) -> None:
+    """--lora R, --lora-alpha, --lora-targets (and --lora-dropout unless dropout=False: a loop without it)."""
     from .args import finite_float, positive_int
     g = p.add_argument_group("LoRA (adapters instead of full fine-tuning)")
     g.add_argument("--lora", type=positive_int, metavar="R", default=None, help=LORA_HELP)
@@ -36,21 +37,23 @@ def add_lora_arguments(p) -> None:
     g.add_argument("--lora-targets", metavar="T,T", default=None,
                    help="modules to adapt, named as PEFT names them: euler q,k,v,o,gate,up,down (default all); "
                         "gpt2 c_attn,c_proj,c_fc (default all)")
-    g.add_argument("--lora-dropout", type=finite_float(0, 1, hi_open=True), metavar="P", default=None,
-                   help="dropout on the adapters' inputs while training (default 0)")
+    if dropout:
+        g.add_argument("--lora-dropout", type=finite_float(0, 1, hi_open=True), metavar="P", default=None,
+                       help="dropout on the adapters' inputs while training (default 0)")
 
 
 def lora_config(args):
     """The LoraConfig of the --lora flags (targets () = the arch's defaults), or None without --lora."""
     from ..adapters import LoraConfig
     from ..errors import UserError
+    dropout = getattr(args, "lora_dropout", None)
     if args.lora is None:
-        if any(v is not None for v in (args.lora_alpha, args.lora_targets, args.lora_dropout)):
+        if any(v is not None for v in (args.lora_alpha, args.lora_targets, dropout)):
             raise UserError("--lora-alpha, --lora-targets and --lora-dropout need --lora R")
         return None
     targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
     alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
-    return LoraConfig(args.lora, alpha, targets, args.lora_dropout or 0.0)
+    return LoraConfig(args.lora, alpha, targets, dropout or 0.0)
 
 
 def wants_lora(args, out) -> bool:
