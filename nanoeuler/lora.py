@@ -8,8 +8,10 @@ Two ways to a step, the same mathematics (tests/test_lora.py compares them):
   run with an ops namespace whose linear pair is `ops.lora_forward`/`ops.lora_backward` for an adapted
   weight (the weight arrives wrapped as `Adapted`), so every adapter gets its own dA, dB;
 - fast: the fast engine runs on the merged weights W' = W + s·B·A (the adapted map without dropout is
-  exactly x·W'ᵀ), and the adapter gradients come from the merged weight's gradient G = dL/dW':
-      dB = s·G·Aᵀ     dA = s·Bᵀ·G      (summed over the weights of a stacked module)
+  exactly x·W'ᵀ, and dx = dy·W'), and at every linear hands dy and x to `LoraGrads.weight_grad`, which
+  forms dA and dB and never the [out, in] gradient of a frozen weight.
+DPO (whose engine call has no such hook) differentiates the merged weights and projects:
+      dB = s·G·Aᵀ     dA = s·Bᵀ·G      (G = dL/dW', `adapter_grads`)
 
     model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
     head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
@@ -71,7 +73,6 @@ class LoraModel:
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
         ad.check_adapters(base.config, lcfg, adapters, "adapters")
         self.modules = ad.modules(base.config, lcfg)
-        self._grads = None
 
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
@@ -183,11 +184,68 @@ class LoraModel:
     def _fast_step(self, tokens, loss_mask, dropout, counts):
         from . import fast
         from .fast import engine
-        T = tokens.shape[1] - self.config.n_mtp
-        if self._grads is None:
-            self._grads = self.base.grad_buffers()
-        with engine.grad_hook(None):   # the engine's gradients are the merged weights', not what ranks reduce
-            head0, objective, G = fast.loss_and_grads(self.config, self.merged_params(), tokens, loss_mask,
-                                                      self.base._workspace(tokens.shape[0], T), self._grads,
-                                                      dropout, counts)
-        return head0, objective, self.adapter_grads(G)
+        ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
+        for g in ws.lora:
+            g.reset()
+        with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
+            head0, objective, _ = fast.loss_and_grads(self.config, self.merged_params(), tokens, loss_mask, ws,
+                                                      ws.lora[0], dropout, counts)
+        grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
+        for g in ws.lora[1:]:           # the parts' shares, in part order (deterministic)
+            for n, a in g.out.items():
+                grads[n] += a
+        return head0, objective, grads
+
+    def _workspace(self, B: int, T: int):
+        """The fast engine's buffers for this batch shape, each part's gradients a LoraGrads (kept)."""
+        from . import fast
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype)):
+            self._ws = None
+            ws = fast.Workspace(self.config, B, T, self.dtype)
+            ws.lora = [LoraGrads(self.config, self.lcfg, self.params) for _ in ws.parts]
+            for w, g in zip(ws.parts[1:], ws.lora[1:]):
+                w.grads = g             # the full gradient set the engine gave the part is dropped
+            self._ws = ws
+        return ws
+
+
+class LoraGrads(dict):
+    """What the fast engine writes a LoRA step's gradients into: the small ones it writes itself (norms,
+    biases, the embeddings' lookup share: kept, unused) as a dict, and for every linear, through
+    `engine.weight_grad`, the adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
+
+        u = x·Aᵀ [n, r]      dB = s·dyᵀ·u [out, r]      dA = s·(dy·B)ᵀ·x [r, in]      ~2·n·r·(in + out) flops
+
+    in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all."""
+
+    def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
+        self.shapes = cfg.param_shapes()
+        dtype = next(iter(adapters.values())).dtype
+        super().__init__({n: np.zeros(s, dtype) for n, s in self.shapes.items()
+                          if len(s) == 1 or n in ("embed.weight", "pos_embed.weight")})
+        self.adapters, self.scale = adapters, lcfg.scale
+        self.out = {n: np.zeros_like(a) for n, a in adapters.items()}
+        self.where = {name: (module, rows) for module, (bases, _) in ad.modules(cfg, lcfg).items()
+                      for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+
+    def reset(self) -> None:
+        for a in self.out.values():
+            a[...] = 0
+
+    def weight_grad(self, names, dy, x) -> None:
+        s, col, u = dy.dtype.type(self.scale), 0, {}
+        for name in names:
+            n_out = self.shapes[name][0]
+            dyj = dy[:, col:col + n_out]                                    # [n, out] of this weight
+            col += n_out
+            if name not in self.where:
+                if name in self:    # gpt2's tied head: its share of embed.weight's gradient (unused)
+                    self[name][...] = 0
+                continue
+            module, rows = self.where[name]
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"]
+            if module not in u:
+                u[module] = x @ A.T                                         # [n, r]
+            self.out[module + ".lora_B"][rows] += s * (dyj.T @ u[module])   # [out, r]
+            self.out[module + ".lora_A"] += s * ((dyj @ B[rows]).T @ x)     # [r, in]
