@@ -120,6 +120,8 @@ def sft_setup(tmp_path, tok, arch="euler"):
 
 @pytest.mark.parametrize("arch,extra", [("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"])])
 def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
+    import json
+
     from nanoeuler.checkpoint import read_tensors
     from nanoeuler.cli import main
     common = sft_setup(tmp_path, tok, arch)
@@ -142,6 +144,9 @@ def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, ca
     changed = [n for n in base.params if not np.array_equal(base.params[n], merged.params[n])]
     assert changed and all(".attn." in n or ".ffn." in n for n in changed)
     assert main(["sample", "--ckpt", str(a), "--prompt", "To be", "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(a), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_params"] == sum(t.size for t in ta.values())
 
 
 def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok, capsys):
@@ -229,3 +234,18 @@ def test_train_init_from_lora_resumes_bit_for_bit(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "c"), "--lora", "2"]) == 2
     assert "--init-from" in capsys.readouterr().err
+
+
+def test_info_lora_counts_trainable_parameters_and_step_memory(capsys):
+    import json
+
+    from nanoeuler.cli import main
+    assert main(["info", "gpt2", "--batch", "4", "--ctx", "256", "--lora", "8", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main(["info", "gpt2", "--batch", "4", "--ctx", "256", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    # PEFT's count for GPT-2 r=8 on c_attn, c_proj, c_fc: 12 · 8 · (3072 + 1536 + 3840 + 3840)
+    assert lora["trainable_params"] == 1_179_648
+    assert lora["memory_bytes"]["optimizer"] == 8 * 1_179_648 and lora["memory_bytes"]["weights"] == \
+        full["memory_bytes"]["weights"]
+    assert lora["memory_bytes"]["total"] < 0.55 * full["memory_bytes"]["total"]
