@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from train_speed import reset_peak_rss, rss_mib   # bench/ is this script's folder: the same memory probes
+
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 2
 ENGINES = ("ours-lora", "ours-full", "peft-lora")
@@ -47,20 +49,6 @@ MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
 
 
 # ---------------------------------------------------------------------------------- worker side
-def peak_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     import numpy as np
 
@@ -125,13 +113,13 @@ def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int,
     step = peft_step(model_name, B, T, rank) if engine == "peft-lora" else ours_step(model_name, engine, B, T, rank)
     for _ in range(warmup):
         step()
-    reset_peak()
+    reset_peak_rss()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": peak_mib()}
+    return {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": rss_mib("VmHWM")}
 
 
 # ---------------------------------------------------------------------------------- parent side

@@ -71,8 +71,9 @@ class LoraModel:
 
     def __init__(self, base: Model, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray], base_ref: dict):
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
-        ad.check_adapters(base.config, lcfg, adapters, "adapters")
+        ad.check_adapters(base.config, self.lcfg, adapters, "adapters")
         self.modules = ad.modules(base.config, lcfg)
+        self._merged = None
 
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
@@ -110,11 +111,27 @@ class LoraModel:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)
 
     def merged_params(self) -> dict[str, np.ndarray]:
-        """The base's params with W + s·B·A for every adapted weight (the rest shared, not copied)."""
-        return ad.merge_params(self.config, self.base.params, self.lcfg, self.params)
+        """The base's params with W + s·B·A for every adapted weight (the rest shared, not copied), in the
+        weights' dtype, into buffers kept from step to step (`ad.merge_params` rounds once, from float64:
+        for merging a run for good)."""
+        if self._merged is None:
+            self._merged = dict(self.base.params)
+            for bases, _ in self.modules.values():
+                for name in bases:
+                    self._merged[name] = np.empty_like(self.base.params[name])
+        s = self.dtype.type(self.lcfg.scale)
+        for module, (bases, _) in self.modules.items():
+            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            for name, rows in zip(bases, ad.row_slices(self.config, bases)):
+                out = self._merged[name]
+                np.matmul(B[rows], A, out=out)                              # [out, in]
+                out *= s
+                out += self.base.params[name]
+        return self._merged
 
     def merged(self) -> Model:
-        return Model(self.config, self.merged_params())
+        """A plain model of the base with the adapters merged (its own arrays, rounded once from float64)."""
+        return Model(self.config, ad.merge_params(self.config, self.base.params, self.lcfg, self.params))
 
     def adapter_grads(self, G: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Gradients w.r.t. the merged weights -> the adapters': dB = s·G·Aᵀ, dA = s·Bᵀ·G (G of a stacked
@@ -149,7 +166,12 @@ class LoraModel:
 
     def loss(self, tokens, loss_mask=None, *, reference: bool = False, dropout=None):
         """Forward only (no adapter dropout: evaluation): (head-0 loss, objective)."""
-        return self.merged().loss(tokens, loss_mask, reference=reference, dropout=dropout)
+        if reference:
+            return Model(self.config, self.merged_params()).loss(tokens, loss_mask, reference=True, dropout=dropout)
+        from . import fast
+        check_tokens(self.config, tokens, extra=self.config.n_mtp)
+        ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
+        return fast.loss(self.config, self.merged_params(), tokens, loss_mask, ws, dropout)
 
     def reference_objective(self, tokens, loss_mask=None, dropout=None, adapter_dropout=None):
         """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
@@ -234,18 +256,29 @@ class LoraGrads(dict):
             a[...] = 0
 
     def weight_grad(self, names, dy, x) -> None:
-        s, col, u = dy.dtype.type(self.scale), 0, {}
+        s = dy.dtype.type(self.scale)
+        for module, cols, rows in self._runs(names):
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"]
+            dym = dy[:, cols]                                               # [n, out] of the module's rows
+            self.out[module + ".lora_B"][rows] += s * (dym.T @ (x @ A.T))   # [out, r]
+            self.out[module + ".lora_A"] += s * ((dym @ B[rows]).T @ x)     # [r, in]
+
+    def _runs(self, names):
+        """The adapted stretches of dy's columns: [(module, dy columns, rows of its B)], neighbours of one
+        module joined (GPT-2's q|k|v: one product for c_attn, not three).
+
+            euler [wq, wk, wv] (modules q, k, v) -> 3 runs;  gpt2 [wq, wk, wv] (c_attn) -> 1 run"""
+        runs, col = [], 0
         for name in names:
             n_out = self.shapes[name][0]
-            dyj = dy[:, col:col + n_out]                                    # [n, out] of this weight
-            col += n_out
+            c0, col = col, col + n_out
             if name not in self.where:
                 if name in self:    # gpt2's tied head: its share of embed.weight's gradient (unused)
                     self[name][...] = 0
                 continue
             module, rows = self.where[name]
-            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"]
-            if module not in u:
-                u[module] = x @ A.T                                         # [n, r]
-            self.out[module + ".lora_B"][rows] += s * (dyj.T @ u[module])   # [out, r]
-            self.out[module + ".lora_A"] += s * ((dyj @ B[rows]).T @ x)     # [r, in]
+            if runs and runs[-1][0] == module and runs[-1][1].stop == c0 and runs[-1][2].stop == rows.start:
+                runs[-1] = (module, slice(runs[-1][1].start, col), slice(runs[-1][2].start, rows.stop))
+            else:
+                runs.append((module, slice(c0, col), rows))
+        return runs

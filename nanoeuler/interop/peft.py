@@ -45,14 +45,13 @@ def adapter_config(cfg, lcfg, base_path: str) -> dict:
 
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
-    from ..adapters import check_adapters, is_adapter_run, read_adapter_run
-    from ..checkpoint import load_model
+    from ..adapters import check_adapters, is_adapter_run, load_base, read_adapter_run
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     if not is_adapter_run(run_dir):
         raise UserError(f"--format peft exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
     lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
-    cfg, _ = load_model(base["path"], read_only=True)
+    cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
     lcfg = lcfg.check(cfg)
     check_adapters(cfg, lcfg, adapters, run_dir)
     names = peft_names(cfg, lcfg)
