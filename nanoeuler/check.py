@@ -15,7 +15,9 @@ The floor keeps near-zero gradients (where both sides are round-off) from dividi
     every entry of a tensor of at most n_samples + 8 entries (norms, biases), else n_samples entries at
     random plus the 4 largest and the 4 most negative gradient entries; once more with dropout on the residual
     branches (fixed masks);
-(c) DPO: its loss and response log-probs as ops, then every trained parameter through log-probs + DPO loss.
+(c) DPO: its loss and response log-probs as ops, then every trained parameter through log-probs + DPO loss;
+(d) LoRA: every adapter tensor of a whole small model (both architectures, every target), the base frozen;
+    once more with dropout on the adapters' inputs.
 """
 from __future__ import annotations
 
@@ -107,6 +109,11 @@ def check_ops(seed: int = 0) -> list[Row]:
     cos, sin = ops.rope_tables(T, d, 10000.0, np.float64)
     rows = []
     rows += _check_op("linear", ops.linear_forward, ops.linear_backward, [r(B, T, d), r(6, d)], rng)
+    W, drop_in = r(6, d), ops.Dropout(0.3, seed).mask(site=2, rows=B * T, width=d, dtype=np.float64).reshape(B, T, d)
+    rows += _check_op("lora (W frozen)", lambda x, A, B_: ops.lora_forward(x, W, A, B_, 1.5), ops.lora_backward,
+                      [r(B, T, d), r(3, d), r(6, 3)], rng)
+    rows += _check_op("lora (adapter dropout)", lambda x, A, B_: ops.lora_forward(x, W, A, B_, 1.5, drop_in),
+                      ops.lora_backward, [r(B, T, d), r(3, d), r(6, 3)], rng)
     rows += _check_op("rmsnorm", lambda x, w: ops.rmsnorm_forward(x, w, 1e-5), ops.rmsnorm_backward,
                       [r(B, T, d), r(d)], rng)
     rows += _check_op("rope", lambda x: ops.rope_forward(x, cos, sin), ops.rope_backward, [r(B, 2, T, d)], rng)
@@ -248,3 +255,31 @@ def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
     for name in ("embed.weight", "layers.0.attn.wq.weight", "layers.1.ffn.down.weight", "heads.0.weight"):
         rows.append(check_tensor(f"dpo+nll: {name}", f_nll, policy.params[name], grads[name], rng, n_samples))
     return rows
+
+
+# ---- (d) LoRA ---------------------------------------------------------------------------------------
+def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, dropout: float = 0.0) -> list[Row]:
+    """Every adapter tensor (rank 3, every target of the arch) of a float64 model: the adapters' analytic
+    gradients (base frozen) vs finite differences of the objective (with dropout > 0: under fixed masks)."""
+    from .adapters import DEFAULT_TARGETS, LoraConfig, init_adapters
+    from .lora import LoraModel
+    from .model import Model
+    rng = np.random.default_rng(seed)
+    base = Model.init(config, seed=seed, dtype=np.float64)
+    for p in base.params.values():
+        p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
+    lcfg = LoraConfig(3, 3.0, DEFAULT_TARGETS[config.arch], dropout)
+    adapters = init_adapters(config, lcfg, seed, np.float64)
+    for a in adapters.values():
+        a += rng.standard_normal(a.shape) * 0.2  # B = 0 would leave dA = 0: check a trained state
+    model = LoraModel(base, lcfg, adapters, {"path": "", "sha256": ""})
+    tokens = rng.integers(0, config.vocab_size, (2, config.ctx_len + config.n_mtp))
+    mask = rng.random(tokens.shape) > 0.2
+    drop = ops.Dropout(dropout, seed) if dropout else None
+    _, _, grads = model.loss_and_grads(tokens, mask, reference=True, adapter_dropout=drop)
+
+    def f():
+        return model.reference_objective(tokens, mask, adapter_dropout=drop)[1]
+
+    prefix = f"lora {config.arch}" + (f" dropout {dropout:g}" if dropout else "") + ": "
+    return [check_tensor(prefix + name, f, a, grads[name], rng, n_samples) for name, a in adapters.items()]

@@ -336,9 +336,11 @@ class DataParallel(Trainer):
             error = "data-parallel training runs the CPU engine (--device cpu)"
         comm.agree(error, fingerprint(obj, opt, tcfg, state, rng, comm))
         self.params = obj.params
-        # the flat layout in the config's order (a loaded checkpoint's dict is in file order)
-        order = list(obj.model.config.param_shapes()) if hasattr(obj, "model") else sorted(self.params)
-        self.red = Reducer(comm, {n: self.params[n] for n in order if n in self.params}, comm.bucket_mb)
+        # the flat layout in the config's order (a loaded checkpoint's dict is in file order); LoRA adapters
+        # (none of the config's names) sorted
+        shapes = obj.model.config.param_shapes() if hasattr(obj, "model") else {}
+        order = [n for n in shapes if n in self.params] or sorted(self.params)
+        self.red = Reducer(comm, {n: self.params[n] for n in order}, comm.bucket_mb)
         self.zero = comm.zero
         if self.zero:
             self.m = self.red.own(opt.m)  # this rank's pieces of the moments; the full ones are dropped

@@ -318,7 +318,8 @@ class DPOObjective:
         if self.micro > len(train):
             raise UserError(f"a micro-batch of {self.micro} pairs is more than the {len(train)} training pairs")
         self.model, self.cfg, self.reference_model = model, model.config, reference_model
-        self.params = trained_params(self.cfg, model.params)
+        self.lora = hasattr(model, "adapter_grads")  # a LoraModel (lora.py): the adapters are trained
+        self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
         self.workspaces = Workspaces(self.cfg, model.dtype)  # the fast engine's buffers, reused step after step
@@ -401,9 +402,10 @@ class DPOObjective:
             (idx, b), scale = batch, 1.0
         self._reference_logprobs(idx, b, isinstance(batch, PairPart))
         ref_c, ref_r = self.reference["train.chosen"], self.reference["train.rejected"]
-        loss, m, g = dpo_loss_and_grads(self.cfg, self.model.params, b, ref_c[idx], ref_r[idx], self.beta,
+        policy = self.model.merged_params() if self.lora else self.model.params
+        loss, m, g = dpo_loss_and_grads(self.cfg, policy, b, ref_c[idx], ref_r[idx], self.beta,
                                         self.workspaces, self.nll_weight, scale)
-        return loss, m, g
+        return loss, m, (self.model.adapter_grads(g) if self.lora else g)
 
     def _reference_logprobs(self, idx, b: PairBatch, shared: bool) -> None:
         """The reference's log-probs of the pairs drawn for the first time (forward only, once per pair).
@@ -422,7 +424,7 @@ class DPOObjective:
                 ref_c[i], ref_r[i] = c, r
 
     def evaluate(self, max_batches: int) -> dict:
-        m = evaluate_dpo(self.model, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
+        m = evaluate_dpo(self.model.merged() if self.lora else self.model, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
                          self.beta, self.pad_id, workspaces=self.workspaces)
         return {f"val_{k}": v for k, v in m.items()}
 

@@ -22,9 +22,12 @@ def activation_floats(cfg: Config, B: int, T: int) -> int:
     return cfg.n_layers * per_layer + norm + cfg.n_mtp * N * cfg.vocab_size
 
 
-def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4) -> dict[str, int]:
+def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4, trained: int | None = None) -> dict[str, int]:
+    """Bytes of one training step. trained: the parameters that get gradients and AdamW moments (default all;
+    LoRA: the adapters', whose own activations x·Aᵀ, B·T·r per adapted linear, are left out as negligible)."""
     n = cfg.n_params()
-    mem = {"weights": n, "gradients": n, "optimizer": 2 * n, "activations": activation_floats(cfg, B, T)}
+    t = n if trained is None else trained
+    mem = {"weights": n, "gradients": t, "optimizer": 2 * t, "activations": activation_floats(cfg, B, T)}
     mem = {k: v * bytes_per_float for k, v in mem.items()}
     mem["total"] = sum(mem.values())
     return mem

@@ -70,8 +70,10 @@ class Model:
     @classmethod
     def load(cls, run_dir: str | Path, read_only: bool = False) -> "Model":
         """read_only: change nothing on disk (sample, chat, eval, info, export); see checkpoint.recover."""
+        from .adapters import is_adapter_run, load_merged
         from .checkpoint import load_model
-        config, params = load_model(run_dir, read_only=read_only)
+        # an adapter run (LoRA) loads as its base with the adapters merged in: a plain model
+        config, params = (load_merged if is_adapter_run(run_dir) else load_model)(run_dir, read_only=read_only)
         return cls(config, params)
 
     def save(self, run_dir: str | Path, tokenizer=None) -> None:
@@ -96,10 +98,11 @@ class Model:
 
     def loss_and_grads(self, tokens: np.ndarray, loss_mask: np.ndarray | None = None, *,
                        reference: bool = False, out: dict[str, np.ndarray] | None = None,
-                       dropout: reference_ops.Dropout | None = None):
+                       dropout: reference_ops.Dropout | None = None, counts: list[int] | None = None):
         """tokens int [B, T+K] (loss_mask bool [B, T+K]: True where a target counts)
         -> (head-0 loss, objective = mean of the K heads' losses, grads keyed like params).
         dropout: drop on every residual branch with these masks (training only; see ops/dropout.py).
+        counts: targets per head to divide by (a data-parallel rank's share: fast engine only, see fast.heads).
 
         Runs the fast engine (nanoeuler/fast/); reference=True runs the plain `forward`/`backward` below.
         out: gradient arrays to fill (e.g. the grads of the previous step, or `self.grad_buffers()`),
@@ -110,7 +113,7 @@ class Model:
         if not reference and fast_supports(cfg):
             from . import fast
             return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out,
-                                       dropout)
+                                       dropout, counts)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)  # [K, B, T]
         logits, caches = forward(cfg, self.params, tokens[:, :T], dropout=dropout)
         objective, head_losses, loss_cache = reference_ops.mtp_loss_forward(logits, targets)

@@ -168,6 +168,7 @@ class LMObjective:
 
     def __init__(self, model, source, tcfg: TrainConfig):
         self.model, self.source, self.dropout = model, source, tcfg.dropout
+        self.adapter_dropout = model.lcfg.dropout if hasattr(model, "lcfg") else 0.0  # a LoraModel's (lora.py)
         self.params = model.params
         if tcfg.dropout and hasattr(model, "host_params"):
             raise UserError("--dropout is not implemented on the GPU engine; train there with --dropout 0")
@@ -185,10 +186,11 @@ class LMObjective:
         return []
 
     def draw(self, rng):
-        """-> (tokens [B, T+K], mask | None, dropout seed | None). With dropout the seed is drawn from rng
-        after the batch (so a run without dropout draws exactly what it did before dropout existed)."""
+        """-> (tokens [B, T+K], mask | None, dropout seed | None). With dropout (residual or adapter) the seed
+        is drawn from rng after the batch (so a run without dropout draws exactly what it did before dropout
+        existed)."""
         tokens, mask = self.source.next_batch(rng)
-        return tokens, mask, (int(rng.integers(1 << 63)) if self.dropout else None)
+        return tokens, mask, (int(rng.integers(1 << 63)) if self.dropout or self.adapter_dropout else None)
 
     def count(self, batch) -> int:
         tokens = batch[0]
@@ -213,16 +215,13 @@ class LMObjective:
 
     def loss_and_grads(self, batch):
         if isinstance(batch, LMPart):
-            from . import fast
-            m, p = self.model, batch
-            drop = RowDropout(self.dropout, p.seed, p.row0) if p.seed is not None else None
-            T = p.tokens.shape[1] - m.config.n_mtp
-            head0, objective, grads = fast.loss_and_grads(m.config, m.params, p.tokens, p.mask,
-                                                          m._workspace(p.tokens.shape[0], T), None, drop, p.counts)
+            tokens, mask, seed, row0, kw = batch.tokens, batch.mask, batch.seed, batch.row0, {"counts": batch.counts}
         else:
-            tokens, mask, seed = batch
-            drop = Dropout(self.dropout, seed) if seed is not None else None
-            head0, objective, grads = self.model.loss_and_grads(tokens, mask, dropout=drop)
+            (tokens, mask, seed), row0, kw = batch, 0, {}
+        if seed is not None and self.adapter_dropout:
+            kw["adapter_dropout"] = RowDropout(self.adapter_dropout, seed, row0)
+        drop = RowDropout(self.dropout, seed, row0) if seed is not None and self.dropout else None
+        head0, objective, grads = self.model.loss_and_grads(tokens, mask, dropout=drop, **kw)
         return head0, {"objective": objective}, grads
 
     def evaluate(self, max_batches: int) -> dict:
@@ -255,7 +254,10 @@ def save_training_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, 
     Extra files may hold NaN as a marker (DPO's not-yet-drawn log-probs); weights and moments may not."""
     opt_tensors, opt_scalars = opt.state_dict()
     params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
-    writers = ckpt.model_writers(model.config, params, tokenizer)
+    if hasattr(model, "checkpoint_writers"):   # a LoraModel: the adapters and a pointer to the base (adapters.py)
+        writers = model.checkpoint_writers(tokenizer)
+    else:
+        writers = ckpt.model_writers(model.config, params, tokenizer)
     writers["optimizer.safetensors"] = ckpt.optimizer_writer(opt_tensors)
     for name, tensors in (extra or {}).items():
         writers[name] = ckpt.tensors_writer(tensors, allow_nonfinite=True)

@@ -31,12 +31,15 @@ def run(args) -> int:
     else:
         if args.samples < 1:
             raise UserError("--samples must be at least 1")
-        from ..check import check_dpo
+        from ..check import check_dpo, check_lora
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
                 + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
                 + [dataclasses.replace(r, name="gpt2: " + r.name)
                    for r in check_model(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)]
-                + check_dpo(seed=args.seed, n_samples=args.samples))
+                + check_dpo(seed=args.seed, n_samples=args.samples)
+                + check_lora(seed=args.seed, n_samples=args.samples)
+                + check_lora(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)
+                + check_lora(seed=args.seed, n_samples=args.samples, dropout=0.25))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance
     if args.json:

@@ -4,6 +4,7 @@ pairs) and `nanoeuler dpo-data` (write the offline pair set as JSONL).
     nanoeuler dpo --sft runs/small-sft --out runs/small-dpo            # offline pairs from the bundled corpus
     nanoeuler dpo --sft runs/small-sft --data pairs.jsonl --val heldout.jsonl --out runs/x --beta 0.1
     nanoeuler dpo-eval --ckpt runs/small-dpo --ref runs/small-sft       # held-out offline pairs
+    nanoeuler dpo --sft runs/small-sft --lora 8 --out runs/small-dpo-lora   # adapters; reference = the frozen base
 
     # the measured recipe: the SFT model's own wrong answers as rejected responses (on-policy)
     nanoeuler dpo-data --from-model runs/small-sft --out data/dpo
@@ -49,6 +50,8 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps")
     add_hyperparameters(p, dropout=False)
+    from .lora import add_lora_arguments
+    add_lora_arguments(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     from .args import add_template_arg
@@ -98,12 +101,15 @@ def run_dpo(args) -> int:
     from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import fits_context
+    from .lora import start_or_resume, wants_lora
 
     out = check_real_dir(args.out)
     sft = args.sft
     check_apart(out, [sft, *(p for p in (args.data, args.val) if p not in (None, "offline"))])
+
+    lora = wants_lora(args, out)
     if args.resume:
-        model, tok = Model.load(out), load_tokenizer(out)
+        model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
         state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
         tcfg = train_config_from_args(args, state.get("train_config", {}))
         beta = args.beta if args.beta is not None else state.get("beta", 0.1)
@@ -111,13 +117,18 @@ def run_dpo(args) -> int:
         sft = sft or state.get("sft")
         if not sft:
             raise UserError("--sft RUN is required: the run does not record its reference checkpoint")
-        reference = Model.load(sft, read_only=True)     # the SFT run is only read
+        # the SFT run is only read; with LoRA the reference is the frozen base itself (no second copy)
+        reference = model.base if lora else Model.load(sft, read_only=True)
     else:
         if not sft:
             raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
-        model, tok = Model.load(sft, read_only=True), load_tokenizer(sft, read_only=True)
-        reference = Model.load(sft, read_only=True)  # a separate copy: the policy is trained in place
-        tcfg = train_config_from_args(args, DPO_DEFAULTS)
+        tok, tcfg = load_tokenizer(sft, read_only=True), train_config_from_args(args, DPO_DEFAULTS)
+        if lora:   # the policy is base + adapters, the reference the frozen base: one copy of the weights
+            model = start_or_resume(args, sft, out, tcfg.seed)
+            reference = model.base
+        else:
+            model = Model.load(sft, read_only=True)
+            reference = Model.load(sft, read_only=True)  # a separate copy: the policy is trained in place
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
     from ..chat_template import with_template_file

@@ -1,4 +1,4 @@
-"""`nanoeuler info PRESET|RUN`: config, exact parameter count, memory of one training step."""
+"""`nanoeuler info PRESET|RUN [--lora R]`: config, exact parameter count, memory of one training step."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,8 @@ def register(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=32, help="batch size for the memory estimate (default 32)")
     p.add_argument("--ctx", type=positive_int, default=None,
                    help="context length for the memory estimate (default: the config's)")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="R",
+                   help="the memory of a LoRA step of rank R on the default targets (an adapter run: its own)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -26,6 +28,9 @@ def resolve_config(target: str):
     if target in PRESETS:
         return PRESETS[target]
     path = Path(target)
+    from ..adapters import is_adapter_run, read_adapter_run
+    if is_adapter_run(path):   # an adapter run: its base's config
+        return resolve_config(read_adapter_run(path, read_only=True)[1]["path"])
     if path.is_dir():
         from ..checkpoint import check_run_dir, member, read_journal, read_json
         check_run_dir(path, read_only=True)   # info changes nothing; a pending save is read where it lies
@@ -61,7 +66,18 @@ def source_lines(src: dict, n_params: int) -> list[str]:
     return lines
 
 
+def lora_config(args, cfg):
+    """The LoRA config of `info --lora R` (default targets), or an adapter run's own, or None."""
+    from ..adapters import LoraConfig, is_adapter_run, read_adapter_run
+    if args.lora is not None:
+        return LoraConfig(args.lora, 2.0 * args.lora).check(cfg)
+    if is_adapter_run(args.target):
+        return read_adapter_run(args.target, read_only=True)[0].check(cfg)
+    return None
+
+
 def run(args) -> int:
+    from ..adapters import adapter_shapes
     from ..errors import UserError
     from ..memory import training_memory
     cfg = resolve_config(args.target)
@@ -69,16 +85,21 @@ def run(args) -> int:
     T = args.ctx or cfg.ctx_len
     if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
-    mem = training_memory(cfg, args.batch, T)
+    lcfg = lora_config(args, cfg)
+    trained = None if lcfg is None else sum(r * c for r, c in adapter_shapes(cfg, lcfg).values())
+    mem = training_memory(cfg, args.batch, T, trained=trained)
     if args.json:
+        extra = {} if lcfg is None else {"lora": lcfg.to_dict(), "trainable_params": trained}
         print(json.dumps({"config": cfg.to_dict(), "n_params": cfg.n_params(), "batch": args.batch, "ctx": T,
-                          "memory_bytes": mem, **({"source": src} if src else {})}))
+                          "memory_bytes": mem, **({"source": src} if src else {})} | extra))
         return 0
     for k, v in cfg.to_dict().items():
         print(f"{k:<12} {v}")
     print(f"{'params':<12} {cfg.n_params():,}")
     for line in source_lines(src, cfg.n_params()) if src else []:
         print(line)
+    if lcfg is not None:
+        print(f"{'trainable':<12} {trained:,} (LoRA r={lcfg.rank} on {','.join(lcfg.targets)}; the rest frozen)")
     print(f"training step memory at batch {args.batch} x ctx {T} (float32):")
     for k, v in mem.items():
         print(f"  {k:<12} {v / 2**20:10.1f} MiB")

@@ -12,10 +12,14 @@ def register(sub) -> None:
                     "AutoTokenizer load with no code of ours (LlamaForCausalLM; MTP heads 1..K-1 in a side file "
                     "that `nanoeuler import` reads back; the Alpaca chat template in tokenizer_config.json). "
                     "--format gguf writes one .gguf file for llama.cpp (architecture llama, q/k rows permuted "
-                    "for its RoPE layout, the tokenizer and chat template in the metadata). An existing output "
+                    "for its RoPE layout, the tokenizer and chat template in the metadata). --format peft writes "
+                    "an adapter run's LoRA adapters as a PEFT folder that PeftModel.from_pretrained loads on the "
+                    "base's --format hf export (hf and gguf of an adapter run export it merged). An existing output "
                     "is refused unless --force; the output appears whole or not at all.")
     e.add_argument("--ckpt", required=True, help="checkpoint directory (from train, sft, dpo or import)")
-    e.add_argument("--format", required=True, choices=["hf", "gguf"], help="hf: transformers folder; gguf: llama.cpp file")
+    e.add_argument("--format", required=True, choices=["hf", "gguf", "peft"],
+                   help="hf: transformers folder; gguf: llama.cpp file; peft: an adapter run's LoRA adapters as a "
+                        "PEFT folder (adapter_config.json + adapter_model.safetensors) for the base's hf export")
     e.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")
     e.add_argument("--dtype", default=None,
                    help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0")
@@ -50,6 +54,12 @@ def run_export(args) -> int:
     from ..interop.outputs import check_free
     from ..model import Model
     check_free(args.out, args.force, inputs=[args.ckpt])    # before anything is read: never over the checkpoint
+    if args.format == "peft":
+        from ..interop.peft import export_peft
+        out = export_peft(args.ckpt, args.out, args.force)
+        print(json.dumps({"ckpt": args.ckpt, "format": "peft", "out": str(out)}) if args.json
+              else f"exported the adapters of {args.ckpt} as a PEFT folder -> {out}")
+        return 0
     model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
     tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":

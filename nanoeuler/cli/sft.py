@@ -3,6 +3,7 @@
 
     nanoeuler sft --base runs/small --out runs/small-sft              # offline set from the bundled corpus
     nanoeuler sft --base runs/big --data data/alpaca/alpaca.json --out runs/big-sft
+    nanoeuler sft --base runs/small --lora 8 --out runs/small-lora        # LoRA adapters only, the base frozen
     nanoeuler sft-eval --ckpt runs/small-sft                           # held-out offline prompts
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ def register(sub) -> None:
     from .args import add_template_arg
     add_template_arg(p)
     add_hyperparameters(p)
+    from .lora import add_lora_arguments
+    add_lora_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     add_dist_arguments(p)
@@ -108,18 +111,20 @@ def run_sft(args) -> int:
     from ..model import Model
     from ..sft import SFTSource
     from ..train import run_training
+    from .lora import start_or_resume, wants_lora
 
     out = check_real_dir(args.out)
     check_apart(out, [args.base, None if args.data == "offline" else args.data, args.val])
+    lora = wants_lora(args, out)
     if args.resume:
-        model, tok = Model.load(out), load_tokenizer(out)
+        model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
         saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
         tcfg = train_config_from_args(args, saved)
     else:
         if not args.base:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
-        model, tok = Model.load(args.base, read_only=True), load_tokenizer(args.base, read_only=True)
-        tcfg = train_config_from_args(args, SFT_DEFAULTS)
+        tok, tcfg = load_tokenizer(args.base, read_only=True), train_config_from_args(args, SFT_DEFAULTS)
+        model = start_or_resume(args, args.base, out, tcfg.seed) if lora else Model.load(args.base, read_only=True)
     from ..chat_template import with_template_file
     tok = with_template_file(tok, args.chat_template)
     cfg = model.config
@@ -130,6 +135,9 @@ def run_sft(args) -> int:
     print(f"{'resuming' if args.resume else 'fine-tuning'} {args.base or out} -> {out}: {d['train_examples']} train / "
           f"{d['val_examples']} validation examples, {d['truncated']} truncated, {d['dropped']} dropped "
           f"(longer than {d['max_example']} tokens)")
+    if lora:
+        from ..adapters import describe
+        print(describe(model.lcfg, cfg) + f" (the base's {model.n_params():,} frozen)")
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress, kind="sft")
     summary |= {"truncated": d["truncated"], "dropped": d["dropped"]}

@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--init-from", metavar="RUN", default=None,
                    help="fine-tune: start from this checkpoint's weights and config (e.g. GPT-2 from `nanoeuler "
                         "import`) instead of a fresh init; its tokenizer unless --tokenizer; needs --out")
+    from .lora import add_lora_arguments
+    add_lora_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                    help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
@@ -155,6 +157,7 @@ def run_train(args) -> int:
     from ..model import Model
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, run_training
+    from .lora import start_or_resume, wants_lora
 
     preset = args.config if args.config in PRESETS else None
     out = check_real_dir(args.out if args.out is not None else
@@ -170,7 +173,7 @@ def run_train(args) -> int:
         if not args.data and not (BUNDLED_DATA / "manifest.json").exists():
             raise UserError(f"give --data DATA (the data {out} was trained on): without it --resume reads the "
                             f"bundled corpus, which is not prepared in {BUNDLED_DATA}")
-        model = Model.load(out)
+        model = start_or_resume(args, None, out, 0) if wants_lora(args, out) else Model.load(out)
         if args.config and model.config != (PRESETS[preset] if preset else Config.load(args.config)):
             raise UserError(f"{out} was trained with a different config than {args.config}")
         cfg = model.config
@@ -178,10 +181,13 @@ def run_train(args) -> int:
     elif args.init_from:  # fine-tuning: the checkpoint's weights and config, a fresh optimizer and schedule
         if args.config or not args.out:
             raise UserError("--init-from takes the config of its checkpoint: give --out, and no config")
-        model = Model.load(args.init_from, read_only=True)
-        cfg = model.config
         tcfg = train_config_from_args(args, {})
+        model = (start_or_resume(args, args.init_from, out, tcfg.seed) if args.lora is not None
+                 else Model.load(args.init_from, read_only=True))
+        cfg = model.config
     else:
+        if args.lora is not None:
+            raise UserError("--lora trains adapters on a trained model: give --init-from RUN")
         cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
         tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
         data_tok = Path(args.tokenizer) if args.tokenizer else Path(args.data) / "tokenizer.json" if args.data else None
@@ -194,7 +200,10 @@ def run_train(args) -> int:
         from ..memory import check_fits
         check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
+    lora = hasattr(model, "adapter_grads")
     if args.device == "gpu":
+        if lora:
+            raise UserError("--lora trains on the CPU engine (--device cpu)")
         from ..gpu.engine import GpuModel  # UserError when CuPy or a device is missing
         model = GpuModel(model, precision=args.precision)
     elif args.precision != "fp32":
@@ -220,7 +229,7 @@ def run_train(args) -> int:
         raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
     print(f"{'resuming' if args.resume else 'training'} {cfg.n_params():,} parameters -> {out} "
           f"({tcfg.steps} steps x {tcfg.batch_size} x {cfg.ctx_len} tokens)")
-    then = "drafts" if cfg.n_mtp > 1 and not args.no_drafts else "done"
+    then = "drafts" if cfg.n_mtp > 1 and not args.no_drafts and not lora else "done"
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress, then=then)
     if summary["phase"] == "drafts" and not summary["interrupted"] and not args.no_drafts:

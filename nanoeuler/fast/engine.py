@@ -155,6 +155,17 @@ def _matmul_into(a, b, outs):
         off += o.shape[0]
 
 
+def weight_grad(grads, names, dy, x) -> None:
+    """The weight gradient of y = x·Wᵀ, dyᵀ·x [out, in], into grads[names] (weights stacked by rows,
+    dy [n, Σ out], x [n, in]). A gradient mapping with a `weight_grad` method (lora.LoraGrads) takes the same
+    dy and x instead: adapter gradients, and nothing at all for a frozen weight (no [out, in] product)."""
+    own = getattr(grads, "weight_grad", None)
+    if own is not None:
+        own(names, dy, x)
+    else:
+        _matmul_into(dy.T, x, [grads[n] for n in names])
+
+
 def _in_parts(fn, cfg: Config, params: dict, ws: Workspace, grads: dict | None, *args) -> None:
     """fn(cfg, params, ws, w, grads of w, *args) for every part w of ws, one thread each, BLAS single-threaded.
     Part 0 writes gradients into `grads`, the others into their own buffers."""
@@ -169,7 +180,8 @@ def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
     """grads[name] += every other part's gradient of name, in part order (fixed: deterministic)."""
     for w in ws.parts[1:]:
         for name in names:
-            grads[name] += w.grads[name]
+            if name in grads:  # a LoRA step keeps no gradient of its frozen matrices (lora.LoraGrads)
+                grads[name] += w.grads[name]
 
 
 # ---- attention of one part: RoPE + head split, BLAS products, causal softmax ------------------------------
@@ -253,7 +265,7 @@ def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, sca
         kernels.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
-            matmul(w.logits.T, w.hf, out=grads[_head_grad_name(cfg, k)])    # [V, d]
+            weight_grad(grads, [_head_grad_name(cfg, k)], w.logits, w.hf)   # [V, d]
             if k == 0:
                 matmul(w.logits, W, out=w.dh)                               # [n, d]
             else:
@@ -274,23 +286,22 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         x, mid, GU = w.X[i], w.M[i], w.GU[i]
         # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
         df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
-        matmul(df.T, w.S[i], out=grads[p + "ffn.down.weight"])              # [d, F]
+        weight_grad(grads, [p + "ffn.down.weight"], df, w.S[i])             # [d, F]
         matmul(df, params[p + "ffn.down.weight"], out=w.ds)                 # [n, F]
         kernels.swiglu_backward(w.ds, GU)                                   # GU := [dg | du]
         kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
-        _matmul_into(GU.T, w.h, [grads[p + "ffn.gate.weight"], grads[p + "ffn.up.weight"]])
+        weight_grad(grads, [p + "ffn.gate.weight", p + "ffn.up.weight"], GU, w.h)
         matmul(GU, ws.wgu[i], out=w.dh)                                     # [n, d]
         kernels.rmsnorm_backward(w.dh, mid, w.r2[i], params[p + "ffn_norm.weight"], dx, w.dw)
         grads[p + "ffn_norm.weight"][...] = w.dw
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
-        matmul(do.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
+        weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i])              # [d, H·hd]
         matmul(do, params[p + "attn.wo.weight"], out=w.A[i])                # dA [n, H·hd] (A is spent)
         attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
                            w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)            # [n, (H+2Hkv)·hd]
         kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
-        _matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
-                                     grads[p + "attn.wv.weight"]])
+        weight_grad(grads, [p + "attn.wq.weight", p + "attn.wk.weight", p + "attn.wv.weight"], w.dqkv, w.h)
         matmul(w.dqkv, ws.wqkv[i], out=w.dh)
         kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw

@@ -223,7 +223,7 @@ def _heads_part(cfg: Config, P: dict, ws, w, grads, targets, scales, sums) -> No
         K.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
-            matmul(w.logits.T, w.hf, out=grads[_head_grad_name(k)])        # [V, d]; head 0: embed's first share
+            engine.weight_grad(grads, [_head_grad_name(k)], w.logits, w.hf)  # [V, d]; head 0: embed's first share
             if k == 0:
                 matmul(w.logits, W, out=w.dh)                               # [n, d]
             else:
@@ -249,13 +249,13 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         x, mid = w.X[i], w.M[i]
         # feed-forward sub-block (out = mid + proj(gelu(fc(layernorm(mid)))))
         df = engine._dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)           # [n, d]
-        matmul(df.T, w.S[i], out=grads[p + "ffn.proj.weight"])              # [d, F]
+        engine.weight_grad(grads, [p + "ffn.proj.weight"], df, w.S[i])      # [d, F]
         col_sum(df, w.db)
         _set(grads, p + "ffn.proj.bias", w.db)
         matmul(df, P[p + "ffn.proj.weight"], out=w.ds)                      # [n, F]
         gelu_backward(w.ds, w.FC[i])                                        # ds := d(fc output)
         layernorm_forward(mid, P[p + "ffn_norm.weight"], P[p + "ffn_norm.bias"], eps, w.h, w.mu2[i], w.r2[i])  # h2
-        matmul(w.ds.T, w.h, out=grads[p + "ffn.fc.weight"])                 # [F, d]
+        engine.weight_grad(grads, [p + "ffn.fc.weight"], w.ds, w.h)         # [F, d]
         col_sum(w.ds, w.dbf)
         _set(grads, p + "ffn.fc.bias", w.dbf)
         matmul(w.ds, P[p + "ffn.fc.weight"], out=w.dh)                      # [n, d]
@@ -264,15 +264,14 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         _set(grads, p + "ffn_norm.bias", w.db)
         # attention sub-block (mid = x + wo(attention(q, k, v)) + bo)
         do = engine._dropped(dx, drop, 2 * i, w.n0, out=w.t)               # [n, d]
-        matmul(do.T, w.A[i], out=grads[p + "attn.wo.weight"])               # [d, H·hd]
+        engine.weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i])       # [d, H·hd]
         col_sum(do, w.db)
         _set(grads, p + "attn.wo.bias", w.db)
         matmul(do, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
         engine.attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
                                   w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)     # [n, (H+2Hkv)·hd]
         layernorm_forward(x, P[p + "attn_norm.weight"], P[p + "attn_norm.bias"], eps, w.h, w.mu1[i], w.r1[i])  # h1
-        engine._matmul_into(w.dqkv.T, w.h, [grads[p + "attn.wq.weight"], grads[p + "attn.wk.weight"],
-                                            grads[p + "attn.wv.weight"]])
+        engine.weight_grad(grads, [p + f"attn.w{x}.weight" for x in "qkv"], w.dqkv, w.h)
         col_sum(w.dqkv, w.dbqkv)
         q, kv = H * hd, Hkv * hd
         _set(grads, p + "attn.wq.bias", w.dbqkv[:q])

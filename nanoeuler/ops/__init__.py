@@ -13,6 +13,7 @@ from .embedding import embedding_backward, embedding_forward
 from .gelu import gelu_backward, gelu_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
+from .lora import lora_backward, lora_forward, lora_merge
 from .position import position_backward, position_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_tables
@@ -22,7 +23,8 @@ __all__ = [
     "attention_forward", "attention_backward", "cross_entropy_forward", "cross_entropy_backward",
     "Dropout", "dropout_forward", "dropout_backward",
     "mtp_targets", "mtp_loss_forward", "mtp_loss_backward", "embedding_forward", "embedding_backward",
-    "linear_forward", "linear_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
+    "linear_forward", "linear_backward", "lora_forward", "lora_backward", "lora_merge",
+    "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
     "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "bias_forward", "bias_backward",
     "position_forward", "position_backward",

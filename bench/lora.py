@@ -1,0 +1,174 @@
+"""LoRA fine-tuning speed and memory: ours LoRA vs ours full fine-tuning vs PyTorch + PEFT LoRA, side by side.
+
+Each (model, engine) runs in its own worker process (so each peak memory is its own): random weights of the
+model's shape, one fixed batch of B×T tokens, `--warmup` untimed steps (numba cache load, first-touch of
+buffers), then `--steps` timed SFT steps (forward, backward, AdamW); the median step is reported. 2 threads
+for every engine. Engines:
+
+    ours-lora   nanoeuler's fused LoRA step (lora.LoraModel): adapters' dA, dB from each linear's dy and x,
+                no dW of frozen weights, AdamW moments for the adapters only
+    ours-full   nanoeuler's full fine-tuning step (Model.loss_and_grads + AdamW on every weight)
+    peft-lora   transformers' GPT2LMHeadModel / LlamaForCausalLM + peft.get_peft_model, the same targets,
+                rank and alpha, torch.optim.AdamW on the adapters
+
+Models: gpt2 (124 M, LoRA on c_attn, c_proj, c_fc) and smollm (a SmolLM-135M-shaped llama: d 576, 30 layers,
+9 heads / 3 kv heads, F 1536, vocab 49152, LoRA on q,k,v,o,gate,up,down; our head is untied: +28 M), and
+tiny (a 2-layer gpt2-shaped model for a quick smoke run).
+
+    step s      median seconds per step;   x peft / x full   how many times faster ours-lora is
+    peak MiB    the worker's peak resident memory over the timed steps (VmHWM, reset after warm-up)
+
+    python bench/lora.py                                # gpt2 and smollm, B=4 T=256 r=8, 3 timed steps
+    python bench/lora.py --models tiny --steps 2 --warmup 1     # smoke run (seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from train_speed import reset_peak_rss, rss_mib   # bench/ is this script's folder: the same memory probes
+
+ROOT = Path(__file__).resolve().parent.parent
+THREADS = 2
+ENGINES = ("ours-lora", "ours-full", "peft-lora")
+MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
+    "gpt2": (dict(vocab_size=50257, dim=768, n_heads=12, n_kv_heads=12, n_layers=12, ctx_len=1024, ffn_hidden=3072,
+                  n_mtp=1, arch="gpt2"), ("c_attn", "c_proj", "c_fc"), ["c_attn", "c_proj", "c_fc"]),
+    "smollm": (dict(vocab_size=49152, dim=576, n_heads=9, n_kv_heads=3, n_layers=30, ctx_len=2048, ffn_hidden=1536,
+                    n_mtp=1, rope_theta=10000.0), ("q", "k", "v", "o", "gate", "up", "down"),
+               ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "tiny": (dict(vocab_size=512, dim=64, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=256, ffn_hidden=256, n_mtp=1,
+                  arch="gpt2"), ("c_attn", "c_proj", "c_fc"), ["c_attn", "c_proj", "c_fc"]),
+}
+
+
+# ---------------------------------------------------------------------------------- worker side
+def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
+    import numpy as np
+
+    from nanoeuler.adapters import LoraConfig, init_adapters
+    from nanoeuler.config import Config
+    from nanoeuler.lora import LoraModel
+    from nanoeuler.model import Model
+    from nanoeuler.optim import AdamW
+    fields, targets, _ = MODELS[model_name]
+    cfg = Config(**fields)
+    base = Model.init(cfg, seed=0)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
+    if engine == "ours-full":
+        model, grads = base, base.grad_buffers()
+        opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
+
+        def step():
+            model.loss_and_grads(tokens, out=grads)
+            opt.step(model.params, grads)
+        return step
+    lcfg = LoraConfig(rank, 2.0 * rank, targets)
+    model = LoraModel(base, lcfg, init_adapters(cfg, lcfg, 0), {"path": "", "sha256": ""})
+    opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
+
+    def step():
+        _, _, grads = model.loss_and_grads(tokens)
+        opt.step(model.params, grads)
+    return step
+
+
+def peft_step(model_name: str, B: int, T: int, rank: int):
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    torch.set_num_threads(THREADS)
+    fields, _, targets = MODELS[model_name]
+    if fields.get("arch") == "gpt2":
+        hcfg = transformers.GPT2Config(vocab_size=fields["vocab_size"], n_positions=fields["ctx_len"],
+                                       n_embd=fields["dim"], n_layer=fields["n_layers"], n_head=fields["n_heads"],
+                                       n_inner=fields["ffn_hidden"], attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(hcfg)
+    else:
+        hcfg = transformers.LlamaConfig(vocab_size=fields["vocab_size"], hidden_size=fields["dim"],
+                                        intermediate_size=fields["ffn_hidden"], num_hidden_layers=fields["n_layers"],
+                                        num_attention_heads=fields["n_heads"], num_key_value_heads=fields["n_kv_heads"],
+                                        max_position_embeddings=fields["ctx_len"], tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(hcfg)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
+                                             task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    ids = torch.randint(0, fields["vocab_size"], (B, T))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    return step
+
+
+def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int) -> dict:
+    step = peft_step(model_name, B, T, rank) if engine == "peft-lora" else ours_step(model_name, engine, B, T, rank)
+    for _ in range(warmup):
+        step()
+    reset_peak_rss()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": rss_mib("VmHWM")}
+
+
+# ---------------------------------------------------------------------------------- parent side
+def run_worker(model_name, engine, args) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS),
+               MKL_NUM_THREADS=str(THREADS), NUMBA_NUM_THREADS=str(THREADS),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, __file__, "--worker", model_name, engine, "--batch", str(args.batch), "--seq",
+           str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model_name, "engine": engine, "error": f"over {args.timeout} s"}
+    if p.returncode:
+        return {"model": model_name, "engine": engine, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2,smollm", help="comma-separated: gpt2, smollm, tiny")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per worker (a slower one is reported as such)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps)))
+        return
+    rows = [run_worker(m, e, args) for m in args.models.split(",") for e in args.engines.split(",")]
+    if args.json:
+        print(json.dumps({"batch": args.batch, "seq": args.seq, "rank": args.rank, "rows": rows}))
+        return
+    print(f"B={args.batch} T={args.seq} r={args.rank}, float32, {THREADS} threads, median of {args.steps} steps")
+    print(f"{'model':<8} {'engine':<10} {'step s':>8} {'peak MiB':>9}  ours-lora is")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<8} {r['engine']:<10} error: {r['error']}")
+            continue
+        mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == "ours-lora" and "step_s" in x), None)
+        ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
+                 if mine and r is not mine else "")
+        print(f"{r['model']:<8} {r['engine']:<10} {r['step_s']:>8.3f} {r['peak_mib']:>9.0f}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""LoRA adapters as arrays: which weights they adapt, their initialisation, merging, and the adapter run.
+
+An adapter *module* adds s·B·A (s = α / r, A [r, in], B [out, r]) to one weight, or to several weights
+stacked by rows (GPT-2's `c_attn` is q|k|v in one matrix in HF, so one A is shared by wq, wk, wv and B
+is cut by rows between them). Targets are named as PEFT names the modules, per architecture:
+
+    euler (Llama): q k v o gate up down    ->  layers.i.attn.wq ... layers.i.ffn.down
+    gpt2:          c_attn c_proj c_fc      ->  layers.i.attn.wqkv (wq|wk|wv), attn.wo and ffn.proj
+                                               (PEFT's "c_proj" matches both), ffn.fc
+
+Parameters are `<module>.lora_A` [r, in] and `<module>.lora_B` [Σ out, r]; A ~ U(±1/√in) (PEFT's
+Kaiming-uniform with a = √5), B = 0, so training starts from the base model exactly.
+
+An adapter run directory holds `lora.json` (rank, alpha, targets, dropout, and the base: its path and
+the sha256 of its config.json + model.safetensors), `adapter.safetensors` and `tokenizer.json`; with a
+training run also `optimizer.safetensors` (moments of the adapters only) and `trainer.json`. Loading
+refuses a base whose content changed. `load_merged` gives a plain (config, params): sample, chat, serve,
+eval and export run an adapter run through it (merged at load: one matmul per weight, once; then every
+token costs exactly what the base costs, where applying the adapter on the fly adds two thin matmuls per
+weight per token).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .config import Config
+from .errors import UserError
+from .ops import lora_merge
+
+LORA_FILE = "lora.json"
+ADAPTER_FILE = "adapter.safetensors"
+# target -> [(module under layers.i., the base weights it adapts, stacked by rows, its PEFT module name)]
+TARGETS = {
+    "euler": {
+        "q": [("attn.wq", ("attn.wq",), "self_attn.q_proj")],
+        "k": [("attn.wk", ("attn.wk",), "self_attn.k_proj")],
+        "v": [("attn.wv", ("attn.wv",), "self_attn.v_proj")],
+        "o": [("attn.wo", ("attn.wo",), "self_attn.o_proj")],
+        "gate": [("ffn.gate", ("ffn.gate",), "mlp.gate_proj")],
+        "up": [("ffn.up", ("ffn.up",), "mlp.up_proj")],
+        "down": [("ffn.down", ("ffn.down",), "mlp.down_proj")],
+    },
+    "gpt2": {
+        "c_attn": [("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv"), "attn.c_attn")],
+        "c_proj": [("attn.wo", ("attn.wo",), "attn.c_proj"), ("ffn.proj", ("ffn.proj",), "mlp.c_proj")],
+        "c_fc": [("ffn.fc", ("ffn.fc",), "mlp.c_fc")],
+    },
+}
+DEFAULT_TARGETS = {"euler": ("q", "k", "v", "o", "gate", "up", "down"), "gpt2": ("c_attn", "c_proj", "c_fc")}
+DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site DROPOUT_SITE0 + j (ops/dropout.py)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = ()   # () = the arch's DEFAULT_TARGETS (filled in by `check`)
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self, cfg: Config) -> "LoraConfig":
+        """This config for a base of config cfg (default targets filled in), or UserError."""
+        if not self.targets:
+            return replace(self, targets=DEFAULT_TARGETS[cfg.arch]).check(cfg)
+        known = TARGETS[cfg.arch]
+        bad = [t for t in self.targets if t not in known]
+        if bad or len(set(self.targets)) != len(self.targets):
+            raise UserError(f"--lora-targets: {', '.join(bad) or 'a target given twice'}: the targets of arch "
+                            f"{cfg.arch} are {','.join(known)}")
+        if not 1 <= self.rank <= min(cfg.dim, 4096) or not self.alpha > 0:
+            raise UserError(f"--lora must be in [1, {min(cfg.dim, 4096)}] and --lora-alpha > 0, "
+                            f"got {self.rank} and {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"targets": list(self.targets)}
+
+
+def modules(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[tuple[str, ...], str]]:
+    """module name -> (the base weight names it adapts, its PEFT name), in layer order.
+
+        modules(gpt2 config, targets=("c_attn",))
+          -> {"layers.0.attn.wqkv": (("layers.0.attn.wq.weight", ...wk..., ...wv...), "layers.0.attn.c_attn"), ...}
+    """
+    out = {}
+    for i in range(cfg.n_layers):
+        for target in lcfg.targets:
+            for module, bases, peft in TARGETS[cfg.arch][target]:
+                out[f"layers.{i}.{module}"] = (tuple(f"layers.{i}.{b}.weight" for b in bases), f"layers.{i}.{peft}")
+    return out
+
+
+def adapter_shapes(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[int, int]]:
+    """<module>.lora_A -> (r, in), <module>.lora_B -> (Σ out, r), for every module."""
+    shapes, out = cfg.param_shapes(), {}
+    for module, (bases, _) in modules(cfg, lcfg).items():
+        out[module + ".lora_A"] = (lcfg.rank, shapes[bases[0]][1])
+        out[module + ".lora_B"] = (sum(shapes[b][0] for b in bases), lcfg.rank)
+    return out
+
+
+def init_adapters(cfg: Config, lcfg: LoraConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """A ~ U(±1/√in) [r, in] (PEFT's kaiming_uniform_(a=√5)), B = 0 [Σ out, r], for every module."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in adapter_shapes(cfg, lcfg).items():
+        if name.endswith("lora_A"):
+            bound = 1.0 / np.sqrt(shape[1])
+            params[name] = rng.uniform(-bound, bound, shape).astype(dtype)
+        else:
+            params[name] = np.zeros(shape, dtype=dtype)
+    return params
+
+
+def row_slices(cfg: Config, bases: tuple[str, ...]) -> list[slice]:
+    """The rows of a stacked module's B that belong to each base weight."""
+    shapes, out, r0 = cfg.param_shapes(), [], 0
+    for b in bases:
+        out.append(slice(r0, r0 + shapes[b][0]))
+        r0 += shapes[b][0]
+    return out
+
+
+def merge_params(cfg: Config, params: dict, lcfg: LoraConfig, adapters: dict) -> dict[str, np.ndarray]:
+    """The base params with every adapted weight replaced by W + s·B·A (the others shared, not copied)."""
+    merged = dict(params)
+    for module, (bases, _) in modules(cfg, lcfg).items():
+        A, B = adapters[module + ".lora_A"], adapters[module + ".lora_B"]
+        for name, rows in zip(bases, row_slices(cfg, bases)):
+            merged[name] = lora_merge(params[name], A, B[rows], lcfg.scale)
+    return merged
+
+
+def check_adapters(cfg: Config, lcfg: LoraConfig, adapters: dict, where) -> None:
+    if {n: a.shape for n, a in adapters.items()} != adapter_shapes(cfg, lcfg):
+        raise UserError(f"{where}: the adapters do not match lora.json and the base's shapes")
+    if not all(np.isfinite(a).all() for a in adapters.values()):
+        raise UserError(f"{where}: the adapters hold non-finite values")
+
+
+# ---- the adapter run directory --------------------------------------------------------------------
+def is_adapter_run(run_dir) -> bool:
+    return (Path(run_dir) / LORA_FILE).is_file()
+
+
+def base_fingerprint(base_dir, read_only: bool = True) -> str:
+    """sha256 of the base checkpoint's config.json and model.safetensors (what the adapters were fit to)."""
+    from .checkpoint import check_run_dir, member, read_journal
+    base_dir = check_run_dir(base_dir, read_only)
+    journal = read_journal(base_dir) if read_only else None
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        path = member(base_dir, name, journal)
+        if not path.is_file():
+            raise UserError(f"base checkpoint {base_dir}: {name} not found")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def adapter_writers(lcfg: LoraConfig, base: dict, adapters: dict, tokenizer=None) -> dict:
+    """Writers (checkpoint.save_files) of an adapter run. base: {"path", "sha256"}."""
+    from .checkpoint import json_writer, tensors_writer
+    writers = {LORA_FILE: json_writer(lcfg.to_dict() | {"base": base}),
+               ADAPTER_FILE: tensors_writer(adapters, what="refusing to save the adapters")}
+    if tokenizer is not None:
+        writers["tokenizer.json"] = json_writer(tokenizer.to_dict())
+    return writers
+
+
+def read_adapter_run(run_dir, read_only: bool = False) -> tuple[LoraConfig, dict, dict]:
+    """-> (LoraConfig, base {"path", "sha256"}, adapters). The base itself is not read (see load_base)."""
+    from .checkpoint import check_run_dir, member, read_journal, read_json, read_tensors
+    run_dir = check_run_dir(run_dir, read_only)
+    journal = read_journal(run_dir) if read_only else None
+    meta = read_json(member(run_dir, LORA_FILE, journal), "adapter config")
+    try:
+        lcfg = LoraConfig(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]), float(meta["dropout"]))
+        base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{run_dir}/{LORA_FILE} is not an adapter config ({e})") from None
+    return lcfg, base, read_tensors(member(run_dir, ADAPTER_FILE, journal), "adapters")
+
+
+def load_base(run_dir, base: dict) -> tuple[Config, dict]:
+    """The base checkpoint an adapter run points to, refused when its content is not what was fine-tuned."""
+    from .checkpoint import load_model
+    path = Path(base["path"])
+    if is_adapter_run(path):
+        raise UserError(f"{run_dir}: its base {path} is itself an adapter run")
+    if not path.is_dir():
+        raise UserError(f"{run_dir}: its base checkpoint {path} is gone (adapters need the base they were trained on)")
+    if base_fingerprint(path) != base["sha256"]:
+        raise UserError(f"{run_dir}: the base checkpoint {path} changed since the adapters were trained "
+                        f"(sha256 differs); the adapters only fit the original weights")
+    return load_model(path, read_only=True)
+
+
+def load_merged(run_dir, read_only: bool = False) -> tuple[Config, dict]:
+    """(config, params) of an adapter run with its adapters merged into the base: a plain model."""
+    lcfg, base, adapters = read_adapter_run(run_dir, read_only)
+    cfg, params = load_base(run_dir, base)
+    lcfg.check(cfg)
+    check_adapters(cfg, lcfg, adapters, run_dir)
+    return cfg, merge_params(cfg, params, lcfg, adapters)
+
+
+def describe(lcfg: LoraConfig, cfg: Config) -> str:
+    """'r=8 α=16 on q,v: 73,728 trainable parameters' (a one-line summary for the CLI)."""
+    n = sum(r * c for r, c in adapter_shapes(cfg, lcfg).values())
+    return f"LoRA r={lcfg.rank} alpha={lcfg.alpha:g} on {','.join(lcfg.targets)}: {n:,} trainable parameters"

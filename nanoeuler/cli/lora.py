@@ -1,0 +1,101 @@
+"""`nanoeuler lora merge` (an adapter run -> a plain checkpoint) and the --lora flags of sft / dpo / train.
+
+    nanoeuler sft --base runs/small --lora 8 --out runs/small-lora      # adapters only: lora.json + adapter.safetensors
+    nanoeuler lora merge --ckpt runs/small-lora --out runs/small-merged
+"""
+from __future__ import annotations
+
+import json
+
+LORA_HELP = ("LoRA: train rank-R adapters W + (alpha/R)·B·A on the targets, the base frozen; the run holds the "
+             "adapters and points to the base (path + sha256, refused if the base changed)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("lora", help="LoRA adapter runs: merge them into a plain checkpoint",
+                       description="Work with adapter runs made by `sft/dpo/train --lora R`. sample, chat, serve, "
+                                   "eval, info and export take an adapter run directly (merged at load).")
+    lsub = p.add_subparsers(dest="lora_command", metavar="<lora command>")
+    m = lsub.add_parser("merge", help="write the base with the adapters merged in (W + s·B·A) as a plain checkpoint",
+                        description="Merge an adapter run into its base: a plain checkpoint (config.json, "
+                                    "model.safetensors, tokenizer.json) that needs neither the run nor the base.")
+    m.add_argument("--ckpt", required=True, help="adapter run directory")
+    m.add_argument("--out", required=True, help="directory of the merged checkpoint (new, or --force)")
+    m.add_argument("--force", action="store_true", help="replace the checkpoint files in an existing --out")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(run=run_merge)
+    p.set_defaults(run=lambda args: p.print_help() or 2)
+
+
+def add_lora_arguments(p, dropout: bool = True) -> None:
+    """--lora R, --lora-alpha, --lora-targets (and --lora-dropout unless dropout=False: a loop without it)."""
+    from .args import finite_float, positive_int
+    g = p.add_argument_group("LoRA (adapters instead of full fine-tuning)")
+    g.add_argument("--lora", type=positive_int, metavar="R", default=None, help=LORA_HELP)
+    g.add_argument("--lora-alpha", type=finite_float(0, lo_open=True), metavar="A", default=None,
+                   help="adapter scale numerator: s = A / R (default 2·R)")
+    g.add_argument("--lora-targets", metavar="T,T", default=None,
+                   help="modules to adapt, named as PEFT names them: euler q,k,v,o,gate,up,down (default all); "
+                        "gpt2 c_attn,c_proj,c_fc (default all)")
+    if dropout:
+        g.add_argument("--lora-dropout", type=finite_float(0, 1, hi_open=True), metavar="P", default=None,
+                       help="dropout on the adapters' inputs while training (default 0)")
+
+
+def lora_config(args):
+    """The LoraConfig of the --lora flags (targets () = the arch's defaults), or None without --lora."""
+    from ..adapters import LoraConfig
+    from ..errors import UserError
+    dropout = getattr(args, "lora_dropout", None)
+    if args.lora is None:
+        if any(v is not None for v in (args.lora_alpha, args.lora_targets, dropout)):
+            raise UserError("--lora-alpha, --lora-targets and --lora-dropout need --lora R")
+        return None
+    targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
+    alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
+    return LoraConfig(args.lora, alpha, targets, dropout or 0.0)
+
+
+def wants_lora(args, out) -> bool:
+    """Whether this sft/dpo/train run trains adapters: --lora given, or resuming an adapter run."""
+    from ..adapters import is_adapter_run
+    return args.lora is not None or bool(args.resume and is_adapter_run(out))
+
+
+def start_or_resume(args, base_dir, out, seed: int):
+    """The LoraModel of an `--lora` run: fresh adapters on base_dir, or (resume) the run in out, whose
+    lora.json must agree with the --lora flags if any are given."""
+    from ..errors import UserError
+    from ..lora import LoraModel
+    wanted = lora_config(args)
+    if not args.resume:
+        return LoraModel.new(base_dir, wanted, seed)
+    from ..adapters import is_adapter_run
+    if not is_adapter_run(out):
+        raise UserError(f"{out} is not a LoRA run (no lora.json): resume it without --lora")
+    model = LoraModel.load(out)
+    if wanted is not None and wanted.check(model.config) != model.lcfg:
+        raise UserError(f"cannot resume {out} with different LoRA settings: the run has {model.lcfg.to_dict()}")
+    return model
+
+
+def run_merge(args) -> int:
+    from pathlib import Path
+
+    from ..adapters import is_adapter_run, load_merged
+    from ..checkpoint import load_tokenizer, save_model
+    from ..errors import UserError
+    out = Path(args.out)
+    if not is_adapter_run(args.ckpt):
+        raise UserError(f"{args.ckpt} is not an adapter run (no lora.json)")
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise UserError(f"{out} exists and is not empty; pass --force to replace its checkpoint files")
+    if out.resolve() == Path(args.ckpt).resolve():
+        raise UserError("--out must differ from --ckpt")
+    cfg, params = load_merged(args.ckpt, read_only=True)
+    save_model(out, cfg, params, load_tokenizer(args.ckpt, read_only=True))
+    if args.json:
+        print(json.dumps({"out": str(out), "params": int(sum(p.size for p in params.values()))}))
+    else:
+        print(f"merged {args.ckpt} into its base -> {out}")
+    return 0

@@ -1,0 +1,62 @@
+"""Export an adapter run (LoRA, adapters.py) as a PEFT adapter folder for the base's Hugging Face export.
+
+    nanoeuler export --ckpt runs/base --format hf --out base-hf
+    nanoeuler export --ckpt runs/small-lora --format peft --out small-lora-peft
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("base-hf"), "small-lora-peft")
+
+The folder holds adapter_config.json (peft_type LORA, r, lora_alpha, target_modules as PEFT names them)
+and adapter_model.safetensors, each module's A [r, in] and B [out, r] under PEFT's names:
+
+    layers.0.attn.wq.lora_A    -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight   (Llama)
+    layers.0.attn.wqkv.lora_B  -> base_model.model.transformer.h.0.attn.c_attn.lora_B.weight       (GPT-2)
+
+PEFT's A and B have these shapes for GPT-2's Conv1D too (only the base weight is stored transposed), and
+c_attn's output rows are q | k | v as our stacked B's, so no tensor is transposed or reordered.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
+
+PEFT_PREFIX = {"euler": "base_model.model.model.layers.", "gpt2": "base_model.model.transformer.h."}
+
+
+def peft_names(cfg, lcfg) -> dict[str, str]:
+    """Our adapter names -> PEFT's (both A and B of every module)."""
+    from ..adapters import modules
+    out = {}
+    for module, (_, peft) in modules(cfg, lcfg).items():
+        i, rest = peft.split(".", 2)[1], peft.split(".", 2)[2]          # "layers.<i>.<module>"
+        for m in ("lora_A", "lora_B"):
+            out[f"{module}.{m}"] = f"{PEFT_PREFIX[cfg.arch]}{i}.{rest}.{m}.weight"
+    return out
+
+
+def adapter_config(cfg, lcfg, base_path: str) -> dict:
+    from ..adapters import modules
+    targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
+            "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
+            "fan_in_fan_out": cfg.arch == "gpt2", "base_model_name_or_path": base_path, "inference_mode": True,
+            "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+
+
+def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
+    """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
+    from ..adapters import check_adapters, is_adapter_run, load_base, read_adapter_run
+    from .outputs import output_dir
+    from .safetensors_io import write_tensors
+    if not is_adapter_run(run_dir):
+        raise UserError(f"--format peft exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
+    lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
+    cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
+    lcfg = lcfg.check(cfg)
+    check_adapters(cfg, lcfg, adapters, run_dir)
+    names = peft_names(cfg, lcfg)
+    with output_dir(out, force) as tmp:
+        write_tensors(tmp / "adapter_model.safetensors", {names[n]: a for n, a in adapters.items()}, "F32",
+                      {"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, lcfg, base["path"]), indent=2) + "\n")
+    return Path(out)

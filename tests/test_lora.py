@@ -1,0 +1,251 @@
+"""LoRA: the op, the model with adapters (reference vs fast vs finite differences), and adapter runs."""
+import numpy as np
+import pytest
+
+from conftest import rel_err, tiny_config
+from nanoeuler import adapters as ad
+from nanoeuler import ops
+from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
+from nanoeuler.lora import LoraModel
+from nanoeuler.model import Model
+
+
+def lora_model(arch="euler", dtype=np.float64, seed=0, rank=4, targets=None, trained=True, dropout=0.0):
+    cfg = tiny_config(arch=arch)
+    base = Model.init(cfg, seed=seed, dtype=dtype)
+    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets or ad.DEFAULT_TARGETS[arch], dropout)
+    adapters = ad.init_adapters(cfg, lcfg, seed, dtype)
+    if trained:
+        rng = np.random.default_rng(seed + 1)
+        for a in adapters.values():
+            a += (rng.standard_normal(a.shape) * 0.1).astype(dtype)
+    return LoraModel(base, lcfg, adapters, {"path": "", "sha256": ""})
+
+
+def batch(cfg, B=3, seed=2):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (B, cfg.ctx_len + cfg.n_mtp))
+    return tokens, rng.random(tokens.shape) > 0.2
+
+
+def test_lora_op_equals_merged_linear_and_its_check_rows_pass():
+    rng = np.random.default_rng(0)
+    x, W, A, B = rng.standard_normal((2, 5, 8)), rng.standard_normal((6, 8)), rng.standard_normal((3, 8)), \
+        rng.standard_normal((6, 3))
+    y, _ = ops.lora_forward(x, W, A, B, 1.5)
+    assert rel_err(y, x @ ops.lora_merge(W, A, B, 1.5).T) < 1e-13
+    from nanoeuler.check import check_ops
+    rows = [r for r in check_ops(seed=3) if r.name.startswith("op lora")]
+    assert len(rows) == 6 and max(r.max_rel_error for r in rows) < TOLERANCE
+
+
+@pytest.mark.parametrize("config,dropout", [(None, 0.0), (GPT2_CHECK_CONFIG, 0.0), (None, 0.25)])
+def test_adapter_gradients_match_finite_differences(config, dropout):
+    kw = {"config": config} if config is not None else {}
+    rows = check_lora(seed=1, n_samples=8, dropout=dropout, **kw)
+    assert len(rows) == 2 * 2 * (4 if config is not None else 7)  # A and B, 2 layers, every module
+    assert max(r.max_rel_error for r in rows) < TOLERANCE, max(rows, key=lambda r: r.max_rel_error)
+
+
+@pytest.mark.parametrize("arch,parts", [("euler", 1), ("euler", 3), ("gpt2", 1), ("gpt2", 3)])
+def test_fast_step_equals_reference_step(arch, parts, monkeypatch):
+    """The fused step (adapter gradients from each linear's dy and x, no dW) in 1 or 3 parts = the reference."""
+    from nanoeuler.fast import parallel
+    monkeypatch.setattr(parallel, "PARTS", parts)
+    m = lora_model(arch)
+    tokens, mask = batch(m.config)
+    h1, o1, g1 = m.loss_and_grads(tokens, mask, reference=True)
+    h2, o2, g2 = m.loss_and_grads(tokens, mask)
+    assert len(m._ws.parts) == parts
+    assert abs(o1 - o2) < 1e-12 and abs(h1 - h2) < 1e-12
+    assert set(g1) == set(g2) == set(m.params)
+    for name in g1:
+        assert rel_err(g2[name], g1[name]) < 1e-10, name
+
+
+def test_fresh_adapters_are_the_base_and_only_b_moves_first():
+    m = lora_model(trained=False)
+    tokens, mask = batch(m.config)
+    head0, objective, grads = m.loss_and_grads(tokens, mask)
+    assert objective == pytest.approx(m.base.loss(tokens, mask)[1], abs=1e-12)
+    assert all(not g.any() for n, g in grads.items() if n.endswith("lora_A"))   # B = 0: dA = s·Bᵀ·G = 0
+    assert all(g.any() for n, g in grads.items() if n.endswith("lora_B"))
+
+
+def test_merged_model_computes_what_the_adapters_compute():
+    m = lora_model("gpt2")
+    tokens, mask = batch(m.config)
+    assert m.merged().loss(tokens, mask)[1] == pytest.approx(m.reference_objective(tokens, mask)[1], abs=1e-12)
+    frozen = {n for n in m.base.params if not any(n in b for b, _ in m.modules.values())}
+    merged = m.merged().params
+    assert all(merged[n] is m.base.params[n] for n in frozen)          # unadapted weights shared, not copied
+
+
+@pytest.mark.parametrize("adapter_dropout", [None, 0.2])
+def test_rank_shares_sum_to_the_whole_batch(adapter_dropout):
+    """Data parallel: each rank's rows with the whole batch's target counts give losses and gradients that
+    sum to the whole batch's (the fast path, and the reference path that adapter dropout runs)."""
+    from nanoeuler.train import LMObjective, TrainConfig
+    m = lora_model(dropout=adapter_dropout or 0.0)
+    obj = LMObjective(m, None, TrainConfig(dropout=0.0))
+    tokens, mask = batch(m.config, B=4)
+    seed = 7 if adapter_dropout else None
+    whole_loss, _, whole = obj.loss_and_grads((tokens, mask, seed))
+    parts = [obj.loss_and_grads(obj.share((tokens, mask, seed), r, 2)) for r in range(2)]
+    assert sum(p[0] for p in parts) == pytest.approx(whole_loss, abs=1e-12)
+    for name in whole:
+        assert rel_err(parts[0][2][name] + parts[1][2][name], whole[name]) < 1e-10, name
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.tokenizer import Tokenizer
+    return Tokenizer.train([bundled_works()["hamlet"][:30000]], 300, progress=False)
+
+
+def sft_setup(tmp_path, tok, arch="euler"):
+    import json
+
+    from nanoeuler.sft import offline_instructions
+    cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=160, arch=arch)
+    Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
+    train, held = offline_instructions(n_train=40, n_heldout=8)
+    (tmp_path / "sft.json").write_text(json.dumps(train))
+    (tmp_path / "val.json").write_text(json.dumps(held))
+    return ["sft", "--base", str(tmp_path / "base"), "--data", str(tmp_path / "sft.json"), "--val",
+            str(tmp_path / "val.json"), "--steps", "4", "--batch-size", "2", "--lr", "0.01", "--eval-every", "2",
+            "--no-progress", "--json"]
+
+
+@pytest.mark.parametrize("arch,extra", [("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"])])
+def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
+    import json
+
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    common = sft_setup(tmp_path, tok, arch)
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "a")] + extra) == 0
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "b"), "--stop-after", "2"] + extra) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0          # an adapter run: found, not told
+    capsys.readouterr()
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert not (a / "model.safetensors").exists() and (a / "lora.json").exists()
+    ta, tb = read_tensors(a / "adapter.safetensors", "a"), read_tensors(b / "adapter.safetensors", "b")
+    assert all(np.array_equal(ta[n], tb[n]) for n in ta) and any(ta[n].any() for n in ta if "lora_B" in n)
+    opt = read_tensors(a / "optimizer.safetensors", "opt")
+    assert set(opt) == {f"{k}.{n}" for k in ("m", "v") for n in ta}               # moments of the adapters only
+    # the adapter run loads as the merged model, and `lora merge` writes exactly that
+    base = Model.load(tmp_path / "base")
+    merged = Model.load(a, read_only=True)
+    assert main(["lora", "merge", "--ckpt", str(a), "--out", str(tmp_path / "m")]) == 0
+    written = Model.load(tmp_path / "m")
+    assert all(np.array_equal(written.params[n], merged.params[n]) for n in merged.params)
+    changed = [n for n in base.params if not np.array_equal(base.params[n], merged.params[n])]
+    assert changed and all(".attn." in n or ".ffn." in n for n in changed)
+    assert main(["sample", "--ckpt", str(a), "--prompt", "To be", "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(a), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_params"] == sum(t.size for t in ta.values())
+
+
+def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok, capsys):
+    from nanoeuler.cli import main
+    common = sft_setup(tmp_path, tok)
+    assert main(common + ["--lora", "4", "--out", str(tmp_path / "a"), "--stop-after", "1"]) == 0
+    assert main(common + ["--out", str(tmp_path / "a"), "--resume", "--lora", "8"]) == 2
+    assert "different LoRA settings" in capsys.readouterr().err
+    assert main(common + ["--out", str(tmp_path / "a"), "--resume", "--lora", "4", "--stop-after", "1"]) == 0
+    base = Model.load(tmp_path / "base")
+    base.params["embed.weight"][0, 0] += 1.0
+    base.save(tmp_path / "base", tokenizer=tok)
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(tmp_path / "a"), "--prompt", "To be", "--max-new-tokens", "2"]) == 2
+    assert "changed since the adapters were trained" in capsys.readouterr().err
+    assert main(["sft", "--base", str(tmp_path / "a"), "--lora", "4", "--out", str(tmp_path / "c")]) == 2
+    assert "is an adapter run" in capsys.readouterr().err
+
+
+def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
+    """MPI data parallel unchanged: only the adapters' gradients are reduced; 2 ranks = 1 process."""
+    pytest.importorskip("mpi4py")
+    from safetensors.numpy import load_file
+    from test_dist import MPIEXEC, mpirun, ok, one
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec")
+    common = sft_setup(tmp_path, tok) + ["--lora", "4", "--batch-size", "4"]
+    ok(one(common + ["--out", "one"], tmp_path))
+    ok(mpirun(2, common + ["--out", "two"], tmp_path))
+    a, b = load_file(str(tmp_path / "one" / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(rel_err(b[n], a[n]) for n in a if n.endswith("lora_B")) < 1e-5
+    assert any(a[n].any() for n in a if n.endswith("lora_B"))
+
+
+def test_dpo_lora_reference_is_the_base_and_resumes_bit_for_bit(tmp_path, capsys):
+    """dpo --lora: the policy starts as the base (DPO loss log 2), only adapters train, resume is bitwise."""
+    import json
+
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    from nanoeuler.tokenizer import Tokenizer
+    from test_dpo import TINY, _pairs
+    sft = tmp_path / "sft"
+    Model.init(TINY, seed=0).save(sft, Tokenizer([]))
+    f, v = tmp_path / "pairs.jsonl", tmp_path / "val.jsonl"
+    f.write_text("".join(json.dumps(p) + "\n" for p in _pairs(20)))
+    v.write_text("".join(json.dumps(p) + "\n" for p in _pairs(6, 500)))
+    common = ["dpo", "--sft", str(sft), "--data", str(f), "--val", str(v), "--steps", "4", "--batch-size", "4",
+              "--lr", "0.01", "--eval-every", "2", "--no-progress", "--json", "--lora", "4", "--lora-targets", "q,v"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["initial_eval"]["val_loss"] == pytest.approx(np.log(2)) and out["step"] == 4
+    assert main(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0
+    for name in ("adapter.safetensors", "optimizer.safetensors", "reference.safetensors"):
+        ta, tb = read_tensors(tmp_path / "a" / name, "a"), read_tensors(tmp_path / "b" / name, "b")
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k], equal_nan=True) for k in ta), name
+    adapters = read_tensors(tmp_path / "a" / "adapter.safetensors", "a")
+    assert sorted(adapters) == sorted(f"layers.{i}.attn.{w}.lora_{m}" for i in range(2) for w in ("wq", "wv")
+                                      for m in "AB")
+    assert any(adapters[n].any() for n in adapters if n.endswith("lora_B"))
+
+
+def test_train_init_from_lora_resumes_bit_for_bit(tmp_path, capsys):
+    from nanoeuler.checkpoint import read_tensors
+    from nanoeuler.cli import main
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.data.shards import prepare
+    from nanoeuler.tokenizer import Tokenizer
+    tok = Tokenizer([])
+    (tmp_path / "book.txt").write_text(bundled_works()["hamlet"][:40000])
+    prepare([tmp_path / "book.txt"], tok, tmp_path / "data", processes=1, progress=False)
+    Model.init(tiny_config(vocab_size=257, ctx_len=16), seed=0).save(tmp_path / "base", tokenizer=tok)
+    common = ["train", "--init-from", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--steps", "4",
+              "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--no-progress", "--json",
+              "--lora", "2", "--lora-dropout", "0.1"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--stop-after", "3"]) == 0
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "b"), "--resume",
+                 "--no-progress", "--json"]) == 0
+    for name in ("adapter.safetensors", "optimizer.safetensors"):
+        ta, tb = read_tensors(tmp_path / "a" / name, "a"), read_tensors(tmp_path / "b" / name, "b")
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta), name
+    capsys.readouterr()
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "c"), "--lora", "2"]) == 2
+    assert "--init-from" in capsys.readouterr().err
+
+
+def test_info_lora_counts_trainable_parameters_and_step_memory(capsys):
+    import json
+
+    from nanoeuler.cli import main
+    assert main(["info", "gpt2", "--batch", "4", "--ctx", "256", "--lora", "8", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert main(["info", "gpt2", "--batch", "4", "--ctx", "256", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    # PEFT's count for GPT-2 r=8 on c_attn, c_proj, c_fc: 12 · 8 · (3072 + 1536 + 3840 + 3840)
+    assert lora["trainable_params"] == 1_179_648
+    assert lora["memory_bytes"]["optimizer"] == 8 * 1_179_648 and lora["memory_bytes"]["weights"] == \
+        full["memory_bytes"]["weights"]
+    assert lora["memory_bytes"]["total"] < 0.55 * full["memory_bytes"]["total"]
