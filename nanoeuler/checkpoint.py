@@ -340,6 +340,8 @@ def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
     for key in ("kind",):
         if key in state and not isinstance(state[key], str):
             bad(f"{key} must be a string")
+    if state.get("precision", "fp32") not in ("fp32", "bf16"):
+        bad(f"precision must be fp32 or bf16, got {state['precision']!r}"[:200])
     for key in ("train_config", "data", "optimizer", "rng", "last_eval"):
         if key in state and not isinstance(state[key], dict):
             bad(f"{key} must be a JSON object")

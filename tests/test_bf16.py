@@ -121,3 +121,92 @@ def test_rows_do_not_depend_on_their_batch():
     for r in (0, 7, 19):
         bf16.matmul(a[r:r + 1], b, one)
         assert (one[0] == whole[r]).all()
+
+
+# ---- the engine in bf16 ------------------------------------------------------------------------------------
+def _grads(model, tokens, mask):
+    head0, objective, grads = model.loss_and_grads(tokens, mask)
+    return head0, {k: v.copy() for k, v in grads.items()}
+
+
+def _far_model(arch, seed=4):
+    cfg = tiny_config(vocab_size=70, dim=32, n_heads=2, n_kv_heads=1 if arch == "euler" else 2, n_layers=2,
+                      ctx_len=16, ffn_hidden=48, n_mtp=2, arch=arch)
+    rng = np.random.default_rng(seed)
+    m = Model.init(cfg, seed=seed)
+    for p in m.params.values():
+        p += rng.standard_normal(p.shape).astype(np.float32) * (0.3 if p.ndim == 1 else 0.1)
+    tokens = rng.integers(0, cfg.vocab_size, (4, cfg.ctx_len + cfg.n_mtp))
+    return m, tokens, rng.random(tokens.shape) > 0.2
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
+    """The bf16 step with its kernels equals the same step with every product replaced by the float64
+    product of the same rounded operands (the twin's, cast back to float32): to float32 accumulation, where
+    the fp32 step is ~1e-2 away. And no product of the bf16 step runs on float32 BLAS."""
+    from nanoeuler.fast import engine
+    m, tokens, mask = _far_model(arch)
+    _, g_fp32 = _grads(m, tokens, mask)
+    monkeypatch.setattr(engine, "matmul", None)               # engine's float32 BLAS: any use raises TypeError
+    _, g = _grads(m.set_precision("bf16"), tokens, mask)
+    m._fast_ws = None                                         # a new workspace, on the twin's products
+    monkeypatch.setattr(bf16, "KERNELS", bf16.TWIN)
+    _, g_twin = _grads(m, tokens, mask)
+    for name in g:
+        if name.endswith("attn.wk.bias"):  # gpt2: 0 in exact arithmetic (softmax ignores a per-row constant)
+            continue
+        assert rel_err(g[name], g_twin[name]) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name]), name
+
+
+@needs_bf16
+def test_engine_bf16_is_deterministic_and_not_fp32():
+    cfg = tiny_config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=12, ffn_hidden=40)
+    m = Model.init(cfg, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 50, (3, 12 + cfg.n_mtp))
+    l0, g0 = _grads(m, tokens, None)
+    m.set_precision("bf16")
+    l1, g1 = _grads(m, tokens, None)
+    l2, g2 = _grads(m, tokens, None)
+    assert l1 == l2 and all(np.array_equal(g1[k], g2[k]) for k in g1)       # bit for bit, step after step
+    assert l1 != l0 and abs(l1 - l0) < 1e-2                                 # bf16 ran, and stayed close
+
+
+def test_refused_without_avx512_bf16(monkeypatch, capsys, tmp_path):
+    from test_cli_errors import one_line_error
+    monkeypatch.setattr(bf16, "AVAILABLE", False)
+    cfg = tiny_config()
+    with pytest.raises(UserError, match="AVX512_BF16"):
+        Workspace(cfg, 2, 4, np.float32, "bf16")
+    with pytest.raises(UserError, match="AVX512_BF16"):
+        Model.init(cfg).set_precision("bf16")
+    Model.init(cfg).astype(np.float64).set_precision("bf16")              # the NumPy twin needs no instruction
+    line = one_line_error(["bench", "small", "--steps", "1", "--warmup", "0", "--precision", "bf16"], capsys)
+    assert "AVX512_BF16" in line
+    line = one_line_error(["train", "small", "--precision", "bf16", "--out", tmp_path / "run"], capsys)
+    assert "AVX512_BF16" in line and not (tmp_path / "run").exists()
+
+
+@needs_bf16
+def test_bf16_run_resumes_bit_for_bit_and_records_its_precision(tmp_path):
+    from train_fixtures import TINY, SyntheticSource
+    from nanoeuler.train import TrainConfig, run_training
+
+    def train(out, steps, stop_after=None, resume=False, precision="bf16"):
+        model = (Model.load(out) if resume else Model.init(TINY, seed=0)).set_precision(precision)
+        tcfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
+        return run_training(model, None, SyntheticSource(), out, tcfg, resume=resume, stop_after=stop_after,
+                            progress=False)
+    train(tmp_path / "a", 6)
+    train(tmp_path / "b", 6, stop_after=3)
+    with pytest.raises(UserError, match="precision bf16, not fp32"):
+        train(tmp_path / "b", 6, resume=True, precision="fp32")
+    train(tmp_path / "b", 6, resume=True)
+    from safetensors.numpy import load_file
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
+        assert all(ta[k].dtype == np.float32 and np.array_equal(ta[k], tb[k]) for k in ta)
+    import json
+    assert json.loads((tmp_path / "b" / "trainer.json").read_text())["precision"] == "bf16"
+

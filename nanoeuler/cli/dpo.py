@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .train import add_dist_arguments, add_hyperparameters, data_parallel, train_config_from_args
+from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, resolve_precision,
+                    train_config_from_args)
 
 # Measured on the offline set (notes/closing-stop11.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
@@ -49,6 +50,7 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps")
     add_hyperparameters(p, dropout=False)
+    add_precision_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     add_dist_arguments(p)
@@ -115,6 +117,7 @@ def run_dpo(args) -> int:
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
+    model.set_precision(resolve_precision(args, state if args.resume else None))
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)

@@ -11,7 +11,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .train import add_dist_arguments, add_hyperparameters, data_parallel, report, train_config_from_args
+from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, report,
+                    resolve_precision, train_config_from_args)
 
 # Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
 # in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
@@ -40,6 +41,7 @@ def register(sub) -> None:
                    help="stop (with a checkpoint) after N steps")
     p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
     add_hyperparameters(p)
+    add_precision_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     add_dist_arguments(p)
@@ -106,13 +108,14 @@ def run_sft(args) -> int:
     out = Path(args.out)
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)
-        saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
-        tcfg = train_config_from_args(args, saved)
+        state = json.loads((out / "trainer.json").read_text()) if (out / "trainer.json").exists() else {}
+        tcfg = train_config_from_args(args, state.get("train_config", {}))
     else:
         if not args.base:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
         model, tok = Model.load(args.base, read_only=True), load_tokenizer(args.base, read_only=True)
         tcfg = train_config_from_args(args, SFT_DEFAULTS)
+    model.set_precision(resolve_precision(args, state if args.resume else None))
     cfg = model.config
     train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,

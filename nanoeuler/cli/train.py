@@ -36,8 +36,7 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                    help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="GPU only: fp32, or bf16 mixed precision (bf16 matmuls and attention, fp32 master weights)")
+    add_precision_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.add_argument("--no-drafts", action="store_true",
                    help="skip the draft-head distillation at the end (K > 1: heads 1..K-1 refitted to the model's "
@@ -75,6 +74,23 @@ def add_hyperparameters(p, dropout: bool = True) -> None:
     g.add_argument("--eval-every", type=positive_int, help="steps between validation evals")
     g.add_argument("--eval-batches", type=nonneg_int, help="validation batches per periodic eval (0 = all)")
     g.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
+
+
+def add_precision_argument(p) -> None:
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="fp32 (default), or bf16 mixed precision: the matrix products (linears, attention) take "
+                        "bfloat16 operands and accumulate in float32; master weights, optimizer and checkpoints stay "
+                        "float32. On the CPU it needs AVX512_BF16. On --resume: the run's")
+
+
+def resolve_precision(args, state: dict | None) -> str:
+    """--precision, else the resumed run's (trainer.json `precision`), else fp32; a resume must keep it."""
+    from ..errors import UserError
+    recorded = (state or {}).get("precision", "fp32")
+    precision = args.precision or recorded
+    if state is not None and precision != recorded:
+        raise UserError(f"the run was trained with --precision {recorded}; resume it with that (bit-for-bit resume)")
+    return precision
 
 
 def add_dist_arguments(p) -> None:
@@ -157,6 +173,7 @@ def run_train(args) -> int:
 
     preset = args.config if args.config in PRESETS else None
     out = Path(args.out or f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
+    state = None
     if args.resume:
         from ..checkpoint import check_trainer_state, read_json
         if not (out / "trainer.json").is_file():   # validate first, create nothing (no bundled data) before
@@ -191,11 +208,12 @@ def run_train(args) -> int:
         from ..memory import check_fits
         check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
+    precision = resolve_precision(args, state)
     if args.device == "gpu":
         from ..gpu.engine import GpuModel  # UserError when CuPy or a device is missing
-        model = GpuModel(model, precision=args.precision)
-    elif args.precision != "fp32":
-        raise UserError("--precision bf16 needs --device gpu")
+        model = GpuModel(model, precision=precision)
+    else:
+        model.set_precision(precision)      # bf16: UserError on a CPU without AVX512_BF16
     if not args.data and under_mpi() and not (BUNDLED_DATA / "manifest.json").exists():
         raise UserError(f"the bundled corpus is not prepared in {BUNDLED_DATA}: use --nproc N (which prepares it "
                         f"first) or run `nanoeuler prepare` before mpiexec")

@@ -21,12 +21,18 @@ row group of A passes over it). Each output sums over k in order, whatever tile 
 do not depend on M: a row's result is the same alone or in a batch.
 
 Serial and `nogil`, like the engine's other kernels: the engine runs one sub-batch per core.
+`products(dtype)` gives the engine its product functions: these kernels for float32, and for float64 the
+NumPy twin `TWIN` (the same operand rounding, float64 products), which tests and checks the engine's
+bf16 mode on any CPU.
 
     Wp = pack_b(W.T)                  # W [out, in]: x · Wᵀ
     matmul_packed(x, Wp, y)           # y [n, out] float32
     matmul(a, b, out)                 # out = a @ b (2-D or batched 3-D float32 views, any strides)
 """
 from __future__ import annotations
+
+import time
+from types import SimpleNamespace
 
 import numpy as np
 from llvmlite import ir
@@ -292,3 +298,56 @@ def matmul_packed(a: np.ndarray, Bp: np.ndarray, out: np.ndarray) -> np.ndarray:
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = a @ b with both operands rounded to bfloat16, float32 accumulation (2-D, or 3-D batched)."""
     return matmul_packed(a, pack_b(b), out)
+
+
+def peak_flops(n: int = 1024, seconds: float = 0.3) -> float:
+    """Best observed FLOP/s of an n×n×n bf16 product on every core (the rows of A shared by the parts, B
+    packed once), over about `seconds`: the bf16 counterpart of perf.matmul_peak_flops."""
+    from .parallel import PARTS, chunks, run_parts
+    require()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    Bp = pack_b(rng.standard_normal((n, n), dtype=np.float32))
+    out = np.empty((n, n), np.float32)
+    rows = chunks(n, PARTS)
+
+    def product():
+        run_parts(lambda k: matmul_packed(a[rows[k][0]:rows[k][1]], Bp, out[rows[k][0]:rows[k][1]]), len(rows))
+    product()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        t = time.perf_counter()
+        product()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+KERNELS = SimpleNamespace(pack_b=pack_b, matmul_packed=matmul_packed, matmul=matmul)
+
+
+def _twin_pack_b(b, out=None):
+    """The float64 twin's "packing": b rounded to bfloat16, as float64 (same shape)."""
+    r = round_bf16(b).astype(np.float64)
+    if out is None:
+        return r
+    out[...] = r
+    return out
+
+
+def _twin_matmul_packed(a, Bp, out):
+    np.matmul(round_bf16(a).astype(np.float64), Bp, out=out)
+
+
+TWIN = SimpleNamespace(pack_b=_twin_pack_b, matmul_packed=_twin_matmul_packed,
+                       matmul=lambda a, b, out: _twin_matmul_packed(a, _twin_pack_b(b), out))
+
+
+def products(dtype) -> SimpleNamespace:
+    """The bf16 products for arrays of dtype: the kernels (float32; refused without AVX512_BF16) or the
+    float64 twin; pack_b(b [, out]), matmul_packed(a, packed, out), matmul(a, b, out)."""
+    if np.dtype(dtype) == np.float64:
+        return TWIN
+    if np.dtype(dtype) != np.float32:
+        raise UserError(f"--precision bf16 needs float32 master weights, not {np.dtype(dtype)}")
+    require()
+    return KERNELS

@@ -60,8 +60,9 @@ class Workspace:
         self.key = (cfg, B, T, np.dtype(dtype), precision)
         dt = np.dtype(dtype)
         self.precision = check_precision(precision, dt)
-        self.mm = bf16.matmul if precision == "bf16" else _blas_mm  # mm(a, b, out): out = a @ b
-        self.packs = {}                    # bf16: weight key -> (panels for x·Wᵀ, for dy·W), see pack_weights
+        self.bf16 = bf16.products(dt) if precision == "bf16" else None  # kernels (float32) or the float64 twin
+        self.mm = self.bf16.matmul if self.bf16 else _blas_mm     # mm(a, b, out): out = a @ b
+        self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -126,13 +127,12 @@ class Workspace:
 
 
 def check_precision(precision: str, dtype) -> str:
-    """precision "fp32" (any dtype), or "bf16" (float32 master weights, a CPU with AVX512_BF16), else UserError."""
+    """precision "fp32" (any dtype), or "bf16" (float32: a CPU with AVX512_BF16; float64: the NumPy twin),
+    else UserError."""
     if precision not in ("fp32", "bf16"):
         raise UserError(f"unknown precision {precision!r}: fp32 or bf16")
     if precision == "bf16":
-        bf16.require()
-        if np.dtype(dtype) != np.float32:
-            raise UserError(f"--precision bf16 needs float32 master weights, not {np.dtype(dtype)}")
+        bf16.products(dtype)
     return precision
 
 
@@ -170,16 +170,16 @@ def _blas_mm(a, b, out):
 
 def linear(ws: Workspace, x, W, key: str, out) -> None:
     """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`."""
-    if ws.precision == "bf16":
-        bf16.matmul_packed(x, ws.packs[key][0], out)
+    if ws.bf16:
+        ws.bf16.matmul_packed(x, ws.packs[key][0], out)
     else:
         matmul(x, W.T, out=out)
 
 
 def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
     """out [n, in] = dy [n, out] · W (the input gradient of `linear`)."""
-    if ws.precision == "bf16":
-        bf16.matmul_packed(dy, ws.packs[key][1], out)
+    if ws.bf16:
+        ws.bf16.matmul_packed(dy, ws.packs[key][1], out)
     else:
         matmul(dy, W, out=out)
 
@@ -187,17 +187,17 @@ def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
 def pack_weights(ws: Workspace, weights: dict) -> None:
     """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W) rounded to bfloat16 and
     packed both ways, into buffers kept in ws.packs from step to step; the parts take a share each."""
-    if ws.precision != "bf16":
+    if not ws.bf16:
         return
     items = list(weights.items())
     for key, W in items:
         if key not in ws.packs:
-            ws.packs[key] = (bf16.pack_b(W.T), bf16.pack_b(W))
+            ws.packs[key] = (ws.bf16.pack_b(W.T), ws.bf16.pack_b(W))
 
     def share(k):
         for key, W in items[k::len(ws.parts)]:
-            bf16.pack_b(W.T, out=ws.packs[key][0])
-            bf16.pack_b(W, out=ws.packs[key][1])
+            ws.bf16.pack_b(W.T, out=ws.packs[key][0])
+            ws.bf16.pack_b(W, out=ws.packs[key][1])
     run_parts(share, len(ws.parts))
 
 
