@@ -210,3 +210,12 @@ def test_bf16_run_resumes_bit_for_bit_and_records_its_precision(tmp_path):
     import json
     assert json.loads((tmp_path / "b" / "trainer.json").read_text())["precision"] == "bf16"
 
+
+
+@needs_bf16
+def test_check_rows_hold_and_catch_a_backward_without_rounding(monkeypatch):
+    from nanoeuler.check import TOLERANCE, check_bf16
+    rows = check_bf16(seed=1)
+    assert len(rows) == 4 and all(r.max_rel_error < TOLERANCE for r in rows)
+    monkeypatch.setattr(bf16, "matmul", lambda a, b, out: np.matmul(a, b, out=out))   # float32, unrounded
+    assert all(r.max_rel_error > 1e-4 for r in check_bf16(seed=1))
