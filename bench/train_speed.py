@@ -379,7 +379,8 @@ def _precision(engine: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=list(SHAPES))
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--engines", nargs="+", default=None, choices=list(ENGINES),
+                    help="default: all of them (the -bf16 ones only on a CPU with AVX512_BF16)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
     ap.add_argument("--pause", type=float, default=0.3,
@@ -393,7 +394,9 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    results = [run_preset(p, args.engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
+    from nanoeuler.fast.bf16 import AVAILABLE
+    engines = args.engines or [e for e in ENGINES if AVAILABLE or _precision(e) == "f32"]
+    results = [run_preset(p, engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
     if args.json:
         print(json.dumps({"threads": THREADS, "results": results}))
         return 0
