@@ -42,9 +42,9 @@ def test_round_bf16_edge_cases():
     x = f32(list(EDGES))
     want = np.array(list(EDGES.values()), np.uint16)
     assert (bf16.round_bf16_bits(x) == want).all()
-    assert (bf16.pack_a(x[None])[0, 0, :len(EDGES)] == want).all()               # the numba kernels' rounding
+    assert (bf16.pack_a(x[None])[0][0, :len(EDGES)] == want).all()               # the numba kernels' rounding
     nan = f32(NANS)
-    for got in (bf16.round_bf16_bits(nan), bf16.pack_a(nan[None])[0, 0, :len(NANS)]):
+    for got in (bf16.round_bf16_bits(nan), bf16.pack_a(nan[None])[0][0, :len(NANS)]):
         assert np.isnan((got.astype(np.uint32) << 16).view(np.float32)).all()
 
 
@@ -56,7 +56,7 @@ def test_round_bf16_matches_torch():
     x = x[~np.isnan(x)]
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert (bf16.round_bf16_bits(x) == want).all()
-    assert (bf16.pack_a(x[None])[0, 0, :x.size] == want).all()
+    assert (bf16.pack_a(x[None])[0][0, :x.size] == want).all()
 
 
 # ---- the products ---------------------------------------------------------------------------------------------

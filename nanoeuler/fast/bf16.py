@@ -90,14 +90,32 @@ def _rne(u):
 
 # ---- packing ------------------------------------------------------------------------------------------------
 @njit(**OPTS)
-def _pack_a(A, out):
-    """A float32 bits [I, M, K] (any strides) -> out [I, M, Kp] bfloat16 bits, the pad column 0."""
+def _pack_rows(A, out):
+    """A float32 bits [I, M, K] (k its faster axis) -> bfloat16 bits out [I, M, Kp], the pad column 0."""
     I, M, K = A.shape
     for i in range(I):
         for m in range(M):
             for k in range(K):
                 out[i, m, k] = _rne(A[i, m, k])
         out[i, :, K:] = 0
+
+
+@njit(**OPTS)
+def _pack_pairs(A, out):
+    """A float32 bits [I, M, K] (m its faster axis: a transposed view, dYᵀ, dSᵀ, Pᵀ) -> bfloat16 bits
+    out [I, Kp·M] holding [Kp/2, M, 2]: A[i, m, 2p + e] at 2·(p·M + m) + e, 0 beyond K. Reads two rows of
+    the memory at a time, writes one: both stream."""
+    I, M, K = A.shape
+    for i in range(I):
+        for p in range(K // 2):
+            for m in range(M):
+                out[i, 2 * (p * M + m)] = _rne(A[i, m, 2 * p])
+                out[i, 2 * (p * M + m) + 1] = _rne(A[i, m, 2 * p + 1])
+        if K % 2:
+            p = K // 2
+            for m in range(M):
+                out[i, 2 * (p * M + m)] = _rne(A[i, m, K - 1])
+                out[i, 2 * (p * M + m) + 1] = 0
 
 
 @njit(**OPTS)
@@ -141,12 +159,18 @@ def _bits3(x: np.ndarray) -> np.ndarray:
     return (x if x.ndim == 3 else x[None]).view(np.uint32)
 
 
-def pack_a(a: np.ndarray) -> np.ndarray:
-    """a float32 [M, K] or [I, M, K] (any strides) -> bfloat16 rows uint16 [I, M, Kp]."""
+def pack_a(a: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """a float32 [M, K] or [I, M, K] (any strides) -> (packed uint16 [I, M·Kp], rs, ps): the 32-bit pair
+    (k = 2p, 2p+1) of row m is word m·rs + p·ps of item i (rows: rs = Kp/2, ps = 1; pairs: rs = 1, ps = M)."""
     A = _bits3(a)
-    out = np.empty(A.shape[:2] + (A.shape[2] + A.shape[2] % 2,), np.uint16)
-    _pack_a(A, out)
-    return out
+    I, M, K = A.shape
+    Kp = K + K % 2
+    out = np.empty((I, M * Kp), np.uint16)
+    if A.strides[1] <= A.strides[2]:
+        _pack_pairs(A, out)
+        return out, 1, M
+    _pack_rows(A, out.reshape(I, M, Kp))
+    return out, Kp // 2, 1
 
 
 def pack_b(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -173,23 +197,22 @@ _BFloat._create_instance()
 
 
 def _tile_intrinsic(rows: int):
-    """An intrinsic (a, lda, b, c, ldc, npairs, zero), all addresses / counts as int64:
+    """An intrinsic (a, rs, ps, b, c, ldc, npairs, zero), all addresses / counts as int64:
 
         c[r, j] (+)= Σ_p a[r, 2p]·b[p, j, 0] + a[r, 2p+1]·b[p, j, 1]     r < rows, j < PANEL, p < npairs (>= 1)
 
-    a: bfloat16 rows (row r at a + 2·r·lda bytes), b: a panel block [npairs, PANEL, 2] bfloat16,
+    a: bfloat16 pairs, that of (r, p) the 32-bit word r·rs + p·ps from a; b: a panel block [npairs, PANEL, 2],
     c: float32 rows (row r at c + 4·r·ldc bytes); zero != 0 starts from 0, else from c's values."""
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     vec, ivec, bvec = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(_BFloat(), 32)
     V = PANEL // 16
 
     def codegen(context, builder, sig, args):
-        a, lda, b, c, ldc, npairs, zero = args
+        a, rs, ps, b, c, ldc, npairs, zero = args
         dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, bvec, bvec]),
                                             "llvm.x86.avx512bf16.dpbf16ps.512")
         ap, bp, cp = (builder.inttoptr(a, i32.as_pointer()), builder.inttoptr(b, i32.as_pointer()),
                       builder.inttoptr(c, f32.as_pointer()))
-        lda2 = builder.ashr(lda, ir.Constant(i64, 1))                       # a row in 32-bit pairs
         is_zero = builder.icmp_signed("!=", zero, ir.Constant(i64, 0))
         zeros = ir.Constant(vec, [0.0] * 16)
 
@@ -207,11 +230,12 @@ def _tile_intrinsic(rows: int):
         for x, x0 in zip(acc, init):
             x.add_incoming(x0, entry)
         base = builder.mul(p, ir.Constant(i64, 2 * PANEL // 2))             # panel row p: PANEL words
+        pa = builder.mul(p, ps)
         bs = [builder.bitcast(builder.load(builder.bitcast(builder.gep(bp, [builder.add(base, ir.Constant(i64, 16 * v))]),
                                                            ivec.as_pointer()), align=4), bvec) for v in range(V)]
         new = []
         for r in range(rows):
-            word = builder.load(builder.gep(ap, [builder.add(builder.mul(ir.Constant(i64, r), lda2), p)]), align=4)
+            word = builder.load(builder.gep(ap, [builder.add(builder.mul(ir.Constant(i64, r), rs), pa)]), align=4)
             splat = builder.shuffle_vector(builder.insert_element(ir.Constant(ivec, ir.Undefined), word, ir.Constant(i32, 0)),
                                            ir.Constant(ivec, ir.Undefined), ir.Constant(ivec, [0] * 16))
             av = builder.bitcast(splat, bvec)
@@ -227,8 +251,8 @@ def _tile_intrinsic(rows: int):
             builder.store(x, c_ptr(k // V, k % V), align=4)
         return context.get_dummy_value()
 
-    def typer(typingctx, a, lda, b, c, ldc, npairs, zero):
-        return types.void(*(types.int64,) * 7), codegen
+    def typer(typingctx, a, rs, ps, b, c, ldc, npairs, zero):
+        return types.void(*(types.int64,) * 8), codegen
     typer.__name__ = f"_tile{rows}_bf16"
     return intrinsic(typer)
 
@@ -237,26 +261,26 @@ _t1, _t2, _t3, _t4, _t5, _t6 = (_tile_intrinsic(r) for r in range(1, ROWS + 1))
 
 
 @njit(inline="always", **OPTS)
-def _tile(r, a, lda, b, c, ldc, npairs, zero):
+def _tile(r, a, rs, ps, b, c, ldc, npairs, zero):
     if r == 6:
-        _t6(a, lda, b, c, ldc, npairs, zero)
+        _t6(a, rs, ps, b, c, ldc, npairs, zero)
     elif r == 5:
-        _t5(a, lda, b, c, ldc, npairs, zero)
+        _t5(a, rs, ps, b, c, ldc, npairs, zero)
     elif r == 4:
-        _t4(a, lda, b, c, ldc, npairs, zero)
+        _t4(a, rs, ps, b, c, ldc, npairs, zero)
     elif r == 3:
-        _t3(a, lda, b, c, ldc, npairs, zero)
+        _t3(a, rs, ps, b, c, ldc, npairs, zero)
     elif r == 2:
-        _t2(a, lda, b, c, ldc, npairs, zero)
+        _t2(a, rs, ps, b, c, ldc, npairs, zero)
     else:
-        _t1(a, lda, b, c, ldc, npairs, zero)
+        _t1(a, rs, ps, b, c, ldc, npairs, zero)
 
 
 @njit(**OPTS)
-def _gemm(Ap, Bp, C, E):
-    """C [I, M, N] float32 (columns contiguous) = Ap [I, M, Kp] · panels Bp [I, nb, Kp/2, 128] (see module doc).
-    E [M, PANEL] float32: scratch for a last panel narrower than PANEL."""
-    I, M, Kp = Ap.shape
+def _gemm(Ap, rs, ps, Bp, C, E):
+    """C [I, M, N] float32 (columns contiguous) = A · panels Bp [I, nb, Kp/2, 128], A packed by pack_a
+    (Ap, rs, ps). E [M, PANEL] float32: scratch for a last panel narrower than PANEL."""
+    I, M = C.shape[0], C.shape[1]
     nb, P2 = Bp.shape[1], Bp.shape[2]
     N = C.shape[2]
     ldc = C.strides[1] // 4
@@ -271,11 +295,11 @@ def _gemm(Ap, Bp, C, E):
                 b = b0 + 2 * (jb * P2 + k0) * 2 * PANEL
                 for m0 in range(0, M, ROWS):
                     r = min(ROWS, M - m0)
-                    a = a0 + 2 * (m0 * Kp + 2 * k0)
+                    a = a0 + 4 * (m0 * rs + k0 * ps)
                     if ncol == PANEL:
-                        _tile(r, a, Kp, b, c0 + 4 * (m0 * ldc + jb * PANEL), ldc, kc, 1 if k0 == 0 else 0)
+                        _tile(r, a, rs, ps, b, c0 + 4 * (m0 * ldc + jb * PANEL), ldc, kc, 1 if k0 == 0 else 0)
                     else:
-                        _tile(r, a, Kp, b, E.ctypes.data + 4 * m0 * PANEL, PANEL, kc, 1 if k0 == 0 else 0)
+                        _tile(r, a, rs, ps, b, E.ctypes.data + 4 * m0 * PANEL, PANEL, kc, 1 if k0 == 0 else 0)
             if ncol < PANEL:
                 for m in range(M):
                     for j in range(ncol):
@@ -284,14 +308,14 @@ def _gemm(Ap, Bp, C, E):
 
 def matmul_packed(a: np.ndarray, Bp: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = a @ B in bf16 (float32 accumulation), B given packed by pack_b; a [M, K] or [I, M, K] float32."""
-    Ap = pack_a(a)
+    Ap, rs, ps = pack_a(a)
     C = out if out.ndim == 3 else out[None]
     nb = Bp.shape[1]
-    if (C.strides[2] != 4 or Ap.shape[0] != Bp.shape[0] or Ap.shape[1:] != C.shape[1:2] + (2 * Bp.shape[2],)
+    if (C.strides[2] != 4 or Ap.shape[0] != Bp.shape[0] or Ap.shape[1] != C.shape[1] * 2 * Bp.shape[2]
             or not (nb - 1) * PANEL < C.shape[2] <= nb * PANEL):
         raise ValueError(f"bf16 product: operands {a.shape}, packed {Bp.shape}, out {out.shape} do not fit")
     E = np.empty((C.shape[1], PANEL) if C.shape[2] % PANEL else (0, PANEL), np.float32)
-    _gemm(Ap, Bp, C, E)
+    _gemm(Ap, rs, ps, Bp, C, E)
     return out
 
 
