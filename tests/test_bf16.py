@@ -219,3 +219,23 @@ def test_check_rows_hold_and_catch_a_backward_without_rounding(monkeypatch):
     assert len(rows) == 4 and all(r.max_rel_error < TOLERANCE for r in rows)
     monkeypatch.setattr(bf16, "matmul", lambda a, b, out: np.matmul(a, b, out=out))   # float32, unrounded
     assert all(r.max_rel_error > 1e-4 for r in check_bf16(seed=1))
+
+
+@needs_bf16
+def test_dpo_head_products_in_bf16():
+    """DPO's own head-0 products (dpo.py, outside the engine's step) are bf16 products too."""
+    from nanoeuler import dpo
+    cfg = tiny_config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=12, ffn_hidden=40)
+    P = Model.init(cfg, seed=2).params
+    rng = np.random.default_rng(5)
+    inputs, targets = rng.integers(0, 50, (2, 12)), rng.integers(0, 50, (2, 12))
+    mask = rng.random((2, 12)) > 0.3
+    logps, cache = dpo.sequence_logprobs_forward(cfg, P, inputs, targets, mask,
+                                                 dpo.Workspaces(cfg, np.float32, "bf16"))
+    ws, W0 = cache[4], P["heads.0.weight"]
+    hf = ws.hf.copy()
+    logits = reference(hf, W0.T).astype(np.float32).reshape(2, 12, -1)
+    assert np.abs(dpo.response_logprobs_forward(logits, targets, mask)[0] - logps).max() < 1e-4
+    grads = dpo.sequence_logprobs_backward(np.ones(2), cache)
+    dlogits = dpo.response_logprobs_backward(np.ones(2), cache[5]).reshape(ws.N, -1).astype(np.float32)
+    assert rel_err(grads["heads.0.weight"], reference(dlogits.T, hf)) < 1e-5
