@@ -123,6 +123,7 @@ class Workspace:
     def nbytes(self) -> int:
         arrays = [a for a in vars(self).values() if isinstance(a, np.ndarray)]
         arrays += [g for w in self.parts if w.grads for g in w.grads.values()]
+        arrays += [p for pair in self.packs.values() for p in pair]
         return sum(a.nbytes for a in arrays)
 
 
