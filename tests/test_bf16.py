@@ -186,6 +186,8 @@ def test_refused_without_avx512_bf16(monkeypatch, capsys, tmp_path):
     assert "AVX512_BF16" in line
     line = one_line_error(["train", "small", "--precision", "bf16", "--out", tmp_path / "run"], capsys)
     assert "AVX512_BF16" in line and not (tmp_path / "run").exists()
+    line = one_line_error(["demo", "--precision", "bf16", "--out", tmp_path / "demo"], capsys)
+    assert "AVX512_BF16" in line and not (tmp_path / "demo").exists()
 
 
 @needs_bf16
