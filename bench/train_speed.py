@@ -1,6 +1,8 @@
-"""Training speed: our NumPy engine vs the same model in PyTorch (eager and torch.compile), side by side.
+"""Training speed: our NumPy engine vs the same model in PyTorch (eager and torch.compile), side by side,
+in float32 and in bf16 mixed precision (ours `--precision bf16`; PyTorch `torch.autocast("cpu", bfloat16)`).
 
-For each preset, one worker process per engine (ours, torch eager, torch.compile) builds the same model
+For each preset, one worker process per engine (ours, torch eager, torch.compile; each also as -bf16)
+builds the same model
 from the same weights and the same batch, then the parent runs them *alternately*, one full training
 step at a time (forward, backward, AdamW), so load from anything else on the machine hits all engines
 alike. Between two steps the parent waits --pause seconds (default 0.3): PyTorch's OpenMP threads keep
@@ -10,9 +12,11 @@ engine runs next (measured: our small step 247 ms right after PyTorch's, 216 ms 
 All engines use 2 threads.
 
     tokens/s      B·T / median step time
-    ours/x        our tokens/s over engine x's
-    MFU           6·N·tokens/s over the float32 matmul peak measured in this run (the best of NumPy's and
-                  torch's 2048³ sgemm, measured between rounds; the max over the run)
+    ours/x        our tokens/s over engine x's, in the same precision (ours over eager, ours-bf16 over
+                  eager-bf16 ...); bf16/f32 our bf16 tokens/s over our float32's
+    MFU           6·N·tokens/s over the matmul peak of the engine's precision measured in this run: float32,
+                  the best of NumPy's and torch's 2048³ sgemm; bf16, the best of our bf16 kernels' and torch's
+                  bfloat16 2048³ matmul (both on THREADS threads, measured between rounds; the max over the run)
     peak MiB      the process's peak resident memory during the timed steps (VmHWM, reset after warm-up)
     train MiB     that peak minus the resident memory with libraries imported and weights built: what the
                   training step itself holds (optimizer state, gradients, activations, workspace)
@@ -20,6 +24,7 @@ All engines use 2 threads.
     python bench/train_speed.py                         # small B=32 T=128 and big B=16 T=256, 10 steps
     python bench/train_speed.py --presets big --steps 20 --json
     python bench/train_speed.py --presets gpt2 --steps 3 --warmup 1   # GPT-2 124M (arch gpt2), B=4 T=256
+    python bench/train_speed.py --presets big gpt --engines ours eager ours-bf16 eager-bf16 compile-bf16
 """
 from __future__ import annotations
 
@@ -33,9 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {"small": (32, 128), "big": (16, 256), "gpt2": (4, 256)}  # gpt2: the 124 M GPT-2 fine-tuning step
+SHAPES = {"small": (32, 128), "big": (16, 256), "gpt": (2, 512), "gpt2": (4, 256)}  # gpt2: GPT-2 124 M fine-tuning
 DEFAULT_PRESETS = ["small", "big"]
-ENGINES = ("ours", "eager", "compile")
+ENGINES = ("ours", "eager", "compile", "ours-bf16", "eager-bf16", "compile-bf16")
 THREADS = 2
 
 
@@ -55,15 +60,19 @@ def reset_peak_rss() -> None:
         pass
 
 
-def sgemm_gflops(engine_kind: str, n: int = 2048, reps: int = 5) -> float:
-    """Best-of-reps float32 n×n×n matmul rate in GFLOP/s with the library of this worker."""
+def sgemm_gflops(engine: str, n: int = 2048, reps: int = 5) -> float:
+    """Best-of-reps n×n×n matmul rate in GFLOP/s with the library and precision of this worker."""
     import numpy as np
-    if engine_kind == "ours":
+    if engine == "ours-bf16":
+        from nanoeuler.fast.bf16 import peak_flops
+        return peak_flops(n, seconds=0.5) / 1e9
+    if engine == "ours":
         a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
         f = lambda: a @ b  # noqa: E731
     else:
         import torch
-        a, b = torch.ones(n, n), torch.ones(n, n)
+        dtype = torch.bfloat16 if engine.endswith("-bf16") else torch.float32
+        a, b = torch.ones(n, n, dtype=dtype), torch.ones(n, n, dtype=dtype)
         f = lambda: a @ b  # noqa: E731
     f()
     best = float("inf")
@@ -74,11 +83,11 @@ def sgemm_gflops(engine_kind: str, n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def make_ours(cfg, params, tokens):
+def make_ours(cfg, params, tokens, precision: str = "fp32"):
     import numpy as np
     from nanoeuler.model import Model
     from nanoeuler.optim import AdamW
-    model = Model(cfg, params)
+    model = Model(cfg, params).set_precision(precision)
     opt = AdamW(model.params, lr=3e-4)
     grads = model.grad_buffers()
 
@@ -234,7 +243,10 @@ def torch_gpt2_model(cfg, params):
     return model
 
 
-def make_torch(cfg, params, tokens, compiled: bool):
+def make_torch(cfg, params, tokens, compiled: bool, bf16: bool = False):
+    """A PyTorch training step; bf16: the forward under torch.autocast("cpu", bfloat16), as a user writes it."""
+    import contextlib
+
     import torch
     model = torch_model(cfg, params)
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -246,7 +258,8 @@ def make_torch(cfg, params, tokens, compiled: bool):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss, objective = loss_fn(tok)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss, objective = loss_fn(tok)
         objective.backward()
         opt.step()
         return float(loss.detach())
@@ -257,7 +270,7 @@ def worker(engine: str, preset: str, B: int, T: int) -> None:
     """Line protocol on stdin/stdout: 'step' -> 'time <s> <loss>'; 'reset' (peak RSS); 'peak' -> sgemm
     GFLOP/s; 'quit' -> 'done <peak MiB>'."""
     import numpy as np
-    if engine == "ours":
+    if engine.startswith("ours"):
         import nanoeuler.fast  # noqa: F401  (numba and the kernels: library memory, like torch's import)
     else:
         import torch
@@ -268,7 +281,9 @@ def worker(engine: str, preset: str, B: int, T: int) -> None:
     params = Model.init(cfg, seed=0).params
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
     idle = rss_mib()
-    step = make_ours(cfg, params, tokens) if engine == "ours" else make_torch(cfg, params, tokens, engine == "compile")
+    kind, bf16 = engine.split("-")[0], engine.endswith("-bf16")
+    step = (make_ours(cfg, params, tokens, "bf16" if bf16 else "fp32") if kind == "ours"
+            else make_torch(cfg, params, tokens, kind == "compile", bf16))
     print(f"ready {idle:.1f}", flush=True)
     for line in sys.stdin:
         cmd = line.strip()
@@ -316,7 +331,11 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float 
     workers = [Worker(e, preset, B, T) for e in engines]
     times = {w.engine: [] for w in workers}
     losses = {}
-    peaks = []
+    peaks = {"f32": [], "bf16": []}
+
+    def measure_peaks():
+        for w in workers:
+            peaks[_precision(w.engine)].append(float(w.ask("peak", "gflops")[0]))
     for r in range(warmup):
         for w in workers:
             t0 = time.perf_counter()
@@ -332,28 +351,36 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float 
             times[w.engine].append(float(w.ask("step", "time")[0]))
         log(f"  step {r + 1}/{steps}: " + ", ".join(f"{w.engine} {times[w.engine][-1]:.2f} s" for w in workers))
         if r % 3 == 0:
-            peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
-    peaks += [float(w.ask("peak", "gflops")[0]) for w in workers]
-    peak_gflops = max(peaks)
+            measure_peaks()
+    measure_peaks()
+    peak_gflops = {k: max(v) for k, v in peaks.items() if v}
     rows = {}
     for w in workers:
         peak_mib = float(w.ask("quit", "done")[0])
         w.proc.wait()
         med = statistics.median(times[w.engine])
         tps = B * T / med
-        rows[w.engine] = {"median_s": med, "tokens_per_s": tps, "mfu": cfg.flops_per_token() * tps / (peak_gflops * 1e9),
+        peak = peak_gflops[_precision(w.engine)]
+        rows[w.engine] = {"median_s": med, "tokens_per_s": tps, "mfu": cfg.flops_per_token() * tps / (peak * 1e9),
                           "peak_mib": peak_mib, "train_mib": peak_mib - w.idle, "first_loss": losses[w.engine],
                           "times": times[w.engine]}
-    ours = rows.get("ours")
     for e, row in rows.items():
+        ours = rows.get("ours-bf16" if _precision(e) == "bf16" else "ours")
         row["ours_over_this"] = ours["tokens_per_s"] / row["tokens_per_s"] if ours else None
+    if "ours" in rows and "ours-bf16" in rows:
+        rows["ours-bf16"]["bf16_over_f32"] = rows["ours-bf16"]["tokens_per_s"] / rows["ours"]["tokens_per_s"]
     return {"preset": preset, "B": B, "T": T, "n_params": cfg.n_params(), "peak_gflops": peak_gflops, "engines": rows}
+
+
+def _precision(engine: str) -> str:
+    return "bf16" if engine.endswith("-bf16") else "f32"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=list(SHAPES))
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--engines", nargs="+", default=None, choices=list(ENGINES),
+                    help="default: all of them (the -bf16 ones only on a CPU with AVX512_BF16)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
     ap.add_argument("--pause", type=float, default=0.3,
@@ -367,18 +394,22 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    results = [run_preset(p, args.engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
+    from nanoeuler.fast.bf16 import AVAILABLE
+    engines = args.engines or [e for e in ENGINES if AVAILABLE or _precision(e) == "f32"]
+    results = [run_preset(p, engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
     if args.json:
         print(json.dumps({"threads": THREADS, "results": results}))
         return 0
-    print(f"{'preset':7} {'engine':8} {'tokens/s':>9} {'ms/step':>8} {'ours/x':>7} {'MFU':>6} {'peak MiB':>9} {'train MiB':>9}  first loss")
+    print(f"{'preset':7} {'engine':12} {'tokens/s':>9} {'ms/step':>8} {'ours/x':>7} {'MFU':>6} {'peak MiB':>9} {'train MiB':>9}  first loss")
     for res in results:
         for e, row in res["engines"].items():
-            print(f"{res['preset']:7} {e:8} {row['tokens_per_s']:9.0f} {row['median_s'] * 1e3:8.1f} "
-                  f"{row['ours_over_this']:7.2f} {row['mfu']:6.3f} {row['peak_mib']:9.0f} {row['train_mib']:9.0f}  "
-                  f"{row['first_loss']:.5f}")
-        print(f"{res['preset']:7} (B={res['B']} T={res['T']}, N={res['n_params']:,}, matmul peak "
-              f"{res['peak_gflops']:.0f} GFLOP/s, median of {len(next(iter(res['engines'].values()))['times'])} steps)")
+            ratio = f"{row['ours_over_this']:7.2f}" if row["ours_over_this"] else f"{'-':>7}"
+            print(f"{res['preset']:7} {e:12} {row['tokens_per_s']:9.0f} {row['median_s'] * 1e3:8.1f} "
+                  f"{ratio} {row['mfu']:6.3f} {row['peak_mib']:9.0f} {row['train_mib']:9.0f}  "
+                  f"{row['first_loss']:.5f}" + (f"  (bf16/f32 {row['bf16_over_f32']:.2f})" if "bf16_over_f32" in row else ""))
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in res["peak_gflops"].items())
+        print(f"{res['preset']:7} (B={res['B']} T={res['T']}, N={res['n_params']:,}, matmul peaks GFLOP/s: "
+              f"{peaks}; median of {len(next(iter(res['engines'].values()))['times'])} steps)")
     return 0
 
 

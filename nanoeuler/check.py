@@ -18,6 +18,8 @@ The floor keeps near-zero gradients (where both sides are round-off) from dividi
 (c) DPO: its loss and response log-probs as ops, then every trained parameter through log-probs + DPO loss;
 (d) LoRA: every adapter tensor of a whole small model (both architectures, every target), the base frozen;
     once more with dropout on the adapters' inputs.
+(e) `--precision bf16`: the bf16 products' backward (the float32 kernels of fast/bf16.py) against finite
+    differences of their float64 twin with the same operand rounding (`check_bf16`).
 """
 from __future__ import annotations
 
@@ -283,3 +285,44 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
 
     prefix = f"lora {config.arch}" + (f" dropout {dropout:g}" if dropout else "") + ": "
     return [check_tensor(prefix + name, f, a, grads[name], rng, n_samples) for name, a in adapters.items()]
+
+
+# ---- (d) bf16 products --------------------------------------------------------------------------------------
+def _bf16_values(rng, shape) -> np.ndarray:
+    """float32-valued float64 in ±[1/8, 2): bfloat16-rounding changes them (24-bit significands), and every
+    float32 sum of the kernels below is exact (products of 8-bit significands and integers ≤ 3, few terms)."""
+    x = rng.uniform(0.125, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    return x.astype(np.float32).astype(np.float64)
+
+
+def check_bf16(seed: int = 0, n_samples: int = 30) -> list[Row]:
+    """`--precision bf16` (needs AVX512_BF16): for out = a·b with bf16 operands (forms x·Wᵀ and P·v), the
+    kernels' backward da = R·ρ(b)ᵀ, db = ρ(a)ᵀ·R is the exact gradient of the forward ρ(a)·ρ(b). The float64
+    twin holds the operands' rounding errors of the base point fixed (a + e_a, e_a = ρ(a₀) − a₀): equal to the
+    bf16 forward there, and smooth, so finite differences see its gradient. R (the loss Σ out ⊙ R) is drawn
+    from small integers: bf16 values, so the backward's own rounding of its incoming gradient is exact, as
+    are the kernels' float32 sums: a backward that multiplied by b instead of ρ(b) would be 2⁻⁹ off."""
+    from .fast import bf16
+    rng = np.random.default_rng(seed)
+    M, K, N = 5, 7, 6
+    f32 = lambda x: x.astype(np.float32)  # noqa: E731  (exact: the values are float32)
+    rows = []
+    for name, a, b, transposed in [("x·Wᵀ", _bf16_values(rng, (M, K)), _bf16_values(rng, (N, K)), True),
+                                   ("P·v", _bf16_values(rng, (M, K)), _bf16_values(rng, (K, N)), False)]:
+        ea, eb = bf16.round_bf16(a) - a, bf16.round_bf16(b) - b
+        R = rng.integers(-3, 4, (M, N)).astype(np.float64)
+
+        def f(a=a, b=b, ea=ea, eb=eb, R=R, transposed=transposed):
+            B = (b + eb).T if transposed else b + eb
+            return math.fsum((((a + ea) @ B) * R).ravel())
+
+        da, db = np.empty(a.shape, np.float32), np.empty(b.shape, np.float32)
+        if transposed:                                                     # x·Wᵀ: dx = R·ρ(W), dW = Rᵀ·ρ(x)
+            bf16.matmul(f32(R), f32(b), da)
+            bf16.matmul(f32(R).T, f32(a), db)
+        else:                                                              # P·v: dP = R·ρ(v)ᵀ, dv = ρ(P)ᵀ·R
+            bf16.matmul(f32(R), f32(b).T, da)
+            bf16.matmul(f32(a).T, f32(R), db)
+        rows += [check_tensor(f"bf16 product {name}: d{i}", f, x, g, rng, n_samples)
+                 for i, (x, g) in enumerate([(a, da), (b, db)])]
+    return rows

@@ -353,6 +353,8 @@ def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
             bad(f"{key} must be a string")
     if "phase" in state and state["phase"] not in PHASES:
         bad(f"phase must be one of {', '.join(PHASES)}, got {state['phase']!r}"[:200])
+    if state.get("precision", "fp32") not in ("fp32", "bf16"):
+        bad(f"precision must be fp32 or bf16, got {state['precision']!r}"[:200])
     for key in ("train_config", "data", "optimizer", "rng", "last_eval"):
         if key in state and not isinstance(state[key], dict):
             bad(f"{key} must be a JSON object")

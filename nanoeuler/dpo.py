@@ -102,15 +102,16 @@ def trained_params(cfg, P: dict) -> dict:
 
 
 class Workspaces:
-    """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps."""
+    """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps.
+    precision: of the matrix products ("fp32" or "bf16", see fast/bf16.py)."""
 
-    def __init__(self, cfg, dtype=np.float32):
-        self.cfg, self.dtype, self.by_shape = cfg, np.dtype(dtype), {}
+    def __init__(self, cfg, dtype=np.float32, precision: str = "fp32"):
+        self.cfg, self.dtype, self.precision, self.by_shape = cfg, np.dtype(dtype), precision, {}
 
     def get(self, B: int, T: int):
         from .fast import Workspace
         if (B, T) not in self.by_shape:
-            self.by_shape[(B, T)] = Workspace(self.cfg, B, T, self.dtype)
+            self.by_shape[(B, T)] = Workspace(self.cfg, B, T, self.dtype, self.precision)
         return self.by_shape[(B, T)]
 
 
@@ -133,7 +134,10 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
     fast.forward(cfg, P, inputs, ws)                                     # ws.hf: final normed state [B·T, d]
-    logits = (ws.hf @ head_weight(P, 0).T).reshape(B, T, -1)             # [B, T, V] (gpt2: the tied embedding)
+    W0 = head_weight(P, 0)                                               # [V, d] (gpt2: the tied embedding)
+    logits = np.empty((ws.N, W0.shape[0]), ws.hf.dtype)
+    fast.engine.linear(ws, ws.hf, W0, _head0_name(P), logits)
+    logits = logits.reshape(B, T, -1)                                    # [B, T, V]
     logps, lp_cache = response_logprobs_forward(logits, targets, mask)
     return logps, ("fast", cfg, P, inputs, ws, lp_cache)
 
@@ -150,14 +154,17 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
     _, cfg, P, inputs, ws, lp_cache = cache
     dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
     grads = fast.grad_buffers(cfg, ws.hf.dtype)
-    W0 = head_weight(P, 0)
-    head0 = "heads.0.weight" if "heads.0.weight" in P else "embed.weight"  # arch gpt2: tied to the embedding
-    np.matmul(dlogits.T, ws.hf, out=grads[head0])             # [V, d]
+    W0, head0 = head_weight(P, 0), _head0_name(P)
+    ws.mm(dlogits.T, ws.hf, grads[head0])                     # [V, d]
     if head0 == "heads.0.weight":
         fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
-    np.matmul(dlogits, W0, out=ws.dh)                         # gradient of the final normed state [B·T, d]
+    fast.engine.linear_dx(ws, dlogits, W0, head0, ws.dh)      # gradient of the final normed state [B·T, d]
     fast.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return {n: grads[n] for n in trained_params(cfg, P)}
+
+
+def _head0_name(P: dict) -> str:
+    return "heads.0.weight" if "heads.0.weight" in P else "embed.weight"  # arch gpt2: tied to the embedding
 
 
 def chosen_nll_forward(policy_chosen_logps, n_tokens):
@@ -322,8 +329,9 @@ class DPOObjective:
         self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
-        self.workspaces = Workspaces(self.cfg, model.dtype)  # the fast engine's buffers, reused step after step
-        self.ref_ws = Workspaces(self.cfg, reference_model.dtype)
+        precision = getattr(model, "precision", "fp32")  # the reference's log-probs in the run's precision too
+        self.workspaces = Workspaces(self.cfg, model.dtype, precision)  # the fast engine's buffers, reused
+        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision)
         self.ref_id = fingerprint(reference_model.params)
         self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
                           "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}

@@ -34,12 +34,23 @@ from .errors import UserError
 
 
 class Model:
-    """Parameters (SPEC names -> arrays) plus the config; forward, backward, save and load."""
+    """Parameters (SPEC names -> arrays) plus the config; forward, backward, save and load.
+    precision: of the fast engine's matrix products, "fp32" or "bf16" (`set_precision`; fast/bf16.py)."""
+
+    precision = "fp32"
 
     def __init__(self, config: Config, params: dict[str, np.ndarray]):
         check_params(config, params)
         self.config = config
         self.params = params
+
+    def set_precision(self, precision: str) -> "Model":
+        """The precision of the fast engine's matrix products from now on (UserError where it cannot run)."""
+        from .fast.engine import check_precision
+        self.precision = check_precision(precision, self.dtype)
+        if precision != "fp32" and not fast_supports(self.config):
+            raise UserError(f"--precision {precision} needs the fast engine, which does not run arch {self.config.arch}")
+        return self
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -110,6 +121,7 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
+        self._check_reference(reference)
         if not reference and fast_supports(cfg):
             from . import fast
             return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out,
@@ -131,6 +143,7 @@ class Model:
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
+        self._check_reference(reference)
         if not reference and fast_supports(cfg):
             from . import fast
             return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), dropout)
@@ -144,13 +157,17 @@ class Model:
         from . import fast
         return fast.grad_buffers(self.config, self.dtype)
 
+    def _check_reference(self, reference: bool) -> None:
+        if reference and self.precision != "fp32":
+            raise ValueError(f"the reference model runs in fp32 only, not {self.precision}")
+
     def _workspace(self, B: int, T: int):
-        """The fast engine's buffers for this batch shape, kept between calls (one shape at a time)."""
+        """The fast engine's buffers for this batch shape and precision, kept between calls (one at a time)."""
         from . import fast
         ws = getattr(self, "_fast_ws", None)
-        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype)):
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
             self._fast_ws = None  # free the old buffers before allocating new ones
-            ws = self._fast_ws = fast.Workspace(self.config, B, T, self.dtype)
+            ws = self._fast_ws = fast.Workspace(self.config, B, T, self.dtype, self.precision)
         return ws
 
 

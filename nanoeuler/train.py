@@ -326,14 +326,17 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     with contextlib.ExitStack() as stack:
         if lead:
             stack.enter_context(ckpt.run_lock(out_dir))
+        precision = getattr(model, "precision", "fp32")
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)
+            if state.get("precision", "fp32") != precision:   # a different precision would not resume bit for bit
+                raise UserError(f"{out_dir} was trained with precision {state.get('precision', 'fp32')}, not {precision}")
             rng.bit_generator.state = state["rng"]
             state["train_config"] = dataclasses.asdict(tcfg)
             obj.resume(state, out_dir)
         else:
             state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": obj.describe(),
-                     "elapsed_s": 0.0, "phase": "train"} | obj.new_state()
+                     "elapsed_s": 0.0, "phase": "train", "precision": precision} | obj.new_state()
         trainer = dist.Trainer(comm, obj, opt, tcfg, state, rng)  # one process: plain; MPI: checks the ranks agree
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ def register(sub) -> None:
     p = sub.add_parser("check", help="float64 finite-difference check of every gradient",
                        description="Compare every analytic gradient with fourth-order central finite differences "
                                    "in float64: (a) each op on random inputs, (b) every parameter tensor of a small "
-                                   "model with MTP and GQA, without and with dropout, (b') the same for arch gpt2, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
+                                   "model with MTP and GQA, without and with dropout, (b') the same for arch gpt2, (c) the DPO loss and response log-probabilities down to every parameter, (d) every LoRA adapter tensor of both architectures, without and with adapter dropout, (e) on a CPU with AVX512_BF16: the backward of the bf16 products (--precision bf16) against their float64 twin with the same operand rounding. Prints the max relative error per tensor "
                                    "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6. A tensor of at most --samples + 8 "
                                    "entries is checked whole; a larger one at --samples random entries plus its 4 "
                                    "largest and 4 most negative gradient entries.")
@@ -18,6 +18,18 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
+
+
+def bf16_rows(seed: int) -> list:
+    """(d) where the CPU runs the bf16 kernels; elsewhere none (a note on stderr says so)."""
+    import sys
+
+    from ..check import check_bf16
+    from ..fast import bf16
+    if not bf16.AVAILABLE:
+        print("note: no AVX512_BF16 on this CPU: the bf16 product rows are left out", file=sys.stderr)
+        return []
+    return check_bf16(seed=seed)
 
 
 def run(args) -> int:
@@ -39,7 +51,8 @@ def run(args) -> int:
                 + check_dpo(seed=args.seed, n_samples=args.samples)
                 + check_lora(seed=args.seed, n_samples=args.samples)
                 + check_lora(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)
-                + check_lora(seed=args.seed, n_samples=args.samples, dropout=0.25))
+                + check_lora(seed=args.seed, n_samples=args.samples, dropout=0.25)
+                + bf16_rows(args.seed))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance
     if args.json:

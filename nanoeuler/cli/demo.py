@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--out", type=output_dir, default="runs/demo", help="run directory (default runs/demo)")
     p.add_argument("--steps", type=positive_int, default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
     p.add_argument("--seed", type=nonneg_int, default=1, help="sampling seed (default 1)")
+    from .train import add_precision_argument
+    add_precision_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -42,7 +44,7 @@ def run(args) -> int:
     from ..train import PretrainSource, TrainConfig, evaluate, run_training
     from .sample import StdoutStream
     from ..fileio import check_apart, check_real_dir
-    from .train import BUNDLED_DATA, ensure_bundled_data
+    from .train import BUNDLED_DATA, ensure_bundled_data, resolve_precision
 
     out = check_real_dir(args.out)
     check_apart(out, [BUNDLED_DATA])
@@ -50,6 +52,9 @@ def run(args) -> int:
     if type(steps) is not int or steps < 1:    # argparse refuses 0 already; this guards direct callers
         raise UserError("--steps must be an integer >= 1")
     cfg = PRESETS["small"]
+    if args.precision:   # refused (no AVX512_BF16) before the bundled data is prepared
+        from ..fast.engine import check_precision
+        check_precision(args.precision, "float32")
     data = ensure_bundled_data(cfg.vocab_size, progress=not args.no_progress)
     tcfg = TrainConfig(steps=steps, **DEMO_SETTINGS)
     source = PretrainSource(data, tcfg.batch_size, cfg.ctx_len, cfg.n_mtp)
@@ -57,11 +62,13 @@ def run(args) -> int:
     resume = trainer_json.exists()
     if resume:
         from ..checkpoint import check_trainer_state, read_json
-        done = check_trainer_state(read_json(trainer_json, "resume state"), trainer_json)["step"] >= steps
+        state = check_trainer_state(read_json(trainer_json, "resume state"), trainer_json)
+        done = state["step"] >= steps
         model, tok = Model.load(out), load_tokenizer(out)
     else:
-        done = False
+        state, done = None, False
         model, tok = Model.init(cfg, seed=0), Tokenizer.load(data / "tokenizer.json")
+    model.set_precision(resolve_precision(args, state))
     if not done:
         print(f"training `small` ({cfg.n_params():,} parameters) for {steps} steps of {tcfg.batch_size} x "
               f"{cfg.ctx_len} tokens -> {out}" + (" (resuming)" if resume else ""))

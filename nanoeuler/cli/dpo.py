@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .train import add_dist_arguments, add_hyperparameters, data_parallel, train_config_from_args
+from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, resolve_precision,
+                    train_config_from_args)
 
 # Measured on the offline set (docs/benchmarks.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
@@ -52,6 +53,7 @@ def register(sub) -> None:
     add_hyperparameters(p, dropout=False)
     from .lora import add_lora_arguments
     add_lora_arguments(p, dropout=False)
+    add_precision_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     from .args import add_template_arg
@@ -133,6 +135,7 @@ def run_dpo(args) -> int:
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
     from ..chat_template import with_template_file
     tok = with_template_file(tok, args.chat_template)
+    model.set_precision(resolve_precision(args, state if args.resume else None))
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)

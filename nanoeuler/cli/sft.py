@@ -12,7 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .train import add_dist_arguments, add_hyperparameters, data_parallel, report, train_config_from_args
+from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, report,
+                    resolve_precision, train_config_from_args)
 
 # Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
 # in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
@@ -47,6 +48,7 @@ def register(sub) -> None:
     add_hyperparameters(p)
     from .lora import add_lora_arguments
     add_lora_arguments(p)
+    add_precision_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     add_dist_arguments(p)
@@ -118,13 +120,14 @@ def run_sft(args) -> int:
     lora = wants_lora(args, out)
     if args.resume:
         model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
-        saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
-        tcfg = train_config_from_args(args, saved)
+        state = json.loads((out / "trainer.json").read_text()) if (out / "trainer.json").exists() else {}
+        tcfg = train_config_from_args(args, state.get("train_config", {}))
     else:
         if not args.base:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
         tok, tcfg = load_tokenizer(args.base, read_only=True), train_config_from_args(args, SFT_DEFAULTS)
         model = start_or_resume(args, args.base, out, tcfg.seed) if lora else Model.load(args.base, read_only=True)
+    model.set_precision(resolve_precision(args, state if args.resume else None))
     from ..chat_template import with_template_file
     tok = with_template_file(tok, args.chat_template)
     cfg = model.config

@@ -38,8 +38,7 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                    help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="GPU only: fp32, or bf16 mixed precision (bf16 matmuls and attention, fp32 master weights)")
+    add_precision_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.add_argument("--no-drafts", action="store_true",
                    help="skip the draft-head distillation at the end (K > 1: heads 1..K-1 refitted to the model's "
@@ -77,6 +76,23 @@ def add_hyperparameters(p, dropout: bool = True) -> None:
     g.add_argument("--eval-every", type=positive_int, help="steps between validation evals")
     g.add_argument("--eval-batches", type=nonneg_int, help="validation batches per periodic eval (0 = all)")
     g.add_argument("--ckpt-every", type=positive_int, help="steps between checkpoints")
+
+
+def add_precision_argument(p) -> None:
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="fp32 (default), or bf16 mixed precision: the matrix products (linears, attention) take "
+                        "bfloat16 operands and accumulate in float32; master weights, optimizer and checkpoints stay "
+                        "float32. On the CPU it needs AVX512_BF16. On --resume: the run's")
+
+
+def resolve_precision(args, state: dict | None) -> str:
+    """--precision, else the resumed run's (trainer.json `precision`), else fp32; a resume must keep it."""
+    from ..errors import UserError
+    recorded = (state or {}).get("precision", "fp32")
+    precision = args.precision or recorded
+    if state is not None and precision != recorded:
+        raise UserError(f"the run was trained with --precision {recorded}; resume it with that (bit-for-bit resume)")
+    return precision
 
 
 def add_dist_arguments(p) -> None:
@@ -163,6 +179,7 @@ def run_train(args) -> int:
     out = check_real_dir(args.out if args.out is not None else
                          f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
     check_apart(out, [args.data or BUNDLED_DATA, args.tokenizer, args.init_from])
+    state = None
     if args.resume:
         from ..checkpoint import check_trainer_state, read_json
         if not (out / "trainer.json").is_file():   # validate first, create nothing (no bundled data) before
@@ -201,13 +218,14 @@ def run_train(args) -> int:
         check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
     lora = hasattr(model, "adapter_grads")
+    precision = resolve_precision(args, state)
     if args.device == "gpu":
         if lora:
             raise UserError("--lora trains on the CPU engine (--device cpu)")
         from ..gpu.engine import GpuModel  # UserError when CuPy or a device is missing
-        model = GpuModel(model, precision=args.precision)
-    elif args.precision != "fp32":
-        raise UserError("--precision bf16 needs --device gpu")
+        model = GpuModel(model, precision=precision)
+    else:
+        model.set_precision(precision)      # bf16: UserError on a CPU without AVX512_BF16
     if not args.data and under_mpi() and not (BUNDLED_DATA / "manifest.json").exists():
         raise UserError(f"the bundled corpus is not prepared in {BUNDLED_DATA}: use --nproc N (which prepares it "
                         f"first) or run `nanoeuler prepare` before mpiexec")

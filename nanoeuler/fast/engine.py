@@ -20,9 +20,12 @@ organised for speed:
 - dropout (training only) is fused into the residual adds, its mask recomputed in backward from
   (seed, site, element) instead of stored (ops/dropout.py);
 - the K output heads are done one at a time: logits [N, V] of head k, its loss and dlogits in place,
-  then its two backward matmuls; only one [N, V] buffer exists.
+  then its two backward matmuls; only one [N, V] buffer exists;
+- precision "bf16": every matrix product (`linear`, `linear_dx`, `ws.mm`) takes bfloat16 operands with
+  float32 accumulation (fast/bf16.py); the weights are rounded and packed once per step by `pack_weights`
+  (the parts a share each). Everything else is unchanged float32.
 
-    ws = Workspace(cfg, B, T, np.float32)
+    ws = Workspace(cfg, B, T, np.float32)              # or Workspace(..., precision="bf16")
     head0, objective, grads = loss_and_grads(cfg, params, tokens, loss_mask, ws)
 """
 from __future__ import annotations
@@ -36,7 +39,8 @@ from numpy import matmul
 
 from .. import ops
 from ..config import Config, head_weight
-from . import kernels
+from ..errors import UserError
+from . import bf16, kernels
 from . import parallel
 from .parallel import run_parts, single_threaded_blas
 
@@ -52,9 +56,13 @@ EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient
 class Workspace:
     """Every buffer one training step needs, for a fixed (config, B, T, dtype). Reused step after step."""
 
-    def __init__(self, cfg: Config, B: int, T: int, dtype):
-        self.key = (cfg, B, T, np.dtype(dtype))
+    def __init__(self, cfg: Config, B: int, T: int, dtype, precision: str = "fp32"):
+        self.key = (cfg, B, T, np.dtype(dtype), precision)
         dt = np.dtype(dtype)
+        self.precision = check_precision(precision, dt)
+        self.bf16 = bf16.products(dt) if precision == "bf16" else None  # kernels (float32) or the float64 twin
+        self.mm = self.bf16.matmul if self.bf16 else _blas_mm     # mm(a, b, out): out = a @ b
+        self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -112,7 +120,18 @@ class Workspace:
     def nbytes(self) -> int:
         arrays = [a for a in vars(self).values() if isinstance(a, np.ndarray)]
         arrays += [g for w in self.parts if w.grads for g in w.grads.values()]
+        arrays += [p for pair in self.packs.values() for p in pair]
         return sum(a.nbytes for a in arrays)
+
+
+def check_precision(precision: str, dtype) -> str:
+    """precision "fp32" (any dtype), or "bf16" (float32: a CPU with AVX512_BF16; float64: the NumPy twin),
+    else UserError."""
+    if precision not in ("fp32", "bf16"):
+        raise UserError(f"unknown precision {precision!r}: fp32 or bf16")
+    if precision == "bf16":
+        bf16.products(dtype)
+    return precision
 
 
 def grad_buffers(cfg: Config, dtype) -> dict[str, np.ndarray]:
@@ -142,20 +161,59 @@ def _stacked(arrays):
     return np.lib.stride_tricks.as_strided(first, shape=(rows,) + first.shape[1:], strides=first.strides)
 
 
-def _matmul_into(a, b, outs):
+def _blas_mm(a, b, out):
+    """out = a @ b (BLAS)."""
+    matmul(a, b, out=out)
+
+
+def linear(ws: Workspace, x, W, key: str, out) -> None:
+    """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`."""
+    if ws.bf16:
+        ws.bf16.matmul_packed(x, ws.packs[key][0], out)
+    else:
+        matmul(x, W.T, out=out)
+
+
+def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
+    """out [n, in] = dy [n, out] · W (the input gradient of `linear`)."""
+    if ws.bf16:
+        ws.bf16.matmul_packed(dy, ws.packs[key][1], out)
+    else:
+        matmul(dy, W, out=out)
+
+
+def pack_weights(ws: Workspace, weights: dict) -> None:
+    """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W) rounded to bfloat16 and
+    packed both ways, into buffers kept in ws.packs from step to step; the parts take a share each."""
+    if not ws.bf16:
+        return
+    items = list(weights.items())
+    for key, W in items:
+        if key not in ws.packs:
+            ws.packs[key] = (ws.bf16.pack_b(W.T), ws.bf16.pack_b(W))
+
+    def share(k):
+        for key, W in items[k::len(ws.parts)]:
+            ws.bf16.pack_b(W.T, out=ws.packs[key][0])
+            ws.bf16.pack_b(W, out=ws.packs[key][1])
+    run_parts(share, len(ws.parts))
+
+
+def _matmul_into(a, b, outs, mm=_blas_mm):
     """a @ b written into the row blocks `outs` (adjacent arrays: directly; otherwise through a temporary)."""
     view = _stacked(outs)
     if view is not None:
-        matmul(a, b, out=view)
+        mm(a, b, view)
         return
-    tmp = matmul(a, b)
+    tmp = np.empty((a.shape[0], b.shape[1]), outs[0].dtype)
+    mm(a, b, tmp)
     off = 0
     for o in outs:
         o[...] = tmp[off:off + o.shape[0]]
         off += o.shape[0]
 
 
-def weight_grad(grads, names, dy, x) -> None:
+def weight_grad(grads, names, dy, x, mm=_blas_mm) -> None:
     """The weight gradient of y = x·Wᵀ, dyᵀ·x [out, in], into grads[names] (weights stacked by rows,
     dy [n, Σ out], x [n, in]). A gradient mapping with a `weight_grad` method (lora.LoraGrads) takes the same
     dy and x instead: adapter gradients, and nothing at all for a frozen weight (no [out, in] product)."""
@@ -163,7 +221,7 @@ def weight_grad(grads, names, dy, x) -> None:
     if own is not None:
         own(names, dy, x)
     else:
-        _matmul_into(dy.T, x, [grads[n] for n in names])
+        _matmul_into(dy.T, x, [grads[n] for n in names], mm)
 
 
 def _in_parts(fn, cfg: Config, params: dict, ws: Workspace, grads: dict | None, *args) -> None:
@@ -185,27 +243,27 @@ def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
 
 
 # ---- attention of one part: RoPE + head split, BLAS products, causal softmax ------------------------------
-def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A) -> None:
+def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_mm) -> None:
     """qkv rows [n, (H + 2·Hkv)·hd] -> A [n, H·hd] (the input of wo). Fills q [b·Hkv, G·T, hd], k, v
-    [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch."""
+    [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch. mm: the products."""
     cos, sin = rope
     kernels.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
-    matmul(q, k.transpose(0, 2, 1), out=P)                                  # scores
+    mm(q, k.transpose(0, 2, 1), P)                                          # scores
     kernels.causal_softmax(P, k.shape[1])
-    matmul(P, v, out=y)                                                     # [b·Hkv, G·T, hd]
+    mm(P, v, y)                                                             # [b·Hkv, G·T, hd]
     kernels.heads_to_rows(y, n_kv_heads, A)
 
 
-def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv) -> None:
+def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv, mm=_blas_mm) -> None:
     """dA [n, H·hd] -> dqkv [n, (H + 2·Hkv)·hd], from what attention_forward kept (q, k, v, P);
-    dy, dq (like q), dk, dv (like k) and dS (like P) are scratch."""
+    dy, dq (like q), dk, dv (like k) and dS (like P) are scratch. mm: the products."""
     cos, sin = rope
     kernels.rows_to_heads(dA, n_kv_heads, dy)                               # [b·Hkv, G·T, hd]
-    matmul(dy, v.transpose(0, 2, 1), out=dS)                                # dP
+    mm(dy, v.transpose(0, 2, 1), dS)                                        # dP
     kernels.causal_softmax_backward(P, dS, k.shape[1])                      # dS
-    matmul(dS, k, out=dq)                                                   # [b·Hkv, G·T, hd]
-    matmul(dS.transpose(0, 2, 1), q, out=dk)                                # [b·Hkv, T, hd] (sums the G heads)
-    matmul(P.transpose(0, 2, 1), dy, out=dv)
+    mm(dS, k, dq)                                                           # [b·Hkv, G·T, hd]
+    mm(dS.transpose(0, 2, 1), q, dk)                                        # [b·Hkv, T, hd] (sums the G heads)
+    mm(P.transpose(0, 2, 1), dy, dv)
     kernels.attention_join(dq, dk, dv, cos, sin, qscale, n_kv_heads, dqkv)
 
 
@@ -239,15 +297,15 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         x, mid = w.X[i], w.M[i]
         # attention sub-block
         kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])
-        matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
-        attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i])
-        matmul(w.A[i], params[p + "attn.wo.weight"].T, out=w.t)
+        linear(ws, w.h, ws.wqkv[i], f"wqkv.{i}", w.qkv)                    # [n, (H+2Hkv)·hd]
+        attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i], ws.mm)
+        linear(ws, w.A[i], params[p + "attn.wo.weight"], p + "attn.wo.weight", w.t)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block
         kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
-        matmul(w.h, ws.wgu[i].T, out=w.GU[i])                               # [n, 2F]
+        linear(ws, w.h, ws.wgu[i], f"wgu.{i}", w.GU[i])                     # [n, 2F]
         kernels.swiglu_forward(w.GU[i], w.S[i])                             # [n, F]
-        matmul(w.S[i], params[p + "ffn.down.weight"].T, out=w.t)
+        linear(ws, w.S[i], params[p + "ffn.down.weight"], p + "ffn.down.weight", w.t)
         _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
     kernels.rmsnorm_forward(w.X[cfg.n_layers], params["norm.weight"], eps, w.hf, w.rf)
 
@@ -259,17 +317,16 @@ def _head_grad_name(cfg: Config, k: int) -> str:
 
 def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
+        name = _head_grad_name(cfg, k)
         W = head_weight(params, k)                                          # [V, d]
-        matmul(w.hf, W.T, out=w.logits)                                     # [n, V]
+        linear(ws, w.hf, W, name, w.logits)                                 # [n, V]
         # logits := dlogits
         kernels.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
-            weight_grad(grads, [_head_grad_name(cfg, k)], w.logits, w.hf)   # [V, d]
-            if k == 0:
-                matmul(w.logits, W, out=w.dh)                               # [n, d]
-            else:
-                matmul(w.logits, W, out=w.t)
+            weight_grad(grads, [name], w.logits, w.hf, ws.mm)               # [V, d]
+            linear_dx(ws, w.logits, W, name, w.dh if k == 0 else w.t)       # [n, d]
+            if k:
                 w.dh += w.t
 
 
@@ -286,23 +343,23 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         x, mid, GU = w.X[i], w.M[i], w.GU[i]
         # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
         df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
-        weight_grad(grads, [p + "ffn.down.weight"], df, w.S[i])             # [d, F]
-        matmul(df, params[p + "ffn.down.weight"], out=w.ds)                 # [n, F]
+        weight_grad(grads, [p + "ffn.down.weight"], df, w.S[i], ws.mm)      # [d, F]
+        linear_dx(ws, df, params[p + "ffn.down.weight"], p + "ffn.down.weight", w.ds)  # [n, F]
         kernels.swiglu_backward(w.ds, GU)                                   # GU := [dg | du]
         kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
-        weight_grad(grads, [p + "ffn.gate.weight", p + "ffn.up.weight"], GU, w.h)
-        matmul(GU, ws.wgu[i], out=w.dh)                                     # [n, d]
+        weight_grad(grads, [p + "ffn.gate.weight", p + "ffn.up.weight"], GU, w.h, ws.mm)
+        linear_dx(ws, GU, ws.wgu[i], f"wgu.{i}", w.dh)                      # [n, d]
         kernels.rmsnorm_backward(w.dh, mid, w.r2[i], params[p + "ffn_norm.weight"], dx, w.dw)
         grads[p + "ffn_norm.weight"][...] = w.dw
         # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
-        weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i])              # [d, H·hd]
-        matmul(do, params[p + "attn.wo.weight"], out=w.A[i])                # dA [n, H·hd] (A is spent)
+        weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i], ws.mm)       # [d, H·hd]
+        linear_dx(ws, do, params[p + "attn.wo.weight"], p + "attn.wo.weight", w.A[i])  # dA [n, H·hd] (A is spent)
         attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
-                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)            # [n, (H+2Hkv)·hd]
+                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm)     # [n, (H+2Hkv)·hd]
         kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
-        weight_grad(grads, [p + "attn.wq.weight", p + "attn.wk.weight", p + "attn.wv.weight"], w.dqkv, w.h)
-        matmul(w.dqkv, ws.wqkv[i], out=w.dh)
+        weight_grad(grads, [p + "attn.wq.weight", p + "attn.wk.weight", p + "attn.wv.weight"], w.dqkv, w.h, ws.mm)
+        linear_dx(ws, w.dqkv, ws.wqkv[i], f"wqkv.{i}", w.dh)
         kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
@@ -352,6 +409,10 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
                        out=ws.wqkv[i])
         np.concatenate([params[p + "ffn.gate.weight"], params[p + "ffn.up.weight"]], out=ws.wgu[i])
+    pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
+        (f"wqkv.{i}", ws.wqkv[i]), (f"wgu.{i}", ws.wgu[i]), (f"layers.{i}.attn.wo.weight", params[f"layers.{i}.attn.wo.weight"]),
+        (f"layers.{i}.ffn.down.weight", params[f"layers.{i}.ffn.down.weight"])]}
+        | {_head_grad_name(cfg, k): head_weight(params, k) for k in range(cfg.n_mtp)})
     _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 

@@ -32,7 +32,6 @@ import math
 
 import numpy as np
 from numba import njit
-from numpy import matmul
 
 from ..config import Config
 from ..ops.gelu import A as GELU_A
@@ -192,17 +191,18 @@ def _forward_part(cfg: Config, P: dict, ws, w, _grads, inputs, drop) -> None:
         x, mid = w.X[i], w.M[i]
         # attention sub-block
         layernorm_forward(x, P[p + "attn_norm.weight"], P[p + "attn_norm.bias"], eps, w.h, w.mu1[i], w.r1[i])
-        matmul(w.h, ws.wqkv[i].T, out=w.qkv)                                # [n, (H+2Hkv)·hd]
+        engine.linear(ws, w.h, ws.wqkv[i], f"wqkv.{i}", w.qkv)             # [n, (H+2Hkv)·hd]
         w.qkv += ws.bqkv[i]
-        engine.attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i])
-        matmul(w.A[i], P[p + "attn.wo.weight"].T, out=w.t)
+        engine.attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i],
+                                 ws.mm)
+        engine.linear(ws, w.A[i], P[p + "attn.wo.weight"], p + "attn.wo.weight", w.t)
         w.t += P[p + "attn.wo.bias"]
         engine._residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block
         layernorm_forward(mid, P[p + "ffn_norm.weight"], P[p + "ffn_norm.bias"], eps, w.h, w.mu2[i], w.r2[i])
-        matmul(w.h, P[p + "ffn.fc.weight"].T, out=w.FC[i])                  # [n, F]
+        engine.linear(ws, w.h, P[p + "ffn.fc.weight"], p + "ffn.fc.weight", w.FC[i])  # [n, F]
         bias_gelu_forward(w.FC[i], P[p + "ffn.fc.bias"], w.S[i])
-        matmul(w.S[i], P[p + "ffn.proj.weight"].T, out=w.t)
+        engine.linear(ws, w.S[i], P[p + "ffn.proj.weight"], p + "ffn.proj.weight", w.t)
         w.t += P[p + "ffn.proj.bias"]
         engine._residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
     layernorm_forward(w.X[cfg.n_layers], P["norm.weight"], P["norm.bias"], eps, w.hf, w.muf, w.rf)
@@ -218,16 +218,14 @@ def _head_grad_name(k: int) -> str:
 
 def _heads_part(cfg: Config, P: dict, ws, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        W = _head(P, k)                                                     # [V, d]
-        matmul(w.hf, W.T, out=w.logits)                                     # [n, V]
+        W, name = _head(P, k), _head_grad_name(k)                           # [V, d]
+        engine.linear(ws, w.hf, W, name, w.logits)                          # [n, V]
         K.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
-            engine.weight_grad(grads, [_head_grad_name(k)], w.logits, w.hf)  # [V, d]; head 0: embed's first share
-            if k == 0:
-                matmul(w.logits, W, out=w.dh)                               # [n, d]
-            else:
-                matmul(w.logits, W, out=w.t)
+            engine.weight_grad(grads, [name], w.logits, w.hf, ws.mm)        # [V, d]; head 0: embed's first share
+            engine.linear_dx(ws, w.logits, W, name, w.dh if k == 0 else w.t)  # [n, d]
+            if k:
                 w.dh += w.t
 
 
@@ -249,35 +247,35 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         x, mid = w.X[i], w.M[i]
         # feed-forward sub-block (out = mid + proj(gelu(fc(layernorm(mid)))))
         df = engine._dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)           # [n, d]
-        engine.weight_grad(grads, [p + "ffn.proj.weight"], df, w.S[i])      # [d, F]
+        engine.weight_grad(grads, [p + "ffn.proj.weight"], df, w.S[i], ws.mm)  # [d, F]
         col_sum(df, w.db)
         _set(grads, p + "ffn.proj.bias", w.db)
-        matmul(df, P[p + "ffn.proj.weight"], out=w.ds)                      # [n, F]
+        engine.linear_dx(ws, df, P[p + "ffn.proj.weight"], p + "ffn.proj.weight", w.ds)  # [n, F]
         gelu_backward(w.ds, w.FC[i])                                        # ds := d(fc output)
         layernorm_forward(mid, P[p + "ffn_norm.weight"], P[p + "ffn_norm.bias"], eps, w.h, w.mu2[i], w.r2[i])  # h2
-        engine.weight_grad(grads, [p + "ffn.fc.weight"], w.ds, w.h)         # [F, d]
+        engine.weight_grad(grads, [p + "ffn.fc.weight"], w.ds, w.h, ws.mm)  # [F, d]
         col_sum(w.ds, w.dbf)
         _set(grads, p + "ffn.fc.bias", w.dbf)
-        matmul(w.ds, P[p + "ffn.fc.weight"], out=w.dh)                      # [n, d]
+        engine.linear_dx(ws, w.ds, P[p + "ffn.fc.weight"], p + "ffn.fc.weight", w.dh)  # [n, d]
         layernorm_backward(w.dh, mid, w.mu2[i], w.r2[i], P[p + "ffn_norm.weight"], dx, w.dw, w.db)
         _set(grads, p + "ffn_norm.weight", w.dw)
         _set(grads, p + "ffn_norm.bias", w.db)
         # attention sub-block (mid = x + wo(attention(q, k, v)) + bo)
         do = engine._dropped(dx, drop, 2 * i, w.n0, out=w.t)               # [n, d]
-        engine.weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i])       # [d, H·hd]
+        engine.weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i], ws.mm)  # [d, H·hd]
         col_sum(do, w.db)
         _set(grads, p + "attn.wo.bias", w.db)
-        matmul(do, P[p + "attn.wo.weight"], out=w.A[i])                     # dA [n, H·hd] (A is spent)
+        engine.linear_dx(ws, do, P[p + "attn.wo.weight"], p + "attn.wo.weight", w.A[i])  # dA [n, H·hd] (A is spent)
         engine.attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
-                                  w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv)     # [n, (H+2Hkv)·hd]
+                                  w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm)  # [n, (H+2Hkv)·hd]
         layernorm_forward(x, P[p + "attn_norm.weight"], P[p + "attn_norm.bias"], eps, w.h, w.mu1[i], w.r1[i])  # h1
-        engine.weight_grad(grads, [p + f"attn.w{x}.weight" for x in "qkv"], w.dqkv, w.h)
+        engine.weight_grad(grads, [p + f"attn.w{x}.weight" for x in "qkv"], w.dqkv, w.h, ws.mm)
         col_sum(w.dqkv, w.dbqkv)
         q, kv = H * hd, Hkv * hd
         _set(grads, p + "attn.wq.bias", w.dbqkv[:q])
         _set(grads, p + "attn.wk.bias", w.dbqkv[q:q + kv])
         _set(grads, p + "attn.wv.bias", w.dbqkv[q + kv:])
-        matmul(w.dqkv, ws.wqkv[i], out=w.dh)
+        engine.linear_dx(ws, w.dqkv, ws.wqkv[i], f"wqkv.{i}", w.dh)
         layernorm_backward(w.dh, x, w.mu1[i], w.r1[i], P[p + "attn_norm.weight"], dx, w.dw, w.db)
         _set(grads, p + "attn_norm.weight", w.dw)
         _set(grads, p + "attn_norm.bias", w.db)
@@ -297,6 +295,10 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
         p = f"layers.{i}."
         np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
         np.concatenate([P[p + f"attn.w{x}.bias"] for x in "qkv"], out=ws.bqkv[i])
+    engine.pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
+        (f"wqkv.{i}", ws.wqkv[i])] + [(n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight",
+                                                          f"layers.{i}.ffn.proj.weight")]}
+        | {_head_grad_name(k): _head(P, k) for k in range(cfg.n_mtp)})
     engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
