@@ -27,6 +27,8 @@ from .errors import UserError
 
 RENDER_SECONDS = 2.0    # a render taking longer is stopped
 MAX_TEXT = 1 << 22      # characters: the longest string (or list) a template may build
+HEADER = ("Below is an instruction that describes a task. "   # the SPEC Alpaca template's first paragraph
+          "Write a response that appropriately completes the request.\n\n")
 _clock = threading.local()  # .deadline of the render running in this thread (serve renders in several)
 
 
@@ -36,8 +38,6 @@ def alpaca_template() -> str:
     `### Input:` block) ends with '### Response:\\n', each assistant turn is its content + eos_token. A system
     message goes in front of the next instruction, separated by a blank line. add_generation_prompt adds
     nothing (the user turn already ends with the response header)."""
-    from .sft import HEADER
-
     def lit(s: str) -> str:
         return json.dumps(s)  # a JSON string is a valid Jinja string literal
 

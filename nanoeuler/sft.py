@@ -26,10 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from .chat_template import HEADER
 from .errors import UserError
-
-HEADER = ("Below is an instruction that describes a task. "
-          "Write a response that appropriately completes the request.\n\n")
 
 
 # ---- the template: the one rendering function ----------------------------------------------------

@@ -17,14 +17,14 @@ from safetensors.numpy import load_file
 
 pytest.importorskip("mpi4py")
 from nanoeuler import Config, Model  # noqa: E402
-from conftest import tiny_config  # noqa: E402
+from conftest import rel_err, tiny_config  # noqa: E402
 from nanoeuler.dist import mpiexec_path  # noqa: E402
 
 MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'nanoeuler[dist]')")
 DRIVER = str(Path(__file__).parent / "dist_driver.py")
 TINY = tiny_config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=64, n_mtp=2)
-ROUNDING = 1e-5  # max |a - b| / max |a| per tensor after 20 steps: float32 rounding, not a different run
+ROUNDING = 2e-4  # per entry (conftest.rel_err) after 20 steps: float32 rounding (measured up to 7.5e-5), not a different run
 
 
 def mpirun(n: int, args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120,
@@ -46,8 +46,9 @@ def weights(run: Path) -> dict:
 
 
 def max_rel(a: Path, b: Path) -> float:
+    """The largest per-entry relative difference (conftest.rel_err) of any weight tensor of two runs."""
     wa, wb = weights(a), weights(b)
-    return max(float(np.max(np.abs(wa[k] - wb[k])) / np.max(np.abs(wa[k]))) for k in wa)
+    return max(rel_err(wb[k], wa[k]) for k in wa)
 
 
 def bitwise(a: Path, b: Path, files=("model.safetensors", "optimizer.safetensors")) -> bool:

@@ -364,8 +364,7 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
     if cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
-        from .gpt2 import embedding_backward_add
-        embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
+        kernels.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:
         kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
     _announce_part(w, ["embed.weight"], grads)

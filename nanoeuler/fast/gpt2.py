@@ -16,7 +16,7 @@ what differs:
   `gelu_backward` turns dgelu into df in place;
 - head 0 is the token embedding: its weight gradient is written straight into grads["embed.weight"]
   (the parts' shares summed by `heads`), and `backward` adds the lookup's gradient to it
-  (`embedding_backward_add`; DPO writes the head's share itself, then calls `backward`); heads 1..K-1
+  (`kernels.embedding_backward_add`; DPO writes the head's share itself, then calls `backward`); heads 1..K-1
   as in engine.py.
 
 GELU-tanh through the sigmoid: ½·x·(1 + tanh(u)) = x·σ(2u), and 1 − tanh²(u) = 4·σ(2u)·(1 − σ(2u)), so
@@ -140,16 +140,6 @@ def position_backward(dx, T, dW):
         t = i % T
         for j in range(d):
             dW[t, j] += dx[i, j]
-
-
-@njit(**OPTS)
-def embedding_backward_add(dx, ids, dW):
-    """dx [N, d], ids int [N] -> dW [V, d] += dx rows (the tied head's gradient is already in dW)."""
-    N, d = dx.shape
-    for n in range(N):
-        r = ids[n]
-        for j in range(d):
-            dW[r, j] += dx[n, j]
 
 
 # ---- the workspace ---------------------------------------------------------------------------------------------
@@ -282,7 +272,7 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         engine._announce_part(w, [n for n in grads if n.startswith(p)], grads)
     position_backward(dx, ws.T, grads["pos_embed.weight"])
     if w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
-        embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
+        K.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:             # another part's own buffer: its lookup share only, summed into the caller's by `backward`
         K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
     engine._announce_part(w, ["pos_embed.weight", "embed.weight"], grads)

@@ -316,14 +316,21 @@ def cross_entropy(z, targets, scale, losses, grad):
 
 # ---- embedding (ops/embedding.py) ---------------------------------------------------------------------------
 @njit(**OPTS)
-def embedding_backward(dx, ids, dW):
-    """dx [N, d], ids int [N] -> dW [V, d] (zeroed, then rows of repeated ids accumulate in row order)."""
-    dW[:] = 0
+def embedding_backward_add(dx, ids, dW):
+    """dx [N, d], ids int [N] -> dW [V, d] += dx rows, repeated ids in row order (a tied head's share may
+    already be in dW)."""
     N, d = dx.shape
     for n in range(N):
         r = ids[n]
         for j in range(d):
             dW[r, j] += dx[n, j]
+
+
+@njit(**OPTS)
+def embedding_backward(dx, ids, dW):
+    """dx [N, d], ids int [N] -> dW [V, d] (zeroed, then rows of repeated ids accumulate in row order)."""
+    dW[:] = 0
+    embedding_backward_add(dx, ids, dW)
 
 
 # ---- AdamW (optim.py) ---------------------------------------------------------------------------------------
