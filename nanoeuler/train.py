@@ -329,8 +329,8 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
         precision = getattr(model, "precision", "fp32")
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)
-            if state.get("precision", "fp32") != precision:   # a different precision would not resume bit for bit
-                raise UserError(f"{out_dir} was trained with precision {state.get('precision', 'fp32')}, not {precision}")
+            if state.setdefault("precision", precision) != precision:   # it would not resume bit for bit
+                raise UserError(f"{out_dir} was trained with precision {state['precision']}, not {precision}")
             rng.bit_generator.state = state["rng"]
             state["train_config"] = dataclasses.asdict(tcfg)
             obj.resume(state, out_dir)

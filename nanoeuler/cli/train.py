@@ -86,11 +86,12 @@ def add_precision_argument(p) -> None:
 
 
 def resolve_precision(args, state: dict | None) -> str:
-    """--precision, else the resumed run's (trainer.json `precision`), else fp32; a resume must keep it."""
+    """--precision, else the resumed run's (trainer.json `precision`), else fp32; a resume must keep it
+    (a run saved before precision was recorded takes what it is given)."""
     from ..errors import UserError
-    recorded = (state or {}).get("precision", "fp32")
-    precision = args.precision or recorded
-    if state is not None and precision != recorded:
+    recorded = (state or {}).get("precision")
+    precision = args.precision or recorded or "fp32"
+    if recorded is not None and precision != recorded:
         raise UserError(f"the run was trained with --precision {recorded}; resume it with that (bit-for-bit resume)")
     return precision
 
