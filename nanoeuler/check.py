@@ -11,8 +11,10 @@ Richardson-extrapolated to (16·D(h) − D(2h)) / 15 (truncation error O(h⁶)),
 
 The floor keeps near-zero gradients (where both sides are round-off) from dividing by zero.
 (a) each op on random inputs, with L = Σ out ⊙ R for a fixed random R;
-(b) every parameter tensor of a whole small model with MTP (K=3) and GQA (H=4, Hkv=2), L = objective,
-    on a random sample of entries per tensor; once more with dropout on the residual branches (fixed masks);
+(b) every parameter tensor of a whole small model with MTP (K=3) and GQA (H=4, Hkv=2), L = objective:
+    every entry of a tensor of at most n_samples + 8 entries (norms, biases), else n_samples entries at
+    random plus the 4 largest and the 4 most negative gradient entries; once more with dropout on the residual
+    branches (fixed masks);
 (c) DPO: its loss and response log-probs as ops, then every trained parameter through log-probs + DPO loss.
 """
 from __future__ import annotations
@@ -64,12 +66,22 @@ def numeric_grad(f, x: np.ndarray, indices) -> np.ndarray:
     return out
 
 
-def sample_indices(rng, size: int, n: int) -> np.ndarray:
-    return np.arange(size) if size <= n else rng.choice(size, n, replace=False)
+EXTREMES = 4  # the largest and the most negative analytic entries checked besides the random ones
+
+
+def sample_indices(rng, analytic: np.ndarray, n: int) -> np.ndarray:
+    """Flat indices of the entries to check: all of them when the tensor has at most n + 2·EXTREMES, else n
+    at random plus the EXTREMES largest and most negative analytic entries (where contributions add up, so
+    where a lost or overwritten one shows most). sample_indices(rng, np.array([3.0, -1.0, 2.0]), 4) -> [0, 1, 2]"""
+    g = analytic.reshape(-1)
+    if g.size <= n + 2 * EXTREMES:
+        return np.arange(g.size)
+    order = np.argsort(g, kind="stable")
+    return np.unique(np.concatenate([rng.choice(g.size, n, replace=False), order[:EXTREMES], order[-EXTREMES:]]))
 
 
 def check_tensor(name, f, x, analytic, rng, n_samples) -> Row:
-    idx = sample_indices(rng, x.size, n_samples)
+    idx = sample_indices(rng, analytic, n_samples)
     num = numeric_grad(f, x, idx)
     return Row(name, relative_error(analytic.reshape(-1)[idx], num), len(idx))
 

@@ -327,6 +327,9 @@ def check_vocab(config: Config, tok) -> None:
 
 
 # ---- trainer.json --------------------------------------------------------------------------------
+PHASES = ("train", "drafts", "done")   # what a run has left: steps, the draft distillation, nothing
+
+
 def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
     """Type- and range-check the fields of a trainer.json every loop reads; returns it unchanged.
 
@@ -348,6 +351,8 @@ def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
     for key in ("kind",):
         if key in state and not isinstance(state[key], str):
             bad(f"{key} must be a string")
+    if "phase" in state and state["phase"] not in PHASES:
+        bad(f"phase must be one of {', '.join(PHASES)}, got {state['phase']!r}"[:200])
     for key in ("train_config", "data", "optimizer", "rng", "last_eval"):
         if key in state and not isinstance(state[key], dict):
             bad(f"{key} must be a JSON object")

@@ -26,6 +26,7 @@ class Config:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     arch: str = "euler"  # "euler": RMSNorm/RoPE/SwiGLU, no biases; "gpt2": LayerNorm/learned positions/GELU, biases, tied head
+    tie_embeddings: bool = False  # euler: head 0 IS embed.weight (one matrix, as tied imports); gpt2 always ties
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -38,6 +39,9 @@ class Config:
             raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if not isinstance(self.tie_embeddings, bool) or (self.tie_embeddings and self.arch != "euler"):
+            raise UserError(f"config: tie_embeddings must be true or false (arch euler only; gpt2 always ties), "
+                            f"got {self.tie_embeddings!r:.60}")
         if self.arch == "euler" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} (dim / n_heads) must be even for RoPE")
         for name in ("rope_theta", "norm_eps"):
@@ -70,7 +74,7 @@ class Config:
             shapes[p + "ffn.up.weight"] = (F, d)
             shapes[p + "ffn.down.weight"] = (d, F)
         shapes["norm.weight"] = (d,)
-        for k in range(self.n_mtp):
+        for k in range(1 if self.tie_embeddings else 0, self.n_mtp):  # tied: head 0 is embed.weight
             shapes[f"heads.{k}.weight"] = (V, d)
         return shapes
 
@@ -107,7 +111,10 @@ class Config:
         return 6 * self.n_params()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.tie_embeddings:  # untied configs (every one before the field) keep their exact config.json
+            del d["tie_embeddings"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -188,3 +195,8 @@ def check_params(config: Config, params: dict) -> None:
         dtypes.add(np.dtype(p.dtype))
     if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise UserError("parameters must all be float32 or all float64")
+
+
+def head_weight(P: dict, k: int) -> np.ndarray:
+    """Output head k's matrix [V, d]: head 0 is the token embedding when tied (arch gpt2, tie_embeddings)."""
+    return P["embed.weight"] if k == 0 and "heads.0.weight" not in P else P[f"heads.{k}.weight"]

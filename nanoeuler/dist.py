@@ -223,8 +223,7 @@ def command(fn):
         try:
             return fn(args)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
-            from .train import TrainingDiverged  # the loss is summed over the ranks: all of them see the NaN
-            if getattr(e, "collective", False) or isinstance(e, TrainingDiverged):
+            if getattr(e, "collective", False):  # every rank raised it (e.g. train.TrainingDiverged)
                 raise
             msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             if isinstance(e, KeyboardInterrupt):

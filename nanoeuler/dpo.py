@@ -132,7 +132,7 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
     B, T = inputs.shape
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
-    fast.engine.forward(cfg, P, inputs, ws)                              # ws.hf: final normed state [B·T, d]
+    fast.forward(cfg, P, inputs, ws)                                     # ws.hf: final normed state [B·T, d]
     logits = (ws.hf @ head_weight(P, 0).T).reshape(B, T, -1)             # [B, T, V] (gpt2: the tied embedding)
     logps, lp_cache = response_logprobs_forward(logits, targets, mask)
     return logps, ("fast", cfg, P, inputs, ws, lp_cache)
@@ -156,7 +156,7 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
     if head0 == "heads.0.weight":
         fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
     np.matmul(dlogits, W0, out=ws.dh)                         # gradient of the final normed state [B·T, d]
-    fast.engine.backward(cfg, P, inputs.reshape(-1), ws, grads)
+    fast.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return {n: grads[n] for n in trained_params(cfg, P)}
 
 
@@ -236,6 +236,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     """Greedy answers to each pair's prompt; correct when it ends with </s> and (normalized) equals `chosen`.
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
+    from .dpo_data import pair_prompt_ids
     from .generate import fuse_weights, generate
     from .sft import SCORED, normalize
     rows = []
@@ -246,8 +247,8 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
         it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
     ctx = model.config.ctx_len
     for p in it:
-        ids = tok.encode(p["prompt"], add_bos=True)[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
+        ids = pair_prompt_ids(tok, p)[-ctx:]
+        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
                      mode="speculative", fused=W)
         text = tok.decode(g.ids)
         ok = g.stopped and normalize(text) == normalize(p["chosen"])
@@ -481,9 +482,3 @@ def plot_dpo_curves(log_path: Path, png_path: Path) -> None:
     with atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-
-
-def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
-    """The DPO rows of the gradient check; they live in check.py (this name stays for old callers)."""
-    from .check import check_dpo as rows
-    return rows(seed, n_samples)

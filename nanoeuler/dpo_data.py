@@ -2,10 +2,12 @@
 padded chosen/rejected batches, the offline pair set built from the offline instruction set, and
 on-policy negatives (the SFT model's own wrong answers as rejected responses).
 
-Pair data is JSONL, one object per line: {"prompt": ..., "chosen": ..., "rejected": ...}.
-`prompt` is the SPEC Alpaca template already rendered up to and including "### Response:\\n" (so any
-pair file is self-describing and is exactly what the model sees); `chosen` and `rejected` are the bare
-response texts, without </s> (it is appended when tokenizing). Optional extra fields (`task`, ...) are
+Pair data is JSONL, one object per line: {"prompt": ..., "chosen": ..., "rejected": ...}, optionally
+with "messages" (the conversation before the reply, [{"role", "content"}, ...]). With messages, each
+sequence is rendered with the model's chat template (chat_template.example: the loss mask covers the
+reply and its end-of-turn token), and `prompt` is only a readable copy; without, `prompt` is text already
+rendered up to the reply (the SPEC Alpaca template up to and including "### Response:\\n") and `chosen`
+and `rejected` are followed by </s>. `dpo-data` writes both. Optional extra fields (`task`, ...) are
 carried along and used to break results down.
 
     train, held, data_id, n_bad = pair_records("pairs.jsonl", None)        # 1 in 50 prompts held out
@@ -100,6 +102,10 @@ def pair_problem(rec) -> str | None:
     for key in ("prompt", "chosen", "rejected"):
         if not isinstance(rec.get(key), str) or not rec[key].strip():
             return f"missing or empty string field {key!r}"
+    m = rec.get("messages", [])
+    if not (isinstance(m, list) and all(isinstance(x, dict) and isinstance(x.get("role"), str)
+                                        and isinstance(x.get("content"), str) for x in m)):
+        return "\"messages\" must be a list of {\"role\": str, \"content\": str}"
     if rec["chosen"] == rec["rejected"]:
         return "chosen and rejected are the same"
     return None
@@ -139,13 +145,26 @@ class TokenizedPairs:
         return make_batch([x[0] for x in c], [x[1] for x in c], [x[0] for x in r], [x[1] for x in r], pad_id, length)
 
 
-def tokenize_response(tok, prompt_ids: list[int], response: str) -> tuple[np.ndarray, np.ndarray]:
-    """prompt ids + response -> (ids, mask): the same ids and mask as `sft.render` gives for the same text."""
-    resp = tok.encode(response) + [tok.eos_id]
-    ids = np.asarray(prompt_ids + resp, dtype=np.int64)
+def tokenize_response(tok, p: dict, response: str) -> tuple[np.ndarray, np.ndarray]:
+    """A pair's prompt + response -> (ids, mask): through the chat template when the pair has messages
+    (the same ids and mask as `sft.render`), else prompt text + response + </s>."""
+    if "messages" in p:
+        from .chat_template import example
+        ids, mask = example(tok, p["messages"], response)
+        return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    prompt = pair_prompt_ids(tok, p)
+    ids = np.asarray(prompt + tok.encode(response) + [tok.eos_id], dtype=np.int64)
     mask = np.zeros(len(ids), dtype=bool)
-    mask[len(prompt_ids):] = True
+    mask[len(prompt):] = True
     return ids, mask
+
+
+def pair_prompt_ids(tok, p: dict) -> list[int]:
+    """What the model answers for pair p: its messages through the chat template, else its prompt text."""
+    if "messages" in p:
+        from .chat_template import prompt_ids
+        return prompt_ids(tok, p["messages"])
+    return tok.encode(p["prompt"], add_bos=True)
 
 
 def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
@@ -156,11 +175,9 @@ def tokenize_pairs(tok, pairs: list[dict], ctx_len: int) -> TokenizedPairs:
     dropped (counted)."""
     out = TokenizedPairs([], [], [])
     for p in pairs:
-        prompt_ids = tok.encode(p["prompt"], add_bos=True)
-        c = tokenize_response(tok, prompt_ids, p["chosen"])
-        r = tokenize_response(tok, prompt_ids, p["rejected"])
+        c, r = tokenize_response(tok, p, p["chosen"]), tokenize_response(tok, p, p["rejected"])
         cut = max(len(c[0]), len(r[0])) - (ctx_len + 1)
-        if cut >= len(prompt_ids):
+        if cut >= min(int(np.argmax(c[1])), int(np.argmax(r[1]))):  # the cut would reach a response
             out.dropped += 1
             continue
         if cut > 0:
@@ -188,7 +205,7 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
     rejected response. Every pair keeps its `task`. The prompt is the rendered template (`sft.prompt_text`).
     fits: as in `offline_instructions` (e.g. `sft.fits_context(tok, ctx)`: only questions the model sees
     whole), applied to the prompt with either response."""
-    from .sft import WORD_RE, normalize, offline_instructions, prompt_text
+    from .sft import WORD_RE, normalize, offline_instructions, prompt_text, user_message
     train, held = offline_instructions(n_train, n_heldout, seed, fits)
     rng = np.random.default_rng(seed + 1)
     out = []
@@ -208,7 +225,8 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
             wrong = candidates[int(rng.integers(len(candidates)))]
             if fits is not None and not fits(r | {"output": wrong}):
                 continue  # the rejected response would not fit
-            pairs.append({"prompt": prompt_text(r["instruction"], r["input"]), "chosen": r["output"],
+            pairs.append({"prompt": prompt_text(r["instruction"], r["input"]),
+                          "messages": [user_message(r["instruction"], r["input"])], "chosen": r["output"],
                           "rejected": wrong, "task": r["task"]})
         out.append(pairs)
     return out[0], out[1]
@@ -262,7 +280,7 @@ def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, pro
     if progress:
         print(f"answering {len(asked):,} training questions with the model (greedy, up to {max_new_tokens} tokens "
               f"each; --n-train N asks only the first N pairs)", file=sys.stderr)
-    answers = model_answers(model, [tok.encode(pairs[i]["prompt"], add_bos=True) for i in asked], tok.eos_id, max_new_tokens,
+    answers = model_answers(model, [pair_prompt_ids(tok, pairs[i]) for i in asked], tok.eos_id, max_new_tokens,
                             progress)
     out, replaced = list(pairs), 0
     for i, (ids, stopped) in zip(asked, answers):

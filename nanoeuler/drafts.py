@@ -366,15 +366,20 @@ def _read_text(path, n_chars: int) -> str:
 
 # ---- a checkpoint --------------------------------------------------------------------------------
 def distill_checkpoint(run_dir, data=None, text_files=None, n_rollouts: int | None = None, seed: int = 0,
-                       progress: bool = True, dry_run: bool = False) -> Distilled:
+                       progress: bool = True, dry_run: bool = False, finish_run: bool = False) -> Distilled:
     """Distill the draft heads of the checkpoint in run_dir and replace its model.safetensors (atomically,
     under the run lock; nothing else in the directory changes). Prompts: see `prompt_sources`.
-    n_rollouts: default_rollouts(config) if None. dry_run: measure only; nothing on disk changes."""
-    from .checkpoint import load_model, load_tokenizer, run_lock, save_files, tensors_writer
+    n_rollouts: default_rollouts(config) if None. dry_run: measure only; nothing on disk changes.
+    finish_run: the end of pretraining; trainer.json's phase "drafts" becomes "done" in the same atomic save."""
+    from .checkpoint import (check_trainer_state, json_writer, load_model, load_tokenizer, read_json, run_lock,
+                             save_files, tensors_writer)
+    from .fileio import check_real_dir
     from .model import Model
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"checkpoint directory {run_dir} not found")
+    if not dry_run:
+        check_real_dir(run_dir, "--ckpt")     # changed in place: never through a link
     with run_lock(run_dir) if not dry_run else contextlib.nullcontext():
         config, params = load_model(run_dir, read_only=dry_run)
         tok = load_tokenizer(run_dir, read_only=dry_run)
@@ -384,8 +389,13 @@ def distill_checkpoint(run_dir, data=None, text_files=None, n_rollouts: int | No
                             f"(`nanoeuler import --mtp K` adds draft heads to an import)")
         train, held = prompt_sources(tok, data, text_files)
         result = distill(model, train, held, n_rollouts or default_rollouts(config), seed, progress=progress)
+        writers = {}
         if result.kept and not dry_run:
-            new = dict(params)
-            new.update(result.heads)
-            save_files(run_dir, {"model.safetensors": tensors_writer(new, what="refusing to save the weights")})
+            writers["model.safetensors"] = tensors_writer(dict(params) | result.heads,
+                                                          what="refusing to save the weights")
+        if finish_run:
+            state = check_trainer_state(read_json(run_dir / "trainer.json", "resume state"), run_dir / "trainer.json")
+            writers["trainer.json"] = json_writer(state | {"phase": "done"})
+        if writers:
+            save_files(run_dir, writers)
     return result

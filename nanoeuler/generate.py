@@ -50,7 +50,7 @@ import numpy as np
 from numba import njit
 
 from . import ops
-from .config import Config
+from .config import Config, head_weight
 from .errors import UserError
 from .fast import decode
 from .fast.vmath import vexp
@@ -119,7 +119,7 @@ def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
         from . import gpt2_cached
         return gpt2_cached.fuse_weights(cfg, {name: f32(p) for name, p in P.items()}, pair)
     K, V = cfg.n_mtp, cfg.vocab_size
-    heads = np.concatenate([P[f"heads.{k}.weight"] for k in range(K)])  # [K·V, d]
+    heads = np.concatenate([head_weight(P, k) for k in range(K)])  # [K·V, d] (tied: head 0 is the embedding)
     heads32 = f32(heads)
     F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, kernel_form(heads))}
     each = kernel_form(heads.reshape(K, V, -1))  # [K, panels, d, PANEL]: head k's kernel form is each[k]

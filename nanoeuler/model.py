@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from . import ops as reference_ops
-from .config import PRESETS, Config, check_params  # noqa: F401  (check_params: re-exported)
+from .config import PRESETS, Config, check_params, head_weight  # noqa: F401  (check_params: re-exported)
 from .errors import UserError
 
 
@@ -172,7 +172,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
         x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope, ops, masks)
         block_caches.append(cache)
     h, norm_cache = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)  # [B, T, d]
-    logits = np.stack([h @ P[f"heads.{k}.weight"].T for k in range(cfg.n_mtp)])  # [K, B, T, V]
+    logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
     return logits, (emb_cache, block_caches, norm_cache, h)
 
 
@@ -184,12 +184,13 @@ def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_op
     grads = {}
     dh = np.zeros_like(h)
     for k in range(cfg.n_mtp):
-        dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, P[f"heads.{k}.weight"]))
+        dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, head_weight(P, k)))
         dh += dhk
+    dhead0 = grads.pop("heads.0.weight") if cfg.tie_embeddings else 0.0  # [V, d]: the tied head's share of embed's
     dx, grads["norm.weight"] = ops.rmsnorm_backward(dh, norm_cache)
     for i in reversed(range(cfg.n_layers)):
         dx = block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads, ops)
-    grads["embed.weight"] = ops.embedding_backward(dx, emb_cache)
+    grads["embed.weight"] = ops.embedding_backward(dx, emb_cache) + dhead0
     return {name: grads[name] for name in P}  # SPEC order
 
 
@@ -263,11 +264,6 @@ def fast_supports(cfg: Config) -> bool:
 
 
 # ---- arch "gpt2" ------------------------------------------------------------------------------------
-def head_weight(P: dict, k: int) -> np.ndarray:
-    """Output head k's matrix [V, d]: for arch gpt2 head 0 is the token embedding (tied)."""
-    return P["embed.weight"] if k == 0 and "heads.0.weight" not in P else P[f"heads.{k}.weight"]
-
-
 def affine_forward(x, P: dict, name: str, ops=reference_ops):
     """x [..., in] -> x @ W.T + b [..., out], with W, b = P[name.weight], P[name.bias]."""
     y, c_lin = ops.linear_forward(x, P[name + ".weight"])

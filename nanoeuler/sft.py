@@ -42,16 +42,22 @@ def prompt_text(instruction: str, input: str = "") -> str:
 
 
 def render(tok, instruction: str, input: str = "", output: str | None = None) -> tuple[list[int], list[bool]]:
-    """One example -> (ids, mask). mask is True on the response tokens and the closing </s>, False on the
-    prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model).
-    A tokenizer with a bos (an imported Llama-3's) puts it first, as its own tokenizer does."""
-    ids = tok.encode(prompt_text(instruction, input), add_bos=True)
-    mask = [False] * len(ids)
-    if output is not None:
-        response = tok.encode(output) + [tok.eos_id]
-        ids += response
-        mask += [True] * len(response)
-    return ids, mask
+    """One example -> (ids, mask), through the tokenizer's chat template (chat_template.py; ours renders
+    `prompt_text` + output + </s>). mask is True on the response tokens and its end-of-turn token, False on
+    the prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model)."""
+    from .chat_template import example, prompt_ids
+    messages = [user_message(instruction, input)]
+    if output is None:
+        ids = prompt_ids(tok, messages)
+        return ids, [False] * len(ids)
+    return example(tok, messages, output)
+
+
+def user_message(instruction: str, input: str = "") -> dict:
+    """An instruction record as a chat message: the content joins instruction and input by a blank line
+    (for any template); ours (Alpaca) reads the two apart, from "instruction" and "input"."""
+    return {"role": "user", "content": instruction + ("\n\n" + input if input else ""),
+            "instruction": instruction, "input": input}
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -335,7 +341,7 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     for r in it:
         ids, _ = render(tok, r["instruction"], r["input"])
         ids = ids[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=[tok.eos_id],
+        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
                      mode="speculative", fused=W)
         drafted, accepted = drafted + g.drafted, accepted + g.accepted
         text = tok.decode(g.ids)

@@ -5,7 +5,10 @@ micro-batches), clip the global gradient norm, AdamW with the scheduled learning
 Every `eval_every` steps the objective's validation metrics; every `ckpt_every` steps, on Ctrl-C/SIGTERM
 and at the end, a checkpoint. A checkpoint holds the model, the AdamW moments, the RNG state and the
 step (and what the objective adds, e.g. DPO's reference log-probs), so `--resume` continues bit-for-bit
-as if never stopped. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
+as if never stopped. trainer.json's `phase` says what is left: "train" (steps remain), a caller's
+`then` phase once the steps are done (e.g. "drafts": pretraining's draft-head distillation, which the
+caller runs and then marks "done"), or "done"; a resumed run finishes exactly what the straight run would
+have done. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
 share of each batch; rank 0 alone logs and writes.
 
 What is trained is an *objective* (`LMObjective` here for pretraining and SFT, `dpo.DPOObjective`):
@@ -44,6 +47,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from .fileio import atomic_path, atomic_write_text, check_real_dir, open_append, own_file
 from .ops import Dropout
 from .optim import AdamW, clip_grad_norm, lr_schedule
 
@@ -82,7 +86,9 @@ FREE_ON_RESUME = ("eval_every", "eval_batches", "ckpt_every")
 
 
 class TrainingDiverged(UserError):
-    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was."""
+    """A NaN or infinite loss: the run stops and the last good checkpoint stays as it was.
+    Collective (see dist.collective): the loss is summed over the ranks, so every rank raises it together."""
+    collective = True
 
     def __init__(self, message: str):
         super().__init__(message, exit_code=3)
@@ -250,25 +256,17 @@ def save_training_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, 
     opt_tensors, opt_scalars = opt.state_dict()
     params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
     writers = ckpt.model_writers(model.config, params, tokenizer)
-    writers["optimizer.safetensors"] = getattr(ckpt, "optimizer_writer", ckpt.tensors_writer)(opt_tensors)
+    writers["optimizer.safetensors"] = ckpt.optimizer_writer(opt_tensors)
     for name, tensors in (extra or {}).items():
-        writers[name] = _marker_writer(tensors)
+        writers[name] = ckpt.tensors_writer(tensors, allow_nonfinite=True)
     writers["trainer.json"] = ckpt.json_writer(state | {"optimizer": opt_scalars})
     ckpt.save_files(out_dir, writers)
-
-
-def _marker_writer(tensors: dict):
-    import inspect
-    if "allow_nonfinite" in inspect.signature(ckpt.tensors_writer).parameters:
-        return ckpt.tensors_writer(tensors, allow_nonfinite=True)
-    return ckpt.tensors_writer(tensors)
 
 
 def load_training_state(out_dir: Path, model, opt) -> dict:
     """Restore the AdamW moments of a run into opt (for the arrays model.params); return trainer.json."""
     state = ckpt.read_json(out_dir / "trainer.json", "resume state")
-    if hasattr(ckpt, "check_trainer_state"):
-        ckpt.check_trainer_state(state, out_dir / "trainer.json")
+    ckpt.check_trainer_state(state, out_dir / "trainer.json")
     tensors = ckpt.read_tensors(out_dir / "optimizer.safetensors", "optimizer state")
     for name, p in model.params.items():
         for kind in ("m", "v"):
@@ -303,9 +301,11 @@ def evaluate(model, source, max_batches: int = 0) -> dict:
 # ---- the loop ----------------------------------------------------------------------------------
 def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: bool = False,
                  stop_after: int | None = None, progress: bool = True, kind: str = "pretrain",
-                 objective=None) -> dict:
+                 objective=None, then: str = "done") -> dict:
     """Train model in place on `objective` (default: `LMObjective` on batches from source); checkpoints go
-    to out_dir. Returns a summary dict. Under MPI every rank calls this with the same arguments."""
+    to out_dir. `then`: the phase recorded once the steps are done (the caller's work after training, e.g.
+    "drafts"; "done" if none). Returns a summary dict, whose "phase" is the run's phase on disk (a resumed
+    run's saved one). Under MPI every rank calls this with the same arguments."""
     from . import dist
     comm = dist.world()
     lead = comm.rank == 0
@@ -318,34 +318,58 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     make_opt = getattr(model, "optimizer", None) or (lambda **kw: AdamW(obj.params, **kw))
     opt = make_opt(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     rng = np.random.default_rng(tcfg.seed)
+    check_real_dir(out_dir)
+    if not resume:
+        check_fresh_run_dir(out_dir)
     with contextlib.ExitStack() as stack:
-        if lead and hasattr(ckpt, "run_lock"):
+        if lead:
             stack.enter_context(ckpt.run_lock(out_dir))
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)
             rng.bit_generator.state = state["rng"]
             state["train_config"] = dataclasses.asdict(tcfg)
             obj.resume(state, out_dir)
-        elif (out_dir / "trainer.json").exists():
-            raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
         else:
             state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": obj.describe(),
-                     "elapsed_s": 0.0} | obj.new_state()
+                     "elapsed_s": 0.0, "phase": "train"} | obj.new_state()
         trainer = dist.Trainer(comm, obj, opt, tcfg, state, rng)  # one process: plain; MPI: checks the ranks agree
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
-            if resume:
-                truncate_log(log_path, state["step"])
-        log = stack.enter_context(open(log_path, "a")) if lead else None
+            truncate_log(log_path, state["step"])     # a fresh run: the lines of one that never saved go
+        log = stack.enter_context(open_append(log_path)) if lead else None
         return _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after,
-                     progress and lead, kind)
+                     progress and lead, kind, then)
 
 
-def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after, progress, kind) -> dict:
+RUN_OWN_FILES = ("log.jsonl", "curves.png")   # what a run writes besides its checkpoint (dot files aside)
+
+
+def check_fresh_run_dir(out_dir: Path) -> None:
+    """A new run goes into a new or empty directory (or one left by a run that never saved): its files
+    would replace whatever model.safetensors, tokenizer.json ... lie there."""
+    if (out_dir / "trainer.json").exists():
+        raise UserError(f"{out_dir} already holds a training run; use --resume to continue it or choose another --out")
+    if not out_dir.is_dir():
+        return
+    foreign = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith(".") and p.name not in RUN_OWN_FILES)
+    if foreign:
+        raise UserError(f"--out {out_dir} already holds files that are not a training run's ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty --out")
+
+
+def run_phase(state: dict, steps: int) -> str:
+    """The phase of a trainer.json; one saved before phases were recorded: "train" or, finished, "done"."""
+    return state.get("phase") or ("train" if state["step"] < steps else "done")
+
+
+def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after, progress, kind,
+          then) -> dict:
     lead = trainer.comm.rank == 0
     log_path = out_dir / "log.jsonl"
+    state["phase"] = run_phase(state, tcfg.steps)
 
     def checkpoint():
+        state["phase"] = "train" if state["step"] < tcfg.steps else then
         state["rng"] = rng.bit_generator.state
         trainer.save(lambda o: save_training_checkpoint(out_dir, model, tokenizer, o, state,
                                                          obj.checkpoint_tensors()))
@@ -398,7 +422,7 @@ def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, s
     if finished and lead:
         obj.plot(log_path, out_dir / "curves.png")
     return {"step": state["step"], "steps": tcfg.steps, "finished": finished, "interrupted": stop.requested,
-            "wall_s": time.perf_counter() - t_run, **obj.summary(state), **metrics}
+            "phase": state["phase"], "wall_s": time.perf_counter() - t_run, **obj.summary(state), **metrics}
 
 
 def accumulate(obj, rng, grad_accum: int, trainer=None):
@@ -463,7 +487,7 @@ def changed_settings(saved: dict, tcfg: TrainConfig) -> list[str]:
 
 def truncate_log(log_path: Path, step: int) -> None:
     """Drop log lines written after the checkpoint we resume from (they will be written again)."""
-    if not log_path.exists():
+    if not own_file(log_path).exists():
         return
     kept, junk = [], 0
     for ln in log_path.read_bytes().decode("utf-8", "replace").splitlines():   # a damaged log is no reason to stop
@@ -477,7 +501,7 @@ def truncate_log(log_path: Path, step: int) -> None:
             junk += 1
     if junk:
         print(f"warning: dropped {junk} unreadable line(s) of {log_path}", file=sys.stderr)
-    log_path.write_text("".join(ln + "\n" for ln in kept))
+    atomic_write_text(log_path, "".join(ln + "\n" for ln in kept))
 
 
 def make_bar(progress: bool, start: int, total: int, desc: str):
@@ -521,7 +545,6 @@ def plot_curves(log_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    from .fileio import atomic_path
     with atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)

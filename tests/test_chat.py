@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from nanoeuler import Config, Model
+from nanoeuler.chat_template import prompt_ids
 from nanoeuler.cli.chat import Chat
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.generate import generate
@@ -67,10 +68,14 @@ def test_replies_continue_the_rendered_conversation(run_dir, monkeypatch):
     chat.handle("First question?", written.append)
     chat.handle("Second question?", written.append)
     assert len(fused) == 1
-    p1, p2 = render(tok, "First question?")[0], render(tok, "Second question?")[0]
+    p1 = render(tok, "First question?")[0]
     r1 = generate(model, p1, 5, temperature=0).ids
-    assert chat.turns[0] == p1 + r1 + [tok.eos_id]
-    r2 = generate(model, p1 + r1 + [tok.eos_id] + p2, 5, temperature=0).ids
+    assert chat.messages[:2] == [{"role": "user", "content": "First question?"},
+                                 {"role": "assistant", "content": tok.decode(r1)}]
+    p2 = prompt_ids(tok, chat.messages[:3])
+    # ours (Alpaca) renders a conversation as its turns back to back: prompt + reply + </s> + next prompt
+    assert p2 == p1 + tok.encode(tok.decode(r1)) + [tok.eos_id] + render(tok, "Second question?")[0]
+    r2 = generate(model, p2, 5, temperature=0).ids
     assert chat.last_reply == r2
     assert "".join(written).startswith(tok.decode(r1))
 
@@ -78,13 +83,22 @@ def test_replies_continue_the_rendered_conversation(run_dir, monkeypatch):
 def test_context_keeps_recent_turns_and_drops_the_oldest(run_dir):
     model = Model.load(run_dir)
     from nanoeuler.checkpoint import load_tokenizer
-    chat = Chat(model, load_tokenizer(run_dir), max_new_tokens=16)  # ctx 256, reply room 16: budget 240
-    chat.turns = [[1] * 100, [2] * 80, [3] * 60]
-    ids = chat.context([9] * 90)  # 90 + 60 + 80 = 230 fits; + 100 does not
-    assert ids == [2] * 80 + [3] * 60 + [9] * 90 and len(chat.turns) == 2
-    assert chat.context([9] * 240) == [9] * 240 and chat.turns == []
-    chat.turns = [[1] * 10]
-    assert chat.context([9] * 300) == [9] * 248 and chat.turns == []  # too long a prompt keeps its end
+    tok = load_tokenizer(run_dir)
+    chat = Chat(model, tok, max_new_tokens=16)  # ctx 256, reply room 16: budget 240
+    words = bundled_works()["hamlet"].split()
+    text = [" ".join(words[i * 30:(i + 1) * 30]) for i in range(6)]  # ~40 tokens each
+    system = {"role": "system", "content": "Be brief."}
+    conv = [system] + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(text[:5])]
+    messages = list(conv)
+    ids = chat.context(messages)
+    full = len(prompt_ids(tok, conv))
+    assert full > 240  # the whole conversation does not fit ...
+    assert messages[0] == system and messages[-1] == conv[-1] and len(messages) < len(conv)  # ... the oldest go
+    assert messages == [system] + conv[len(conv) - len(messages) + 1:]
+    assert messages[1]["role"] == "user" and ids == prompt_ids(tok, messages) and len(ids) <= 240
+    assert len(prompt_ids(tok, [system] + conv[len(conv) - len(messages) - 1:])) > 240  # one more would not fit
+    long = [{"role": "user", "content": " ".join(words[:400])}]
+    assert chat.context(long) == prompt_ids(tok, long)[-248:] and chat.cut > 0  # too long a prompt keeps its end
 
 
 def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):

@@ -149,9 +149,9 @@ def test_one_file_rule_for_prepare_and_tokenizer_train(tmp_path, capsys):
     tok_path = tmp_path / "tok.json"
     for files in ([tmp_path / "src" / "notes.py", tmp_path / "src" / "README"], [tmp_path / "src"]):
         assert main(["tokenizer", "train", *map(str, files), "--vocab-size", "300", "--out", str(tok_path),
-                     "--no-progress"]) == 0
+                     "--no-progress", "--force"]) == 0
         assert main(["prepare", *map(str, files), "--tokenizer", str(tok_path), "--out", str(tmp_path / "d"),
-                     "--no-progress", "--processes", "1", "--json"]) == 0
+                     "--no-progress", "--processes", "1", "--json", "--force"]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert summary["train_tokens"] > 0 and summary["val_tokens"] > 0
 
@@ -352,7 +352,7 @@ def test_prepare_full_disk_ends_promptly_with_old_data_intact(tmp_path, tok, tex
     monkeypatch.setattr(shards._ShardWriter, "write", full_disk)
     monkeypatch.setattr(shards, "CHUNK_CHARS", 2000)
     t0 = time.perf_counter()
-    line = one_line_error(base + ["--shard-tokens", "1000"], capsys)
+    line = one_line_error(base + ["--shard-tokens", "1000", "--force"], capsys)
     assert time.perf_counter() - t0 < 60
     assert "disk is full" in line and "intact" in line
     assert snapshot(data) == before
@@ -404,3 +404,108 @@ def test_deeply_nested_or_binary_json_is_one_line(run_dir, tmp_path, tok, text_f
         (run / "trainer.json").write_bytes(junk)
         with pytest.raises(UserError):
             ckpt.check_trainer_state(ckpt.read_json(run / "trainer.json", "resume state"))
+
+
+# ---- writes: never through a link, never over a file not named as the output, never over an input -------
+def test_writes_never_follow_links_nor_replace_what_was_not_named(run_dir, text_file, tok, tmp_path, capsys):
+    """Each writing command: a symlinked output, an existing output without --force, and an output that is,
+    holds or lies inside an input are refused with one line, and nothing on disk changes."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    tok.save(tmp_path / "tok.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("my notes\n")
+    (tmp_path / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / "linked.json").symlink_to(elsewhere / "mine.txt")
+    existing = tmp_path / "existing.json"
+    existing.write_text("keep me\n")
+    (tmp_path / "existing.vocab").write_text("keep me too\n")
+    (tmp_path / "fresh.vocab").write_text("a vocab file that is not fresh.json's\n")
+    for name in ("sft", "dpo"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "sft" / "offline_train.json").write_text("[]\n")
+    (tmp_path / "dpo" / "pairs_heldout.jsonl").write_text("\n")
+    prep = ["prepare", text_file, "--tokenizer", tmp_path / "tok.json", "--no-progress", "--out"]
+    cases = [
+        (prep + [tmp_path / "linked"], "symbolic link"),
+        (prep + [run], "not token shards"),                                 # a checkpoint's tokenizer.json
+        (prep + [tmp_path], "contains the input"),
+        (["prepare", text_file, "--tokenizer", run, "--out", run, "--force"], "not token shards"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", existing], "already exists"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", tmp_path / "fresh.json"], "already exists"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", tmp_path / "linked.json", "--force"],
+         "symbolic link"),
+        (["tokenizer", "train", text_file, "--vocab-size", "300", "--out", text_file, "--force"], "is the input"),
+        (["tokenizer", "export", "--tokenizer", run, "--out", existing], "already exists"),
+        (["tokenizer", "export", "--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "tok.json", "--force"],
+         "is the input"),
+        (["export", "--ckpt", run, "--format", "hf", "--out", run, "--force"], "is the input"),
+        (["export", "--ckpt", run, "--format", "hf", "--out", run / "hf", "--force"], "inside the input"),
+        (["export", "--ckpt", run, "--format", "gguf", "--out", run / "m.gguf", "--force"], "inside the input"),
+        (["export", "--ckpt", run, "--format", "hf", "--out", tmp_path, "--force"], "contains the input"),
+        (["export", "--ckpt", run, "--format", "hf", "--out", tmp_path / "linked", "--force"], "symbolic link"),
+        (["import", "--from", run, "--out", run / "x", "--force"], "inside the input"),
+        (["import", "--from", run, "--out", "/", "--force"], "does not name"),
+        (["import", "--from", run, "--out", ".", "--force"], "does not name"),
+        (["sft-data", "--out", tmp_path / "sft"], "already exists"),
+        (["sft-data", "--out", tmp_path / "linked", "--force"], "symbolic link"),
+        (["dpo-data", "--out", tmp_path / "dpo"], "already exists"),
+        (["dpo-data", "--out", ""], "empty"),                              # was: written into the current directory
+        (["sft-data", "--out", ""], "empty"),
+        (["train", "--data", tmp_path / "d", "--out", ""], "empty"),            # was: the default runs/small
+        (["sft", "--base", run, "--out", ""], "empty"),                          # was: the current directory
+        (["train", "--data", tmp_path / "d", "--out", tmp_path / "d"], "is the input"),
+        (["train", "--data", tmp_path / "d", "--out", tmp_path / "linked"], "symbolic link"),
+        (["train", "--data", tmp_path / "d", "--out", run], "not a training run"),
+        (["sft", "--base", run, "--out", run], "is the input"),
+        (["dpo", "--sft", run, "--out", run / "dpo"], "inside the input"),
+        (["demo", "--out", tmp_path / "linked"], "symbolic link"),
+        (["data", "alpaca", "--out", tmp_path / "linked"], "symbolic link"),
+        (["drafts", "--ckpt", tmp_path / "run_link"], "symbolic link"),
+    ]
+    (tmp_path / "run_link").symlink_to(run, target_is_directory=True)
+    assert main([str(a) for a in prep + [tmp_path / "d"]]) == 0       # a DATA directory for train's cases
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    for argv, needle in cases:
+        assert needle in one_line_error(argv, capsys), argv
+    assert snapshot(tmp_path) == before
+
+
+def test_prepare_and_tokenizer_replace_their_own_output_with_force(text_file, tmp_path, capsys):
+    """An existing output needs --force; with it the output (and only it) is replaced."""
+    tok_path, data = tmp_path / "tok.json", tmp_path / "d"
+    train_tok = ["tokenizer", "train", str(text_file), "--vocab-size", "300", "--out", str(tok_path), "--no-progress"]
+    prep = ["prepare", str(text_file), "--tokenizer", str(tok_path), "--out", str(data), "--no-progress"]
+    assert main(train_tok) == 0 and main(prep) == 0
+    capsys.readouterr()
+    assert "already exists" in one_line_error(train_tok, capsys)
+    assert "already holds token shards" in one_line_error(prep, capsys)
+    assert main(train_tok + ["--force"]) == 0 and main(prep + ["--force"]) == 0
+    # the tokenizer a DATA directory carries may be the input: it is rewritten as it was
+    data2 = tmp_path / "d2"
+    data2.mkdir()
+    (data2 / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    assert main(["prepare", str(text_file), "--tokenizer", str(data2 / "tokenizer.json"), "--out", str(data2),
+                 "--no-progress"]) == 0
+    other = Tokenizer.train([bundled_works()["hamlet"][:20000]], 280, progress=False)
+    (tmp_path / "d3").mkdir()
+    other.save(tmp_path / "d3" / "tokenizer.json")
+    capsys.readouterr()
+    assert "another tokenizer.json" in one_line_error(prep[:-3] + ["--out", str(tmp_path / "d3"), "--no-progress"],
+                                                      capsys)
+
+
+def test_paths_that_cannot_be_looked_at_are_one_line(run_dir, tmp_path, capsys):
+    """A name longer than the filesystem allows (checked while parsing the flags) and a NUL character
+    (from an in-process caller) are one line, not a traceback or an internal error."""
+    long = tmp_path / ("n" * 300)
+    for argv in (["tokenizer", "export", "--tokenizer", run_dir, "--out", long],
+                 ["prepare", "--tokenizer", run_dir, "--out", long],
+                 ["import", "--from", tmp_path, "--out", tmp_path / "a\x00b"],
+                 ["sample", "--ckpt", run_dir, "--prompt", "a\x00"]):
+        line = one_line_error(argv, capsys)
+        assert "internal error" not in line, argv
+    assert os.listdir(tmp_path) == []

@@ -207,3 +207,87 @@ def test_pretraining_ends_with_the_distillation_unless_skipped(chain_model, tmp_
     for name, p in without.params.items():
         assert np.array_equal(p, with_.params[name]) == (name not in ("heads.1.weight", "heads.2.weight")), name
     assert speculative_acceptance(with_) > speculative_acceptance(without)
+
+
+@pytest.fixture
+def chain_data(chain_model, tmp_path_factory):
+    """A token shard directory of chain text and a config.json for `nanoeuler train`."""
+    _, tok = chain_model
+    root = tmp_path_factory.mktemp("chain_data")
+    tok.save(root / "tok.json")
+    (root / "chain.txt").write_text("".join(map(chr, chain(np.random.default_rng(4), 30000))))
+    (root / "config.json").write_text(json.dumps(CFG.to_dict()))
+    assert main(["prepare", str(root / "chain.txt"), "--tokenizer", str(root / "tok.json"),
+                 "--out", str(root / "data"), "--no-progress"]) == 0
+    return root
+
+
+def _train(root, out, *extra) -> int:
+    return main(["train", str(root / "config.json"), "--data", str(root / "data"), "--out", str(out), "--steps", "6",
+                 "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--ckpt-every", "2", "--no-progress", *extra])
+
+
+def _run_files(out) -> dict:
+    """Every tensor of the checkpoint and its trainer.json but the wall-clock time."""
+    from nanoeuler.checkpoint import read_tensors
+    files = {name: read_tensors(out / name, name) for name in ("model.safetensors", "optimizer.safetensors")}
+    trainer = json.loads((out / "trainer.json").read_text())
+    trainer.pop("elapsed_s")
+    return files | {"trainer.json": trainer}
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
+    assert a["trainer.json"] == b["trainer.json"]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert a[name].keys() == b[name].keys()
+        for key in a[name]:
+            assert np.array_equal(a[name][key], b[name][key]), (name, key)
+
+
+def test_resume_at_every_phase_is_the_straight_run(chain_data, tmp_path, monkeypatch):
+    """Stopped during the steps, at the last step (Ctrl-C), during the draft distillation (Ctrl-C) or after
+    it, `train --resume` ends with the straight run's checkpoint bit for bit, distilled draft heads included."""
+    import os
+    import signal
+    from nanoeuler import train
+    monkeypatch.setattr(drafts, "default_rollouts", lambda cfg: 16)   # a short distillation
+    monkeypatch.setattr(drafts, "MIN_STEPS", 20)
+    assert _train(chain_data, tmp_path / "straight") == 0
+    straight = _run_files(tmp_path / "straight")
+    assert straight["trainer.json"]["phase"] == "done"
+
+    # 1. during the steps
+    assert _train(chain_data, tmp_path / "steps", "--stop-after", "3") == 0
+    assert json.loads((tmp_path / "steps" / "trainer.json").read_text())["phase"] == "train"
+    # 2. Ctrl-C in the last step: the checkpoint holds every step, the distillation has not run
+    real_accumulate, calls = train.accumulate, []
+
+    def ctrl_c_in_last_step(*a, **kw):
+        calls.append(1)
+        if len(calls) == 6:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_accumulate(*a, **kw)
+    monkeypatch.setattr(train, "accumulate", ctrl_c_in_last_step)
+    assert _train(chain_data, tmp_path / "boundary") == 130
+    monkeypatch.setattr(train, "accumulate", real_accumulate)
+    assert json.loads((tmp_path / "boundary" / "trainer.json").read_text())["phase"] == "drafts"
+    # 3. Ctrl-C during the distillation: the trained checkpoint stays, its phase still "drafts"
+    real_fit = drafts.fit_head
+
+    def ctrl_c_in_fit(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(drafts, "fit_head", ctrl_c_in_fit)
+    assert _train(chain_data, tmp_path / "distilling") == 130
+    monkeypatch.setattr(drafts, "fit_head", real_fit)
+    interrupted = _run_files(tmp_path / "distilling")
+    assert interrupted["trainer.json"]["phase"] == "drafts"
+    heads = [k for k in straight["model.safetensors"] if k.startswith("heads.") and not k.startswith("heads.0.")]
+    assert heads and not all(np.array_equal(interrupted["model.safetensors"][k], straight["model.safetensors"][k])
+                             for k in heads)       # the straight run's draft heads are distilled ones
+    # 4. after it: nothing left to do
+    import shutil
+    shutil.copytree(tmp_path / "straight", tmp_path / "after")
+
+    for name in ("steps", "boundary", "distilling", "after"):
+        assert _train(chain_data, tmp_path / name, "--resume") == 0, name
+        _assert_same_run(_run_files(tmp_path / name), straight)

@@ -12,7 +12,8 @@ from conftest import rel_err
 
 BASE = Config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=12, ffn_hidden=40, n_mtp=3)
 CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_mtp=1, n_heads=2, n_kv_heads=1)}
-TOL = {np.float32: 2e-5, np.float64: 1e-12}
+TOL = {np.float32: 2e-5, np.float64: 1e-12}        # losses
+ENTRY_TOL = {np.float32: 3e-4, np.float64: 5e-11}  # every entry of every gradient (conftest.rel_err)
 
 
 
@@ -45,7 +46,7 @@ def test_fast_equals_reference(name, dtype):
         assert list(grads) == list(rgrads)
         for n in rgrads:
             assert grads[n].dtype == dtype and grads[n].shape == rgrads[n].shape
-            assert rel_err(grads[n], rgrads[n]) <= TOL[dtype], (name, B, T, n, rel_err(grads[n], rgrads[n]))
+            assert rel_err(grads[n], rgrads[n]) <= ENTRY_TOL[dtype], (name, B, T, n, rel_err(grads[n], rgrads[n]))
         assert m.loss(tokens, mask) == pytest.approx((l0, obj), rel=TOL[dtype])
 
 
@@ -79,7 +80,7 @@ def test_deterministic_and_any_number_of_parts(monkeypatch):
         got = loss_and_grads(cfg, m.params, tokens, mask, ws)
         assert got[0] == pytest.approx(ref[0], rel=TOL[np.float32])
         for name in ref[2]:
-            assert rel_err(got[2][name], ref[2][name]) <= TOL[np.float32], (parts, name)
+            assert rel_err(got[2][name], ref[2][name]) <= ENTRY_TOL[np.float32], (parts, name)
     one_grad_set = cfg.n_params() * 4
     monkeypatch.setattr(engine, "EXTRA_GRADS_BYTES", 2 * one_grad_set)  # room for two extra gradient sets
     assert len(Workspace(cfg, 4, cfg.ctx_len, np.float32).parts) == 3
@@ -103,7 +104,7 @@ def test_dropout_same_masks_as_reference_any_number_of_parts(dtype, monkeypatch)
         got = loss_and_grads(cfg, m.params, tokens, mask, Workspace(cfg, 4, cfg.ctx_len, dtype), dropout=drop)
         assert got[1] == pytest.approx(ref[1], rel=TOL[dtype])
         for name in ref[2]:
-            assert rel_err(got[2][name], ref[2][name]) <= TOL[dtype], (parts, name)
+            assert rel_err(got[2][name], ref[2][name]) <= ENTRY_TOL[dtype], (parts, name)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -14,7 +14,7 @@ from nanoeuler.generate import (StreamDecoder, draw_token, forward_cached, gener
                                 truncate_left)
 from nanoeuler.model import forward
 from nanoeuler.optim import AdamW
-from conftest import tiny_config
+from conftest import rel_err, tiny_config
 
 TINY = tiny_config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=3)
 
@@ -53,9 +53,9 @@ def test_cached_logits_equal_full_recomputation(dtype, tol):
         pieces.append(forward_cached(TINY, model.params, ids[:, a:b], cache))
     got = np.concatenate(pieces, axis=2)
     assert cache.length == 20
-    assert np.max(np.abs(got - full)) <= tol
+    assert rel_err(got, full) <= tol
     last = forward_cached(TINY, model.params, ids[:, :20], new_cache(TINY, 2, dtype=dtype), last_only=True)
-    assert np.max(np.abs(last[:, :, 0] - full[:, :, -1])) <= tol
+    assert rel_err(last[:, :, 0], full[:, :, -1]) <= tol
 
 
 def test_cache_overflow_is_an_error():

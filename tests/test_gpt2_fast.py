@@ -5,13 +5,12 @@ import pytest
 
 from nanoeuler import Config, Model, ops
 from nanoeuler.fast import gpt2 as G
+from conftest import rel_err
 
 CFG = Config(vocab_size=96, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=16, ffn_hidden=80, n_mtp=2,
              arch="gpt2")
 
 
-def rel(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -24,33 +23,33 @@ def test_kernels_match_reference_ops(dtype):
     y, mu, rs = np.empty_like(x), np.empty(N, dtype), np.empty(N, dtype)
     G.layernorm_forward(x, w, b, dtype(1e-5), y, mu, rs)
     ref, cache = ops.layernorm_forward(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), 1e-5)
-    assert rel(y, ref) < tol
+    assert rel_err(y, ref) < tol
     dy = r(N, d)
     dx, dw, db = np.zeros_like(x), np.empty(d), np.empty(d)
     G.layernorm_backward(dy, x, mu, rs, w, dx, dw, db)
     for got, want in zip((dx, dw, db), ops.layernorm_backward(dy.astype(np.float64), cache)):
-        assert rel(got, want) < tol * 10
+        assert rel_err(got, want) < tol * 10
     f, bf = 3 * r(N, F), r(F)
     f0 = f.copy()
     s = np.empty_like(f)
     G.bias_gelu_forward(f, bf, s)
     want, gcache = ops.gelu_forward((f0 + bf).astype(np.float64))
-    assert rel(f, f0.astype(np.float64) + bf) < tol and rel(s, want) < tol * 10
+    assert rel_err(f, f0.astype(np.float64) + bf) < tol and rel_err(s, want) < tol * 10
     ds = r(N, F)
     want_dx = ops.gelu_backward(ds.astype(np.float64), gcache)
     G.gelu_backward(ds, f)
-    assert rel(ds, want_dx) < tol * 10
+    assert rel_err(ds, want_dx) < tol * 10
     out = np.empty(F)
     G.col_sum(s, out)
-    assert rel(out, ops.bias_backward(s.astype(np.float64), (F,))[1]) < tol
+    assert rel_err(out, ops.bias_backward(s.astype(np.float64), (F,))[1]) < tol
     pos, T = r(16, d), 5
     xx = r(2 * T, d)
     x2 = xx.copy()
     G.add_positions(x2, pos, T)
-    assert rel(x2, ops.position_forward(xx.reshape(2, T, d).astype(np.float64), pos.astype(np.float64))[0].reshape(2 * T, d)) < tol
+    assert rel_err(x2, ops.position_forward(xx.reshape(2, T, d).astype(np.float64), pos.astype(np.float64))[0].reshape(2 * T, d)) < tol
     dW = np.empty_like(pos)
     G.position_backward(xx, T, dW)
-    assert rel(dW, ops.position_backward(xx.reshape(2, T, d).astype(np.float64), (0, pos.shape))[1]) < tol
+    assert rel_err(dW, ops.position_backward(xx.reshape(2, T, d).astype(np.float64), (0, pos.shape))[1]) < tol
 
 
 def _model(dtype, seed=0):
@@ -66,7 +65,8 @@ def _model(dtype, seed=0):
 def test_fast_loss_and_every_gradient_match_reference(dtype, dropout, monkeypatch):
     from nanoeuler.fast import parallel
     monkeypatch.setattr(parallel, "PARTS", 3)   # B = 5 sequences in 3 parts: the part sums are exercised
-    tol = 2e-5 if dtype == np.float32 else 1e-11
+    tol = 2e-5 if dtype == np.float32 else 1e-11              # the losses
+    entry_tol = 3e-4 if dtype == np.float32 else 5e-11        # every entry of every gradient (conftest.rel_err)
     m = _model(dtype)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, CFG.vocab_size, (5, 12 + CFG.n_mtp))
@@ -76,8 +76,8 @@ def test_fast_loss_and_every_gradient_match_reference(dtype, dropout, monkeypatc
     assert len(m._fast_ws.parts) == 3
     rh0, robj, rgrads = m.loss_and_grads(tokens, mask, reference=True, dropout=drop)
     assert abs(h0 - rh0) <= tol * abs(rh0) and abs(obj - robj) <= tol * abs(robj)
-    bad = {n: rel(grads[n], rgrads[n]) for n in rgrads
-           if not (rel(grads[n], rgrads[n]) <= tol or n.endswith("attn.wk.bias"))}
+    bad = {n: rel_err(grads[n], rgrads[n]) for n in rgrads
+           if not (rel_err(grads[n], rgrads[n]) <= entry_tol or n.endswith("attn.wk.bias"))}
     assert not bad, bad
     assert m.loss(tokens, mask, dropout=drop)[1] == pytest.approx(robj, rel=tol)
     # a second step on the same workspace gives the same result (no state left behind)
@@ -96,8 +96,8 @@ def test_dpo_sequence_logprobs_fast_equals_reference_on_gpt2():
     dl = rng.standard_normal(3)
     ref, rc = dpo.sequence_logprobs_forward(CFG, m.params, inputs, targets, mask)
     fast, fc = dpo.sequence_logprobs_forward(CFG, m.params, inputs, targets, mask, dpo.Workspaces(CFG, np.float64))
-    assert rel(fast, ref) < 1e-12
+    assert rel_err(fast, ref) < 1e-12
     gr, gf = dpo.sequence_logprobs_backward(dl, rc), dpo.sequence_logprobs_backward(dl, fc)
     assert set(gr) == set(gf) == set(dpo.trained_params(CFG, m.params)) and "heads.1.weight" not in gf
-    bad = {n: rel(gf[n], gr[n]) for n in gr if not (rel(gf[n], gr[n]) < 1e-11 or n.endswith("attn.wk.bias"))}
+    bad = {n: rel_err(gf[n], gr[n]) for n in gr if not (rel_err(gf[n], gr[n]) < 1e-11 or n.endswith("attn.wk.bias"))}
     assert not bad, bad

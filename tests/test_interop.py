@@ -23,6 +23,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+# float32, every entry (conftest.rel_err); measured 4.0e-5 and 7.7e-5 at worst
+LOGITS_TOL, GRAD_TOL = 1e-4, 2e-4
+
 
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def test_hf_export_logits_and_greedy_match_transformers(exported, tok, kind):
     ids = tok.encode(bundled_works()["macbeth"][5000:6000])[:96]
     ours = m.logits(np.array([ids]))[0, 0]
     theirs = hf_logits(hf, ids)
-    assert rel_err(ours, theirs) <= 1e-5
+    assert rel_err(ours, theirs) <= LOGITS_TOL
     prompt = ids[:20]
     g = generate(m, prompt, max_new_tokens=64, temperature=0, mode="cache")
     with torch.no_grad():
@@ -300,7 +303,7 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     # logits
     ours = m.logits(np.array([ids[:64]]))[0, 0]
     theirs = hf_logits(hf, ids[:64])
-    assert rel_err(ours, theirs) <= 1e-5
+    assert rel_err(ours, theirs) <= LOGITS_TOL
     # loss gradients: ours by hand vs torch autograd
     batch = np.array([ids, ours_ids[70:135]])
     loss, _, grads = m.loss_and_grads(batch)
@@ -314,13 +317,13 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     from nanoeuler.interop.hf import hf_names
     for ours_name, theirs_name in hf_names(cfg.n_layers).items():
         if ours_name == "embed.weight":
-            mine = grads["embed.weight"] + (grads["heads.0.weight"] if tied else 0)
-            assert rel_err(mine, g[theirs_name]) <= 1e-5
+            assert rel_err(grads["embed.weight"], g[theirs_name]) <= GRAD_TOL  # tied: both uses, one matrix
         elif ours_name == "heads.0.weight":
+            assert (ours_name in grads) == (not tied)
             if not tied:
-                assert rel_err(grads[ours_name], g[theirs_name]) <= 1e-5
+                assert rel_err(grads[ours_name], g[theirs_name]) <= GRAD_TOL
         else:
-            assert rel_err(grads[ours_name], g[theirs_name]) <= 1e-5, ours_name
+            assert rel_err(grads[ours_name], g[theirs_name]) <= GRAD_TOL, ours_name
 
 
 @pytest.mark.parametrize("style", ["gpt2", "smollm", "llama3", "qwen2"])
@@ -371,7 +374,7 @@ def test_shuffled_vocabulary_keeps_its_ids_through_import_and_export(shuffled, c
         assert tok.encode_array(text, allow_special=True, add_bos=True).tolist() == with_bos
     assert tok.encode("a b") == at("a b", add_special_tokens=False)["input_ids"] != tok.encode("a b", add_bos=True)
     ids = at(texts[0])["input_ids"][:64]
-    assert rel_err(m.logits(np.array([ids]))[0, 0], hf_logits(hf, ids)) <= 1e-5
+    assert rel_err(m.logits(np.array([ids]))[0, 0], hf_logits(hf, ids)) <= LOGITS_TOL
     # export -> transformers: the same ids, the same logits
     assert main(["export", "--ckpt", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"),
                  "--no-progress"]) == 0
@@ -535,6 +538,16 @@ def edit_config(d, **changes):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(model_type="bert", architectures=["BertModel"]), "model_type"),
     (dict(intermediate_size=50), "shape"),
+    (dict(max_position_embeddings=0), "ctx_len"),                   # was: a 2048 context
+    (dict(num_key_value_heads=0), "n_kv_heads"),                    # was: as many as the query heads
+    (dict(rms_norm_eps=0), "norm_eps"),
+    (dict(num_hidden_layers=-1), "n_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(max_position_embeddings=1e400), "ctx_len"),
+    (dict(model_type="mistral"), "model_type 'mistral'"),          # architectures still says LlamaForCausalLM
+    (dict(model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+    (dict(architectures=["LlamaForCausalLM", "BertModel"]), "BertModel"),
+    (dict(architectures="LlamaForCausalLM"), "architectures"),
 ])
 def test_unsupported_config_fields_are_one_line_errors(hf_folders, tmp_path, capsys, change, needle):
     d = tmp_path / "m"
@@ -580,6 +593,12 @@ def break_folder(d, how):
         else:
             t["pre_tokenizer"] = {"type": "Whitespace"}
         (d / "tokenizer.json").write_text(json.dumps(t))
+    elif how.startswith("split "):   # a Split + ByteLevel pre-tokenizer with this regex
+        t = json.loads((d / "tokenizer.json").read_text())
+        t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": how[6:]}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+        (d / "tokenizer.json").write_text(json.dumps(t))
     elif how == "pickle weights":
         for f in d.glob("model*.safetensors*"):
             f.unlink()
@@ -593,6 +612,9 @@ def break_folder(d, how):
     ("wrong dtype", "dtype I32"), ("sentencepiece", "SentencePiece"), ("byte_fallback", "byte_fallback"),
     ("normalizer", "normalizer"), ("pre_tokenizer", "pre_tokenizer Whitespace"), ("pickle weights", "safetensors"),
     ("not a model", "config.json"),
+    ("split (", "bad pre-tokenization pattern"),                   # was: a traceback from `regex`
+    (r"split \p{L}+", "drops characters"),                          # was: imported, then refused by every load
+    (r"split (?:a|aa)+$|\s+|(?s:.)", "backtracks"),
 ])
 def test_broken_folders_are_one_line_errors(hf_folders, tmp_path, capsys, how, needle):
     d = tmp_path / "m"

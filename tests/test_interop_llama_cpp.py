@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
+from gguf_fixtures import train_briefly
 from nanoeuler import Model, Tokenizer
 from nanoeuler.checkpoint import load_tokenizer
 from nanoeuler.data.corpus import bundled_split, bundled_works
@@ -29,14 +30,7 @@ def tiny_trained(tmp_path_factory):
     works = bundled_works()
     tok = Tokenizer.train([works["hamlet"]], 400, progress=False)
     cfg = Config(vocab_size=400, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=128, ffn_hidden=128, n_mtp=2)
-    m = Model.init(cfg, seed=0)
-    ids = np.array(tok.encode(works["hamlet"][:40000]))
-    rng = np.random.default_rng(0)
-    for _ in range(30):
-        starts = rng.integers(0, len(ids) - 70, 8)
-        _, _, grads = m.loss_and_grads(np.stack([ids[i:i + 66] for i in starts]))
-        for n in m.params:
-            m.params[n] -= 0.5 * grads[n]
+    m = train_briefly(Model.init(cfg, seed=0), tok, 30, 0.5, 66)
     d = tmp_path_factory.mktemp("tiny") / "run"
     m.save(d, tok)
     return d

@@ -54,14 +54,14 @@ def test_loss_at_init_is_near_log_vocab():
     TINY.replace(n_mtp=1, n_layers=1),   # no MTP
 ])
 def test_whole_model_gradient_check(config):
-    rows = check_model(seed=2, n_samples=6, config=config)
+    rows = check_model(seed=2, n_samples=16, config=config)
     assert len(rows) == len(config.param_shapes())
     for row in rows:
         assert row.max_rel_error < TOLERANCE, row
 
 
 def test_whole_model_gradient_check_with_dropout():
-    rows = check_model(seed=3, n_samples=6, config=TINY, dropout=0.3)
+    rows = check_model(seed=3, n_samples=16, config=TINY, dropout=0.3)
     assert len(rows) == len(TINY.param_shapes()) and all(r.name.startswith("dropout 0.3: ") for r in rows)
     for row in rows:
         assert row.max_rel_error < TOLERANCE, row
@@ -145,3 +145,13 @@ def test_checkpoint_defects_are_clear_errors(tmp_path):
     (run / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         Model.load(run)
+
+
+def test_the_gradient_check_takes_every_small_tensor_whole_and_the_extremes_of_a_large_one():
+    from nanoeuler.check import EXTREMES, sample_indices
+    rng = np.random.default_rng(0)
+    assert sample_indices(rng, np.arange(20.0), 12).tolist() == list(range(20))      # 20 <= 12 + 2·4
+    g = rng.standard_normal(1000)
+    idx = sample_indices(rng, g, 12)
+    order = np.argsort(g)
+    assert set(order[:EXTREMES]) | set(order[-EXTREMES:]) <= set(idx.tolist()) and 12 < len(idx) <= 12 + 2 * EXTREMES

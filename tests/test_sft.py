@@ -187,12 +187,41 @@ def test_sft_cli_trains_and_resumes(tmp_path, tok, capsys):
     assert main(["sft-eval", "--ckpt", str(tmp_path / "a"), "--data", str(tmp_path / "val.json"), "--limit", "3",
                  "--max-new-tokens", "4", "--no-progress", "--json"]) == 0
     scored = json.loads(capsys.readouterr().out)
-    assert scored["n"] == 3 and 0 <= scored["in_format"] <= 1 and 0 <= scored["accuracy"] <= scored["lenient_accuracy"] + 1
+    assert scored["n"] == 3 and 0 <= scored["in_format"] <= 1 and 0 <= scored["accuracy"] <= scored["lenient_accuracy"] <= 1
     assert main(["sft-data", "--out", str(tmp_path / "offline"), "--n-train", "20", "--n-heldout", "5"]) == 0
     assert len(load_examples(tmp_path / "offline" / "offline_heldout.json")[0]) == 5
     capsys.readouterr()
     assert main(["sft", "--base", str(tmp_path / "missing"), "--data", str(data), "--out", str(tmp_path / "c")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypatch):
+    """Canned greedy answers with known verdicts: correct (in format and equal), right but never stopped (lenient
+    only), right first line then more (lenient only), wrong, a new ### section, and an unscored task."""
+    from types import SimpleNamespace
+
+    from nanoeuler import generate as gen
+    from nanoeuler.sft import score_answers
+    answers = iter([(" Hamlet.", True), ("Hamlet", False), ("hamlet\nand more", False), ("Macbeth", True),
+                    ("Hamlet\n### Instruction:", True), ("Hamlet", True)])
+
+    def canned(model, ids, **kw):
+        text, stopped = next(answers)
+        return SimpleNamespace(ids=tok.encode(text), stopped=stopped, drafted=4, accepted=1)
+
+    monkeypatch.setattr(gen, "generate", canned)
+    monkeypatch.setattr(gen, "fuse_weights", lambda cfg, params: None)
+    records = [{"instruction": "Which play?", "input": "", "output": "Hamlet", "task": "play"}] * 5 + \
+              [{"instruction": "Go on.", "input": "", "output": "Hamlet", "task": "continue"}]
+    model = Model.init(Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=64,
+                              ffn_hidden=32, n_mtp=1), seed=0)
+    got = score_answers(model, tok, records, progress=False)
+    assert [(x["in_format"], x["correct"], x["lenient"]) for x in got["examples"]] == [
+        (True, True, True), (False, False, True), (False, False, True), (True, False, False),
+        (False, False, True), (True, True, True)]
+    assert got["n"] == 6 and got["in_format"] == pytest.approx(3 / 6)
+    assert got["accuracy"] == pytest.approx(1 / 5) and got["lenient_accuracy"] == pytest.approx(4 / 5)  # "continue" unscored
+    assert got["per_task"]["continue"]["accuracy"] == 1.0 and got["draft_acceptance"] == pytest.approx(0.25)
 
 
 def test_normalize_answers():

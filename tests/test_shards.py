@@ -152,7 +152,9 @@ def test_rerun_replaces_old_shards(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", ["x" * 50] * 20)
     prepare([a], ByteTok(), tmp_path / "d", processes=1, shard_tokens=64, progress=False)
     n_old = len(list((tmp_path / "d").glob("train_*.npy")))
-    prepare([a], ByteTok(), tmp_path / "d", processes=1, shard_tokens=10_000, progress=False)
+    with pytest.raises(UserError, match="already holds token shards"):   # an existing output needs force
+        prepare([a], ByteTok(), tmp_path / "d", processes=1, shard_tokens=10_000, progress=False)
+    prepare([a], ByteTok(), tmp_path / "d", processes=1, shard_tokens=10_000, progress=False, force=True)
     assert n_old > 1 and len(list((tmp_path / "d").glob("train_*.npy"))) == 1
     assert not list((tmp_path / "d").glob(".*partial"))
     TokenShards(tmp_path / "d", "train")

@@ -33,7 +33,8 @@ CONFIGS = {
     "mha": SMALL.replace(n_kv_heads=SMALL.n_heads),  # n_kv_heads == n_heads
     "k1": SMALL.replace(n_mtp=1),                   # a single head
 }
-TOL = {np.float32: 1e-5, np.float64: 1e-10}
+TOL = {np.float32: 1e-5, np.float64: 1e-10}        # the losses
+ENTRY_TOL = {np.float32: 5e-4, np.float64: 1e-10}  # every entry of the logits and gradients (conftest.rel_err)
 B, T = 2, 32
 TINY = 1e-30
 
@@ -126,8 +127,8 @@ def case_inputs(name, case, dtype):
 def test_parity_with_torch(name, case, dtype):
     config, params, tokens, mask = case_inputs(name, case, dtype)
     errs = compare(config, params, dtype, tokens, mask)
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"{name}/{case}/{np.dtype(dtype)}: over {TOL[dtype]:g}: {bad}"
+    bad = {k: v for k, v in errs.items() if not v <= (TOL if k.endswith("loss") or k == "objective" else ENTRY_TOL)[dtype]}
+    assert not bad, f"{name}/{case}/{np.dtype(dtype)}: over {TOL[dtype]:g} / {ENTRY_TOL[dtype]:g}: {bad}"
 
 
 EXTRA = {
@@ -144,8 +145,8 @@ def test_parity_with_torch_extra(name, dtype):
     config, b, t = EXTRA[name]
     params = random_params(config, 4, dtype)
     errs = compare(config, params, dtype, make_tokens(config, 5, b, t), make_mask(config, 6, b, t))
-    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
-    assert not bad, f"{name}/{np.dtype(dtype)}: over {TOL[dtype]:g}: {bad}"
+    bad = {k: v for k, v in errs.items() if not v <= (TOL if k.endswith("loss") or k == "objective" else ENTRY_TOL)[dtype]}
+    assert not bad, f"{name}/{np.dtype(dtype)}: over {TOL[dtype]:g} / {ENTRY_TOL[dtype]:g}: {bad}"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
@@ -160,7 +161,7 @@ def test_dropout_parity_with_torch(dtype):
     h0, obj, grads = ours(config, params).loss_and_grads(tokens, mask, dropout=drop)
     th0, tobj, tgrads = TorchModel(config, params).loss_and_grads(tokens, mask, dropout_masks=masks)
     assert abs(obj - tobj) <= TOL[dtype] * abs(tobj) and abs(h0 - th0) <= TOL[dtype] * abs(th0)
-    bad = {n: rel_err(grads[n], tgrads[n]) for n in tgrads if not rel_err(grads[n], tgrads[n]) <= TOL[dtype]}
+    bad = {n: rel_err(grads[n], tgrads[n]) for n in tgrads if not rel_err(grads[n], tgrads[n]) <= ENTRY_TOL[dtype]}
     assert not bad
     assert abs(obj - ours(config, params).loss_and_grads(tokens, mask)[1]) > 1e-3  # the masks matter
 

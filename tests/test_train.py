@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from nanoeuler import UserError
-from nanoeuler.optim import lr_schedule
+from nanoeuler.optim import AdamW, clip_grad_norm, lr_schedule
 from nanoeuler.train import TrainingDiverged
 
 from train_fixtures import run
@@ -62,10 +62,43 @@ def test_stop_after_then_resume_is_bitwise_identical(tmp_path):
 
 
 def test_grad_accum_and_masks_resume_exactly(tmp_path):
-    run(tmp_path / "a", steps=6, grad_accum=2)
-    run(tmp_path / "b", steps=6, grad_accum=2, stop_after=3)
-    run(tmp_path / "b", steps=6, grad_accum=2, resume=True)
+    """With a loss mask (30 % of the targets off) and 2 micro-batches: weights, AdamW moments and trainer state
+    of a run stopped and resumed are the bits of the straight run; the mask is really in effect."""
+    run(tmp_path / "a", steps=6, grad_accum=2, mask_fraction=0.3)
+    run(tmp_path / "b", steps=6, grad_accum=2, mask_fraction=0.3, stop_after=3)
+    run(tmp_path / "b", steps=6, grad_accum=2, mask_fraction=0.3, resume=True)
     _assert_identical_runs(tmp_path / "a", tmp_path / "b")
+    run(tmp_path / "unmasked", steps=6, grad_accum=2, mask_fraction=1e-12)  # the same draws, every target kept
+    ma, mu = (load_file(str(tmp_path / r / "optimizer.safetensors")) for r in ("a", "unmasked"))
+    assert not np.array_equal(ma["m.embed.weight"], mu["m.embed.weight"])
+
+
+def test_clip_grad_norm_scales_to_the_limit_and_returns_the_norm_before():
+    g = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]])}                 # global norm 5
+    assert clip_grad_norm(g, 1.0) == 5.0
+    assert np.sqrt(sum(float(np.vdot(x, x)) for x in g.values())) == pytest.approx(1.0, rel=1e-5)
+    assert np.allclose(g["a"], [0.6, 0.0], rtol=1e-5) and np.allclose(g["b"], [[0.8]], rtol=1e-5)
+    small = {"a": np.array([0.3, 0.4])}
+    assert clip_grad_norm(small, 1.0) == pytest.approx(0.5) and np.array_equal(small["a"], [0.3, 0.4])
+    big = {"a": np.array([30.0, 40.0])}
+    assert clip_grad_norm(big, 0.0) == 50.0 and np.array_equal(big["a"], [30.0, 40.0])  # 0: no clipping
+
+
+def test_the_training_loop_clips_the_gradient_before_adamw(tmp_path, monkeypatch):
+    """One process: every gradient AdamW receives has global norm <= --grad-clip, and the clip was needed
+    (the log's grad_norm, taken before clipping, is above it)."""
+    seen = []
+    real = AdamW.step
+
+    def recording(self, params, grads, lr=None):
+        seen.append(float(np.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))))
+        return real(self, params, grads, lr=lr)
+
+    monkeypatch.setattr(AdamW, "step", recording)
+    run(tmp_path / "run", steps=4, grad_clip=0.05)
+    logged = [json.loads(line)["grad_norm"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert len(seen) == 4 and min(logged) > 0.05
+    assert max(seen) <= 0.05 * (1 + 1e-5), seen
 
 
 def test_dropout_run_resumes_exactly_and_differs_from_no_dropout(tmp_path):
@@ -177,3 +210,43 @@ def _resume_with_lr(out):
     from train_fixtures import SyntheticSource
     tcfg = TrainConfig(steps=10, batch_size=4, lr=5e-3, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
     run_training(Model.load(out), None, SyntheticSource(), out, tcfg, resume=True, progress=False)
+
+
+def test_the_log_is_never_written_through_a_link(tmp_path):
+    """A log.jsonl in --out that links to a file elsewhere: training (fresh or resumed) refuses with one line
+    and the file elsewhere keeps its bytes (it was appended to, then read back as JSON: a crash)."""
+    from conftest import snapshot
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("my own notes, not JSON\n")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "log.jsonl").symlink_to(outside / "notes.txt")
+    before = snapshot(outside)
+    with pytest.raises(UserError, match="link"):
+        run(fresh, steps=4)
+    run(tmp_path / "resumed", steps=4, stop_after=2)
+    (tmp_path / "resumed" / "log.jsonl").unlink()
+    (tmp_path / "resumed" / "log.jsonl").symlink_to(outside / "notes.txt")
+    with pytest.raises(UserError, match="link"):
+        run(tmp_path / "resumed", steps=4, resume=True)
+    assert snapshot(outside) == before
+
+
+def test_a_new_run_never_replaces_files_it_did_not_write(tmp_path):
+    """--out holding a checkpoint without a run (an import, say): a new run refuses instead of replacing
+    its model.safetensors; a directory left by a run that never saved (its log only) is taken, log reset."""
+    from conftest import snapshot
+    from nanoeuler import Model
+    from train_fixtures import TINY
+    imported = tmp_path / "imported"
+    Model.init(TINY, seed=1).save(imported)
+    before = snapshot(imported)
+    with pytest.raises(UserError, match="not a training run"):
+        run(imported, steps=2)
+    assert snapshot(imported) == before
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    run(crashed, steps=2)
+    assert [r["step"] for r in map(json.loads, (crashed / "log.jsonl").read_text().splitlines())] == [1, 2]

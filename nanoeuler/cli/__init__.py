@@ -32,10 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if any("\x00" in str(a) for a in argv):     # no path or value holds one (a caller's, not a shell's, mistake)
+        say("error: an argument holds a NUL character")
+        return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:         # --help, or a bad flag (one line, see args.OneLineParser): its exit code
         return e.code if isinstance(e.code, int) else 2
+    except OSError as e:            # a path a flag's check could not even look at (a name too long, ...)
+        say(f"error: {e.strerror or e}{f' ({e.filename})' if getattr(e, 'filename', None) else ''}")
+        return 2
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -149,6 +149,13 @@ def _check_parents(p: Path) -> None:
             return
 
 
+def add_template_arg(p) -> None:
+    """--chat-template FILE (chat, serve, sft, dpo): a Jinja chat template instead of the checkpoint's."""
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (transformers' format) to use instead of the checkpoint's own "
+                        "(default: the checkpoint's, else the SPEC Alpaca template)")
+
+
 def escape_control(text: str) -> str:
     """Make model output safe for a terminal: control characters (ESC, BEL, NUL, DEL, C1, ...) become
     visible escapes; newline and tab stay. escape_control("a\\x1b[2Jb\\n") -> 'a\\\\x1b[2Jb\\n'."""

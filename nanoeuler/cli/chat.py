@@ -1,8 +1,9 @@
 """`nanoeuler chat --ckpt RUN`: a REPL around an instruction-tuned model.
 
-Each line you type becomes the instruction of the SPEC template (sft.render); the reply streams until
-</s>. Earlier turns (prompt + reply + </s>, exactly as in packed SFT rows) stay in front of the new
-prompt while they fit the context, oldest dropped first. Commands:
+Each line you type is a user message; the conversation is rendered with the checkpoint's chat template
+(chat_template.py: the model's own, e.g. ChatML, or ours, the SPEC Alpaca template) and the reply streams
+until an end-of-turn / eos token (not shown). Earlier turns stay while they fit the context, oldest dropped
+first. Commands:
 
     /reset        forget the conversation         /temp X    set the temperature (0 = greedy)
     /topk N       sample from the N most likely   /tokens    how the last reply was tokenized
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from .args import escape_control
+from .args import add_template_arg, escape_control
 from .sample import add_sampling_args, check_sampling_args, check_temperature, decoding_model
 
 HELP = """commands:
@@ -26,10 +27,13 @@ HELP = """commands:
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="talk to an instruction-tuned checkpoint (REPL)",
-                       description="A read-eval-print loop: each line is wrapped in the Alpaca template and the "
-                                   "reply streams until </s>. Earlier turns are kept while they fit the context. "
+                       description="A read-eval-print loop: each line is a user message, the conversation is "
+                                   "rendered with the checkpoint's chat template (its own, e.g. ChatML for an "
+                                   "imported instruct model, else the SPEC Alpaca template) and the reply streams "
+                                   "until an end-of-turn token. Earlier turns are kept while they fit the context. "
                                    "Type /help for the commands; Ctrl-D exits.")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (an SFT run)")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (an SFT run or an imported instruct model)")
+    add_template_arg(p)
     add_sampling_args(p, temperature=0.7, max_new=128)
     p.set_defaults(run=run)
 
@@ -45,32 +49,33 @@ class Chat:
         self.speculative = speculative
         self.replay = seed is not None  # a seeded chat replays the same text: its sampling stays plain
         self.rng = np.random.default_rng(seed)
-        self.turns: list[list[int]] = []  # ids of each finished turn: prompt + reply + </s>
+        self.messages: list[dict] = []  # the conversation so far ({"role", "content"}), rendered anew each turn
         self.last_reply: list[int] = []
         self.last_stopped = False
         self.dropped_turns = 0
+        self.cut = 0
         self.fused = None  # the model's inference layout, made at the first reply and kept (the model never changes)
 
-    def context(self, prompt_ids: list[int]) -> list[int]:
-        """Earlier turns (newest kept first) + the new prompt. Earlier turns must leave room for a reply
-        (min(max_new_tokens, ctx/4) tokens); the oldest that do not fit are dropped. A prompt that alone
-        leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs)."""
+    def context(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of messages (the conversation, its last message the new one). While earlier turns
+        leave no room for a reply (min(max_new_tokens, ctx/4) tokens) the oldest exchange (a user message
+        and what follows it up to the next one; system messages stay) is removed from messages. A prompt that
+        alone leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs)."""
+        from ..chat_template import prompt_ids
         ctx = self.model.config.ctx_len
-        limit = ctx - min(self.max_new, 8)
-        if len(prompt_ids) > limit:
-            self.turns.clear()
-            return prompt_ids[len(prompt_ids) - limit:]
-        budget = ctx - min(self.max_new, ctx // 4)
-        keep = 0
-        used = len(prompt_ids)
-        for turn in reversed(self.turns):
-            if used + len(turn) > budget:
+        limit, budget = ctx - min(self.max_new, 8), ctx - min(self.max_new, ctx // 4)
+        while True:
+            ids = prompt_ids(self.tok, messages)
+            turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+            if len(ids) <= budget or not turns:
                 break
-            used += len(turn)
-            keep += 1
-        self.dropped_turns += len(self.turns) - keep
-        del self.turns[:len(self.turns) - keep]
-        return [t for turn in self.turns for t in turn] + prompt_ids
+            later = [i for i in turns[1:] if messages[i]["role"] == "user"]
+            gone = set(range(turns[0], later[0] if later else len(messages) - 1)) - \
+                {i for i, m in enumerate(messages) if m["role"] == "system"}
+            messages[:] = [m for i, m in enumerate(messages) if i not in gone]
+            self.dropped_turns += 1
+        self.cut = max(0, len(ids) - limit)  # prompt tokens left out
+        return ids[self.cut:]
 
     def handle(self, line: str, write) -> None:
         line = line.strip()
@@ -79,19 +84,18 @@ class Chat:
         if line.startswith("/"):
             return self.command(line, write)
         from ..generate import StreamDecoder, fuse_weights, generate
-        from ..sft import render
-        prompt_ids, _ = render(self.tok, line)
-        n_turns = len(self.turns)
-        ids = self.context(prompt_ids)
-        if len(ids) < len(prompt_ids):
+        messages = self.messages + [{"role": "user", "content": line}]
+        dropped = self.dropped_turns
+        ids = self.context(messages)
+        if self.cut:
             write(f"(your message is longer than the context: kept its last {len(ids)} tokens)\n")
-        elif len(self.turns) < n_turns:
-            write(f"(dropped the {n_turns - len(self.turns)} oldest turn(s) to fit the context)\n")
+        elif self.dropped_turns > dropped:
+            write(f"(dropped the {self.dropped_turns - dropped} oldest turn(s) to fit the context)\n")
         dec = StreamDecoder(self.tok)
-        eos = self.tok.eos_id
+        stops = self.tok.stop_ids
 
         def stream(token):
-            if token != eos:
+            if token not in stops:
                 write(escape_control(dec.feed(token)))
         speculate = self.speculative and (self.temperature == 0 or not self.replay)
         seed = int(self.rng.integers(2**31))
@@ -99,7 +103,7 @@ class Chat:
             if self.fused is None:
                 self.fused = fuse_weights(self.model.config, self.model.params)
             g = generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
-                         stop_ids=[eos], mode="speculative" if speculate else "cache",
+                         stop_ids=stops, mode="speculative" if speculate else "cache",
                          on_token=stream, fused=self.fused)
             reply, self.last_stopped = g.ids, g.stopped
             note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"
@@ -107,7 +111,7 @@ class Chat:
             reply, note, self.last_stopped = [], "  [interrupted]", False
         write(escape_control(dec.flush()) + note + "\n")
         self.last_reply = reply
-        self.turns.append(prompt_ids + reply + [eos])
+        self.messages = messages + [{"role": "assistant", "content": self.tok.decode(reply)}]
 
     def command(self, line: str, write) -> None:
         name, _, arg = line.partition(" ")
@@ -115,7 +119,7 @@ class Chat:
         if name == "/help":
             write(HELP + "\n")
         elif name == "/reset":
-            self.turns.clear()
+            self.messages.clear()
             self.last_reply = []
             write("(conversation cleared)\n")
         elif name == "/temp":
@@ -149,8 +153,10 @@ def run(args) -> int:
     from ..checkpoint import check_vocab, load_tokenizer
     from ..model import Model
     check_sampling_args(args)
+    from ..chat_template import with_template_file
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     check_vocab(model.config, tok)
+    tok = with_template_file(tok, args.chat_template)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
     chat = Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,

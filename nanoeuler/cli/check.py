@@ -10,9 +10,11 @@ def register(sub) -> None:
                        description="Compare every analytic gradient with fourth-order central finite differences "
                                    "in float64: (a) each op on random inputs, (b) every parameter tensor of a small "
                                    "model with MTP and GQA, without and with dropout, (b') the same for arch gpt2, (c) the DPO loss and response log-probabilities down to every parameter. Prints the max relative error per tensor "
-                                   "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6.")
+                                   "(|a-n| / max(|a|, |n|, 1e-6)) and fails if any exceeds 1e-6. A tensor of at most --samples + 8 "
+                                   "entries is checked whole; a larger one at --samples random entries plus its 4 "
+                                   "largest and 4 most negative gradient entries.")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where to run the model (default cpu)")
-    p.add_argument("--samples", type=int, default=48, help="entries checked per parameter tensor (default 48)")
+    p.add_argument("--samples", type=int, default=48, help="random entries checked per larger parameter tensor, besides its 8 extreme ones (default 48)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)

@@ -57,6 +57,8 @@ def run(args) -> int:
     from ..errors import UserError
 
     from ..data.download import check_url
+    from ..fileio import check_real_dir
+    check_real_dir(args.out)             # downloads resume into an existing --out, never through a link
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
     if args.mirror:

@@ -41,9 +41,11 @@ def run(args) -> int:
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, TrainConfig, evaluate, run_training
     from .sample import StdoutStream
-    from .train import ensure_bundled_data
+    from ..fileio import check_apart, check_real_dir
+    from .train import BUNDLED_DATA, ensure_bundled_data
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
+    check_apart(out, [BUNDLED_DATA])
     steps = args.steps
     if type(steps) is not int or steps < 1:    # argparse refuses 0 already; this guards direct callers
         raise UserError("--steps must be an integer >= 1")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .train import add_dist_arguments, add_hyperparameters, data_parallel, train_config_from_args
 
-# Measured on the offline set (notes/closing-stop11.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
+# Measured on the offline set (docs/benchmarks.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
 DPO_DEFAULTS = dict(steps=300, batch_size=16, lr=3e-4, warmup=10, weight_decay=0.0, eval_every=50,
                     eval_batches=0, ckpt_every=100)
@@ -51,6 +51,8 @@ def register(sub) -> None:
     add_hyperparameters(p, dropout=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    from .args import add_template_arg
+    add_template_arg(p)
     add_dist_arguments(p)
     p.set_defaults(run=data_parallel(run_dpo))
 
@@ -82,6 +84,7 @@ def register(sub) -> None:
                         "it becomes the rejected response (held-out pairs stay as built); only questions that fit "
                         "this model's context whole are kept")
     d.add_argument("--n-train", type=int, default=0, help="keep only the first N training pairs (0 = all)")
+    d.add_argument("--force", action="store_true", help="replace existing output files")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=run_data)
@@ -92,11 +95,13 @@ def run_dpo(args) -> int:
     from ..dpo import run_dpo as train_dpo
     from ..dpo_data import pair_records, tokenize_pairs
     from ..errors import UserError
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import fits_context
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
     sft = args.sft
+    check_apart(out, [sft, *(p for p in (args.data, args.val) if p not in (None, "offline"))])
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)
         state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
@@ -115,6 +120,8 @@ def run_dpo(args) -> int:
         tcfg = train_config_from_args(args, DPO_DEFAULTS)
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
+    from ..chat_template import with_template_file
+    tok = with_template_file(tok, args.chat_template)
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))
     train_t, held_t = tokenize_pairs(tok, train, ctx), tokenize_pairs(tok, held, ctx)
@@ -201,9 +208,11 @@ def run_eval(args) -> int:
 def run_data(args) -> int:
     from ..dpo_data import model_negatives, offline_pairs
     from ..errors import UserError
-    from ..fileio import atomic_write_text
+    from ..fileio import atomic_write_text, check_output_files
     if args.n_train < 0:
         raise UserError("--n-train must be >= 0")
+    names = ("pairs_train.jsonl", "pairs_heldout.jsonl")
+    out = check_output_files(args.out, names, args.force, inputs=[args.from_model])
     replaced = 0
     if args.from_model:
         from ..checkpoint import load_tokenizer
@@ -218,10 +227,9 @@ def run_data(args) -> int:
         train, held = offline_pairs()
         if args.n_train:
             train = train[:args.n_train]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = []
-    for name, pairs in (("pairs_train.jsonl", train), ("pairs_heldout.jsonl", held)):
+    for name, pairs in zip(names, (train, held)):
         atomic_write_text(out / name, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
         files.append(str(out / name))
     if args.json:

@@ -35,21 +35,50 @@ def resolve_config(target: str):
     raise UserError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
 
 
+def source_of(target: str) -> dict | None:
+    """A checkpoint's source.json (written by `import` of a GGUF file: each tensor's type there), else None."""
+    from ..interop.gguf_import import SOURCE_FILE
+    path = Path(target)
+    if not (path.is_dir() and (path / SOURCE_FILE).is_file()):
+        return None
+    from ..checkpoint import member, read_journal, read_json
+    from ..errors import UserError
+    src = read_json(member(path, SOURCE_FILE, read_journal(path)), "checkpoint source")
+    if not (isinstance(src, dict) and isinstance(src.get("tensor_types"), dict)):
+        raise UserError(f"{path / SOURCE_FILE}: no \"tensor_types\" object")
+    return src
+
+
+def source_lines(src: dict, n_params: int) -> list[str]:
+    """{"tensor_types": {name: "Q8_0", ...}, ...} -> 'Q8_0 x14, F32 x5' and the memory lines."""
+    from collections import Counter
+    counts = Counter(map(str, src["tensor_types"].values()))
+    lines = [f"{'source':<12} {src.get('format')} {src.get('file')}: "
+             + ", ".join(f"{t} x{n}" for t, n in counts.most_common()) + " tensors"]
+    if isinstance(src.get("file_tensor_bytes"), int):
+        lines.append(f"{'file':<12} {src['file_tensor_bytes'] / 2**20:10.1f} MiB of tensors in the source file")
+    lines.append(f"{'weights':<12} {4 * n_params / 2**20:10.1f} MiB in memory (float32)")
+    return lines
+
+
 def run(args) -> int:
     from ..errors import UserError
     from ..memory import training_memory
     cfg = resolve_config(args.target)
+    src = source_of(args.target)
     T = args.ctx or cfg.ctx_len
     if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
     mem = training_memory(cfg, args.batch, T)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "n_params": cfg.n_params(), "batch": args.batch, "ctx": T,
-                          "memory_bytes": mem}))
+                          "memory_bytes": mem, **({"source": src} if src else {})}))
         return 0
     for k, v in cfg.to_dict().items():
         print(f"{k:<12} {v}")
     print(f"{'params':<12} {cfg.n_params():,}")
+    for line in source_lines(src, cfg.n_params()) if src else []:
+        print(line)
     print(f"training step memory at batch {args.batch} x ctx {T} (float32):")
     for k, v in mem.items():
         print(f"  {k:<12} {v / 2**20:10.1f} MiB")

@@ -1,5 +1,5 @@
 """`nanoeuler export` (to Hugging Face transformers or GGUF for llama.cpp) and `nanoeuler import`
-(a Hugging Face Llama-architecture folder -> a checkpoint). See nanoeuler/interop/."""
+(a Hugging Face folder or a GGUF file -> a checkpoint). See nanoeuler/interop/."""
 from __future__ import annotations
 
 import json
@@ -25,14 +25,16 @@ def register(sub) -> None:
     e.set_defaults(run=run_export)
 
     i = sub.add_parser(
-        "import", help="import a Hugging Face Llama-architecture folder as a checkpoint",
-        description="Import a Hugging Face model folder (config.json of a LlamaForCausalLM, model.safetensors or "
-                    "shards with model.safetensors.index.json, a byte-level BPE tokenizer.json) as a nanoeuler "
-                    "checkpoint that sample, chat, sft, dpo and eval use unchanged. Token ids are renumbered to "
-                    "our tokenizer's order (embedding and head rows permuted alike). Unsupported features "
-                    "(rope_scaling, biases, sliding window, head_dim != hidden/heads, SentencePiece) are refused "
+        "import", help="import a Hugging Face folder or a GGUF file (quantized included) as a checkpoint",
+        description="Import a Hugging Face model folder (config.json of a LlamaForCausalLM or GPT2LMHeadModel, "
+                    "model.safetensors or shards with model.safetensors.index.json, a byte-level BPE tokenizer) "
+                    "or a GGUF file (architecture llama or gpt2; any tensor type the gguf package dequantizes: "
+                    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K; the type of each tensor is kept in the "
+                    "checkpoint's source.json) as a nanoeuler checkpoint that sample, chat, serve, sft, dpo and "
+                    "eval use unchanged. The model's token ids and chat template are kept. Unsupported features "
+                    "(rope scaling, biases, sliding window, head_dim != hidden/heads, SentencePiece) are refused "
                     "by name. An existing --out is refused unless --force.")
-    i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder")
+    i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder or .gguf file")
     i.add_argument("--out", required=True, help="checkpoint directory to create")
     i.add_argument("--mtp", type=int, default=None,
                    help="number K of MTP heads; heads 1..K-1 start as copies of head 0 unless the folder has them "
@@ -45,7 +47,9 @@ def register(sub) -> None:
 
 def run_export(args) -> int:
     from ..checkpoint import load_tokenizer
+    from ..interop.outputs import check_free
     from ..model import Model
+    check_free(args.out, args.force, inputs=[args.ckpt])    # before anything is read: never over the checkpoint
     model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
     tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":
@@ -65,8 +69,14 @@ def run_export(args) -> int:
 
 
 def run_import(args) -> int:
-    from ..interop.importer import import_folder
-    cfg, params, tok = import_folder(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
+    from pathlib import Path
+    from ..interop.outputs import check_free
+    check_free(args.out, args.force, inputs=[args.src])
+    if Path(args.src).is_file():
+        from ..interop.gguf_import import import_gguf as import_model
+    else:
+        from ..interop.importer import import_folder as import_model
+    cfg, params, tok = import_model(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),
                           "tokenizer": {"vocab_size": tok.vocab_size, "merges": len(tok.merges),

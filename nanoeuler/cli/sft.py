@@ -22,8 +22,10 @@ SFT_DEFAULTS = dict(steps=1500, batch_size=16, lr=2e-3, warmup=50, weight_decay=
 def register(sub) -> None:
     p = sub.add_parser(
         "sft", help="supervised fine-tuning on instructions (loss on the response only)",
-        description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the SPEC "
-                    "template; the loss covers only the response and its </s>. Examples are packed back to back "
+        description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the "
+                    "checkpoint's chat template (its own, e.g. ChatML for an imported model, else the SPEC Alpaca "
+                    "template; --chat-template FILE overrides it and the fine-tuned model keeps it); the loss "
+                    "covers exactly the response and its end-of-turn token. Examples are packed back to back "
                     "into rows of the context (--no-pack: one per row); longer ones are truncated or dropped and "
                     "counted. A batch with no trainable position is skipped and counted. Checkpoints and "
                     "--resume work as in `nanoeuler train`.")
@@ -39,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps")
     p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
+    from .args import add_template_arg
+    add_template_arg(p)
     add_hyperparameters(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -65,6 +69,7 @@ def register(sub) -> None:
     d.add_argument("--out", default="data/sft", help="output directory (default data/sft)")
     d.add_argument("--n-train", type=int, default=6000)
     d.add_argument("--n-heldout", type=int, default=400)
+    d.add_argument("--force", action="store_true", help="replace existing output files")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=run_data)
 
@@ -99,11 +104,13 @@ def sft_records(data: str, val: str | None, tok, ctx: int):
 def run_sft(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..sft import SFTSource
     from ..train import run_training
 
-    out = Path(args.out)
+    out = check_real_dir(args.out)
+    check_apart(out, [args.base, None if args.data == "offline" else args.data, args.val])
     if args.resume:
         model, tok = Model.load(out), load_tokenizer(out)
         saved = json.loads((out / "trainer.json").read_text())["train_config"] if (out / "trainer.json").exists() else {}
@@ -113,6 +120,8 @@ def run_sft(args) -> int:
             raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
         model, tok = Model.load(args.base, read_only=True), load_tokenizer(args.base, read_only=True)
         tcfg = train_config_from_args(args, SFT_DEFAULTS)
+    from ..chat_template import with_template_file
+    tok = with_template_file(tok, args.chat_template)
     cfg = model.config
     train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,
@@ -163,13 +172,14 @@ def run_eval(args) -> int:
 
 
 def run_data(args) -> int:
-    from ..fileio import atomic_write_text
+    from ..fileio import atomic_write_text, check_output_files
     from ..sft import offline_instructions
+    files = ("offline_train.json", "offline_heldout.json")
+    out = check_output_files(args.out, files, args.force)
     train, held = offline_instructions(args.n_train, args.n_heldout)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, recs in (("offline_train.json", train), ("offline_heldout.json", held)):
+    for name, recs in zip(files, (train, held)):
         atomic_write_text(out / name, json.dumps(recs, ensure_ascii=False, indent=1) + "\n")
         paths[name] = str(out / name)
     if args.json:

@@ -30,6 +30,7 @@ def register(subparsers) -> None:
     t.add_argument("--text-field", default="text", help="JSON field / parquet column holding the text")
     t.add_argument("--special", action="append", metavar="S", default=None,
                    help="a special token (repeatable; default: </s>)")
+    t.add_argument("--force", action="store_true", help="replace an existing --out (and its .vocab file)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     t.set_defaults(run=run_train)
@@ -51,6 +52,7 @@ def register(subparsers) -> None:
     x.add_argument("--tokenizer", required=True, metavar="T", help="tokenizer.json (or a checkpoint directory)")
     x.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face tokenizers JSON")
     x.add_argument("--out", type=output_file, required=True, metavar="F", help="output file (not a directory)")
+    x.add_argument("--force", action="store_true", help="replace an existing --out")
     x.set_defaults(run=run_export)
 
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
@@ -62,8 +64,15 @@ def run_train(args) -> int:
     import time
     from pathlib import Path
 
+    from ..errors import UserError
+    from ..fileio import check_output
     from ..tokenizer import Tokenizer
 
+    out, vocab_file = Path(args.out), Path(args.out).with_suffix(".vocab")
+    if out == vocab_file:
+        raise UserError(f"--out {out}: the readable vocabulary goes to NAME.vocab beside it; name it otherwise")
+    for path in (out, vocab_file):
+        check_output(path, args.force, inputs=args.files, kind="file")
     specials = tuple(args.special) if args.special else ("</s>",)
     t0 = time.perf_counter()
     if args.files:
@@ -93,7 +102,7 @@ def run_train(args) -> int:
     tok.save(args.out)
     if tok.vocab_size < args.vocab_size:
         print(f"warning: the text only supports {tok.vocab_size} tokens (asked for {args.vocab_size})", file=sys.stderr)
-    summary = {"out": str(args.out), "vocab_file": str(Path(args.out).with_suffix(".vocab")),
+    summary = {"out": str(args.out), "vocab_file": str(vocab_file),
                "vocab_size": tok.vocab_size, "merges": len(tok.merges), "specials": tok.special_tokens,
                "train_bytes": nbytes, "seconds": round(seconds, 3), "fingerprint": tok.fingerprint()}
     if args.json:
@@ -147,9 +156,10 @@ def run_decode(args) -> int:
 def run_export(args) -> int:
     from pathlib import Path
 
-    from ..fileio import atomic_write_text
+    from ..fileio import atomic_write_text, check_output
     from ..tokenizer import Tokenizer
 
+    check_output(args.out, args.force, inputs=[args.tokenizer], kind="file")
     tok = Tokenizer.load(args.tokenizer)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out, tok.to_hf_json())

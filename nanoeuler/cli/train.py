@@ -142,7 +142,7 @@ def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress
         tok = Tokenizer.train((works[n] for n in train_names), vocab_size, progress=progress)
         tok.save(tok_path)
     print(f"preparing token shards of the bundled corpus -> {data_dir}")
-    prepare_bundled(Tokenizer.load(tok_path), data_dir, progress=progress)
+    prepare_bundled(Tokenizer.load(tok_path), data_dir, progress=progress, force=True)   # the program's own
     return data_dir
 
 
@@ -151,12 +151,15 @@ def run_train(args) -> int:
     from ..config import PRESETS, Config
     from ..dist import under_mpi
     from ..errors import UserError
+    from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, run_training
 
     preset = args.config if args.config in PRESETS else None
-    out = Path(args.out or f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
+    out = check_real_dir(args.out if args.out is not None else
+                         f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
+    check_apart(out, [args.data or BUNDLED_DATA, args.tokenizer, args.init_from])
     if args.resume:
         from ..checkpoint import check_trainer_state, read_json
         if not (out / "trainer.json").is_file():   # validate first, create nothing (no bundled data) before
@@ -217,9 +220,10 @@ def run_train(args) -> int:
         raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
     print(f"{'resuming' if args.resume else 'training'} {cfg.n_params():,} parameters -> {out} "
           f"({tcfg.steps} steps x {tcfg.batch_size} x {cfg.ctx_len} tokens)")
+    then = "drafts" if cfg.n_mtp > 1 and not args.no_drafts else "done"
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
-                           progress=not args.no_progress)
-    if summary["finished"] and "lr" in summary and cfg.n_mtp > 1 and not args.no_drafts:  # "lr": steps ran now
+                           progress=not args.no_progress, then=then)
+    if summary["phase"] == "drafts" and not summary["interrupted"] and not args.no_drafts:
         summary["drafts"] = distill_drafts(out, data, args)
     report(summary, out, args.json)
     return 130 if summary["interrupted"] else 0
@@ -230,12 +234,17 @@ def distill_drafts(out: Path, data: Path, args) -> dict | None:
     prompts from the training data; head 0 and the trunk (so the reported loss) are unchanged. Rank 0 only."""
     from ..dist import world
     from ..drafts import distill_checkpoint
+    from ..errors import UserError
     from .drafts import report as drafts_report
     if world().rank != 0:
         return None
     if not args.json:
         print("distilling the draft heads 1..K-1 toward head 0 for speculative decoding (--no-drafts skips it)")
-    result = distill_checkpoint(out, data, progress=not args.no_progress)
+    try:
+        result = distill_checkpoint(out, data, progress=not args.no_progress, finish_run=True)
+    except KeyboardInterrupt:
+        raise UserError(f"interrupted during the draft distillation; the trained checkpoint in {out} is intact: "
+                        f"`nanoeuler train --out {out} --resume` finishes it", exit_code=130) from None
     if not args.json:
         print(result.summary())
     return drafts_report(result)
@@ -252,6 +261,8 @@ def report(summary: dict, out: Path, as_json: bool) -> None:
     print(line)
     if not summary["finished"]:
         print(f"continue with: nanoeuler train --out {out} --resume")
+    elif summary["phase"] == "drafts" and "drafts" not in summary:
+        print(f"the draft distillation has not run; finish it with: nanoeuler train --out {out} --resume")
 
 
 def run_eval(args) -> int:

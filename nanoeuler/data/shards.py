@@ -37,6 +37,7 @@ import heapq
 import json
 import math
 import os
+import re
 import struct
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import UserError
-from ..fileio import atomic_write_json
+from ..fileio import atomic_write_json, check_real_dir
 
 FORMAT = "nanoeuler-shards-v1"
 SPLITS = ("train", "val")
@@ -60,6 +61,8 @@ JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
 TOKENIZER_FILE = "tokenizer.json"   # the tokenizer the shards were made with, carried in the DATA directory
+DATA_OWN_FILES = ("manifest.json", TOKENIZER_FILE, "tokenizer.vocab")   # and the shards, SHARD_FILE
+SHARD_FILE = re.compile(r"^(train|val)_[0-9]{6}\.npy$")
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -280,7 +283,9 @@ class _ShardWriter:
     def _open(self):
         name = f"{self.split}_{len(self.shards):06d}.npy"
         self.shards.append({"file": name, "tokens": 0})
-        self._f = open(self.out_dir / f".{name}.partial", "wb")
+        partial = self.out_dir / f".{name}.partial"
+        partial.unlink(missing_ok=True)
+        self._f = open(partial, "xb")      # exclusive: never through a link planted under that name
         self._f.write(_npy_header(0))
         self._n = 0
 
@@ -650,12 +655,14 @@ def _as_sources(items, split: str | None = None) -> list[Source]:
 
 
 def prepare(sources, tokenizer, out_dir: str | Path, val_sources=None, processes: int | None = None,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text", progress: bool = True) -> dict:
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text", progress: bool = True,
+            force: bool = False) -> dict:
     """Encode text into token shards + manifest.json in out_dir; return the manifest.
 
     sources: file/directory paths (one source), or (paths, weight) pairs / `Source`s for a weighted mix.
     tokenizer: a Tokenizer or the path of a tokenizer.json. val_sources: files that form the validation
     split (then nothing is held out of `sources`). processes: encoding processes (default: all cores).
+    force: replace the shards of an earlier prepare in out_dir (see `check_data_out`).
 
         prepare(["books.txt", ("web/", 3.0)], "tokenizer.json", "data/mix")   # web text weighted 3x
     """
@@ -673,21 +680,44 @@ def prepare(sources, tokenizer, out_dir: str | Path, val_sources=None, processes
         raise UserError("no input files given")
     for s in srcs:
         s.text_field = text_field
-    return _prepare_sources(srcs, tok, Path(out_dir), processes, shard_tokens, progress)
+    return _prepare_sources(srcs, tok, Path(out_dir), processes, shard_tokens, progress, force)
 
 
 def prepare_bundled(tokenizer, out_dir: str | Path, processes: int | None = None,
-                    shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:
+                    shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True, force: bool = False) -> dict:
     """Prepare the bundled Shakespeare corpus: validation = the held-out whole works of `bundled_split()`."""
     from .corpus import bundled_split, bundled_works
     works = bundled_works()
     train, val = bundled_split()
     srcs = [Source(name="bundled:shakespeare (train works)", texts=[works[n] for n in train], split="train"),
             Source(name="bundled:shakespeare (validation works)", texts=[works[n] for n in val], split="val")]
-    return _prepare_sources(srcs, _load_tokenizer(tokenizer), Path(out_dir), processes, shard_tokens, progress)
+    return _prepare_sources(srcs, _load_tokenizer(tokenizer), Path(out_dir), processes, shard_tokens, progress,
+                            force)
 
 
-def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_tokens, progress) -> dict:
+def check_data_out(out_dir: Path, tok, force: bool) -> None:
+    """What `prepare` may write into: a new or empty directory, one holding only a DATA directory's own
+    files (shards, manifest.json, tokenizer.json/.vocab; an earlier finished prepare needs force), never a
+    link or a directory holding other files (a checkpoint's tokenizer.json is not ours to replace); a
+    tokenizer.json there without force must be the one given (it is rewritten as it is)."""
+    check_real_dir(out_dir)
+    if not out_dir.is_dir():
+        return
+    names = {p.name for p in out_dir.iterdir() if not p.name.startswith(".")}
+    foreign = sorted(n for n in names if n not in DATA_OWN_FILES and not SHARD_FILE.match(n))
+    if foreign:
+        raise UserError(f"--out {out_dir} holds files that are not token shards ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty directory")
+    if "manifest.json" in names and not force:
+        raise UserError(f"--out {out_dir} already holds token shards (use --force to replace them)")
+    if TOKENIZER_FILE in names and not force and _load_tokenizer(out_dir / TOKENIZER_FILE).fingerprint() \
+            != tok.fingerprint():
+        raise UserError(f"--out {out_dir} holds another tokenizer.json than the one given (use --force to "
+                        f"replace it)")
+
+
+def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_tokens, progress,
+                     force: bool = False) -> dict:
     from tqdm import tqdm
 
     n_docs = [s.count_documents() for s in srcs]
@@ -702,10 +732,10 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
     streams = [_source_documents(s, n, c) for s, n, c in zip(srcs, n_docs, chunk_chars)]
     total = int(sum(planned))
 
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file, not a directory")
+    check_data_out(out_dir, tok, force)
     from ..checkpoint import run_lock
     with run_lock(out_dir, "data"):            # one prepare (or training reading it) per DATA directory
+        check_data_out(out_dir, tok, force)    # again, now that no other prepare can be writing it
         try:
             return _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, processes, progress,
                                  n_docs, chunk_chars, tqdm)

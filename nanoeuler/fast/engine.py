@@ -35,7 +35,7 @@ import numpy as np
 from numpy import matmul
 
 from .. import ops
-from ..config import Config
+from ..config import Config, head_weight
 from . import kernels
 from . import parallel
 from .parallel import run_parts, single_threaded_blas
@@ -90,9 +90,6 @@ class Workspace:
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
         self.parts[0].single = len(self.parts) == 1
-        if cfg.arch == "gpt2":  # LayerNorm means, the MLP pre-activations, stacked biases, no RoPE (fast/gpt2.py)
-            from .gpt2 import extend_workspace
-            extend_workspace(self, cfg)
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
         """The rows of sequences b0 .. b1-1: views into every activation array, its own RMSNorm
@@ -243,15 +240,20 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
     kernels.rmsnorm_forward(w.X[cfg.n_layers], params["norm.weight"], eps, w.hf, w.rf)
 
 
+def _head_grad_name(cfg: Config, k: int) -> str:
+    """Where head k's weight gradient goes: tied head 0 writes embed's first share (the lookup's is added)."""
+    return "embed.weight" if k == 0 and cfg.tie_embeddings else f"heads.{k}.weight"
+
+
 def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        W = params[f"heads.{k}.weight"]                                     # [V, d]
+        W = head_weight(params, k)                                          # [V, d]
         matmul(w.hf, W.T, out=w.logits)                                     # [n, V]
         # logits := dlogits
         kernels.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
         if grads is not None:
-            matmul(w.logits.T, w.hf, out=grads[f"heads.{k}.weight"])        # [V, d]
+            matmul(w.logits.T, w.hf, out=grads[_head_grad_name(cfg, k)])    # [V, d]
             if k == 0:
                 matmul(w.logits, W, out=w.dh)                               # [n, d]
             else:
@@ -293,7 +295,11 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
-    kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    if cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
+        from .gpt2 import embedding_backward_add
+        embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
+    else:
+        kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
     _announce_part(w, ["embed.weight"], grads)
 
 
@@ -330,9 +336,6 @@ def _announce_part(w, names, grads) -> None:
 def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.forward(cfg, params, inputs, ws, dropout)
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
@@ -353,9 +356,10 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
     scales = [ws.logits.dtype.type(1.0 / (n * Kh) if n else 0.0) for n in counts]
     sums = np.zeros((Kh, len(ws.parts)))                                   # per head, per part: Σ losses
     _in_parts(_heads_part, cfg, params, ws, grads, targets, scales, sums)
-    if grads is not None:
-        _sum_part_grads(ws, grads, [f"heads.{k}.weight" for k in range(Kh)])
-        announce([f"heads.{k}.weight" for k in range(Kh)], grads)
+    if grads is not None:  # tied: embed.weight holds head 0's share of the whole batch, before `backward`
+        names = [_head_grad_name(cfg, k) for k in range(Kh)]
+        _sum_part_grads(ws, grads, names)
+        announce([n for n in names if n.startswith("heads.")], grads)
     losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]
     return losses, sum(losses) / Kh
 
@@ -363,10 +367,7 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
 def backward(cfg: Config, params: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:
     """From ws.dh (gradient of the final normed state, left by `heads`) to every parameter gradient
     except the heads'. ids int [B·T]; dropout: the one `forward` ran with.
-    arch gpt2: the tied head's share must already be in grads["embed.weight"] (the lookup's is added)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.backward(cfg, params, ids, ws, grads, dropout)
+    tie_embeddings: the tied head's share must already be in grads["embed.weight"] (the lookup's is added)."""
     _in_parts(_backward_part, cfg, params, ws, grads, ids, dropout)
     _sum_part_grads(ws, grads, [n for n in grads if not n.startswith("heads.")])
     if len(ws.parts) > 1:
@@ -383,9 +384,6 @@ def loss_and_grads(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws:
     """tokens int [B, T+K] -> (head-0 loss, objective, grads). `grads` (optional) receives the gradients;
     best made by `grad_buffers` (then the stacked weight gradients need no copy). dropout: ops.Dropout.
     counts: targets per head to divide by (see `heads`)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.loss_and_grads(cfg, params, tokens, loss_mask, ws, grads, dropout, counts)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     targets = flat_targets(tokens, T, cfg.n_mtp, loss_mask)
@@ -399,9 +397,6 @@ def loss_and_grads(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws:
 
 def loss(cfg: Config, params: dict, tokens: np.ndarray, loss_mask, ws: Workspace, dropout=None):
     """Forward only: (head-0 loss, objective)."""
-    if cfg.arch == "gpt2":
-        from . import gpt2
-        return gpt2.loss(cfg, params, tokens, loss_mask, ws, dropout)
     T = tokens.shape[1] - cfg.n_mtp
     inputs = np.ascontiguousarray(tokens[:, :T], dtype=np.int64)
     forward(cfg, params, inputs, ws, dropout)

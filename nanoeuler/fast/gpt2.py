@@ -154,8 +154,17 @@ def embedding_backward_add(dx, ids, dW):
 
 
 # ---- the workspace ---------------------------------------------------------------------------------------------
+class Workspace(engine.Workspace):
+    """engine.Workspace (same arguments) with what arch gpt2 needs besides (`extend_workspace`)."""
+
+    def __init__(self, cfg: Config, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        extend_workspace(self, cfg)
+
+
 def extend_workspace(ws, cfg: Config) -> None:
-    """Add what arch gpt2 needs to an engine.Workspace (called at the end of its __init__)."""
+    """Add what arch gpt2 needs to an engine.Workspace: LayerNorm means, the MLP pre-activations, stacked
+    biases, identity RoPE tables."""
     dt = ws.X.dtype
     L, d, H, Hkv, hd, F = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
     N, T = ws.N, ws.T
@@ -309,6 +318,7 @@ def heads(cfg: Config, P: dict, targets: np.ndarray, ws, grads: dict | None, cou
 
 
 def backward(cfg: Config, P: dict, ids: np.ndarray, ws, grads: dict, dropout=None) -> None:
+    """As engine.backward; the tied head's share must already be in grads["embed.weight"] (the lookup's is added)."""
     engine._in_parts(_backward_part, cfg, P, ws, grads, ids, dropout)
     names = [n for n in grads if not n.startswith("heads.")]
     engine._sum_part_grads(ws, grads, names)

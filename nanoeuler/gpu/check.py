@@ -291,14 +291,6 @@ MODEL_CHECK_CONFIG = Config(vocab_size=512, dim=256, n_heads=4, n_kv_heads=2, n_
                             ffn_hidden=384, n_mtp=3)  # hd = 64, the gpt preset's head size
 
 
-def _reference_loss_and_grads(model, tokens, mask):
-    """The plain NumPy path of Model.loss_and_grads (model.forward/backward with the reference ops)."""
-    try:
-        return model.loss_and_grads(tokens, mask, reference=True)
-    except TypeError:  # a Model without the fast engine switch
-        return model.loss_and_grads(tokens, mask)
-
-
 def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: int = 3) -> list[Row]:
     """Every parameter's gradient: GPU float32 (TF32 off) vs the CPU reference in float64, same float32 weights."""
     from ..model import Model
@@ -311,7 +303,7 @@ def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: i
         p += (rng.standard_normal(p.shape) * (0.05 if p.ndim > 1 else 0.3)).astype(np.float32)
     tokens = rng.integers(0, config.vocab_size, (batch, config.ctx_len + config.n_mtp))
     mask = rng.random(tokens.shape) > 0.2
-    head0_ref, obj_ref, grads_ref = _reference_loss_and_grads(cpu.astype(np.float64), tokens, mask)
+    head0_ref, obj_ref, grads_ref = cpu.astype(np.float64).loss_and_grads(tokens, mask, reference=True)
     head0, obj, grads = loss_and_grads(to_gpu(cpu), tokens, mask, precision="fp32")
     rows = [Row("gpu model objective", abs(obj - obj_ref) / abs(obj_ref), 1),
             Row("gpu model head-0 loss", abs(head0 - head0_ref) / abs(head0_ref), 1)]
@@ -321,10 +313,7 @@ def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: i
 def _reference_loss(model, tokens) -> float:
     """The CPU's head-0 loss on the plain NumPy path (no numba JIT: its cache does not travel to a fresh
     device machine, and a cold compile of every kernel would land inside a timed step)."""
-    try:
-        return model.loss(tokens, reference=True)[0]
-    except TypeError:  # a Model without the fast engine switch
-        return model.loss(tokens)[0]
+    return model.loss(tokens, reference=True)[0]
 
 
 def check_train_roundtrip(steps: int = 30, seed: int = 0, out_dir=None, min_drop: float = 0.5,

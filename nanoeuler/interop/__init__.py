@@ -13,6 +13,8 @@ directions are exact; only the names differ (SPEC "Interop names"), plus three d
   rows are permuted as llama.cpp's `convert_hf_to_gguf.py` does (`gguf_export.permute_qk`).
 
 Modules: `safetensors_io` (read/write f32/f16/bf16 without torch), `hf_tokenizer` (HF tokenizer.json ->
-our Tokenizer with the same ids; the Alpaca chat template), `hf` (export), `importer` (import, one
-function per architecture), `gguf_export`, `outputs` (refuse-or-replace output paths atomically).
+our Tokenizer with the same ids), `hf` (export), `importer` (import of HF folders, one function per
+architecture), `gguf_export`, `gguf_import` (GGUF files, quantized included, through the gguf package),
+`outputs` (refuse-or-replace output paths atomically). Chat templates travel with the tokenizer
+(nanoeuler/chat_template.py).
 """

@@ -6,7 +6,8 @@ Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, 
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
 in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
 the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
-name, eos, and the Alpaca chat template. MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported
+(llama.cpp uses head 0).
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
 `permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row
@@ -53,9 +54,23 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         t[g + "ffn_up.weight"] = P[o + "ffn.up.weight"]
         t[g + "ffn_down.weight"] = P[o + "ffn.down.weight"]
     t["output_norm.weight"] = P["norm.weight"]
-    if not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
-        t["output.weight"] = P["heads.0.weight"]
+    if "heads.0.weight" in P and not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
+        t["output.weight"] = P["heads.0.weight"]  # left out when tied: llama.cpp then uses token_embd
     return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in t.items()}
+
+
+def add_hparams(w, cfg) -> None:
+    """The llama.* hyperparameters of cfg into a gguf.GGUFWriter."""
+    w.add_context_length(cfg.ctx_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.ffn_hidden)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
 
 
 def token_metadata(tok, vocab_size: int):
@@ -80,7 +95,8 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
 
     from ..fileio import atomic_path
     from .hf import require_llama
-    from .hf_tokenizer import GGUF_PRE_NAMES, alpaca_chat_template
+    from ..chat_template import template_of
+    from .hf_tokenizer import GGUF_PRE_NAMES
     from .outputs import check_free
 
     if dtype not in GGUF_DTYPES:
@@ -102,16 +118,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
         w.add_name("nanoeuler")
-        w.add_context_length(cfg.ctx_len)
-        w.add_embedding_length(cfg.dim)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.ffn_hidden)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.n_kv_heads)
-        w.add_rope_dimension_count(cfg.head_dim)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_vocab_size(cfg.vocab_size)
+        add_hparams(w, cfg)
         w.add_file_type(int(ftype))
         tokens, types, merges = token_metadata(tok, cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
@@ -126,7 +133,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         elif tok.eos_token in tok.special_tokens:
             w.add_bos_token_id(tok.eos_id)
         w.add_add_bos_token(tok.bos_id is not None)
-        w.add_chat_template(alpaca_chat_template())
+        w.add_chat_template(template_of(tok))
         for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
             if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(name, a)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from .hf_folder import HF_DTYPES, MTP_FILE, eos_id_of, mtp_heads, read_hf_config, read_json_file, read_weights
 
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old saves, not parameters
@@ -126,7 +127,6 @@ def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
     """Our Tokenizer (the folder's ids kept) from vocab.json + merges.txt, else tokenizer.json.
     The tokenizer must name exactly the embedding's rows (GPT-2: 50,257)."""
     from .hf_tokenizer import from_hf_json
-    from .importer import read_json_file
     if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         try:
             merges_text = (folder / "merges.txt").read_text(encoding="utf-8")
@@ -148,7 +148,6 @@ def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
 
 def read_gpt2_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
     """GPT-2 tensor name (the `transformer.` prefix dropped, mask buffers skipped) -> float32 array."""
-    from .importer import read_weights
     out = {}
     for name, a in read_weights(folder, progress).items():
         name = name.removeprefix("transformer.")
@@ -160,7 +159,6 @@ def read_gpt2_weights(folder: Path, progress: bool = False) -> dict[str, np.ndar
 
 def import_gpt2(folder: Path, c: dict, n_mtp: int | None = None, progress: bool = False):
     """A GPT2LMHeadModel folder -> (Config, params, Tokenizer); the importer's entry for model_type gpt2."""
-    from .importer import eos_id_of, mtp_heads
     W = read_gpt2_weights(folder, progress)
     if "wte.weight" not in W:
         raise UserError("tensor wte.weight is missing from the weights")
@@ -202,7 +200,6 @@ def import_gpt2(folder: Path, c: dict, n_mtp: int | None = None, progress: bool 
 def load_gpt2_folder(src: str | Path, n_mtp: int | None = None, progress: bool = False):
     """A GPT-2 folder -> (Config, params, Tokenizer), writing nothing."""
     from ..config import check_params
-    from .importer import read_hf_config
     folder = Path(src)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder")
@@ -246,7 +243,6 @@ def export_gpt2_folder(model, tok, out: str | Path, dtype: str = "float32", forc
     from tqdm import tqdm
 
     from ..tokenizer import GPT2_PATTERN
-    from .hf import HF_DTYPES, MTP_FILE
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     cfg, P = model.config, model.params

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-
-MTP_FILE = "nanoeuler_mtp.safetensors"
-HF_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+from .gpt2 import export_gpt2_folder
+from .hf_folder import HF_DTYPES, MTP_FILE
 
 
 def hf_names(n_layers: int) -> dict[str, str]:
@@ -38,7 +37,7 @@ def hf_names(n_layers: int) -> dict[str, str]:
 
 def require_llama(cfg) -> None:
     """Only our own (Llama) block exports as Llama; another arch would load as a different model."""
-    arch = getattr(cfg, "arch", "euler")
+    arch = cfg.arch
     if arch != "euler":
         raise UserError(f"config: arch {arch!r} cannot be exported as a Llama model")
 
@@ -61,12 +60,12 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
 
 
 def tokenizer_config(tok, ctx_len: int) -> dict:
-    from .hf_tokenizer import alpaca_chat_template
+    from ..chat_template import template_of
     eos = tok.eos_token if tok.eos_token in tok.special_tokens else None
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ctx_len,
             "eos_token": eos, "bos_token": tok.bos_token, "pad_token": None, "unk_token": None,
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-            "chat_template": alpaca_chat_template()}
+            "chat_template": template_of(tok)}
 
 
 def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool = False, progress: bool = True) -> Path:
@@ -74,8 +73,7 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     from .outputs import check_free, output_dir
     from .safetensors_io import write_tensors
 
-    if getattr(model.config, "arch", "euler") == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
-        from .gpt2 import export_gpt2_folder
+    if model.config.arch == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
         return export_gpt2_folder(model, tok, out, dtype, force, progress)
     if dtype not in HF_DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)} for --format hf")
@@ -85,10 +83,8 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     names = hf_names(cfg.n_layers)
-    tied = bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
-    tensors = {names[n]: P[n] for n in P if n in names}
-    if tied:
-        del tensors["lm_head.weight"]
+    tied = "heads.0.weight" not in P or bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
+    tensors = {names[n]: P[n] for n in P if n in names and not (tied and n == "heads.0.weight")}
     with output_dir(out, force) as tmp:
         write_tensors(tmp / "model.safetensors", tensors, HF_DTYPES[dtype], {"format": "pt"})
         if cfg.n_mtp > 1:  # MTP heads 1..K-1 stay float32: only `nanoeuler import` reads them
@@ -98,7 +94,9 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
-        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False,
+        ends = tok.stop_ids
+        gen = {"bos_token_id": config["bos_token_id"], "do_sample": False,
+               "eos_token_id": ends if len(ends) > 1 else config["eos_token_id"],
                "max_length": cfg.ctx_len}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out)

@@ -1,5 +1,4 @@
-"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer, keeping its token ids exactly; the
-Alpaca chat template in Jinja for `tokenizer_config.json`.
+"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer, keeping its token ids exactly.
 
 Our BPE engine numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
 vocabulary numbers them as it likes, so `from_hf_json` gives the Tokenizer the HF id of every token in
@@ -25,10 +24,9 @@ A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenize
 """
 from __future__ import annotations
 
-import json
-
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
+from ..tokenizer.tokenizer import check_pattern
 
 # GPT-2's pattern run on the pieces left after splitting off every digit (`Digits(individual_digits)`)
 # is this one pattern: a digit alone, and whitespace may also end just before a digit (the piece's end).
@@ -148,6 +146,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if dec is not None and not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
         _bad(f"decoder {dec.get('type') if isinstance(dec, dict) else dec} is not supported (ByteLevel only)")
     pattern = pattern_of(d.get("pre_tokenizer"))
+    check_pattern(pattern)          # the loader's own check: what import accepts, every later load accepts
     vocab, merges = m.get("vocab"), m.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         _bad("model.vocab must be an object and model.merges a list")
@@ -245,30 +244,3 @@ def check_ignore_merges(tok: Tokenizer) -> None:
         if tok._regex.findall(s) == [s]:
             _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
                  f"token {s!r} from its bytes")
-
-
-# ------------------------------------------------------------------------------- chat template
-
-def alpaca_chat_template() -> str:
-    """A Jinja chat template rendering the SPEC Alpaca template exactly as `sft.render` does:
-    each user turn (its optional "input" key becomes the `### Input:` block) ends with '### Response:\\n',
-    each assistant turn is its content + eos_token. add_generation_prompt adds nothing (the user turn
-    already ends with the response header)."""
-    from ..sft import HEADER
-
-    def lit(s: str) -> str:
-        return json.dumps(s)  # a JSON string is a valid Jinja string literal
-
-    return ("{% for message in messages %}"
-            "{% if message['role'] == 'user' %}"
-            "{{ " + lit(HEADER + "### Instruction:\n") + " + message['content'] + " + lit("\n\n") + " }}"
-            "{% if message['input'] is defined and message['input'] %}"
-            "{{ " + lit("### Input:\n") + " + message['input'] + " + lit("\n\n") + " }}"
-            "{% endif %}"
-            "{{ " + lit("### Response:\n") + " }}"
-            "{% elif message['role'] == 'assistant' %}"
-            "{{ message['content'] + eos_token }}"
-            "{% else %}"
-            "{{ raise_exception('the Alpaca template has only user and assistant turns') }}"
-            "{% endif %}"
-            "{% endfor %}")

@@ -7,10 +7,8 @@ The folder's config.json names the architecture (`model_type`, else an entry of 
 ARCH_ALIASES); each supported architecture is one function
 `fn(folder, hf_config, n_mtp, progress=False) -> (Config, params, Tokenizer)` registered in ARCHITECTURES
 as "module:function" (imported lazily; a new architecture adds one line there and, if its config names
-it differently, one in ARCH_ALIASES). The helpers it needs are shared: `read_hf_config`,
-`read_weights` (one model.safetensors or shards listed in model.safetensors.index.json, every shard
-checked), `read_tokenizer` (byte-level BPE tokenizer.json -> our Tokenizer, keeping the folder's ids) and
-`mtp_heads` (heads 1..K-1 from an export's side file, else copies of head 0).
+it differently, one in ARCH_ALIASES). The helpers every architecture shares are in hf_folder.py;
+`read_tokenizer` here reads a byte-level BPE tokenizer.json into our Tokenizer, keeping the folder's ids.
 
 Anything that would make the imported model compute something else (rope_scaling, biases, sliding
 window, head_dim != hidden/heads, another activation, a SentencePiece tokenizer) is refused by name.
@@ -18,12 +16,12 @@ window, head_dim != hidden/heads, another activation, a SentencePiece tokenizer)
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import UserError
+from .hf_folder import eos_id_of, mtp_heads, read_hf_config, read_json_file, read_weights
 
 # model_type -> "module:function" (relative to this package); e.g. "gpt2": ".gpt2:import_gpt2"
 ARCHITECTURES = {
@@ -35,80 +33,21 @@ ARCH_ALIASES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 
 # ------------------------------------------------------------------------------ shared helpers
 
-def read_json_file(path: Path, what: str):
-    if not path.is_file():
-        raise UserError(f"{what}: {path} not found")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
-
-
-def read_hf_config(folder: Path) -> dict:
-    c = read_json_file(folder / "config.json", "not a Hugging Face model folder")
-    if not isinstance(c, dict):
-        raise UserError(f"{folder / 'config.json'} is not a JSON object")
-    return c
-
-
 def architecture_of(c: dict) -> str:
-    """config.json -> our architecture key ('llama', ...), or a UserError naming what it found."""
-    mt = c.get("model_type")
-    if mt in ARCHITECTURES:
-        return mt
-    for a in c.get("architectures") or []:
-        if ARCH_ALIASES.get(a) in ARCHITECTURES:
-            return ARCH_ALIASES[a]
-        if a in ARCHITECTURES:
-            return a
-    raise UserError(f"config.json: model_type {mt!r} (architectures {c.get('architectures')}) is not supported; "
-                    f"importable: {', '.join(ARCHITECTURES)}")
+    """config.json -> our architecture key ('llama', ...), or a UserError naming what it found.
 
-
-def read_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
-    """HF tensor name -> float32 array, from model.safetensors or the shards of model.safetensors.index.json."""
-    from tqdm import tqdm
-
-    from .safetensors_io import read_tensors
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        idx = read_json_file(index, "shard index")
-        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
-            raise UserError(f"{index}: no \"weight_map\" of tensor name -> shard file")
-        files = sorted(set(wmap.values()))
-        out = {}
-        for f in tqdm(files, desc="read shards", disable=not progress):
-            path = folder / f
-            if Path(f).name != f or not path.is_file():
-                raise UserError(f"{index}: shard {f} is missing")
-            want = {n for n, v in wmap.items() if v == f}
-            got = read_tensors(path, want)
-            lost = sorted(want - set(got))
-            if lost:
-                raise UserError(f"shard {f} does not hold {lost[0]}, which {index.name} puts there")
-            out.update(got)
-        return {n: a.astype(np.float32) for n, (_, a) in out.items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return {n: a.astype(np.float32) for n, (_, a) in read_tensors(single).items()}
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise UserError(f"{folder} holds only PyTorch pickle weights; nanoeuler reads safetensors only "
-                        "(save the model with safe_serialization=True)")
-    raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
-
-
-def eos_id_of(folder: Path, c: dict):
-    """The end-of-text id: config.json's eos_token_id (first of a list), else generation_config.json's."""
-    eos = c.get("eos_token_id")
-    if eos is None and (folder / "generation_config.json").is_file():
-        g = read_json_file(folder / "generation_config.json", "generation config")
-        eos = g.get("eos_token_id") if isinstance(g, dict) else None
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is not None and (not isinstance(eos, int) or eos < 0):
-        raise UserError(f"config.json: eos_token_id {eos!r} is not a token id")
-    return eos
+    An allow-list: model_type, when given, must be one of ARCHITECTURES (a "mistral" or "qwen2" folder
+    whose `architectures` says LlamaForCausalLM is refused by name), and every entry of `architectures`
+    must name that same architecture."""
+    mt, archs = c.get("model_type"), c.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UserError("config.json: architectures must be a list of names")
+    found = {ARCH_ALIASES.get(a, a) for a in archs or []}
+    key = mt if mt is not None else next(iter(found), None) if len(found) == 1 else None
+    if key not in ARCHITECTURES or (found and found != {key}):
+        raise UserError(f"config.json: model_type {mt!r} (architectures {archs}) is not supported; "
+                        f"importable: {', '.join(ARCHITECTURES)} ({', '.join(ARCH_ALIASES)})")
+    return key
 
 
 def read_tokenizer(folder: Path, vocab_size: int, eos_id):
@@ -123,23 +62,38 @@ def read_tokenizer(folder: Path, vocab_size: int, eos_id):
     return from_hf_json(read_json_file(path, "tokenizer"), vocab_size, eos_id)
 
 
-def mtp_heads(folder: Path, n_mtp: int | None, head0: np.ndarray) -> dict[str, np.ndarray]:
-    """MTP heads 1..K-1: from nanoeuler_mtp.safetensors (written by our export) where present, the rest
-    initialised as copies of head 0. n_mtp None: as many as the side file holds (1 without one)."""
-    from .hf import MTP_FILE
-    from .safetensors_io import read_tensors
-    saved = {}
-    if (folder / MTP_FILE).is_file():
-        saved = {n: a.astype(np.float32) for n, (_, a) in read_tensors(folder / MTP_FILE).items()}
-        for n, a in saved.items():
-            if a.shape != head0.shape:
-                raise UserError(f"{MTP_FILE}: {n} has shape {list(a.shape)}, expected {list(head0.shape)}")
-    K = n_mtp if n_mtp is not None else 1 + len(saved)
-    return {f"heads.{k}.weight": saved.get(f"heads.{k}.weight", head0).copy() for k in range(1, K)}
+def with_chat_extras(folder: Path, c: dict, tok):
+    """tok with the folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template)
+    and, as stops, every other eos id config.json / generation_config.json name (Llama-3's <|eot_id|>)."""
+    from ..tokenizer import Tokenizer
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        try:
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{folder / 'chat_template.jinja'} is not UTF-8 ({e})") from None
+    elif (folder / "tokenizer_config.json").is_file():
+        t = read_json_file(folder / "tokenizer_config.json", "tokenizer config")
+        template = t.get("chat_template") if isinstance(t, dict) else None
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((x.get("template") for x in template
+                             if isinstance(x, dict) and x.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
+    ends = []
+    gen = folder / "generation_config.json"
+    for d in (c, read_json_file(gen, "generation config") if gen.is_file() else {}):
+        e = d.get("eos_token_id") if isinstance(d, dict) else None
+        ends += e if isinstance(e, list) else [e]
+    names = {i: s for s, i in tok.special_tokens.items()}
+    stops = [names[i] for i in dict.fromkeys(ends) if isinstance(i, int) and i in names and names[i] != tok.eos_token]
+    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template, "stops": stops})
 
 
 def require(c: dict, field: str, default=None):
-    v = c.get(field, default)
+    """c[field], or default when it is absent or null (a 0 stays 0, and Config refuses it by name)."""
+    v = c.get(field)
+    v = default if v is None else v
     if v is None:
         raise UserError(f"config.json: {field} is missing")
     return v
@@ -174,18 +128,20 @@ def llama_config(c: dict, n_mtp: int):
         theta = rp.get("rope_theta")
     try:
         return Config(vocab_size=require(c, "vocab_size"), dim=dim, n_heads=heads,
-                      n_kv_heads=c.get("num_key_value_heads") or heads, n_layers=require(c, "num_hidden_layers"),
-                      ctx_len=c.get("max_position_embeddings") or 2048, ffn_hidden=require(c, "intermediate_size"),
+                      n_kv_heads=require(c, "num_key_value_heads", heads), n_layers=require(c, "num_hidden_layers"),
+                      ctx_len=require(c, "max_position_embeddings", 2048), ffn_hidden=require(c, "intermediate_size"),
                       n_mtp=n_mtp, rope_theta=float(theta if theta is not None else 10000.0),
-                      norm_eps=float(c.get("rms_norm_eps") or 1e-6))
-    except (TypeError, ValueError) as e:
+                      norm_eps=float(require(c, "rms_norm_eps", 1e-6)))
+    except (TypeError, ValueError, OverflowError) as e:
         raise UserError(f"config.json: {e}") from None
     except UserError as e:
         raise UserError(f"config.json: {e}") from None
 
 
 def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = False):
-    """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order."""
+    """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order.
+    tie_word_embeddings: head 0 is the embedding (tie_embeddings), one matrix as in transformers."""
+    from ..config import head_weight
     from .hf import hf_names
     cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
     tied = bool(c.get("tie_word_embeddings"))
@@ -194,6 +150,7 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
     if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
         del names["heads.0.weight"]
         W.pop("lm_head.weight", None)
+        cfg = cfg.replace(tie_embeddings=True)  # one matrix for the embedding and head 0
     shapes = cfg.param_shapes()
     for ours, theirs in names.items():
         if theirs not in W:
@@ -207,11 +164,8 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
         raise UserError(f"unexpected tensor {extra[0]}{what}")
     tok = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
     params = {ours: W[theirs] for ours, theirs in names.items()}
-    if tied:
-        params["heads.0.weight"] = params["embed.weight"].copy()
-    params.update(mtp_heads(folder, n_mtp, params["heads.0.weight"]))
-    K = sum(1 for n in params if n.startswith("heads."))
-    cfg = cfg.replace(n_mtp=K)
+    params.update(mtp_heads(folder, n_mtp, head_weight(params, 0)))
+    cfg = cfg.replace(n_mtp=1 + sum(1 for n in params if n.startswith("heads.") and n != "heads.0.weight"))
     return cfg, {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}, tok
 
 
@@ -228,15 +182,16 @@ def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = F
     importer = getattr(importlib.import_module(module, __package__), fn)
     cfg, params, tok = importer(folder, c, n_mtp, progress=progress)
     check_params(cfg, params)
-    return cfg, params, tok
+    return cfg, params, with_chat_extras(folder, c, tok)
 
 
 def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
                   progress: bool = True):
-    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force)."""
+    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force, and
+    an out that is, holds or lies inside src)."""
     from ..checkpoint import save_model
     from .outputs import check_free, output_dir
-    check_free(out, force)
+    check_free(out, force, inputs=[src])
     cfg, params, tok = load_hf_folder(src, n_mtp, progress)
     with output_dir(out, force) as tmp:
         save_model(tmp, cfg, params, tok)

@@ -16,11 +16,11 @@ from pathlib import Path
 from ..errors import UserError
 
 
-def check_free(path: str | Path, force: bool) -> Path:
-    """path, after checking it does not exist (or force is set); its parent must exist."""
-    path = Path(path)
-    if (path.exists() or path.is_symlink()) and not force:
-        raise UserError(f"{path} already exists (use --force to replace it)")
+def check_free(path: str | Path, force: bool, inputs=()) -> Path:
+    """path, after the rules of every output (fileio.check_output: no link, an existing one only with
+    force, apart from the inputs); its parent must exist."""
+    from ..fileio import check_output
+    path = check_output(path, force, inputs)
     if not path.parent.exists():
         raise UserError(f"the folder {path.parent} does not exist")
     return path

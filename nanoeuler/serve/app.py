@@ -4,7 +4,7 @@
     GET  /health                {"status": "ok", "active": .., "queued": .., ...}
     GET  /v1/models             the one model this server holds (named after the checkpoint directory)
     POST /v1/completions        text in, text out; stream, logprobs + echo (what evaluation harnesses use)
-    POST /v1/chat/completions   messages rendered with the SPEC template, as the `chat` REPL does
+    POST /v1/chat/completions   messages rendered with the model's chat template, as the `chat` REPL does
     GET  /tokenizer_info, POST /tokenize, /detokenize   vLLM-style, so lm-eval can tokenize as we do
 
 Every error is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its status:
@@ -306,11 +306,10 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     check_vocab(cfg, tok)
     batcher = Batcher(model, max_batch, max_queue)
     eos_name = end_token(tok)
-    eos = tok.special_tokens[eos_name] if eos_name else None
 
     def stop_ids(body) -> set:
-        """The ids that end a reply: the end-of-text token unless the request says ignore_eos."""
-        return set() if body.ignore_eos or eos is None else {eos}
+        """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids), unless ignore_eos."""
+        return set() if body.ignore_eos else set(tok.stop_ids)
     created = int(time.time())
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
@@ -547,7 +546,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           min(chat_max_tokens, max_tokens_cap))
         check_limits(max_tokens, body.n, body.seed)
-        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens, eos)
+        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):

@@ -5,11 +5,10 @@ strict: `"max_tokens": "5"` is an error, not 5. Fields the OpenAI API has and we
 (presence_penalty, user, ...) are accepted and ignored; unknown fields are ignored too. Extensions, as vLLM
 has them: `top_k`, `ignore_eos`.
 
-Chat messages become the SPEC Alpaca template exactly as the `chat` REPL builds a conversation: every
-earlier (user, assistant) pair is `render(user) + encode(assistant) + </s>`, the last user message is
-`render(user)`, and earlier turns are dropped oldest first when they do not fit (cli/chat.py's
-Chat.context). The template has no system role: a system message is put in front of the next user
-message's instruction, separated by a blank line.
+Chat messages are rendered with the model's chat template exactly as the `chat` REPL renders its
+conversation (chat_template.py: the checkpoint's own template, else the SPEC Alpaca template, in which a
+system message goes in front of the next instruction), earlier turns dropped oldest first when they do
+not fit (cli/chat.py's Chat.context). `developer` messages are system messages.
 """
 from __future__ import annotations
 
@@ -108,53 +107,21 @@ def stop_list(stop: Stop) -> list[str]:
 
 
 # ---- chat ----------------------------------------------------------------------------------------
-def chat_turns(messages: list[Message]) -> tuple[list[tuple[str, str]], str]:
-    """messages -> (earlier (instruction, reply) pairs, the final instruction).
-
-        [system S, user A, assistant B, user C] -> ([("S\\n\\nA", "B")], "C")
-    Consecutive user messages are joined by a blank line; the last message must come from the user."""
-    turns: list[tuple[str, str]] = []
-    system, user, reply = [], None, None
-    for m in messages:
-        text = m.text()
-        if m.role in ("system", "developer"):
-            system.append(text)
-        elif m.role == "user":
-            if reply is not None:
-                turns.append((user, reply))
-                user, reply = None, None
-            text = "\n\n".join(system + [text])
-            system = []
-            user = text if user is None else user + "\n\n" + text
-        else:  # assistant
-            reply = text if reply is None else reply + text
-            if user is None:
-                user = ""
-    if user is None or reply is not None:
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """The request's messages as a chat template takes them ({"role", "content"}); the last must be the user's."""
+    if messages[-1].role != "user":
         raise UserError("the last message must come from the user")
-    return turns, user
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-def render_chat(model, tok, messages: list[Message], max_tokens: int, eos: int | None) -> tuple[list[int], dict]:
+def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[list[int], dict]:
     """The conversation as prompt ids, the way the `chat` REPL builds it -> (ids, notes), notes say what
-    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones). eos: the
-    end-of-text id closing each earlier turn."""
+    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones)."""
     from ..cli.chat import Chat
-    from ..sft import render
-    turns, last = chat_turns(messages)
     chat = Chat(model, tok, max_new_tokens=max(1, max_tokens))
-    end = [] if eos is None else [eos]  # a tokenizer without an end-of-text token: turns simply follow
-    chat.turns = [render(tok, u)[0] + tok.encode(a) + end for u, a in turns]
-    prompt = render(tok, last)[0]
-    n_turns = len(chat.turns)
-    ids = chat.context(prompt)
-    notes = {}
-    if len(ids) < len(prompt):
-        notes["prompt_truncated_tokens"] = len(prompt) - len(ids)
-        notes["dropped_turns"] = n_turns
-    elif len(chat.turns) < n_turns:
-        notes["dropped_turns"] = n_turns - len(chat.turns)
-    return ids, notes
+    ids = chat.context(chat_messages(messages))
+    notes = {"dropped_turns": chat.dropped_turns, "prompt_truncated_tokens": chat.cut}
+    return ids, {k: v for k, v in notes.items() if v}
 
 
 # ---- text out ------------------------------------------------------------------------------------

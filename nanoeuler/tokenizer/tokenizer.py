@@ -198,10 +198,13 @@ class Tokenizer:
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
                  pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
-                 ids: Iterable[int] | None = None, bos: str | None = None):
+                 ids: Iterable[int] | None = None, bos: str | None = None, chat_template: str | None = None,
+                 stops: Iterable[str] = ()):
         """merges: (left, right) pairs in the engine's numbering (byte b = b, merge i = 256 + i);
         ids: the id of each token, bytes then merges then specials (None: that order; see the module
-        docstring); bos: a special put first by encode(..., add_bos=True)."""
+        docstring); bos: a special put first by encode(..., add_bos=True); chat_template: the model's Jinja
+        chat template (None: ours, see chat_template.py); stops: specials besides eos that end a reply
+        (ChatML's <|im_end|>, Llama-3's <|eot_id|>)."""
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r}; choose one of NFC, NFD, NFKC, NFKD or none")
         self.normalizer = normalizer  # Unicode normal form applied to text before encoding (Qwen2: NFC)
@@ -230,6 +233,11 @@ class Tokenizer:
         if bos is not None and bos not in self._specials:
             raise UserError(f"the bos token {bos!r} is not one of the special tokens {list(self._specials)}")
         self.bos_token = bos
+        self.chat_template = chat_template
+        self.stops = tuple(stops)
+        for t in self.stops:
+            if t not in self._specials:
+                raise UserError(f"the stop token {t!r} is not one of the special tokens")
         self._ranks = {pair: 256 + i for i, pair in enumerate(self.merges)}
         self._regex = regex.compile(pattern)
         self._special_regex = (regex.compile("(" + "|".join(regex.escape(s) for s in
@@ -256,6 +264,12 @@ class Tokenizer:
     def bos_id(self) -> int | None:
         """The id encode(..., add_bos=True) puts first; None when the tokenizer has no bos."""
         return None if self.bos_token is None else self.special_tokens[self.bos_token]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Every id that ends a reply: eos (when the vocabulary has it) and the stops."""
+        ends = ([self.eos_token] if self.eos_token in self.special_tokens else []) + list(self.stops)
+        return list(dict.fromkeys(self.special_tokens[t] for t in ends))
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of token i.  token_bytes(104) -> b'h'"""
@@ -508,6 +522,10 @@ class Tokenizer:
             d["bos"] = self.bos_token
         if self.ids is not None:
             d["ids"] = self.ids.tolist()
+        if self.chat_template is not None:
+            d["chat_template"] = self.chat_template
+        if self.stops:
+            d["stops"] = list(self.stops)
         return d
 
     @classmethod
@@ -547,7 +565,12 @@ class Tokenizer:
         ids = d.get("ids")
         if ids is not None:
             check_ids(ids, 256 + len(merges) + len(order))
-        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos)
+        template, stops = d.get("chat_template"), d.get("stops", [])
+        if template is not None and not isinstance(template, str):
+            raise UserError("tokenizer.json: \"chat_template\" must be a string (a Jinja template)")
+        if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
+            raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
+        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos, template, stops)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
@@ -579,7 +602,8 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
-        content = {k: v for k, v in self.to_dict().items() if k not in ("format", "version", "vocab_size")}
+        content = {k: v for k, v in self.to_dict().items()
+                   if k not in ("format", "version", "vocab_size", "chat_template", "stops")}
         canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 

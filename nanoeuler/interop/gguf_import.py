@@ -1,0 +1,345 @@
+"""Import a GGUF file (llama.cpp's format; quantized or not) as a nanoeuler checkpoint.
+
+    nanoeuler import --from SmolLM2-135M-Instruct-Q8_0.gguf --out runs/smol
+
+`general.architecture` `llama` (Llama, SmolLM, Qwen2 without biases, Mistral without sliding window) or
+`gpt2`. Every tensor is read with the `gguf` package (`GGUFReader`) and made float32 by
+`gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K, ...); the type each tensor
+had in the file is kept in the checkpoint's `source.json`:
+
+    {"format": "gguf", "file": "smol.gguf", "file_tensor_bytes": 144000000,
+     "tensor_types": {"embed.weight": "Q8_0", "norm.weight": "F32", ...}}
+
+llama: the q and k rows come back from llama.cpp's interleaved RoPE order (`gguf_export.unpermute_qk`, the
+inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bit at f32. gpt2: the fused
+`attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already).
+
+The tokenizer comes from `tokenizer.ggml.*` (model `gpt2`: byte-level BPE): tokens, merges, token types
+(CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids reserved rows), bos / eos / end-of-turn ids,
+`add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_PATTERNS). The ids stay the file's (the
+Tokenizer's id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not
+compute the same (rope scaling, sliding window, biases on llama, experts, another architecture, a
+SentencePiece vocabulary, llama.cpp's multi-regex `default` pre-tokenizer) is refused by name, and so is any
+defect of the file (truncated, absurd counts, data past the end, shapes that disagree with the metadata):
+one line, nothing written.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+
+SOURCE_FILE = "source.json"  # in the checkpoint: where the weights came from and each tensor's type there
+CONTROL, USER_DEFINED, UNUSED, UNKNOWN = 3, 4, 5, 2  # gguf.TokenType values
+
+# tokenizer.ggml.pre -> (pattern name in hf_tokenizer / tokenizer, ignore_merges, add_bos by default);
+# the families are llama.cpp's (src/llama-vocab.cpp): names that share one pre-tokenizer
+PRE_FAMILIES = {
+    "LLAMA3_PATTERN": (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                        "lfm2"), True, True),
+    "QWEN2_PATTERN": (("qwen2", "deepseek-r1-qwen", "kormo"), False, False),
+    "SMOLLM_PATTERN": (("smollm",), False, False),
+    "GPT2_PATTERN": (("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+                      "mellum"), False, False),
+}
+
+
+def pre_pattern(pre: str | None) -> tuple[str, bool, bool]:
+    """tokenizer.ggml.pre -> (regex, ignore_merges, add_bos default). pre_pattern("smollm")[0] == SMOLLM_PATTERN"""
+    from . import hf_tokenizer
+    from ..tokenizer import GPT2_PATTERN
+    for name, (names, ignore, bos) in PRE_FAMILIES.items():
+        if pre in names:
+            return (GPT2_PATTERN if name == "GPT2_PATTERN" else getattr(hf_tokenizer, name)), ignore, bos
+    if pre in (None, "default"):
+        raise UserError(f"tokenizer.ggml.pre {pre or '(missing)'!r}: llama.cpp splits such text with its multi-regex "
+                        "'default' cascade, which nanoeuler does not reproduce; not supported")
+    raise UserError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
+                    f"{', '.join(n for names, _, _ in PRE_FAMILIES.values() for n in names)})")
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+def open_gguf(path: Path):
+    """A gguf.GGUFReader over path; any defect of the header is a one-line UserError."""
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("GGUF import needs the gguf package: pip install 'nanoeuler[interop]'") from None
+    if not path.is_file():
+        raise UserError(f"{path} is not a file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, IndexError, KeyError, struct errors... on bad bytes
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def metadata(reader, path: Path) -> dict:
+    """Key -> value of every metadata field (token arrays included)."""
+    out = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            out[name] = f.contents()
+        except Exception as e:
+            raise UserError(f"{path}: metadata field {name} is unreadable ({type(e).__name__})") from None
+    return out
+
+
+def field(meta: dict, key: str, kind=int, default=None):
+    """meta[key] checked to be `kind` (int: a non-negative integer; float: a number); default when absent
+    (None: required)."""
+    v = meta.get(key, default)
+    if v is None:
+        raise UserError(f"GGUF metadata {key} is missing")
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise UserError(f"GGUF metadata {key} = {v!r:.60} is not a non-negative integer")
+    if kind is float:  # GGUF stores float32: its shortest decimal (1e-05, not 9.99999974e-06) is the value meant
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UserError(f"GGUF metadata {key} = {v!r:.60} is not a number")
+        return float(str(np.float32(v)))
+    return v
+
+
+def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
+    """(GGUF name -> float32 array in numpy order ([out, in] for matrices), GGUF name -> source type, the
+    bytes all tensors take in the file)."""
+    import gguf
+    from tqdm import tqdm
+    out, types = {}, {}
+    for t in tqdm(reader.tensors, desc="dequantize", disable=not progress):
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be read ({str(e)[:100]})") from None
+        out[t.name] = np.ascontiguousarray(a, dtype=np.float32)
+        types[t.name] = t.tensor_type.name
+    return out, types, sum(int(t.n_bytes) for t in reader.tensors)
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+
+def hf_dict(meta: dict) -> tuple[dict, int | None]:
+    """The tokenizer.ggml.* fields -> (the equivalent Hugging Face tokenizer.json dict, eos id), so that one
+    code path (hf_tokenizer.from_hf_json) builds both importers' Tokenizers."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        what = " (SentencePiece)" if model == "llama" else ""
+        raise UserError(f"tokenizer.ggml.model {model!r}{what} is not supported; only byte-level BPE (gpt2)")
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or [])
+    if not isinstance(tokens, list) or not isinstance(merges, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens / tokenizer.ggml.merges are missing or not string lists")
+    if len(types) != len(tokens):
+        raise UserError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    pattern, ignore_merges, bos_default = pre_pattern(meta.get("tokenizer.ggml.pre"))
+    vocab, added = {}, []
+    for i, (s, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, USER_DEFINED, UNKNOWN):
+            added.append({"id": i, "content": s, "special": True})
+        elif ty != UNUSED:
+            if s in vocab:
+                raise UserError(f"tokenizer.ggml.tokens: {s!r} is both token {vocab[s]} and token {i}")
+            vocab[s] = i
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    post = None
+    if bool(meta.get("tokenizer.ggml.add_bos_token", bos_default)) and bos is not None:
+        b = {"SpecialToken": {"id": "bos", "type_id": 0}}
+        post = {"type": "TemplateProcessing", "single": [b, {"Sequence": {"id": "A", "type_id": 0}}],
+                "special_tokens": {"bos": {"id": "bos", "ids": [bos], "tokens": ["bos"]}}}
+    d = {"model": {"type": "BPE", "vocab": vocab, "merges": merges, "ignore_merges": ignore_merges},
+         "added_tokens": added, "decoder": {"type": "ByteLevel"}, "post_processor": post,
+         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+             {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}}
+    return d, meta.get("tokenizer.ggml.eos_token_id")
+
+
+def gguf_tokenizer(meta: dict, vocab_size: int):
+    """Our Tokenizer with the file's ids, chat template and every end-of-turn id the metadata names."""
+    from .hf_tokenizer import from_hf_json
+    from ..tokenizer import Tokenizer
+    d, eos = hf_dict(meta)
+    try:
+        tok = from_hf_json(d, vocab_size, eos)
+    except UserError as e:
+        raise UserError(f"GGUF tokenizer: {str(e).removeprefix('tokenizer.json: ')}") from None
+    inverse = {i: s for s, i in tok.special_tokens.items()}
+    stops = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        i = meta.get(key)
+        if i is not None:
+            if i not in inverse:
+                raise UserError(f"GGUF metadata {key} = {i!r:.40} is not a special token of the vocabulary")
+            stops.append(inverse[i])
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise UserError("GGUF metadata tokenizer.chat_template is not a string")
+    stops = [s for s in dict.fromkeys(stops) if s != tok.eos_token]
+    return Tokenizer.from_dict(tok.to_dict() | ({"chat_template": template} if template is not None else {})
+                               | ({"stops": stops} if stops else {}))
+
+
+# -------------------------------------------------------------------------------------- architectures
+
+def refuse_unsupported(meta: dict, arch: str) -> None:
+    for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.attention.sliding_window",
+                f"{arch}.expert_count", f"{arch}.attention.clamp_kqv", f"{arch}.logit_scale"):
+        v = meta.get(key)
+        if v not in (None, "none", 0, 1):  # absent, or the values that change nothing
+            raise UserError(f"GGUF metadata {key} = {v!r:.40} is not supported")
+
+
+def llama_config(meta: dict, tensors: dict):
+    a = "llama"
+    refuse_unsupported(meta, a)
+    dim, heads = field(meta, f"{a}.embedding_length"), field(meta, f"{a}.attention.head_count")
+    if not heads or dim % heads:
+        raise UserError(f"GGUF metadata: embedding_length {dim} is not divisible by head_count {heads}")
+    hd = dim // heads
+    for key in (f"{a}.rope.dimension_count", f"{a}.attention.key_length", f"{a}.attention.value_length"):
+        if field(meta, key, default=hd) != hd:
+            raise UserError(f"GGUF metadata {key} = {meta[key]} differs from the head size {hd}; not supported")
+    fields = dict(vocab_size=tensors["token_embd.weight"].shape[0], dim=dim, n_heads=heads,
+                  n_kv_heads=field(meta, f"{a}.attention.head_count_kv", default=heads),
+                  n_layers=field(meta, f"{a}.block_count"), ctx_len=field(meta, f"{a}.context_length"),
+                  ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1,
+                  rope_theta=field(meta, f"{a}.rope.freq_base", float, 10000.0),
+                  norm_eps=field(meta, f"{a}.attention.layer_norm_rms_epsilon", float))
+    return config_from(fields)
+
+
+def config_from(fields: dict):
+    from ..config import Config
+    try:
+        return Config(**fields)
+    except UserError as e:
+        raise UserError(f"GGUF metadata: {e}") from None
+
+
+def llama_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """llama.cpp tensors (q/k interleaved) -> (our params, our name -> GGUF name); what it reads leaves T."""
+    from .gguf_export import unpermute_qk
+    src = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    for i in range(cfg.n_layers):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        for a, b in (("attn_norm", "attn_norm"), ("attn.wq", "attn_q"), ("attn.wk", "attn_k"),
+                     ("attn.wv", "attn_v"), ("attn.wo", "attn_output"), ("ffn_norm", "ffn_norm"),
+                     ("ffn.gate", "ffn_gate"), ("ffn.up", "ffn_up"), ("ffn.down", "ffn_down")):
+            src[f"{o}{a}.weight"] = f"{g}{b}.weight"
+    if not cfg.tie_embeddings:
+        src["heads.0.weight"] = "output.weight"
+    P = {n: T[g] for n, g in src.items() if g in T}
+    take(T, src.values())
+    shapes = cfg.param_shapes()
+    for i in range(cfg.n_layers):
+        for w, heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
+            n = f"layers.{i}.attn.{w}.weight"
+            if P[n].shape == shapes[n]:  # a wrong shape is reported by the caller
+                P[n] = unpermute_qk(P[n], heads)
+    return P, src
+
+
+def gpt2_config(meta: dict, tensors: dict):
+    a = "gpt2"
+    refuse_unsupported(meta, a)
+    dim, heads = field(meta, f"{a}.embedding_length"), field(meta, f"{a}.attention.head_count")
+    return config_from(dict(vocab_size=tensors["token_embd.weight"].shape[0], dim=dim, n_heads=heads,
+                            n_kv_heads=heads, n_layers=field(meta, f"{a}.block_count"),
+                            ctx_len=field(meta, f"{a}.context_length"),
+                            ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch="gpt2",
+                            norm_eps=field(meta, f"{a}.attention.layer_norm_epsilon", float)))
+
+
+def gpt2_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """llama.cpp's gpt2 tensors -> (our arch gpt2 params, our name -> GGUF name); the fused attn_qkv [3d, d]
+    is cut in thirds; head 0 is tied, so an `output` tensor must equal the embedding."""
+    src = {"embed.weight": "token_embd.weight", "pos_embed.weight": "position_embd.weight",
+           "norm.weight": "output_norm.weight", "norm.bias": "output_norm.bias"}
+    for i in range(cfg.n_layers):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        for s in ("weight", "bias"):
+            for ours, theirs in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("attn.wo", "attn_output"),
+                                 ("ffn.fc", "ffn_up"), ("ffn.proj", "ffn_down"), ("attn.wq", "attn_qkv"),
+                                 ("attn.wk", "attn_qkv"), ("attn.wv", "attn_qkv")):
+                src[f"{o}{ours}.{s}"] = f"{g}{theirs}.{s}"
+    P = {n: T[g] for n, g in src.items() if g in T}
+    take(T, src.values())
+    d = cfg.dim
+    for n, g in src.items():
+        if g.split(".")[-2] == "attn_qkv" and P[n].shape[0] == 3 * d:
+            j = "qkv".index(n.split(".")[-2][-1])
+            P[n] = P[n][j * d:(j + 1) * d]
+    head = T.pop("output.weight", None)
+    if head is not None and not np.array_equal(head, P["embed.weight"]):
+        raise UserError("tensor output.weight differs from token_embd.weight; arch gpt2 ties them (not supported)")
+    return P, src
+
+
+def take(T: dict, names) -> None:
+    """Remove names from T; a missing one is a UserError naming it."""
+    names = list(dict.fromkeys(names))
+    missing = [g for g in names if g not in T]
+    if missing:
+        raise UserError(f"tensor {missing[0]} is missing from the GGUF file")
+    for g in names:
+        del T[g]
+
+
+ARCHS = {"llama": (llama_config, llama_params), "gpt2": (gpt2_config, gpt2_params)}
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False):
+    """A GGUF file -> (Config, params, Tokenizer, source) without writing anything; source is source.json's
+    dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0."""
+    from ..config import check_params, head_weight
+    if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
+        raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
+    path = Path(src)
+    reader = open_gguf(path)
+    meta = metadata(reader, path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise UserError(f"GGUF general.architecture {arch!r:.60} is not supported; importable: {', '.join(ARCHS)}")
+    T, types, nbytes = tensors_of(reader, path, progress)
+    if "token_embd.weight" not in T:
+        raise UserError("tensor token_embd.weight is missing from the GGUF file")
+    make_config, make_params = ARCHS[arch]
+    cfg = make_config(meta, T)
+    if arch == "llama" and "output.weight" not in T:  # no output matrix: the head is the embedding, one matrix
+        cfg = cfg.replace(tie_embeddings=True)
+    params, src_names = make_params(cfg, T)
+    if T:
+        raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {arch} model)")
+    shapes = cfg.param_shapes()
+    for ours, a in params.items():
+        if tuple(a.shape) != shapes[ours]:
+            raise UserError(f"tensor {src_names[ours]} has shape {list(a.shape)}, expected {list(shapes[ours])} "
+                            "from the metadata")
+    for k in range(1, n_mtp or 1):
+        params[f"heads.{k}.weight"] = head_weight(params, 0).copy()
+    cfg = cfg.replace(n_mtp=n_mtp or 1)
+    tok = gguf_tokenizer(meta, cfg.vocab_size)
+    params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}
+    check_params(cfg, params)
+    source = {"format": "gguf", "file": path.name, "file_tensor_bytes": nbytes,
+              "tensor_types": {n: types[g] for n, g in src_names.items() if n in params}}
+    return cfg, params, tok, source
+
+
+def import_gguf(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
+                progress: bool = True):
+    """Import the GGUF file src into the checkpoint directory out (whole or not at all)."""
+    from ..checkpoint import json_writer, model_writers, save_files
+    from .outputs import check_free, output_dir
+    check_free(out, force)
+    cfg, params, tok, source = load_gguf(src, n_mtp, progress)
+    with output_dir(out, force) as tmp:
+        save_files(tmp, {**model_writers(cfg, params, tok), SOURCE_FILE: json_writer(source)})
+    return cfg, params, tok

@@ -1,0 +1,95 @@
+"""GGUF files written here with the gguf package's GGUFWriter, as a llama.cpp converter would: llama
+architecture, small dims (256 wide so that every block type fits, Q6_K's 256-blocks included), a byte-level
+BPE vocabulary with ChatML specials, tensors quantized with gguf.quants.quantize."""
+from __future__ import annotations
+
+import numpy as np
+
+from nanoeuler import Model, Tokenizer
+from nanoeuler.config import Config
+from nanoeuler.data.corpus import bundled_works
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def chatml_tokenizer(vocab: int = 320) -> Tokenizer:
+    return Tokenizer.train([bundled_works()["hamlet"][:20000]], vocab, specials=SPECIALS, progress=False)
+
+
+def chatml_model(tok: Tokenizer, seed: int = 0, tied: bool = False) -> Model:
+    cfg = Config(vocab_size=tok.vocab_size, dim=256, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=128,
+                 ffn_hidden=256, n_mtp=1, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=tied)
+    m = Model.init(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for n, a in m.params.items():  # random, not the init's ones/zeros: every row and element matters
+        m.params[n] = (a + 0.05 * rng.standard_normal(a.shape)).astype(np.float32)
+    return m
+
+
+def train_briefly(m: Model, tok: Tokenizer, steps: int, lr: float, length: int) -> Model:
+    """A few SGD steps on Hamlet (batches of 8 rows of `length` tokens): predictions with margins."""
+    ids = np.array(tok.encode(bundled_works()["hamlet"][:40000]))
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        starts = rng.integers(0, len(ids) - length - 4, 8)
+        _, _, grads = m.loss_and_grads(np.stack([ids[i:i + length] for i in starts]))
+        for n in m.params:
+            m.params[n] -= lr * grads[n]
+    return m
+
+
+def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str | None = CHATML,
+               tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None):
+    """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
+    tokens: replace the token list; meta: extra/overriding key -> value; drop: tensor names left out;
+    shapes: tensor name -> a different array (to write a wrong shape)."""
+    import gguf
+    from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, token_metadata
+    q = getattr(gguf.GGMLQuantizationType, qtype)
+    cfg = m.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_hparams(w, cfg)
+    toks, types, merges = token_metadata(tok, cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    if tokens is not None:  # extra tokens are control tokens
+        toks, types = tokens, types[:len(tokens)] + [gguf.TokenType.CONTROL] * (len(tokens) - len(types))
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tok.special_tokens["<|im_end|>"])
+    w.add_bos_token_id(tok.special_tokens["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    if template is not None:
+        w.add_chat_template(template)
+    for k, v in (meta or {}).items():
+        w.add_key_value(k, v, gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.UINT32)
+    for name, a in gguf_tensors(m).items():
+        if name in drop:
+            continue
+        a = (shapes or {}).get(name, a)
+        if a.ndim == 1 or q == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, quantize(a, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def quantize(a: np.ndarray, q) -> np.ndarray:
+    """gguf.quants.quantize; for a type it cannot quantize (Q6_K) random blocks of that type whose f16 scale
+    (the block's last 2 bytes, as in Q6_K) is small: valid data, unrelated to `a`."""
+    import gguf
+    try:
+        return gguf.quants.quantize(a, q)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[q]
+        rng = np.random.default_rng(a.size)
+        raw = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
+        raw[..., -2:] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        return raw.reshape(a.shape[0], -1)

@@ -1,0 +1,208 @@
+"""Chat templates (nanoeuler/chat_template.py): ChatML, Llama-3 and ours (Alpaca) render exactly as
+transformers' apply_chat_template (the oracle), ours exactly as the SPEC template; SFT masks exactly the
+assistant span of an imported ChatML model; chat stops at <|im_end|> without showing it; export keeps the
+template; a hostile or endless template is one line."""
+from __future__ import annotations
+
+import io
+import sys
+import time
+
+import pytest
+from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf
+
+from nanoeuler.chat_template import alpaca_template, prompt_ids, render
+from nanoeuler.errors import UserError
+from nanoeuler.sft import prompt_text
+from nanoeuler.sft import render as sft_render
+from nanoeuler.tokenizer import Tokenizer
+
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# the helpers transformers gives a template: tojson, raise_exception, loop controls
+HELPERS = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+           "{{ m | tojson }}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}")
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "  And  3+3?\n"}],
+    [{"role": "user", "content": "ümlaut \"quotes\" <b>html</b> 日本"}, {"role": "assistant", "content": "ok"},
+     {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}],
+]
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from nanoeuler.data.corpus import bundled_works
+    t = Tokenizer.train([bundled_works()["hamlet"][:20000]], 330, specials=SPECIALS, progress=False)
+    return Tokenizer.from_dict(t.to_dict() | {"bos": "<|begin_of_text|>", "eos": "<|endoftext|>"})
+
+
+@pytest.fixture(scope="module")
+def hf(tok):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok.to_hf_json()),
+                                                bos_token="<|begin_of_text|>", eos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("name, template", [("chatml", CHATML), ("llama3", LLAMA3), ("helpers", HELPERS),
+                                            ("alpaca", None)])
+@pytest.mark.parametrize("gen", [False, True])
+def test_render_equals_transformers_apply_chat_template(tok, hf, name, template, gen):
+    template = template or alpaca_template()
+    for messages in CONVERSATIONS:
+        if gen and messages[-1]["role"] == "assistant":
+            continue
+        theirs = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
+        assert render(template, messages, tok, gen) == theirs
+        if gen and name != "alpaca":  # ids too; a tokenizer's bos goes first unless the template writes it
+            d = {k: v for k, v in tok.to_dict().items() if name == "llama3" or k != "bos"}
+            t = Tokenizer.from_dict(d | {"chat_template": template})
+            ids = hf.apply_chat_template(messages, chat_template=template, tokenize=True, add_generation_prompt=gen)
+            assert prompt_ids(t, messages) == list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_ours_renders_the_spec_template_byte_for_byte(tok):
+    t = alpaca_template()
+    assert render(t, [{"role": "user", "content": "Say hi."}], tok, True) == prompt_text("Say hi.")
+    two = [{"role": "system", "content": "S"}, {"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
+           {"role": "user", "content": "C", "instruction": "C", "input": "x"}]
+    assert render(t, two, tok, True) == prompt_text("S\n\nA") + "B<|endoftext|>" + prompt_text("C", "x")
+    ids, mask = sft_render(tok, "Add", "2 and 3", "5")
+    prompt = tok.encode(prompt_text("Add", "2 and 3"), add_bos=True)
+    assert ids == prompt + tok.encode("5") + [tok.eos_id]
+    assert mask == [False] * len(prompt) + [True] * (len(ids) - len(prompt))
+
+
+@pytest.fixture(scope="module")
+def chatml_run(tmp_path_factory):
+    from nanoeuler.interop.gguf_import import import_gguf
+    d = tmp_path_factory.mktemp("chatml")
+    t = chatml_tokenizer()
+    import_gguf(write_gguf(d / "m.gguf", chatml_model(t), t, "Q8_0"), d / "run", progress=False)
+    return d / "run"
+
+
+def test_sft_on_an_imported_chatml_model_masks_exactly_the_assistant_span(chatml_run):
+    from nanoeuler.checkpoint import load_tokenizer
+    tok = load_tokenizer(chatml_run)
+    assert tok.chat_template == CHATML
+    ids, mask = sft_render(tok, "Name a play.", "", "Hamlet")
+    on = [i for i, m in zip(ids, mask) if m]
+    first = mask.index(True)
+    assert tok.decode(ids[:first]) == "<|im_start|>user\nName a play.<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(on) == "Hamlet<|im_end|>" and on[-1] == tok.special_tokens["<|im_end|>"]
+    assert mask == [False] * first + [True] * len(on) + [False] * (len(mask) - first - len(on))
+    assert tok.decode(ids[first + len(on):]) == "\n"  # the newline after the end of turn carries no loss
+
+
+def test_chat_renders_chatml_as_transformers_and_hides_the_stop_token(chatml_run, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    import nanoeuler.generate as gen
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.cli.chat import Chat
+    tok = load_tokenizer(chatml_run)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok.to_hf_json()))
+    end = tok.special_tokens["<|im_end|>"]
+    reply = tok.encode("Hello there")
+    seen = {}
+
+    def fake_generate(model, ids, n, *a, stop_ids=(), on_token=None, **k):
+        seen["prompt"], seen["stops"] = ids, stop_ids
+        for t in reply + [end]:
+            on_token(t)
+        return gen.Generation(ids=list(reply), stopped=True)
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    chat = Chat(Model.load(chatml_run), tok, temperature=0, max_new_tokens=8)
+    out = []
+    chat.handle("Hi there", out.append)
+    chat.handle("And again", out.append)
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "And again"}]
+    text = hf.apply_chat_template(messages, chat_template=CHATML, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(seen["prompt"]) == text and end in seen["stops"]
+    assert "".join(out) == "Hello there\nHello there\n"  # <|im_end|> ends the reply and is not shown
+
+
+def test_export_writes_the_template_and_import_keeps_it(chatml_run, tmp_path):
+    import json
+
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.gguf_import import load_gguf
+    from nanoeuler.interop.hf import export_hf
+    from nanoeuler.interop.importer import load_hf_folder
+    m, tok = Model.load(chatml_run), load_tokenizer(chatml_run)
+    export_hf(m, tok, tmp_path / "hf", progress=False)
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    hf_tok = load_hf_folder(tmp_path / "hf")[2]
+    assert hf_tok.chat_template == CHATML and hf_tok.stop_ids == tok.stop_ids
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # newer transformers' file
+    assert load_hf_folder(tmp_path / "hf")[2].chat_template == "{{ messages[0]['content'] }}"
+    g_tok = load_gguf(export_gguf(m, tok, tmp_path / "m.gguf", "f32", progress=False))[2]
+    assert g_tok.chat_template == CHATML
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{{ ''.__class__.__mro__ }}", "SecurityError|UndefinedError"),
+    ("{{ raise_exception('boom') }}", "TemplateError: boom"),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+    ("{{ 'ab' * 10**9 }}", "repetition|power"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(80) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+     "more than"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}"
+     "{% endfor %}", "ran longer than"),
+    ("{{ messages.append(1) }}", "SecurityError"),
+])
+def test_a_hostile_or_endless_template_is_one_bounded_error(tok, template, match):
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=f"chat template error: .*({match})") as e:
+        render(template, [{"role": "user", "content": "x"}], tok, True)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 10
+
+
+def test_chat_template_option_overrides_and_a_bad_file_is_one_line(chatml_run, tmp_path, monkeypatch, capsys):
+    from nanoeuler.cli import main
+    (tmp_path / "bad.jinja").write_text("{% if %}")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "bad.jinja")]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: chat template error: TemplateSyntaxError") and err.count("\n") == 1
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.content }}|{% endfor %}")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/tokens\n"))
+    assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "plain.jinja"),
+                 "--max-new-tokens", "2", "--temperature", "0"]) == 0
+
+
+def test_sft_cli_on_an_imported_chatml_model_trains_in_its_template_and_keeps_it(chatml_run, tmp_path):
+    """`sft --chat-template FILE`: the fine-tuned model carries the template it was trained in."""
+    import json
+
+    import numpy as np
+
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.cli import main
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"instruction": f"Say {w}.", "input": "", "output": w}
+                                for w in ("yes", "no", "maybe", "never", "always", "soon") * 4]))
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(plain)
+    for out, extra in (("a", []), ("b", ["--chat-template", str(tmp_path / "t.jinja")])):
+        assert main(["sft", "--base", str(chatml_run), "--data", str(data), "--val", str(data), "--steps", "2",
+                     "--out", str(tmp_path / out), "--batch-size", "2", "--no-progress", "--eval-every", "1000",
+                     *extra]) == 0
+    assert load_tokenizer(tmp_path / "a").chat_template == CHATML
+    assert load_tokenizer(tmp_path / "b").chat_template == plain
+    base = Model.load(chatml_run).params["layers.0.attn.wq.weight"]
+    assert not np.array_equal(Model.load(tmp_path / "a").params["layers.0.attn.wq.weight"], base)

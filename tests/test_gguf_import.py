@@ -1,0 +1,290 @@
+"""`import --from FILE.gguf`: weights equal gguf's own dequantization, import(export(ckpt)) == ckpt at f32,
+the tokenizer equals the Hugging Face import of the same vocabulary, bad files are one line and write nothing."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+import gguf  # noqa: E402
+from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf  # noqa: E402
+
+from nanoeuler import Model  # noqa: E402
+from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
+from nanoeuler.errors import UserError  # noqa: E402
+from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk  # noqa: E402
+from nanoeuler.interop.gguf_import import import_gguf, load_gguf  # noqa: E402
+
+TEXTS = ["Hello, world!", "  two  spaces\n\nand lines\t", "numbers 1234567 and 3.14", "ümlaut café 日本",
+         "<|im_start|>user\nhi<|im_end|>\n", "don't I'll WE'RE", ""]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return chatml_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return chatml_model(tok)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+def test_weights_equal_gguf_dequantize_and_types_are_recorded(tmp_path, model, tok, qtype):
+    path = write_gguf(tmp_path / "m.gguf", model, tok, qtype)
+    cfg, P, _, source = load_gguf(path)
+    want = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            for t in gguf.GGUFReader(path).tensors}
+    for i in range(cfg.n_layers):
+        want[f"blk.{i}.attn_q.weight"] = unpermute_qk(want[f"blk.{i}.attn_q.weight"], cfg.n_heads)
+        want[f"blk.{i}.attn_k.weight"] = unpermute_qk(want[f"blk.{i}.attn_k.weight"], cfg.n_kv_heads)
+    ours = {"token_embd.weight": "embed.weight", "output.weight": "heads.0.weight", "output_norm.weight": "norm.weight",
+            "blk.1.attn_q.weight": "layers.1.attn.wq.weight", "blk.0.attn_k.weight": "layers.0.attn.wk.weight",
+            "blk.1.attn_v.weight": "layers.1.attn.wv.weight", "blk.0.ffn_down.weight": "layers.0.ffn.down.weight",
+            "blk.1.ffn_norm.weight": "layers.1.ffn_norm.weight"}
+    for g, n in ours.items():
+        assert np.array_equal(P[n], want[g]), g
+    assert source["tensor_types"]["embed.weight"] == qtype
+    assert source["tensor_types"]["norm.weight"] == "F32"
+    assert source["tensor_types"]["layers.0.attn.wq.weight"] == qtype
+    if qtype != "Q6_K":  # the gguf package quantized our weights: the result is near them, not equal
+        err = np.abs(P["layers.1.attn.wq.weight"] - model.params["layers.1.attn.wq.weight"]).max()
+        assert 0 < err < 0.05
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_of_export_is_the_checkpoint_bitwise_at_f32(tmp_path, model, tok, tied):
+    m = model if not tied else chatml_model(tok, tied=True)
+    run = tmp_path / "run"
+    m.save(run, tok)
+    path = export_gguf(Model.load(run), load_tokenizer(run), tmp_path / "m.gguf", "f32", progress=False)
+    cfg, params, tok2 = import_gguf(path, tmp_path / "back", progress=False)
+    assert cfg == m.config
+    for n, a in m.params.items():
+        assert np.array_equal(params[n], a), n
+    back = Model.load(tmp_path / "back")
+    assert all(np.array_equal(back.params[n], a) for n, a in m.params.items())
+    assert [tok2.encode(t, allow_special=True) for t in TEXTS] == [tok.encode(t, allow_special=True) for t in TEXTS]
+    types = json.loads((tmp_path / "back" / "source.json").read_text())["tensor_types"]
+    assert set(types.values()) == {"F32"} and set(types) == set(m.params)
+
+
+def test_tokenizer_equals_the_hf_import_of_the_same_vocabulary(tmp_path, model, tok):
+    from nanoeuler.interop.hf import export_hf
+    from nanoeuler.interop.importer import load_hf_folder
+    export_hf(model, tok, tmp_path / "hf", progress=False)
+    _, _, hf_tok = load_hf_folder(tmp_path / "hf")
+    _, _, g_tok, _ = load_gguf(write_gguf(tmp_path / "m.gguf", model, tok))
+    text = " ".join(TEXTS) + " " + model.__class__.__name__
+    for t in [*TEXTS, text]:
+        assert g_tok.encode(t, allow_special=True) == hf_tok.encode(t, allow_special=True)
+        assert g_tok.encode(t) == hf_tok.encode(t)
+    assert g_tok.special_tokens == hf_tok.special_tokens
+    assert g_tok.chat_template == CHATML and g_tok.stop_ids == [tok.special_tokens["<|im_end|>"]]
+
+
+def test_the_files_ids_are_kept(tmp_path, model, tok):
+    """A vocabulary in another order (specials first, as SmolLM's): ids and embedding rows stay the file's."""
+    from nanoeuler.interop.gguf_export import token_metadata
+    toks, _, _ = token_metadata(tok, tok.vocab_size)
+    _, P, g_tok, _ = load_gguf(write_gguf(tmp_path / "m.gguf", model, tok))
+    assert [g_tok.decode([i]) for i in range(256, 270)] == [bytes(gguf_bytes(s)).decode("utf-8", "replace")
+                                                            for s in toks[256:270]]
+    assert np.array_equal(P["embed.weight"], model.params["embed.weight"])
+
+
+def gguf_bytes(s: str) -> list[int]:
+    from nanoeuler.tokenizer import bytes_to_unicode
+    inv = {c: b for b, c in enumerate(bytes_to_unicode())}
+    return [inv[c] for c in s]
+
+
+def test_cli_import_gguf_and_info(tmp_path, model, tok, capsys):
+    from nanoeuler.cli import main
+    path = write_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")
+    assert main(["import", "--from", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "imported" in capsys.readouterr().out
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "source       gguf m.gguf: Q8_0 x16, F32 x5 tensors" in out  # embedding, 7 x 2 layers, output
+    assert "MiB of tensors in the source file" in out and "MiB in memory (float32)" in out
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+def refused(tmp_path, path, match):
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=match):
+        import_gguf(path, out, progress=False)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_truncated_file_is_refused(tmp_path, model, tok):
+    data = write_gguf(tmp_path / "m.gguf", model, tok).read_bytes()
+    for cut in (3, 20, 200, len(data) // 2, len(data) - 1):
+        (tmp_path / "t.gguf").write_bytes(data[:cut])
+        refused(tmp_path, tmp_path / "t.gguf", "not a readable GGUF file|missing|cannot be read")
+
+
+@pytest.mark.parametrize("offset, what", [(8, "tensor count"), (16, "kv count")])
+def test_absurd_counts_are_refused(tmp_path, model, tok, offset, what):
+    data = bytearray(write_gguf(tmp_path / "m.gguf", model, tok).read_bytes())
+    struct.pack_into("<Q", data, offset, 2**62)
+    (tmp_path / "t.gguf").write_bytes(bytes(data))
+    refused(tmp_path, tmp_path / "t.gguf", "not a readable GGUF file")
+
+
+def test_tensor_data_past_the_end_is_refused(tmp_path, model, tok):
+    r = gguf.GGUFReader(write_gguf(tmp_path / "m.gguf", model, tok))
+    end = min(t.data_offset for t in r.tensors if t.name == "output.weight")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "t.gguf").write_bytes(data[:end + 10])
+    refused(tmp_path, tmp_path / "t.gguf", "not a readable GGUF file")
+
+
+def test_a_shape_that_disagrees_with_the_metadata_is_refused(tmp_path, model, tok):
+    bad = np.zeros((256, 128), np.float32)
+    path = write_gguf(tmp_path / "m.gguf", model, tok, shapes={"blk.1.ffn_up.weight": bad})
+    refused(tmp_path, path, r"blk.1.ffn_up.weight has shape \[256, 128\], expected \[256, 256\]")
+
+
+def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, model, tok):
+    from nanoeuler.interop.gguf_export import token_metadata
+    toks, _, _ = token_metadata(tok, tok.vocab_size)
+    path = write_gguf(tmp_path / "m.gguf", model, tok, tokens=toks + ["<|extra|>"])
+    refused(tmp_path, path, f"token id {tok.vocab_size} does not fit the model's vocab_size {tok.vocab_size}")
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"general.architecture": "qwen3"}, "architecture 'qwen3' is not supported"),
+    ({"tokenizer.ggml.model": "llama"}, r"'llama' \(SentencePiece\) is not supported"),
+    ({"tokenizer.ggml.pre": "default"}, "multi-regex 'default'"),
+    ({"tokenizer.ggml.pre": "starcoder"}, "tokenizer.ggml.pre 'starcoder' is not supported"),
+    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type = 'linear' is not supported"),
+    ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),
+])
+def test_unsupported_fields_are_refused_by_name(tmp_path, model, tok, meta, match):
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    patched = rewrite_meta(path, tmp_path / "p.gguf", meta)
+    refused(tmp_path, patched, match)
+
+
+def test_a_bias_tensor_is_refused(tmp_path, model, tok):
+    m = chatml_model(tok)
+    path = write_gguf(tmp_path / "m.gguf", m, tok)
+    patched = rewrite_meta(path, tmp_path / "p.gguf", {}, extra_tensor=("blk.0.attn_q.bias", np.zeros(256, np.float32)))
+    refused(tmp_path, patched, "unexpected tensor blk.0.attn_q.bias")
+
+
+def rewrite_meta(src, dst, meta: dict, extra_tensor=None):
+    """A copy of the GGUF src with metadata keys replaced/added (and optionally one more tensor)."""
+    r = gguf.GGUFReader(str(src))
+    arch = meta.get("general.architecture", "llama")
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in meta:
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), gguf.GGUFValueType.ARRAY, sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    for k, v in meta.items():
+        if k != "general.architecture":
+            w.add_key_value(k, v, gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.UINT32)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    if extra_tensor:
+        w.add_tensor(*extra_tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+# ------------------------------------------------------------------------------------------------- fuzz
+
+def small_gguf(tmp_path_factory):
+    from nanoeuler.config import Config
+    from nanoeuler.tokenizer import Tokenizer
+    tok = Tokenizer.train(["ab ba abc cab " * 20], 262, specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                          progress=False)
+    m = Model.init(Config(vocab_size=tok.vocab_size, dim=32, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=16,
+                          ffn_hidden=32, n_mtp=1), seed=0)
+    return write_gguf(tmp_path_factory.mktemp("fuzz") / "s.gguf", m, tok, "Q8_0").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return small_gguf(tmp_path_factory)
+
+
+def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    header = small.index(b"blk.0.attn_norm") + 400  # the metadata and tensor infos: where a change matters most
+
+    @settings(max_examples=int(os.environ.get("NANOEULER_FUZZ_EXAMPLES", "120")), deadline=None,
+              derandomize=os.environ.get("NANOEULER_FUZZ_RANDOM") != "1",
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(edits=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), min_size=1, max_size=6),
+           cut=st.one_of(st.none(), st.integers(0, len(small))))
+    def check(edits, cut):
+        data = bytearray(small)
+        for at, b in edits:
+            data[at] = b
+        path = tmp_path / "f.gguf"
+        path.write_bytes(bytes(data[:cut]))
+        try:
+            load_gguf(path)
+        except UserError as e:
+            assert "\n" not in str(e)
+
+    check()
+
+
+def test_gpt2_architecture_file_imports_to_the_same_parameters(tmp_path, tok):
+    from nanoeuler.config import Config
+    from nanoeuler.interop.gguf_export import token_metadata
+    cfg = Config(vocab_size=tok.vocab_size, dim=64, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=32, ffn_hidden=256,
+                 n_mtp=1, arch="gpt2")
+    P = {n: np.random.default_rng(1).standard_normal(a.shape).astype(np.float32)
+         for n, a in Model.init(cfg, seed=0).params.items()}
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
+    w.add_context_length(32)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_layer_norm_eps(1e-5)
+    toks, types, merges = token_metadata(tok, tok.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    t = {"token_embd.weight": P["embed.weight"], "position_embd.weight": P["pos_embed.weight"],
+         "output_norm.weight": P["norm.weight"], "output_norm.bias": P["norm.bias"]}
+    for i in range(2):
+        o, g = f"layers.{i}.", f"blk.{i}."
+        for s in ("weight", "bias"):
+            t[f"{g}attn_norm.{s}"], t[f"{g}ffn_norm.{s}"] = P[f"{o}attn_norm.{s}"], P[f"{o}ffn_norm.{s}"]
+            t[f"{g}attn_qkv.{s}"] = np.concatenate([P[f"{o}attn.w{x}.{s}"] for x in "qkv"])
+            t[f"{g}attn_output.{s}"], t[f"{g}ffn_up.{s}"] = P[f"{o}attn.wo.{s}"], P[f"{o}ffn.fc.{s}"]
+            t[f"{g}ffn_down.{s}"] = P[f"{o}ffn.proj.{s}"]
+    for n, a in t.items():
+        w.add_tensor(n, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg2, P2, _, _ = load_gguf(tmp_path / "g.gguf")
+    assert cfg2 == cfg
+    assert set(P2) == set(P) and all(np.array_equal(P2[n], P[n]) for n in P)

@@ -1,0 +1,98 @@
+"""The package's import graph has no circle: a lower module never imports a higher one.
+
+The graph is read from the source with `ast` (every `import` / `from ... import`, those inside functions
+included: a lazy import is still a dependency), one node per module of nanoeuler/. `from .x import y` is
+an edge to module x.y when that is a module, else to x. Importing a module runs its package's __init__ as
+well; that implicit edge is not counted (else every package would be a circle with its own modules).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nanoeuler
+
+ROOT = Path(nanoeuler.__file__).parent
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """'nanoeuler.fast.engine' -> its file, for every .py under root ('nanoeuler.fast' -> fast/__init__.py)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set[str]:
+    """The modules of the package that module `name` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # `import nanoeuler.fast.engine as E` -> the module itself
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = module_files(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of the graph as [a, b, ..., a], or None. find_cycle({"a": {"b"}, "b": {"a"}}) -> ['a', 'b', 'a']"""
+    state = {}  # node -> "open" while on the current path, "done" after
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    assert len(graph) > 50 and "nanoeuler.fast.gpt2" in graph["nanoeuler.fast"]  # the graph was read
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_reader_sees_lazy_and_relative_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import low\n")
+    (pkg / "sub" / "low.py").write_text("def f():\n    from ..high import g\n")  # a lazy import, upwards
+    (pkg / "high.py").write_text("from .sub.low import f\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.sub.low"] == {"pkg.high"} and graph["pkg.high"] == {"pkg.sub.low"}
+    assert graph["pkg.sub"] == {"pkg.sub.low"}
+    assert find_cycle(graph) == ["pkg.high", "pkg.sub.low", "pkg.high"]
