@@ -40,8 +40,8 @@ def read_json_file(path: Path, what: str):
         raise UserError(f"{what}: {path} not found")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: [[[[... nested too deep
+        raise UserError(f"{path} is not valid JSON ({str(e)[:120]})") from None
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -58,6 +58,8 @@ def architecture_of(c: dict) -> str:
     whose `architectures` says LlamaForCausalLM is refused by name), and every entry of `architectures`
     must name that same architecture."""
     mt, archs = c.get("model_type"), c.get("architectures")
+    if mt is not None and not isinstance(mt, str):
+        raise UserError(f"config.json: model_type must be a name, got {mt!r:.60}")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise UserError("config.json: architectures must be a list of names")
     found = {ARCH_ALIASES.get(a, a) for a in archs or []}
@@ -193,7 +195,9 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
     """A LlamaForCausalLM folder -> (Config, params, Tokenizer); rows stay in the folder's id order."""
     from .hf import hf_names
     cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
-    tied = bool(c.get("tie_word_embeddings"))
+    tied = c.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):            # a string "false" would tie
+        raise UserError(f"config.json: tie_word_embeddings must be true or false, got {tied!r:.60}")
     W = read_weights(folder, progress)
     names = hf_names(cfg.n_layers)
     if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
