@@ -135,6 +135,16 @@ def test_default_pre_tokenizer_is_llama_cpps_cascade(tmp_path, model, tok, pre, 
     assert back.pattern == DEFAULT_CASCADE and back.fingerprint() == g_tok.fingerprint()
 
 
+@pytest.mark.parametrize("pattern", [[r"\p{L}+", r"\p{N}"], r"\p{L}+|\P{L}+"])
+def test_export_refuses_a_pattern_llama_cpp_cannot_name(tmp_path, model, tok, pattern):
+    """llama.cpp splits by the name it reads: writing `default` for another pattern would import as another split."""
+    from nanoeuler.tokenizer import Tokenizer
+    other = Tokenizer.from_dict(tok.to_dict() | {"pattern": pattern})
+    with pytest.raises(UserError, match="llama.cpp names no pre-tokenizer for this tokenizer's pattern"):
+        export_gguf(model, other, tmp_path / "m.gguf", "f32", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 def refused(tmp_path, path, match):
