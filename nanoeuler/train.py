@@ -72,6 +72,12 @@ class TrainConfig:
     ckpt_every: int = 500
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):     # a trainer.json edited by hand: one line, not a TypeError
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int if f.type == "int" else (int, float)) \
+                    or not math.isfinite(v):
+                raise UserError(f"train_config: {f.name} must be a finite {'integer' if f.type == 'int' else 'number'}"
+                                f", got {v!r:.60}")
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

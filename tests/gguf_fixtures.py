@@ -41,9 +41,10 @@ def train_briefly(m: Model, tok: Tokenizer, steps: int, lr: float, length: int) 
 
 
 def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str | None = CHATML,
-               tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None):
+               tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None, pre: str | None = "gpt-2"):
     """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
-    tokens: replace the token list; meta: extra/overriding key -> value; drop: tensor names left out;
+    pre: tokenizer.ggml.pre (None: no such key); tokens: replace the token list; meta: extra/overriding
+    key -> value; drop: tensor names left out;
     shapes: tensor name -> a different array (to write a wrong shape)."""
     import gguf
     from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, token_metadata
@@ -53,7 +54,8 @@ def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str
     add_hparams(w, cfg)
     toks, types, merges = token_metadata(tok, cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     if tokens is not None:  # extra tokens are control tokens
         toks, types = tokens, types[:len(tokens)] + [gguf.TokenType.CONTROL] * (len(tokens) - len(types))
     w.add_token_list(toks)

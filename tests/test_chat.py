@@ -101,6 +101,58 @@ def test_context_keeps_recent_turns_and_drops_the_oldest(run_dir):
     assert chat.context(long) == prompt_ids(tok, long)[-248:] and chat.cut > 0  # too long a prompt keeps its end
 
 
+def _context_one_exchange_at_a_time(chat, messages):
+    """The rule Chat.context follows, applied literally (one exchange dropped per render): the test's oracle."""
+    ctx = chat.model.config.ctx_len
+    limit, budget = ctx - min(chat.max_new, 8), ctx - min(chat.max_new, ctx // 4)
+    dropped = 0
+    while True:
+        ids = prompt_ids(chat.tok, messages)
+        turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+        if len(ids) <= budget or not turns:
+            break
+        later = [i for i in turns[1:] if messages[i]["role"] == "user"]
+        gone = set(range(turns[0], later[0] if later else len(messages) - 1)) - \
+            {i for i, m in enumerate(messages) if m["role"] == "system"}
+        messages[:] = [m for i, m in enumerate(messages) if i not in gone]
+        dropped += 1
+    cut = max(0, len(ids) - limit)
+    return ids[cut:], dropped, cut
+
+
+def test_context_drops_what_one_exchange_at_a_time_would_in_a_few_renders(run_dir, monkeypatch):
+    """Conversations of every shape (system messages anywhere, runs of user or assistant messages, long and
+    short turns): the same ids, messages kept, dropped turns and cut as dropping one exchange per render. A
+    conversation of 3000 messages takes a handful of renders (one render per exchange took minutes: a
+    request to /v1/chat/completions could hold the server for as long)."""
+    import random
+
+    import nanoeuler.chat_template as ct
+    model = Model.load(run_dir)
+    from nanoeuler.checkpoint import load_tokenizer
+    tok = load_tokenizer(run_dir)
+    words = bundled_works()["hamlet"].split()
+    rng = random.Random(0)
+    for case in range(40):
+        conv = []
+        for _ in range(rng.randint(1, 30)):
+            role = rng.choice(["user", "user", "assistant", "assistant", "system"])
+            start = rng.randrange(len(words) - 100)
+            conv.append({"role": role, "content": " ".join(words[start:start + rng.choice([1, 5, 20, 60])])})
+        conv.append({"role": "user", "content": "and now?"})
+        chat = Chat(model, tok, max_new_tokens=rng.choice([4, 16, 200]))
+        kept, want_kept = list(conv), list(conv)
+        want = _context_one_exchange_at_a_time(chat, want_kept)
+        assert (chat.context(kept), chat.dropped_turns, chat.cut) == want and kept == want_kept, case
+    renders = []
+    real = ct.prompt_ids
+    monkeypatch.setattr(ct, "prompt_ids", lambda *a: renders.append(1) or real(*a))
+    chat = Chat(model, tok, max_new_tokens=16)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(3000)] + [conv[-1]]
+    ids = chat.context(many)
+    assert len(renders) <= 12 and chat.dropped_turns > 1000 and len(ids) <= 240
+
+
 def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):
     from nanoeuler.cli import main
     assert main(["sample", "--ckpt", str(run_dir), "--prompt", "To be", "--max-new-tokens", "5", "--seed", "1"]) == 0

@@ -509,3 +509,13 @@ def test_paths_that_cannot_be_looked_at_are_one_line(run_dir, tmp_path, capsys):
         line = one_line_error(argv, capsys)
         assert "internal error" not in line, argv
     assert os.listdir(tmp_path) == []
+
+
+def test_an_empty_value_is_not_the_default(run_dir, text_file, tmp_path, capsys):
+    """export --dtype '' and prepare --mix '' are refused (were: the default dtype, no mix)."""
+    for fmt in ("hf", "gguf"):
+        assert "--dtype" in one_line_error(["export", "--ckpt", run_dir, "--format", fmt, "--dtype", "",
+                                            "--out", tmp_path / f"o.{fmt}"], capsys)
+    assert "--mix" in one_line_error(["prepare", text_file, "--tokenizer", run_dir, "--mix", "", "--no-progress",
+                                      "--out", tmp_path / "d"], capsys)
+    assert os.listdir(tmp_path) == []

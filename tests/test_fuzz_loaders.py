@@ -155,8 +155,21 @@ def test_fuzz_manifest_json(data_dir, tmp_path_factory, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_tokenizer_json(tok, tmp_path_factory, data):
+    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_tokenizer_json_with_a_cascade(tok, tmp_path_factory, data):
+    """A "pattern" cascade (llama.cpp's `default`: a list of regexes); the list and its regexes are mutated too."""
+    from nanoeuler.interop.hf_tokenizer import DEFAULT_CASCADE
+    fuzz_tokenizer(tok.to_dict() | {"pattern": list(DEFAULT_CASCADE)}, tmp_path_factory, data)
+
+
+def fuzz_tokenizer(base: dict, tmp_path_factory, data):
+    """A mutation of base (a tokenizer.json) loads and encodes/decodes exactly, or raises UserError."""
     path = tmp_path_factory.mktemp("k") / "tokenizer.json"
-    path.write_text(_dump(data.draw(mutated(tok.to_dict()))))
+    path.write_text(_dump(data.draw(mutated(base))))
 
     def load():
         t = Tokenizer.load(path)

@@ -117,6 +117,34 @@ def test_cli_import_gguf_and_info(tmp_path, model, tok, capsys):
     assert "MiB of tensors in the source file" in out and "MiB in memory (float32)" in out
 
 
+@pytest.mark.parametrize("pre", ["default", None])
+def test_default_pre_tokenizer_is_llama_cpps_cascade(tmp_path, model, tok, pre, capsys):
+    """`default`, or no pre-tokenizer named (llama.cpp falls back to `default`, and so do we, with a warning line),
+    is the cascade; export writes it back as `default`, so export -> import keeps it."""
+    from nanoeuler.interop.hf_tokenizer import DEFAULT_CASCADE
+    path = write_gguf(tmp_path / "m.gguf", model, tok, pre=pre)
+    import_gguf(path, tmp_path / "run", progress=False)
+    err = capsys.readouterr().err
+    assert ("warning: the GGUF file names no tokenizer.ggml.pre" in err) == (pre is None)
+    g_tok = load_tokenizer(tmp_path / "run")
+    assert g_tok.pattern == DEFAULT_CASCADE
+    assert g_tok.pre_tokens("It's 1234567!") == ["It", "'", "s", " ", "123", "456", "7", "!"]
+    again = export_gguf(Model.load(tmp_path / "run"), g_tok, tmp_path / "again.gguf", "f32", progress=False)
+    assert gguf.GGUFReader(str(again)).fields["tokenizer.ggml.pre"].contents() == "default"
+    _, _, back, _ = load_gguf(again)
+    assert back.pattern == DEFAULT_CASCADE and back.fingerprint() == g_tok.fingerprint()
+
+
+@pytest.mark.parametrize("pattern", [[r"\p{L}+", r"\p{N}"], r"\p{L}+|\P{L}+"])
+def test_export_refuses_a_pattern_llama_cpp_cannot_name(tmp_path, model, tok, pattern):
+    """llama.cpp splits by the name it reads: writing `default` for another pattern would import as another split."""
+    from nanoeuler.tokenizer import Tokenizer
+    other = Tokenizer.from_dict(tok.to_dict() | {"pattern": pattern})
+    with pytest.raises(UserError, match="llama.cpp names no pre-tokenizer for this tokenizer's pattern"):
+        export_gguf(model, other, tmp_path / "m.gguf", "f32", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
 # --------------------------------------------------------------------------------------------- bad input
 
 def refused(tmp_path, path, match):
@@ -165,7 +193,6 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
 @pytest.mark.parametrize("meta, match", [
     ({"general.architecture": "qwen3"}, "architecture 'qwen3' is not supported"),
     ({"tokenizer.ggml.model": "llama"}, r"'llama' \(SentencePiece\) is not supported"),
-    ({"tokenizer.ggml.pre": "default"}, "multi-regex 'default'"),
     ({"tokenizer.ggml.pre": "starcoder"}, "tokenizer.ggml.pre 'starcoder' is not supported"),
     ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type = 'linear' is not supported"),
     ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),

@@ -1,6 +1,6 @@
-"""Our import of a GGUF against llama.cpp (llama-cpp-python) running the same file: tokenization, teacher-forced
-logits, greedy tokens, and the chat prompt. Skipped without llama_cpp (it compiles llama.cpp: `pip install
-'nanoeuler[llama]'`; not in `make test`'s install).
+"""Our import of a GGUF against llama.cpp (llama-cpp-python) running the same file: tokenization (with the
+`gpt-2` and the `default` pre-tokenizers), teacher-forced logits, greedy tokens, and the chat prompt. Skipped
+without llama_cpp (it compiles llama.cpp: `pip install 'nanoeuler[llama]'`; not in `make test`'s install).
 
 The files are written here (tests/gguf_fixtures.py): a llama-arch model (d 256, 2 layers, a 320-token
 byte-level BPE with ChatML specials) trained 40 SGD steps on Hamlet so that its predictions have margins,
@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, train_briefly, write_gguf  # noqa: E402
+from gguf_fixtures import CHATML, SPECIALS, chatml_model, chatml_tokenizer, train_briefly, write_gguf  # noqa: E402
 
-from nanoeuler import Model  # noqa: E402
+from nanoeuler import Model, Tokenizer  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
 from nanoeuler.data.corpus import bundled_works  # noqa: E402
 from nanoeuler.generate import generate  # noqa: E402
@@ -48,6 +48,29 @@ def files(trained, tmp_path_factory):
 
 def heldout(tok, n, at=0):
     return tok.encode(bundled_works()["othello"][5000:20000])[at:at + n]
+
+
+# digits, punctuation runs, contractions, symbols, scripts, unusual spaces: where llama.cpp's `default` cascade
+# cuts differently from GPT-2's pattern
+CASCADE_TEXTS = [*TEXTS, "it's JOHN'S 'quoted' we're they'll", "x = 1234567 + 89, 3.14159", "$100+=200 ^~| `a` b<=>c",
+                 "...!!?? (a) [b] {c} #e @f", "½ ٣٤٥ ① ²³ Ⅻ 12٣4", "«guillemets» — dash… ¿qué?",
+                 "nbsp\u00a0ideographic\u3000space", "e\u0301 👩‍💻 €"]
+
+
+@pytest.mark.parametrize("pre", ["default", None])
+def test_default_pre_tokenizer_equals_llama_cpp(tmp_path, pre):
+    """tokenizer.ggml.pre "default" (or none: llama.cpp falls back to it) splits with a cascade of 4 regexes."""
+    import llama_cpp
+    tok = Tokenizer.train([bundled_works()["hamlet"][:20000] + " it's 2024, 1999 ... $100 += 42; 'tis" * 40], 600,
+                          specials=SPECIALS, progress=False)  # merges across the cascade's cuts: "'s", " 2", " ..."
+    m = chatml_model(tok)
+    path = write_gguf(tmp_path / "d.gguf", m, tok, "F32", pre=pre)
+    _, _, ours, _ = load_gguf(path)
+    lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in CASCADE_TEXTS:
+        assert ours.encode(text, allow_special=True) == lc.tokenize(text.encode(), add_bos=False, special=True), text
+    _, _, gpt2, _ = load_gguf(write_gguf(tmp_path / "g.gguf", m, tok, "F32"))
+    assert sum(ours.encode(t) != gpt2.encode(t) for t in CASCADE_TEXTS) >= 5  # the cascade is not GPT-2's split
 
 
 def test_tokenization_equals_llama_cpp(files):

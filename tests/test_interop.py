@@ -548,6 +548,8 @@ def edit_config(d, **changes):
     (dict(model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
     (dict(architectures=["LlamaForCausalLM", "BertModel"]), "BertModel"),
     (dict(architectures="LlamaForCausalLM"), "architectures"),
+    (dict(model_type=["llama"]), "model_type"),                       # was: an internal error (unhashable)
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings"),       # was: tied, as "false" is truthy
 ])
 def test_unsupported_config_fields_are_one_line_errors(hf_folders, tmp_path, capsys, change, needle):
     d = tmp_path / "m"
@@ -605,6 +607,8 @@ def break_folder(d, how):
         (d / "pytorch_model.bin").write_bytes(b"PK")
     elif how == "not a model":
         (d / "config.json").unlink()
+    elif how == "deep config":
+        (d / "config.json").write_text("[" * 100000)
 
 
 @pytest.mark.parametrize("how, needle", [
@@ -615,6 +619,7 @@ def break_folder(d, how):
     ("split (", "bad pre-tokenization pattern"),                   # was: a traceback from `regex`
     (r"split \p{L}+", "drops characters"),                          # was: imported, then refused by every load
     (r"split (?:a|aa)+$|\s+|(?s:.)", "backtracks"),
+    ("deep config", "not valid JSON"),                               # was: an internal RecursionError
 ])
 def test_broken_folders_are_one_line_errors(hf_folders, tmp_path, capsys, how, needle):
     d = tmp_path / "m"

@@ -250,3 +250,14 @@ def test_a_new_run_never_replaces_files_it_did_not_write(tmp_path):
     (crashed / "log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
     run(crashed, steps=2)
     assert [r["step"] for r in map(json.loads, (crashed / "log.jsonl").read_text().splitlines())] == [1, 2]
+
+
+def test_a_hand_edited_train_config_is_one_line():
+    """trainer.json's train_config feeds --resume's settings: a wrong type or an unknown key is a UserError
+    naming it (was: an internal TypeError comparing a string with a number)."""
+    from argparse import Namespace
+    from nanoeuler.cli.train import train_config_from_args
+    for bad in ({"lr": "x"}, {"steps": 2.5}, {"seed": True}, {"lr": float("nan")}, {"bogus": 1}):
+        with pytest.raises(UserError, match="train_config"):
+            train_config_from_args(Namespace(), bad)
+    assert train_config_from_args(Namespace(lr=None), {"lr": 1e-3, "steps": 7}).steps == 7

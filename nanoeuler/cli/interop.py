@@ -64,11 +64,11 @@ def run_export(args) -> int:
     tok = load_tokenizer(args.ckpt, read_only=True)
     if args.format == "hf":
         from ..interop.hf import export_hf
-        dtype = args.dtype or "float32"
+        dtype = "float32" if args.dtype is None else args.dtype
         out = export_hf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
     else:
         from ..interop.gguf_export import export_gguf
-        dtype = args.dtype or "f32"
+        dtype = "f32" if args.dtype is None else args.dtype
         out = export_gguf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"ckpt": args.ckpt, "format": args.format, "dtype": dtype, "out": str(out),

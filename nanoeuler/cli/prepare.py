@@ -80,14 +80,14 @@ def run(args) -> int:
     check_apart(args.out, [*args.files, *(args.val or []), tokenizer_input(args.tokenizer, args.out)])
     t0 = time.perf_counter()
     if not args.files:
-        if args.val or args.mix:
+        if args.val or args.mix is not None:
             raise UserError("--val and --mix need FILES")
         print("no FILES given: preparing the bundled Shakespeare corpus", file=sys.stderr)
         m = prepare_bundled(args.tokenizer, args.out, processes=args.processes, shard_tokens=shard_tokens,
                             progress=progress, force=args.force)
     else:
         sources = list(args.files)
-        if args.mix:
+        if args.mix is not None:                 # an empty --mix is an error, not "no mix"
             sources = list(zip(args.files, _parse_mix(args.mix, len(args.files))))
         m = prepare(sources, args.tokenizer, args.out, val_sources=args.val, processes=args.processes,
                     shard_tokens=shard_tokens, text_field=args.text_field, progress=progress, force=args.force)

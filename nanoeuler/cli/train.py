@@ -125,8 +125,12 @@ def prepare_before_launch(args) -> None:
 
 
 def train_config_from_args(args, defaults: dict | None = None):
+    from ..errors import UserError
     from ..train import TrainConfig
     values = dict(defaults or {})
+    unknown = sorted(set(values) - set(TrainConfig.__dataclass_fields__))
+    if unknown:
+        raise UserError(f"train_config: unknown setting {unknown[0]!r:.60}")
     for field in TrainConfig.__dataclass_fields__:
         v = getattr(args, field, None)
         if v is not None:

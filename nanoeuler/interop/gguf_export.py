@@ -108,6 +108,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     require_llama(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
+    pre = GGUF_PRE_NAMES.get(tok.pattern)
+    if pre is None:  # llama.cpp picks its split by this name: any other would encode the text differently
+        raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
+                        f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -122,7 +126,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         w.add_file_type(int(ftype))
         tokens, types, merges = token_metadata(tok, cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(GGUF_PRE_NAMES.get(tok.pattern, "default"))
+        w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

@@ -16,15 +16,16 @@ inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bi
 
 The tokenizer comes from `tokenizer.ggml.*` (model `gpt2`: byte-level BPE): tokens, merges, token types
 (CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids reserved rows), bos / eos / end-of-turn ids,
-`add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_PATTERNS). The ids stay the file's (the
-Tokenizer's id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not
-compute the same (rope scaling, sliding window, biases on llama, experts, another architecture, a
-SentencePiece vocabulary, llama.cpp's multi-regex `default` pre-tokenizer) is refused by name, and so is any
-defect of the file (truncated, absurd counts, data past the end, shapes that disagree with the metadata):
-one line, nothing written.
+`add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
+llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE). The ids stay the file's (the Tokenizer's
+id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not compute the same
+(rope scaling, sliding window, biases on llama, experts, another architecture, a SentencePiece vocabulary) is
+refused by name, and so is any defect of the file (truncated, absurd counts, data past the end, shapes that
+disagree with the metadata): one line, nothing written.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,19 +44,22 @@ PRE_FAMILIES = {
     "SMOLLM_PATTERN": (("smollm",), False, False),
     "GPT2_PATTERN": (("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
                       "mellum"), False, False),
+    "DEFAULT_CASCADE": (("default",), False, False),
 }
 
 
-def pre_pattern(pre: str | None) -> tuple[str, bool, bool]:
-    """tokenizer.ggml.pre -> (regex, ignore_merges, add_bos default). pre_pattern("smollm")[0] == SMOLLM_PATTERN"""
+def pre_pattern(pre: str | None) -> tuple[str | tuple[str, ...], bool, bool]:
+    """tokenizer.ggml.pre -> (regex or cascade, ignore_merges, add_bos default).
+    pre_pattern("smollm")[0] == SMOLLM_PATTERN; pre_pattern("default")[0] == DEFAULT_CASCADE (a tuple)"""
     from . import hf_tokenizer
     from ..tokenizer import GPT2_PATTERN
+    if pre in (None, ""):  # as llama.cpp does (and warns)
+        print("warning: the GGUF file names no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer, as "
+              "llama.cpp does (the model may have been trained with another)", file=sys.stderr)
+        pre = "default"
     for name, (names, ignore, bos) in PRE_FAMILIES.items():
         if pre in names:
             return (GPT2_PATTERN if name == "GPT2_PATTERN" else getattr(hf_tokenizer, name)), ignore, bos
-    if pre in (None, "default"):
-        raise UserError(f"tokenizer.ggml.pre {pre or '(missing)'!r}: llama.cpp splits such text with its multi-regex "
-                        "'default' cascade, which nanoeuler does not reproduce; not supported")
     raise UserError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
                     f"{', '.join(n for names, _, _ in PRE_FAMILIES.values() for n in names)})")
 
@@ -136,6 +140,7 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
         raise UserError("GGUF metadata tokenizer.ggml.tokens / tokenizer.ggml.merges are missing or not string lists")
     if len(types) != len(tokens):
         raise UserError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    from ..tokenizer.tokenizer import hf_splits
     pattern, ignore_merges, bos_default = pre_pattern(meta.get("tokenizer.ggml.pre"))
     vocab, added = {}, []
     for i, (s, ty) in enumerate(zip(tokens, types)):
@@ -154,7 +159,7 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
     d = {"model": {"type": "BPE", "vocab": vocab, "merges": merges, "ignore_merges": ignore_merges},
          "added_tokens": added, "decoder": {"type": "ByteLevel"}, "post_processor": post,
          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+             *hf_splits(pattern),
              {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}}
     return d, meta.get("tokenizer.ggml.eos_token_id")
 

@@ -21,8 +21,8 @@ def read_json_file(path: Path, what: str):
         raise UserError(f"{what}: {path} not found")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: [[[[... nested too deep
+        raise UserError(f"{path} is not valid JSON ({str(e)[:120]})") from None
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -19,6 +19,8 @@ else (a token after the text, Bert/Roberta processors) is refused by name.
 Pre-tokenizers understood (any other is a one-line error naming it):
 - `ByteLevel(use_regex=true)`                       -> the GPT-2 pattern (GPT-2, our own export)
 - `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export)
+- `Sequence[Split(P1), Split(P2), ..., ByteLevel(use_regex=false)]` -> the cascade (P1, P2, ...): each Split
+  cuts the pieces the previous ones left (llama.cpp's `default`, our export of a cascade)
 A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
 - `Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)]` -> SMOLLM_PATTERN (SmolLM)
 """
@@ -35,16 +37,33 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# llama.cpp's `default` pre-tokenizer (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_DEFAULT), its regexes verbatim: a
+# cascade (runs of punctuation and $+<=>^~|; then GPT-2's pattern inside what is left; number runs; groups of 3 digits)
+DEFAULT_CASCADE = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                   r"\p{N}+", r"[0-9][0-9][0-9]")
 # llama.cpp picks its pre-tokenizer by name (tokenizer.ggml.pre), not by regex
-GGUF_PRE_NAMES = {GPT2_PATTERN: "gpt-2", LLAMA3_PATTERN: "llama-bpe", SMOLLM_PATTERN: "smollm", QWEN2_PATTERN: "qwen2"}
+GGUF_PRE_NAMES = {GPT2_PATTERN: "gpt-2", LLAMA3_PATTERN: "llama-bpe", SMOLLM_PATTERN: "smollm", QWEN2_PATTERN: "qwen2",
+                  DEFAULT_CASCADE: "default"}
 
 
 def _bad(msg: str):
     raise UserError(f"tokenizer.json: {msg}")
 
 
-def pattern_of(pre) -> str:
-    """The one regex equal to a Hugging Face byte-level pre-tokenizer (see the module docstring)."""
+def split_regex(split) -> str:
+    """The regex of a Split pre-tokenizer that isolates its matches (the only kind supported)."""
+    pat = split.get("pattern")
+    if not (isinstance(pat, dict) and isinstance(pat.get("Regex"), str)):
+        _bad("pre_tokenizer Split.pattern must be a Regex")
+    if split.get("behavior") != "Isolated" or split.get("invert"):
+        _bad(f"pre_tokenizer Split.behavior={split.get('behavior')} invert={split.get('invert')} "
+             "is not supported (only Isolated, not inverted)")
+    return pat["Regex"]
+
+
+def pattern_of(pre) -> str | tuple[str, ...]:
+    """The one regex (or cascade of regexes) equal to a Hugging Face byte-level pre-tokenizer (see the module
+    docstring)."""
     def byte_level(p, use_regex):
         if p.get("add_prefix_space"):
             _bad("pre_tokenizer ByteLevel.add_prefix_space=true is not supported")
@@ -63,16 +82,10 @@ def pattern_of(pre) -> str:
         if kinds == ["ByteLevel"]:
             byte_level(parts[0], True)
             return GPT2_PATTERN
-        if kinds == ["Split", "ByteLevel"]:
-            split = parts[0]
-            pat = split.get("pattern")
-            if not (isinstance(pat, dict) and isinstance(pat.get("Regex"), str)):
-                _bad("pre_tokenizer Split.pattern must be a Regex")
-            if split.get("behavior") != "Isolated" or split.get("invert"):
-                _bad(f"pre_tokenizer Split.behavior={split.get('behavior')} invert={split.get('invert')} "
-                     "is not supported (only Isolated, not inverted)")
-            byte_level(parts[1], False)
-            return pat["Regex"]
+        if len(kinds) >= 2 and kinds[-1] == "ByteLevel" and set(kinds[:-1]) == {"Split"}:
+            byte_level(parts[-1], False)
+            regexes = tuple(split_regex(p) for p in parts[:-1])
+            return regexes[0] if len(regexes) == 1 else regexes
         if kinds == ["Digits", "ByteLevel"]:
             if not parts[0].get("individual_digits"):
                 _bad("pre_tokenizer Digits.individual_digits=false is not supported")
@@ -241,6 +254,6 @@ def check_ignore_merges(tok: Tokenizer) -> None:
         if bpe(b, ranks) == [i]:
             continue
         s = b.decode("utf-8", "surrogateescape")
-        if tok._regex.findall(s) == [s]:
+        if tok.pre_tokens(s) == [s]:
             _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
                  f"token {s!r} from its bytes")

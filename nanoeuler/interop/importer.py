@@ -40,6 +40,8 @@ def architecture_of(c: dict) -> str:
     whose `architectures` says LlamaForCausalLM is refused by name), and every entry of `architectures`
     must name that same architecture."""
     mt, archs = c.get("model_type"), c.get("architectures")
+    if mt is not None and not isinstance(mt, str):
+        raise UserError(f"config.json: model_type must be a name, got {mt!r:.60}")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise UserError("config.json: architectures must be a list of names")
     found = {ARCH_ALIASES.get(a, a) for a in archs or []}
@@ -144,7 +146,9 @@ def import_llama(folder: Path, c: dict, n_mtp: int | None, progress: bool = Fals
     from ..config import head_weight
     from .hf import hf_names
     cfg = llama_config(c, 1)  # the number of MTP heads is settled by mtp_heads below
-    tied = bool(c.get("tie_word_embeddings"))
+    tied = c.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):            # a string "false" would tie
+        raise UserError(f"config.json: tie_word_embeddings must be true or false, got {tied!r:.60}")
     W = read_weights(folder, progress)
     names = hf_names(cfg.n_layers)
     if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does

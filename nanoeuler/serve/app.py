@@ -314,7 +314,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
     closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
-    loops = []
+    running = {}  # "loop": the event loop serving the app
 
     def begin_shutdown() -> None:
         """End the streams now (the lifespan shutdown joins the engine thread) and answer the bodies still
@@ -322,12 +322,14 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         with batcher.cond:
             batcher.closed = True
             batcher.cond.notify_all()
-        for loop in loops:
-            loop.call_soon_threadsafe(closing.set)
+        try:
+            running["loop"].call_soon_threadsafe(closing.set)
+        except (KeyError, RuntimeError):  # not started, or its loop is gone: no body is arriving
+            pass
 
     @asynccontextmanager
     async def lifespan(app):
-        loops.append(asyncio.get_running_loop())
+        running["loop"] = asyncio.get_running_loop()
         batcher.start()
         yield
         batcher.close()

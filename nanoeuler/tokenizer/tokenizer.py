@@ -9,14 +9,16 @@ Ids 0..255 are the raw bytes, id 256 + i is merge i, and the special tokens (at 
 
 Text is first cut into pre-tokens with the GPT-2 pattern (contractions, letter runs, number runs,
 punctuation runs, whitespace; one leading space sticks to the next word), then each pre-token's bytes
-are merged by BPE. Training counts unique pre-tokens once and updates pair counts incrementally per
-merge; encoding caches the ids of every pre-token it has seen. The hot loops are compiled with numba
-(`nanoeuler.tokenizer.bpe_fast`); the plain-Python reference versions below (`get_stats`, `merge`, `bpe`) define
-what they compute, and the tests hold the two equal.
+are merged by BPE. An imported tokenizer may carry another pattern, or a cascade of them (llama.cpp's
+`default`: each regex cuts the pieces the previous ones left, see `split_cascade`). Training counts unique
+pre-tokens once and updates pair counts incrementally per merge; encoding caches the ids of every pre-token
+it has seen. The hot loops are compiled with numba (`nanoeuler.tokenizer.bpe_fast`); the plain-Python
+reference versions below (`get_stats`, `merge`, `bpe`) define what they compute, and the tests hold the two
+equal.
 
-`tokenizer.json` is our own readable format (pattern, merges as id pairs, specials); `save` also
-writes a `tokenizer.vocab` beside it, one token per line, for people. `to_hf_json()` exports to the
-Hugging Face `tokenizers` format, which then encodes identically.
+`tokenizer.json` is our own readable format (pattern — a regex, or a list of them for a cascade —, merges
+as id pairs, specials); `save` also writes a `tokenizer.vocab` beside it, one token per line, for people.
+`to_hf_json()` exports to the Hugging Face `tokenizers` format, which then encodes identically.
 
 Imported vocabularies keep their own ids. A Hugging Face vocabulary numbers the same tokens its own way
 (GPT-2: '!' = 0, ..., byte 32 'Ġ' = 220; SmolLM: specials first), and a model's embedding rows follow it.
@@ -40,6 +42,7 @@ import json
 import os
 import re
 import threading
+import time
 import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -106,19 +109,35 @@ PATTERN_PROBES = (
 )
 PATTERN_STRESS = tuple(c * 48 + tail for c in ("a", " ", "1", "!", "\n", "é") for tail in ("", "\x00", "b"))
 PATTERN_CHECK_TIMEOUT = 0.5     # seconds a pattern may spend on one probe
+MAX_CASCADE = 16                # patterns in one cascade
 ENCODE_TIMEOUT_PER_CHAR = 1e-5  # ... and on a text: 1 s + 10 µs per character
 
 
-def check_pattern(pattern: str) -> None:
+def check_pattern(pattern: str | list | tuple) -> None:
     r"""A pre-tokenization pattern must compile, cover every character (the pieces `findall` returns,
     joined, give back the text: `\p{L}+` alone drops spaces and digits, a capturing group drops the
     rest of its match) and run in bounded time (`(a|aa)+$` backtracks exponentially). UserError if not.
+    A cascade (a list of patterns, see `split_cascade`) needs each to compile and run in bounded time;
+    it covers every character by construction.
 
         check_pattern(GPT2_PATTERN)     # passes
         check_pattern(r"\p{L}+")        # UserError: ... drops characters: ' ' ...
+        check_pattern([r"\p{L}+", r"\d"])   # passes: the stretches between letter runs are pieces too
     """
+    if isinstance(pattern, (list, tuple)):
+        if not 2 <= len(pattern) <= MAX_CASCADE:
+            raise UserError(f"tokenizer.json: a \"pattern\" cascade must list 2 to {MAX_CASCADE} patterns")
+        for p in pattern:
+            check_one_pattern(p, whole=False)
+        return
+    check_one_pattern(pattern, whole=True)
+
+
+def check_one_pattern(pattern, whole: bool) -> None:
+    """check_pattern for one regex; whole: its findall must also give back every character."""
     if not isinstance(pattern, str) or not pattern or len(pattern) > 10_000:
-        raise UserError("tokenizer.json: \"pattern\" must be a non-empty string (at most 10000 characters)")
+        raise UserError("tokenizer.json: \"pattern\" must be a non-empty string (at most 10000 characters) "
+                        "or a list of such strings (a cascade)")
     if pattern == GPT2_PATTERN:
         return
     try:
@@ -131,7 +150,7 @@ def check_pattern(pattern: str) -> None:
         except TimeoutError:
             raise UserError(f"tokenizer.json: the pre-tokenization pattern takes more than {PATTERN_CHECK_TIMEOUT} s "
                             f"on {len(probe)} characters ({probe[:12]!r}...): it backtracks catastrophically") from None
-        if not all(isinstance(p, str) for p in pieces) or "".join(pieces) != probe:
+        if whole and (not all(isinstance(p, str) for p in pieces) or "".join(pieces) != probe):
             kept = "".join(p if isinstance(p, str) else "" for p in pieces)
             lost = sorted(set(probe) - set(kept)) or ["(characters in context)"]
             raise UserError(f"tokenizer.json: the pre-tokenization pattern drops characters, e.g. "
@@ -145,13 +164,47 @@ def _findall_bounded(compiled, text: str) -> list[str]:
     try:
         return compiled.findall(text, timeout=limit)
     except TimeoutError:
-        raise UserError(f"the tokenizer's pre-tokenization pattern took more than {limit:.1f} s on a text of "
-                        f"{len(text):,} characters (catastrophic backtracking?)") from None
+        raise _too_slow(limit, text) from None
 
 
-def pretokenize(text: str, pattern: str = GPT2_PATTERN) -> list[str]:
-    """The pre-tokens of text.  pretokenize("Hello  world's") -> ['Hello', ' ', ' world', "'s"]"""
-    return regex.findall(pattern, text)
+def _too_slow(limit: float, text: str) -> UserError:
+    """The error of a pattern that ran out of its time on text."""
+    return UserError(f"the tokenizer's pre-tokenization pattern took more than {limit:.1f} s on a text of "
+                     f"{len(text):,} characters (catastrophic backtracking?)")
+
+
+def split_cascade(compiled: Iterable, text: str) -> list[str]:
+    r"""llama.cpp's `unicode_regex_split`: each regex in turn splits every piece the previous ones made, into
+    its matches and the stretches between them (both kept: the pieces always join back to the text). Bounded
+    in time like one pattern's findall.
+
+        split_cascade([regex.compile(r"\p{N}+"), regex.compile("[0-9]{3}")], "ab12345") -> ['ab', '123', '45']
+    """
+    limit = 1.0 + ENCODE_TIMEOUT_PER_CHAR * len(text)
+    deadline = time.monotonic() + limit
+    pieces = [text]
+    for r in compiled:
+        out = []
+        for piece in pieces:
+            at = 0
+            try:
+                for m in r.finditer(piece, timeout=max(deadline - time.monotonic(), 1e-3)):
+                    s, e = m.span()
+                    out += [piece[at:s], piece[s:e]]
+                    at = e
+            except TimeoutError:
+                raise _too_slow(limit, text) from None
+            out.append(piece[at:])
+        pieces = [p for p in out if p]
+    return pieces
+
+
+def pretokenize(text: str, pattern: str | tuple = GPT2_PATTERN) -> list[str]:
+    """The pre-tokens of text (pattern: one regex, or a cascade of them, see split_cascade).
+    pretokenize("Hello  world's") -> ['Hello', ' ', ' world', "'s"]"""
+    if isinstance(pattern, str):
+        return regex.findall(pattern, text)
+    return split_cascade([regex.compile(p) for p in pattern], text)
 
 
 def train_reference(texts: Iterable[str], vocab_size: int, specials=("</s>",)) -> list[tuple[int, int]]:
@@ -197,7 +250,7 @@ class Tokenizer:
     """
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
-                 pattern: str = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
+                 pattern: str | Iterable[str] = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
                  ids: Iterable[int] | None = None, bos: str | None = None, chat_template: str | None = None,
                  stops: Iterable[str] = ()):
         """merges: (left, right) pairs in the engine's numbering (byte b = b, merge i = 256 + i);
@@ -208,7 +261,8 @@ class Tokenizer:
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r}; choose one of NFC, NFD, NFKC, NFKD or none")
         self.normalizer = normalizer  # Unicode normal form applied to text before encoding (Qwen2: NFC)
-        self.pattern = pattern
+        # one regex (its matches are the pre-tokens), or a tuple of them: a cascade (see split_cascade)
+        self.pattern = pattern if isinstance(pattern, str) else tuple(pattern)
         self.eos_token = eos  # the special that ends a text / response ("</s>" here; "<|endoftext|>" for GPT-2)
         self.merges = [(int(a), int(b)) for a, b in merges]
         self._vocab = [bytes([i]) for i in range(256)]
@@ -239,7 +293,8 @@ class Tokenizer:
             if t not in self._specials:
                 raise UserError(f"the stop token {t!r} is not one of the special tokens")
         self._ranks = {pair: 256 + i for i, pair in enumerate(self.merges)}
-        self._regex = regex.compile(pattern)
+        self._regex = (regex.compile(self.pattern) if isinstance(self.pattern, str)
+                       else tuple(regex.compile(p) for p in self.pattern))
         self._special_regex = (regex.compile("(" + "|".join(regex.escape(s) for s in
                                                              sorted(self._specials, key=len, reverse=True)) + ")")
                                if self._specials else None)
@@ -446,12 +501,18 @@ class Tokenizer:
             errors = "surrogatepass"
         out: list[int] = []
         cache = self._cache
-        for piece in _findall_bounded(self._regex, text):
+        for piece in self.pre_tokens(text):
             ids = cache.get(piece)
             if ids is None:
                 ids = cache[piece] = bpe(piece.encode("utf-8", errors), self._ranks)
             out.extend(ids)
         return np.array(out, np.int32)
+
+    def pre_tokens(self, text: str) -> list[str]:
+        """The pieces BPE encodes one by one.  GPT-2 pattern: pre_tokens("it's 42") -> ['it', "'s", ' 42']"""
+        if isinstance(self.pattern, str):
+            return _findall_bounded(self._regex, text)
+        return split_cascade(self._regex, text)
 
     def _encode_fast(self, data: bytes) -> np.ndarray:
         with self._lock:
@@ -511,7 +572,8 @@ class Tokenizer:
         """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}
         in the engine's numbering, plus, for an imported vocabulary, "ids" (the id of each token in that
         order: bytes, merges, specials) and "bos"."""
-        d = {"format": FORMAT, "version": VERSION, "pattern": self.pattern,
+        d = {"format": FORMAT, "version": VERSION,
+             "pattern": self.pattern if isinstance(self.pattern, str) else list(self.pattern),
              "vocab_size": self.vocab_size, "specials": dict(self._specials),
              "merges": [list(m) for m in self.merges]}
         if self.eos_token != "</s>":  # e.g. an imported GPT-2 tokenizer: "eos": "<|endoftext|>"
@@ -541,8 +603,6 @@ class Tokenizer:
         if d.get("version") != VERSION:
             raise UserError(f"unsupported tokenizer version {d.get('version')!r} (this nanoeuler reads {VERSION})")
         pattern, merges, specials = d.get("pattern"), d.get("merges"), d.get("specials")
-        if not isinstance(pattern, str):
-            raise UserError("tokenizer.json: \"pattern\" must be a string")
         check_pattern(pattern)
         if not isinstance(merges, list):
             raise UserError("tokenizer.json: \"merges\" must be a list of [left, right] id pairs")
@@ -644,7 +704,7 @@ class Tokenizer:
             pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
         else:
             pre = {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
+                *hf_splits(self.pattern),
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
         d = {
             "version": "1.0", "truncation": None, "padding": None,
@@ -670,6 +730,13 @@ class Tokenizer:
                 "pair": [tok, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": b, "type_id": 1}},
                          {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {b: {"id": b, "ids": [self.bos_id], "tokens": [b]}}}
+
+
+def hf_splits(pattern: str | tuple[str, ...]) -> list[dict]:
+    """A pattern as Hugging Face `Split` pre-tokenizers: one per regex. A Split isolates its matches and keeps
+    the stretches between them, so a Sequence of them cuts text as split_cascade does."""
+    return [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+            for p in ([pattern] if isinstance(pattern, str) else pattern)]
 
 
 def check_ids(ids, n: int) -> np.ndarray:
