@@ -157,7 +157,8 @@ def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
     for name in g:
         if name.endswith("attn.wk.bias"):  # gpt2: 0 in exact arithmetic (softmax ignores a per-row constant)
             continue
-        assert rel_err(g[name], g_twin[name]) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name]), name
+        # per entry (conftest.rel_err): the kernels' and the twin's float32 sums differ in order only (<= 4e-6 seen)
+        assert rel_err(g[name], g_twin[name]) < 1e-5 < 1e-3 < rel_err(g_fp32[name], g_twin[name]), name
 
 
 @needs_bf16
