@@ -121,11 +121,10 @@ class LoraModel:
                     self._merged[name] = np.empty_like(self.base.params[name])
         s = self.dtype.type(self.lcfg.scale)
         for module, (bases, _) in self.modules.items():
-            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            A, sB = self.params[module + ".lora_A"], s * self.params[module + ".lora_B"]  # s·B: [out, r], small
             for name, rows in zip(bases, ad.row_slices(self.config, bases)):
                 out = self._merged[name]
-                np.matmul(B[rows], A, out=out)                              # [out, in]
-                out *= s
+                np.matmul(sB[rows], A, out=out)                             # [out, in]
                 out += self.base.params[name]
         return self._merged
 
