@@ -164,7 +164,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['model']:<8} {r['engine']:<10} error: {r['error']}")
             continue
-        mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == "ours-lora" and "step_s" in x), None)
+        mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == "ours-lora" and "step_s" in x),
+                    None)
         ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
                  if mine and r is not mine else "")
         print(f"{r['model']:<8} {r['engine']:<10} {r['step_s']:>8.3f} {r['peak_mib']:>9.0f}  {ratio}")

@@ -432,7 +432,8 @@ class DPOObjective:
                 ref_c[i], ref_r[i] = c, r
 
     def evaluate(self, max_batches: int) -> dict:
-        m = evaluate_dpo(self.model.merged() if self.lora else self.model, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
+        policy = self.model.merged() if self.lora else self.model
+        m = evaluate_dpo(policy, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
                          self.beta, self.pad_id, workspaces=self.workspaces)
         return {f"val_{k}": v for k, v in m.items()}
 

@@ -129,11 +129,10 @@ class LoraModel:
                     self._merged[name] = np.empty_like(self.base.params[name])
         s = self.dtype.type(self.lcfg.scale)
         for module, (bases, _) in self.modules.items():
-            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
+            A, sB = self.params[module + ".lora_A"], s * self.params[module + ".lora_B"]  # s·B: [out, r], small
             for name, rows in zip(bases, ad.row_slices(self.config, bases)):
                 out = self._merged[name]
-                np.matmul(B[rows], A, out=out)                              # [out, in]
-                out *= s
+                np.matmul(sB[rows], A, out=out)                             # [out, in]
                 out += self.base.params[name]
         return self._merged
 
@@ -191,7 +190,8 @@ class LoraModel:
             for name, rows in zip(bases, ad.row_slices(cfg, bases)):
                 P[name] = Adapted(P[name], A, B[rows], s, adapter_dropout, ad.DROPOUT_SITE0 + j)
         logits, caches = forward(cfg, P, tokens[:, :T], ops=LORA_OPS, dropout=dropout)
-        objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask))
+        targets = ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)           # [K, B, T]
+        objective, head_losses, loss_cache = ops.mtp_loss_forward(logits, targets)
         return head_losses, objective, (P, caches, loss_cache)
 
     def _reference_step(self, tokens, loss_mask, dropout, adrop, counts=None):
@@ -245,7 +245,7 @@ class LoraGrads(dict):
     biases, the embeddings' lookup share: kept, unused) as a dict, and for every linear, through
     `engine.weight_grad`, the adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
 
-        u = x·Aᵀ [n, r]      dB = s·dyᵀ·u [out, r]      dA = s·(dy·B)ᵀ·x [r, in]      ~2·n·r·(in + out) flops
+        u = x·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x [r, in]     ~2·n·r·(in + out) flops
 
     in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all."""
 

@@ -164,6 +164,15 @@ def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok,
     assert "changed since the adapters were trained" in capsys.readouterr().err
     assert main(["sft", "--base", str(tmp_path / "a"), "--lora", "4", "--out", str(tmp_path / "c")]) == 2
     assert "is an adapter run" in capsys.readouterr().err
+    assert main(["export", "--ckpt", str(tmp_path / "base"), "--format", "peft", "--out", str(tmp_path / "p")]) == 2
+    assert "has no lora.json" in capsys.readouterr().err
+    assert main(["lora", "merge", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "base")]) == 2
+    assert "--force" in capsys.readouterr().err      # an existing checkpoint is not replaced unasked
+    assert main(["sft", "--base", str(tmp_path / "base"), "--lora-alpha", "3", "--out", str(tmp_path / "d")]) == 2
+    assert "need --lora R" in capsys.readouterr().err
+    assert main(["sft", "--base", str(tmp_path / "base"), "--lora", "2", "--lora-targets", "c_attn",
+                 "--out", str(tmp_path / "e")]) == 2
+    assert "the targets of arch euler are q,k,v,o,gate,up,down" in capsys.readouterr().err
 
 
 def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
@@ -176,7 +185,7 @@ def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
     common = sft_setup(tmp_path, tok) + ["--lora", "4", "--batch-size", "4"]
     ok(one(common + ["--out", "one"], tmp_path))
     ok(mpirun(2, common + ["--out", "two"], tmp_path))
-    a, b = load_file(str(tmp_path / "one" / "adapter.safetensors")), load_file(str(tmp_path / "two" / "adapter.safetensors"))
+    a, b = (load_file(str(tmp_path / run / "adapter.safetensors")) for run in ("one", "two"))
     assert a.keys() == b.keys()
     assert max(rel_err(b[n], a[n]) for n in a if n.endswith("lora_B")) < 1e-5
     assert any(a[n].any() for n in a if n.endswith("lora_B"))

@@ -57,9 +57,10 @@ def lora_config(args):
 
 
 def wants_lora(args, out) -> bool:
-    """Whether this sft/dpo/train run trains adapters: --lora given, or resuming an adapter run."""
+    """Whether this sft/dpo/train run trains adapters: --lora given, or resuming an adapter run.
+    --lora-alpha/-targets/-dropout without --lora are refused (they would be ignored)."""
     from ..adapters import is_adapter_run
-    return args.lora is not None or bool(args.resume and is_adapter_run(out))
+    return lora_config(args) is not None or bool(args.resume and is_adapter_run(out))
 
 
 def start_or_resume(args, base_dir, out, seed: int):

@@ -185,6 +185,7 @@ def run_train(args) -> int:
                          f"runs/{preset or (Path(args.config).stem if args.config else 'small')}")
     check_apart(out, [args.data or BUNDLED_DATA, args.tokenizer, args.init_from])
     state = None
+    lora = wants_lora(args, out)
     if args.resume:
         from ..checkpoint import check_trainer_state, read_json
         if not (out / "trainer.json").is_file():   # validate first, create nothing (no bundled data) before
@@ -195,7 +196,7 @@ def run_train(args) -> int:
         if not args.data and not (BUNDLED_DATA / "manifest.json").exists():
             raise UserError(f"give --data DATA (the data {out} was trained on): without it --resume reads the "
                             f"bundled corpus, which is not prepared in {BUNDLED_DATA}")
-        model = start_or_resume(args, None, out, 0) if wants_lora(args, out) else Model.load(out)
+        model = start_or_resume(args, None, out, 0) if lora else Model.load(out)
         if args.config and model.config != (PRESETS[preset] if preset else Config.load(args.config)):
             raise UserError(f"{out} was trained with a different config than {args.config}")
         cfg = model.config
@@ -204,11 +205,11 @@ def run_train(args) -> int:
         if args.config or not args.out:
             raise UserError("--init-from takes the config of its checkpoint: give --out, and no config")
         tcfg = train_config_from_args(args, {})
-        model = (start_or_resume(args, args.init_from, out, tcfg.seed) if args.lora is not None
+        model = (start_or_resume(args, args.init_from, out, tcfg.seed) if lora
                  else Model.load(args.init_from, read_only=True))
         cfg = model.config
     else:
-        if args.lora is not None:
+        if lora:
             raise UserError("--lora trains adapters on a trained model: give --init-from RUN")
         cfg = PRESETS[preset] if preset else Config.load(args.config) if args.config else PRESETS["small"]
         tcfg = train_config_from_args(args, PRESET_DEFAULTS.get(preset or ("small" if not args.config else ""), {}))
@@ -222,7 +223,6 @@ def run_train(args) -> int:
         from ..memory import check_fits
         check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
-    lora = hasattr(model, "adapter_grads")
     precision = resolve_precision(args, state)
     if args.device == "gpu":
         if lora:
