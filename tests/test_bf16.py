@@ -157,8 +157,10 @@ def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
     for name in g:
         if name.endswith("attn.wk.bias"):  # gpt2: 0 in exact arithmetic (softmax ignores a per-row constant)
             continue
-        # per entry (conftest.rel_err): the kernels' and the twin's float32 sums differ in order only (<= 4e-6 seen)
-        assert rel_err(g[name], g_twin[name]) < 1e-5 < 1e-3 < rel_err(g_fp32[name], g_twin[name]), name
+        # against the tensor's largest entry (floor 1): the kernels' and the twin's float32 sums differ in
+        # order only, the float32 products by bf16 rounding (per entry, small entries read up to 1e-4)
+        assert (rel_err(g[name], g_twin[name], floor=1.0) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name], floor=1.0)
+                and rel_err(g[name], g_twin[name]) < 1e-3), name
 
 
 @needs_bf16

@@ -57,6 +57,12 @@ def peft_loss(pm, tokens):
                                              torch.from_numpy(tokens[:, 1:]).reshape(-1))
 
 
+def close(ours, theirs) -> bool:
+    """float32 agreement: 1e-5 of the tensor's largest entry (the issue's figure), and 1e-3 entry by entry
+    above 1 % of it (conftest.rel_err: float32 sums in another order move small entries most)."""
+    return rel_err(ours, theirs, floor=1.0) <= 1e-5 and rel_err(ours, theirs) <= 1e-3
+
+
 @pytest.mark.parametrize("arch", ["euler", "gpt2"])
 def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
     m, pm, names = setup(arch, tmp_path)
@@ -69,7 +75,7 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
     assert abs(loss - tl.item()) <= 1e-5 * abs(loss)
     for ours, t in names.items():
         g = theirs[t.replace(".weight", ".default.weight")].grad.numpy()
-        assert rel_err(grads[ours], g) <= 1e-5, ours
+        assert close(grads[ours], g), ours
     # 10 AdamW steps on different batches: the same adapters
     opt = AdamW(m.params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     topt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
@@ -81,7 +87,7 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
         peft_loss(pm, tokens).backward()
         topt.step()
     for ours, t in names.items():
-        assert rel_err(m.params[ours], theirs[t.replace(".weight", ".default.weight")].detach().numpy()) <= 1e-5, ours
+        assert close(m.params[ours], theirs[t.replace(".weight", ".default.weight")].detach().numpy()), ours
     assert any(not np.array_equal(m.params[n], 0) for n in m.params if n.endswith("lora_B"))
 
 
@@ -114,5 +120,5 @@ def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, tmp_path)
     merged = Model.load(tmp_path / "run", read_only=True)
     ours = merged.logits(ids)[0]
     base = m.base.logits(ids)[0]
-    assert rel_err(ours, theirs) <= 1e-5
+    assert close(ours, theirs)
     assert rel_err(base, theirs) > 1e-3      # the adapters matter: not the base's logits
