@@ -96,3 +96,34 @@ def test_the_reader_sees_lazy_and_relative_imports(tmp_path):
     assert graph["pkg.sub.low"] == {"pkg.high"} and graph["pkg.high"] == {"pkg.sub.low"}
     assert graph["pkg.sub"] == {"pkg.sub.low"}
     assert find_cycle(graph) == ["pkg.high", "pkg.sub.low", "pkg.high"]
+
+
+def readme_layers(readme: Path = ROOT.parent / "README.md") -> list[list[str]]:
+    """The rows of README's import picture (Layout), top row first; a continuation line (8 spaces) joins
+    the row above. Names as the README writes them: 'fast/engine', 'fast' (fast/__init__.py), '__init__'."""
+    text = readme.read_text(encoding="utf-8")
+    start = text.index("Imports go one way, down:")
+    block = text[text.index("\n\n    ", start) + 2:text.index("\n## ", start)]
+    rows = []
+    for line in block.rstrip("\n").split("\n"):
+        if line.startswith("        "):
+            rows[-1] += line.split()
+        elif line.startswith("    "):
+            rows.append(line.split())
+    return rows
+
+
+def readme_name(module: str) -> str:
+    """'nanoeuler.fast.engine' -> 'fast/engine'; the package itself -> '__init__'."""
+    return "__init__" if module == "nanoeuler" else module.removeprefix("nanoeuler.").replace(".", "/")
+
+
+def test_the_readme_picture_is_the_import_graph():
+    graph = import_graph()
+    rows = readme_layers()
+    row_of = {name: r for r, row in enumerate(rows) for name in row}
+    assert sum(map(len, rows)) == len(row_of), "a module stands twice in the README's picture"
+    assert set(row_of) == {readme_name(m) for m in graph}, "the README's picture and the package differ"
+    for module, targets in graph.items():
+        for t in targets:
+            assert row_of[readme_name(module)] < row_of[readme_name(t)], f"{module} imports {t}, not below it"
