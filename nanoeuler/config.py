@@ -197,6 +197,12 @@ def check_params(config: Config, params: dict) -> None:
         raise UserError("parameters must all be float32 or all float64")
 
 
+def head_name(P: dict, k: int) -> str:
+    """The parameter that is output head k: head 0 is the token embedding when tied (arch gpt2,
+    tie_embeddings), and its gradient goes there too. head_name({"embed.weight": E}, 0) == "embed.weight"."""
+    return "embed.weight" if k == 0 and "heads.0.weight" not in P else f"heads.{k}.weight"
+
+
 def head_weight(P: dict, k: int) -> np.ndarray:
-    """Output head k's matrix [V, d]: head 0 is the token embedding when tied (arch gpt2, tie_embeddings)."""
-    return P["embed.weight"] if k == 0 and "heads.0.weight" not in P else P[f"heads.{k}.weight"]
+    """Output head k's matrix [V, d] (see head_name)."""
+    return P[head_name(P, k)]

@@ -129,14 +129,14 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
         logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
         return logps, ("reference", cfg1, P1, model_cache, lp_cache)
     from . import fast
-    from .model import head_weight
+    from .config import head_name, head_weight
     B, T = inputs.shape
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
     fast.forward(cfg, P, inputs, ws)                                     # ws.hf: final normed state [B·T, d]
     W0 = head_weight(P, 0)                                               # [V, d] (gpt2: the tied embedding)
     logits = np.empty((ws.N, W0.shape[0]), ws.hf.dtype)
-    fast.engine.linear(ws, ws.hf, W0, _head0_name(P), logits)
+    fast.engine.linear(ws, ws.hf, W0, head_name(P, 0), logits)
     logits = logits.reshape(B, T, -1)                                    # [B, T, V]
     logps, lp_cache = response_logprobs_forward(logits, targets, mask)
     return logps, ("fast", cfg, P, inputs, ws, lp_cache)
@@ -150,21 +150,17 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
         dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
         return backward(cfg1, P1, dlogits[None], model_cache)
     from . import fast
-    from .model import head_weight
+    from .config import head_name, head_weight
     _, cfg, P, inputs, ws, lp_cache = cache
     dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
     grads = fast.grad_buffers(cfg, ws.hf.dtype)
-    W0, head0 = head_weight(P, 0), _head0_name(P)
+    W0, head0 = head_weight(P, 0), head_name(P, 0)
     ws.mm(dlogits.T, ws.hf, grads[head0])                     # [V, d]
     if head0 == "heads.0.weight":
         fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
     fast.engine.linear_dx(ws, dlogits, W0, head0, ws.dh)      # gradient of the final normed state [B·T, d]
     fast.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return {n: grads[n] for n in trained_params(cfg, P)}
-
-
-def _head0_name(P: dict) -> str:
-    return "heads.0.weight" if "heads.0.weight" in P else "embed.weight"  # arch gpt2: tied to the embedding
 
 
 def chosen_nll_forward(policy_chosen_logps, n_tokens):

@@ -38,7 +38,7 @@ import numpy as np
 from numpy import matmul
 
 from .. import ops
-from ..config import Config, head_weight
+from ..config import Config, head_name, head_weight
 from ..errors import UserError
 from . import bf16, kernels
 from . import parallel
@@ -310,14 +310,9 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
     kernels.rmsnorm_forward(w.X[cfg.n_layers], params["norm.weight"], eps, w.hf, w.rf)
 
 
-def _head_grad_name(cfg: Config, k: int) -> str:
-    """Where head k's weight gradient goes: tied head 0 writes embed's first share (the lookup's is added)."""
-    return "embed.weight" if k == 0 and cfg.tie_embeddings else f"heads.{k}.weight"
-
-
 def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        name = _head_grad_name(cfg, k)
+        name = head_name(params, k)   # tied head 0: embed's first share of the gradient (the lookup's is added)
         W = head_weight(params, k)                                          # [V, d]
         linear(ws, w.hf, W, name, w.logits)                                 # [n, V]
         # logits := dlogits
@@ -411,7 +406,7 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
     pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
         (f"wqkv.{i}", ws.wqkv[i]), (f"wgu.{i}", ws.wgu[i]), (f"layers.{i}.attn.wo.weight", params[f"layers.{i}.attn.wo.weight"]),
         (f"layers.{i}.ffn.down.weight", params[f"layers.{i}.ffn.down.weight"])]}
-        | {_head_grad_name(cfg, k): head_weight(params, k) for k in range(cfg.n_mtp)})
+        | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
     _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
@@ -428,7 +423,7 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
     sums = np.zeros((Kh, len(ws.parts)))                                   # per head, per part: Σ losses
     _in_parts(_heads_part, cfg, params, ws, grads, targets, scales, sums)
     if grads is not None:  # tied: embed.weight holds head 0's share of the whole batch, before `backward`
-        names = [_head_grad_name(cfg, k) for k in range(Kh)]
+        names = [head_name(params, k) for k in range(Kh)]
         _sum_part_grads(ws, grads, names)
         announce([n for n in names if n.startswith("heads.")], grads)
     losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]

@@ -33,7 +33,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ..config import Config
+from ..config import Config, head_name, head_weight
 from ..ops.gelu import A as GELU_A
 from ..ops.gelu import C as GELU_C
 from . import engine
@@ -198,17 +198,9 @@ def _forward_part(cfg: Config, P: dict, ws, w, _grads, inputs, drop) -> None:
     layernorm_forward(w.X[cfg.n_layers], P["norm.weight"], P["norm.bias"], eps, w.hf, w.muf, w.rf)
 
 
-def _head(P: dict, k: int) -> np.ndarray:
-    return P["embed.weight"] if k == 0 else P[f"heads.{k}.weight"]
-
-
-def _head_grad_name(k: int) -> str:
-    return "embed.weight" if k == 0 else f"heads.{k}.weight"
-
-
 def _heads_part(cfg: Config, P: dict, ws, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        W, name = _head(P, k), _head_grad_name(k)                           # [V, d]
+        W, name = head_weight(P, k), head_name(P, k)                        # [V, d]
         engine.linear(ws, w.hf, W, name, w.logits)                          # [n, V]
         K.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
         sums[k, w.index] = w.losses.sum()
@@ -288,7 +280,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
     engine.pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
         (f"wqkv.{i}", ws.wqkv[i])] + [(n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight",
                                                           f"layers.{i}.ffn.proj.weight")]}
-        | {_head_grad_name(k): _head(P, k) for k in range(cfg.n_mtp)})
+        | {head_name(P, k): head_weight(P, k) for k in range(cfg.n_mtp)})
     engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
