@@ -1,7 +1,12 @@
-"""`nanoeuler bench`: this machine's training throughput for a preset (tokens/s, MFU, memory).
+"""`nanoeuler bench`: this machine's training throughput for a preset (tokens/s, MFU, memory), or with
+`--decode` a checkpoint's decoding speed in llama-bench's two figures (pp256, tg64).
 
-The side-by-side comparisons with PyTorch live in bench/ (torch is never imported by the library);
-this command measures our engine alone, so a user can size a run before starting it.
+The side-by-side comparisons with PyTorch and llama.cpp live in bench/ (torch is never imported by the
+library); this command measures our engine alone, so a user can size a run before starting it, or set
+`nanoeuler bench --decode --ckpt m.gguf` beside `llama-bench -m m.gguf` on their own machine.
+
+    nanoeuler bench big --precision bf16
+    nanoeuler bench --decode --ckpt runs/demo --dtype float16 --threads 2
 """
 from __future__ import annotations
 
@@ -14,19 +19,48 @@ def register(sub) -> None:
                                    "median step time after warm-up, tokens/s, MFU (6·N·tokens/s over the matmul "
                                    "peak of the run's precision, float32 or bf16, measured in the same run) and "
                                    "peak resident memory.")
-    p.add_argument("preset", nargs="?", default="small", help="preset or config.json (default small)")
+    p.add_argument("preset", nargs="?", default=None, help="preset or config.json (default small)")
     from .args import nonneg_int, positive_int
+    from .sample import DTYPES
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: 32 for small, 16 otherwise")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: the config's)")
-    p.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
-    p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed warm-up steps (default 2; 0 = none)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=nonneg_int, default=2,
+                   help="untimed warm-up steps, or with --decode runs of each test (default 2; 0 = none)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
                    help="fp32 (default), or bf16 matrix products with float32 accumulation (needs AVX512_BF16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    d = p.add_argument_group("decoding (--decode)", "llama-bench's figures for our engine: ppN, a prompt of N random "
+                             "tokens in one call (prompt tokens/s), and tgN, N greedy tokens one forward each from "
+                             "one token (generated tokens/s, plain decoding); median of --repeat runs after "
+                             "--warmup, pp and tg interleaved")
+    d.add_argument("--decode", action="store_true", help="measure decoding instead of training (needs --ckpt)")
+    d.add_argument("--ckpt", default=None, help="checkpoint directory or .gguf file to decode")
+    d.add_argument("--dtype", choices=DTYPES, default=None, help="the weights while decoding (default float32)")
+    d.add_argument("--threads", type=positive_int, default=None,
+                   help="decoding threads (default: the cores this process may use, at most 8)")
+    d.add_argument("--repeat", type=positive_int, default=None, help="timed runs of each test (default 5)")
+    d.add_argument("--n-prompt", type=positive_int, default=None, help="prompt tokens of the pp test (default 256)")
+    d.add_argument("--n-gen", type=positive_int, default=None, help="generated tokens of the tg test (default 64)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    from ..errors import UserError
+    own = {True: ("ckpt", "dtype", "threads", "repeat", "n_prompt", "n_gen"),
+           False: ("preset", "batch_size", "ctx", "steps", "precision")}  # flags of --decode / of training
+    wrong = [k for k in own[not args.decode] if getattr(args, k) is not None]
+    if wrong:
+        flag = "a preset" if wrong[0] == "preset" else "--" + wrong[0].replace("_", "-")
+        raise UserError(f"{flag} is not for {'--decode' if args.decode else 'training (add --decode)'}")
+    if not args.decode:
+        return run_training(args)
+    if args.ckpt is None:
+        raise UserError("bench --decode measures a checkpoint: give --ckpt RUN|FILE.gguf")
+    return run_decode(args)
+
+
+def run_training(args) -> int:
     import resource
     import statistics
     import time
@@ -38,6 +72,7 @@ def run(args) -> int:
     from ..optim import AdamW
     from ..perf import matmul_peak_flops
     from .info import resolve_config
+    args.preset, args.steps, args.precision = args.preset or "small", args.steps or 10, args.precision or "fp32"
     cfg = resolve_config(args.preset)
     B = args.batch_size if args.batch_size is not None else (32 if cfg.n_params() < 2_000_000 else 16)
     T = args.ctx if args.ctx is not None else cfg.ctx_len
@@ -75,4 +110,81 @@ def run(args) -> int:
         kind = "bf16 (float32-accumulating)" if args.precision == "bf16" else "float32"
         print(f"  MFU {result['mfu']:.2f} of a measured {peak / 1e9:.0f} GFLOP/s {kind} matmul peak")
         print(f"  peak resident memory {result['peak_rss_mib']:.0f} MiB")
+    return 0
+
+
+def load_decoding(args):
+    """(the model decoding runs at args.dtype, its name) of args.ckpt, a checkpoint directory or a .gguf file
+    (imported in memory, nothing written)."""
+    from pathlib import Path
+
+    from ..model import Model
+    from .sample import decoding_model
+    if Path(args.ckpt).suffix.lower() == ".gguf":
+        from ..interop.gguf_import import load_gguf
+        cfg, params, _, _ = load_gguf(args.ckpt)
+        model = Model(cfg, params)
+    else:
+        model = Model.load(args.ckpt, read_only=True)
+    return decoding_model(model, args), Path(args.ckpt).name
+
+
+def decoded_weights(model) -> tuple[int, int]:
+    """(parameters, bytes) decoding reads: every matrix but the MTP heads 1..K-1 (llama-bench's size and params
+    count the file's tensors, which hold head 0 only)."""
+    used = [p for name, p in model.params.items() if not (name.startswith("heads.") and name != "heads.0.weight")]
+    return sum(p.size for p in used), sum(p.nbytes for p in used)
+
+
+def time_test(model, fused, ids: list[int], n_gen: int) -> float:
+    """Tokens/s of one run: n_gen = 0 -> the prompt ids in one call (pp), else n_gen greedy tokens from
+    the one token ids[0], one forward each (tg; the first forward is the prompt's)."""
+    from ..generate import generate
+    if n_gen == 0:
+        return len(ids) / generate(model, ids, max_new_tokens=0, temperature=0, fused=fused).prefill_s
+    g = generate(model, ids[:1], max_new_tokens=n_gen, temperature=0, mode="cache", fused=fused)
+    return n_gen / (g.prefill_s + g.decode_s)
+
+
+def run_decode(args) -> int:
+    import os
+
+    import numpy as np
+
+    from ..errors import UserError
+    from ..fast import decode
+    from ..generate import fuse_weights
+    args.dtype, args.repeat = args.dtype or "float32", args.repeat or 5
+    model, name = load_decoding(args)
+    cfg = model.config
+    n_prompt, n_gen = min(args.n_prompt or 256, cfg.ctx_len), min(args.n_gen or 64, cfg.ctx_len - 1)
+    if n_gen < 1:
+        raise UserError(f"the model's context ({cfg.ctx_len}) has no room for a tg test")
+    if args.threads is not None:
+        decode.set_threads(args.threads)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt).tolist()  # as llama-bench: random tokens
+    fused = fuse_weights(cfg, model.params)
+    tests = {f"pp{n_prompt}": 0, f"tg{n_gen}": n_gen}
+    samples: dict[str, list[float]] = {t: [] for t in tests}
+    for i in range(args.warmup + args.repeat):  # interleaved: the machine's load falls on both alike
+        for test, n in tests.items():
+            rate = time_test(model, fused, ids, n)
+            if i >= args.warmup:
+                samples[test].append(rate)
+    params, size = decoded_weights(model)
+    result = {"model": name, "arch": cfg.arch, "size_bytes": size, "n_params": params, "dtype": args.dtype,
+              "threads": decode.get_threads(), "load_average": os.getloadavg()[0], "tests": [
+                  {"test": t, "n_prompt": 0 if n else n_prompt, "n_gen": n, "tokens_per_s": float(np.median(s)),
+                   "min": min(s), "max": max(s), "samples": s} for (t, n), s in zip(tests.items(), samples.values())]}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"| {'model':>20} | {'size':>10} | {'params':>8} | {'dtype':>8} | {'threads':>7} | {'test':>6} | "
+          f"{'t/s (median, min-max)':>30} |")
+    print(f"| {'-' * 19}: | {'-' * 9}: | {'-' * 7}: | {'-' * 7}: | {'-' * 6}: | {'-' * 5}: | {'-' * 29}: |")
+    for r in result["tests"]:
+        spread = f"{r['tokens_per_s']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+        print(f"| {name[:20]:>20} | {size / 2**20:>6.2f} MiB | {params / 1e6:>6.2f} M | {args.dtype:>8} | "
+              f"{result['threads']:>7} | {r['test']:>6} | {spread:>30} |")
+    print(f"median of {args.repeat} after {args.warmup} warm-up; load average {result['load_average']:.2f}")
     return 0
