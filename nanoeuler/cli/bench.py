@@ -136,14 +136,16 @@ def decoded_weights(model) -> tuple[int, int]:
     return sum(p.size for p in used), sum(p.nbytes for p in used)
 
 
-def time_test(model, fused, ids: list[int], n_gen: int) -> float:
-    """Tokens/s of one run: n_gen = 0 -> the prompt ids in one call (pp), else n_gen greedy tokens from
-    the one token ids[0], one forward each (tg; the first forward is the prompt's)."""
+def decode_rate(model, fused, ids: list[int], n_gen: int, depth: int = 1) -> float:
+    """Tokens/s of one run, fused = fuse_weights(model.config, model.params). n_gen = 0: the prompt `ids` in
+    one call (llama-bench's pp); else n_gen greedy tokens after the prompt ids[:depth] (untimed), one forward
+    each (tg at depth `depth`); needs depth + n_gen <= ctx_len."""
     from ..generate import generate
     if n_gen == 0:
         return len(ids) / generate(model, ids, max_new_tokens=0, temperature=0, fused=fused).prefill_s
-    g = generate(model, ids[:1], max_new_tokens=n_gen, temperature=0, mode="cache", fused=fused)
-    return n_gen / (g.prefill_s + g.decode_s)
+    # n_gen + 1 tokens: the first is the prompt's, then n_gen forwards (each followed by its head)
+    return n_gen / generate(model, ids[:depth], max_new_tokens=n_gen + 1, temperature=0, mode="cache",
+                            fused=fused).decode_s
 
 
 def run_decode(args) -> int:
@@ -168,7 +170,7 @@ def run_decode(args) -> int:
     samples: dict[str, list[float]] = {t: [] for t in tests}
     for i in range(args.warmup + args.repeat):  # interleaved: the machine's load falls on both alike
         for test, n in tests.items():
-            rate = time_test(model, fused, ids, n)
+            rate = decode_rate(model, fused, ids, n)
             if i >= args.warmup:
                 samples[test].append(rate)
     params, size = decoded_weights(model)
