@@ -37,34 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
+from bench.heldout import held_out_windows, nll_sum  # noqa: E402
+
 
 def set_threads(n: int) -> None:
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[k] = str(n)
-
-
-def held_out_windows(tok, T: int, per_work: int):
-    """Up to per_work windows of T + 1 ids from each held-out work (ids, and the bytes of the T targets)."""
-    from nanoeuler.data.corpus import bundled_split, bundled_works
-    _, val = bundled_split()
-    works = bundled_works()
-    out = []
-    for name in val:
-        ids = tok.encode(works[name])
-        step = max(T + 1, (len(ids) - T - 1) // per_work)
-        for s in range(0, len(ids) - T - 1, step)[:per_work]:
-            w = ids[s:s + T + 1]
-            out.append((w, len(tok.decode_bytes(w[1:]))))
-    return out
-
-
-def nll_sum(logits, targets):
-    """Summed natural-log loss of targets [T] under logits [T, V] (float64)."""
-    import numpy as np
-    z = logits.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    lse = np.log(np.exp(z).sum(-1))
-    return float((lse - z[np.arange(len(targets)), targets]).sum())
 
 
 def rel_err(a, b) -> float:

@@ -8,7 +8,7 @@ parameters, larger than the L3 cache) — and each type (f32, f16, q8_0, q4_0, q
     tg   decode tokens/s: 64 greedy tokens after a 32-token prompt (the prompt untimed), one forward each
     pp   prompt tokens/s: a 256-token prompt of random ids in one call
 
-Ours: the checkpoint decoded at the matching `--dtype` (float32, float16, ...; its weights equal the file's),
+Ours: the checkpoint decoded at the matching `--dtype` (float32, float16, ...; its matrices equal the file's),
 timed as `nanoeuler bench --decode` times it. llama.cpp: `llama-bench -p 256 -n 0` and `-p 0 -n 64 -d 32` on
 the file when --llama-bench PATH (or $LLAMA_BENCH, or llama-bench on PATH) names the binary, else
 llama-cpp-python on the same file (its greedy loop: each token a separate eval call, a little slower than
