@@ -15,11 +15,16 @@ prompts, all starting together. Reported per level:
 `x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
 machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
 adds the engine alone (no HTTP, jobs stepped in this process), timed also in CPU time, which a shared
-machine does not distort as much.
+machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its HTTP path costs 1 minus it).
+--llama-server PATH (or $LLAMA_SERVER) adds llama.cpp's own server on the same model, our GGUF export at
+each --gguf type (`llama-server -np 16`, continuous batching, --threads threads; the context of each
+sequence the model's ctx_len), the same clients and
+requests (`ignore_eos`), and `vs llama-server`: our tok/s ÷ its tok/s at each level (ours at --dtype).
 Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
 
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
     .venv/bin/python bench/serve.py --ckpt runs/small --clients 1,16 --json
+    .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server /work/llama-bin/llama-server
 """
 from __future__ import annotations
 
@@ -58,10 +63,11 @@ def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
     return d
 
 
-def start_server(ckpt: Path, max_batch: int, max_queue: int):
+def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float32"):
     """`nanoeuler serve` on 127.0.0.1, any free port -> (process, base url)."""
     cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--port", "0", "--model-name", "bench",
            "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", "4096"]
+    cmd += ["--dtype", dtype] if dtype != "float32" else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = proc.stdout.readline()
@@ -69,6 +75,72 @@ def start_server(ckpt: Path, max_batch: int, max_queue: int):
         proc.kill()
         raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
     return proc, line.split("on ", 1)[1].split("/ ", 1)[0]
+
+
+def start_llama_server(binary: str, gguf: Path, slots: int, ctx_len: int, threads: int):
+    """llama.cpp's `llama-server` on 127.0.0.1 (slots sequences of ctx_len positions, continuous batching),
+    ready -> (process, base url)."""
+    import socket
+    import urllib.request
+    with socket.socket() as sk:  # a free port (llama-server has no port 0)
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
+           "-c", str(slots * ctx_len), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server did not start: {proc.stderr.read()[-800:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("llama-server was not ready within 120 s")
+
+
+def stop(proc) -> None:
+    proc.send_signal(2)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: list[str]) -> list[dict]:
+    """A warm-up request, then each concurrency level against the server at url; stops the server after."""
+    rows = []
+    try:
+        asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout))  # warm-up
+        for c in levels:
+            rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
+            print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
+    finally:
+        stop(proc)
+    base = rows[0]["tok_s"] if rows and rows[0]["clients"] == 1 else None
+    for r in rows:
+        r["x1"] = r["tok_s"] / base if base else None
+    return rows
+
+
+def llama_server_rows(ckpt: Path, name: str, levels: list[int], args, prompts: list[str], tmp: Path) -> dict:
+    """llama-server on our GGUF export of ckpt at each --gguf type -> {label: rows}."""
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.interop.gguf_export import export_gguf
+    model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
+    out = {}
+    for t in args.gguf.split(","):
+        path = export_gguf(model, tok, tmp / f"{ckpt.name}-{t}.gguf", t, force=True, progress=False)
+        label = f"{name} llama-server {t}"
+        proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)
+        out[label] = serve_levels(proc, url, label, levels, args, prompts)
+        path.unlink()
+    return out
 
 
 async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dict:
@@ -165,8 +237,17 @@ def main() -> int:
     ap.add_argument("--level-timeout", type=float, default=120, help="seconds a level may take (default 120)")
     ap.add_argument("--engine", action="store_true",
                     help="also time the engine alone (no HTTP), in wall and in this thread's CPU time")
+    ap.add_argument("--dtype", default="float32", help="our server's --dtype (default float32)")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                    help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
+    ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2)")
+    ap.add_argument("--np", type=int, default=16, help="llama-server's parallel sequences, -np (default 16)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: big only, 1 and 16 clients")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
+    if args.quick:
+        args.ckpt, args.preset, args.clients = [], None, "1,16"
     presets = ["big"] if args.preset is None else [p for p in args.preset if p]
     levels = [int(c) for c in args.clients.split(",")]
     from nanoeuler.data.corpus import bundled_works
@@ -177,28 +258,22 @@ def main() -> int:
         models = [(Path(c).name, Path(c)) for c in args.ckpt]
         models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
         for name, ckpt in models:
-            proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)))
-            rows = []
-            try:
-                asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout))  # warm-up
-                for c in levels:
-                    rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
-                    print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
-            finally:
-                proc.send_signal(2)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            base = rows[0]["tok_s"] if rows and rows[0]["clients"] == 1 else None
-            for r in rows:
-                r["x1"] = r["tok_s"] / base if base else None
-            report["models"][name] = rows
+            proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), args.dtype)
+            report["models"][name] = serve_levels(proc, url, name, levels, args, prompts)
+            if args.llama_server:
+                theirs = llama_server_rows(ckpt, name, levels, args, prompts, Path(tmp))
+                report["models"].update(theirs)
+                report.setdefault("vs_llama_server", {}).update(
+                    {label: [a["tok_s"] / b["tok_s"] if b["tok_s"] else None
+                             for a, b in zip(report["models"][name], rows)] for label, rows in theirs.items()})
             if args.engine:
                 eng = [engine_level(ckpt, c, args.tokens, prompts) for c in levels]
                 for r in eng:
                     r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
                 report.setdefault("engine", {})[name] = eng
+                if levels[0] == 1:  # the HTTP path's cost of one stream
+                    http = report["models"][name][0]["tok_s"]
+                    report.setdefault("http_vs_engine_1", {})[name] = http / eng[0]["tok_s"]
     report["load_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(report))
@@ -218,6 +293,12 @@ def main() -> int:
         for r in report.get("engine", {}).get(name, []):
             print(f"{'engine':>8} {r['clients']:>3} jobs: {r['tok_s']:>8.1f} tok/s wall, {r['cpu_tok_s']:>8.1f} tok/s "
                   f"of CPU time (x{r['x1_cpu'] or 0:.2f})")
+        if name in report.get("http_vs_engine_1", {}):
+            print(f"{'':>8} one stream over HTTP: {report['http_vs_engine_1'][name]:.2f}x the engine alone's tok/s "
+                  "(wall; the HTTP path's cost is 1 minus it)")
+        if name in report.get("vs_llama_server", {}):
+            print(f"{'':>8} ours ({args.dtype}) / llama-server: " + ", ".join(
+                f"{c} clients {v:.2f}x" for c, v in zip(levels, report["vs_llama_server"][name]) if v))
     return 0
 
 
