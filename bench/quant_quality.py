@@ -139,14 +139,14 @@ def main() -> None:
     for res in out["runs"]:
         print(f"{res['run']} ({res['params']:,} params): {res['windows']} held-out windows, {res['bytes']:,} bytes; "
               f"greedy: {args.prompts} prompts x {args.tokens} tokens")
-        print(f"  {'type':>5} {'step':>11} {'MiB':>6} {'bpb':>7} {'Δ f32':>7} {'greedy = f32':>16} "
+        print(f"  {'type':>5} {'step':>11} {'MiB':>6} {'bpb':>7} {'Δ f32':>8} {'greedy = f32':>16} "
               f"{'llama.cpp bpb':>13} {'llama.cpp greedy 32 = ours':>27}")
         for t, r in res["types"].items():
             g = r["greedy_vs_f32"]
             lc = r.get("llama.cpp")
             lc_bpb = f"{lc['bpb']:.4f}" if lc else "-"
             lc_g = "/".join(map(str, lc["greedy32_vs_ours"]["same"])) if lc else "-"
-            print(f"  {t:>5} {r['step']:>11} {r['file_mb']:>6.2f} {r['bpb']:>7.4f} {r['bpb_vs_f32']:>+6.2%} "
+            print(f"  {t:>5} {r['step']:>11} {r['file_mb']:>6.2f} {r['bpb']:>7.4f} {r['bpb_vs_f32']:>+7.3%} "
                   f"{'/'.join(map(str, g['same'])):>16} {lc_bpb:>13} {lc_g:>27}")
     print(f"load average {out['load_average'][0]:.1f}")
 
