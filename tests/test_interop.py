@@ -429,7 +429,7 @@ def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, co
         starts = np.flatnonzero(ids == tok.eos_id)[:-1] + 1
         assert (ids[starts] == bos).all()
     seen = []
-    monkeypatch.setattr(gen, "generate", lambda model, ids, *a, **kw: seen.append(list(ids)) or session.Generation([]))
+    monkeypatch.setattr(session, "generate", lambda model, ids, *a, **kw: seen.append(list(ids)) or session.Generation([]))
     assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "HAMLET.", "--max-new-tokens", "2",
                  "--temperature", "0"]) == 0
     assert seen[0] == [bos] + tok.encode("HAMLET.")
