@@ -81,20 +81,20 @@ class Ours:
 
     def __init__(self, model, gguf_type: str):
         from nanoeuler.cli.sample import decoding_model
-        from nanoeuler.generate import fuse_weights
+        from nanoeuler.infer.step import fuse_weights
         self.model = decoding_model(model, SimpleNamespace(dtype=OURS.get(gguf_type, gguf_type)))
         self.fused = fuse_weights(self.model.config, self.model.params)
 
     def rate(self, test: str, ids: list[int], threads: int) -> float:
         from nanoeuler.cli.bench import decode_rate
-        from nanoeuler.fast import decode
-        decode.set_threads(threads)
+        from nanoeuler.infer import kernels
+        kernels.set_threads(threads)
         try:
             if test == "pp":
                 return decode_rate(self.model, self.fused, ids[:PROMPT], 0)
             return decode_rate(self.model, self.fused, ids, GEN, depth=DEPTH)
         finally:
-            decode.set_threads(threads)  # our helper threads go to sleep (else they spin into llama.cpp's run)
+            kernels.set_threads(threads)  # our helper threads go to sleep (else they spin into llama.cpp's run)
 
 
 class LlamaBench:

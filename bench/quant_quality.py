@@ -55,7 +55,8 @@ def bpb(m, windows) -> float:
     """Bits per byte of the windows' targets under m's decoding step (logits at every position)."""
     import numpy as np
 
-    from nanoeuler.generate import forward_cached, fuse_weights, new_cache
+    from nanoeuler.infer.cache import new_cache
+    from nanoeuler.infer.step import forward_cached, fuse_weights
     fused = fuse_weights(m.config, m.params)
     nll = sum(nll_sum(forward_cached(m.config, m.params, np.array([w[:-1]]), new_cache(m.config, 1, dtype=m.dtype),
                                      fused=fused)[0, 0], np.array(w[1:])) for w, _ in windows)
@@ -63,7 +64,7 @@ def bpb(m, windows) -> float:
 
 
 def greedy(m, prompts, n: int) -> list[list[int]]:
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     return [generate(m, p, max_new_tokens=n, temperature=0, mode="cache").ids for p in prompts]
 
 

@@ -140,7 +140,7 @@ def decode_rate(model, fused, ids: list[int], n_gen: int, depth: int = 1) -> flo
     """Tokens/s of one run, fused = fuse_weights(model.config, model.params). n_gen = 0: the prompt `ids` in
     one call (llama-bench's pp); else n_gen greedy tokens after the prompt ids[:depth] (untimed), one forward
     each (tg at depth `depth`); needs depth + n_gen <= ctx_len."""
-    from ..generate import generate
+    from ..infer.session import generate
     if n_gen == 0:
         return len(ids) / generate(model, ids, max_new_tokens=0, temperature=0, fused=fused).prefill_s
     # n_gen + 1 tokens: the first is the prompt's, then n_gen forwards (each followed by its head)
@@ -154,8 +154,8 @@ def run_decode(args) -> int:
     import numpy as np
 
     from ..errors import UserError
-    from ..fast import decode
-    from ..generate import fuse_weights
+    from ..infer import kernels
+    from ..infer.step import fuse_weights
     args.dtype, args.repeat = args.dtype or "float32", args.repeat or 5
     model, name = load_decoding(args)
     cfg = model.config
@@ -163,7 +163,7 @@ def run_decode(args) -> int:
     if n_gen < 1:
         raise UserError(f"the model's context ({cfg.ctx_len}) has no room for a tg test")
     if args.threads is not None:
-        decode.set_threads(args.threads)
+        kernels.set_threads(args.threads)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt).tolist()  # as llama-bench: random tokens
     fused = fuse_weights(cfg, model.params)
     tests = {f"pp{n_prompt}": 0, f"tg{n_gen}": n_gen}
@@ -175,7 +175,7 @@ def run_decode(args) -> int:
                 samples[test].append(rate)
     params, size = decoded_weights(model)
     result = {"model": name, "arch": cfg.arch, "size_bytes": size, "n_params": params, "dtype": args.dtype,
-              "threads": decode.get_threads(), "load_average": os.getloadavg()[0], "tests": [
+              "threads": kernels.get_threads(), "load_average": os.getloadavg()[0], "tests": [
                   {"test": t, "n_prompt": 0 if n else n_prompt, "n_gen": n, "tokens_per_s": float(np.median(s)),
                    "min": min(s), "max": max(s), "samples": s} for (t, n), s in zip(tests.items(), samples.values())]}
     if args.json:
