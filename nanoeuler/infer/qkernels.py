@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from ..errors import UserError
@@ -70,9 +70,11 @@ def _layout(kind: int) -> tuple[int, int, int]:
 
 
 def pack(B: np.ndarray, name: str, n_in: int) -> np.ndarray:
-    """The kernel form of a quantized matrix: B its GGUF bytes [out, n_in / 32 · bytes per block] (quant.py)
-    -> uint8 [ceil(out / PANEL), n_in / 32, block bytes] (see the module docstring; zero rows pad the last
-    panel).  pack(quantize(W, "q8_0"), "q8_0", W.shape[1])"""
+    """The kernel form of a quantized matrix: B its GGUF bytes [..., out, n_in / 32 · bytes per block]
+    (quant.py) -> uint8 [..., ceil(out / PANEL), n_in / 32, block bytes] (see the module docstring; zero rows
+    pad the last panel).  pack(quantize(W, "q8_0"), "q8_0", W.shape[-1])"""
+    if B.ndim > 2:
+        return np.stack([pack(b, name, n_in) for b in B])
     kind, t = KINDS[name], WTYPES[name]
     O, nb = B.shape[0], n_in // QK
     P = -(-O // PANEL)
@@ -249,30 +251,54 @@ def quantize_x(X, xq, xd, xs):
 
 
 # ---- the product ------------------------------------------------------------------------------------------
+@intrinsic
+def _f32_at(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+STRIDES = tuple(sum(_layout(k)[:2]) if k in KINDS.values() else 0 for k in range(6))  # bytes of a panel's block
+
+
+def kind_of(block_bytes: int) -> int:
+    """The kernel kind of a kernel-form matrix by its last axis (bytes of a panel's block), -1 if none.
+    kind_of(2176) -> 3 (Q8_0)"""
+    return STRIDES.index(block_bytes) if block_bytes in STRIDES[3:] else -1
+
+
 @njit(**OPTS)
-def panels(kind, W, xq, xd, xs, Y, add, b0, b1):
-    """Panels b0 .. b1 - 1 of Y (+)= X @ Wᵀ for every row: W in kernel form (`pack`) [panels, nb, bytes],
-    X quantized by `quantize_x` (xq [n, in], xd, xs [n, nb]), Y [n, out] float32; rows MAX_R at a time."""
-    n, O = Y.shape
-    nb, I = W.shape[1], xq.shape[1]
+def gemv_panel(kind, Wa, xqa, xda, xsa, Ya, n, O, I, add, p, T):
+    """Outputs p·PANEL .. (at most O) of Y (+)= X @ Wᵀ for every row, all addresses: panel p of W's kernel
+    form at Wa (`pack`), X quantized by `quantize_x` (xq int8 [n, I], xd, xs float32 [n, I / 32]), Y [n, O]
+    float32; rows MAX_R at a time, each group one pass over the panel. T [MAX_R, PANEL] float32 scratch."""
+    nb = I // QK
+    w = Wa + p * nb * STRIDES[kind]
+    o0 = p * PANEL
+    m = min(PANEL, O - o0)
+    Y = carray(_f32_at(Ya), (n, O))
+    r = 0
+    while r < n:
+        k = min(MAX_R, n - r)
+        _panel(kind, k, w, xqa + r * I, xda + r * nb * 4, xsa + r * nb * 4, T.ctypes.data, nb, I)
+        for q in range(k):
+            y = Y[r + q]
+            if add:
+                for j in range(m):
+                    y[o0 + j] += T[q, j]
+            else:
+                for j in range(m):
+                    y[o0 + j] = T[q, j]
+        r += k
+
+
+@njit(**OPTS)
+def panels(kind, W, xq, xd, xs, Y, add, p0, p1):
+    """Panels p0 .. p1 - 1 of Y (+)= X @ Wᵀ (see gemv_panel), arrays C-contiguous."""
     T = np.empty((MAX_R, PANEL), np.float32)
-    for p in range(b0, b1):
-        o0 = p * PANEL
-        m = min(PANEL, O - o0)
-        r = 0
-        while r < n:
-            k = min(MAX_R, n - r)
-            _panel(kind, k, W[p].ctypes.data, xq[r:].ctypes.data, xd[r:].ctypes.data, xs[r:].ctypes.data,
-                   T.ctypes.data, nb, I)
-            for q in range(k):
-                y = Y[r + q]
-                if add:
-                    for j in range(m):
-                        y[o0 + j] += T[q, j]
-                else:
-                    for j in range(m):
-                        y[o0 + j] = T[q, j]
-            r += k
+    for p in range(p0, p1):
+        gemv_panel(kind, W.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, Y.ctypes.data, Y.shape[0],
+                   Y.shape[1], xq.shape[1], add, p, T)
 
 
 def matvec(Wk: np.ndarray, name: str, X: np.ndarray, out: int, threads: int = 1) -> np.ndarray:
