@@ -141,3 +141,13 @@ def test_refused_without_vnni(monkeypatch):
     B = quant.quantize(np.ones((64, 32), np.float32), "q8_0")
     with pytest.raises(UserError, match="AVX512-VNNI"):
         qk.matvec(qk.pack(B, "q8_0", 32), "q8_0", np.ones((1, 32), np.float32), 64)
+
+
+@pytest.mark.parametrize("name", ("q8_0", "q4_0"))
+def test_requantizing_dequantized_blocks_gives_the_same_bytes(name):
+    """An imported GGUF's Q8_0 / Q4_0 tensors are kept as float32 values; quantizing those again at load
+    gives back the file's bytes (the block's largest entry is exactly ±127·d, resp. -8·d). (An all-zero
+    Q4_0 block's scale can come back as +0 for -0: the same weights.)"""
+    W = np.random.default_rng(6).standard_normal((64, 256)).astype(np.float32)
+    B = gguf_quants.quantize(W, GGMLQuantizationType[name.upper()])
+    np.testing.assert_array_equal(quant.quantize(quant.dequantize(B, name, 256), name), B)
