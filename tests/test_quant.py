@@ -151,3 +151,20 @@ def test_requantizing_dequantized_blocks_gives_the_same_bytes(name):
     W = np.random.default_rng(6).standard_normal((64, 256)).astype(np.float32)
     B = gguf_quants.quantize(W, GGMLQuantizationType[name.upper()])
     np.testing.assert_array_equal(quant.quantize(quant.dequantize(B, name, 256), name), B)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_export_writes_our_quantization(name, tmp_path):
+    """`export --format gguf --dtype q8_0|q4_0|q4_1`: every matrix in the file is our quantize of it."""
+    import gguf
+    from gguf_fixtures import chatml_model, chatml_tokenizer
+
+    from nanoeuler.interop.gguf_export import export_gguf, gguf_tensors
+    tok = chatml_tokenizer()
+    m = chatml_model(tok)
+    reader = gguf.GGUFReader(str(export_gguf(m, tok, tmp_path / "m.gguf", name, progress=False)))
+    T = gguf_tensors(m)
+    mats = [t for t in reader.tensors if T[t.name].ndim == 2]
+    assert mats and all(t.tensor_type.name == name.upper() for t in mats)
+    for t in mats:
+        np.testing.assert_array_equal(np.asarray(t.data).reshape(-1), quant.quantize(T[t.name], name).reshape(-1))

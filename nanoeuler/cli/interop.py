@@ -22,7 +22,7 @@ def register(sub) -> None:
                         "PEFT folder (adapter_config.json + adapter_model.safetensors) for the base's hf export")
     e.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0")
+                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")

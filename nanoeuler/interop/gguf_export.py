@@ -1,6 +1,6 @@
 """Export a checkpoint as a GGUF file for llama.cpp (architecture `llama`), written with the `gguf` package.
 
-    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0
+    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1
 
 Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import UserError
 
-GGUF_DTYPES = ("f32", "f16", "q8_0")
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -112,12 +112,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     if pre is None:  # llama.cpp picks its split by this name: any other would encode the text differently
         raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
                         f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
-    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-             "q8_0": gguf.GGMLQuantizationType.Q8_0}[dtype]
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
-    if dtype == "q8_0" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
-        raise UserError("q8_0 needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
+    qtype = gguf.GGMLQuantizationType[dtype.upper()]
+    ftype = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
+    if dtype[0] == "q" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
+        raise UserError(f"{dtype} needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
     tensors = gguf_tensors(model)
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
