@@ -20,6 +20,12 @@ they dilute the speed-up; `--new-tokens 58` keeps the default prompt (70 tokens 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --json
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --spec-depth 1   # acceptance of draft 1
+    .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --parts        # what each part of speculation gains
+
+--parts measures the parts of speculative decoding one at a time on each --ckpt model: the whole (adaptive
+planner, prompt-lookup and head drafts, the next round's head drafts made in the round's compiled call),
+then with one part taken away or replaced by a fixed depth, each as spec/plain in CPU time against plain
+decoding back to back in the same run (and greedy output checked equal to plain).
 """
 from __future__ import annotations
 
@@ -42,7 +48,9 @@ def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
     """Best-of-n milliseconds of one KV-cache forward of 1..max_tokens tokens after 64 cached positions
     (a decoding step, and speculative verification blocks): robust to a machine shared with others."""
     import time
-    from nanoeuler.generate import forward_hidden, fuse_weights, linear, new_cache
+    from nanoeuler.infer.cache import new_cache
+    from nanoeuler.infer.step import forward_hidden, fuse_weights
+    from nanoeuler.infer.weights import linear
     cfg = model.config
     W = fuse_weights(cfg, model.params)
     cache = new_cache(cfg, dtype=model.dtype)
@@ -62,7 +70,7 @@ def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
 
 def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) -> dict:
     """Plain vs speculative decoding, back to back per seed -> tokens/s, ratio, acceptance."""
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     runs: dict = {"cache": [], "speculative": []}
     for mode in runs:  # untimed: the first call of a process loads (or compiles) the numba kernels
         generate(model, prompt_ids, 8, temperature, top_k=top_k if temperature else None, seed=0, mode=mode,
@@ -86,8 +94,48 @@ def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) ->
             "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec)) if temperature == 0 else None}
 
 
+def _no_head_drafts(self, win, j):
+    """Greedy.propose_draft without the heads: lookup drafts only."""
+    if j == 0:
+        self.cont = self.lookup(win)
+    return (self.cont[j], self.LOOKUP_CONF) if j < len(self.cont) else None
+
+
+# variant -> (temperature 0 / sampled, fixed depth or None, {(class name, attribute): replacement})
+PARTS = {
+    "greedy: all parts": (0, None, {}),
+    "greedy: no prompt lookup": (0, None, {("Greedy", "lookup"): lambda self, win: []}),
+    "greedy: no head drafts": (0, None, {("Greedy", "propose_draft"): _no_head_drafts}),
+    "greedy: head drafts made apart": (0, None, {("Planner", "heads_wanted"): lambda self: 0}),
+    "greedy: fixed depth 1": (0, 1, {}),
+    "greedy: fixed depth 2": (0, 2, {}),
+    "sampled: all parts": (1, None, {}),
+    "sampled: fixed depth 1": (1, 1, {}),
+    "sampled: fixed depth 2": (1, 2, {}),
+}
+
+
+def parts(model, prompt_ids, args) -> dict:
+    """PARTS on one model: each variant's spec/plain (wall and CPU), acceptance and equality, with a fresh
+    planner each (planners are kept per model and learn across calls)."""
+    from nanoeuler.infer import speculative
+    out = {}
+    for name, (sampled, depth, patches) in PARTS.items():
+        saved = {key: getattr(speculative, key[0]).__dict__[key[1]] for key in patches}
+        speculative._PLANNERS.clear()
+        try:
+            for (cls, attr), fn in patches.items():
+                setattr(getattr(speculative, cls), attr, fn)
+            out[name] = compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature if sampled else 0.0,
+                                args.top_k if sampled else None, depth)
+        finally:
+            for (cls, attr), fn in saved.items():
+                setattr(getattr(speculative, cls), attr, fn)
+    return out
+
+
 def bench_model(name, model, prompt_ids, args) -> dict:
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     row = {"model": name, "params": model.n_params(), "ctx": model.config.ctx_len, "K": model.config.n_mtp,
            "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
            "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, 0.0, None, args.spec_depth),
@@ -119,6 +167,8 @@ def main() -> int:
     ap.add_argument("--decode-threads", type=int, default=None, metavar="N",
                     help="threads of the fused decoding step (default: the cores, at most 8). At 1, `cpu` is the "
                          "work done: with 2, the process's CPU time also counts a helper thread that waits for work")
+    ap.add_argument("--parts", action="store_true",
+                    help="for each --ckpt model: what each part of speculative decoding gains (see the docstring)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0 \
@@ -126,23 +176,28 @@ def main() -> int:
         ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0, --spec-depth >= 1")
     args.top_k = args.top_k or None
     if args.decode_threads is not None:
-        from nanoeuler.fast import decode
-        decode.set_threads(max(1, args.decode_threads))
+        from nanoeuler.infer import kernels
+        kernels.set_threads(max(1, args.decode_threads))
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.model import Model
     rows = []
     for path in args.ckpt:
         model, tok = Model.load(path), load_tokenizer(path)
         ids = tok.encode(args.prompt)[-model.config.ctx_len:]
+        if args.parts:
+            print_parts(path, parts(model, ids, args), args)
+            continue
         rows.append(bench_model(f"{path} (trained)", model, ids, args))
+    if args.parts:
+        return 0
     for preset in [p for p in args.presets.split(",") if p]:
         model = Model.from_preset(preset, seed=0)
         ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens))
         rows.append(bench_model(f"{preset} (random init)", model, ids, args))
     import numba
-    from nanoeuler.fast import decode
+    from nanoeuler.infer import kernels
     info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "numba_threads": numba.get_num_threads(),
-            "decode_threads": decode.get_threads(),
+            "decode_threads": kernels.get_threads(),
             "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "numpy": np.__version__, "rows": rows}
     if args.json:
@@ -167,6 +222,18 @@ def main() -> int:
         if "full_tok_s" in r:
             print(f"{'':<30} full recomputation: {r['full_tok_s']:.1f} tok/s, equals cache: {r['full_equals_cache']}")
     return 0
+
+
+def print_parts(path, table: dict, args) -> None:
+    load = os.getloadavg()[0]
+    if args.json:
+        return print(json.dumps({"ckpt": path, "load_avg": load, "parts": table}))
+    print(f"{path}: {args.new_tokens} new tokens, {args.repeat} back-to-back pairs each, load average {load:.2f}")
+    print(f"{'variant':<32} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} {'tok/fwd':>7} {'same':>5}")
+    for name, c in table.items():
+        same = "-" if c["same"] is None else "yes" if c["same"] else "NO"
+        print(f"{name:<32} {c['spec_vs_plain']:9.2f}x {c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} "
+              f"{c['draft_round_share']:7.1%} {c['tokens_per_forward']:7.2f} {same:>5}")
 
 
 if __name__ == "__main__":

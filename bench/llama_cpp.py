@@ -8,9 +8,9 @@ parity  - transformers (HF export, float32): logits max relative error on a held
           position that differs), logits max relative error, and bits per byte on held-out works (our model's
           next to it), every window of ctx_len tokens fed as ids.
 speed   - greedy decoding of --new-tokens tokens after the same prompt, with --threads threads and with 1:
-          our KV-cache decoding (nanoeuler.generate, mode "cache") with float32 weights and with float16
-          (fast.decode.Float16Model: f16 weights, f32 arithmetic), each on the fused numba step
-          (fast/decode.py, the default) and on the NumPy reference path (decode.ENABLED = False), against
+          our KV-cache decoding (nanoeuler.infer.session.generate, mode "cache") with float32 weights and with float16
+          (infer.weights.Float16Model: f16 weights, f32 arithmetic), each on the fused numba step
+          (infer/kernels.py, the default) and on the NumPy reference path (kernels.ENABLED = False), against
           llama.cpp on the f32 and f16 GGUF; ours fused and llama.cpp interleaved, --repeat times, then our
           NumPy path (its BLAS threads spin after each call and would slow the next one); tokens/s of the decode phase
           (the prompt's prefill excluded), median. `ours/llama.cpp` = ours fused / llama.cpp at the same
@@ -18,7 +18,7 @@ speed   - greedy decoding of --new-tokens tokens after the same prompt, with --t
           other by spinning, which collapses on a machine busier than its cores; on such a machine the
           1-thread ratios are the fair ones, and two more are printed: the best run of each (the least
           disturbed), and at 1 thread tokens per CPU-second of the process (preemption does not count).
-          Our threads: fast.decode.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
+          Our threads: infer.kernels.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
 
     .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
@@ -80,7 +80,7 @@ def parity(run: str, tmp: Path, per_work: int) -> dict:
 
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     from nanoeuler.interop.gguf_export import export_gguf
     from nanoeuler.interop.hf import export_hf
     from nanoeuler.interop.llamacpp import LlamaCpp
@@ -123,8 +123,9 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
 
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
-    from nanoeuler.fast import decode
-    from nanoeuler.generate import generate
+    from nanoeuler.infer import kernels
+    from nanoeuler.infer.weights import Float16Model
+    from nanoeuler.infer.session import generate
     from nanoeuler.interop.gguf_export import export_gguf
     from nanoeuler.interop.llamacpp import LlamaCpp
     try:  # our NumPy reference path's BLAS threads (threadpoolctl, when installed)
@@ -138,7 +139,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     n = min(new_tokens, T - len(prompt))
     files = {dt: export_gguf(m, tok, tmp / f"s-{dt}.gguf", dt, force=True, progress=False) for dt in ("f32", "f16")}
     counts = sorted({threads, 1}, reverse=True)
-    models = {"f32": m, "f16": decode.Float16Model(m)}
+    models = {"f32": m, "f16": Float16Model(m)}
     # llama.cpp's threads wait for each other by spinning: on a machine with more runnable processes than
     # cores a preempted thread stalls the rest, so 1 thread is measured too; ours share work without waiting
     engines = {(dt, th): LlamaCpp(files[dt], n_ctx=T, threads=th, kv_f32=dt == "f32") for th in counts for dt in models}
@@ -146,8 +147,8 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
     cpu: dict[str, list[float]] = {}  # tokens per second of this process's CPU time (1 thread: load-proof)
 
     def ours(dt: str, th: int, path: str) -> tuple[float, float]:
-        decode.ENABLED, enabled = path == "fused", decode.ENABLED
-        decode.set_threads(th)
+        kernels.ENABLED, enabled = path == "fused", kernels.ENABLED
+        kernels.set_threads(th)
         try:
             if threadpool_limits is not None:
                 with threadpool_limits(th):
@@ -155,8 +156,8 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
             else:
                 g = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache")
         finally:
-            decode.ENABLED = enabled
-            decode.set_threads(th)  # our helper threads go to sleep now (else they spin on into the next run)
+            kernels.ENABLED = enabled
+            kernels.set_threads(th)  # our helper threads go to sleep now (else they spin on into the next run)
         return len(g.ids) / g.decode_s, len(g.ids) / g.decode_cpu_s
 
     def theirs(dt: str, th: int) -> tuple[float, float]:
@@ -177,9 +178,9 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
         for dt in models:
             ids = {path: None for path in ("reference", "fused")}
             for path in ids:
-                decode.ENABLED, enabled = path == "fused", decode.ENABLED
+                kernels.ENABLED, enabled = path == "fused", kernels.ENABLED
                 ids[path] = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache").ids
-                decode.ENABLED = enabled
+                kernels.ENABLED = enabled
             lc, _ = engines[dt, th].greedy(prompt, n)
             same[dt] = {"fused_vs_reference": ids["fused"] == ids["reference"],
                         "fused_vs_llama.cpp": sum(a == b for a, b in zip(ids["fused"], lc))}
@@ -196,7 +197,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
                         wall, cpu_rate = theirs(dt, th) if path == "llama.cpp" else ours(dt, th, path)
                         rows.setdefault(key, []).append(wall)
                         cpu.setdefault(key, []).append(cpu_rate)
-    decode.set_threads(threads)
+    kernels.set_threads(threads)
     med = {k: float(np.median(v)) for k, v in rows.items()}
     med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
     ratio = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"llama.cpp {dt} {th}t"]

@@ -136,7 +136,7 @@ def engine_level(ckpt: Path, clients: int, tokens: int, prompts: list[str]) -> d
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.fast.parallel import single_threaded_blas
-    from nanoeuler.serve.batcher import Batcher, Job
+    from nanoeuler.infer.engine import Batcher, Job
     model, tok = Model.load(ckpt), load_tokenizer(ckpt)
     b = Batcher(model, max_batch=max(64, clients), max_queue=max(64, clients))
     b.submit(Job(ids=tok.encode(prompts[0]), max_tokens=2))  # untimed: a process's first step loads the kernels

@@ -240,7 +240,8 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
     from .dpo_data import pair_prompt_ids
-    from .generate import fuse_weights, generate
+    from .infer.session import generate
+    from .infer.step import fuse_weights
     from .sft import SCORED, normalize
     rows = []
     it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]

@@ -236,12 +236,12 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
                   progress: bool = True) -> list[tuple[list[int], bool]]:
     """Greedy answers to many prompts at once -> [(new ids without the stop id, stopped?)], in order.
 
-    The prompts share forward passes through the serving engine's continuous batching (serve/batcher.py:
+    The prompts share forward passes through the serving engine's continuous batching (infer/engine.py:
     a request's greedy tokens there equal `generate`'s), ~20x faster than one prompt after another on
     a small model. Each prompt keeps its last ctx_len tokens."""
     from tqdm import tqdm
 
-    from .serve.batcher import Batcher, Job
+    from .infer.engine import Batcher, Job
     answers: list = [None] * len(prompts)
     engine = Batcher(model, max_batch=32, max_queue=max(1, len(prompts)))
     bar = tqdm(total=len(prompts), desc="model answers", unit="prompt", dynamic_ncols=True, disable=not progress)

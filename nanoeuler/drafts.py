@@ -1,6 +1,6 @@
 """Self-distillation of the draft heads: MTP heads 1..K-1 retrained to predict what head 0 will produce.
 
-Speculative decoding (generate.py) drafts the tokens after the next one with heads 1..K-1 and keeps a draft
+Speculative decoding (infer/speculative.py) drafts the tokens after the next one with heads 1..K-1 and keeps a draft
 only where head 0 agrees. Pretraining teaches head k the *corpus* token k+1 positions ahead, but what a
 draft is judged against is the token head 0 *generates* there, and the two differ: on the default-trained
 `small` model head 1's greedy draft matched head 0's greedy choice 49-52 % of the time over 256-token
@@ -28,7 +28,7 @@ A worked picture (K = 3, a greedy rollout from prompt "To be", hidden states h_t
     head 1 target at "be":  head 0 at ","  -> " or"      head 2 target at "be": head 0 at " or" -> " not"
 
 The variants compared on the default-trained `small` (1024 rollouts; acceptance of draft 1 measured by
-speculative decoding itself, 6 prompts x 500 tokens, greedy with generate.py's lookup drafts / sampled at
+speculative decoding itself, 6 prompts x 500 tokens, greedy with infer/speculative.py's lookup drafts / sampled at
 T 0.8, top-k 40):
 
     pretrained heads                                   greedy 0.707   sampled 0.453
@@ -94,9 +94,11 @@ def rollouts(model, prompts: np.ndarray, n_new: int, temperature: float, rng: np
              batch: int = 64, top_k: int | None = None, tick=None) -> tuple[np.ndarray, np.ndarray]:
     """Continue each prompt (int [N, Lp]) by n_new tokens, greedily (temperature 0) or by sampling
     -> (tokens int [N, Lp + n_new], hidden [N, Lp + n_new, d]): hidden[:, t] is the final normed hidden
-    state after token t, from which head k predicts token t+k+1. Batched KV-cache decoding (generate.py's
+    state after token t, from which head k predicts token t+k+1. Batched KV-cache decoding (infer/step.py's
     forward_hidden), `batch` sequences at a time; tick(n) is called after each batch of n rollouts."""
-    from .generate import forward_hidden, fuse_weights, new_cache, scaled_logits
+    from .infer.cache import new_cache
+    from .infer.sampling import scaled_logits
+    from .infer.step import forward_hidden, fuse_weights
     cfg = model.config
     N, Lp = prompts.shape
     L = Lp + n_new
@@ -184,7 +186,7 @@ def greedy_acceptance(heads: list[np.ndarray], tokens: np.ndarray, hidden: np.nd
 def sampled_acceptance(heads: list[np.ndarray], hidden: np.ndarray, start: int, temperature: float = EVAL_TEMPERATURE,
                        top_k: int | None = EVAL_TOP_K) -> list[float]:
     """Along sampled rollouts: for each draft j, the mean of sum min(p, q), the probability speculative
-    sampling accepts draft j (q: head j at t, p: head 0 at t+j, both as generate.token_probs makes them)."""
+    sampling accepts draft j (q: head j at t, p: head 0 at t+j, both as sampling.token_probs makes them)."""
     N, L, d = hidden.shape
     K = len(heads)
     t = np.arange(start - 1, L - K)
@@ -197,8 +199,8 @@ def sampled_acceptance(heads: list[np.ndarray], hidden: np.ndarray, start: int, 
 
 
 def _probs(z: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:
-    """generate.token_probs (without top_p) on every row of z [..., V] at once."""
-    from .generate import scaled_logits
+    """sampling.token_probs (without top_p) on every row of z [..., V] at once."""
+    from .infer.sampling import scaled_logits
     return softmax(scaled_logits(z, temperature, top_k))
 
 

@@ -1,10 +1,11 @@
 """numba's on-disk cache, invalidated by any change to any of our kernel sources, not only the function's own.
 
 numba (`cache=True`) keys a cached function on the content of the file that defines it. A kernel compiled
-with code from another file keeps that code frozen in: `generate._round_kernel` inlines `fast/decode.step`,
-`fast/gpt2.py` calls `fast/kernels.py`, kernels read constants of `ops/`. Edit decode.py alone and the next
-run loads a `_round_kernel` with the old step in it (seen: a stale round ran a superseded step; after a change
-of weight layout it would read the weights wrongly, without an error). So every function defined in this
+with code from another file keeps that code frozen in: `infer/kernels.py` inlines `fast/vmath.vexp`,
+`fast/gpt2.py` calls `fast/kernels.py`, kernels read constants of `ops/`. Edit vmath.py alone and the next
+run loads kernels with the old exp in them (seen, when the speculative round's kernel lived in another file
+than the step it inlines: a stale round ran a superseded step; after a change of weight layout it would read
+the weights wrongly, without an error). So every function defined in this
 package is stamped with its own file's hash and a digest of all the package's sources that numba compiles
 from (`kernel_sources`); change any of them and every cached kernel of the package is compiled afresh once.
 

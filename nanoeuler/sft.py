@@ -327,7 +327,8 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     when it is in format and (normalized) equals the record's output. *Lenient* ignores the format: the
     first non-empty line of the text equals the output (fairer to a base model that never says </s>).
     Accuracies are over the scored tasks."""
-    from .generate import fuse_weights, generate
+    from .infer.session import generate
+    from .infer.step import fuse_weights
     rows = []
     it = records
     W = fuse_weights(model.config, model.params)  # once for every prompt (the model does not change here)

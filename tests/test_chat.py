@@ -7,9 +7,10 @@ import pytest
 
 from nanoeuler import Config, Model
 from nanoeuler.chat_template import prompt_ids
-from nanoeuler.cli.chat import Chat
+from nanoeuler.cli.chat import Repl
+from nanoeuler.infer.chat import Chat
 from nanoeuler.data.corpus import bundled_works
-from nanoeuler.generate import generate
+from nanoeuler.infer.session import generate
 from nanoeuler.sft import render
 from nanoeuler.tokenizer import Tokenizer
 
@@ -57,16 +58,16 @@ def test_bad_sampling_flags(run_dir, monkeypatch, capsys):
 
 def test_replies_continue_the_rendered_conversation(run_dir, monkeypatch):
     """... and the session fuses the model's weights once, not at every reply."""
-    import nanoeuler.generate as gen
+    from nanoeuler.infer import step
     model = Model.load(run_dir)
     from nanoeuler.checkpoint import load_tokenizer
     tok = load_tokenizer(run_dir)
     chat = Chat(model, tok, temperature=0, max_new_tokens=5)
     written, fused = [], []
-    real = gen.fuse_weights
-    monkeypatch.setattr(gen, "fuse_weights", lambda *a, **k: fused.append(1) or real(*a, **k))
-    chat.handle("First question?", written.append)
-    chat.handle("Second question?", written.append)
+    real = step.fuse_weights
+    monkeypatch.setattr(step, "fuse_weights", lambda *a, **k: fused.append(1) or real(*a, **k))
+    Repl(chat).handle("First question?", written.append)
+    Repl(chat).handle("Second question?", written.append)
     assert len(fused) == 1
     p1 = render(tok, "First question?")[0]
     r1 = generate(model, p1, 5, temperature=0).ids
@@ -195,10 +196,10 @@ def test_chat_speculates_when_sampling_without_a_seed(run_dir, monkeypatch):
     def fake_generate(model, ids, *a, mode="cache", **kw):
         calls.append(mode)
         return generate(model, ids, *a, mode=mode, **kw)
-    monkeypatch.setattr("nanoeuler.generate.generate", fake_generate)
+    monkeypatch.setattr("nanoeuler.infer.session.generate", fake_generate)
     model, tok = Model.load(run_dir, read_only=True), Tokenizer.load(run_dir / "tokenizer.json")
     for seed, expect in ((None, "speculative"), (5, "cache")):
-        Chat(model, tok, temperature=0.8, seed=seed, max_new_tokens=4).handle("Who speaks?", lambda s: None)
+        Repl(Chat(model, tok, temperature=0.8, seed=seed, max_new_tokens=4)).handle("Who speaks?", lambda s: None)
         assert calls[-1] == expect
 
 

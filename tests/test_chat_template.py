@@ -106,10 +106,11 @@ def test_chat_renders_chatml_as_transformers_and_hides_the_stop_token(chatml_run
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer as HFTokenizer
 
-    import nanoeuler.generate as gen
+    from nanoeuler.infer import session
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
-    from nanoeuler.cli.chat import Chat
+    from nanoeuler.cli.chat import Repl
+    from nanoeuler.infer.chat import Chat
     tok = load_tokenizer(chatml_run)
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok.to_hf_json()))
     end = tok.special_tokens["<|im_end|>"]
@@ -120,9 +121,9 @@ def test_chat_renders_chatml_as_transformers_and_hides_the_stop_token(chatml_run
         seen["prompt"], seen["stops"] = ids, stop_ids
         for t in reply + [end]:
             on_token(t)
-        return gen.Generation(ids=list(reply), stopped=True)
-    monkeypatch.setattr(gen, "generate", fake_generate)
-    chat = Chat(Model.load(chatml_run), tok, temperature=0, max_new_tokens=8)
+        return session.Generation(ids=list(reply), stopped=True)
+    monkeypatch.setattr(session, "generate", fake_generate)
+    chat = Repl(Chat(Model.load(chatml_run), tok, temperature=0, max_new_tokens=8))
     out = []
     chat.handle("Hi there", out.append)
     chat.handle("And again", out.append)

@@ -89,24 +89,26 @@ def test_numeric_flags_finite_and_in_range(argv, needle, run_dir, text_file, tmp
 
 def test_top_k_zero_means_no_limit_in_both_places(run_dir, monkeypatch, capsys):
     """chat --top-k 0 and REPL /topk 0 mean the same thing: no limit (sampling from all tokens)."""
-    from nanoeuler.cli.chat import Chat
+    from nanoeuler.cli.chat import Repl
+    from nanoeuler.infer.chat import Chat
     monkeypatch.setattr(sys, "stdin", io.StringIO("/topk 0\n/topk 3\n"))
     assert main(["chat", "--ckpt", str(run_dir), "--top-k", "0", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "(top-k off)" in out and "(top-k 3)" in out
     chat = Chat(Model.load(run_dir), ckpt.load_tokenizer(run_dir), top_k=None)
-    chat.command("/topk 0", lambda s: None)
+    Repl(chat).command("/topk 0", lambda s: None)
     assert chat.top_k is None
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "1e-300", "abc", "101", ""])
 def test_repl_temperature_refuses_non_finite(run_dir, value):
-    from nanoeuler.cli.chat import Chat
+    from nanoeuler.cli.chat import Repl
+    from nanoeuler.infer.chat import Chat
     chat = Chat(Model.load(run_dir), ckpt.load_tokenizer(run_dir), temperature=0.7)
     said = []
-    chat.command(f"/temp {value}", said.append)
+    Repl(chat).command(f"/temp {value}", said.append)
     assert chat.temperature == 0.7 and "usage: /temp" in "".join(said)
-    chat.command("/temp 0.5", said.append)
+    Repl(chat).command("/temp 0.5", said.append)
     assert chat.temperature == 0.5
 
 

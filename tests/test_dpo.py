@@ -298,7 +298,7 @@ def test_model_answers_in_a_batch_equal_generate_one_by_one():
     """The batched answers (continuous batching, 40 prompts > one batch of 32) are each prompt's greedy
     `generate` output, cut at the stop id, in the prompts' order."""
     from nanoeuler.dpo_data import model_answers
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     model = Model.init(TINY, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, size=int(rng.integers(1, TINY.ctx_len + 8))).tolist() for _ in range(40)]

@@ -15,7 +15,7 @@ import pytest
 from nanoeuler import Model, UserError
 from nanoeuler import drafts
 from nanoeuler.cli import main
-from nanoeuler.generate import generate
+from nanoeuler.infer.session import generate
 from nanoeuler.optim import AdamW
 from conftest import snapshot, tiny_config
 

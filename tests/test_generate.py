@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model, UserError
-from nanoeuler import generate as gen
-from nanoeuler.generate import (StreamDecoder, draw_token, forward_cached, generate, new_cache, sample_token, token_probs,
-                                truncate_left)
+from nanoeuler.infer import kernels, sampling, session, speculative, weights
+from nanoeuler.infer.cache import new_cache
+from nanoeuler.infer.sampling import draw_token, sample_token, token_probs
+from nanoeuler.infer.session import generate, StreamDecoder, truncate_left
+from nanoeuler.infer.step import forward_cached
 from nanoeuler.model import forward
 from nanoeuler.optim import AdamW
 from conftest import rel_err, tiny_config
@@ -23,8 +25,8 @@ TINY = tiny_config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, c
 def steady_costs(monkeypatch):
     """Deterministic planner decisions: every round of depth d is timed as 1 + 0.2·d ms whatever the clock
     says (the machine's real timings are noisy; the decisions then depend on acceptance alone)."""
-    original = gen._Planner.timed
-    monkeypatch.setattr(gen._Planner, "timed", lambda self, w, d, seconds: original(self, w, d, (1 + 0.2 * d) * 1e-3))
+    original = speculative.Planner.timed
+    monkeypatch.setattr(speculative.Planner, "timed", lambda self, w, d, seconds: original(self, w, d, (1 + 0.2 * d) * 1e-3))
 
 
 @pytest.fixture(scope="module")
@@ -112,21 +114,21 @@ def test_round_kernel_checks_and_drafts_where_the_round_goes_on(trained, agree):
     """One compiled call of a round: head 0's argmax at every row as NumPy's, n_ok the agreeing prefix of the
     drafts, and the next drafts (heads 1..K-1, argmax and probability) at row n_ok, as the NumPy heads say."""
     model, period = trained
-    win = gen._Window(model, [int(t) for t in period[:6]], "speculative")
+    win = session._Window(model, [int(t) for t in period[:6]], "speculative")
     assert win.fast()  # the fused path, or this test tests nothing
     t1 = int(np.argmax(win.head(0)))
     n0, block = len(win.seq), [t1]
     for _ in range(2):  # drafts: head 0's own greedy tokens for the first `agree`, then a wrong one
-        ref = gen._Window(model, win.seq + block, "cache")
+        ref = session._Window(model, win.seq + block, "cache")
         right = int(np.argmax(ref.head(0)))
         block.append(right if len(block) <= agree else (right + 1) % TINY.vocab_size)
     h, logits, best = win.advance(block, draft=TINY.n_mtp - 1)
-    assert best == [int(np.argmax(gen.linear(h[r], win.W["head.0"]))) for r in range(3)]
+    assert best == [int(np.argmax(weights.linear(h[r], win.W["head.0"]))) for r in range(3)]
     n_ok = next((j for j in range(2) if best[j] != block[j + 1]), 2)
     assert n_ok == agree
     win.keep(n0 + 1 + n_ok, h[n_ok], logits[n_ok], best[n_ok], n_ok)
     for k in range(1, TINY.n_mtp):
-        lk = gen.linear(h[n_ok], win.W[f"head.{k}"])
+        lk = weights.linear(h[n_ok], win.W[f"head.{k}"])
         t, conf = win.head_drafts[k - 1]
         assert t == int(np.argmax(lk)) and conf == pytest.approx(1 / np.exp(lk - lk[t]).sum(), rel=1e-5)
     other = (n_ok + 1) % 3
@@ -213,7 +215,7 @@ def test_draw_token_is_the_inverse_cdf_of_numpy_cumsum():
         r = (0.0, 1 - 2.0 ** -53, rng.random())[t % 3]
         cdf = np.cumsum(p)
         want = int(min(np.searchsorted(cdf, r * cdf[-1], side="right"), V - 1))
-        assert gen._inverse_cdf(p, r) == want
+        assert sampling._inverse_cdf(p, r) == want
 
 
 # ---- speculative sampling is exact: chi-square against the enumerated plain-sampling distribution ----
@@ -313,7 +315,7 @@ def test_speculative_sampling_has_plain_sampling_distribution(spec_model, mode, 
 def test_adaptive_speculative_sampling_has_plain_sampling_distribution(spec_model, monkeypatch, steady_costs):
     """The planner's own choices (forced into its `on` regime: depth 1 or 2 by the drafts' confidence)
     keep the distribution exact: depth is decided before the drafts are drawn."""
-    monkeypatch.setattr(gen._Planner, "pays", lambda self: True)
+    monkeypatch.setattr(speculative.Planner, "pays", lambda self: True)
     assert chi_square_p(spec_model, "speculative", temperature=1.0) > 1e-4
     g = generate(spec_model, PROMPT, 60, temperature=1.0, seed=0, mode="speculative")
     assert g.draft_rounds > 0.5 * (g.forwards - 1)  # it did speculate
@@ -323,10 +325,10 @@ def test_adaptive_speculative_sampling_has_plain_sampling_distribution(spec_mode
 def test_chi_square_catches_a_wrong_rule(spec_model, monkeypatch, wrong):
     """The test above has power: a classic bug in the rule makes it fail by a wide margin."""
     if wrong == "reject_draws_from_p":  # forgets to subtract q: accepted tokens get counted twice
-        monkeypatch.setattr(gen._Sampled, "residual", staticmethod(lambda p, q: p))
+        monkeypatch.setattr(speculative.Sampled, "residual", staticmethod(lambda p, q: p))
     else:  # never rejects: emits the draft head's distribution q
-        check = gen._Sampled.check
-        monkeypatch.setattr(gen._Sampled, "check", lambda self, logits, x, q: (True,) + check(self, logits, x, q)[1:2] + (None,))
+        check = speculative.Sampled.check
+        monkeypatch.setattr(speculative.Sampled, "check", lambda self, logits, x, q: (True,) + check(self, logits, x, q)[1:2] + (None,))
     assert chi_square_p(spec_model, "speculative", temperature=1.0, spec_depth=2) < 1e-4
 
 
@@ -353,10 +355,10 @@ class FakeRule:
         return 0, self.confs.pop(0)
 
 
-def planner(r1: float, r2: float = 0.3) -> "gen._Planner":
+def planner(r1: float, r2: float = 0.3) -> "speculative.Planner":
     """The docstring's example: 1.0 ms a plain step, 1.2 / 1.45 ms for 1 / 2 drafts back to back, 1.6 / 1.9 ms
     for a lone verification among plain steps; acceptance r1, r2 in every confidence bin and on average."""
-    plan = gen._Planner(2)
+    plan = speculative.Planner(2)
     plan.cost = [[1.0e-3, 1.6e-3, 1.9e-3], [1.0e-3, 1.2e-3, 1.45e-3]]
     plan.samples[0][0] = [1.0e-3] * 5  # enough plain steps timed to decide
     plan.hits, plan.seen = [[r1] * 4, [r2] * 4], [[1.0] * 4, [1.0] * 4]
@@ -395,7 +397,7 @@ def test_planner_picks_the_depth_worth_most(r1, depth):
 def test_planner_probes_in_bursts_while_off():
     plan = planner(0.0)
     assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)
-    for _ in range(gen._Planner.BURST):  # a probe: this round and the next two verify a draft
+    for _ in range(speculative.Planner.BURST):  # a probe: this round and the next two verify a draft
         props, d = plan.choose(FakeWindow(), FakeRule([0.5]), room=10, probe=False if _ else True)
         assert d == 1 and len(props) == 1
     assert plan.choose(FakeWindow(), FakeRule([]), room=10, probe=False) == ([], 0)
@@ -404,7 +406,7 @@ def test_planner_probes_in_bursts_while_off():
 def test_speculation_falls_back_to_plain_steps_on_a_random_model(steady_costs, monkeypatch):
     """The draft heads of a random model are never right: after a few rounds only the probes verify any.
     (Lookup drafts off: this model's greedy text repeats itself, which they catch, next test.)"""
-    monkeypatch.setattr(gen._Greedy, "NGRAM", 10 ** 6)  # no context ever matches
+    monkeypatch.setattr(speculative.Greedy, "NGRAM", 10 ** 6)  # no context ever matches
     model = Model.init(TINY, seed=3)
     g = generate(model, [1, 2, 3], 200, temperature=0, mode="speculative")
     assert g.acceptance < 0.2
@@ -429,8 +431,8 @@ def test_lookup_finds_the_last_occurrence():
     """(the last NGRAM-1 tokens, t1) -> the tokens after its last occurrence; none -> []; indexed incrementally."""
     class Win:
         cfg, start = tiny_config(n_mtp=3), 0
-    rule, win = gen._Greedy(), Win()
-    assert gen.decode.ROWS - 1 == 7  # drafts a lookup gives at most: what one verification takes
+    rule, win = speculative.Greedy(), Win()
+    assert kernels.ROWS - 1 == 7  # drafts a lookup gives at most: what one verification takes
     win.seq = [7, 3, 9, 4, 5, 7, 3, 9, 6, 1, 2, 4, 4, 4, 4, 4, 7, 3]
     rule.prepare(win, 9)
     assert rule.lookup(win) == [6, 1, 2, 4, 4, 4, 4]  # after the later of the two (7, 3, 9)

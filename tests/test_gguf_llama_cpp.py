@@ -24,7 +24,7 @@ from gguf_fixtures import CHATML, SPECIALS, chatml_model, chatml_tokenizer, trai
 from nanoeuler import Model, Tokenizer  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
 from nanoeuler.data.corpus import bundled_works  # noqa: E402
-from nanoeuler.generate import generate  # noqa: E402
+from nanoeuler.infer.session import generate# noqa: E402
 from nanoeuler.interop.gguf_import import load_gguf  # noqa: E402
 from nanoeuler.interop.llamacpp import LlamaCpp  # noqa: E402
 

@@ -3,7 +3,9 @@ greedy tokens), and the CLI pipeline (train with resume, sft, sample, eval, info
 import numpy as np
 
 from nanoeuler import Model
-from nanoeuler.generate import forward_cached, generate, new_cache
+from nanoeuler.infer.cache import new_cache
+from nanoeuler.infer.session import generate
+from nanoeuler.infer.step import forward_cached
 from conftest import rel_err, tiny_config
 
 TINY = tiny_config(vocab_size=300, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=24, ffn_hidden=64, n_mtp=2,

@@ -16,7 +16,7 @@ from nanoeuler import Model, Tokenizer
 from nanoeuler.cli import main
 from nanoeuler.config import Config
 from nanoeuler.data.corpus import bundled_works
-from nanoeuler.generate import generate
+from nanoeuler.infer.session import generate
 from nanoeuler.sft import prompt_text, render
 
 torch = pytest.importorskip("torch")
@@ -411,7 +411,7 @@ def test_shuffled_vocabulary_keeps_its_ids_through_import_and_export(shuffled, c
 def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, corpus, tmp_path, monkeypatch, capsys):
     """prepare (each document), sft/chat (render), sample (the prompt) and dpo's prompts put the bos first, as
     the model's own tokenizer does; our own tokenizers have no bos and are unchanged."""
-    import nanoeuler.generate as gen
+    from nanoeuler.infer import session
     from nanoeuler.data.shards import TokenShards, prepare
     from nanoeuler.interop.importer import import_folder
     _, d, vocab = shuffled
@@ -429,7 +429,7 @@ def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, co
         starts = np.flatnonzero(ids == tok.eos_id)[:-1] + 1
         assert (ids[starts] == bos).all()
     seen = []
-    monkeypatch.setattr(gen, "generate", lambda model, ids, *a, **kw: seen.append(list(ids)) or gen.Generation([]))
+    monkeypatch.setattr(session, "generate", lambda model, ids, *a, **kw: seen.append(list(ids)) or session.Generation([]))
     assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "HAMLET.", "--max-new-tokens", "2",
                  "--temperature", "0"]) == 0
     assert seen[0] == [bos] + tok.encode("HAMLET.")

@@ -16,7 +16,7 @@ from gguf_fixtures import train_briefly
 from nanoeuler import Model, Tokenizer
 from nanoeuler.checkpoint import load_tokenizer
 from nanoeuler.data.corpus import bundled_split, bundled_works
-from nanoeuler.generate import generate
+from nanoeuler.infer.session import generate
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")

@@ -1,11 +1,11 @@
 """numba's on-disk cache of our kernels is keyed on every kernel source (nanoeuler/numba_cache.py): a kernel
-that inlines code of another file (generate._round_kernel runs fast/decode.step) must not be loaded stale
+that inlines code of another file (infer/kernels.py inlines fast/vmath.vexp) must not be loaded stale
 after that other file changed."""
 import numba
 import numpy as np
 
-from nanoeuler import generate, numba_cache
-from nanoeuler.fast import decode
+from nanoeuler import numba_cache
+from nanoeuler.infer import kernels
 
 
 def test_digest_follows_every_file(tmp_path):
@@ -20,18 +20,18 @@ def test_digest_follows_every_file(tmp_path):
 
 def test_kernel_sources_cover_the_kernels_and_their_constants():
     names = {p.relative_to(numba_cache.PACKAGE).as_posix() for p in numba_cache.kernel_sources()}
-    assert {"generate.py", "fast/decode.py", "fast/vmath.py", "fast/kernels.py", "fast/gpt2.py",
+    assert {"infer/kernels.py", "infer/sampling.py", "fast/vmath.py", "fast/kernels.py", "fast/gpt2.py",
             "tokenizer/bpe_fast.py", "ops/gelu.py"} <= names
 
 
 def test_a_kernel_is_stamped_with_the_sources_it_may_inline(monkeypatch):
-    """generate._round_kernel's stamp changes when any kernel source changes (here: the digest), so numba
+    """kernels._round's stamp changes when any kernel source changes (here: the digest), so numba
     finds its cache index stale and compiles afresh; functions outside the package keep numba's own stamp."""
-    locator = generate._round_kernel._cache._impl.locator
+    locator = kernels._round._cache._impl.locator
     stamp = locator.get_source_stamp()
     assert stamp[1] == numba_cache.sources_digest()
-    assert decode.step._cache._impl.locator.get_source_stamp()[1] == stamp[1]
-    monkeypatch.setattr(numba_cache, "sources_digest", lambda: "decode.py edited")
+    assert kernels.step._cache._impl.locator.get_source_stamp()[1] == stamp[1]
+    monkeypatch.setattr(numba_cache, "sources_digest", lambda: "vmath.py edited")
     assert locator.get_source_stamp() != stamp
 
     @numba.njit(cache=True)

@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_fixtures import CTX, ServerThread, shared_checkpoint  # noqa: E402
 
-from nanoeuler.generate import generate  # noqa: E402
-from nanoeuler.serve.batcher import log_softmax  # noqa: E402
+from nanoeuler.infer.session import generate# noqa: E402
+from nanoeuler.infer.sampling import log_softmax# noqa: E402
 from nanoeuler.sft import render  # noqa: E402
 
 KEY = "test-key"
@@ -71,10 +71,11 @@ def test_greedy_completion_equals_nanoeuler_sample(ckpt, client):
 
 
 def test_chat_equals_the_repl_single_and_multi_turn(ckpt, client):
-    from nanoeuler.cli.chat import Chat
+    from nanoeuler.cli.chat import Repl
+    from nanoeuler.infer.chat import Chat
     d, model, tok = ckpt
     repl = Chat(model, tok, temperature=0, max_new_tokens=30)
-    repl.handle("Who is there?", lambda s: None)
+    Repl(repl).handle("Who is there?", lambda s: None)
     want = tok.decode(repl.last_reply)
     msgs = [{"role": "user", "content": "Who is there?"}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0)
@@ -374,15 +375,15 @@ def test_an_engine_failure_ends_only_the_requests_it_touched(ckpt, monkeypatch):
     """An exception inside the engine (injected into sampling at temperature 0.5): a non-streaming request gets
     a 500 error object, a stream gets an error event and [DONE], a stream running beside them finishes
     normally, and the server serves on."""
-    from nanoeuler.serve import batcher
+    from nanoeuler.infer import engine
     from nanoeuler.serve.app import create_app
-    real = batcher.sample_token
+    real = engine.sample_token
 
     def failing(logits, temperature, *a, **k):
         if temperature == 0.5:
             raise RuntimeError("injected")
         return real(logits, temperature, *a, **k)
-    monkeypatch.setattr(batcher, "sample_token", failing)
+    monkeypatch.setattr(engine, "sample_token", failing)
     d, model, tok = ckpt
     bad = {**LONG_STREAM, "temperature": 0.5}
     with ServerThread(create_app(model, tok, "tiny", max_batch=4)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:

@@ -200,7 +200,7 @@ def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypa
     only), right first line then more (lenient only), wrong, a new ### section, and an unscored task."""
     from types import SimpleNamespace
 
-    from nanoeuler import generate as gen
+    from nanoeuler.infer import session, step
     from nanoeuler.sft import score_answers
     answers = iter([(" Hamlet.", True), ("Hamlet", False), ("hamlet\nand more", False), ("Macbeth", True),
                     ("Hamlet\n### Instruction:", True), ("Hamlet", True)])
@@ -209,8 +209,8 @@ def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypa
         text, stopped = next(answers)
         return SimpleNamespace(ids=tok.encode(text), stopped=stopped, drafted=4, accepted=1)
 
-    monkeypatch.setattr(gen, "generate", canned)
-    monkeypatch.setattr(gen, "fuse_weights", lambda cfg, params: None)
+    monkeypatch.setattr(session, "generate", canned)
+    monkeypatch.setattr(step, "fuse_weights", lambda cfg, params: None)
     records = [{"instruction": "Which play?", "input": "", "output": "Hamlet", "task": "play"}] * 5 + \
               [{"instruction": "Go on.", "input": "", "output": "Hamlet", "task": "continue"}]
     model = Model.init(Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=64,

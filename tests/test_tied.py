@@ -70,7 +70,7 @@ def test_fast_engine_equals_the_reference_on_a_tied_model():
 def test_checkpoint_holds_one_matrix_and_decoding_matches_the_reference(tmp_path):
     from safetensors.numpy import load_file
 
-    from nanoeuler.generate import generate
+    from nanoeuler.infer.session import generate
     P, _ = tied_and_untied(np.float32)
     Model(CFG, P).save(tmp_path / "run")
     assert "heads.0.weight" not in load_file(str(tmp_path / "run" / "model.safetensors"))

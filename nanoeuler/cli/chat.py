@@ -38,53 +38,12 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-class Chat:
-    """The conversation state and the commands; `handle(line, write)` does one REPL step."""
+class Repl:
+    """The REPL around a conversation (infer/chat.py's Chat): `handle(line, write)` does one step, a message
+    or a command.  Repl(Chat(model, tok)).handle("Who speaks?", sys.stdout.write)"""
 
-    def __init__(self, model, tok, temperature=0.7, top_k=None, top_p=None, seed=None, max_new_tokens=128,
-                 speculative=True):
-        import numpy as np
-        self.model, self.tok = model, tok
-        self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
-        self.speculative = speculative
-        self.replay = seed is not None  # a seeded chat replays the same text: its sampling stays plain
-        self.rng = np.random.default_rng(seed)
-        self.messages: list[dict] = []  # the conversation so far ({"role", "content"}), rendered anew each turn
-        self.last_reply: list[int] = []
-        self.last_stopped = False
-        self.dropped_turns = 0
-        self.cut = 0
-        self.fused = None  # the model's inference layout, made at the first reply and kept (the model never changes)
-
-    def context(self, messages: list[dict]) -> list[int]:
-        """The prompt ids of messages (the conversation, its last message the new one). While earlier turns
-        leave no room for a reply (min(max_new_tokens, ctx/4) tokens) the oldest exchange (a user message
-        and what follows it up to the next one; system messages stay) is removed from messages. A prompt that
-        alone leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs).
-        How many exchanges go is found by bisection (a few renders, not one per exchange: a conversation of
-        1000 short messages took 27 s), starting from the last budget ones (each renders to a token at least)."""
-        from ..chat_template import prompt_ids
-        ctx = self.model.config.ctx_len
-        limit, budget = ctx - min(self.max_new, 8), ctx - min(self.max_new, ctx // 4)
-        turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
-        starts = turns[:1] + [i for i in turns[1:] if messages[i]["role"] == "user"] + [len(messages) - 1]
-
-        def without(k):  # messages less their k oldest exchanges (k = len(starts) - 1: every earlier turn)
-            return [m for i, m in enumerate(messages) if i >= starts[k] or m["role"] == "system"]
-        rendered = {}
-
-        def fits(k):
-            rendered[k] = prompt_ids(self.tok, without(k))
-            return len(rendered[k]) <= budget
-        lo, hi = max(0, len(starts) - 1 - budget), len(starts) - 1  # the least k that fits lies in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-        ids = rendered[lo] if lo in rendered else prompt_ids(self.tok, without(lo))
-        messages[:] = without(lo)
-        self.dropped_turns += lo
-        self.cut = max(0, len(ids) - limit)  # prompt tokens left out
-        return ids[self.cut:]
+    def __init__(self, chat):
+        self.chat = chat
 
     def handle(self, line: str, write) -> None:
         line = line.strip()
@@ -92,53 +51,35 @@ class Chat:
             return
         if line.startswith("/"):
             return self.command(line, write)
-        from ..generate import StreamDecoder, fuse_weights, generate
-        messages = self.messages + [{"role": "user", "content": line}]
-        dropped = self.dropped_turns
-        ids = self.context(messages)
-        if self.cut:
-            write(f"(your message is longer than the context: kept its last {len(ids)} tokens)\n")
-        elif self.dropped_turns > dropped:
-            write(f"(dropped the {self.dropped_turns - dropped} oldest turn(s) to fit the context)\n")
-        dec = StreamDecoder(self.tok)
-        stops = self.tok.stop_ids
+        chat, dropped = self.chat, self.chat.dropped_turns
 
-        def stream(token):
-            if token not in stops:
-                write(escape_control(dec.feed(token)))
-        speculate = self.speculative and (self.temperature == 0 or not self.replay)
-        seed = int(self.rng.integers(2**31))
-        try:
-            if self.fused is None:
-                self.fused = fuse_weights(self.model.config, self.model.params)
-            g = generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
-                         stop_ids=stops, mode="speculative" if speculate else "cache",
-                         on_token=stream, fused=self.fused)
-            reply, self.last_stopped = g.ids, g.stopped
-            note = "" if g.stopped else f"  [stopped at {self.max_new} tokens]"
-        except KeyboardInterrupt:
-            reply, note, self.last_stopped = [], "  [interrupted]", False
-        write(escape_control(dec.flush()) + note + "\n")
-        self.last_reply = reply
-        self.messages = messages + [{"role": "assistant", "content": self.tok.decode(reply)}]
+        def notes(ids):
+            if chat.cut:
+                write(f"(your message is longer than the context: kept its last {len(ids)} tokens)\n")
+            elif chat.dropped_turns > dropped:
+                write(f"(dropped the {chat.dropped_turns - dropped} oldest turn(s) to fit the context)\n")
+        g = chat.reply(line, lambda piece: write(escape_control(piece)), notes)
+        note = "  [interrupted]" if g is None else "" if g.stopped else f"  [stopped at {chat.max_new} tokens]"
+        write(note + "\n")
 
     def command(self, line: str, write) -> None:
+        chat = self.chat
         name, _, arg = line.partition(" ")
         arg = arg.strip()
         if name == "/help":
             write(HELP + "\n")
         elif name == "/reset":
-            self.messages.clear()
-            self.last_reply = []
+            chat.messages.clear()
+            chat.last_reply = []
             write("(conversation cleared)\n")
         elif name == "/temp":
             from ..errors import UserError
-            from ..generate import MIN_TEMPERATURE
+            from ..infer.sampling import MIN_TEMPERATURE
             try:
                 value = check_temperature("/temp", arg)
             except UserError as e:
                 return write(f"{e}\nusage: /temp X   with X = 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]\n")
-            self.temperature = value
+            chat.temperature = value
             write(f"(temperature {value:g}{', greedy' if value == 0 else ''})\n")
         elif name == "/topk":
             try:
@@ -147,13 +88,13 @@ class Chat:
                     raise ValueError
             except ValueError:
                 return write("usage: /topk N   with N >= 0 (0 = no limit, as --top-k 0)\n")
-            self.top_k = value or None
+            chat.top_k = value or None
             write(f"(top-k {value or 'off'})\n")
         elif name == "/tokens":
-            if not self.last_reply:
+            if not chat.last_reply:
                 return write("(no reply yet)\n")
-            pieces = [f"{t}:{self.tok.token_bytes(t).decode('utf-8', 'backslashreplace')!r}" for t in self.last_reply]
-            write(f"{len(self.last_reply)} token{'s' * (len(self.last_reply) != 1)}{' + </s>' if self.last_stopped else ''}: " + " ".join(pieces) + "\n")
+            pieces = [f"{t}:{chat.tok.token_bytes(t).decode('utf-8', 'backslashreplace')!r}" for t in chat.last_reply]
+            write(f"{len(chat.last_reply)} token{'s' * (len(chat.last_reply) != 1)}{' + </s>' if chat.last_stopped else ''}: " + " ".join(pieces) + "\n")
         else:
             write(f"unknown command {name}; type /help\n")
 
@@ -168,8 +109,9 @@ def run(args) -> int:
     tok = with_template_file(tok, args.chat_template)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
-    chat = Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed, args.max_new_tokens,
-                speculative=not args.no_speculative)
+    from ..infer.chat import Chat
+    chat = Repl(Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed,
+                     args.max_new_tokens, speculative=not args.no_speculative))
     interactive = sys.stdin.isatty()
     if interactive:
         try:

@@ -38,7 +38,7 @@ def run(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..config import PRESETS
     from ..errors import UserError
-    from ..generate import generate
+    from ..infer.session import generate
     from ..model import Model
     from ..tokenizer import Tokenizer
     from ..train import PretrainSource, TrainConfig, evaluate, run_training

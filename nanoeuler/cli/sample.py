@@ -36,9 +36,9 @@ DTYPES = ("float32", "float16")
 
 
 def decoding_model(model, args):
-    """The model generation runs: a float16 copy of its weights with --dtype float16 (fast/decode.py)."""
+    """The model generation runs: a float16 copy of its weights with --dtype float16 (infer/weights.py)."""
     if getattr(args, "dtype", "float32") == "float16":
-        from ..fast.decode import Float16Model
+        from ..infer.weights import Float16Model
         return Float16Model(model)
     return model
 
@@ -46,7 +46,7 @@ def decoding_model(model, args):
 def check_temperature(name: str, value) -> float:
     """0 (greedy) or a finite number in [0.01, 100]; 'nan', 'inf', '-1', '1e-300' -> UserError."""
     from ..errors import UserError
-    from ..generate import MIN_TEMPERATURE
+    from ..infer.sampling import MIN_TEMPERATURE
     from .args import check_float
     t = check_float(name, value, 0, 100)
     if 0 < t < MIN_TEMPERATURE:
@@ -77,7 +77,7 @@ class StdoutStream:
     flush() prints what is left of a character cut off at the end."""
 
     def __init__(self, tok):
-        from ..generate import StreamDecoder
+        from ..infer.session import StreamDecoder
         self.tok, self.dec = tok, StreamDecoder(tok)
 
     def __call__(self, token: int) -> None:
@@ -113,7 +113,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..checkpoint import check_vocab, load_tokenizer
     from ..errors import UserError
-    from ..generate import generate, truncate_left
+    from ..infer.session import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)

@@ -71,7 +71,7 @@ def run(args) -> int:
     if warning:
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
-    cache_mb = sum(k.nbytes + v.nbytes for k, v in zip(app.state.batcher.k, app.state.batcher.v)) / 2**20
+    cache_mb = sum(a.nbytes for a in app.state.batcher.cache.store[:2]) / 2**20
     print(f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
           f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
     print(f"  {args.max_batch} rows decoded together, KV cache up to {cache_mb:,.0f} MiB; up to {args.max_queue} "

@@ -11,8 +11,6 @@ against PyTorch by bench/train_speed.py.
 - parallel.py one sub-batch per core, each on single-threaded BLAS; the thread pool
 - bf16.py     `--precision bf16`: bfloat16 matrix products with float32 accumulation (AVX512_BF16 kernels in
               LLVM IR), and their float64 NumPy twin
-- decode.py   inference: the fused KV-cache decoding step (generate.py's forward for 1..8 new tokens),
-              float32 or float16 weights, matrix-vector products shared by work-stealing threads
 """
 from ..numba_cache import install
 

@@ -35,8 +35,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
-from ..generate import MIN_TEMPERATURE, truncate_left
-from .batcher import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
+from ..infer.engine import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
+from ..infer.sampling import MIN_TEMPERATURE
+from ..infer.session import truncate_left
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        render_chat, stop_list, token_text)
 

@@ -8,7 +8,7 @@ has them: `top_k`, `ignore_eos`.
 Chat messages are rendered with the model's chat template exactly as the `chat` REPL renders its
 conversation (chat_template.py: the checkpoint's own template, else the SPEC Alpaca template, in which a
 system message goes in front of the next instruction), earlier turns dropped oldest first when they do
-not fit (cli/chat.py's Chat.context). `developer` messages are system messages.
+not fit (infer/chat.py's Chat.context). `developer` messages are system messages.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[list[int], dict]:
     """The conversation as prompt ids, the way the `chat` REPL builds it -> (ids, notes), notes say what
     did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones)."""
-    from ..cli.chat import Chat
+    from ..infer.chat import Chat
     chat = Chat(model, tok, max_new_tokens=max(1, max_tokens))
     ids = chat.context(chat_messages(messages))
     notes = {"dropped_turns": chat.dropped_turns, "prompt_truncated_tokens": chat.cut}
@@ -135,14 +135,14 @@ def token_text(tok, token: int) -> str:
 
 
 class TextStream:
-    """Token ids -> text pieces for one choice: never splits a UTF-8 character (generate.StreamDecoder)
+    """Token ids -> text pieces for one choice: never splits a UTF-8 character (session.StreamDecoder)
     and ends at the first stop string, holding back text that might be the start of one.
 
         stops ["\\n\\n"]: feed "a\\n" -> "a" (the "\\n" waits), feed "\\nb" -> "" and stopped
     """
 
     def __init__(self, tok, stops: list[str]):
-        from ..generate import StreamDecoder
+        from ..infer.session import StreamDecoder
         self.dec, self.stops = StreamDecoder(tok), stops
         self.held = ""
         self.length = 0       # characters sent so far

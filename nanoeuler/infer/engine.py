@@ -4,16 +4,16 @@ The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]; row r
 active request, which has its own length (the positions it has filled). One engine step:
 
     1. admit   waiting jobs take the free rows, up to `prefill_tokens` prompt tokens a step; each prompt is
-               prefilled through fast/decode.py's fused step in its own row of the cache (generate's
+               prefilled through the fused step in its own row of the cache (session.generate's
                prefill; on every core, faster than one batched BLAS forward on one), or, for models the
                fused step does not run (gpt2, float64), together (grouped by length, right-padded;
-               generate.forward_hidden on a view of their rows of the cache)
-    2. sample  every row samples its next token from its head-0 logits (generate.sample_token, with the
+               step.forward_hidden on a view of their rows of the cache)
+    2. sample  every row samples its next token from its head-0 logits (sampling.sample_token, with the
                job's own random generator): </s> or max_tokens ends the job and frees its row
     3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
                attention masks every key past length_r, so rows of different lengths share the step
-               (fast/decode.py's fused step, each row attending to its own cache row, and the head in its
-               kernel; models it does not run: `decode_step` below, on BLAS)
+               (step.decode_rows: the fused step, each row attending to its own cache row, and the head in
+               its kernel; models it does not run: the architecture's NumPy forward_rows, on BLAS)
 
     rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
@@ -26,14 +26,14 @@ Rows are kept compact: when a job ends, the last row moves into its place (its c
 so the batch is always rows 0..n-1 of the cache, a view and never a gather. A cancelled job (client gone)
 leaves at the next step.
 
-The context window follows generate.py's rule, so a request's output is `generate`'s: when a row would
+The context window follows session.py's rule, so a request's output is `generate`'s: when a row would
 pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled.
 
 Equal output alone or in a batch: every row's computation is the same arithmetic whatever the other
 rows hold. In the fused step it is the same bits (a row's products do not depend on the rows sharing
 its pass, its attention reads its own cache row); on the BLAS path (masked keys get probability exactly
 0) BLAS picks its kernels by the number of rows, so logits differ in the last bits (~1e-6 relative) and
-greedy tokens agree unless two logits tie that closely (tests/test_serve_batcher.py checks tokens and
+greedy tokens agree unless two logits tie that closely (tests/test_infer_engine.py checks tokens and
 logits, alone vs batched vs `generate`).
 """
 from __future__ import annotations
@@ -47,10 +47,11 @@ from typing import Callable
 
 import numpy as np
 
-from .. import ops
-from ..fast import decode
 from ..fast.parallel import PARTS, blas_threads
-from ..generate import MIN_TEMPERATURE, KVCache, forward_hidden, fuse_weights, linear, new_cache, sample_token
+from . import step
+from .cache import new_cache, rows
+from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
+from .weights import linear
 
 SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64)
 MAX_TEMPERATURE = 100.0
@@ -151,23 +152,6 @@ class _Row:
         self.n_new = 0
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[..., V] -> log-probabilities in float64.  log_softmax(np.zeros(2)) -> [-0.693, -0.693]"""
-    z = logits.astype(np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def top_logprobs(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k most likely (id, logprob) of logp [V], most likely first (ties: lower id first)."""
-    if k <= 0:
-        return []
-    k = min(k, logp.size)
-    idx = np.argpartition(-logp, k - 1)[:k]
-    idx = idx[np.lexsort((idx, -logp[idx]))]
-    return [(int(i), float(logp[i])) for i in idx]
-
-
 class Batcher:
     """The engine: a batched KV cache, a bounded queue of waiting jobs, and `step` (see the module docstring).
 
@@ -179,11 +163,8 @@ class Batcher:
         cfg = self.cfg = model.config
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
-        self.W = fuse_weights(cfg, model.params, batched=True)
-        cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
-        self.kv = cache.store[:2]  # [layers, max_batch, Hkv, ctx_len, hd]: fast/decode.py reads them whole
-        self.k, self.v = cache.k, cache.v  # per layer [max_batch, Hkv, ctx_len, hd]
-        self.cos, self.sin = cache.cos, cache.sin
+        self.W = step.fuse_weights(cfg, model.params, batched=True)
+        self.cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
         self.rows: list[_Row] = []
         self.pending: deque[Job] = deque()
         self.cond = threading.Condition()
@@ -217,8 +198,9 @@ class Batcher:
         row, a failed decoding step the rows in it. Waiting jobs and the other rows go on."""
         admit = self._take()
         lengths = [min(len(j.ids), self.cfg.ctx_len) for j in admit]
-        groups = [[i] for i in range(len(admit))] if "decode" in self.W else prefill_groups(lengths)
-        for group in groups:  # (the fused step takes one prompt at a time, on every core: faster than BLAS)
+        one = step.runs_fused(self.W, self.cache)  # the fused step takes one prompt at a time, on every core
+        groups = [[i] for i in range(len(admit))] if one else prefill_groups(lengths)
+        for group in groups:
             self._admit_or_fail([admit[i] for i in group])
         if not self.rows:
             return bool(admit)
@@ -279,21 +261,20 @@ class Batcher:
         padding after them, and the padding's keys/values sit past the row's length, masked and later
         overwritten. Events go out once every row is computed (a failed group sends none)."""
         ctx, n0 = self.cfg.ctx_len, len(self.rows)
-        rows = [_Row(job) for job in jobs]
-        for row in rows:
+        new = [_Row(job) for job in jobs]
+        for row in new:
             row.seq = [int(t) for t in row.job.ids[-ctx:]]
-        self.rows += rows
-        T = max(len(row.seq) for row in rows)
-        tokens = np.zeros((len(rows), T), dtype=np.int64)  # [n, T], right-padded with token 0
-        for r, row in enumerate(rows):
+        self.rows += new
+        T = max(len(row.seq) for row in new)
+        tokens = np.zeros((len(new), T), dtype=np.int64)  # [n, T], right-padded with token 0
+        for r, row in enumerate(new):
             tokens[r, :len(row.seq)] = row.seq
-        view = KVCache([k[n0:n0 + len(rows)] for k in self.k], [v[n0:n0 + len(rows)] for v in self.v],
-                       self.cos, self.sin, store=(*self.kv, n0))  # (one prompt: generate's fused step)
-        scores = [row.job.echo and row.job.logprobs is not None for row in rows]
-        last_only = len(rows) == 1 and not scores[0]
-        h = forward_hidden(self.cfg, self.W, tokens, view, last_only=last_only)  # [n, T|1, d]
+        view = rows(self.cache, n0, len(new))  # (one prompt: session's fused step)
+        scores = [row.job.echo and row.job.logprobs is not None for row in new]
+        last_only = len(new) == 1 and not scores[0]
+        h = step.forward_hidden(self.cfg, self.W, tokens, view, last_only=last_only)  # [n, T|1, d]
         prompts = []
-        for r, (row, score) in enumerate(zip(rows, scores)):
+        for r, (row, score) in enumerate(zip(new, scores)):
             job, n = row.job, len(row.seq)
             hr = h[r, -1:] if last_only else h[r, :n] if score else h[r, n - 1:n]  # [n|1, d]
             logits = linear(hr, self.W["head.0"])  # [n|1, V]
@@ -331,38 +312,29 @@ class Batcher:
         last = len(self.rows) - 1
         if r != last:
             n = len(self.rows[last].seq)
-            for k, v in zip(self.k, self.v):
-                k[r, :, :n] = k[last, :, :n]
-                v[r, :, :n] = v[last, :, :n]
+            for kv in self.cache.store[:2]:  # [layers, max_batch, Hkv, ctx_len, hd]
+                kv[:, r, :, :n] = kv[:, last, :, :n]
             self.rows[r] = self.rows[last]
         self.rows.pop()
 
     def _prefill(self, slot: int, tokens: list[int], all_positions: bool = False) -> np.ndarray:
         """Run tokens alone into cache row `slot` from position 0 -> final hidden states [T|1, d]."""
-        view = KVCache([k[slot:slot + 1] for k in self.k], [v[slot:slot + 1] for v in self.v], self.cos, self.sin,
-                       store=(*self.kv, slot))
-        return forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], view,
-                              last_only=not all_positions)[0]
+        return step.forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], rows(self.cache, slot, 1),
+                                   last_only=not all_positions)[0]
 
     def _decode(self) -> None:
         """Feed every row's pending token in one forward; rows whose window is full jump first."""
         ctx = self.cfg.ctx_len
         for slot, row in enumerate(self.rows):
-            if len(row.seq) + 1 > ctx:  # generate.py's rule: keep the last ctx // 2 tokens, new one included
+            if len(row.seq) + 1 > ctx:  # session.py's rule: keep the last ctx // 2 tokens, new one included
                 window = (row.seq + [row.pending])[-(ctx // 2):]
                 row.seq = window[:-1]
                 if row.seq:
                     self._prefill(slot, row.seq)
         tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
         pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
-        if "decode" in self.W:  # the fused step, row r in cache row r
-            h = decode.forward_rows(self.cfg, self.W["decode"], tokens, pos, np.arange(len(tokens)), *self.kv,
-                                    self.cos, self.sin)  # [n, d]
-            logits = decode.matvec(self.W["head.0"][2], h, self.cfg.vocab_size)  # [n, V]
-        else:
-            with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):
-                h = decode_step(self.cfg, self.W, self.k, self.v, self.cos, self.sin, tokens, pos)  # [n, d]
-                logits = batched_linear(h, self.W["head.0"])  # [n, V]
+        with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):  # (the fused step calls no BLAS)
+            logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
         for row, lg in zip(self.rows, logits):
             row.seq.append(row.pending)
             row.pending, row.logits = None, lg
@@ -381,7 +353,7 @@ class Batcher:
         40 to 600 tokens/s); see fast/parallel.py. On the BLAS path (models without the fused step) only
         decoding steps of WIDE_STEP rows or more, whose matrix products are long enough to pay, use every
         core (`big`, quiet machine: 16 streams 1307-1403 -> 1372-1519 tokens/s, 64 streams 1716 ->
-        1832-1912). The fused step's helpers claim work only while a step runs (fast/decode.py)."""
+        1832-1912). The fused step's helpers claim work only while a step runs (kernels.py)."""
         from ..fast.parallel import single_threaded_blas
         with single_threaded_blas():
             self._run()
@@ -442,72 +414,3 @@ def prefill_groups(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
-
-
-def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
-    """x [n, in] @ W[out, in].T for the n rows of a decoding step (W = (W, W.T contiguous or None)).
-    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T: OpenBLAS (one thread, measured here) takes
-    322 µs for W [2048, 384] and 16 rows that way against 577 µs as x @ W.T, and 690 against 1168 µs for a
-    [4096, 384] head; narrow ones read the [in, out] copy (at 4 rows 20 µs against 60)."""
-    if len(x) == 1:
-        return (W[0] @ x[0])[None]
-    if W[1] is not None:
-        return x @ W[1]
-    return (W[0] @ x.T).T
-
-
-def decode_step(cfg, W: dict, kc: list, vc: list, cos: np.ndarray, sin: np.ndarray, tokens: np.ndarray,
-                pos: np.ndarray) -> np.ndarray:
-    """One token for each of n rows: tokens int [n] at positions pos [n] (row r of the caches kc/vc holds
-    positions 0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r].
-    W = generate.fuse_weights; arch "gpt2" (learned positions, LayerNorm, biases, GELU) as gpt2_cached.py.
-
-    Attention of row r reads keys 0..pos[r]; the rest of the [0, max(pos)] block gets -inf scores:
-
-        pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf
-    """
-    n = len(tokens)
-    H, Hkv, hd, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-    Lk = int(pos.max()) + 1
-    masked = np.arange(Lk)[None, :] > pos[:, None]  # [n, Lk]
-    bias = np.where(masked, -np.inf, 0.0).astype(kc[0].dtype)[:, None, None, :]  # [n, 1, 1, Lk]
-    rows = np.arange(n)
-
-    def attend(i, qkv, rope):  # qkv [n, (H + 2·Hkv)·hd] -> attention output [n, H·hd]
-        q = qkv[:, :H * hd].reshape(n, H, hd)
-        k = qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd)
-        if rope is not None:
-            q, k = ops.rope_forward(q, *rope)[0], ops.rope_forward(k, *rope)[0]
-        kc[i][rows, :, pos] = k
-        vc[i][rows, :, pos] = qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd)
-        K, V = kc[i][:n, :, :Lk], vc[i][:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
-        S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc[i].dtype.type(1.0 / np.sqrt(hd)) + bias
-        S -= S.max(axis=-1, keepdims=True)  # [n, Hkv, G, Lk]
-        P = np.exp(S)
-        P /= P.sum(axis=-1, keepdims=True)
-        return (P @ V).reshape(n, H * hd)  # [n, Hkv, G, hd] -> [n, H·hd]
-
-    if getattr(cfg, "arch", "euler") == "gpt2":
-        eps = cfg.norm_eps
-        x = W["embed"][tokens] + W["pos"][pos]  # [n, d]
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            h, _ = ops.layernorm_forward(x, *W[p + "attn_norm"], eps)
-            a = attend(i, batched_linear(h, W[p + "qkv"]) + W[p + "qkv.bias"], None)
-            x = x + batched_linear(a, W[p + "attn.wo"]) + W[p + "attn.wo.bias"]
-            h2, _ = ops.layernorm_forward(x, *W[p + "ffn_norm"], eps)
-            g, _ = ops.gelu_forward(batched_linear(h2, W[p + "ffn.fc"]) + W[p + "ffn.fc.bias"])  # [n, F]
-            x = x + batched_linear(g, W[p + "ffn.proj"]) + W[p + "ffn.proj.bias"]
-        return ops.layernorm_forward(x, *W["norm"], eps)[0]
-    rope = (cos[pos][:, None], sin[pos][:, None])  # [n, 1, hd/2]
-    x = W["embed"][tokens]  # [n, d]
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        h, _ = ops.rmsnorm_forward(x, W[p + "attn_norm"], cfg.norm_eps)
-        a = attend(i, batched_linear(h, W[p + "qkv"]), rope)  # [n, H·hd]
-        x = x + batched_linear(a, W[p + "wo"])
-        h2, _ = ops.rmsnorm_forward(x, W[p + "ffn_norm"], cfg.norm_eps)
-        gu = batched_linear(h2, W[p + "gate_up"])  # [n, 2F]
-        sw, _ = ops.swiglu_forward(gu[:, :F], gu[:, F:])
-        x = x + batched_linear(sw, W[p + "down"])
-    return ops.rmsnorm_forward(x, W["norm"], cfg.norm_eps)[0]

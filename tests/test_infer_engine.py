@@ -1,4 +1,4 @@
-"""The continuous-batching engine (nanoeuler/serve/batcher.py): a request's greedy tokens are the same alone,
+"""The continuous-batching engine (nanoeuler/infer/engine.py): a request's greedy tokens are the same alone,
 in a batch with others that join and leave at different steps, and as `generate` makes them (window jumps
 included); seeded sampling equals `generate` with that seed; logits agree to float32 rounding; cancelled
 jobs free their rows; the queue is bounded."""
@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model
-from nanoeuler.generate import forward_cached, generate, new_cache
+from nanoeuler.infer import engine, step
+from nanoeuler.infer.cache import new_cache
+from nanoeuler.infer.engine import BadJob, Batcher, Closed, Job, prefill_groups, QueueFull
+from nanoeuler.infer.euler import forward_rows
+from nanoeuler.infer.sampling import log_softmax, top_logprobs
+from nanoeuler.infer.session import generate
+from nanoeuler.infer.step import forward_cached
 from nanoeuler.optim import AdamW
-from nanoeuler.serve.batcher import (BadJob, Batcher, Closed, Job, QueueFull, decode_step, log_softmax, prefill_groups,
-                                     top_logprobs)
 
 CFG = Config(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=48, n_mtp=2)
 
@@ -87,9 +91,9 @@ def test_greedy_alone_equals_batched_equals_generate(trained, which):
 
 
 def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
-    """More streams than decode.ROWS still decode in the fused step, one prompt at a time prefilled through it:
+    """More streams than kernels.ROWS still decode in the fused step, one prompt at a time prefilled through it:
     a request's logprobs are the same bits alone as among 12 others that join at different steps."""
-    from nanoeuler.fast import decode
+    from nanoeuler.infer import kernels
     ps = prompts(12, seed=3)
     specs = [dict(ids=p, max_tokens=30, logprobs=1) for p in ps]
 
@@ -105,7 +109,7 @@ def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
         b.step() if i % 4 == 3 else None
     while b.step():
         pass
-    assert max(b.batch_sizes) > decode.ROWS and "decode" in b.W
+    assert max(b.batch_sizes) > kernels.ROWS and "decode" in b.W
     for spec, out in zip(specs, outs):
         alone = Scored()
         b1 = Batcher(trained, max_batch=1)
@@ -116,13 +120,13 @@ def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
 
 
 def test_a_float16_model_decodes_in_the_batcher(trained):
-    """Float16 weights (decode.Float16Model) with a float32 cache, as generate keeps it: a batch wider than the
+    """Float16 weights (weights.Float16Model) with a float32 cache, as generate keeps it: a batch wider than the
     fused rows gives each request generate's greedy tokens."""
-    from nanoeuler.fast.decode import Float16Model
+    from nanoeuler.infer.weights import Float16Model
     m16 = Float16Model(trained)
     ps = prompts(10, seed=4)
     outs, b = run_jobs(m16, [dict(ids=p, max_tokens=12) for p in ps], max_batch=10)
-    assert max(b.batch_sizes) == 10 and b.kv[0].dtype == np.float32
+    assert max(b.batch_sizes) == 10 and b.cache.store[0].dtype == np.float32
     for p, out in zip(ps, outs):
         assert out.tokens == generate(m16, p, 12, temperature=0, mode="cache").ids and out.reason == "length"
 
@@ -147,7 +151,7 @@ def test_decode_step_logits_match_the_single_row_cache(trained):
         b._prefill(r, s[:-1]) if len(s) > 1 else None
     tokens = np.array([s[-1] for s in seqs])
     pos = np.array([len(s) - 1 for s in seqs])
-    h = decode_step(CFG, b.W, b.k[:], b.v, b.cos, b.sin, tokens, pos)
+    h = forward_rows(CFG, b.W, b.cache, tokens, pos)
     got = h @ W_model.params["heads.0.weight"].T  # [3, V]
     for r, s in enumerate(seqs):
         ref = forward_cached(CFG, W_model.params, np.array([s]), new_cache(CFG))[0, 0, -1]
@@ -271,16 +275,15 @@ def test_edge_values_are_served(trained):
     assert all(o.reason in ("length", "stop") and o.tokens for o in outs)
 
 
-def _raising_when(monkeypatch, name, bad):
-    """Make batcher.<name> raise RuntimeError("injected") when bad(*args) holds (else run as before)."""
-    from nanoeuler.serve import batcher
-    real = getattr(batcher, name)
+def _raising_when(monkeypatch, module, name, bad):
+    """Make module.<name> raise RuntimeError("injected") when bad(*args) holds (else run as before)."""
+    real = getattr(module, name)
 
     def fake(*args, **kw):
         if bad(*args, **kw):
             raise RuntimeError("injected")
         return real(*args, **kw)
-    monkeypatch.setattr(batcher, name, fake)
+    monkeypatch.setattr(module, name, fake)
 
 
 POISON = 39  # a prompt holding this id makes the patched admission fail
@@ -294,7 +297,7 @@ def test_an_exception_in_admission_ends_only_its_job(trained, monkeypatch, which
     model = trained if which == "trained" else Model.init(GPT2, seed=5)
     ps = [[1, 2, 3], [4, 5, 6], [7, 8, POISON], [9, 10, 11]]  # equal lengths: one prefill group on BLAS
     want = [run_jobs(model, [dict(ids=p, max_tokens=6)], max_batch=1)[0][0].tokens for p in ps]
-    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    _raising_when(monkeypatch, step, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
     b = Batcher(model, max_batch=8)
     outs = [Collect() for _ in ps]
     b.submit(Job(ids=ps[0], max_tokens=6, on_event=outs[0]))
@@ -310,7 +313,7 @@ def test_an_exception_in_admission_ends_only_its_job(trained, monkeypatch, which
 
 
 def test_an_exception_in_sampling_ends_only_its_row(trained, monkeypatch):
-    _raising_when(monkeypatch, "sample_token", lambda logits, t, *a, **k: t == 0.5)
+    _raising_when(monkeypatch, engine, "sample_token", lambda logits, t, *a, **k: t == 0.5)
     outs, b = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5), dict(ids=[3], max_tokens=5, temperature=0.5, seed=1),
                                  dict(ids=[4, 5, 6], max_tokens=5)])
     assert "injected" in outs[1].error and outs[1].reason is None
@@ -323,15 +326,15 @@ def test_an_exception_in_sampling_ends_only_its_row(trained, monkeypatch):
 
 
 def test_an_exception_in_decoding_ends_that_steps_rows_and_the_engine_serves_on(trained, monkeypatch):
-    from nanoeuler.fast import decode
-    real, calls = decode.forward_rows, []
+    from nanoeuler.infer import kernels
+    real, calls = kernels.forward_rows, []
 
     def once(cfg, W, tokens, pos, rows, *rest):  # the first decoding step of two rows fails
         if list(rows) == [0, 1] and not calls:
             calls.append(1)
             raise RuntimeError("injected")
         return real(cfg, W, tokens, pos, rows, *rest)
-    monkeypatch.setattr(decode, "forward_rows", once)
+    monkeypatch.setattr(kernels, "forward_rows", once)
     outs, b = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5), dict(ids=[3], max_tokens=5)])
     assert calls and all("injected" in o.error and o.ends == 1 and len(o.tokens) == 1 for o in outs)
     ref, _ = run_jobs(trained, [dict(ids=[1, 2], max_tokens=5)])
@@ -345,7 +348,7 @@ def test_an_exception_in_decoding_ends_that_steps_rows_and_the_engine_serves_on(
 def test_the_engine_thread_answers_every_job_when_admission_fails(trained, monkeypatch):
     """On the background thread (as serve runs it): every job ends once, close() is quick."""
     import time
-    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    _raising_when(monkeypatch, step, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
     b = Batcher(trained, max_batch=4).start()
     outs = [Collect() for _ in range(6)]
     for i, out in enumerate(outs):
@@ -411,7 +414,7 @@ def test_dpo_data_model_answers_says_when_the_engine_failed(trained, monkeypatch
     """model_answers (dpo-data's batch of greedy answers) turns an engine error into an exception naming it,
     rather than an answer missing from its list."""
     from nanoeuler.dpo_data import model_answers
-    _raising_when(monkeypatch, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
+    _raising_when(monkeypatch, step, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
     assert len(model_answers(trained, [[1, 2], [3, 4]], stop_id=0, max_new_tokens=3, progress=False)) == 2
     with pytest.raises(RuntimeError, match="injected"):
         model_answers(trained, [[1, 2], [3, POISON]], stop_id=0, max_new_tokens=3, progress=False)

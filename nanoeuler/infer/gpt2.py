@@ -1,8 +1,9 @@
-"""The KV-cache forward of arch "gpt2" (model.py's `gpt2_forward` for inference), called by generate.py.
+"""Arch "gpt2" (model.py's `gpt2_forward`) for inference: its weight layout and the NumPy forward.
 
-generate.py's decoding loop (`_Window`, speculative decoding, the serve engine) only needs three things of
-a model: an inference layout of the weights (`fuse_weights`), a cached forward to the final norm
-(`forward_hidden`) and head matrices `W["head.k"]` / `W["heads"]` in that layout. These are the GPT-2 ones:
+The decoding loop (session.py, speculative decoding, the batcher) needs four things of an architecture
+(step.py's registry): an inference layout of the weights (`fuse_weights`), a cached forward to the final
+norm for one sequence (`forward_hidden`) and for one token per row (`forward_rows`), and head matrices
+`W["head.k"]` / `W["heads"]` in that layout. These are the GPT-2 ones:
 LayerNorm with bias, q/k/v stacked into one biased matmul, no RoPE (the learned position rows of the new
 tokens' positions are added to their embeddings instead), GELU-tanh MLP, head 0 tied to the embedding.
 Their logits equal the full recomputation's (tests/test_gpt2_downstream.py).
@@ -11,15 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from .config import Config
-from .errors import UserError
+from .. import ops
+from ..config import Config, head_weight
+from .cache import KVCache, attend_rows
+from .weights import Forms, batched_linear, linear
 
 
-def fuse_weights(cfg: Config, P: dict, pair) -> dict:
+def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     """arch gpt2 -> the inference layout: per layer qkv [(H+2·Hkv)·hd, d] with its stacked bias, and the
-    K heads stacked (head 0 = embed.weight). pair(W) -> (W, W.T contiguous or None), generate.py's layout."""
-    from .model import head_weight
+    K heads stacked (head 0 = embed.weight); each matrix a forms.pair triple of the float32 values."""
+    P = {name: forms.values(p) for name, p in P.items()}
+    pair = forms.pair
     heads = [head_weight(P, k) for k in range(cfg.n_mtp)]
     F = {"embed": P["embed.weight"], "pos": P["pos_embed.weight"], "norm": (P["norm.weight"], P["norm.bias"]),
          "heads": pair(np.concatenate(heads) if cfg.n_mtp > 1 else heads[0])}  # [K·V, d]
@@ -37,13 +40,11 @@ def fuse_weights(cfg: Config, P: dict, pair) -> dict:
     return F
 
 
-def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache, linear, last_only: bool = False) -> np.ndarray:
+def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
     """inputs int [B, Tn] at positions cache.length .. cache.length+Tn-1 -> h [B, Tn|1, d] after the final
-    LayerNorm; the cache grows by Tn. linear(x, pair) is generate.py's few-row matmul."""
+    LayerNorm; the cache grows by Tn."""
     B, Tn = inputs.shape
     L = cache.length
-    if L + Tn > cache.max_len:
-        raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
     H, Hkv, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
     x, _ = ops.position_forward(W["embed"][inputs], W["pos"], start=L)  # [B, Tn, d]
     for i in range(cfg.n_layers):
@@ -61,4 +62,23 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache, linear, last
     cache.length = L + Tn
     if last_only:
         x = x[:, -1:]
+    return ops.layernorm_forward(x, *W["norm"], eps)[0]
+
+
+def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One token for each of n rows: tokens int [n] at positions pos [n] (cache row r holds positions
+    0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r]."""
+    n = len(tokens)
+    H, Hkv, hd, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+    x = W["embed"][tokens] + W["pos"][pos]  # [n, d]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        h, _ = ops.layernorm_forward(x, *W[p + "attn_norm"], eps)
+        qkv = batched_linear(h, W[p + "qkv"]) + W[p + "qkv.bias"]  # [n, (H + 2·Hkv)·hd]
+        a = attend_rows(cache, i, qkv[:, :H * hd].reshape(n, H, hd), qkv[:, H * hd:(H + Hkv) * hd].reshape(n, Hkv, hd),
+                        qkv[:, (H + Hkv) * hd:].reshape(n, Hkv, hd), pos)  # [n, H·hd]
+        x = x + batched_linear(a, W[p + "attn.wo"]) + W[p + "attn.wo.bias"]
+        h2, _ = ops.layernorm_forward(x, *W[p + "ffn_norm"], eps)
+        g, _ = ops.gelu_forward(batched_linear(h2, W[p + "ffn.fc"]) + W[p + "ffn.fc.bias"])  # [n, F]
+        x = x + batched_linear(g, W[p + "ffn.proj"]) + W[p + "ffn.proj.bias"]
     return ops.layernorm_forward(x, *W["norm"], eps)[0]

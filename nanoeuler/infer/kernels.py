@@ -1,7 +1,7 @@
 """The fused decoding step: the KV-cache forward of a few new tokens (of one sequence, or one per sequence of
 serve's batch) in one numba call.
 
-`generate.forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
+euler.py's `forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
 calls per token; at one token a step each of them is too short for BLAS or NumPy to pay for its own
 overhead (big preset: 2.2 ms a token, of which the matrix-vector products are < 1 ms). `forward` here is
 the same mathematics in one compiled call, layer after layer on preallocated rows:
@@ -14,9 +14,10 @@ the same mathematics in one compiled call, layer after layer on preallocated row
     h = rmsnorm(x)·w  (all rows, or the last only)              [n|1, d]
 
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
-generate.py's `forward_hidden` and `linear` call them for one sequence of up to ROWS rows (plain decoding,
-speculative verification, a prompt CHUNK rows at a time); serve's batcher for a row per stream, any number
-(its prompts one at a time); batches of sequences in generate stay on the NumPy path.
+step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
+decoding, a prompt CHUNK rows at a time); `round_rows` runs a speculative round (the step, head 0, its
+argmax, the next drafts); the batcher (`step.decode_rows`) a row per stream, any number (its prompts one at a
+time); batches of sequences of equal positions stay on the NumPy path.
 
 Matrix products: a weight matrix W [out, in] is kept in kernel form (`pack`): panels of PANEL = 64
 outputs, each stored input by input, [in, 64]. A panel is one contiguous stream, and the kernel
@@ -29,7 +30,7 @@ so there is no horizontal sum at all, and a weight is read once for 4 rows. On `
 (float32, 1 thread): 4.2 µs for 1 row (a dot product per output compiled by numba: 7.7, OpenBLAS 4.6),
 5.6 for 3 rows (10.9; OpenBLAS 8.4), 56 for 32 (130; OpenBLAS 71). Each output sums over `in` in order
 with fused multiply-adds, not in NumPy's order, so results equal the reference to rounding
-(tests/test_decode.py checks ≤ 1e-5 relative on the logits); a row's result is the same whichever rows
+(tests/test_infer_kernels.py checks ≤ 1e-5 relative on the logits); a row's result is the same whichever rows
 share its pass. At one row a step is bound by memory traffic: 31 MB of float32 weights per token on `big`.
 
 float16 weights halve that traffic. They are kept as their IEEE half bits (uint16 arrays: numba has no
@@ -58,6 +59,7 @@ import atexit
 import os
 import platform
 import threading
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -66,11 +68,11 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .vmath import vexp
+from ..fast.vmath import vexp
 
 ROWS = 8          # most rows `linear` sends to the kernels (a speculative round: t1 + 7 drafts)
-CHUNK = 32        # a prompt's tokens per fused call (generate.forward_hidden)
-ENABLED = True    # False: every decoding step takes generate.py's NumPy reference path (tests, bench)
+CHUNK = 32        # a prompt's tokens per fused call (step.forward_hidden)
+ENABLED = True    # False: every decoding step takes the NumPy reference path (tests, bench; read by weights.Forms)
 FAST = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; no assumptions on inf/nan
 OPTS = dict(cache=True, nogil=True, error_model="numpy", fastmath=FAST)
 
@@ -871,24 +873,6 @@ class Weights(NamedTuple):
     norm: np.ndarray     # [d] float32
 
 
-class Float16Model:
-    """A model's weights rounded to float16, for decoding: `generate(Float16Model(model), ids, ...)` decodes
-    as llama.cpp runs an f16 GGUF (float16 weights, float32 arithmetic), reading half the bytes per token
-    of the float32 model. It has what generation needs of a model (config, params, dtype); train, score
-    and save the float32 model itself. `sample` / `chat --dtype float16` use it.
-
-        m16 = Float16Model(model); m16.params["embed.weight"].dtype == np.float16
-    """
-
-    def __init__(self, model):
-        self.config = model.config
-        self.params = {name: p.astype(np.float16) for name, p in model.params.items()}
-        self.dtype = np.dtype(np.float16)
-
-    def n_params(self) -> int:
-        return sum(p.size for p in self.params.values())
-
-
 def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
             sin: np.ndarray, last_only: bool, slot: int = 0) -> np.ndarray:
     """tokens int [n] at positions L0.. of one sequence, cache row `slot` of k, v [layers, B, Hkv, max_len, hd]
@@ -901,26 +885,87 @@ def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L
 def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray,
                  v: np.ndarray, cos: np.ndarray, sin: np.ndarray, last_only: bool = False) -> np.ndarray:
     """tokens int [n], row r at position pos[r] of cache row slot[r] of k, v [layers, B, Hkv, max_len, hd]
-    (one sequence, or one row per sequence as serve's batcher steps) -> final normed hidden states [n|1, d]."""
-    pool = _POOL
-    pooled = pool.acquire()
-    try:
-        return step(pool.ctl, pooled, np.ascontiguousarray(tokens, dtype=np.int64),
-                    np.ascontiguousarray(pos, dtype=np.int64), np.ascontiguousarray(slot, dtype=np.int64), D.embed,
-                    D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v,
-                    cos, sin, last_only)
-    finally:
-        if pooled:
-            pool.release()
+    (one sequence, or one row per sequence as the batcher steps) -> final normed hidden states [n|1, d]."""
+    with pooled() as (ctl, held):
+        return step(ctl, held, np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(pos, dtype=np.int64),
+                    np.ascontiguousarray(slot, dtype=np.int64), D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
+                    D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, last_only)
 
 
 def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
     """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form Wk = pack(W) (float32 or float16 bits) -> [n, out],
     on the pool's threads."""
+    with pooled() as (ctl, held):
+        return gemv(ctl, held, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
+
+
+def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray, v: np.ndarray,
+               cos: np.ndarray, sin: np.ndarray, head0: np.ndarray, drafting: np.ndarray, draft: int) -> tuple:
+    """A speculative round's model work in one compiled call (`_round`): tokens [n] of one sequence
+    -> (h [n, d], head-0 logits [n, V], their argmax [n], n_ok, the greedy drafts of heads 1..draft at row
+    n_ok [draft], their probabilities [draft])."""
+    with pooled() as (ctl, held):
+        return _round(ctl, held, tokens, pos, slot, D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm,
+                      np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0, drafting, int(draft))
+
+
+def head_drafts(drafting: np.ndarray, x: np.ndarray, V: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy drafts of heads 1..n at one hidden state x [d] -> (tokens [n], probabilities [n])."""
+    with pooled() as (ctl, held):
+        return _drafts(ctl, held, drafting, np.ascontiguousarray(x[None], dtype=np.float32), V, n)
+
+
+@contextmanager
+def pooled():
+    """The pool for one call: yields (its control block, whether the helpers share the work)."""
     pool = _POOL
-    pooled = pool.acquire()
+    held = pool.acquire()
     try:
-        return gemv(pool.ctl, pooled, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
+        yield pool.ctl, held
     finally:
-        if pooled:
+        if held:
             pool.release()
+
+
+@njit(**OPTS)
+def _round(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
+           cos, sin, head0, heads, draft):
+    """A speculative round's model work in one compiled call: `step` over tokens [n] (hidden states
+    h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
+    forward + matvec + argmax, so the same numbers); then the greedy drafts for the next round:
+    the argmax of each of the first `draft` draft heads (heads: heads 1..K-1, [K-1] kernel forms) and its
+    probability at row n_ok, the first row whose argmax differs from the token fed after it (the last row
+    when all agree): where a greedy round continues.
+
+        tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: heads 1, 2 at row 1 draft the tokens after a3
+    -> (h, logits, best, n_ok, draft tokens [draft], their probabilities [draft])."""
+    h = step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
+             cos, sin, False)
+    n, V = h.shape[0], embed.shape[0]
+    logits = np.empty((n, V), np.float32)
+    _gemv(ctl, pooled, head0, h, logits, False)
+    best = np.empty(n, np.int64)
+    for r in range(n):
+        best[r] = np.argmax(logits[r])
+    n_ok = 0
+    while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
+        n_ok += 1
+    tok, conf = _drafts(ctl, pooled, heads, h[n_ok:n_ok + 1], V, min(draft, heads.shape[0]))
+    return h, logits, best, n_ok, tok, conf
+
+
+@njit(**OPTS)
+def _drafts(ctl, pooled, heads, x, V, nd):
+    """The greedy drafts of heads 1..nd at one hidden state x [1, d] (heads: the kernel forms of heads
+    1..K-1, V outputs each) -> (each one's argmax [nd], its softmax probability [nd])."""
+    tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
+    logits = np.empty((nd, V), np.float32)
+    for k in range(nd):
+        _gemv(ctl, pooled, heads[k], x, logits[k:k + 1], False)
+        lk = logits[k]
+        t = np.argmax(lk)
+        z = np.float32(0.0)
+        for i in range(V):  # (vexp: vectorised; a libm exp per logit was ~40 % of this head's cost)
+            z += vexp(lk[i] - lk[t])
+        tok[k], conf[k] = t, 1.0 / z
+    return tok, conf

@@ -1,4 +1,4 @@
-"""The fused decoding step (nanoeuler/fast/decode.py) against generate.py's NumPy reference path.
+"""The fused decoding step (nanoeuler/infer/kernels.py) against the NumPy reference path (infer/euler.py).
 
 float32 weights: logits within 1e-5 relative of the reference; float16 weights (Float16Model): within 1e-4
 of the reference run on the same float16-rounded weights. For 1 row and several, at cache lengths 0, mid
@@ -12,10 +12,13 @@ import pytest
 from conftest import rel_err, tiny_config
 
 from nanoeuler import Model
-from nanoeuler.fast import decode
-from nanoeuler.generate import forward_cached, forward_hidden, fuse_weights, generate, linear, new_cache
+from nanoeuler.infer import euler, kernels
+from nanoeuler.infer.cache import KVCache, new_cache
+from nanoeuler.infer.session import generate
+from nanoeuler.infer.step import forward_cached, forward_hidden, fuse_weights
+from nanoeuler.infer.weights import Float16Model, linear
 
-# hd 8, output widths (gate_up 80, vocab 53) that are no multiple of decode.PANEL
+# hd 8, output widths (gate_up 80, vocab 53) that are no multiple of kernels.PANEL
 CFG = tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=40, n_mtp=3)
 
 
@@ -29,9 +32,9 @@ def model(cfg=CFG, seed=0, scale=4.0):
 
 
 def weights(m, fused: bool, monkeypatch) -> dict:
-    monkeypatch.setattr(decode, "ENABLED", fused)
+    monkeypatch.setattr(kernels, "ENABLED", fused)
     W = fuse_weights(m.config, m.params)
-    monkeypatch.setattr(decode, "ENABLED", True)
+    monkeypatch.setattr(kernels, "ENABLED", True)
     assert ("decode" in W) == fused
     return W
 
@@ -40,22 +43,22 @@ def weights(m, fused: bool, monkeypatch) -> dict:
 def calls(monkeypatch):
     """How many times the fused step ran."""
     n = [0]
-    real = decode.forward
+    real = kernels.forward
 
     def counted(*a, **k):
         n[0] += 1
         return real(*a, **k)
-    monkeypatch.setattr(decode, "forward", counted)
+    monkeypatch.setattr(kernels, "forward", counted)
     return n
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
-@pytest.mark.parametrize("n", [1, 3, decode.ROWS])
+@pytest.mark.parametrize("n", [1, 3, kernels.ROWS])
 @pytest.mark.parametrize("where", ["empty", "mid", "limit"])
 def test_fused_step_equals_reference(half, n, where, monkeypatch, calls):
     m = model()
     if half:
-        m = decode.Float16Model(m)
+        m = Float16Model(m)
     T = CFG.ctx_len
     L0 = {"empty": 0, "mid": 9, "limit": T - n}[where]
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, T))
@@ -96,7 +99,7 @@ def test_float16_weights_differ_from_float32_by_rounding_only(monkeypatch):
     m = model()
     ids = np.array([[3, 1, 4, 1, 5]])
     a = forward_cached(CFG, None, ids, new_cache(CFG), fused=weights(m, True, monkeypatch))
-    m16 = decode.Float16Model(m)
+    m16 = Float16Model(m)
     b = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m16.dtype), fused=weights(m16, True, monkeypatch))
     assert 1e-5 < rel_err(b, a) < 5e-2
     assert new_cache(CFG, dtype=np.float16).k[0].dtype == np.float32  # a float16 model computes in float32
@@ -108,11 +111,11 @@ def test_greedy_generate_identical(half, mode, monkeypatch, calls):
     """64 greedy tokens, through two window jumps (ctx 24): fused and reference decode the same text."""
     m = model(seed=3)
     if half:
-        m = decode.Float16Model(m)
+        m = Float16Model(m)
     prompt = [5, 17, 2, 40, 33]
     got = generate(m, prompt, 64, temperature=0, mode=mode, spec_depth=2 if mode == "speculative" else None)
     assert calls[0] > 0
-    monkeypatch.setattr(decode, "ENABLED", False)
+    monkeypatch.setattr(kernels, "ENABLED", False)
     n = calls[0]
     want = generate(m, prompt, 64, temperature=0, mode=mode, spec_depth=2 if mode == "speculative" else None)
     assert calls[0] == n  # the reference ran without the fused step
@@ -124,30 +127,30 @@ def test_greedy_generate_identical(half, mode, monkeypatch, calls):
 def test_matvec_matches_numpy(half):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((77, 45)).astype(np.float32)  # 2 panels, the second 13 outputs wide
-    Wk = decode.pack(decode.half_bits(W) if half else W)
+    Wk = kernels.pack(kernels.half_bits(W) if half else W)
     ref = W.astype(np.float16).astype(np.float32) if half else W
-    for n in (1, 2, 3, 4, 5, decode.ROWS):
+    for n in (1, 2, 3, 4, 5, kernels.ROWS):
         X = rng.standard_normal((n, 45)).astype(np.float32)
-        assert rel_err(decode.matvec(Wk, X, 77), X @ ref.T) <= 3e-5
-    assert decode.to_f32(np.uint16(0x3C00)) == 1.0 and list(decode.half_bits(np.ones(1))) == [0x3C00]
+        assert rel_err(kernels.matvec(Wk, X, 77), X @ ref.T) <= 3e-5
+    assert kernels.to_f32(np.uint16(0x3C00)) == 1.0 and list(kernels.half_bits(np.ones(1))) == [0x3C00]
 
 
 def test_pack_lays_out_panels_input_by_input():
     W = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)
-    Wp = decode.pack(W)
-    assert Wp.shape == (2, 3, decode.PANEL) and Wp.flags.c_contiguous
-    assert Wp[1, 2, 5] == W[decode.PANEL + 5, 2] and not Wp[1, :, 70 - decode.PANEL:].any()  # zero padding
-    assert np.array_equal(decode.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
+    Wp = kernels.pack(W)
+    assert Wp.shape == (2, 3, kernels.PANEL) and Wp.flags.c_contiguous
+    assert Wp[1, 2, 5] == W[kernels.PANEL + 5, 2] and not Wp[1, :, 70 - kernels.PANEL:].any()  # zero padding
+    assert np.array_equal(kernels.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
 
 
 def test_a_row_gets_the_same_bits_whichever_rows_share_its_pass():
     """Rows go 4 at a time through a panel, each summed in the same order: a row of a 7-row product equals the
     same row alone, bit for bit (a speculative verification computes exactly what plain steps compute)."""
     rng = np.random.default_rng(1)
-    Wk = decode.pack(rng.standard_normal((150, 40)).astype(np.float32))
+    Wk = kernels.pack(rng.standard_normal((150, 40)).astype(np.float32))
     X = rng.standard_normal((7, 40)).astype(np.float32)
-    Y = decode.matvec(Wk, X, 150)
-    assert all(np.array_equal(Y[r], decode.matvec(Wk, X[r:r + 1], 150)[0]) for r in range(7))
+    Y = kernels.matvec(Wk, X, 150)
+    assert all(np.array_equal(Y[r], kernels.matvec(Wk, X[r:r + 1], 150)[0]) for r in range(7))
 
 
 def test_linear_takes_the_kernel_for_few_rows(monkeypatch):
@@ -163,20 +166,20 @@ def test_threads_change_no_bit():
     """1 thread, 2 threads, and two decoding threads at once (one takes the pool, the other runs alone)."""
     m = model(seed=5)
     rng = np.random.default_rng(4)
-    W = decode.pack(rng.standard_normal((1000, 64)).astype(np.float32))
+    W = kernels.pack(rng.standard_normal((1000, 64)).astype(np.float32))
     X = rng.standard_normal((3, 64)).astype(np.float32)
-    old = decode.get_threads()
+    old = kernels.get_threads()
     try:
-        decode.set_threads(1)
-        one = decode.matvec(W, X, 1000)
+        kernels.set_threads(1)
+        one = kernels.matvec(W, X, 1000)
         gen1 = generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids
-        decode.set_threads(2)
-        assert np.array_equal(decode.matvec(W, X, 1000), one)
+        kernels.set_threads(2)
+        assert np.array_equal(kernels.matvec(W, X, 1000), one)
         assert generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids == gen1
         results = []
 
         def worker():
-            results.append([np.array_equal(decode.matvec(W, X, 1000), one) for _ in range(50)])
+            results.append([np.array_equal(kernels.matvec(W, X, 1000), one) for _ in range(50)])
         threads = [threading.Thread(target=worker) for _ in range(3)]
         for th in threads:
             th.start()
@@ -184,16 +187,16 @@ def test_threads_change_no_bit():
             th.join()
         assert results == [[True] * 50] * 3
     finally:
-        decode.set_threads(old)
+        kernels.set_threads(old)
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 def test_a_prompt_goes_in_chunks(half, monkeypatch, calls):
-    """A prompt longer than decode.CHUNK: several fused calls, the same logits as the reference at every position."""
+    """A prompt longer than kernels.CHUNK: several fused calls, the same logits as the reference at every position."""
     m = model(seed=11)
     if half:
-        m = decode.Float16Model(m)
-    monkeypatch.setattr(decode, "CHUNK", 5)
+        m = Float16Model(m)
+    monkeypatch.setattr(kernels, "CHUNK", 5)
     ids = np.random.default_rng(6).integers(0, CFG.vocab_size, (1, 23))
     Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
     got = forward_cached(CFG, None, ids, new_cache(CFG, dtype=m.dtype), fused=Wf)
@@ -228,7 +231,7 @@ def test_positions_and_rows_outside_the_cache_raise_before_anything_is_written(m
     k, v = c.store[0], c.store[1]
     for pos, slot in (([0, CFG.ctx_len], [0, 0]), ([0, -1], [0, 0]), ([0, 1], [0, 1]), ([0, 1], [0, -1])):
         with pytest.raises(IndexError):
-            decode.forward_rows(CFG, W, np.array([1, 2]), np.array(pos), np.array(slot), k, v, c.cos, c.sin)
+            kernels.forward_rows(CFG, W, np.array([1, 2]), np.array(pos), np.array(slot), k, v, c.cos, c.sin)
     assert not k.any() and not v.any()
 
 
@@ -243,7 +246,7 @@ def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
     m = model(cfg, seed=7)
     m.save(tmp_path / "run", tokenizer=tok)
     ids = tok.encode("to be")
-    for dtype, dec in (("float16", decode.Float16Model(m)), ("float32", m)):
+    for dtype, dec in (("float16", Float16Model(m)), ("float32", m)):
         assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "to be", "--temperature", "0",
                      "--max-new-tokens", "12", "--no-speculative", "--dtype", dtype, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["ids"] == generate(dec, ids, 12, temperature=0, mode="cache",
@@ -255,8 +258,7 @@ def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
 
 def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     """serve's batcher: one row per sequence, each at its own position of its own cache row, in one fused step,
-    equals the batcher's NumPy step (batcher.decode_step)."""
-    from nanoeuler.serve.batcher import decode_step
+    equals the NumPy step (euler.forward_rows)."""
     m = model(seed=9)
     rng = np.random.default_rng(5)
     W = weights(m, True, monkeypatch)
@@ -265,8 +267,8 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     k2, v2 = k.copy(), v.copy()
     cache = new_cache(CFG)
     tokens, pos = np.array([7, 0, 52]), np.array([5, 0, CFG.ctx_len - 1])
-    got = decode.forward_rows(CFG, W["decode"], tokens, pos, np.arange(3), k, v, cache.cos, cache.sin)
-    want = decode_step(CFG, W, list(k2), list(v2), cache.cos, cache.sin, tokens, pos)
+    got = kernels.forward_rows(CFG, W["decode"], tokens, pos, np.arange(3), k, v, cache.cos, cache.sin)
+    want = euler.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.cos, cache.sin), tokens, pos)
     assert rel_err(got, want) <= 5e-5
     assert rel_err(k, k2) <= 5e-5 and rel_err(v, v2) <= 5e-5  # the new keys and values where the reference put them
 
@@ -275,35 +277,34 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
     """Many rows at long positions (serve's batcher under load): the attention units go to the pool's threads
     (one pooled job more per layer than a short step), the result equals the NumPy reference, and with one
     thread it is the same bit for bit."""
-    from nanoeuler.serve.batcher import decode_step
     cfg = tiny_config(vocab_size=53, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=256, ffn_hidden=40)
     m = model(cfg, seed=3)
     rng = np.random.default_rng(8)
     W = weights(m, True, monkeypatch)
     n = 24
     tokens, pos = rng.integers(0, cfg.vocab_size, n), rng.integers(100, cfg.ctx_len, n)
-    assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= decode.POOLED_ATTENTION
+    assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
     shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
     k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
     cos, sin = new_cache(cfg).cos, new_cache(cfg).sin
-    ctl = decode._POOL.ctl
+    ctl = kernels._POOL.ctl
 
     def run(threads, rows):
-        decode.set_threads(threads)
+        kernels.set_threads(threads)
         kk, vv = k.copy(), v.copy()
-        g0 = ctl[decode.GEN]
-        h = decode.forward_rows(cfg, W["decode"], tokens[rows], pos[rows], np.arange(n)[rows], kk, vv, cos, sin)
-        return h, kk, vv, ctl[decode.GEN] - g0
-    old = decode.get_threads()
+        g0 = ctl[kernels.GEN]
+        h = kernels.forward_rows(cfg, W["decode"], tokens[rows], pos[rows], np.arange(n)[rows], kk, vv, cos, sin)
+        return h, kk, vv, ctl[kernels.GEN] - g0
+    old = kernels.get_threads()
     try:
         one, k1, v1, _ = run(1, slice(None))
         two, k2, v2, jobs = run(2, slice(None))
         _, _, _, jobs_short = run(2, slice(0, 1))  # one row: its attention stays on the calling thread
     finally:
-        decode.set_threads(old)
+        kernels.set_threads(old)
     assert jobs - jobs_short == cfg.n_layers
     assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
-    want = decode_step(cfg, W, list(k.copy()), list(v.copy()), cos, sin, tokens, pos)
+    want = euler.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), cos, sin), tokens, pos)
     assert rel_err(two, want) <= 5e-5
 
 
@@ -317,18 +318,18 @@ def test_more_attention_units_than_the_claim_word_counts_run_on_the_caller():
 import numpy as np
 from conftest import tiny_config
 from nanoeuler import Model, ops
-from nanoeuler.fast import decode
-from nanoeuler.generate import fuse_weights
+from nanoeuler.infer import kernels
+from nanoeuler.infer.step import fuse_weights
 cfg = tiny_config(vocab_size=11, dim=8, n_heads=1, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=8)
 W = fuse_weights(cfg, Model.init(cfg, seed=0).params)["decode"]
 n = 70000
-assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= decode.POOLED_ATTENTION
+assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
 cos, sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32)
 out = []
 for threads in (2, 1):
-    decode.set_threads(threads)
+    kernels.set_threads(threads)
     k = np.zeros((1, n, 1, cfg.ctx_len, cfg.head_dim), np.float32)
-    out.append(decode.forward_rows(cfg, W, np.arange(n) % 11, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
+    out.append(kernels.forward_rows(cfg, W, np.arange(n) % 11, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
 assert np.array_equal(out[0], out[1])
 print("ok")
 """

@@ -1,0 +1,23 @@
+"""Inference: everything that turns a trained model and token ids into new tokens, in one package.
+
+Modules, each importing only the ones above it in this list:
+
+    kernels.py      the fused numba/LLVM-IR decoding step, panel GEMV over f32/f16 weights, the thread pool
+    cache.py        the KV cache (rows per sequence, positions per row) and attention over per-row positions
+    weights.py      weight forms: the weight-type table (f32, f16) and `linear` for a decoding step's few rows
+    euler.py        arch euler: inference layout of the weights, the readable NumPy forward (any rows)
+    gpt2.py         arch gpt2: the same two for GPT-2 (LayerNorm, biases, learned positions, GELU)
+    step.py         the one step every caller runs: the architecture registry, fused-or-reference chosen
+                    once (in `fuse_weights`), `forward_hidden` for one sequence, `forward_rows` for many
+    sampling.py     temperature / top-k / top-p, drawing, log-probabilities
+    speculative.py  self-speculative decoding: MTP-head and prompt-lookup drafts, exact acceptance, the planner
+    session.py      one sequence: `generate` (full / cache / speculative), the context-window rule, text out
+    engine.py       continuous batching (`Batcher`): serve, dpo-data and answer scoring share it
+    chat.py         a conversation: rendering with the chat template, dropping the oldest turns to fit
+
+Callers: `sample`, `chat`, `demo`, evaluation and SFT/DPO answer checks run `session.generate`; `serve` and
+`dpo-data` submit jobs to `engine.Batcher`; draft distillation runs `step.forward_hidden` for hidden states.
+"""
+from ..numba_cache import install
+
+install()  # before any kernel is compiled or loaded from the cache (see numba_cache.py)

@@ -1,0 +1,74 @@
+"""The KV cache: every layer's rotated keys and values, a row per sequence, and attention over it.
+
+A cache of `batch` rows holds, per layer, keys and values [batch, Hkv, max_len, hd]. One sequence
+(`session.generate`) uses row 0 and its `length`; the batcher (`engine.py`) gives each request a row with
+its own length and reads rows 0..n-1 as views (`rows`). Rolling back (a rejected speculative draft) is
+setting `length` back: positions past it are overwritten by the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..config import Config
+
+
+@dataclass
+class KVCache:
+    """Rotated keys and values of every layer for the first `length` positions of the window."""
+    k: list[np.ndarray]  # per layer [B, Hkv, max_len, hd]
+    v: list[np.ndarray]
+    cos: np.ndarray      # RoPE tables for positions 0 .. max_len-1, [max_len, hd/2]
+    sin: np.ndarray
+    length: int = 0
+    store: tuple | None = None  # (k, v, b0): arrays [layers, batch, Hkv, max_len, hd] whose rows b0.. are
+                                #   k[i], v[i] (new_cache: b0 = 0; serve's batcher: a view of its rows)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
+    """An empty cache for up to max_len (default ctx_len) positions. A float16 model computes in float32
+    (see fuse_weights), so its cache is float32."""
+    max_len = max_len or cfg.ctx_len
+    dtype = np.float32 if np.dtype(dtype) == np.float16 else dtype
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    cos, sin = ops.rope_tables(max_len, cfg.head_dim, cfg.rope_theta, dtype)
+    k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    return KVCache(list(k), list(v), cos, sin, store=(k, v, 0))
+
+
+
+def rows(cache: KVCache, b0: int, n: int) -> KVCache:
+    """A view of rows b0 .. b0+n-1 of a new_cache cache, as a cache of n rows (length 0): writes go to the
+    cache's own arrays.  rows(new_cache(cfg, 4), 2, 1).k[0].shape[0] == 1"""
+    k, v, _ = cache.store
+    return KVCache([x[b0:b0 + n] for x in cache.k], [x[b0:b0 + n] for x in cache.v], cache.cos, cache.sin,
+                   store=(k, v, b0))
+
+
+def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Layer i's attention for n rows, one new token each: q [n, H, hd], k and v [n, Hkv, hd] of row r at
+    position pos[r] (written into cache row r) -> [n, H·hd]. Row r reads keys 0..pos[r]; the rest of the
+    [0, max(pos)] block gets -inf scores (probability exactly 0):
+
+        pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf
+    """
+    n, H, hd = q.shape
+    Hkv, kc, vc = k.shape[1], cache.k[i], cache.v[i]
+    Lk = int(pos.max()) + 1
+    masked = np.arange(Lk)[None, :] > pos[:, None]  # [n, Lk]
+    bias = np.where(masked, -np.inf, 0.0).astype(kc.dtype)[:, None, None, :]  # [n, 1, 1, Lk]
+    at = np.arange(n)
+    kc[at, :, pos] = k
+    vc[at, :, pos] = v
+    K, V = kc[:n, :, :Lk], vc[:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
+    S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc.dtype.type(1.0 / np.sqrt(hd)) + bias
+    S -= S.max(axis=-1, keepdims=True)  # [n, Hkv, G, Lk]
+    P = np.exp(S)
+    P /= P.sum(axis=-1, keepdims=True)
+    return (P @ V).reshape(n, H * hd)  # [n, Hkv, G, hd] -> [n, H·hd]

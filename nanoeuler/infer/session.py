@@ -1,0 +1,256 @@
+"""One sequence: `generate` (prefill, then a token or a speculative round at a time), and text out.
+
+Generation runs the model once over the prompt (prefill), keeping every layer's rotated keys and values
+in a cache, then feeds one token at a time: each new token attends to the cached keys/values instead of
+recomputing the whole prefix. `step.forward_hidden` is that forward (inference only, no backward caches);
+its logits equal `model.forward`'s full recomputation (tests/test_generate.py checks ≤ 1e-5).
+
+Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
+the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
+them. Every mode (full recomputation, KV cache, speculative) applies the same rule, so their outputs agree.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import UserError
+from . import kernels, step
+from .cache import new_cache
+from .sampling import sample_token
+from .speculative import Greedy, Sampled, planner, speculate
+from .weights import linear
+
+MODES = ("full", "cache", "speculative")
+
+
+@dataclass
+class Generation:
+    """What `generate` returns: the new ids (without the stop token) and how they were made."""
+    ids: list[int]
+    stopped: bool = False          # ended on a stop token (rather than max_new_tokens)
+    forwards: int = 0              # model calls, prefill included
+    drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1 and verified
+    accepted: int = 0              # speculative: draft tokens the verification accepted
+    draft_rounds: int = 0          # speculative: rounds that verified drafts (the others were plain steps)
+    jumps: int = 0                 # times the window jumped forward (and the cache was refilled)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0          # wall time after the prefill
+    decode_cpu_s: float = 0.0      # the process's CPU time over the same span (robust on a loaded machine)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = len(self.ids) + self.stopped
+        return n / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+class _Window:
+    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full.
+    Keeps the final hidden state h [d] of the last position; `head(k)` turns it into head k's logits [V]
+    on demand (plain decoding only ever needs head 0)."""
+
+    def __init__(self, model, seq: list[int], mode: str, fused: dict | None = None):
+        self.cfg, self.P = model.config, model.params
+        self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
+        self.start = max(0, len(seq) - self.cfg.ctx_len)
+        self.want_draft = 0  # `feed` makes the greedy drafts of heads 1..want_draft too (see `advance`)
+        self._head_drafts = None  # (row, drafts) the last `advance` made, for `keep`
+        self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
+        self.W = fused if fused is not None else step.fuse_weights(self.cfg, self.P)
+        self._refill()
+
+    def _set(self, h: np.ndarray, head0: np.ndarray | None = None, best: int | None = None) -> None:
+        self.h, self._heads, self.best = h, {} if head0 is None else {0: head0}, best  # best: head 0's argmax
+        self.head_drafts = None  # [(head k's argmax, its probability), k = 1..K-1] at the last position (`advance`)
+
+    def head(self, k: int) -> np.ndarray:
+        """Logits [V] of head k at the last position."""
+        if k not in self._heads:
+            self._heads[k] = linear(self.h, self.W[f"head.{k}"])
+        return self._heads[k]
+
+    def _forward(self, tokens, last_only: bool) -> np.ndarray:
+        self.forwards += 1
+        return step.forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], self.cache,
+                                   last_only)[0]
+
+    def _refill(self) -> None:
+        """Recompute the cache (and the last position's hidden state) from seq[start:]."""
+        self.cache.length = 0
+        self._set(self._forward(self.seq[self.start:], True)[0])
+
+    def room(self) -> int:
+        """Positions left before the window must jump."""
+        return self.cfg.ctx_len - (len(self.seq) - self.start)
+
+    def push(self, token: int) -> None:
+        """Append one token and run the model on it."""
+        self.seq.append(token)
+        if len(self.seq) - self.start > self.cfg.ctx_len:
+            self.start = len(self.seq) - self.cfg.ctx_len // 2
+            self.jumps += 1
+            self._refill()
+        elif self.mode == "full":
+            self._refill()
+        else:
+            self._set(self._forward([token], True)[0])
+
+    def fast(self) -> bool:
+        """Can rounds take kernels.round_rows (a model on the fused step: W["decode"], head 0 in kernel form)?"""
+        if not hasattr(self, "_fast"):
+            self._fast = step.runs_fused(self.W, self.cache) and self.cfg.n_mtp <= kernels.ROWS
+            self._slot = np.full(kernels.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
+            self._pos = np.arange(self.cache.max_len, dtype=np.int64)
+        return self._fast
+
+    def advance(self, block: list[int], draft: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Feed tokens block (1 <= len(block) <= min(room(), kernels.ROWS)) in one call -> (hidden states
+        [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
+        one compiled call (kernels.round_rows) where the model allows, else forward + head 0 + argmax; the
+        call also makes the greedy drafts of heads 1..draft where a greedy round goes on (`head_drafts`).
+        The caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
+        self.forwards += 1
+        n, L = len(block), self.cache.length
+        if self.fast():
+            k, v, _ = self.cache.store
+            h, logits, best, row, t, conf = kernels.round_rows(
+                self.cfg, self.W["decode"], np.array(block, np.int64), self._pos[L:L + n], self._slot[:n], k, v,
+                self.cache.cos, self.cache.sin, self.W["head.0"][2], self.W["drafting"], draft)
+            self.cache.length = L + n
+            best = best.tolist()
+            self._head_drafts = (row, list(zip(t.tolist(), conf.tolist()))) if draft else None
+        else:
+            h = step.forward_hidden(self.cfg, self.W, np.asarray(block, dtype=np.int64)[None], self.cache)[0]
+            logits = linear(h, self.W["head.0"])
+            best = [int(i) for i in np.argmax(logits, axis=-1)]
+            self._head_drafts = None
+        self.seq.extend(block)
+        self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
+        made = self._head_drafts
+        self.head_drafts = made[1] if made is not None and made[0] == n - 1 else None
+        return h, logits, best
+
+    def make_head_drafts(self, n: int) -> None:
+        """head_drafts of heads 1..n at the last position, in one compiled call (fast path only)."""
+        t, conf = kernels.head_drafts(self.W["drafting"], self.h, self.cfg.vocab_size, n)
+        self.head_drafts = list(zip(t.tolist(), conf.tolist()))
+
+    def feed(self, token: int) -> None:
+        """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
+        if self.room() >= 1:
+            self.advance([token], self.want_draft)
+        else:
+            self.push(token)
+
+    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray, best: int | None = None, row: int = -1) -> None:
+        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there
+        (best: head0's argmax, when known; row: which row of the last `advance` they are)."""
+        drop = (len(self.seq) - self.start) - n_total
+        if drop:
+            del self.seq[len(self.seq) - drop:]
+        self.cache.length = n_total
+        self._set(h, head0, best)
+        made = self._head_drafts
+        self.head_drafts = made[1] if made is not None and made[0] == row else None
+
+
+
+
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_ids: Sequence[int] = (), mode: str = "cache",
+             on_token: Callable[[int], None] | None = None, spec_depth: int | None = None,
+             fused: dict | None = None) -> Generation:
+    """Continue prompt_ids with up to max_new_tokens tokens, stopping after any of stop_ids.
+
+    mode: "cache" (KV cache, one token per forward), "full" (recompute the whole window every token:
+    the slow reference) or "speculative" (MTP drafts verified by head 0: at temperature 0 the same tokens
+    as greedy "cache"; at temperature > 0 samples from exactly the same distribution as "cache", though
+    not the same tokens for a seed). on_token(id) is called for each new token as soon as it is known
+    (streaming). spec_depth fixes how many drafts each speculative round verifies (default: adaptive, see
+    `Planner`; for tests and benchmarks). fused: step.fuse_weights(model.config, model.params), when the caller
+    keeps it across calls of an unchanged model (a chat session, an evaluation over many prompts: on `gpt`
+    fusing costs ~0.4 s a call).
+    """
+    if mode not in MODES:
+        raise UserError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not len(prompt_ids):
+        raise UserError("the prompt is empty: give at least one token")
+    V = model.config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= V:
+        raise UserError(f"prompt token id out of range [0, {V})")
+    if max_new_tokens < 0:
+        raise UserError("max_new_tokens must be >= 0")
+    if not (temperature >= 0 and np.isfinite(temperature)) or (top_p is not None and not 0 < top_p <= 1) \
+            or (top_k is not None and top_k < 0):
+        raise UserError("need a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+    if spec_depth is not None and spec_depth < 0:
+        raise UserError("spec_depth must be >= 0")
+    rng = np.random.default_rng(seed)
+    stop = set(int(s) for s in stop_ids)
+    out = Generation([])
+    t0 = time.perf_counter()
+    win = _Window(model, [int(t) for t in prompt_ids], mode, fused)
+    out.prefill_s = time.perf_counter() - t0
+    cpu0 = time.process_time()  # (a system call, which on a busy machine may yield: outside the wall time)
+    t0 = time.perf_counter()
+
+    def emit(token: int) -> bool:
+        """Record a new token; True when generation must end."""
+        if token in stop:
+            out.stopped = True
+            if on_token:
+                on_token(token)
+            return True
+        out.ids.append(token)
+        if on_token:
+            on_token(token)
+        return len(out.ids) >= max_new_tokens
+
+    if max_new_tokens > 0:
+        if mode == "speculative" and model.config.n_mtp > 1:
+            rule = Greedy() if temperature == 0 else Sampled(temperature, top_k, top_p, rng)
+            speculate(win, rule, emit, out, spec_depth, planner(model, (temperature, top_k, top_p)))
+        else:
+            while True:
+                token = sample_token(win.head(0), temperature, top_k, top_p, rng)
+                if emit(token):
+                    break
+                win.push(token)
+    out.decode_s = time.perf_counter() - t0
+    out.decode_cpu_s = time.process_time() - cpu0
+    out.forwards, out.jumps = win.forwards, win.jumps
+    return out
+
+
+
+# ---- text in, text out ---------------------------------------------------------------------------
+class StreamDecoder:
+    """Turn a stream of token ids into text pieces, never splitting a UTF-8 character.
+
+        dec = StreamDecoder(tok); dec.feed(id1) + dec.feed(id2) + dec.flush() == tok.decode([id1, id2])
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self.dec.decode(self.tok.token_bytes(token))
+
+    def flush(self) -> str:
+        return self.dec.decode(b"", final=True)
+
+
+def truncate_left(ids: list[int], limit: int) -> tuple[list[int], int]:
+    """Keep the last `limit` ids; return (kept, number dropped).  truncate_left([1, 2, 3], 2) -> ([2, 3], 1)"""
+    dropped = max(0, len(ids) - limit)
+    return ids[dropped:], dropped

@@ -1,0 +1,80 @@
+"""The one step every inference caller runs, and the one place that picks what runs it.
+
+    W = fuse_weights(cfg, P)                       the architecture's layout (ARCHS); the fused kernels or not
+    h = forward_hidden(cfg, W, tokens, cache)      one sequence (or B of equal positions): tokens [B, Tn] -> [B, Tn|1, d]
+    logits = decode_rows(cfg, W, cache, tok, pos)  one token per cache row, each at its own position -> [n, V]
+
+The architecture is chosen by `arch(cfg)` (a registry: euler.py, gpt2.py; callers never branch on it), and
+whether the fused kernels (kernels.py) run a model is decided once, when its weights are laid out
+(weights.Forms: kernels.ENABLED and a weight type they read; only euler has a fused step), and recorded as
+W["decode"]. A step on the fused path and on the reference path gives the same logits to float32 rounding
+(tests/test_infer_kernels.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import Config
+from ..errors import UserError
+from . import euler, gpt2, kernels
+from .cache import KVCache
+from .weights import Forms, batched_linear, linear
+
+ARCHS = {"euler": euler, "gpt2": gpt2}  # config.arch -> its module: fuse_weights, forward_hidden, forward_rows
+
+
+def arch(cfg: Config):
+    """The inference module of cfg's architecture."""
+    return ARCHS[cfg.arch]
+
+
+def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
+    """The inference layout of a model's parameters P (see euler.fuse_weights): batched keeps [in, out]
+    copies for steps of many rows (the batcher, the drafts' rollouts)."""
+    return arch(cfg).fuse_weights(cfg, P, Forms(P, batched))
+
+
+def runs_fused(W: dict, cache: KVCache) -> bool:
+    """Does the fused step run W on this cache (a new_cache store in float32, see cache.py)?"""
+    return "decode" in W and cache.store is not None and cache.store[0].dtype == np.float32
+
+
+def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    """The KV-cache forward up to the final norm: inputs int [B, Tn] at positions cache.length .. +Tn-1
+    -> h [B, Tn|1, d]; the cache grows by Tn. One sequence on the fused path goes in blocks of kernels.CHUNK
+    tokens (OpenBLAS's threads, once woken by a prompt's matmuls, spin for a while and took a core from the
+    decoding steps after it: 1.37 ms a token instead of 0.91 on `big`)."""
+    B, Tn = inputs.shape
+    L = cache.length
+    if L + Tn > cache.max_len:
+        raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
+    if B > 1 or not runs_fused(W, cache):
+        return arch(cfg).forward_hidden(cfg, W, inputs, cache, last_only)
+    k, v, b0 = cache.store
+    hs = [kernels.forward(cfg, W["decode"], inputs[0, a:a + kernels.CHUNK], k, v, L + a, cache.cos, cache.sin,
+                          last_only, b0) for a in range(0, Tn, kernels.CHUNK)]
+    cache.length = L + Tn
+    return (hs[-1] if last_only else np.concatenate(hs))[None]  # [1, Tn|1, d]
+
+
+def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False,
+                   fused: dict | None = None) -> np.ndarray:
+    """inputs int [B, Tn], the tokens at positions cache.length .. cache.length+Tn-1
+    -> logits of every head [K, B, Tn, V] (or [K, B, 1, V] with last_only); the cache grows by Tn.
+    fused: fuse_weights(cfg, P), when the caller keeps it across calls."""
+    W = fused if fused is not None else fuse_weights(cfg, P)
+    h = forward_hidden(cfg, W, inputs, cache, last_only)
+    logits = linear(h, W["heads"])  # [B, Tn|1, K·V]
+    return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
+
+
+def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One token for each of rows 0..n-1 of cache: tokens int [n] at positions pos [n] (row r holds positions
+    0..pos[r]-1) -> head 0's logits [n, V]; writes each row's key/value at pos[r]. Fused: every row attends
+    to its own cache row in one compiled call; else the architecture's NumPy `forward_rows` on BLAS."""
+    if runs_fused(W, cache):
+        k, v, b0 = cache.store
+        h = kernels.forward_rows(cfg, W["decode"], tokens, pos, b0 + np.arange(len(tokens)), k, v, cache.cos,
+                                 cache.sin)  # [n, d]
+        return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
+    return batched_linear(arch(cfg).forward_rows(cfg, W, cache, tokens, pos), W["head.0"])

@@ -1,0 +1,132 @@
+"""Weight forms: the weight types a decoding step reads, and the matrix products of its few rows.
+
+A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's parameters:
+
+    name  parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
+    f32   float32      the float32 values                   the float32 values
+    f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
+
+Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
+Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
+contiguous [in, out] or None, W in kernel form or None): `Forms.pair` makes it, `linear` (a step's 1..8
+rows) and `batched_linear` (a batch's n rows) multiply by it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .. import ops
+from . import kernels
+
+
+@dataclass(frozen=True)
+class WType:
+    """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
+    computes with, and the array `kernels.pack` turns into the kernel form."""
+    name: str
+    dtype: np.dtype
+    values: Callable[[np.ndarray], np.ndarray]
+    bits: Callable[[np.ndarray], np.ndarray]
+
+
+WTYPES = {"f32": WType("f32", np.dtype(np.float32), lambda a: a, lambda a: a),
+          "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a: a.view(np.uint16))}
+
+
+def wtype(P: dict) -> WType | None:
+    """The weight type of a model's parameters (the embedding's dtype), or None (no kernel form)."""
+    dtype = P["embed.weight"].dtype
+    return next((t for t in WTYPES.values() if t.dtype == dtype), None)
+
+
+NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-row products
+
+
+class Forms:
+    """How one model's matrices are held: its weight type, whether the fused kernels run it (kernels.ENABLED
+    and a weight type), and whether [in, out] copies are kept for many rows too (`batched`: the batcher and
+    the drafts' rollouts read more rows than the kernels take)."""
+
+    def __init__(self, P: dict, batched: bool = False):
+        self.wt = wtype(P)
+        self.kernels = kernels.ENABLED and self.wt is not None
+        self.batched = batched
+
+    def values(self, a: np.ndarray) -> np.ndarray:
+        """The values the NumPy path computes with (float16 widened to float32)."""
+        return a if self.wt is None else self.wt.values(a)
+
+    def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+        """a as the fused kernels read it (kernels.pack of its weight type's bits), or None without kernels."""
+        return kernels.pack(self.wt.bits(a), out) if self.kernels else None
+
+    def pair(self, W: np.ndarray, Wk: np.ndarray | None = None) -> tuple:
+        """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
+        made it from the raw weights (else W itself is packed). The copy W.T only where it pays (see linear)."""
+        Wk = Wk if Wk is not None or not self.kernels else kernels.pack(W)
+        Wt = np.ascontiguousarray(W.T) if W.shape[0] <= NARROW and (self.batched or Wk is None) else None
+        return W, Wt, Wk
+
+
+def linear(x: np.ndarray, W: tuple) -> np.ndarray:
+    """x [..., in] @ W[out, in].T (as ops.linear_forward) with W = Forms.pair's (W, W.T contiguous or None,
+    kernel form or None), arranged for the 1..4 rows of a decoding or verification step.
+
+    Up to kernels.ROWS float32 rows go to the kernels' matrix-vector product when W has a kernel form
+    (both cores, float32 or float16 weights; on `big`'s [4096, 384] head 3-4x faster than OpenBLAS's one row).
+    Otherwise, OpenBLAS (0.3.31, measured here, one thread) is uneven on such shapes: a 2-row x @ W.T can
+    cost 3-10x a 1-row one; 2-3 rows against a contiguous [in, out] copy cost 1.0-1.7x one row while
+    out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide outputs ([2048, 384]: 339 µs vs 46), where
+    row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the [in, out] copy
+    where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative verification
+    then read the same matrices, so alternating between them does not pull the other copy of every weight
+    back into the CPU cache (that made a verification after plain steps cost 2x a plain step instead of
+    1.2x, measured here on `small`)."""
+    W, Wt, Wk = W
+    rows = x.reshape(-1, x.shape[-1])
+    if Wk is not None and len(rows) <= kernels.ROWS and rows.dtype == np.float32:
+        y = kernels.matvec(Wk, rows, W.shape[0])
+    elif len(rows) <= 4 and Wt is not None:
+        y = rows @ Wt
+    elif len(rows) == 1:
+        y = (W @ rows[0])[None]
+    elif len(rows) <= 4:
+        y = np.stack([W @ r for r in rows])
+    else:
+        y = ops.linear_forward(rows, W)[0]
+    return y.reshape(*x.shape[:-1], W.shape[0])
+
+
+
+
+def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
+    """x [n, in] @ W[out, in].T for the n rows of a batched decoding step (W = Forms.pair's triple).
+    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T: OpenBLAS (one thread, measured here) takes
+    322 µs for W [2048, 384] and 16 rows that way against 577 µs as x @ W.T, and 690 against 1168 µs for a
+    [4096, 384] head; narrow ones read the [in, out] copy (at 4 rows 20 µs against 60)."""
+    if len(x) == 1:
+        return (W[0] @ x[0])[None]
+    if W[1] is not None:
+        return x @ W[1]
+    return (W[0] @ x.T).T
+
+
+class Float16Model:
+    """A model's weights rounded to float16, for decoding: `generate(Float16Model(model), ids, ...)` decodes
+    as llama.cpp runs an f16 GGUF (float16 weights, float32 arithmetic), reading half the bytes per token
+    of the float32 model. It has what generation needs of a model (config, params, dtype); train, score
+    and save the float32 model itself. `sample` / `chat --dtype float16` use it.
+
+        m16 = Float16Model(model); m16.params["embed.weight"].dtype == np.float16
+    """
+
+    def __init__(self, model):
+        self.config = model.config
+        self.params = {name: p.astype(np.float16) for name, p in model.params.items()}
+        self.dtype = np.dtype(np.float16)
+
+    def n_params(self) -> int:
+        return sum(p.size for p in self.params.values())
