@@ -1,5 +1,5 @@
 """The matrix products of one decoded token, and of a prompt, per weight type: float32 and float16 panels
-(infer's decode kernels) against Q8_0 / Q4_0 / Q4_1 in integers (infer/qkernels.py, AVX512-VNNI), on the
+(infer/kernels.py) against Q8_0 / Q4_0 / Q4_1 in integers (infer/qkernels.py, AVX512-VNNI), on the
 shapes of SmolLM-135M (30 layers, d 576, 9/3 heads of 64, ffn 1536, vocab 49152: past any L3 at every type)
 and of the `big` preset (4 layers, d 384, 6/2 heads, ffn 1024, vocab 4096: in L3).
 
@@ -30,7 +30,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from nanoeuler.fast import decode  # noqa: E402
+from nanoeuler.infer import kernels  # noqa: E402
 from nanoeuler.infer import qkernels as qk  # noqa: E402
 from nanoeuler.infer import quant  # noqa: E402
 
@@ -141,12 +141,12 @@ def _float_panels(kind, W, x, Y, f0, f1):
 # ---- one share of a token's products -------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def _float_share(half, mats, outs, X, share, shares):
-    """Panels share::shares... of every matrix in turn, float32 / float16 panels (decode's kernel)."""
-    T = np.empty((decode.MAX_R, decode.PANEL), np.float32)
+    """Panels share::shares... of every matrix in turn, float32 / float16 panels (infer/kernels.py)."""
+    T = np.empty((kernels.MAX_R, kernels.PANEL), np.float32)
     for W, Y in zip(mats, outs):
         P = W.shape[0]
         for b in range(P * share // shares, P * (share + 1) // shares):
-            decode._gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, X.shape[0], Y.shape[1],
+            kernels._gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, X.shape[0], Y.shape[1],
                                W.shape[1], False, b, T)
 
 
@@ -176,7 +176,7 @@ def model(shape, wtype: str, rng):
     for O, I in dims:
         W = (rng.standard_normal((O, I), np.float32) * np.float32(0.05))
         if wtype in ("float32", "float16"):
-            mats.append(decode.pack(W if wtype == "float32" else decode.half_bits(W)))
+            mats.append(kernels.pack(W if wtype == "float32" else kernels.half_bits(W)))
         else:
             mats.append(qk.pack(quant.quantize(W, wtype), wtype, I))
         nbytes += O * I * quant.WTYPES[wtype].bytes_per_weight

@@ -40,7 +40,7 @@ LANES = 16            # int32 / float32 lanes of one AVX-512 vector: outputs per
 VECS = 4              # vectors of outputs per panel
 PANEL = LANES * VECS  # outputs per panel, the unit of work a thread takes
 MAX_R = 4             # rows of X sharing one pass over a panel
-KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # kernel kinds (decode's: 0 float32, 1 float16, 2 attention)
+KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # kernel kinds (kernels.py's: 0 float32, 1 float16, 2 attention)
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
@@ -299,23 +299,3 @@ def panels(kind, W, xq, xd, xs, Y, add, p0, p1):
     for p in range(p0, p1):
         gemv_panel(kind, W.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, Y.ctypes.data, Y.shape[0],
                    Y.shape[1], xq.shape[1], add, p, T)
-
-
-def matvec(Wk: np.ndarray, name: str, X: np.ndarray, out: int, threads: int = 1) -> np.ndarray:
-    """X [n, in] float32 @ Wᵀ -> [n, out] float32, W quantized as `name` in kernel form Wk = pack(...); the
-    panels split over `threads` threads (the result is the same for any number)."""
-    require()
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    n, I = X.shape
-    xq, xd, xs = np.empty((n, I), np.int8), np.empty((n, I // QK), np.float32), np.empty((n, I // QK), np.float32)
-    quantize_x(X, xq, xd, xs)
-    Y = np.empty((n, out), np.float32)
-    P, kind = Wk.shape[0], KINDS[name]
-    cuts = np.linspace(0, P, max(1, min(threads, P)) + 1).astype(int)
-    if len(cuts) == 2:
-        panels(kind, Wk, xq, xd, xs, Y, False, 0, P)
-        return Y
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(cuts) - 1) as ex:
-        list(ex.map(lambda c: panels(kind, Wk, xq, xd, xs, Y, False, c[0], c[1]), zip(cuts[:-1], cuts[1:])))
-    return Y
