@@ -46,8 +46,8 @@ def source_dtype(ckpt) -> str:
     most of its matrices had there (source.json; Q8_0 -> q8_0, ...; a type we do not decode -> float32)."""
     from collections import Counter
 
-    from .info import source_of
-    src = source_of(ckpt) if ckpt else None
+    from ..checkpoint import read_source
+    src = read_source(ckpt) if ckpt else None
     if src is None:
         return "float32"
     kinds = Counter(str(t) for name, t in src["tensor_types"].items() if "norm" not in name)
