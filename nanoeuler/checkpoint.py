@@ -311,6 +311,20 @@ def load_model(run_dir, read_only: bool = False) -> tuple[Config, dict[str, np.n
     return config, params
 
 
+SOURCE_FILE = "source.json"  # in a checkpoint imported from a GGUF file: where the weights came from, each tensor's type there
+
+
+def read_source(run_dir) -> dict | None:
+    """A checkpoint's source.json (written by `import` of a GGUF file: each tensor's type there), else None."""
+    path = Path(run_dir)
+    if not (path.is_dir() and (path / SOURCE_FILE).is_file()):
+        return None
+    src = read_json(member(path, SOURCE_FILE, read_journal(path)), "checkpoint source")
+    if not (isinstance(src, dict) and isinstance(src.get("tensor_types"), dict)):
+        raise UserError(f"{path / SOURCE_FILE}: no \"tensor_types\" object")
+    return src
+
+
 def load_tokenizer(run_dir, read_only: bool = False):
     from .tokenizer import Tokenizer
     run_dir = check_run_dir(run_dir, read_only)

@@ -40,20 +40,6 @@ def resolve_config(target: str):
     raise UserError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
 
 
-def source_of(target: str) -> dict | None:
-    """A checkpoint's source.json (written by `import` of a GGUF file: each tensor's type there), else None."""
-    from ..interop.gguf_import import SOURCE_FILE
-    path = Path(target)
-    if not (path.is_dir() and (path / SOURCE_FILE).is_file()):
-        return None
-    from ..checkpoint import member, read_journal, read_json
-    from ..errors import UserError
-    src = read_json(member(path, SOURCE_FILE, read_journal(path)), "checkpoint source")
-    if not (isinstance(src, dict) and isinstance(src.get("tensor_types"), dict)):
-        raise UserError(f"{path / SOURCE_FILE}: no \"tensor_types\" object")
-    return src
-
-
 def source_lines(src: dict, n_params: int) -> list[str]:
     """{"tensor_types": {name: "Q8_0", ...}, ...} -> 'Q8_0 x14, F32 x5' and the memory lines."""
     from collections import Counter
@@ -78,10 +64,11 @@ def lora_config(args, cfg):
 
 def run(args) -> int:
     from ..adapters import adapter_shapes
+    from ..checkpoint import read_source
     from ..errors import UserError
     from ..memory import training_memory
     cfg = resolve_config(args.target)
-    src = source_of(args.target)
+    src = read_source(args.target)
     T = args.ctx or cfg.ctx_len
     if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")

@@ -3,6 +3,7 @@
     nanoeuler sample --ckpt runs/small --prompt "ROMEO." --temperature 0.8 --top-k 40 --seed 1
     nanoeuler sample --ckpt runs/small --prompt "To be" --temperature 0        # greedy, speculative
     nanoeuler sample --ckpt runs/big --prompt "To be" --dtype float16         # float16 weights: faster
+    nanoeuler sample --ckpt runs/big --prompt "To be" --dtype q8_0            # 8-bit blocks, as llama.cpp's Q8_0
 """
 from __future__ import annotations
 
@@ -26,21 +27,37 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
                    help="one token per forward. By default decoding drafts with the MTP heads and verifies with "
                         "head 0 where that pays (greedy: the same text; sampling: the same distribution). "
                         "With --seed, sampling is plain so that the same seed gives the same text")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="the weights while decoding (default float32). float16 rounds them to half precision and "
-                        "computes in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token, "
-                        "~2x the tokens/s on `big`; logits move by ~1e-3 relative, so a text can differ")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the weights while decoding (default float32; a checkpoint imported from a GGUF file: the "
+                        "type most of its matrices had there). float16 rounds them to half precision and computes "
+                        "in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token. q8_0, q4_0, "
+                        "q4_1: GGUF's blocks of 32 weights (8 or 4 bits + a float16 scale), quantized at load as "
+                        "`export --format gguf` writes them and multiplied in integers with 8-bit activations, as "
+                        "llama.cpp runs such a file (needs AVX512-VNNI): 1.06 / 0.56 / 0.62 bytes per weight. "
+                        "Logits move (float16 ~1e-3 relative, q8_0 ~1e-2), so a text can differ")
 
 
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1")
+SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def source_dtype(ckpt) -> str:
+    """The --dtype a checkpoint decodes in by default: float32, or for one imported from a GGUF file the type
+    most of its matrices had there (source.json; Q8_0 -> q8_0, ...; a type we do not decode -> float32)."""
+    from collections import Counter
+
+    from ..checkpoint import read_source
+    src = read_source(ckpt) if ckpt else None
+    if src is None:
+        return "float32"
+    kinds = Counter(str(t) for name, t in src["tensor_types"].items() if "norm" not in name)
+    return SOURCE_DTYPES.get(kinds.most_common(1)[0][0], "float32") if kinds else "float32"
 
 
 def decoding_model(model, args):
-    """The model generation runs: a float16 copy of its weights with --dtype float16 (infer/weights.py)."""
-    if getattr(args, "dtype", "float32") == "float16":
-        from ..infer.weights import Float16Model
-        return Float16Model(model)
-    return model
+    """The model generation runs, in --dtype (default: source_dtype of --ckpt; infer/weights.py)."""
+    from ..infer.weights import for_dtype
+    return for_dtype(model, getattr(args, "dtype", None) or source_dtype(getattr(args, "ckpt", None)))
 
 
 def check_temperature(name: str, value) -> float:
@@ -68,7 +85,7 @@ def check_sampling_args(args) -> None:
         raise UserError("--max-new-tokens must be an integer >= 1")
     if args.seed is not None and (type(args.seed) is not int or args.seed < 0):
         raise UserError("--seed must be an integer >= 0")
-    if getattr(args, "dtype", "float32") not in DTYPES:
+    if getattr(args, "dtype", None) not in (None, *DTYPES):
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}")
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .sample import DTYPES, decoding_model
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API + web chat (continuous batching)",
@@ -28,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("NANOEULER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOEULER_API_KEY, else none)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's directory name)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
+                        "q8_0, q4_0, q4_1 (see `sample --help`)")
     p.add_argument("--max-batch", type=int, default=32, help="requests decoded together (rows of the KV cache; default 32)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
@@ -61,6 +66,7 @@ def run(args) -> int:
     from ..model import Model
     from ..serve.app import bind, create_app, run_server
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    model = decoding_model(model, args)
     tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,

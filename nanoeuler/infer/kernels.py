@@ -69,6 +69,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..fast.vmath import vexp
+from . import qkernels
 
 ROWS = 8          # most rows `linear` sends to the kernels (a speculative round: t1 + 7 drafts)
 CHUNK = 32        # a prompt's tokens per fused call (step.forward_hidden)
@@ -360,8 +361,22 @@ def _kind(W):
 
 @overload(_kind, inline="always")
 def _kind_impl(W):
+    """0: float32 panels, 1: float16 bits (uint16), 3 | 4 | 5: Q8_0 | Q4_0 | Q4_1 (uint8, told apart by the
+    bytes of a panel's block: qkernels.STRIDES)."""
+    if W.dtype == types.uint8:
+        return lambda W: 3 if W.shape[-1] == qkernels.STRIDES[3] else 4 if W.shape[-1] == qkernels.STRIDES[4] else 5
     half = isinstance(W.dtype, types.Integer)
     return (lambda W: 1) if half else (lambda W: 0)
+
+
+def _row_in(W):
+    return 1
+
+
+@overload(_row_in, inline="always")
+def _row_in_impl(W):
+    """Inputs per entry of a kernel form's third-last axis: 32 for a block type (blocks), else 1 (inputs)."""
+    return (lambda W: qkernels.QK) if W.dtype == types.uint8 else (lambda W: 1)
 
 
 # The control block shared by the threads (int64): the claim word and the done count sit on their own
@@ -369,6 +384,7 @@ def _kind_impl(W):
 # 1: float16 bits; then W, out, in, X, n, Y, add) or a step's attention (kind ATTEND; see _attention).
 CLAIM, DONE, STOP, GEN, DESC = 0, 8, 16, 24, 32
 ATTEND = 2
+QUANT = 3  # kinds from 3 on: block-quantized weights (qkernels.KINDS), descriptor + 8, + 9: xd, xs
 SPIN = 8192  # polls (with `pause`: ~0.2-1 ms) a waiting thread spins before it yields its core to others
 
 
@@ -389,7 +405,10 @@ def _run_claimed(ctl, w):
         Xa, n, Ya, add = ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] != 0
         T = np.empty((MAX_R, PANEL), np.float32)
         for j in range(b, b + k):
-            _gemv_panel(kind, Wa, Xa, Ya, n, O, I, add, j, T)
+            if kind >= QUANT:
+                qkernels.gemv_panel(kind, Wa, Xa, ctl[DESC + 8], ctl[DESC + 9], Ya, n, O, I, add, j, T)
+            else:
+                _gemv_panel(kind, Wa, Xa, Ya, n, O, I, add, j, T)
     _add(ctl, DONE, k)
     return True
 
@@ -408,6 +427,9 @@ def _gemv(ctl, pooled, W, X, Y, add):
     nb, I = W.shape[0], W.shape[1]
     n, O = Y.shape
     half = _kind(W)
+    if half >= QUANT:
+        _qgemv(ctl, pooled, half, W, X, Y, add)
+        return
     if not pooled or nb < 2 or nb > 0xFFFF:  # (the claim word counts panels in 16 bits)
         T = np.empty((MAX_R, PANEL), np.float32)
         for b in range(nb):
@@ -415,6 +437,24 @@ def _gemv(ctl, pooled, W, X, Y, add):
         return
     ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = half, W.ctypes.data, O, I
     ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = X.ctypes.data, n, Y.ctypes.data, add
+    _run_pooled(ctl, nb)
+
+
+@njit(**OPTS)
+def _qgemv(ctl, pooled, kind, W, X, Y, add):
+    """Y (+)= X @ Wᵀ for W of a block type (qkernels.pack): X's rows quantized to 8 bits per block once
+    (qkernels.quantize_x), then the panels claimed as in _gemv."""
+    n, I = X.shape
+    nb = W.shape[0]
+    xq, xd, xs = np.empty((n, I), np.int8), np.empty((n, I // qkernels.QK), np.float32), \
+        np.empty((n, I // qkernels.QK), np.float32)
+    qkernels.quantize_x(X, xq, xd, xs)
+    if not pooled or nb < 2 or nb > 0xFFFF:
+        qkernels.panels(kind, W, xq, xd, xs, Y, add, 0, nb)
+        return
+    ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, W.ctypes.data, Y.shape[1], I
+    ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = xq.ctypes.data, n, Y.ctypes.data, add
+    ctl[DESC + 8], ctl[DESC + 9] = xd.ctypes.data, xs.ctypes.data
     _run_pooled(ctl, nb)
 
 
@@ -744,7 +784,7 @@ def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, n
     to positions 0 .. pos[r] of its slot (all rows write before any attends)."""
     n, d = tokens.shape[0], embed.shape[1]
     n_layers, _, Hkv, _, hd = kc.shape
-    H, F = n_heads, down.shape[2]
+    H, F = n_heads, down.shape[2] * _row_in(down)
     Hhd = n_heads * hd
     x = np.empty((n, d), np.float32)
     for r in range(n):

@@ -5,6 +5,8 @@ A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's pa
     name  parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
     f32   float32      the float32 values                   the float32 values
     f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
+    q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
+    q4_0, q4_1         (the parameters: void records of one block's bytes, [out, in / 32], dtype V34 | V18 | V20)
 
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
@@ -19,21 +21,43 @@ from typing import Callable
 import numpy as np
 
 from .. import ops
-from . import kernels
+from ..errors import UserError
+from . import kernels, qkernels, quant
 
 
 @dataclass(frozen=True)
 class WType:
     """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, and the array `kernels.pack` turns into the kernel form."""
+    computes with, the array `pack(bits, out)` turns into the kernel form, and that form's shape."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]
     bits: Callable[[np.ndarray], np.ndarray]
+    pack: Callable = kernels.pack
+    packed_shape: Callable = kernels.packed_shape
+
+
+def _block_type(name: str) -> WType:
+    """A GGUF block type: parameters [..., out, in / 32] of records of one block's bytes (quant.py)."""
+    t = quant.WTYPES[name]
+
+    def pack(B: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        Wk = qkernels.pack(B, name, B.shape[-1] // t.nbytes * quant.QK)
+        if out is None:
+            return Wk
+        out[...] = Wk
+        return out
+
+    def values(a: np.ndarray) -> np.ndarray:  # (the norms stay float32)
+        return a if a.dtype.kind == "f" else t.dequantize(a.view(np.uint8), a.shape[-1] * t.block)
+
+    return WType(name, np.dtype(f"V{t.nbytes}"), values, lambda a: a.view(np.uint8), pack,
+                 lambda shape: (*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]))
 
 
 WTYPES = {"f32": WType("f32", np.dtype(np.float32), lambda a: a, lambda a: a),
-          "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a: a.view(np.uint16))}
+          "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a: a.view(np.uint16)),
+          **{name: _block_type(name) for name in quant.BLOCK_TYPES}}
 
 
 def wtype(P: dict) -> WType | None:
@@ -61,7 +85,7 @@ class Forms:
 
     def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """a as the fused kernels read it (kernels.pack of its weight type's bits), or None without kernels."""
-        return kernels.pack(self.wt.bits(a), out) if self.kernels else None
+        return self.wt.pack(self.wt.bits(a), out) if self.kernels else None
 
     def pair(self, W: np.ndarray, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
@@ -130,3 +154,43 @@ class Float16Model:
 
     def n_params(self) -> int:
         return sum(p.size for p in self.params.values())
+
+
+class QuantizedModel:
+    """A model's matrices quantized to a GGUF block type (q8_0, q4_0, q4_1), for decoding, as the model's
+    GGUF export at that type holds them, bit for bit (quant.py rounds as gguf does); norms stay float32. The
+    fused step multiplies in integers (qkernels.py: activations quantized per block of 32 to 8 bits, as
+    llama.cpp does), the NumPy path with the dequantized values. Like Float16Model it has what generation
+    needs (config, params, dtype); `sample` / `chat` / `serve --dtype q8_0` use it.
+
+        QuantizedModel(model, "q8_0").params["embed.weight"].dtype == np.dtype("V34")
+    """
+
+    def __init__(self, model, name: str):
+        if name not in quant.BLOCK_TYPES:
+            raise UserError(f"unknown block type {name!r}; one of {', '.join(quant.BLOCK_TYPES)}")
+        qkernels.require()
+        t = quant.WTYPES[name]
+        for n, p in model.params.items():
+            if p.ndim == 2 and p.shape[1] % t.block:
+                raise UserError(f"{name} needs rows of a multiple of {t.block} weights; {n} has {p.shape[1]}")
+        self.config = model.config
+        self.params = {n: t.quantize(p).view(f"V{t.nbytes}") if p.ndim == 2 else np.asarray(p, np.float32)
+                       for n, p in model.params.items()}
+        self.dtype = np.dtype(np.float32)
+
+    def n_params(self) -> int:
+        return sum(p.size * (quant.QK if p.dtype.kind == "V" else 1) for p in self.params.values())
+
+
+def for_dtype(model, dtype: str):
+    """model as decoded in `dtype` (sample / chat / serve --dtype): itself (float32), Float16Model (float16) or
+    QuantizedModel (q8_0, q4_0, q4_1)."""
+    if dtype == "float16":
+        return Float16Model(model)
+    if dtype in quant.BLOCK_TYPES:
+        return QuantizedModel(model, dtype)
+    if dtype != "float32":
+        raise UserError(f"unknown dtype {dtype!r}; one of float32, float16, {', '.join(quant.BLOCK_TYPES)}")
+    return model
+

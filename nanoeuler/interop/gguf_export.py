@@ -114,7 +114,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
                         f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
     ftype = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
-    if dtype.startswith("q") and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
+    if dtype[0] == "q" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
         raise UserError(f"{dtype} needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
     tensors = gguf_tensors(model)
     with atomic_path(out) as tmp:

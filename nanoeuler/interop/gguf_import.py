@@ -10,6 +10,9 @@ had in the file is kept in the checkpoint's `source.json`:
     {"format": "gguf", "file": "smol.gguf", "file_tensor_bytes": 144000000,
      "tensor_types": {"embed.weight": "Q8_0", "norm.weight": "F32", ...}}
 
+and `sample`, `chat`, `serve` decode in the type most of the matrices had (Q8_0, Q4_0, Q4_1: quantized
+again at load, which gives back the file's Q8_0 / Q4_0 bytes; F16; else float32) unless --dtype says otherwise.
+
 llama: the q and k rows come back from llama.cpp's interleaved RoPE order (`gguf_export.unpermute_qk`, the
 inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bit at f32. gpt2: the fused
 `attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already).
@@ -32,7 +35,6 @@ import numpy as np
 
 from ..errors import UserError
 
-SOURCE_FILE = "source.json"  # in the checkpoint: where the weights came from and each tensor's type there
 CONTROL, USER_DEFINED, UNUSED, UNKNOWN = 3, 4, 5, 2  # gguf.TokenType values
 
 # tokenizer.ggml.pre -> (pattern name in hf_tokenizer / tokenizer, ignore_merges, add_bos by default);
@@ -341,7 +343,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
 def import_gguf(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
                 progress: bool = True):
     """Import the GGUF file src into the checkpoint directory out (whole or not at all)."""
-    from ..checkpoint import json_writer, model_writers, save_files
+    from ..checkpoint import SOURCE_FILE, json_writer, model_writers, save_files
     from .outputs import check_free, output_dir
     check_free(out, force)
     cfg, params, tok, source = load_gguf(src, n_mtp, progress)

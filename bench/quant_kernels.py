@@ -1,0 +1,248 @@
+"""The matrix products of one decoded token, and of a prompt, per weight type: float32 and float16 panels
+(infer/kernels.py) against Q8_0 / Q4_0 / Q4_1 in integers (infer/qkernels.py, AVX512-VNNI), on the
+shapes of SmolLM-135M (30 layers, d 576, 9/3 heads of 64, ffn 1536, vocab 49152: past any L3 at every type)
+and of the `big` preset (4 layers, d 384, 6/2 heads, ffn 1024, vocab 4096: in L3).
+
+`decode` runs a token's products (per layer qkv, wo, gate_up, down; then the vocabulary head) for one row,
+the panels of each product split evenly over --threads threads (each thread takes its share of every
+product, without a barrier between products, so the figure is the kernels' and the memory's, not the
+thread pool's), best of --repeat; GB/s = the weight bytes read per token / time. `float-x` is the other
+way to multiply quantized weights: activations kept float32 and the weights widened to float32 in
+registers (byte -> int -> float, then float multiply-adds, `_float_panel` below): the same bytes, ~4x the
+instructions of one `vpdpbusd` per 64 byte products. `pp` runs a --prompt-row prompt through every
+layer's products once (rows MAX_R at a time over each panel) and reports prompt rows/s.
+
+    python bench/quant_kernels.py                      # both shapes, 1 and 2 threads
+    python bench/quant_kernels.py --shapes big --threads 1 --repeat 3
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from nanoeuler.infer import kernels  # noqa: E402
+from nanoeuler.infer import qkernels as qk  # noqa: E402
+from nanoeuler.infer import quant  # noqa: E402
+
+SHAPES = {  # layers, d, qkv outputs, ffn, vocab
+    "smollm135m": (30, 576, (9 + 2 * 3) * 64, 1536, 49152),
+    "big": (4, 384, (6 + 2 * 2) * 64, 1024, 4096),
+}
+TYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1")
+
+
+# ---- the alternative measured: float activations, quantized weights widened in registers ---------------------
+def _float_panel_intrinsic(kind: int):
+    """(w, x, sx, t, nb): one row, t[j] = Σ_b dw[b, j]·(Σ_i u[b, j, i]·x[32b + i] - offset·sx[b]) (+ mw·sx:
+    Q4_1), x float32 [nb·32], sx[b] = Σ of x's block b; the panel as qkernels.pack lays it out."""
+    head, body, offset = qk._layout(kind)
+    i16, i32, i64, f32, i8 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.IntType(8)
+    L = qk.LANES
+    ivec, fvec, hvec = ir.VectorType(i32, L), ir.VectorType(f32, L), ir.VectorType(i16, L)
+
+    def codegen(context, builder, sig, args):
+        w, x, sxa, t, nb = args
+        mod = builder.module
+        fma = mod.globals.get(f"llvm.fma.v{L}f32") or ir.Function(mod, ir.FunctionType(fvec, [fvec] * 3),
+                                                                   f"llvm.fma.v{L}f32")
+        bp, xp, sp = (builder.inttoptr(w, i8.as_pointer()), builder.inttoptr(x, f32.as_pointer()),
+                      builder.inttoptr(sxa, f32.as_pointer()))
+
+        def at(off, ty):
+            return builder.bitcast(builder.gep(bp, [off]), ty.as_pointer())
+
+        def splat(s):
+            v = builder.insert_element(ir.Constant(fvec, ir.Undefined), s, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, ir.Constant(fvec, ir.Undefined), ir.Constant(ivec, [0] * L))
+
+        entry, loop, done = builder.block, builder.append_basic_block("f"), builder.append_basic_block("f.end")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        b = builder.phi(i64)
+        acc = [builder.phi(fvec) for _ in range(qk.VECS)]
+        blk = builder.mul(b, ir.Constant(i64, head + body))
+
+        def halves(a0):
+            return [builder.fpext(builder.bitcast(builder.load(at(builder.add(blk, ir.Constant(i64, a0 + 32 * v)), hvec), align=2),
+                                                  ir.VectorType(ir.HalfType(), L)), fvec) for v in range(qk.VECS)]
+        dw, mw = halves(0), (halves(2 * qk.PANEL) if kind == 5 else None)
+        xs = [splat(builder.load(builder.gep(xp, [builder.add(builder.mul(b, ir.Constant(i64, 32)), ir.Constant(i64, i))])))
+              for i in range(32)]
+        sx = splat(builder.load(builder.gep(sp, [b])))
+        mask = ir.Constant(ivec, [0xFF] * L)
+        new = []
+        for v in range(qk.VECS):
+            subs = []
+            for s in range(8 if kind == 3 else 4):
+                raw = builder.load(at(builder.add(blk, ir.Constant(i64, head + (v * (8 if kind == 3 else 4) + s) * 64)), ivec), align=1)
+                subs += [raw] if kind == 3 else [builder.and_(raw, ir.Constant(ivec, [0x0F0F0F0F] * L)),
+                                                 builder.and_(builder.lshr(raw, ir.Constant(ivec, [4] * L)),
+                                                              ir.Constant(ivec, [0x0F0F0F0F] * L))]
+            part = ir.Constant(fvec, [0.0] * L)
+            for u, word in enumerate(subs):
+                for k in range(4):
+                    byte = builder.and_(builder.lshr(word, ir.Constant(ivec, [8 * k] * L)), mask)
+                    part = builder.call(fma, [builder.sitofp(byte, fvec), xs[4 * u + k], part])
+            if offset:
+                part = builder.fsub(part, builder.fmul(sx, ir.Constant(fvec, [float(offset)] * L)))
+            a = builder.call(fma, [part, dw[v], acc[v]])
+            new.append(builder.call(fma, [mw[v], sx, a]) if kind == 5 else a)
+        b1 = builder.add(b, ir.Constant(i64, 1))
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        b.add_incoming(b1, builder.block)
+        for a, a1 in zip(acc, new):
+            a.add_incoming(ir.Constant(fvec, [0.0] * L), entry)
+            a.add_incoming(a1, builder.block)
+        builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
+        builder.position_at_end(done)
+        tp = builder.inttoptr(t, f32.as_pointer())
+        for k, a in enumerate(new):
+            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(i64, k * L)]), fvec.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def typer(typingctx, w, x, sx, t, nb):
+        return types.void(*[types.int64] * 5), codegen
+    typer.__name__ = f"_fpanel{kind}"
+    return intrinsic(typer)
+
+
+_f8, _f40, _f41 = (_float_panel_intrinsic(k) for k in (3, 4, 5))
+
+
+@njit(cache=True, nogil=True)
+def _float_panels(kind, W, x, Y, f0, f1):
+    """One row: Y[panels f0 .. f1 of it] = W @ x, activations float32 (see _float_panel_intrinsic)."""
+    nb = W.shape[1]
+    sx = np.empty(nb, np.float32)
+    for b in range(nb):
+        sx[b] = x[b * 32:(b + 1) * 32].sum()
+    T = np.empty(qk.PANEL, np.float32)
+    for p in range(f0, f1):
+        if kind == 3:
+            _f8(W[p].ctypes.data, x.ctypes.data, sx.ctypes.data, T.ctypes.data, nb)
+        elif kind == 4:
+            _f40(W[p].ctypes.data, x.ctypes.data, sx.ctypes.data, T.ctypes.data, nb)
+        else:
+            _f41(W[p].ctypes.data, x.ctypes.data, sx.ctypes.data, T.ctypes.data, nb)
+        m = min(qk.PANEL, Y.shape[0] - p * qk.PANEL)
+        Y[p * qk.PANEL:p * qk.PANEL + m] = T[:m]
+
+
+# ---- one share of a token's products -------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _float_share(half, mats, outs, X, share, shares):
+    """Panels share::shares... of every matrix in turn, float32 / float16 panels (infer/kernels.py)."""
+    T = np.empty((kernels.MAX_R, kernels.PANEL), np.float32)
+    for W, Y in zip(mats, outs):
+        P = W.shape[0]
+        for b in range(P * share // shares, P * (share + 1) // shares):
+            kernels._gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, X.shape[0], Y.shape[1],
+                               W.shape[1], False, b, T)
+
+
+@njit(cache=True, nogil=True)
+def _quant_share(kind, mats, outs, X, share, shares):
+    """The same for quantized panels (activations quantized per product, as the decode step does)."""
+    for W, Y in zip(mats, outs):
+        n, I = X.shape[0], W.shape[1] * 32
+        xq, xd, xs = np.empty((n, I), np.int8), np.empty((n, I // 32), np.float32), np.empty((n, I // 32), np.float32)
+        qk.quantize_x(X[:, :I], xq, xd, xs)
+        P = W.shape[0]
+        qk.panels(kind, W, xq, xd, xs, Y, False, P * share // shares, P * (share + 1) // shares)
+
+
+@njit(cache=True, nogil=True)
+def _floatx_share(kind, mats, outs, X, share, shares):
+    for W, Y in zip(mats, outs):
+        P = W.shape[0]
+        _float_panels(kind, W, X[0, :W.shape[1] * 32], Y[0], P * share // shares, P * (share + 1) // shares)
+
+
+def model(shape, wtype: str, rng):
+    """The matrices of a token, in kernel form: (list of packed arrays, their (out, in), weight bytes)."""
+    layers, d, qkv, ffn, vocab = SHAPES[shape]
+    dims = [(qkv, d), (d, d), (2 * ffn, d), (d, ffn)] * layers + [(vocab, d)]
+    mats, nbytes = [], 0
+    for O, I in dims:
+        W = (rng.standard_normal((O, I), np.float32) * np.float32(0.05))
+        if wtype in ("float32", "float16"):
+            mats.append(kernels.pack(W if wtype == "float32" else kernels.half_bits(W)))
+        else:
+            mats.append(qk.pack(quant.quantize(W, wtype), wtype, I))
+        nbytes += O * I * quant.WTYPES[wtype].bytes_per_weight
+    return mats, dims, nbytes
+
+
+def timed(fn, args_per_thread, repeat: int) -> float:
+    """Best wall time of running fn(*args) on one thread per args tuple, together."""
+    best = np.inf
+    for _ in range(repeat):
+        ths = [threading.Thread(target=fn, args=a) for a in args_per_thread[1:]]
+        t0 = time.perf_counter()
+        for th in ths:
+            th.start()
+        fn(*args_per_thread[0])
+        for th in ths:
+            th.join()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run(shape: str, threads: list[int], repeat: int, prompt: int) -> None:
+    rng = np.random.default_rng(0)
+    d_max = max(max(SHAPES[shape][1:4]), 2 * SHAPES[shape][3])
+    for wtype in TYPES:
+        mats, dims, nbytes = model(shape, wtype, rng)
+        for rows, label in ((1, "decode"), (prompt, f"pp{prompt}")):
+            X = rng.standard_normal((rows, d_max), np.float32)
+            outs = [np.empty((rows, O), np.float32) for O, _ in dims]
+            use = mats if rows == 1 else mats[:-1]  # a prompt's rows skip the head (only the last row needs it)
+            M, Y = tuple(use), tuple(outs[:len(use)])
+            Xs = [np.ascontiguousarray(X[:, :I]) for _, I in dims[:len(use)]]
+            kinds = [("ints", _quant_share, qk.KINDS[wtype])] if wtype in qk.KINDS else \
+                [("float", _float_share, int(wtype == "float16"))]
+            if wtype in qk.KINDS and rows == 1:
+                kinds.append(("float-x", _floatx_share, qk.KINDS[wtype]))
+            for how, fn, kind in kinds:
+                for th in threads:
+                    if fn is _float_share:  # per matrix its own X width: run matrix by matrix
+                        def one(share, shares, fn=fn, kind=kind):
+                            for W, Yo, Xi in zip(M, Y, Xs):
+                                fn(kind, (W,), (Yo,), Xi, share, shares)
+                    else:
+                        def one(share, shares, fn=fn, kind=kind):
+                            fn(kind, M, Y, X, share, shares)
+                    one(0, 1)  # compile / warm
+                    t = timed(one, [(s, th) for s in range(th)], repeat if rows == 1 else 1)
+                    if rows == 1:
+                        print(f"{shape:>10} {wtype:>7} {how:>7} {label:>7} {th} thr: {t * 1e3:8.2f} ms/token "
+                              f"{nbytes / t / 1e9:6.1f} GB/s  ({nbytes / 1e6:.0f} MB/token)", flush=True)
+                    else:
+                        print(f"{shape:>10} {wtype:>7} {how:>7} {label:>7} {th} thr: {t * 1e3:8.1f} ms "
+                              f"{rows / t:8.1f} prompt rows/s (layers' products)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="smollm135m,big")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=256)
+    args = ap.parse_args()
+    qk.require()
+    for shape in args.shapes.split(","):
+        run(shape, [int(t) for t in args.threads.split(",")], args.repeat, args.prompt)
+
+
+if __name__ == "__main__":
+    main()

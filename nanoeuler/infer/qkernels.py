@@ -1,0 +1,301 @@
+"""Matrix products with block-quantized weights (Q8_0, Q4_0, Q4_1: quant.py) in integers, for decoding and
+prompts: Y [n, out] (+)= X [n, in] @ Wᵀ with W kept in its 8 or 4 bits.
+
+As llama.cpp does, the activations are quantized too, per block of 32 to 8 bits (`quantize_x`: xq int8, a
+float16 scale dx and the block sum sx = Σ xq), and each block's dot product is an integer one, made by
+AVX512-VNNI's `vpdpbusd` (16 lanes, each += 4 unsigned bytes x 4 signed bytes), then scaled:
+
+    y[o] = Σ_blocks dw·dx·(Σ_i qw_i·xq_i)              Q8_0: qw = q ∈ -127..127   Q4_0: qw = q - 8, q ∈ 0..15
+    y[o] = Σ_blocks dw·dx·(Σ_i q_i·xq_i) + mw·dx·sx    Q4_1: w = dw·q + mw
+
+`vpdpbusd` wants the weights unsigned: they are stored as u = q + 128 (Q8_0) or the 4-bit q itself, and
+the offset comes back as Σ qw·xq = Σ u·xq - offset·sx (integers, exact). So a quantized product equals the
+float product of the dequantized weights and the dequantized 8-bit activations to float32 rounding
+(tests/test_quant.py), and is as close to the float32 product as 8-bit activations allow.
+
+Kernel form (`pack`, made once at load from the GGUF bytes): panels of PANEL = 64 outputs, each one stream
+block after block: per block the 64 float16 scales dw (Q4_1: then the 64 minimums), then the integers in
+4 vectors of 16 outputs, each vector in sub-vectors of 64 bytes that hold 4 consecutive inputs per output
+(the 4 bytes `vpdpbusd` multiplies in one lane):
+
+    Q8_0  byte [v, s, j, k]   = q[16v + j, 4s + k] + 128                       s < 8   (2176 bytes a block)
+    Q4_x  byte [v, s, j, k]   = q[16v + j, 8s + k] | q[16v + j, 8s + 4 + k] << 4  s < 4   (1152 | 1280)
+
+A panel runs for up to MAX_R rows at once (one pass over its bytes); every output is computed whole by one
+thread with the same code, so results do not depend on the thread count nor on which rows share a pass.
+Bytes per weight as llama.cpp's files: Q8_0 1.0625, Q4_0 0.5625, Q4_1 0.625 (float32 4, float16 2): the
+decode step reads every weight once, so its speed is these bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.extending import intrinsic
+
+from ..errors import UserError
+from .quant import QK, WTYPES
+
+LANES = 16            # int32 / float32 lanes of one AVX-512 vector: outputs per vector
+VECS = 4              # vectors of outputs per panel
+PANEL = LANES * VECS  # outputs per panel, the unit of work a thread takes
+MAX_R = 4             # rows of X sharing one pass over a panel
+KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5}  # kernel kinds (kernels.py's: 0 float32, 1 float16, 2 attention)
+OPTS = dict(cache=True, nogil=True, error_model="numpy")
+
+
+def cpu_has_vnni() -> bool:
+    """Whether the CPU numba compiles for has AVX512-VNNI (`vpdpbusd`) and AVX512BW."""
+    import llvmlite.binding as ll
+    f = ll.get_host_cpu_features()
+    return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+
+
+AVAILABLE = cpu_has_vnni()  # tests set it False to see the refusal
+
+
+def require() -> None:
+    """Refuse quantized decoding on a CPU without AVX512-VNNI (one line; no silent slow path)."""
+    if not AVAILABLE:
+        raise UserError("q8_0 / q4_0 / q4_1 decoding needs a CPU with AVX512-VNNI (vpdpbusd), which this one "
+                        "lacks; use --dtype float16 or float32")
+
+
+# ---- the kernel form ------------------------------------------------------------------------------------
+def _layout(kind: int) -> tuple[int, int, int]:
+    """(header bytes, integer bytes, offset) of one block of a panel: scales first, then the integers."""
+    if kind == 3:
+        return 2 * PANEL, PANEL * QK, 128
+    return (2 if kind == 4 else 4) * PANEL, PANEL * QK // 2, 8 if kind == 4 else 0
+
+
+def pack(B: np.ndarray, name: str, n_in: int) -> np.ndarray:
+    """The kernel form of a quantized matrix: B its GGUF bytes [..., out, n_in / 32 · bytes per block]
+    (quant.py) -> uint8 [..., ceil(out / PANEL), n_in / 32, block bytes] (see the module docstring; zero rows
+    pad the last panel).  pack(quantize(W, "q8_0"), "q8_0", W.shape[-1])"""
+    if B.ndim > 2:
+        return np.stack([pack(b, name, n_in) for b in B])
+    kind, t = KINDS[name], WTYPES[name]
+    O, nb = B.shape[0], n_in // QK
+    P = -(-O // PANEL)
+    blocks = np.zeros((P * PANEL, nb, t.nbytes), np.uint8)
+    blocks[:O] = B.reshape(O, nb, t.nbytes)
+    scales = 2 if name == "q4_1" else 1
+    head = blocks[..., :2 * scales].reshape(P, PANEL, nb, scales, 2).transpose(0, 2, 3, 1, 4)  # [P, nb, sc, 64, 2]
+    if name == "q8_0":
+        u = blocks[..., 2:] ^ np.uint8(128)                                  # int8 q -> q + 128
+        body = u.reshape(P, VECS, LANES, nb, 8, 4).transpose(0, 3, 1, 4, 2, 5)  # [P, nb, v, s, j, k]
+    else:
+        q = np.concatenate([blocks[..., 2 * scales:] & np.uint8(15), blocks[..., 2 * scales:] >> np.uint8(4)], -1)
+        q = q.reshape(P, VECS, LANES, nb, 4, 2, 4)                          # input 8s + 4h + k
+        body = (q[..., 0, :] | (q[..., 1, :] << np.uint8(4))).transpose(0, 3, 1, 4, 2, 5)
+    return np.ascontiguousarray(np.concatenate([head.reshape(P, nb, -1), body.reshape(P, nb, -1)], axis=2))
+
+
+# ---- one panel, in LLVM IR --------------------------------------------------------------------------------
+def _panel_intrinsic(rows: int, kind: int):
+    """An intrinsic (w, xq, xd, xs, t, nb, n_in) running one panel for `rows` rows, all addresses:
+
+        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw[b, j]·xd·xs: Q4_1)
+
+    the panel at w (nb blocks, see `pack`), xq int8 [rows, n_in], xd, xs float32 [rows, nb], t [rows, PANEL]
+    float32. Per block: the panel's integers are loaded once (Q4_x: split into low and high nibbles) and each
+    row makes VECS chains of 8 `vpdpbusd` against its 4 bytes of activation broadcast per sub-vector, then
+    one int -> float conversion and multiply-add per vector of 16 outputs."""
+    head, body, offset = _layout(kind)
+    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    ivec, fvec, hvec = ir.VectorType(i32, LANES), ir.VectorType(f32, LANES), ir.VectorType(i16, LANES)
+
+    def codegen(context, builder, sig, args):
+        w, xq, xd, xs, t, nb, n_in = args
+        mod = builder.module
+        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
+            mod, ir.FunctionType(ivec, [ivec, ivec, ivec]), "llvm.x86.avx512.vpdpbusd.512")
+        fma = mod.globals.get(f"llvm.fma.v{LANES}f32") or ir.Function(
+            mod, ir.FunctionType(fvec, [fvec, fvec, fvec]), f"llvm.fma.v{LANES}f32")
+        bp = builder.inttoptr(w, i8.as_pointer())
+        xqp, xdp, xsp = (builder.inttoptr(xq, i8.as_pointer()), builder.inttoptr(xd, f32.as_pointer()),
+                         builder.inttoptr(xs, f32.as_pointer()))
+
+        def at(ptr, off, ty):
+            return builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer())
+
+        def splat(s, vty):
+            v = builder.insert_element(ir.Constant(vty, ir.Undefined), s, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ivec, [0] * LANES))
+
+        entry, loop, done = builder.block, builder.append_basic_block("qpanel"), builder.append_basic_block("qpanel.end")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        b = builder.phi(i64)
+        acc = [builder.phi(fvec) for _ in range(rows * VECS)]
+        blk = builder.mul(b, ir.Constant(i64, head + body))
+
+        def halves(at_byte):
+            return [builder.fpext(builder.bitcast(builder.load(at(bp, builder.add(blk, ir.Constant(i64, at_byte + 32 * v)),
+                                                                   hvec), align=2), ir.VectorType(ir.HalfType(), LANES)),
+                                  fvec) for v in range(VECS)]
+        dw = halves(0)
+        mw = halves(2 * PANEL) if kind == 5 else None
+        wv = []  # wv[v][u]: 16 lanes x the 4 bytes of inputs 4u .. 4u + 3
+        for v in range(VECS):
+            if kind == 3:
+                wv.append([builder.load(at(bp, builder.add(blk, ir.Constant(i64, head + (v * 8 + u) * 64)), ivec), align=1)
+                           for u in range(8)])
+                continue
+            lo4, subs = ir.Constant(ivec, [0x0F0F0F0F] * LANES), []
+            for s in range(4):
+                raw = builder.load(at(bp, builder.add(blk, ir.Constant(i64, head + (v * 4 + s) * 64)), ivec), align=1)
+                subs += [builder.and_(raw, lo4), builder.and_(builder.lshr(raw, ir.Constant(ivec, [4] * LANES)), lo4)]
+            wv.append(subs)
+        new = []
+        for r in range(rows):
+            xrow = builder.add(builder.mul(ir.Constant(i64, r), n_in), builder.mul(b, ir.Constant(i64, QK)))
+            xb = [splat(builder.load(at(xqp, builder.add(xrow, ir.Constant(i64, 4 * u)), i32), align=1), ivec)
+                  for u in range(8)]
+            rb = builder.add(builder.mul(ir.Constant(i64, r), nb), b)
+            dx = splat(builder.load(builder.gep(xdp, [rb])), fvec)
+            sx = splat(builder.load(builder.gep(xsp, [rb])), fvec)
+            for v in range(VECS):
+                ia = ir.Constant(ivec, [0] * LANES)
+                for u in range(8):
+                    ia = builder.call(dp, [ia, wv[v][u], xb[u]])
+                f = builder.sitofp(ia, fvec)
+                if offset:
+                    f = builder.fsub(f, builder.fmul(sx, ir.Constant(fvec, [float(offset)] * LANES)))
+                a = builder.call(fma, [f, builder.fmul(dw[v], dx), acc[r * VECS + v]])
+                if kind == 5:
+                    a = builder.call(fma, [mw[v], builder.fmul(dx, sx), a])
+                new.append(a)
+        b1 = builder.add(b, ir.Constant(i64, 1))
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        b.add_incoming(b1, builder.block)
+        for a, a1 in zip(acc, new):
+            a.add_incoming(ir.Constant(fvec, [0.0] * LANES), entry)
+            a.add_incoming(a1, builder.block)
+        builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
+        builder.position_at_end(done)
+        tp = builder.inttoptr(t, f32.as_pointer())
+        for k, a in enumerate(new):
+            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(i64, k * LANES)]), fvec.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def typer(typingctx, w, xq, xd, xs, t, nb, n_in):
+        return types.void(*[types.int64] * 7), codegen
+    typer.__name__ = f"_qpanel{rows}_{kind}"
+    return intrinsic(typer)
+
+
+_a1, _a2, _a3, _a4 = (_panel_intrinsic(r, 3) for r in range(1, 5))  # Q8_0, 1 .. 4 rows
+_b1, _b2, _b3, _b4 = (_panel_intrinsic(r, 4) for r in range(1, 5))  # Q4_0
+_c1, _c2, _c3, _c4 = (_panel_intrinsic(r, 5) for r in range(1, 5))  # Q4_1
+
+
+@njit(inline="always", **OPTS)
+def _panel(kind, k, w, xq, xd, xs, t, nb, n_in):
+    """t[:k] = the panel at w for k <= MAX_R rows (see _panel_intrinsic)."""
+    if kind == 3:
+        if k == 4:
+            _a4(w, xq, xd, xs, t, nb, n_in)
+        elif k == 3:
+            _a3(w, xq, xd, xs, t, nb, n_in)
+        elif k == 2:
+            _a2(w, xq, xd, xs, t, nb, n_in)
+        else:
+            _a1(w, xq, xd, xs, t, nb, n_in)
+    elif kind == 4:
+        if k == 4:
+            _b4(w, xq, xd, xs, t, nb, n_in)
+        elif k == 3:
+            _b3(w, xq, xd, xs, t, nb, n_in)
+        elif k == 2:
+            _b2(w, xq, xd, xs, t, nb, n_in)
+        else:
+            _b1(w, xq, xd, xs, t, nb, n_in)
+    elif k == 4:
+        _c4(w, xq, xd, xs, t, nb, n_in)
+    elif k == 3:
+        _c3(w, xq, xd, xs, t, nb, n_in)
+    elif k == 2:
+        _c2(w, xq, xd, xs, t, nb, n_in)
+    else:
+        _c1(w, xq, xd, xs, t, nb, n_in)
+
+
+# ---- activations ------------------------------------------------------------------------------------------
+@intrinsic
+def _round_half(typingctx, x):
+    """x (float32) rounded to float16 and back: fptrunc then fpext."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@njit(**OPTS)
+def quantize_x(X, xq, xd, xs):
+    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32 [n, k / 32] (quant.quantize_x8, in numba)."""
+    n, k = X.shape
+    for r in range(n):
+        for b in range(k // QK):
+            amax = np.float32(0.0)
+            for i in range(b * QK, (b + 1) * QK):
+                amax = max(amax, abs(X[r, i]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            s = 0
+            for i in range(b * QK, (b + 1) * QK):
+                q = np.int8(np.rint(X[r, i] * inv))
+                xq[r, i] = q
+                s += q
+            xd[r, b] = _round_half(amax / np.float32(127.0))
+            xs[r, b] = s
+
+
+# ---- the product ------------------------------------------------------------------------------------------
+@intrinsic
+def _f32_at(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+STRIDES = tuple(sum(_layout(k)[:2]) if k in KINDS.values() else 0 for k in range(6))  # bytes of a panel's block
+
+
+def kind_of(block_bytes: int) -> int:
+    """The kernel kind of a kernel-form matrix by its last axis (bytes of a panel's block), -1 if none.
+    kind_of(2176) -> 3 (Q8_0)"""
+    return STRIDES.index(block_bytes) if block_bytes in STRIDES[3:] else -1
+
+
+@njit(**OPTS)
+def gemv_panel(kind, Wa, xqa, xda, xsa, Ya, n, O, I, add, p, T):
+    """Outputs p·PANEL .. (at most O) of Y (+)= X @ Wᵀ for every row, all addresses: panel p of W's kernel
+    form at Wa (`pack`), X quantized by `quantize_x` (xq int8 [n, I], xd, xs float32 [n, I / 32]), Y [n, O]
+    float32; rows MAX_R at a time, each group one pass over the panel. T [MAX_R, PANEL] float32 scratch."""
+    nb = I // QK
+    w = Wa + p * nb * STRIDES[kind]
+    o0 = p * PANEL
+    m = min(PANEL, O - o0)
+    Y = carray(_f32_at(Ya), (n, O))
+    r = 0
+    while r < n:
+        k = min(MAX_R, n - r)
+        _panel(kind, k, w, xqa + r * I, xda + r * nb * 4, xsa + r * nb * 4, T.ctypes.data, nb, I)
+        for q in range(k):
+            y = Y[r + q]
+            if add:
+                for j in range(m):
+                    y[o0 + j] += T[q, j]
+            else:
+                for j in range(m):
+                    y[o0 + j] = T[q, j]
+        r += k
+
+
+@njit(**OPTS)
+def panels(kind, W, xq, xd, xs, Y, add, p0, p1):
+    """Panels p0 .. p1 - 1 of Y (+)= X @ Wᵀ (see gemv_panel), arrays C-contiguous."""
+    T = np.empty((MAX_R, PANEL), np.float32)
+    for p in range(p0, p1):
+        gemv_panel(kind, W.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, Y.ctypes.data, Y.shape[0],
+                   Y.shape[1], xq.shape[1], add, p, T)
