@@ -15,9 +15,18 @@ def run_dir(tmp_path_factory):
     from nanoeuler.data.corpus import bundled_works
     tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 300, progress=False)
     d = tmp_path_factory.mktemp("bench") / "run"
-    # two MTP heads: head 1 is not read by decoding, so it must not count in the size or the parameters
-    Model.init(tiny_config(vocab_size=tok.vocab_size, ctx_len=24, n_mtp=2), seed=0).save(d, tokenizer=tok)
+    # two MTP heads: head 1 is not read by decoding, so it must not count in the size or the parameters;
+    # rows of 32 and 64 weights: the block types (32 a block) can quantize every matrix
+    cfg = tiny_config(vocab_size=tok.vocab_size, dim=32, ffn_hidden=64, ctx_len=24, n_mtp=2)
+    Model.init(cfg, seed=0).save(d, tokenizer=tok)
     return d
+
+
+def matrix_bytes(m, dtype: str) -> int:
+    """Bytes of the matrices decoding reads (head 1 left out) at dtype, and the float32 norms beside them."""
+    per32 = {"float32": 128, "float16": 64, "q8_0": 34, "q4_0": 18, "q4_1": 20}[dtype]
+    used = {n: p for n, p in m.params.items() if n != "heads.1.weight"}
+    return sum(p.size * per32 // 32 if p.ndim == 2 else 4 * p.size for p in used.values())
 
 
 def bench_json(argv, capsys) -> dict:
@@ -25,12 +34,18 @@ def bench_json(argv, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("dtype, width", [("float32", 4), ("float16", 2)])
-def test_decode_bench_fields(run_dir, capsys, dtype, width):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "q8_0", "q4_0", "q4_1"])
+def test_decode_bench_fields(run_dir, capsys, dtype):
+    if dtype.startswith("q"):
+        from nanoeuler.infer import qkernels
+        if not qkernels.AVAILABLE:
+            pytest.skip("this CPU has no AVX512-VNNI")
     r = bench_json(["--ckpt", run_dir, "--dtype", dtype, "--threads", "1"], capsys)
     m = Model.load(run_dir)
     head1 = m.params["heads.1.weight"].size
-    assert r["n_params"] == m.n_params() - head1 and r["size_bytes"] == width * r["n_params"]
+    assert r["n_params"] == m.n_params() - head1
+    # float16 rounds the norms too (Float16Model), the block types keep them float32
+    assert r["size_bytes"] == (2 * r["n_params"] if dtype == "float16" else matrix_bytes(m, dtype))
     assert r["dtype"] == dtype and r["threads"] == 1 and r["model"] == "run"
     pp, tg = r["tests"]
     # the context (24) bounds both tests: pp takes it whole, tg leaves room for its first token
@@ -49,10 +64,26 @@ def test_decode_bench_table_and_gguf(run_dir, tmp_path, capsys):
     path = export_gguf(m, load_tokenizer(run_dir), tmp_path / "m.gguf", "f32", progress=False)
     r = bench_json(["--ckpt", path, "--n-prompt", "8", "--n-gen", "4"], capsys)
     assert r["model"] == "m.gguf" and r["n_params"] == m.n_params() - m.params["heads.1.weight"].size
+    assert r["dtype"] == "float32"
     assert [t["test"] for t in r["tests"]] == ["pp8", "tg4"]
     assert main(["bench", "--decode", "--ckpt", str(path), "--repeat", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "t/s" in out[0] and [ln.split("|")[6].strip() for ln in out[2:4]] == ["pp24", "tg23"]
+
+
+def test_a_quantized_gguf_decodes_in_its_own_type(run_dir, tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.infer import qkernels
+    from nanoeuler.interop.gguf_export import export_gguf
+    if not qkernels.AVAILABLE:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    m = Model.load(run_dir)
+    path = export_gguf(m, load_tokenizer(run_dir), tmp_path / "m.gguf", "q4_1", progress=False)
+    r = bench_json(["--ckpt", path, "--n-prompt", "8", "--n-gen", "4"], capsys)
+    one_head = Model(m.config.replace(n_mtp=1), {n: p for n, p in m.params.items() if n != "heads.1.weight"})
+    assert r["dtype"] == "q4_1" and r["size_bytes"] == matrix_bytes(one_head, "q4_1")
+    assert bench_json(["--ckpt", path, "--dtype", "float16", "--n-gen", "4"], capsys)["dtype"] == "float16"
 
 
 @pytest.mark.parametrize("argv, needle", [

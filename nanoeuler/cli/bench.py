@@ -11,6 +11,7 @@ library); this command measures our engine alone, so a user can size a run befor
 from __future__ import annotations
 
 import json
+import math
 
 
 def register(sub) -> None:
@@ -36,7 +37,9 @@ def register(sub) -> None:
                              "--warmup, pp and tg interleaved")
     d.add_argument("--decode", action="store_true", help="measure decoding instead of training (needs --ckpt)")
     d.add_argument("--ckpt", default=None, help="checkpoint directory or .gguf file to decode")
-    d.add_argument("--dtype", choices=DTYPES, default=None, help="the weights while decoding (default float32)")
+    d.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the weights while decoding (default: as `sample` decodes the checkpoint: float32, an "
+                        "imported or .gguf model in its file's type)")
     d.add_argument("--threads", type=positive_int, default=None,
                    help="decoding threads (default: the cores this process may use, at most 8)")
     d.add_argument("--repeat", type=positive_int, default=None, help="timed runs of each test (default 5)")
@@ -114,26 +117,28 @@ def run_training(args) -> int:
 
 
 def load_decoding(args):
-    """(the model decoding runs at args.dtype, its name) of args.ckpt, a checkpoint directory or a .gguf file
-    (imported in memory, nothing written)."""
+    """(the model decoding runs, its name) of args.ckpt, a checkpoint directory or a .gguf file (imported in
+    memory, nothing written), at args.dtype; without one (set here) as `sample` decodes it: an import (and a
+    .gguf file) in the type of its matrices in the file, anything else in float32."""
     from pathlib import Path
 
     from ..model import Model
-    from .sample import decoding_model
+    from .sample import decoding_model, dtype_of_source, source_dtype
     if Path(args.ckpt).suffix.lower() == ".gguf":
         from ..interop.gguf_import import load_gguf
-        cfg, params, _, _ = load_gguf(args.ckpt)
-        model = Model(cfg, params)
+        cfg, params, _, source = load_gguf(args.ckpt)
+        model, args.dtype = Model(cfg, params), args.dtype or dtype_of_source(source)
     else:
-        model = Model.load(args.ckpt, read_only=True)
+        model, args.dtype = Model.load(args.ckpt, read_only=True), args.dtype or source_dtype(args.ckpt)
     return decoding_model(model, args), Path(args.ckpt).name
 
 
 def decoded_weights(model) -> tuple[int, int]:
-    """(parameters, bytes) decoding reads: every matrix but the MTP heads 1..K-1 (llama-bench's size and params
-    count the file's tensors, which hold head 0 only)."""
-    used = [p for name, p in model.params.items() if not (name.startswith("heads.") and name != "heads.0.weight")]
-    return sum(p.size for p in used), sum(p.nbytes for p in used)
+    """(parameters, bytes) decoding reads, in the model's decoding form (float16, blocks of 32 ...): every
+    matrix but the MTP heads 1..K-1 (llama-bench's size and params count the file's tensors: head 0 only)."""
+    shapes = model.config.param_shapes()
+    used = [n for n in model.params if not (n.startswith("heads.") and n != "heads.0.weight")]
+    return sum(math.prod(shapes[n]) for n in used), sum(model.params[n].nbytes for n in used)
 
 
 def decode_rate(model, fused, ids: list[int], n_gen: int, depth: int = 1) -> float:
@@ -156,7 +161,7 @@ def run_decode(args) -> int:
     from ..errors import UserError
     from ..infer import kernels
     from ..infer.step import fuse_weights
-    args.dtype, args.repeat = args.dtype or "float32", args.repeat or 5
+    args.repeat = args.repeat or 5
     model, name = load_decoding(args)
     cfg = model.config
     n_prompt, n_gen = min(args.n_prompt or 256, cfg.ctx_len), min(args.n_gen or 64, cfg.ctx_len - 1)

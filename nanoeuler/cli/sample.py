@@ -43,11 +43,15 @@ SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "Q8_0": "q8_0", "Q4_0": "q4
 
 def source_dtype(ckpt) -> str:
     """The --dtype a checkpoint decodes in by default: float32, or for one imported from a GGUF file the type
-    most of its matrices had there (source.json; Q8_0 -> q8_0, ...; a type we do not decode -> float32)."""
-    from collections import Counter
-
+    most of its matrices had there (source.json, see dtype_of_source)."""
     from ..checkpoint import read_source
-    src = read_source(ckpt) if ckpt else None
+    return dtype_of_source(read_source(ckpt) if ckpt else None)
+
+
+def dtype_of_source(src: dict | None) -> str:
+    """The --dtype of a GGUF import's source record (source.json's dict; None: not imported): the type most of
+    its matrices had in the file (Q8_0 -> q8_0, ...; a type we do not decode -> float32)."""
+    from collections import Counter
     if src is None:
         return "float32"
     kinds = Counter(str(t) for name, t in src["tensor_types"].items() if "norm" not in name)
