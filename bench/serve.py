@@ -16,10 +16,10 @@ prompts, all starting together. Reported per level:
 machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
 adds the engine alone (no HTTP, jobs stepped in this process), timed also in CPU time, which a shared
 machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its HTTP path costs 1 minus it).
---llama-server PATH (or $LLAMA_SERVER) adds llama.cpp's own server on the same model, our GGUF export at
-each --gguf type (`llama-server -np 16`, continuous batching, --threads threads; the context of each
-sequence the model's ctx_len), the same clients and
-requests (`ignore_eos`), and `vs llama-server`: our tok/s ÷ its tok/s at each level (ours at --dtype).
+--llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
+(f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
+-np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
+requests (`ignore_eos`), and `ours / llama-server`: our tok/s ÷ its tok/s at each level.
 Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
 
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
+OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
 
 
 def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
@@ -127,20 +128,19 @@ def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: li
     return rows
 
 
-def llama_server_rows(ckpt: Path, name: str, levels: list[int], args, prompts: list[str], tmp: Path) -> dict:
-    """llama-server on our GGUF export of ckpt at each --gguf type -> {label: rows}."""
+def llama_server_rows(ckpt: Path, label: str, gguf_type: str, levels: list[int], args, prompts: list[str],
+                      tmp: Path) -> list[dict]:
+    """llama-server on our GGUF export of ckpt at gguf_type: the levels' rows."""
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.interop.gguf_export import export_gguf
     model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
-    out = {}
-    for t in args.gguf.split(","):
-        path = export_gguf(model, tok, tmp / f"{ckpt.name}-{t}.gguf", t, force=True, progress=False)
-        label = f"{name} llama-server {t}"
+    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{gguf_type}.gguf", gguf_type, force=True, progress=False)
+    try:
         proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)
-        out[label] = serve_levels(proc, url, label, levels, args, prompts)
+        return serve_levels(proc, url, label, levels, args, prompts)
+    finally:
         path.unlink()
-    return out
 
 
 async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dict:
@@ -237,7 +237,8 @@ def main() -> int:
     ap.add_argument("--level-timeout", type=float, default=120, help="seconds a level may take (default 120)")
     ap.add_argument("--engine", action="store_true",
                     help="also time the engine alone (no HTTP), in wall and in this thread's CPU time")
-    ap.add_argument("--dtype", default="float32", help="our server's --dtype (default float32)")
+    ap.add_argument("--dtype", default="float32",
+                    help="our server's --dtype (default float32; with --llama-server: each --gguf type's)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
     ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")
@@ -258,14 +259,18 @@ def main() -> int:
         models = [(Path(c).name, Path(c)) for c in args.ckpt]
         models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
         for name, ckpt in models:
-            proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), args.dtype)
-            report["models"][name] = serve_levels(proc, url, name, levels, args, prompts)
-            if args.llama_server:
-                theirs = llama_server_rows(ckpt, name, levels, args, prompts, Path(tmp))
-                report["models"].update(theirs)
-                report.setdefault("vs_llama_server", {}).update(
-                    {label: [a["tok_s"] / b["tok_s"] if b["tok_s"] else None
-                             for a, b in zip(report["models"][name], rows)] for label, rows in theirs.items()})
+            # with llama-server: ours at each --gguf type's dtype, each followed by llama-server on that file
+            pairs = [(OURS.get(t, t), t) for t in args.gguf.split(",")] if args.llama_server else [(args.dtype, None)]
+            for dtype, gguf_type in pairs:
+                ours = name if dtype == "float32" else f"{name} {dtype}"
+                proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), dtype)
+                report["models"][ours] = serve_levels(proc, url, ours, levels, args, prompts)
+                if gguf_type:
+                    theirs = f"{name} llama-server {gguf_type}"
+                    rows = llama_server_rows(ckpt, theirs, gguf_type, levels, args, prompts, Path(tmp))
+                    report["models"][theirs] = rows
+                    report.setdefault("vs_llama_server", {})[theirs] = [
+                        a["tok_s"] / b["tok_s"] if b["tok_s"] else None for a, b in zip(report["models"][ours], rows)]
             if args.engine:
                 eng = [engine_level(ckpt, c, args.tokens, prompts) for c in levels]
                 for r in eng:
@@ -297,7 +302,7 @@ def main() -> int:
             print(f"{'':>8} one stream over HTTP: {report['http_vs_engine_1'][name]:.2f}x the engine alone's tok/s "
                   "(wall; the HTTP path's cost is 1 minus it)")
         if name in report.get("vs_llama_server", {}):
-            print(f"{'':>8} ours ({args.dtype}) / llama-server: " + ", ".join(
+            print(f"{'':>8} ours / llama-server (the row above it): " + ", ".join(
                 f"{c} clients {v:.2f}x" for c, v in zip(levels, report["vs_llama_server"][name]) if v))
     return 0
 
