@@ -51,7 +51,8 @@ def cpu_has_vnni() -> bool:
     return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
 
 
-AVAILABLE = cpu_has_vnni()  # tests set it False to see the refusal
+VNNI = cpu_has_vnni()  # what the kernels are compiled for (without it: portable IR, slow, never run by choice)
+AVAILABLE = VNNI       # whether quantized decoding is offered (tests set it False to see the refusal)
 
 
 def require() -> None:
@@ -133,7 +134,20 @@ def ir_function(builder, name, ret, args):
     return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
 
 
-def _panel_intrinsic(kind: int):
+def ir_dot4(builder, acc, u, x, vnni: bool):
+    """acc + per lane the dot product of 4 unsigned bytes of u and 4 signed bytes of x (<16 x i32> each):
+    one `vpdpbusd`, or where the CPU lacks it the same in portable IR (widen, multiply, add the 4 products)
+    so that the float kernels, which compile this path too, still compile there."""
+    if vnni:
+        return builder.call(ir_function(builder, "llvm.x86.avx512.vpdpbusd.512", IVEC, [IVEC] * 3), [acc, u, x])
+    wide, bytes_ = ir.VectorType(I32, 4 * LANES), ir.VectorType(I8, 4 * LANES)
+    p = builder.mul(builder.zext(builder.bitcast(u, bytes_), wide), builder.sext(builder.bitcast(x, bytes_), wide))
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(IVEC, [4 * j + k for j in range(LANES)])))
+    return acc
+
+
+def _panel_intrinsic(kind: int, vnni: bool = VNNI):
     """An intrinsic (k, w, xq, xd, xs, t, nb, n_in) running one panel for k <= MAX_R rows, all addresses:
 
         t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw[b, j]·xd·xs: Q4_1)
@@ -146,7 +160,6 @@ def _panel_intrinsic(kind: int):
     head, body, offset = _layout(kind)
 
     def loop(builder, rows, w, xq, xd, xs, t, nb, n_in):
-        dp = ir_function(builder, "llvm.x86.avx512.vpdpbusd.512", IVEC, [IVEC] * 3)
         fma = ir_function(builder, f"llvm.fma.v{LANES}f32", FVEC, [FVEC] * 3)
         bp, xqp = builder.inttoptr(w, I8.as_pointer()), builder.inttoptr(xq, I8.as_pointer())
         xdp, xsp = builder.inttoptr(xd, F32.as_pointer()), builder.inttoptr(xs, F32.as_pointer())
@@ -181,7 +194,7 @@ def _panel_intrinsic(kind: int):
             for v in range(VECS):
                 ia = ir.Constant(IVEC, [0] * LANES)
                 for u in range(8):
-                    ia = builder.call(dp, [ia, wv[v][u], xb[u]])
+                    ia = ir_dot4(builder, ia, wv[v][u], xb[u], vnni)
                 f = builder.sitofp(ia, FVEC)
                 if offset:
                     f = builder.fsub(f, builder.fmul(sx, ir.Constant(FVEC, [float(offset)] * LANES)))
@@ -209,7 +222,7 @@ def _panel_intrinsic(kind: int):
 
     def typer(typingctx, k, w, xq, xd, xs, t, nb, n_in):
         return types.void(*[types.int64] * 8), codegen
-    typer.__name__ = f"_qpanel{kind}"
+    typer.__name__ = f"_qpanel{kind}{'' if vnni else '_portable'}"
     return intrinsic(typer)
 
 
