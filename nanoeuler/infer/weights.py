@@ -6,6 +6,8 @@ A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's pa
     f32   float32      the float32 values                   the float32 values
     f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
 
+A new type is a new entry (its values, its pack) and, in kernels.py, a kernel kind that reads its form.
+
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
 contiguous [in, out] or None, W in kernel form or None): `Forms.pair` makes it, `linear` (a step's 1..8
@@ -25,15 +27,21 @@ from . import kernels
 @dataclass(frozen=True)
 class WType:
     """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, and the array `kernels.pack` turns into the kernel form."""
+    computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
+    form's shape, dtype), so that stacked matrices can share one buffer (euler.fuse_weights)."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]
-    bits: Callable[[np.ndarray], np.ndarray]
+    pack: Callable[..., np.ndarray]
+    packed: Callable[[tuple], tuple]
 
 
-WTYPES = {"f32": WType("f32", np.dtype(np.float32), lambda a: a, lambda a: a),
-          "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a: a.view(np.uint16))}
+WTYPES = {
+    "f32": WType("f32", np.dtype(np.float32), lambda a: a, kernels.pack,
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32))),
+    "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a, out=None: kernels.pack(a.view(np.uint16), out),
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16))),
+}
 
 
 def wtype(P: dict) -> WType | None:
@@ -60,8 +68,8 @@ class Forms:
         return a if self.wt is None else self.wt.values(a)
 
     def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-        """a as the fused kernels read it (kernels.pack of its weight type's bits), or None without kernels."""
-        return kernels.pack(self.wt.bits(a), out) if self.kernels else None
+        """a as the fused kernels read it (its weight type's pack), or None without kernels."""
+        return self.wt.pack(a, out) if self.kernels else None
 
     def pair(self, W: np.ndarray, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
