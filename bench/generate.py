@@ -104,7 +104,8 @@ def _no_head_drafts(self, win, j):
 def _choose_without_heads(self, win, rule, room, probe):
     """Planner.choose where a probe may find no draft at all (no lookup, no heads): a plain step then."""
     props, d = _ORIGINAL[("Planner", "choose")](self, win, rule, room, probe)
-    return ([], 0) if d and props[0] is None else (props, d)
+    props = [p for p in props if p is not None]
+    return props, min(d, len(props))
 
 
 _ORIGINAL: dict = {}  # (class name, attribute) -> the original, while a variant replaces it

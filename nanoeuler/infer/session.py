@@ -14,7 +14,7 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -230,6 +230,17 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     out.forwards, out.jumps = win.forwards, win.jumps
     return out
 
+
+
+def greedy_answers(model, prompts: Iterable[Sequence[int]], max_new_tokens: int,
+                   stop_ids: Sequence[int]) -> Iterator[Generation]:
+    """Greedy answers to prompts, one after another (speculative: the tokens of plain greedy decoding, in
+    fewer forwards), each prompt cut to its last ctx_len tokens; the model's inference layout is made once
+    (SFT and DPO answer checks: on `gpt` fusing costs ~0.4 s a call)."""
+    W, ctx = step.fuse_weights(model.config, model.params), model.config.ctx_len
+    for ids in prompts:
+        yield generate(model, list(ids)[-ctx:], max_new_tokens=max_new_tokens, temperature=0, stop_ids=stop_ids,
+                       mode="speculative", fused=W)
 
 
 # ---- text in, text out ---------------------------------------------------------------------------
