@@ -401,9 +401,12 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
     rng = np.random.default_rng(8)
     ps = [[int(t) for t in rng.integers(0, QCFG.vocab_size, n)] for n in (1, 3, 7, 12, 5, 9, 2, 4, 6, 8)]
     outs = [[] for _ in ps]
+
+    def tokens_into(out):
+        return lambda kind, *a: out.append(a[0]) if kind == "token" else None
     b = Batcher(qm, max_batch=10)
     for i, p in enumerate(ps):
-        b.submit(Job(ids=p, max_tokens=30, on_event=lambda kind, *a, o=outs[i]: o.append(a[0]) if kind == "token" else None))
+        b.submit(Job(ids=p, max_tokens=30, on_event=tokens_into(outs[i])))
         b.step() if i % 3 == 2 else None
     while b.step():
         pass

@@ -111,9 +111,11 @@ def ir_splat(builder, s, vty):
 
 def ir_halves(builder, bp, blk, at_byte):
     """The VECS vectors of a block's 64 float16 (scales or minimums) at byte at_byte of block blk, as float32."""
-    return [builder.fpext(builder.bitcast(builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, at_byte + 32 * v)),
-                                                             HVEC), align=2), ir.VectorType(ir.HalfType(), LANES)), FVEC)
-            for v in range(VECS)]
+    out = []
+    for v in range(VECS):
+        bits = builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, at_byte + 32 * v)), HVEC), align=2)
+        out.append(builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), FVEC))
+    return out
 
 
 def ir_close_loop(builder, i, acc, new, entry, n, again, out):
@@ -150,7 +152,7 @@ def ir_dot4(builder, acc, u, x, vnni: bool):
 def _panel_intrinsic(kind: int, vnni: bool = VNNI):
     """An intrinsic (k, w, xq, xd, xs, t, nb, n_in) running one panel for k <= MAX_R rows, all addresses:
 
-        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw[b, j]·xd·xs: Q4_1)
+        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (Q4_1: + mw·xd·xs)
 
     the panel at w (nb blocks, see `pack`), xq int8 [k, n_in], xd, xs float32 [k, nb], t [k, PANEL] float32.
     Per block: the panel's integers are loaded once (Q4_x: split into low and high nibbles) and each row
@@ -179,8 +181,8 @@ def _panel_intrinsic(kind: int, vnni: bool = VNNI):
                 continue
             lo4, subs = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), []
             for s in range(4):
-                raw = builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64)), IVEC),
-                                   align=1)
+                at = builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64))
+                raw = builder.load(ir_at(builder, bp, at, IVEC), align=1)
                 subs += [builder.and_(raw, lo4), builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)]
             wv.append(subs)
         new = []
@@ -205,7 +207,7 @@ def _panel_intrinsic(kind: int, vnni: bool = VNNI):
         ir_close_loop(builder, b, acc, new, entry, nb, body_, builder.append_basic_block(f"qpanel{rows}.out"))
         tp = builder.inttoptr(t, F32.as_pointer())
         for k, a in enumerate(new):
-            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(I64, k * LANES)]), FVEC.as_pointer()), align=4)
+            builder.store(a, ir_at(builder, tp, ir.Constant(I64, k * LANES), FVEC), align=4)
 
     def codegen(context, builder, sig, args):
         k, rest = args[0], args[1:]
