@@ -101,11 +101,22 @@ def _no_head_drafts(self, win, j):
     return (self.cont[j], self.LOOKUP_CONF) if j < len(self.cont) else None
 
 
+def _choose_without_heads(self, win, rule, room, probe):
+    """Planner.choose where a probe may find no draft at all (no lookup, no heads): a plain step then."""
+    props, d = _ORIGINAL[("Planner", "choose")](self, win, rule, room, probe)
+    props = [p for p in props if p is not None]
+    return props, min(d, len(props))
+
+
+_ORIGINAL: dict = {}  # (class name, attribute) -> the original, while a variant replaces it
+
 # variant -> (temperature 0 / sampled, fixed depth or None, {(class name, attribute): replacement})
 PARTS = {
     "greedy: all parts": (0, None, {}),
     "greedy: no prompt lookup": (0, None, {("Greedy", "lookup"): lambda self, win: []}),
-    "greedy: no head drafts": (0, None, {("Greedy", "propose_draft"): _no_head_drafts}),
+    "greedy: no head drafts": (0, None, {("Greedy", "propose_draft"): _no_head_drafts,
+                                         ("Planner", "choose"): _choose_without_heads,
+                                         ("Planner", "heads_wanted"): lambda self: 0}),
     "greedy: head drafts made apart": (0, None, {("Planner", "heads_wanted"): lambda self: 0}),
     "greedy: fixed depth 1": (0, 1, {}),
     "greedy: fixed depth 2": (0, 2, {}),
@@ -122,6 +133,7 @@ def parts(model, prompt_ids, args) -> dict:
     out = {}
     for name, (sampled, depth, patches) in PARTS.items():
         saved = {key: getattr(speculative, key[0]).__dict__[key[1]] for key in patches}
+        _ORIGINAL.update(saved)
         speculative._PLANNERS.clear()
         try:
             for (cls, attr), fn in patches.items():

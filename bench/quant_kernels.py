@@ -46,68 +46,48 @@ def _float_panel_intrinsic(kind: int):
     """(w, x, sx, t, nb): one row, t[j] = Σ_b dw[b, j]·(Σ_i u[b, j, i]·x[32b + i] - offset·sx[b]) (+ mw·sx:
     Q4_1), x float32 [nb·32], sx[b] = Σ of x's block b; the panel as qkernels.pack lays it out."""
     head, body, offset = qk._layout(kind)
-    i16, i32, i64, f32, i8 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.IntType(8)
-    L = qk.LANES
-    ivec, fvec, hvec = ir.VectorType(i32, L), ir.VectorType(f32, L), ir.VectorType(i16, L)
+    L, I64, F32, IVEC, FVEC = qk.LANES, qk.I64, qk.F32, qk.IVEC, qk.FVEC
 
     def codegen(context, builder, sig, args):
         w, x, sxa, t, nb = args
-        mod = builder.module
-        fma = mod.globals.get(f"llvm.fma.v{L}f32") or ir.Function(mod, ir.FunctionType(fvec, [fvec] * 3),
-                                                                   f"llvm.fma.v{L}f32")
-        bp, xp, sp = (builder.inttoptr(w, i8.as_pointer()), builder.inttoptr(x, f32.as_pointer()),
-                      builder.inttoptr(sxa, f32.as_pointer()))
-
-        def at(off, ty):
-            return builder.bitcast(builder.gep(bp, [off]), ty.as_pointer())
-
-        def splat(s):
-            v = builder.insert_element(ir.Constant(fvec, ir.Undefined), s, ir.Constant(i32, 0))
-            return builder.shuffle_vector(v, ir.Constant(fvec, ir.Undefined), ir.Constant(ivec, [0] * L))
-
+        fma = qk.ir_function(builder, f"llvm.fma.v{L}f32", FVEC, [FVEC] * 3)
+        bp, xp = builder.inttoptr(w, qk.I8.as_pointer()), builder.inttoptr(x, F32.as_pointer())
+        sp = builder.inttoptr(sxa, F32.as_pointer())
         entry, loop, done = builder.block, builder.append_basic_block("f"), builder.append_basic_block("f.end")
         builder.branch(loop)
         builder.position_at_end(loop)
-        b = builder.phi(i64)
-        acc = [builder.phi(fvec) for _ in range(qk.VECS)]
-        blk = builder.mul(b, ir.Constant(i64, head + body))
-
-        def halves(a0):
-            return [builder.fpext(builder.bitcast(builder.load(at(builder.add(blk, ir.Constant(i64, a0 + 32 * v)), hvec), align=2),
-                                                  ir.VectorType(ir.HalfType(), L)), fvec) for v in range(qk.VECS)]
-        dw, mw = halves(0), (halves(2 * qk.PANEL) if kind == 5 else None)
-        xs = [splat(builder.load(builder.gep(xp, [builder.add(builder.mul(b, ir.Constant(i64, 32)), ir.Constant(i64, i))])))
+        b = builder.phi(I64)
+        acc = [builder.phi(FVEC) for _ in range(qk.VECS)]
+        blk = builder.mul(b, ir.Constant(I64, head + body))
+        dw = qk.ir_halves(builder, bp, blk, 0)
+        mw = qk.ir_halves(builder, bp, blk, 2 * qk.PANEL) if kind == 5 else None
+        x32 = builder.mul(b, ir.Constant(I64, 32))
+        xs = [qk.ir_splat(builder, builder.load(builder.gep(xp, [builder.add(x32, ir.Constant(I64, i))])), FVEC)
               for i in range(32)]
-        sx = splat(builder.load(builder.gep(sp, [b])))
-        mask = ir.Constant(ivec, [0xFF] * L)
+        sx = qk.ir_splat(builder, builder.load(builder.gep(sp, [b])), FVEC)
+        low4, mask = ir.Constant(IVEC, [0x0F0F0F0F] * L), ir.Constant(IVEC, [0xFF] * L)
+        per = 8 if kind == 3 else 4
         new = []
         for v in range(qk.VECS):
-            subs = []
-            for s in range(8 if kind == 3 else 4):
-                raw = builder.load(at(builder.add(blk, ir.Constant(i64, head + (v * (8 if kind == 3 else 4) + s) * 64)), ivec), align=1)
-                subs += [raw] if kind == 3 else [builder.and_(raw, ir.Constant(ivec, [0x0F0F0F0F] * L)),
-                                                 builder.and_(builder.lshr(raw, ir.Constant(ivec, [4] * L)),
-                                                              ir.Constant(ivec, [0x0F0F0F0F] * L))]
-            part = ir.Constant(fvec, [0.0] * L)
-            for u, word in enumerate(subs):
+            words = []
+            for s in range(per):
+                raw = builder.load(qk.ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * per + s) * 64)),
+                                            IVEC), align=1)
+                words += [raw] if kind == 3 else [builder.and_(raw, low4),
+                                                  builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * L)), low4)]
+            part = ir.Constant(FVEC, [0.0] * L)
+            for u, word in enumerate(words):
                 for k in range(4):
-                    byte = builder.and_(builder.lshr(word, ir.Constant(ivec, [8 * k] * L)), mask)
-                    part = builder.call(fma, [builder.sitofp(byte, fvec), xs[4 * u + k], part])
+                    byte = builder.and_(builder.lshr(word, ir.Constant(IVEC, [8 * k] * L)), mask)
+                    part = builder.call(fma, [builder.sitofp(byte, FVEC), xs[4 * u + k], part])
             if offset:
-                part = builder.fsub(part, builder.fmul(sx, ir.Constant(fvec, [float(offset)] * L)))
+                part = builder.fsub(part, builder.fmul(sx, ir.Constant(FVEC, [float(offset)] * L)))
             a = builder.call(fma, [part, dw[v], acc[v]])
             new.append(builder.call(fma, [mw[v], sx, a]) if kind == 5 else a)
-        b1 = builder.add(b, ir.Constant(i64, 1))
-        b.add_incoming(ir.Constant(i64, 0), entry)
-        b.add_incoming(b1, builder.block)
-        for a, a1 in zip(acc, new):
-            a.add_incoming(ir.Constant(fvec, [0.0] * L), entry)
-            a.add_incoming(a1, builder.block)
-        builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
-        builder.position_at_end(done)
-        tp = builder.inttoptr(t, f32.as_pointer())
+        qk.ir_close_loop(builder, b, acc, new, entry, nb, loop, done)
+        tp = builder.inttoptr(t, F32.as_pointer())
         for k, a in enumerate(new):
-            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(i64, k * L)]), fvec.as_pointer()), align=4)
+            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(I64, k * L)]), FVEC.as_pointer()), align=4)
         return context.get_dummy_value()
 
     def typer(typingctx, w, x, sx, t, nb):

@@ -311,7 +311,7 @@ def load_model(run_dir, read_only: bool = False) -> tuple[Config, dict[str, np.n
     return config, params
 
 
-SOURCE_FILE = "source.json"  # in a checkpoint imported from a GGUF file: where the weights came from, each tensor's type there
+SOURCE_FILE = "source.json"  # of a checkpoint imported from a GGUF file: where from, each tensor's type there
 
 
 def read_source(run_dir) -> dict | None:

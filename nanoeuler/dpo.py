@@ -240,20 +240,15 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
     from .dpo_data import pair_prompt_ids
-    from .infer.session import generate
-    from .infer.step import fuse_weights
+    from .infer.session import greedy_answers
     from .sft import SCORED, normalize
     rows = []
-    it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]
-    W = fuse_weights(model.config, model.params)  # once for every prompt (the model does not change here)
+    todo = it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]
     if progress:
         from tqdm import tqdm
-        it = tqdm(it, desc="greedy answers", unit="prompt", dynamic_ncols=True)
-    ctx = model.config.ctx_len
-    for p in it:
-        ids = pair_prompt_ids(tok, p)[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
-                     mode="speculative", fused=W)
+        it = tqdm(todo, desc="greedy answers", unit="prompt", dynamic_ncols=True)
+    prompts = (pair_prompt_ids(tok, p) for p in it)
+    for g, p in zip(greedy_answers(model, prompts, max_new_tokens, tok.stop_ids), todo):
         text = tok.decode(g.ids)
         ok = g.stopped and normalize(text) == normalize(p["chosen"])
         rows.append({"task": p.get("task", ""), "answer": text, "expected": p["chosen"], "correct": ok,

@@ -327,21 +327,15 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     when it is in format and (normalized) equals the record's output. *Lenient* ignores the format: the
     first non-empty line of the text equals the output (fairer to a base model that never says </s>).
     Accuracies are over the scored tasks."""
-    from .infer.session import generate
-    from .infer.step import fuse_weights
+    from .infer.session import greedy_answers
     rows = []
     it = records
-    W = fuse_weights(model.config, model.params)  # once for every prompt (the model does not change here)
     if progress:
         from tqdm import tqdm
         it = tqdm(records, desc="answers", unit="prompt", dynamic_ncols=True)
-    ctx = model.config.ctx_len
     drafted = accepted = 0
-    for r in it:
-        ids, _ = render(tok, r["instruction"], r["input"])
-        ids = ids[-ctx:]
-        g = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0, stop_ids=tok.stop_ids,
-                     mode="speculative", fused=W)
+    prompts = (render(tok, r["instruction"], r["input"])[0] for r in it)
+    for g, r in zip(greedy_answers(model, prompts, max_new_tokens, tok.stop_ids), records):
         drafted, accepted = drafted + g.drafted, accepted + g.accepted
         text = tok.decode(g.ids)
         in_format = g.stopped and bool(text.strip()) and "###" not in text

@@ -10,6 +10,7 @@ decoded in its own type, and llama.cpp's logits and greedy tokens on the same fi
 import numpy as np
 import pytest
 from conftest import rel_err, tiny_config
+from numba import njit
 
 from nanoeuler import Model
 from nanoeuler.errors import UserError
@@ -102,6 +103,36 @@ def test_pack_holds_the_integers_and_scales(name):
         W = W + m.transpose(0, 2, 1).reshape(-1, 2)[:O, :, None]
     np.testing.assert_array_equal(W.reshape(O, I), quant.dequantize(B, name, I))
     assert not Wk[1, :, :head].view(np.float16).reshape(2, -1, 64)[:, :, O - 64:].any()  # padding: zero scales
+
+
+_P8, _P40, _P41 = (qk._panel_intrinsic(kind, vnni=False) for kind in (3, 4, 5))
+
+
+@njit
+def _portable_panel(kind, k, w, xq, xd, xs, t, nb, n_in):
+    if kind == 3:
+        _P8(k, w, xq, xd, xs, t, nb, n_in)
+    elif kind == 4:
+        _P40(k, w, xq, xd, xs, t, nb, n_in)
+    else:
+        _P41(k, w, xq, xd, xs, t, nb, n_in)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", TYPES)
+def test_the_portable_panel_equals_vnni(name):
+    """Without AVX512-VNNI the kernels compile `vpdpbusd` as portable IR (every decoding kernel compiles the
+    quantized branch, float models too): the same integers, so the same bits."""
+    rng = np.random.default_rng(9)
+    I = 96
+    Wk = qk.pack(quant.quantize(rng.standard_normal((qk.PANEL, I)), name), name, I)
+    X = rng.standard_normal((3, I)).astype(np.float32)
+    xq, xd, xs = np.empty((3, I), np.int8), np.empty((3, I // 32), np.float32), np.empty((3, I // 32), np.float32)
+    qk.quantize_x(X, xq, xd, xs)
+    T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
+    _portable_panel(qk.KINDS[name], 3, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, T.ctypes.data,
+                    I // 32, I)
+    np.testing.assert_array_equal(T[:3], kernels.matvec(Wk, X, qk.PANEL))
 
 
 def quantized_reference(B, name, X):
@@ -370,9 +401,12 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
     rng = np.random.default_rng(8)
     ps = [[int(t) for t in rng.integers(0, QCFG.vocab_size, n)] for n in (1, 3, 7, 12, 5, 9, 2, 4, 6, 8)]
     outs = [[] for _ in ps]
+
+    def tokens_into(out):
+        return lambda kind, *a: out.append(a[0]) if kind == "token" else None
     b = Batcher(qm, max_batch=10)
     for i, p in enumerate(ps):
-        b.submit(Job(ids=p, max_tokens=30, on_event=lambda kind, *a, o=outs[i]: o.append(a[0]) if kind == "token" else None))
+        b.submit(Job(ids=p, max_tokens=30, on_event=tokens_into(outs[i])))
         b.step() if i % 3 == 2 else None
     while b.step():
         pass

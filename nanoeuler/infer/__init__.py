@@ -8,7 +8,8 @@ Modules, each importing only the ones above it in this list:
     euler.py        arch euler: inference layout of the weights, the readable NumPy forward (any rows)
     gpt2.py         arch gpt2: the same two for GPT-2 (LayerNorm, biases, learned positions, GELU)
     step.py         the one step every caller runs: the architecture registry, fused-or-reference chosen
-                    once (in `fuse_weights`), `forward_hidden` for one sequence, `forward_rows` for many
+                    once (in `fuse_weights`); `forward_hidden` for one sequence, `advance` for a speculative
+                    round, `decode_rows` for one token per row of a batch
     sampling.py     temperature / top-k / top-p, drawing, log-probabilities
     speculative.py  self-speculative decoding: MTP-head and prompt-lookup drafts, exact acceptance, the planner
     session.py      one sequence: `generate` (full / cache / speculative), the context-window rule, text out

@@ -67,8 +67,8 @@ def _stack(mats: dict, forms: Forms) -> tuple[dict, dict]:
                                      parts[0][0].dtype)
         for i, ps in enumerate(parts):
             np.concatenate(ps, out=S[i])
-    shapes = {name: forms.wt.packed_shape(S.shape) for name, S in stacked.items()}
-    buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), forms.wt.bits(stacked["qkv"][:0]).dtype)
+    shapes = {name: forms.wt.packed(S.shape)[0] for name, S in stacked.items()}
+    buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), forms.wt.packed(stacked["qkv"].shape)[1])
     packed, off = {}, 0
     for name, sh in shapes.items():
         packed[name] = forms.kernel_form(stacked[name], buf[off:off + np.prod(sh)].reshape(sh))

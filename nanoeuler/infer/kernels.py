@@ -344,14 +344,7 @@ def _gemv_panel(half, Wa, Xa, Ya, n, O, I, add, b, T):
     while r < n:
         k = min(MAX_R, n - r)
         _panel(half, k, w, Xa + r * I * 4, T.ctypes.data, I)
-        for q in range(k):
-            y = Y[r + q]
-            if add:
-                for j in range(m):
-                    y[o0 + j] += T[q, j]
-            else:
-                for j in range(m):
-                    y[o0 + j] = T[q, j]
+        qkernels.store_rows(Y, T, r, k, o0, m, add)
         r += k
 
 

@@ -51,7 +51,8 @@ def cpu_has_vnni() -> bool:
     return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
 
 
-AVAILABLE = cpu_has_vnni()  # tests set it False to see the refusal
+VNNI = cpu_has_vnni()  # what the kernels are compiled for (without it: portable IR, slow, never run by choice)
+AVAILABLE = VNNI       # whether quantized decoding is offered (tests set it False to see the refusal)
 
 
 def require() -> None:
@@ -93,133 +94,165 @@ def pack(B: np.ndarray, name: str, n_in: int) -> np.ndarray:
 
 
 # ---- one panel, in LLVM IR --------------------------------------------------------------------------------
-def _panel_intrinsic(rows: int, kind: int):
-    """An intrinsic (w, xq, xd, xs, t, nb, n_in) running one panel for `rows` rows, all addresses:
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+IVEC, FVEC, HVEC = ir.VectorType(I32, LANES), ir.VectorType(F32, LANES), ir.VectorType(I16, LANES)
 
-        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw[b, j]·xd·xs: Q4_1)
 
-    the panel at w (nb blocks, see `pack`), xq int8 [rows, n_in], xd, xs float32 [rows, nb], t [rows, PANEL]
-    float32. Per block: the panel's integers are loaded once (Q4_x: split into low and high nibbles) and each
-    row makes VECS chains of 8 `vpdpbusd` against its 4 bytes of activation broadcast per sub-vector, then
-    one int -> float conversion and multiply-add per vector of 16 outputs."""
+def ir_at(builder, ptr, off, ty):
+    """A pointer to a `ty` at byte (or element) offset `off` of ptr."""
+    return builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer())
+
+
+def ir_splat(builder, s, vty):
+    """The scalar s in every lane of a vector of type vty."""
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), s, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(IVEC, [0] * LANES))
+
+
+def ir_halves(builder, bp, blk, at_byte):
+    """The VECS vectors of a block's 64 float16 (scales or minimums) at byte at_byte of block blk, as float32."""
+    out = []
+    for v in range(VECS):
+        bits = builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, at_byte + 32 * v)), HVEC), align=2)
+        out.append(builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), FVEC))
+    return out
+
+
+def ir_close_loop(builder, i, acc, new, entry, n, again, out):
+    """End a loop body: the counter phi i runs 0, 1, .. while < n, each accumulator phi of acc starts at zero
+    (from the block entry) and carries its value in new; then branch back to `again` or on to `out`."""
+    i1 = builder.add(i, ir.Constant(I64, 1))
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    i.add_incoming(i1, builder.block)
+    for a, a1 in zip(acc, new):
+        a.add_incoming(ir.Constant(FVEC, [0.0] * LANES), entry)
+        a.add_incoming(a1, builder.block)
+    builder.cbranch(builder.icmp_signed("<", i1, n), again, out)
+    builder.position_at_end(out)
+
+
+def ir_function(builder, name, ret, args):
+    mod = builder.module
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
+
+
+def ir_dot4(builder, acc, u, x, vnni: bool):
+    """acc + per lane the dot product of 4 unsigned bytes of u and 4 signed bytes of x (<16 x i32> each):
+    one `vpdpbusd`, or where the CPU lacks it the same in portable IR (widen, multiply, add the 4 products)
+    so that the float kernels, which compile this path too, still compile there."""
+    if vnni:
+        return builder.call(ir_function(builder, "llvm.x86.avx512.vpdpbusd.512", IVEC, [IVEC] * 3), [acc, u, x])
+    wide, bytes_ = ir.VectorType(I32, 4 * LANES), ir.VectorType(I8, 4 * LANES)
+    p = builder.mul(builder.zext(builder.bitcast(u, bytes_), wide), builder.sext(builder.bitcast(x, bytes_), wide))
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(IVEC, [4 * j + k for j in range(LANES)])))
+    return acc
+
+
+def _panel_intrinsic(kind: int, vnni: bool = VNNI):
+    """An intrinsic (k, w, xq, xd, xs, t, nb, n_in) running one panel for k <= MAX_R rows, all addresses:
+
+        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (Q4_1: + mw·xd·xs)
+
+    the panel at w (nb blocks, see `pack`), xq int8 [k, n_in], xd, xs float32 [k, nb], t [k, PANEL] float32.
+    Per block: the panel's integers are loaded once (Q4_x: split into low and high nibbles) and each row
+    makes VECS chains of 8 `vpdpbusd` against its 4 bytes of activation broadcast per sub-vector, then one
+    int -> float conversion and multiply-add per vector of 16 outputs. One loop per row count (its
+    accumulators in registers), chosen by a switch on k."""
     head, body, offset = _layout(kind)
-    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-    ivec, fvec, hvec = ir.VectorType(i32, LANES), ir.VectorType(f32, LANES), ir.VectorType(i16, LANES)
 
-    def codegen(context, builder, sig, args):
-        w, xq, xd, xs, t, nb, n_in = args
-        mod = builder.module
-        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
-            mod, ir.FunctionType(ivec, [ivec, ivec, ivec]), "llvm.x86.avx512.vpdpbusd.512")
-        fma = mod.globals.get(f"llvm.fma.v{LANES}f32") or ir.Function(
-            mod, ir.FunctionType(fvec, [fvec, fvec, fvec]), f"llvm.fma.v{LANES}f32")
-        bp = builder.inttoptr(w, i8.as_pointer())
-        xqp, xdp, xsp = (builder.inttoptr(xq, i8.as_pointer()), builder.inttoptr(xd, f32.as_pointer()),
-                         builder.inttoptr(xs, f32.as_pointer()))
-
-        def at(ptr, off, ty):
-            return builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer())
-
-        def splat(s, vty):
-            v = builder.insert_element(ir.Constant(vty, ir.Undefined), s, ir.Constant(i32, 0))
-            return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ivec, [0] * LANES))
-
-        entry, loop, done = builder.block, builder.append_basic_block("qpanel"), builder.append_basic_block("qpanel.end")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        acc = [builder.phi(fvec) for _ in range(rows * VECS)]
-        blk = builder.mul(b, ir.Constant(i64, head + body))
-
-        def halves(at_byte):
-            return [builder.fpext(builder.bitcast(builder.load(at(bp, builder.add(blk, ir.Constant(i64, at_byte + 32 * v)),
-                                                                   hvec), align=2), ir.VectorType(ir.HalfType(), LANES)),
-                                  fvec) for v in range(VECS)]
-        dw = halves(0)
-        mw = halves(2 * PANEL) if kind == 5 else None
+    def loop(builder, rows, w, xq, xd, xs, t, nb, n_in):
+        fma = ir_function(builder, f"llvm.fma.v{LANES}f32", FVEC, [FVEC] * 3)
+        bp, xqp = builder.inttoptr(w, I8.as_pointer()), builder.inttoptr(xq, I8.as_pointer())
+        xdp, xsp = builder.inttoptr(xd, F32.as_pointer()), builder.inttoptr(xs, F32.as_pointer())
+        entry, body_ = builder.block, builder.append_basic_block(f"qpanel{rows}")
+        builder.branch(body_)
+        builder.position_at_end(body_)
+        b = builder.phi(I64)
+        acc = [builder.phi(FVEC) for _ in range(rows * VECS)]
+        blk = builder.mul(b, ir.Constant(I64, head + body))
+        dw = ir_halves(builder, bp, blk, 0)
+        mw = ir_halves(builder, bp, blk, 2 * PANEL) if kind == 5 else None
         wv = []  # wv[v][u]: 16 lanes x the 4 bytes of inputs 4u .. 4u + 3
         for v in range(VECS):
             if kind == 3:
-                wv.append([builder.load(at(bp, builder.add(blk, ir.Constant(i64, head + (v * 8 + u) * 64)), ivec), align=1)
-                           for u in range(8)])
+                wv.append([builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * 8 + u) * 64)),
+                                              IVEC), align=1) for u in range(8)])
                 continue
-            lo4, subs = ir.Constant(ivec, [0x0F0F0F0F] * LANES), []
+            lo4, subs = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), []
             for s in range(4):
-                raw = builder.load(at(bp, builder.add(blk, ir.Constant(i64, head + (v * 4 + s) * 64)), ivec), align=1)
-                subs += [builder.and_(raw, lo4), builder.and_(builder.lshr(raw, ir.Constant(ivec, [4] * LANES)), lo4)]
+                at = builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64))
+                raw = builder.load(ir_at(builder, bp, at, IVEC), align=1)
+                subs += [builder.and_(raw, lo4), builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)]
             wv.append(subs)
         new = []
         for r in range(rows):
-            xrow = builder.add(builder.mul(ir.Constant(i64, r), n_in), builder.mul(b, ir.Constant(i64, QK)))
-            xb = [splat(builder.load(at(xqp, builder.add(xrow, ir.Constant(i64, 4 * u)), i32), align=1), ivec)
-                  for u in range(8)]
-            rb = builder.add(builder.mul(ir.Constant(i64, r), nb), b)
-            dx = splat(builder.load(builder.gep(xdp, [rb])), fvec)
-            sx = splat(builder.load(builder.gep(xsp, [rb])), fvec)
+            xrow = builder.add(builder.mul(ir.Constant(I64, r), n_in), builder.mul(b, ir.Constant(I64, QK)))
+            xb = [ir_splat(builder, builder.load(ir_at(builder, xqp, builder.add(xrow, ir.Constant(I64, 4 * u)), I32),
+                                                 align=1), IVEC) for u in range(8)]
+            rb = builder.add(builder.mul(ir.Constant(I64, r), nb), b)
+            dx = ir_splat(builder, builder.load(builder.gep(xdp, [rb])), FVEC)
+            sx = ir_splat(builder, builder.load(builder.gep(xsp, [rb])), FVEC)
             for v in range(VECS):
-                ia = ir.Constant(ivec, [0] * LANES)
+                ia = ir.Constant(IVEC, [0] * LANES)
                 for u in range(8):
-                    ia = builder.call(dp, [ia, wv[v][u], xb[u]])
-                f = builder.sitofp(ia, fvec)
+                    ia = ir_dot4(builder, ia, wv[v][u], xb[u], vnni)
+                f = builder.sitofp(ia, FVEC)
                 if offset:
-                    f = builder.fsub(f, builder.fmul(sx, ir.Constant(fvec, [float(offset)] * LANES)))
+                    f = builder.fsub(f, builder.fmul(sx, ir.Constant(FVEC, [float(offset)] * LANES)))
                 a = builder.call(fma, [f, builder.fmul(dw[v], dx), acc[r * VECS + v]])
                 if kind == 5:
                     a = builder.call(fma, [mw[v], builder.fmul(dx, sx), a])
                 new.append(a)
-        b1 = builder.add(b, ir.Constant(i64, 1))
-        b.add_incoming(ir.Constant(i64, 0), entry)
-        b.add_incoming(b1, builder.block)
-        for a, a1 in zip(acc, new):
-            a.add_incoming(ir.Constant(fvec, [0.0] * LANES), entry)
-            a.add_incoming(a1, builder.block)
-        builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
-        builder.position_at_end(done)
-        tp = builder.inttoptr(t, f32.as_pointer())
+        ir_close_loop(builder, b, acc, new, entry, nb, body_, builder.append_basic_block(f"qpanel{rows}.out"))
+        tp = builder.inttoptr(t, F32.as_pointer())
         for k, a in enumerate(new):
-            builder.store(a, builder.bitcast(builder.gep(tp, [ir.Constant(i64, k * LANES)]), fvec.as_pointer()), align=4)
+            builder.store(a, ir_at(builder, tp, ir.Constant(I64, k * LANES), FVEC), align=4)
+
+    def codegen(context, builder, sig, args):
+        k, rest = args[0], args[1:]
+        done = builder.append_basic_block("qpanel.done")
+        cases = [builder.append_basic_block(f"rows{rows}") for rows in range(1, MAX_R + 1)]
+        switch = builder.switch(k, cases[0])
+        for rows, case in enumerate(cases, 1):
+            switch.add_case(ir.Constant(I64, rows), case)
+            builder.position_at_end(case)
+            loop(builder, rows, *rest)
+            builder.branch(done)
+        builder.position_at_end(done)
         return context.get_dummy_value()
 
-    def typer(typingctx, w, xq, xd, xs, t, nb, n_in):
-        return types.void(*[types.int64] * 7), codegen
-    typer.__name__ = f"_qpanel{rows}_{kind}"
+    def typer(typingctx, k, w, xq, xd, xs, t, nb, n_in):
+        return types.void(*[types.int64] * 8), codegen
+    typer.__name__ = f"_qpanel{kind}{'' if vnni else '_portable'}"
     return intrinsic(typer)
 
 
-_a1, _a2, _a3, _a4 = (_panel_intrinsic(r, 3) for r in range(1, 5))  # Q8_0, 1 .. 4 rows
-_b1, _b2, _b3, _b4 = (_panel_intrinsic(r, 4) for r in range(1, 5))  # Q4_0
-_c1, _c2, _c3, _c4 = (_panel_intrinsic(r, 5) for r in range(1, 5))  # Q4_1
+_q8_0, _q4_0, _q4_1 = (_panel_intrinsic(kind) for kind in (3, 4, 5))
 
 
 @njit(inline="always", **OPTS)
 def _panel(kind, k, w, xq, xd, xs, t, nb, n_in):
     """t[:k] = the panel at w for k <= MAX_R rows (see _panel_intrinsic)."""
     if kind == 3:
-        if k == 4:
-            _a4(w, xq, xd, xs, t, nb, n_in)
-        elif k == 3:
-            _a3(w, xq, xd, xs, t, nb, n_in)
-        elif k == 2:
-            _a2(w, xq, xd, xs, t, nb, n_in)
-        else:
-            _a1(w, xq, xd, xs, t, nb, n_in)
+        _q8_0(k, w, xq, xd, xs, t, nb, n_in)
     elif kind == 4:
-        if k == 4:
-            _b4(w, xq, xd, xs, t, nb, n_in)
-        elif k == 3:
-            _b3(w, xq, xd, xs, t, nb, n_in)
-        elif k == 2:
-            _b2(w, xq, xd, xs, t, nb, n_in)
-        else:
-            _b1(w, xq, xd, xs, t, nb, n_in)
-    elif k == 4:
-        _c4(w, xq, xd, xs, t, nb, n_in)
-    elif k == 3:
-        _c3(w, xq, xd, xs, t, nb, n_in)
-    elif k == 2:
-        _c2(w, xq, xd, xs, t, nb, n_in)
+        _q4_0(k, w, xq, xd, xs, t, nb, n_in)
     else:
-        _c1(w, xq, xd, xs, t, nb, n_in)
+        _q4_1(k, w, xq, xd, xs, t, nb, n_in)
+
+
+@njit(inline="always", **OPTS)
+def store_rows(Y, T, r, k, o0, m, add):
+    """Y[r + q, o0 : o0 + m] (+)= T[q, :m] for q < k: a panel's outputs for k rows into their place."""
+    for q in range(k):
+        y = Y[r + q]
+        if add:
+            for j in range(m):
+                y[o0 + j] += T[q, j]
+        else:
+            for j in range(m):
+                y[o0 + j] = T[q, j]
 
 
 # ---- activations ------------------------------------------------------------------------------------------
@@ -281,14 +314,7 @@ def gemv_panel(kind, Wa, xqa, xda, xsa, Ya, n, O, I, add, p, T):
     while r < n:
         k = min(MAX_R, n - r)
         _panel(kind, k, w, xqa + r * I, xda + r * nb * 4, xsa + r * nb * 4, T.ctypes.data, nb, I)
-        for q in range(k):
-            y = Y[r + q]
-            if add:
-                for j in range(m):
-                    y[o0 + j] += T[q, j]
-            else:
-                for j in range(m):
-                    y[o0 + j] = T[q, j]
+        store_rows(Y, T, r, k, o0, m, add)
         r += k
 
 

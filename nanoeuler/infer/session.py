@@ -14,12 +14,12 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import UserError
-from . import kernels, step
+from . import step
 from .cache import new_cache
 from .sampling import sample_token
 from .speculative import Greedy, Sampled, planner, speculate
@@ -104,34 +104,19 @@ class _Window:
             self._set(self._forward([token], True)[0])
 
     def fast(self) -> bool:
-        """Can rounds take kernels.round_rows (a model on the fused step: W["decode"], head 0 in kernel form)?"""
+        """Do rounds run as one compiled call, head drafts included (step.fused_rounds)?"""
         if not hasattr(self, "_fast"):
-            self._fast = step.runs_fused(self.W, self.cache) and self.cfg.n_mtp <= kernels.ROWS
-            self._slot = np.full(kernels.ROWS, self.cache.store[2] if self._fast else 0, np.int64)
-            self._pos = np.arange(self.cache.max_len, dtype=np.int64)
+            self._fast = step.fused_rounds(self.cfg, self.W, self.cache)
         return self._fast
 
     def advance(self, block: list[int], draft: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Feed tokens block (1 <= len(block) <= min(room(), kernels.ROWS)) in one call -> (hidden states
-        [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). A speculative round's work in
-        one compiled call (kernels.round_rows) where the model allows, else forward + head 0 + argmax; the
-        call also makes the greedy drafts of heads 1..draft where a greedy round goes on (`head_drafts`).
-        The caller rolls back with `keep` (a plain step keeps everything: nothing to do)."""
+        """Feed tokens block (1 <= len(block) <= min(room(), kernels.ROWS)) in one call (step.advance)
+        -> (hidden states [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints); the call also
+        makes the greedy drafts of heads 1..draft where a greedy round goes on (`head_drafts`), where the
+        model runs rounds fused. The caller rolls back with `keep` (a plain step keeps everything)."""
         self.forwards += 1
-        n, L = len(block), self.cache.length
-        if self.fast():
-            k, v, _ = self.cache.store
-            h, logits, best, row, t, conf = kernels.round_rows(
-                self.cfg, self.W["decode"], np.array(block, np.int64), self._pos[L:L + n], self._slot[:n], k, v,
-                self.cache.cos, self.cache.sin, self.W["head.0"][2], self.W["drafting"], draft)
-            self.cache.length = L + n
-            best = best.tolist()
-            self._head_drafts = (row, list(zip(t.tolist(), conf.tolist()))) if draft else None
-        else:
-            h = step.forward_hidden(self.cfg, self.W, np.asarray(block, dtype=np.int64)[None], self.cache)[0]
-            logits = linear(h, self.W["head.0"])
-            best = [int(i) for i in np.argmax(logits, axis=-1)]
-            self._head_drafts = None
+        n = len(block)
+        h, logits, best, self._head_drafts = step.advance(self.cfg, self.W, self.cache, block, draft)
         self.seq.extend(block)
         self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
         made = self._head_drafts
@@ -140,8 +125,7 @@ class _Window:
 
     def make_head_drafts(self, n: int) -> None:
         """head_drafts of heads 1..n at the last position, in one compiled call (fast path only)."""
-        t, conf = kernels.head_drafts(self.W["drafting"], self.h, self.cfg.vocab_size, n)
-        self.head_drafts = list(zip(t.tolist(), conf.tolist()))
+        self.head_drafts = step.head_drafts(self.cfg, self.W, self.h, n)
 
     def feed(self, token: int) -> None:
         """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
@@ -230,6 +214,17 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     out.forwards, out.jumps = win.forwards, win.jumps
     return out
 
+
+
+def greedy_answers(model, prompts: Iterable[Sequence[int]], max_new_tokens: int,
+                   stop_ids: Sequence[int]) -> Iterator[Generation]:
+    """Greedy answers to prompts, one after another (speculative: the tokens of plain greedy decoding, in
+    fewer forwards), each prompt cut to its last ctx_len tokens; the model's inference layout is made once
+    (SFT and DPO answer checks: on `gpt` fusing costs ~0.4 s a call)."""
+    W, ctx = step.fuse_weights(model.config, model.params), model.config.ctx_len
+    for ids in prompts:
+        yield generate(model, list(ids)[-ctx:], max_new_tokens=max_new_tokens, temperature=0, stop_ids=stop_ids,
+                       mode="speculative", fused=W)
 
 
 # ---- text in, text out ---------------------------------------------------------------------------

@@ -30,6 +30,30 @@ decoding the next round's head drafts where the round goes on), so the Python ar
 the forward had cost 30-40 µs).
 
 The rounds run on session.py's window (`_Window`: advance, keep, head, head_drafts).
+
+What each part gains (`bench/generate.py --ckpt RUN --presets '' --parts --decode-threads 1`, 256 tokens,
+spec ÷ plain in CPU time, back-to-back pairs; measured on the 2-core machine at load 17-30, where the same
+variant moved by up to ±20 % from run to run: every part is kept, the figures say where to look first):
+
+    variant                          demo, 3 runs: greedy  sampled T 0.8   random-init small: greedy  sampled
+    all parts (adaptive planner)           0.89-1.06x      0.84-1.00x                  0.90x        0.88x
+    no prompt lookup (heads only)          0.98-1.07x          -                       0.96x          -
+    no head drafts (lookup only)           1.14-1.27x          -                       1.03x          -
+    head drafts made apart                 1.00-1.02x          -                       0.99x          -
+    fixed depth 1                          1.13-1.28x      0.75-0.76x                  1.16x        0.57x
+    fixed depth 2                          1.18-1.50x      0.61-0.70x                  0.97x        0.50x
+
+  - the planner: where drafts do not pay (sampled decoding of both models) it keeps speculation off, 0.84-1.00x
+    against 0.50-0.76x for a fixed depth: +10-75 %. Where they pay (greedy) a fixed depth did better under
+    this load, but a fixed depth has no off switch.
+  - prompt lookup: the greedy gain where the text repeats (lookup drafts accepted ~90 %; without them the
+    planner switched speculation off).
+  - head drafts: under this load, greedy decoding with lookup drafts alone did better than with head drafts
+    added (both models, every run); on a quiet machine the two together measured 1.39-1.41x on make demo's
+    model and 1.19-1.22x on the default-trained small (docs/benchmarks.md). Sampled decoding drafts with the
+    heads only, and on both models the planner kept that off.
+  - the next round's head drafts made in the round's compiled call (`Planner.heads_wanted`): no difference
+    beyond the noise.
 """
 from __future__ import annotations
 

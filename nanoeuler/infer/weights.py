@@ -8,6 +8,8 @@ A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's pa
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
     q4_0, q4_1         (the parameters: void records of one block's bytes, [out, in / 32], dtype V34 | V18 | V20)
 
+A new type is a new entry (its values, its pack) and, in kernels.py, a kernel kind that reads its form.
+
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
 contiguous [in, out] or None, W in kernel form or None): `Forms.pair` makes it, `linear` (a step's 1..8
@@ -28,36 +30,43 @@ from . import kernels, qkernels, quant
 @dataclass(frozen=True)
 class WType:
     """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, the array `pack(bits, out)` turns into the kernel form, and that form's shape."""
+    computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
+    form's shape, dtype), so that stacked matrices can share one buffer (euler.fuse_weights)."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]
-    bits: Callable[[np.ndarray], np.ndarray]
-    pack: Callable = kernels.pack
-    packed_shape: Callable = kernels.packed_shape
+    pack: Callable[..., np.ndarray]
+    packed: Callable[[tuple], tuple]
 
 
 def _block_type(name: str) -> WType:
     """A GGUF block type: parameters [..., out, in / 32] of records of one block's bytes (quant.py)."""
     t = quant.WTYPES[name]
 
-    def pack(B: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        Wk = qkernels.pack(B, name, B.shape[-1] // t.nbytes * quant.QK)
+    def values(a: np.ndarray) -> np.ndarray:  # (the norms stay float32)
+        return a if a.dtype.kind == "f" else t.dequantize(a.view(np.uint8), a.shape[-1] * t.block)
+
+    def pack(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        Wk = qkernels.pack(a.view(np.uint8), name, a.shape[-1] * t.block)
         if out is None:
             return Wk
         out[...] = Wk
         return out
 
-    def values(a: np.ndarray) -> np.ndarray:  # (the norms stay float32)
-        return a if a.dtype.kind == "f" else t.dequantize(a.view(np.uint8), a.shape[-1] * t.block)
+    def packed(shape: tuple) -> tuple:
+        return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),
+                np.dtype(np.uint8))
 
-    return WType(name, np.dtype(f"V{t.nbytes}"), values, lambda a: a.view(np.uint8), pack,
-                 lambda shape: (*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]))
+    return WType(name, np.dtype(f"V{t.nbytes}"), values, pack, packed)
 
 
-WTYPES = {"f32": WType("f32", np.dtype(np.float32), lambda a: a, lambda a: a),
-          "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a: a.view(np.uint16)),
-          **{name: _block_type(name) for name in quant.BLOCK_TYPES}}
+WTYPES = {
+    "f32": WType("f32", np.dtype(np.float32), lambda a: a, kernels.pack,
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32))),
+    "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a, out=None: kernels.pack(a.view(np.uint16), out),
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16))),
+    **{name: _block_type(name) for name in quant.BLOCK_TYPES},
+}
 
 
 def wtype(P: dict) -> WType | None:
@@ -84,8 +93,8 @@ class Forms:
         return a if self.wt is None else self.wt.values(a)
 
     def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-        """a as the fused kernels read it (kernels.pack of its weight type's bits), or None without kernels."""
-        return self.wt.pack(self.wt.bits(a), out) if self.kernels else None
+        """a as the fused kernels read it (its weight type's pack), or None without kernels."""
+        return self.wt.pack(a, out) if self.kernels else None
 
     def pair(self, W: np.ndarray, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
