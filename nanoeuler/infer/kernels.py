@@ -59,7 +59,6 @@ import atexit
 import os
 import platform
 import threading
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -919,17 +918,15 @@ def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.
                  v: np.ndarray, cos: np.ndarray, sin: np.ndarray, last_only: bool = False) -> np.ndarray:
     """tokens int [n], row r at position pos[r] of cache row slot[r] of k, v [layers, B, Hkv, max_len, hd]
     (one sequence, or one row per sequence as the batcher steps) -> final normed hidden states [n|1, d]."""
-    with pooled() as (ctl, held):
-        return step(ctl, held, np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(pos, dtype=np.int64),
-                    np.ascontiguousarray(slot, dtype=np.int64), D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
-                    D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, last_only)
+    return on_pool(step, np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(pos, dtype=np.int64),
+                   np.ascontiguousarray(slot, dtype=np.int64), D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
+                   D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, last_only)
 
 
 def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
     """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form Wk = pack(W) (float32 or float16 bits) -> [n, out],
     on the pool's threads."""
-    with pooled() as (ctl, held):
-        return gemv(ctl, held, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
+    return on_pool(gemv, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
 
 
 def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -937,24 +934,22 @@ def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.nd
     """A speculative round's model work in one compiled call (`_round`): tokens [n] of one sequence
     -> (h [n, d], head-0 logits [n, V], their argmax [n], n_ok, the greedy drafts of heads 1..draft at row
     n_ok [draft], their probabilities [draft])."""
-    with pooled() as (ctl, held):
-        return _round(ctl, held, tokens, pos, slot, D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm,
-                      np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0, drafting, int(draft))
+    return on_pool(_round, tokens, pos, slot, D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm,
+                   np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0, drafting, int(draft))
 
 
 def head_drafts(drafting: np.ndarray, x: np.ndarray, V: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The greedy drafts of heads 1..n at one hidden state x [d] -> (tokens [n], probabilities [n])."""
-    with pooled() as (ctl, held):
-        return _drafts(ctl, held, drafting, np.ascontiguousarray(x[None], dtype=np.float32), V, n)
+    return on_pool(_drafts, drafting, np.ascontiguousarray(x[None], dtype=np.float32), V, n)
 
 
-@contextmanager
-def pooled():
-    """The pool for one call: yields (its control block, whether the helpers share the work)."""
+def on_pool(kernel, *args):
+    """kernel(ctl, pooled, *args) on the pool: its helper threads share the work where no other call holds it.
+    (A plain function: a contextlib context manager here cost 7.6 µs a call against 0.35, timed at load 19.)"""
     pool = _POOL
     held = pool.acquire()
     try:
-        yield pool.ctl, held
+        return kernel(pool.ctl, held, *args)
     finally:
         if held:
             pool.release()
