@@ -75,12 +75,12 @@ class Chat:
                 on_text(dec.feed(token))
         speculate = self.speculative and (self.temperature == 0 or not self.replay)
         seed = int(self.rng.integers(2**31))
-        if self.fused is None:
-            self.fused = step.fuse_weights(self.model.config, self.model.params)
         try:
+            if self.fused is None:
+                self.fused = step.fuse_weights(self.model.config, self.model.params)
             g = session.generate(self.model, ids, self.max_new, self.temperature, self.top_k, self.top_p, seed,
-                         stop_ids=stops, mode="speculative" if speculate else "cache", on_token=stream,
-                         fused=self.fused)
+                                 stop_ids=stops, mode="speculative" if speculate else "cache", on_token=stream,
+                                 fused=self.fused)
         except KeyboardInterrupt:
             g = None
         on_text(dec.flush())
