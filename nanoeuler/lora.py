@@ -7,11 +7,11 @@ Two ways to a step, the same mathematics (tests/test_lora.py compares them):
 - reference (`reference=True`, and whenever the adapters use dropout): `model.forward`/`model.backward`
   run with an ops namespace whose linear pair is `ops.lora_forward`/`ops.lora_backward` for an adapted
   weight (the weight arrives wrapped as `Adapted`), so every adapter gets its own dA, dB;
-- fast: the fast engine runs on the merged weights W' = W + s·B·A (the adapted map without dropout is
-  exactly x·W'ᵀ, and dx = dy·W'), and at every linear hands dy and x to `LoraGrads.weight_grad`, which
-  forms dA and dB and never the [out, in] gradient of a frozen weight.
-DPO (whose engine call has no such hook) differentiates the merged weights and projects:
-      dB = s·G·Aᵀ     dA = s·Bᵀ·G      (G = dL/dW', `adapter_grads`)
+- fast: the fast engine runs on the frozen base weights and adds the adapters' low-rank share after each
+  product of an adapted weight (`Adapters`: no merged copy of any weight, the base's bf16 packs valid
+  from step to step), and at every linear hands dy and x to `LoraGrads.weight_grad`, which forms dA and
+  dB and never the [out, in] gradient of a frozen weight (nor the embedding's). DPO's policy runs the
+  same way (its workspaces `attach` the adapters).
 
     model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
     head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
@@ -73,7 +73,8 @@ class LoraModel:
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
         ad.check_adapters(base.config, self.lcfg, adapters, "adapters")
         self.modules = ad.modules(base.config, lcfg)
-        self._merged = None
+        self.engine_adapters = Adapters(base.config, self.lcfg, adapters)   # how the fast engine applies them
+        self._ws = None
 
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
@@ -92,12 +93,12 @@ class LoraModel:
         cfg, params = ad.load_base(run_dir, ref)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
-    precision = "fp32"   # adapters train with float32 products (bf16 with --lora is refused: set_precision)
+    precision = "fp32"
 
     def set_precision(self, precision: str) -> "LoraModel":
-        """Only fp32: the fast engine's bf16 packs would hold the base, not the merged weights a step uses."""
-        if precision != "fp32":
-            raise UserError(f"--precision {precision} is not available with --lora (adapters train in fp32)")
+        """The precision of the fast engine's products from now on: the frozen weights' and the adapters'."""
+        self.base.set_precision(precision)
+        self.precision = precision
         return self
 
     @property
@@ -118,39 +119,9 @@ class LoraModel:
     def checkpoint_writers(self, tokenizer=None) -> dict:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)
 
-    def merged_params(self) -> dict[str, np.ndarray]:
-        """The base's params with W + s·B·A for every adapted weight (the rest shared, not copied), in the
-        weights' dtype, into buffers kept from step to step (`ad.merge_params` rounds once, from float64:
-        for merging a run for good)."""
-        if self._merged is None:
-            self._merged = dict(self.base.params)
-            for bases, _ in self.modules.values():
-                for name in bases:
-                    self._merged[name] = np.empty_like(self.base.params[name])
-        s = self.dtype.type(self.lcfg.scale)
-        for module, (bases, _) in self.modules.items():
-            A, sB = self.params[module + ".lora_A"], s * self.params[module + ".lora_B"]  # s·B: [out, r], small
-            for name, rows in zip(bases, ad.row_slices(self.config, bases)):
-                out = self._merged[name]
-                np.matmul(sB[rows], A, out=out)                             # [out, in]
-                out += self.base.params[name]
-        return self._merged
-
     def merged(self) -> Model:
         """A plain model of the base with the adapters merged (its own arrays, rounded once from float64)."""
         return Model(self.config, ad.merge_params(self.config, self.base.params, self.lcfg, self.params))
-
-    def adapter_grads(self, G: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Gradients w.r.t. the merged weights -> the adapters': dB = s·G·Aᵀ, dA = s·Bᵀ·G (G of a stacked
-        module: its weights' gradients stacked by rows)."""
-        grads = {}
-        for module, (bases, _) in self.modules.items():
-            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
-            s = A.dtype.type(self.lcfg.scale)
-            Gm = np.concatenate([G[b] for b in bases]) if len(bases) > 1 else G[bases[0]]  # [Σ out, in]
-            grads[module + ".lora_A"] = s * (B.T @ Gm)                                     # [r, in]
-            grads[module + ".lora_B"] = s * (Gm @ A.T)                                     # [Σ out, r]
-        return grads
 
     # ---- forward / backward -------------------------------------------------------------------------
     def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
@@ -174,11 +145,11 @@ class LoraModel:
     def loss(self, tokens, loss_mask=None, *, reference: bool = False, dropout=None):
         """Forward only (no adapter dropout: evaluation): (head-0 loss, objective)."""
         if reference:
-            return Model(self.config, self.merged_params()).loss(tokens, loss_mask, reference=True, dropout=dropout)
+            return self.merged().loss(tokens, loss_mask, reference=True, dropout=dropout)
         from . import fast
         check_tokens(self.config, tokens, extra=self.config.n_mtp)
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        return fast.loss(self.config, self.merged_params(), tokens, loss_mask, ws, dropout)
+        return fast.loss(self.config, self.base.params, tokens, loss_mask, ws, dropout)
 
     def reference_objective(self, tokens, loss_mask=None, dropout=None, adapter_dropout=None):
         """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
@@ -215,78 +186,138 @@ class LoraModel:
         from . import fast
         from .fast import engine
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        for g in ws.lora:
-            g.reset()
         with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
-            head0, objective, _ = fast.loss_and_grads(self.config, self.merged_params(), tokens, loss_mask, ws,
-                                                      ws.lora[0], dropout, counts)
-        grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
-        for g in ws.lora[1:]:           # the parts' shares, in part order (deterministic)
-            for n, a in g.out.items():
-                grads[n] += a
-        return head0, objective, grads
+            head0, objective, _ = fast.loss_and_grads(self.config, self.base.params, tokens, loss_mask, ws,
+                                                      self.engine_adapters.new_step(ws), dropout, counts)
+        return head0, objective, self.engine_adapters.step_grads(ws)
 
     def _workspace(self, B: int, T: int):
-        """The fast engine's buffers for this batch shape, each part's gradients a LoraGrads (kept)."""
+        """The fast engine's buffers for this batch shape and precision (kept from step to step), the adapters
+        applied on the fly (`Adapters.attach`)."""
         from . import fast
-        ws = getattr(self, "_ws", None)
-        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype)):
+        ws = self._ws
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
             self._ws = None
-            ws = fast.Workspace(self.config, B, T, self.dtype)
-            ws.lora = [LoraGrads(self.config, self.lcfg, self.params) for _ in ws.parts]
-            for w, g in zip(ws.parts[1:], ws.lora[1:]):
-                w.grads = g             # the full gradient set the engine gave the part is dropped
-            self._ws = ws
+            self._ws = ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision))
         return ws
+
+
+class Adapters:
+    """The adapters as the fast engine applies them on the fly (`Workspace.adapters`): after each product of
+    a frozen weight W they adapt (engine.linear, linear_dx), their low-rank share is added,
+
+        y += s·(x·Aᵀ)·Bᵀ      dx += s·(dy·B)·A          ~2·n·r·(in + out) flops each, W never copied
+
+    through the workspace's products `mm` (bf16: operands rounded like every other product)."""
+
+    def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
+        self.shapes, self.adapters, self.scale = cfg.param_shapes(), adapters, lcfg.scale
+        self.where = {name: (module, rows) for module, (bases, _) in ad.modules(cfg, lcfg).items()
+                      for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+        self._runs = {}
+
+    def attach(self, ws):
+        """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora)."""
+        ws.adapters = self
+        ws.lora = [LoraGrads(self.shapes, self) for _ in ws.parts]
+        for w, g in zip(ws.parts[1:], ws.lora[1:]):
+            w.grads = g                 # the full gradient set the engine gave the part is dropped
+        return ws
+
+    def new_step(self, ws) -> "LoraGrads":
+        """Zero the parts' adapter gradients; the gradients to hand the engine (part 0's)."""
+        for g in ws.lora:
+            for a in g.out.values():
+                a[...] = 0
+        return ws.lora[0]
+
+    def step_grads(self, ws) -> dict[str, np.ndarray]:
+        """The adapters' gradients of the step: the parts' shares summed in part order (deterministic)."""
+        grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
+        for g in ws.lora[1:]:
+            for n, a in g.out.items():
+                grads[n] += a
+        return grads
+
+    def forward(self, key, x, out, mm) -> None:
+        """out [n, Σ out] += s·(x·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
+        for module, cols, rows in self._product_runs(key):
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
+            u = np.empty((x.shape[0], A.shape[0]), x.dtype)
+            mm(x, A.T, u)                                                   # [n, r]
+            u *= x.dtype.type(self.scale)
+            t = np.empty((x.shape[0], B.shape[0]), x.dtype)
+            mm(u, B.T, t)                                                   # [n, out]
+            out[:, cols] += t
+
+    def dx(self, key, dy, out, mm) -> None:
+        """out [n, in] += s·(dy·B)·A for every adapted stretch of `key` (dy [n, Σ out])."""
+        for module, cols, rows in self._product_runs(key):
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
+            du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
+            mm(dy[:, cols], B, du)                                          # [n, r]
+            du *= dy.dtype.type(self.scale)
+            t = np.empty_like(out)
+            mm(du, A, t)                                                    # [n, in]
+            out += t
+
+    def _product_runs(self, key: str):
+        """runs() of the weights behind the engine's product `key` ("wqkv.0", "layers.0.attn.wo.weight", ...)."""
+        if key not in self._runs:
+            from .fast.engine import product_weights
+            self._runs[key] = self.runs(tuple(product_weights(key)))
+        return self._runs[key]
+
+    def runs(self, names: tuple[str, ...]):
+        """The adapted stretches of the output columns of a product of weights stacked by rows:
+        [(module, columns, rows of its B)], neighbours of one module joined (GPT-2's q|k|v: one product for
+        c_attn, not three).
+
+            euler (wq, wk, wv) (modules q, k, v) -> 3 runs;  gpt2 (wq, wk, wv) (c_attn) -> 1 run;  a head -> []"""
+        if names not in self._runs:
+            runs, col = [], 0
+            for name in names:
+                c0, col = col, col + self.shapes[name][0]
+                if name not in self.where:
+                    continue
+                module, rows = self.where[name]
+                if runs and runs[-1][0] == module and runs[-1][1].stop == c0 and runs[-1][2].stop == rows.start:
+                    runs[-1] = (module, slice(runs[-1][1].start, col), slice(runs[-1][2].start, rows.stop))
+                else:
+                    runs.append((module, slice(c0, col), rows))
+            self._runs[names] = runs
+        return self._runs[names]
 
 
 class LoraGrads(dict):
     """What the fast engine writes a LoRA step's gradients into: the small ones it writes itself (norms,
-    biases, the embeddings' lookup share: kept, unused) as a dict, and for every linear, through
-    `engine.weight_grad`, the adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
+    biases, positions: kept, unused) as a dict, and for every linear, through `engine.weight_grad`, the
+    adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
 
         u = x·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x [r, in]     ~2·n·r·(in + out) flops
 
-    in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all."""
+    in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all, nor the
+    embedding's (no "embed.weight" here: the engine skips it)."""
 
-    def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
-        self.shapes = cfg.param_shapes()
-        dtype = next(iter(adapters.values())).dtype
-        super().__init__({n: np.zeros(s, dtype) for n, s in self.shapes.items()
-                          if len(s) == 1 or n in ("embed.weight", "pos_embed.weight")})
-        self.adapters, self.scale = adapters, lcfg.scale
-        self.out = {n: np.zeros_like(a) for n, a in adapters.items()}
-        self.where = {name: (module, rows) for module, (bases, _) in ad.modules(cfg, lcfg).items()
-                      for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+    def __init__(self, shapes: dict, adapters: Adapters):
+        dtype = next(iter(adapters.adapters.values())).dtype
+        super().__init__({n: np.zeros(s, dtype) for n, s in shapes.items() if len(s) == 1 or n == "pos_embed.weight"})
+        self.adapters = adapters
+        self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items()}
 
-    def reset(self) -> None:
-        for a in self.out.values():
-            a[...] = 0
-
-    def weight_grad(self, names, dy, x) -> None:
-        s = dy.dtype.type(self.scale)
-        for module, cols, rows in self._runs(names):
-            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"]
+    def weight_grad(self, names, dy, x, mm) -> None:
+        s = dy.dtype.type(self.adapters.scale)
+        n = dy.shape[0]
+        for module, cols, rows in self.adapters.runs(tuple(names)):
+            A, B = self.adapters.adapters[module + ".lora_A"], self.adapters.adapters[module + ".lora_B"][rows]
             dym = dy[:, cols]                                               # [n, out] of the module's rows
-            self.out[module + ".lora_B"][rows] += s * (dym.T @ (x @ A.T))   # [out, r]
-            self.out[module + ".lora_A"] += s * ((dym @ B[rows]).T @ x)     # [r, in]
-
-    def _runs(self, names):
-        """The adapted stretches of dy's columns: [(module, dy columns, rows of its B)], neighbours of one
-        module joined (GPT-2's q|k|v: one product for c_attn, not three).
-
-            euler [wq, wk, wv] (modules q, k, v) -> 3 runs;  gpt2 [wq, wk, wv] (c_attn) -> 1 run"""
-        runs, col = [], 0
-        for name in names:
-            n_out = self.shapes[name][0]
-            c0, col = col, col + n_out
-            if name not in self.where:
-                if name in self:    # gpt2's tied head: its share of embed.weight's gradient (unused)
-                    self[name][...] = 0
-                continue
-            module, rows = self.where[name]
-            if runs and runs[-1][0] == module and runs[-1][1].stop == c0 and runs[-1][2].stop == rows.start:
-                runs[-1] = (module, slice(runs[-1][1].start, col), slice(runs[-1][2].start, rows.stop))
-            else:
-                runs.append((module, slice(c0, col), rows))
-        return runs
+            u, du = np.empty((n, A.shape[0]), dy.dtype), np.empty((n, A.shape[0]), dy.dtype)
+            mm(x, A.T, u)                                                   # [n, r]
+            mm(dym, B, du)                                                  # [n, r]
+            u *= s
+            du *= s
+            dB, dA = np.empty(B.shape, dy.dtype), np.empty(A.shape, dy.dtype)
+            mm(dym.T, u, dB)                                                # [out, r]
+            mm(du.T, x, dA)                                                 # [r, in]
+            self.out[module + ".lora_B"][rows] += dB
+            self.out[module + ".lora_A"] += dA

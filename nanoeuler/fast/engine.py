@@ -49,6 +49,7 @@ PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]
 ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
+STACKS = {"wqkv": ("attn.wq", "attn.wk", "attn.wv"), "wgu": ("ffn.gate", "ffn.up")}  # ws.wqkv[i], ws.wgu[i]
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
 
@@ -63,6 +64,7 @@ class Workspace:
         self.bf16 = bf16.products(dt) if precision == "bf16" else None  # kernels (float32) or the float64 twin
         self.mm = self.bf16.matmul if self.bf16 else _blas_mm     # mm(a, b, out): out = a @ b
         self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
+        self.adapters = None               # LoRA (lora.Adapters): added to each product of a weight it adapts
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -167,19 +169,33 @@ def _blas_mm(a, b, out):
 
 
 def linear(ws: Workspace, x, W, key: str, out) -> None:
-    """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`."""
+    """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`.
+    With ws.adapters (LoRA), W's low-rank adapters' share is added: out += s·(x·Aᵀ)·Bᵀ."""
     if ws.bf16:
         ws.bf16.matmul_packed(x, ws.packs[key][0], out)
     else:
         matmul(x, W.T, out=out)
+    if ws.adapters is not None:
+        ws.adapters.forward(key, x, out, ws.mm)
 
 
 def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
-    """out [n, in] = dy [n, out] · W (the input gradient of `linear`)."""
+    """out [n, in] = dy [n, out] · W (the input gradient of `linear`; with ws.adapters: + s·(dy·B)·A)."""
     if ws.bf16:
         ws.bf16.matmul_packed(dy, ws.packs[key][1], out)
     else:
         matmul(dy, W, out=out)
+    if ws.adapters is not None:
+        ws.adapters.dx(key, dy, out, ws.mm)
+
+
+def product_weights(key: str) -> list[str]:
+    """The weights (stacked by rows) behind a product key of `linear`: a weight's name, or a stack.
+    product_weights("wgu.3") -> ["layers.3.ffn.gate.weight", "layers.3.ffn.up.weight"]"""
+    stack, _, layer = key.partition(".")
+    if stack not in STACKS:
+        return [key]
+    return [f"layers.{layer}.{m}.weight" for m in STACKS[stack]]
 
 
 def pack_weights(ws: Workspace, weights: dict) -> None:
@@ -219,7 +235,7 @@ def weight_grad(grads, names, dy, x, mm=_blas_mm) -> None:
     dy and x instead: adapter gradients, and nothing at all for a frozen weight (no [out, in] product)."""
     own = getattr(grads, "weight_grad", None)
     if own is not None:
-        own(names, dy, x)
+        own(names, dy, x, mm)
     else:
         _matmul_into(dy.T, x, [grads[n] for n in names], mm)
 
@@ -358,7 +374,9 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
-    if cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
+    if "embed.weight" not in grads:          # frozen (a LoRA step): no [V, d] gradient
+        pass
+    elif cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
         kernels.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:
         kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])

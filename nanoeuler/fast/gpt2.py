@@ -263,7 +263,9 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         _set(grads, p + "attn_norm.bias", w.db)
         engine._announce_part(w, [n for n in grads if n.startswith(p)], grads)
     position_backward(dx, ws.T, grads["pos_embed.weight"])
-    if w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
+    if "embed.weight" not in grads:  # frozen (a LoRA step): no [V, d] gradient
+        pass
+    elif w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
         K.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:             # another part's own buffer: its lookup share only, summed into the caller's by `backward`
         K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
