@@ -4,12 +4,11 @@
 keeps moments for the adapters alone and data-parallel ranks reduce only their gradients.
 
 Two ways to a step, the same mathematics (tests/test_lora.py compares them):
-- reference (`reference=True`, and whenever the adapters use dropout): `model.forward`/`model.backward`
+- reference (`reference=True`): `model.forward`/`model.backward`
   run with an ops namespace whose linear pair is `ops.lora_forward`/`ops.lora_backward` for an adapted
   weight (the weight arrives wrapped as `Adapted`), so every adapter gets its own dA, dB;
 - fast: the fast engine runs on the frozen base weights and adds the adapters' low-rank share after each
-  product of an adapted weight (`Adapters`: no merged copy of any weight, the base's bf16 packs valid
-  from step to step), and at every linear hands dy and x to `LoraGrads.weight_grad`, which forms dA and
+  product of an adapted weight (`Adapters`: no merged copy of any weight; adapter dropout fused), and at every linear hands dy and x to `LoraGrads.weight_grad`, which forms dA and
   dB and never the [out, in] gradient of a frozen weight (nor the embedding's). DPO's policy runs the
   same way (its workspaces `attach` the adapters).
 
@@ -127,15 +126,14 @@ class LoraModel:
     def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
                        counts=None, adapter_dropout: ops.Dropout | None = None):
         """As Model.loss_and_grads, with grads keyed like `params` (the adapters). dropout: on the residual
-        branches; adapter_dropout: on the adapters' inputs (runs the reference path, which applies it op by op).
+        branches; adapter_dropout: on the adapters' inputs (the same masks on both paths).
         counts: a data-parallel rank's target counts (see fast.heads); the reference path divides by its own."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
-        adrop = adapter_dropout
-        if reference or adrop is not None:
-            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adrop, counts)
+        if reference:
+            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adapter_dropout, counts)
         else:
-            head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, counts)
+            head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, adapter_dropout, counts)
         if out is not None:
             for name, g in grads.items():
                 out[name][...] = g
@@ -182,13 +180,17 @@ class LoraModel:
             grads[module + ".lora_B"] = np.concatenate([g[b][1] for b in bases])
         return head_losses[0], objective, grads
 
-    def _fast_step(self, tokens, loss_mask, dropout, counts):
+    def _fast_step(self, tokens, loss_mask, dropout, adapter_dropout, counts):
         from . import fast
         from .fast import engine
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
-            head0, objective, _ = fast.loss_and_grads(self.config, self.base.params, tokens, loss_mask, ws,
-                                                      self.engine_adapters.new_step(ws), dropout, counts)
+        self.engine_adapters.drop = adapter_dropout
+        try:
+            with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
+                head0, objective, _ = fast.loss_and_grads(self.config, self.base.params, tokens, loss_mask, ws,
+                                                          self.engine_adapters.new_step(ws), dropout, counts)
+        finally:
+            self.engine_adapters.drop = None
         return head0, objective, self.engine_adapters.step_grads(ws)
 
     def _workspace(self, B: int, T: int):
@@ -206,14 +208,19 @@ class Adapters:
     """The adapters as the fast engine applies them on the fly (`Workspace.adapters`): after each product of
     a frozen weight W they adapt (engine.linear, linear_dx), their low-rank share is added,
 
-        y += s·(x·Aᵀ)·Bᵀ      dx += s·(dy·B)·A          ~2·n·r·(in + out) flops each, W never copied
+        y += s·(x̃·Aᵀ)·Bᵀ      dx += (s·(dy·B)·A) ⊙ mask          x̃ = x ⊙ mask (adapter dropout, else x)
 
-    through the workspace's products `mm` (bf16: operands rounded like every other product)."""
+    ~2·n·r·(in + out) flops each, W never copied, through the workspace's products `mm` (bf16: operands
+    rounded like every other product). `drop` (ops.Dropout, set for one step by LoraModel) draws module j's
+    masks at site DROPOUT_SITE0 + j by batch row, as the reference path does (`batch_row`)."""
 
     def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
         self.shapes, self.adapters, self.scale = cfg.param_shapes(), adapters, lcfg.scale
-        self.where = {name: (module, rows) for module, (bases, _) in ad.modules(cfg, lcfg).items()
+        mods = ad.modules(cfg, lcfg)
+        self.where = {name: (module, rows) for module, (bases, _) in mods.items()
                       for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+        self.site = {module: ad.DROPOUT_SITE0 + j for j, module in enumerate(mods)}
+        self.drop = None
         self._runs = {}
 
     def attach(self, ws):
@@ -240,18 +247,18 @@ class Adapters:
         return grads
 
     def forward(self, key, x, out, mm) -> None:
-        """out [n, Σ out] += s·(x·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
+        """out [n, Σ out] += s·(x̃·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
         for module, cols, rows in self._product_runs(key):
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
             u = np.empty((x.shape[0], A.shape[0]), x.dtype)
-            mm(x, A.T, u)                                                   # [n, r]
+            mm(self.dropped(module, x), A.T, u)                             # [n, r]
             u *= x.dtype.type(self.scale)
             t = np.empty((x.shape[0], B.shape[0]), x.dtype)
             mm(u, B.T, t)                                                   # [n, out]
             out[:, cols] += t
 
     def dx(self, key, dy, out, mm) -> None:
-        """out [n, in] += s·(dy·B)·A for every adapted stretch of `key` (dy [n, Σ out])."""
+        """out [n, in] += (s·(dy·B)·A) ⊙ mask for every adapted stretch of `key` (dy [n, Σ out])."""
         for module, cols, rows in self._product_runs(key):
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
             du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
@@ -259,7 +266,20 @@ class Adapters:
             du *= dy.dtype.type(self.scale)
             t = np.empty_like(out)
             mm(du, A, t)                                                    # [n, in]
-            out += t
+            out += self.dropped(module, t, batch_row(out))
+
+    def dropped(self, module: str, x, row0: int | None = None):
+        """x ⊙ the module's dropout mask (a new array), or x itself without dropout. row0: x's first batch
+        row (default: batch_row(x))."""
+        if self.drop is None:
+            return x
+        from .fast.kernels import dropout_scale
+        d = self.drop
+        row0 = batch_row(x) if row0 is None else row0
+        out = np.empty_like(x)
+        dropout_scale(x, np.uint64(d.base(self.site[module], row0, x.shape[1])), np.uint64(d.threshold),
+                      x.dtype.type(d.scale), out)
+        return out
 
     def _product_runs(self, key: str):
         """runs() of the weights behind the engine's product `key` ("wqkv.0", "layers.0.attn.wo.weight", ...)."""
@@ -289,12 +309,23 @@ class Adapters:
         return self._runs[names]
 
 
+def batch_row(a) -> int:
+    """The batch row of a's first row. The fast engine hands its hooks a part's rows as row views of its
+    workspace's [..., N, width] activation arrays, so the offset into the owning array, in rows, mod N is
+    the row (sequence b, position t: row b·T + t, as in the reference path's [B, T, width])."""
+    base = a if a.base is None else a.base
+    if a.ndim != 2 or base.shape[-1] != a.shape[1] or base.strides[-2] != a.strides[0]:
+        raise AssertionError(f"adapter dropout needs a row view of a workspace array, got {a.shape} of {base.shape}")
+    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return offset // a.strides[0] % base.shape[-2]
+
+
 class LoraGrads(dict):
     """What the fast engine writes a LoRA step's gradients into: the small ones it writes itself (norms,
     biases, positions: kept, unused) as a dict, and for every linear, through `engine.weight_grad`, the
     adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
 
-        u = x·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x [r, in]     ~2·n·r·(in + out) flops
+        u = x̃·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x̃ [r, in]     ~2·n·r·(in + out) flops
 
     in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all, nor the
     embedding's (no "embed.weight" here: the engine skips it)."""
@@ -310,14 +341,14 @@ class LoraGrads(dict):
         n = dy.shape[0]
         for module, cols, rows in self.adapters.runs(tuple(names)):
             A, B = self.adapters.adapters[module + ".lora_A"], self.adapters.adapters[module + ".lora_B"][rows]
-            dym = dy[:, cols]                                               # [n, out] of the module's rows
+            dym, xd = dy[:, cols], self.adapters.dropped(module, x)        # [n, out] of the module's rows, x̃
             u, du = np.empty((n, A.shape[0]), dy.dtype), np.empty((n, A.shape[0]), dy.dtype)
-            mm(x, A.T, u)                                                   # [n, r]
+            mm(xd, A.T, u)                                                  # [n, r]
             mm(dym, B, du)                                                  # [n, r]
             u *= s
             du *= s
             dB, dA = np.empty(B.shape, dy.dtype), np.empty(A.shape, dy.dtype)
             mm(dym.T, u, dB)                                                # [out, r]
-            mm(du.T, x, dA)                                                 # [r, in]
+            mm(du.T, xd, dA)                                                # [r, in]
             self.out[module + ".lora_B"][rows] += dB
             self.out[module + ".lora_A"] += dA
