@@ -5,6 +5,7 @@ import pytest
 from conftest import rel_err, tiny_config
 from nanoeuler import adapters as ad
 from nanoeuler import ops
+from nanoeuler.fast import bf16
 from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
 from nanoeuler.lora import LoraModel
 from nanoeuler.model import Model
@@ -160,7 +161,10 @@ def sft_setup(tmp_path, tok, arch="euler"):
             "--no-progress", "--json"]
 
 
-@pytest.mark.parametrize("arch,extra", [("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"])])
+@pytest.mark.parametrize("arch,extra", [
+    ("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"]),
+    pytest.param("euler", ["--precision", "bf16", "--lora-dropout", "0.1"],
+                 marks=pytest.mark.skipif(not bf16.AVAILABLE, reason="this CPU has no AVX512_BF16"))])
 def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
     import json
 
@@ -177,6 +181,7 @@ def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, ca
     assert all(np.array_equal(ta[n], tb[n]) for n in ta) and any(ta[n].any() for n in ta if "lora_B" in n)
     opt = read_tensors(a / "optimizer.safetensors", "opt")
     assert set(opt) == {f"{k}.{n}" for k in ("m", "v") for n in ta}               # moments of the adapters only
+    assert json.loads((b / "trainer.json").read_text())["precision"] == ("bf16" if "bf16" in extra else "fp32")
     # the adapter run loads as the merged model, and `lora merge` writes exactly that
     base = Model.load(tmp_path / "base")
     merged = Model.load(a, read_only=True)
