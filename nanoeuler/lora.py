@@ -226,6 +226,7 @@ class Adapters:
     def attach(self, ws):
         """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora)."""
         ws.adapters = self
+        ws.fixed_weights = True         # the frozen base: stacked and packed once
         ws.lora = [LoraGrads(self.shapes, self) for _ in ws.parts]
         for w, g in zip(ws.parts[1:], ws.lora[1:]):
             w.grads = g                 # the full gradient set the engine gave the part is dropped

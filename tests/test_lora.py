@@ -69,16 +69,23 @@ def test_fast_step_equals_reference_step(arch, parts, p, monkeypatch):
         assert abs(m.loss_and_grads(tokens, mask)[1] - o2) > 1e-6
 
 
-def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers():
-    """One workspace from step to step (it held the precision in its key, and every step rebuilt it), no
-    merged weight copies, no gradient buffer of the frozen embedding in any part."""
-    m = lora_model("gpt2")
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers(arch, monkeypatch):
+    """One workspace from step to step (it held the precision in its key, and every step rebuilt it), the
+    frozen weights stacked once (not every step), no merged weight copies, no gradient buffer of the frozen
+    embedding in any part."""
+    from nanoeuler import fast
+    stack = fast.arch(tiny_config(arch=arch))._stack_weights
+    calls = []
+    monkeypatch.setattr(fast.arch(tiny_config(arch=arch)), "_stack_weights", lambda *a: calls.append(stack(*a)))
+    m = lora_model(arch)
     tokens, mask = batch(m.config)
     m.loss_and_grads(tokens, mask)
     ws = m._ws
     m.loss_and_grads(tokens, mask)
     m.loss(tokens, mask)
     assert m._ws is ws
+    assert len(calls) == 1
     assert all("embed.weight" not in g for g in ws.lora)
     assert all(w.grads is None or w.grads is g for w, g in zip(ws.parts, ws.lora))
 

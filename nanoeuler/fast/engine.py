@@ -65,6 +65,8 @@ class Workspace:
         self.mm = self.bf16.matmul if self.bf16 else _blas_mm     # mm(a, b, out): out = a @ b
         self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
         self.adapters = None               # LoRA (lora.Adapters): added to each product of a weight it adapts
+        self.fixed_weights = False         # True: the same unchanging weights every step (LoRA's frozen base):
+        self.stacked = False               # stacked (wqkv, wgu) and packed (bf16) by the first forward only
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -416,6 +418,20 @@ def _announce_part(w, names, grads) -> None:
 def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
+    if restack(ws):
+        _stack_weights(cfg, params, ws)
+    _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
+
+
+def restack(ws) -> bool:
+    """Whether this forward stacks (and, bf16, packs) the weights: every step, or only the first with
+    ws.fixed_weights."""
+    again = not (ws.fixed_weights and ws.stacked)
+    ws.stacked = True
+    return again
+
+
+def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
@@ -425,7 +441,6 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
         (f"wqkv.{i}", ws.wqkv[i]), (f"wgu.{i}", ws.wgu[i]), (f"layers.{i}.attn.wo.weight", params[f"layers.{i}.attn.wo.weight"]),
         (f"layers.{i}.ffn.down.weight", params[f"layers.{i}.ffn.down.weight"])]}
         | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
-    _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
 def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):

@@ -275,6 +275,12 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
 # ---- the public steps ---------------------------------------------------------------------------------------------
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final LayerNorm's output)."""
+    if engine.restack(ws):
+        _stack_weights(cfg, P, ws)
+    engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
+
+
+def _stack_weights(cfg: Config, P: dict, ws) -> None:
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
@@ -283,7 +289,6 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
         (f"wqkv.{i}", ws.wqkv[i])] + [(n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight",
                                                           f"layers.{i}.ffn.proj.weight")]}
         | {head_name(P, k): head_weight(P, k) for k in range(cfg.n_mtp)})
-    engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
 def heads(cfg: Config, P: dict, targets: np.ndarray, ws, grads: dict | None, counts=None):
