@@ -211,8 +211,7 @@ class Adapters:
         y += s·(x̃·Aᵀ)·Bᵀ      dx += (s·(dy·B)·A) ⊙ mask          x̃ = x ⊙ mask (adapter dropout, else x)
 
     ~2·n·r·(in + out) flops each, W never copied, through the workspace's products `mm` (bf16: operands
-    rounded like every other product). Every product is oriented so that its output is wide (uᵀ = A·x̃ᵀ
-    [r, n], not u [n, r]): the bf16 kernels fill 64 output columns at a time, and r = 8 would waste 7/8. `drop` (ops.Dropout, set for one step by LoraModel) draws module j's
+    rounded like every other product). `drop` (ops.Dropout, set for one step by LoraModel) draws module j's
     masks at site DROPOUT_SITE0 + j by batch row, as the reference path does (`batch_row`)."""
 
     def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
@@ -252,22 +251,22 @@ class Adapters:
         """out [n, Σ out] += s·(x̃·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
         for module, cols, rows in self._product_runs(key):
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
-            uT = np.empty((A.shape[0], x.shape[0]), x.dtype)
-            mm(A, self.dropped(module, x).T, uT)                            # uᵀ [r, n]
-            uT *= x.dtype.type(self.scale)
+            u = np.empty((x.shape[0], A.shape[0]), x.dtype)
+            mm(self.dropped(module, x), A.T, u)                             # [n, r]
+            u *= x.dtype.type(self.scale)
             t = np.empty((x.shape[0], B.shape[0]), x.dtype)
-            mm(uT.T, B.T, t)                                                # [n, out]
+            mm(u, B.T, t)                                                   # [n, out]
             out[:, cols] += t
 
     def dx(self, key, dy, out, mm) -> None:
         """out [n, in] += (s·(dy·B)·A) ⊙ mask for every adapted stretch of `key` (dy [n, Σ out])."""
         for module, cols, rows in self._product_runs(key):
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
-            duT = np.empty((A.shape[0], dy.shape[0]), dy.dtype)
-            mm(B.T, dy[:, cols].T, duT)                                     # duᵀ [r, n]
-            duT *= dy.dtype.type(self.scale)
+            du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
+            mm(dy[:, cols], B, du)                                          # [n, r]
+            du *= dy.dtype.type(self.scale)
             t = np.empty_like(out)
-            mm(duT.T, A, t)                                                 # [n, in]
+            mm(du, A, t)                                                    # [n, in]
             out += self.dropped(module, t, batch_row(out))
 
     def dropped(self, module: str, x, row0: int | None = None):
@@ -344,13 +343,13 @@ class LoraGrads(dict):
         for module, cols, rows in self.adapters.runs(tuple(names)):
             A, B = self.adapters.adapters[module + ".lora_A"], self.adapters.adapters[module + ".lora_B"][rows]
             dym, xd = dy[:, cols], self.adapters.dropped(module, x)        # [n, out] of the module's rows, x̃
-            uT, duT = np.empty((A.shape[0], n), dy.dtype), np.empty((A.shape[0], n), dy.dtype)
-            mm(A, xd.T, uT)                                                 # uᵀ [r, n]
-            mm(B.T, dym.T, duT)                                             # duᵀ [r, n]
-            uT *= s
-            duT *= s
-            dBT, dA = np.empty(B.T.shape, dy.dtype), np.empty(A.shape, dy.dtype)
-            mm(uT, dym, dBT)                                                # dBᵀ [r, out]
-            mm(duT, xd, dA)                                                 # [r, in]
-            self.out[module + ".lora_B"][rows] += dBT.T
+            u, du = np.empty((n, A.shape[0]), dy.dtype), np.empty((n, A.shape[0]), dy.dtype)
+            mm(xd, A.T, u)                                                  # [n, r]
+            mm(dym, B, du)                                                  # [n, r]
+            u *= s
+            du *= s
+            dB, dA = np.empty(B.shape, dy.dtype), np.empty(A.shape, dy.dtype)
+            mm(dym.T, u, dB)                                                # [out, r]
+            mm(du.T, xd, dA)                                                # [r, in]
+            self.out[module + ".lora_B"][rows] += dB
             self.out[module + ".lora_A"] += dA

@@ -23,7 +23,11 @@ organised for speed:
   then its two backward matmuls; only one [N, V] buffer exists;
 - precision "bf16": every matrix product (`linear`, `linear_dx`, `ws.mm`) takes bfloat16 operands with
   float32 accumulation (fast/bf16.py); the weights are rounded and packed once per step by `pack_weights`
-  (the parts a share each). Everything else is unchanged float32.
+  (the parts a share each). Everything else is unchanged float32;
+- LoRA (lora.py) hooks in without a copy of any weight: `ws.adapters` adds the adapters' low-rank share
+  to each product of a weight they adapt (`linear`, `linear_dx`), a gradient mapping with its own
+  `weight_grad` forms the adapters' gradients instead of dW, one without "embed.weight" skips the
+  embedding's, and `ws.fixed_weights` stacks and packs the frozen weights once for the whole run.
 
     ws = Workspace(cfg, B, T, np.float32)              # or Workspace(..., precision="bf16")
     head0, objective, grads = loss_and_grads(cfg, params, tokens, loss_mask, ws)
@@ -432,6 +436,7 @@ def restack(ws) -> bool:
 
 
 def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
+    """q|k|v and gate|up of every layer into ws.wqkv, ws.wgu; bf16: every product's weight packed."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],

@@ -281,6 +281,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
 
 
 def _stack_weights(cfg: Config, P: dict, ws) -> None:
+    """q|k|v weights and biases of every layer into ws.wqkv, ws.bqkv; bf16: every product's weight packed."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
