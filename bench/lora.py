@@ -1,24 +1,35 @@
-"""LoRA fine-tuning speed and memory: ours LoRA vs ours full fine-tuning vs PyTorch + PEFT LoRA, side by side.
+"""LoRA fine-tuning speed and memory: ours LoRA vs ours full fine-tuning vs PyTorch + PEFT LoRA, side by side,
+in float32 and in bf16 mixed precision.
 
 Each (model, engine) runs in its own worker process (so each peak memory is its own): random weights of the
 model's shape, one fixed batch of B×T tokens, `--warmup` untimed steps (numba cache load, first-touch of
 buffers), then `--steps` timed SFT steps (forward, backward, AdamW); the median step is reported. 2 threads
 for every engine. Engines:
 
-    ours-lora   nanoeuler's fused LoRA step (lora.LoraModel): adapters' dA, dB from each linear's dy and x,
-                no dW of frozen weights, AdamW moments for the adapters only
+    ours-lora   nanoeuler's fused LoRA step (lora.LoraModel): the frozen weights' products plus the adapters'
+                on the fly, adapters' dA, dB from each linear's dy and x, no dW of frozen weights, AdamW
+                moments for the adapters only
     ours-full   nanoeuler's full fine-tuning step (Model.loss_and_grads + AdamW on every weight)
     peft-lora   transformers' GPT2LMHeadModel / LlamaForCausalLM + peft.get_peft_model, the same targets,
                 rank and alpha, torch.optim.AdamW on the adapters
+    *-bf16      the same in bf16 mixed precision: ours `--precision bf16` (every product's operands rounded
+                to bfloat16, float32 accumulation), PyTorch's forward under torch.autocast("cpu", bfloat16)
 
 Models: gpt2 (124 M, LoRA on c_attn, c_proj, c_fc) and smollm (a SmolLM-135M-shaped llama: d 576, 30 layers,
 9 heads / 3 kv heads, F 1536, vocab 49152, LoRA on q,k,v,o,gate,up,down; our head is untied: +28 M), and
 tiny (a 2-layer gpt2-shaped model for a quick smoke run).
 
-    step s      median seconds per step;   x peft / x full   how many times faster ours-lora is
+    step s      median seconds per step;   x peft / x full   how many times faster ours-lora(-bf16) is
     peak MiB    the worker's peak resident memory over the timed steps (VmHWM, reset after warm-up)
+    bound s     the step's matrix FLOPs at the matmul peak measured in the worker (2048³ sgemm, or bf16):
+                full = 3 products per weight (y, dx, dW), LoRA = 2 (y, dx) + the adapters', both + attention
+
+--profile prints, per worker of ours, the CPU seconds (summed over the parts' threads) of each kind of work
+in one step, beside its FLOPs and rate: where the time goes beyond the bound.
 
     python bench/lora.py                                # gpt2 and smollm, B=4 T=256 r=8, 3 timed steps
+    python bench/lora.py --models gpt2 --engines ours-lora,ours-full,peft-lora,ours-lora-bf16,peft-lora-bf16
+    python bench/lora.py --models gpt2 --engines ours-lora,ours-full --profile --steps 1
     python bench/lora.py --models tiny --steps 2 --warmup 1     # smoke run (seconds)
 """
 from __future__ import annotations
@@ -34,9 +45,11 @@ from pathlib import Path
 
 from train_speed import reset_peak_rss, rss_mib   # bench/ is this script's folder: the same memory probes
 
+ORDER = ("y = x·Wᵀ", "  adapters' share of y", "dx = dy·W", "  adapters' share of dx", "dW (or dA, dB)", "attention",
+         "fused kernels", "AdamW", "rest (Python, copies, threads)", "step (CPU)")   # --profile's rows
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 2
-ENGINES = ("ours-lora", "ours-full", "peft-lora")
+ENGINES = ("ours-lora", "ours-full", "peft-lora", "ours-lora-bf16", "ours-full-bf16", "peft-lora-bf16")
 MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
     "gpt2": (dict(vocab_size=50257, dim=768, n_heads=12, n_kv_heads=12, n_layers=12, ctx_len=1024, ffn_hidden=3072,
                   n_mtp=1, arch="gpt2"), ("c_attn", "c_proj", "c_fc"), ["c_attn", "c_proj", "c_fc"]),
@@ -49,6 +62,24 @@ MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
 
 
 # ---------------------------------------------------------------------------------- worker side
+def flops(model_name: str, B: int, T: int, rank: int) -> dict:
+    """Matrix FLOPs of one step: per pass over the weights (2·N·Σ in·out, heads included), the adapters'
+    products (y: x·Aᵀ, ·Bᵀ; dx: dy·B, ·A; grads: x·Aᵀ, dy·B, dB, dA: 8 of 2·N·r·in or out), attention
+    (QKᵀ and PV forward, 4 products backward, the full T×T square)."""
+    from nanoeuler import adapters as ad
+    from nanoeuler.config import Config
+    fields, targets, _ = MODELS[model_name]
+    cfg, N = Config(**fields), B * T
+    shapes = cfg.param_shapes()
+    weights = [n for n, s in shapes.items() if len(s) == 2 and n.startswith("layers.")]
+    heads = cfg.n_mtp * cfg.vocab_size * cfg.dim
+    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets).check(cfg)
+    adapter = sum(a * b for a, b in ad.adapter_shapes(cfg, lcfg).values())       # r·(in + Σ out) per module
+    return {"pass": 2.0 * N * (sum(shapes[n][0] * shapes[n][1] for n in weights) + heads),
+            "adapters": 8 * 2.0 * N * adapter,
+            "attention": 6 * 2.0 * B * cfg.n_heads * T * T * cfg.head_dim * cfg.n_layers}
+
+
 def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     import numpy as np
 
@@ -61,7 +92,9 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     cfg = Config(**fields)
     base = Model.init(cfg, seed=0)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
-    if engine == "ours-full":
+    precision = "bf16" if engine.endswith("-bf16") else "fp32"
+    if engine.startswith("ours-full"):
+        base.set_precision(precision)
         model, grads = base, base.grad_buffers()
         opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
@@ -70,7 +103,7 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
             opt.step(model.params, grads)
         return step
     lcfg = LoraConfig(rank, 2.0 * rank, targets)
-    model = LoraModel(base, lcfg, init_adapters(cfg, lcfg, 0), {"path": "", "sha256": ""})
+    model = LoraModel(base, lcfg, init_adapters(cfg, lcfg, 0), {"path": "", "sha256": ""}).set_precision(precision)
     opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
     def step():
@@ -79,7 +112,9 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     return step
 
 
-def peft_step(model_name: str, B: int, T: int, rank: int):
+def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool):
+    import contextlib
+
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -104,13 +139,19 @@ def peft_step(model_name: str, B: int, T: int, rank: int):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
     return step
 
 
-def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int) -> dict:
-    step = peft_step(model_name, B, T, rank) if engine == "peft-lora" else ours_step(model_name, engine, B, T, rank)
+def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int, profile: bool) -> dict:
+    from train_speed import sgemm_gflops
+    if engine.startswith("peft-lora"):
+        step = peft_step(model_name, B, T, rank, engine.endswith("-bf16"))
+    else:
+        step = ours_step(model_name, engine, B, T, rank)
     for _ in range(warmup):
         step()
     reset_peak_rss()
@@ -119,7 +160,50 @@ def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int,
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": rss_mib("VmHWM")}
+    row = {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": rss_mib("VmHWM"),
+           "peak_gflops": sgemm_gflops("ours-bf16" if engine.endswith("-bf16") else "ours")}
+    if profile and engine.startswith("ours"):
+        row["profile"] = profile_step(step)
+    return row
+
+
+def profile_step(step) -> dict:
+    """CPU seconds of one step by kind of work (the parts' threads summed): the engine's products of frozen or
+    trained weights (linear, linear_dx; adapters' share inside them), weight gradients (dW, or the adapters'
+    dA, dB), attention, fused numba kernels, AdamW, the rest."""
+    import collections
+
+    from numba.core.registry import CPUDispatcher
+
+    from nanoeuler import lora
+    from nanoeuler.fast import engine as E
+    from nanoeuler.fast import gpt2 as G
+    from nanoeuler.optim import AdamW
+    stats = collections.defaultdict(float)
+
+    def timed(owner, name, key):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            c = time.thread_time()
+            out = fn(*args, **kwargs)
+            stats[key] += time.thread_time() - c   # (two threads' += may rarely lose one: a profile, blurred)
+            return out
+        setattr(owner, name, wrapper)
+    for name, key in [("linear", "y = x·Wᵀ"), ("linear_dx", "dx = dy·W"), ("weight_grad", "dW (or dA, dB)"),
+                      ("attention_forward", "attention"), ("attention_backward", "attention")]:
+        timed(E, name, key)
+    timed(lora.Adapters, "forward", "  adapters' share of y")
+    timed(lora.Adapters, "dx", "  adapters' share of dx")
+    timed(AdamW, "step", "AdamW")
+    for mod in (E.kernels, G):
+        for name, fn in list(vars(mod).items()):
+            if isinstance(fn, CPUDispatcher) and not name.startswith(("_", "row_", "adamw")):
+                timed(mod, name, "fused kernels")
+    c = time.process_time()
+    step()
+    stats["step (CPU)"] = time.process_time() - c
+    return dict(stats)
 
 
 # ---------------------------------------------------------------------------------- parent side
@@ -128,7 +212,8 @@ def run_worker(model_name, engine, args) -> dict:
                MKL_NUM_THREADS=str(THREADS), NUMBA_NUM_THREADS=str(THREADS),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--worker", model_name, engine, "--batch", str(args.batch), "--seq",
-           str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
+        (["--profile"] if args.profile else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -149,27 +234,47 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per worker (a slower one is reported as such)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also where one step of ours spends its CPU time")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps)))
+        print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps, args.profile)))
         return
     rows = [run_worker(m, e, args) for m in args.models.split(",") for e in args.engines.split(",")]
     if args.json:
         print(json.dumps({"batch": args.batch, "seq": args.seq, "rank": args.rank, "rows": rows}))
         return
-    print(f"B={args.batch} T={args.seq} r={args.rank}, float32, {THREADS} threads, median of {args.steps} steps")
-    print(f"{'model':<8} {'engine':<10} {'step s':>8} {'peak MiB':>9}  ours-lora is")
+    print(f"B={args.batch} T={args.seq} r={args.rank}, {THREADS} threads, median of {args.steps} steps")
+    print(f"{'model':<8} {'engine':<15} {'step s':>8} {'bound s':>8} {'peak MiB':>9}  ours-lora of the same precision is")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<8} {r['engine']:<10} error: {r['error']}")
+            print(f"{r['model']:<8} {r['engine']:<15} error: {r['error']}")
             continue
-        mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == "ours-lora" and "step_s" in x),
-                    None)
+        f = flops(r["model"], args.batch, args.seq, args.rank)
+        work = (2 * f["pass"] + f["adapters"] if "lora" in r["engine"] else 3 * f["pass"]) + f["attention"]
+        bound = work / (r["peak_gflops"] * 1e9)
+        mine_name = "ours-lora-bf16" if r["engine"].endswith("-bf16") else "ours-lora"
+        mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == mine_name and "step_s" in x), None)
         ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
                  if mine and r is not mine else "")
-        print(f"{r['model']:<8} {r['engine']:<10} {r['step_s']:>8.3f} {r['peak_mib']:>9.0f}  {ratio}")
-
+        print(f"{r['model']:<8} {r['engine']:<15} {r['step_s']:>8.3f} {bound:>8.3f} {r['peak_mib']:>9.0f}  {ratio}")
+    for r in rows:
+        if "profile" in r:
+            print(f"\n{r['model']} {r['engine']}: CPU seconds of one step (2 threads), and the matrix FLOPs behind them")
+            f = flops(r["model"], args.batch, args.seq, args.rank)
+            lora = "lora" in r["engine"]
+            work = {"y = x·Wᵀ": f["pass"] + (f["adapters"] / 4 if lora else 0),
+                    "dx = dy·W": f["pass"] + (f["adapters"] / 4 if lora else 0),
+                    "dW (or dA, dB)": f["adapters"] / 2 if lora else f["pass"], "attention": f["attention"]}
+            prof = r["profile"]
+            top = [k for k in prof if not k.startswith(" ") and k != "step (CPU)"]
+            prof["rest (Python, copies, threads)"] = prof["step (CPU)"] - sum(prof[k] for k in top)
+            for key in ORDER:
+                if key not in prof:
+                    continue
+                sec = prof[key]
+                rate = f"{work[key] / 1e9:8.1f} GFLOP  {work[key] / 1e9 / sec:6.1f} GFLOP/s" if key in work and sec else ""
+                print(f"  {key:<32} {sec:8.3f} s  {rate}")
 
 if __name__ == "__main__":
     main()

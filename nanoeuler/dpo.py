@@ -105,13 +105,15 @@ class Workspaces:
     """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps.
     precision: of the matrix products ("fp32" or "bf16", see fast/bf16.py)."""
 
-    def __init__(self, cfg, dtype=np.float32, precision: str = "fp32"):
+    def __init__(self, cfg, dtype=np.float32, precision: str = "fp32", adapters=None):
         self.cfg, self.dtype, self.precision, self.by_shape = cfg, np.dtype(dtype), precision, {}
+        self.adapters = adapters  # a LoRA policy's (lora.Adapters): applied on the fly, only their gradients formed
 
     def get(self, B: int, T: int):
         from .fast import Workspace
         if (B, T) not in self.by_shape:
-            self.by_shape[(B, T)] = Workspace(self.cfg, B, T, self.dtype, self.precision)
+            ws = Workspace(self.cfg, B, T, self.dtype, self.precision)
+            self.by_shape[(B, T)] = self.adapters.attach(ws) if self.adapters else ws
         return self.by_shape[(B, T)]
 
 
@@ -153,14 +155,15 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
     from .config import head_name, head_weight
     _, cfg, P, inputs, ws, lp_cache = cache
     dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
-    grads = fast.grad_buffers(cfg, ws.hf.dtype)
+    lora = ws.adapters is not None   # a LoRA policy: the adapters' gradients only (lora.LoraGrads)
+    grads = ws.adapters.new_step(ws) if lora else fast.grad_buffers(cfg, ws.hf.dtype)
     W0, head0 = head_weight(P, 0), head_name(P, 0)
-    ws.mm(dlogits.T, ws.hf, grads[head0])                     # [V, d]
+    fast.engine.weight_grad(grads, [head0], dlogits, ws.hf, ws.mm)  # [V, d]
     if head0 == "heads.0.weight":
         fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
     fast.engine.linear_dx(ws, dlogits, W0, head0, ws.dh)      # gradient of the final normed state [B·T, d]
     fast.backward(cfg, P, inputs.reshape(-1), ws, grads)
-    return {n: grads[n] for n in trained_params(cfg, P)}
+    return ws.adapters.step_grads(ws) if lora else {n: grads[n] for n in trained_params(cfg, P)}
 
 
 def chosen_nll_forward(policy_chosen_logps, n_tokens):
@@ -317,12 +320,13 @@ class DPOObjective:
         if self.micro > len(train):
             raise UserError(f"a micro-batch of {self.micro} pairs is more than the {len(train)} training pairs")
         self.model, self.cfg, self.reference_model = model, model.config, reference_model
-        self.lora = hasattr(model, "adapter_grads")  # a LoraModel (lora.py): the adapters are trained
+        self.lora = hasattr(model, "engine_adapters")  # a LoraModel (lora.py): the adapters are trained
         self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
         precision = getattr(model, "precision", "fp32")  # the reference's log-probs in the run's precision too
-        self.workspaces = Workspaces(self.cfg, model.dtype, precision)  # the fast engine's buffers, reused
+        self.workspaces = Workspaces(self.cfg, model.dtype, precision,   # the fast engine's buffers, reused
+                                     model.engine_adapters if self.lora else None)
         self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision)
         self.ref_id = fingerprint(reference_model.params)
         self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
@@ -402,10 +406,9 @@ class DPOObjective:
             (idx, b), scale = batch, 1.0
         self._reference_logprobs(idx, b, isinstance(batch, PairPart))
         ref_c, ref_r = self.reference["train.chosen"], self.reference["train.rejected"]
-        policy = self.model.merged_params() if self.lora else self.model.params
-        loss, m, g = dpo_loss_and_grads(self.cfg, policy, b, ref_c[idx], ref_r[idx], self.beta,
-                                        self.workspaces, self.nll_weight, scale)
-        return loss, m, (self.model.adapter_grads(g) if self.lora else g)
+        policy = self.model.base.params if self.lora else self.model.params   # LoRA: adapters on the fly
+        return dpo_loss_and_grads(self.cfg, policy, b, ref_c[idx], ref_r[idx], self.beta, self.workspaces,
+                                  self.nll_weight, scale)
 
     def _reference_logprobs(self, idx, b: PairBatch, shared: bool) -> None:
         """The reference's log-probs of the pairs drawn for the first time (forward only, once per pair).
@@ -424,7 +427,7 @@ class DPOObjective:
                 ref_c[i], ref_r[i] = c, r
 
     def evaluate(self, max_batches: int) -> dict:
-        policy = self.model.merged() if self.lora else self.model
+        policy = self.model.base if self.lora else self.model   # LoRA: the workspaces apply the adapters
         m = evaluate_dpo(policy, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
                          self.beta, self.pad_id, workspaces=self.workspaces)
         return {f"val_{k}": v for k, v in m.items()}

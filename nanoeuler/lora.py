@@ -4,14 +4,13 @@
 keeps moments for the adapters alone and data-parallel ranks reduce only their gradients.
 
 Two ways to a step, the same mathematics (tests/test_lora.py compares them):
-- reference (`reference=True`, and whenever the adapters use dropout): `model.forward`/`model.backward`
+- reference (`reference=True`): `model.forward`/`model.backward`
   run with an ops namespace whose linear pair is `ops.lora_forward`/`ops.lora_backward` for an adapted
   weight (the weight arrives wrapped as `Adapted`), so every adapter gets its own dA, dB;
-- fast: the fast engine runs on the merged weights W' = W + s·B·A (the adapted map without dropout is
-  exactly x·W'ᵀ, and dx = dy·W'), and at every linear hands dy and x to `LoraGrads.weight_grad`, which
-  forms dA and dB and never the [out, in] gradient of a frozen weight.
-DPO (whose engine call has no such hook) differentiates the merged weights and projects:
-      dB = s·G·Aᵀ     dA = s·Bᵀ·G      (G = dL/dW', `adapter_grads`)
+- fast: the fast engine runs on the frozen base weights and adds the adapters' low-rank share after each
+  product of an adapted weight (`Adapters`: no merged copy of any weight; adapter dropout fused), and at every linear hands dy and x to `LoraGrads.weight_grad`, which forms dA and
+  dB and never the [out, in] gradient of a frozen weight (nor the embedding's). DPO's policy runs the
+  same way (its workspaces `attach` the adapters).
 
     model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
     head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
@@ -73,7 +72,8 @@ class LoraModel:
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
         ad.check_adapters(base.config, self.lcfg, adapters, "adapters")
         self.modules = ad.modules(base.config, lcfg)
-        self._merged = None
+        self.engine_adapters = Adapters(base.config, self.lcfg, adapters)   # how the fast engine applies them
+        self._ws = None
 
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
@@ -92,12 +92,12 @@ class LoraModel:
         cfg, params = ad.load_base(run_dir, ref)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
-    precision = "fp32"   # adapters train with float32 products (bf16 with --lora is refused: set_precision)
+    precision = "fp32"
 
     def set_precision(self, precision: str) -> "LoraModel":
-        """Only fp32: the fast engine's bf16 packs would hold the base, not the merged weights a step uses."""
-        if precision != "fp32":
-            raise UserError(f"--precision {precision} is not available with --lora (adapters train in fp32)")
+        """The precision of the fast engine's products from now on: the frozen weights' and the adapters'."""
+        self.base.set_precision(precision)
+        self.precision = precision
         return self
 
     @property
@@ -118,53 +118,22 @@ class LoraModel:
     def checkpoint_writers(self, tokenizer=None) -> dict:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)
 
-    def merged_params(self) -> dict[str, np.ndarray]:
-        """The base's params with W + s·B·A for every adapted weight (the rest shared, not copied), in the
-        weights' dtype, into buffers kept from step to step (`ad.merge_params` rounds once, from float64:
-        for merging a run for good)."""
-        if self._merged is None:
-            self._merged = dict(self.base.params)
-            for bases, _ in self.modules.values():
-                for name in bases:
-                    self._merged[name] = np.empty_like(self.base.params[name])
-        s = self.dtype.type(self.lcfg.scale)
-        for module, (bases, _) in self.modules.items():
-            A, sB = self.params[module + ".lora_A"], s * self.params[module + ".lora_B"]  # s·B: [out, r], small
-            for name, rows in zip(bases, ad.row_slices(self.config, bases)):
-                out = self._merged[name]
-                np.matmul(sB[rows], A, out=out)                             # [out, in]
-                out += self.base.params[name]
-        return self._merged
-
     def merged(self) -> Model:
         """A plain model of the base with the adapters merged (its own arrays, rounded once from float64)."""
         return Model(self.config, ad.merge_params(self.config, self.base.params, self.lcfg, self.params))
-
-    def adapter_grads(self, G: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Gradients w.r.t. the merged weights -> the adapters': dB = s·G·Aᵀ, dA = s·Bᵀ·G (G of a stacked
-        module: its weights' gradients stacked by rows)."""
-        grads = {}
-        for module, (bases, _) in self.modules.items():
-            A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
-            s = A.dtype.type(self.lcfg.scale)
-            Gm = np.concatenate([G[b] for b in bases]) if len(bases) > 1 else G[bases[0]]  # [Σ out, in]
-            grads[module + ".lora_A"] = s * (B.T @ Gm)                                     # [r, in]
-            grads[module + ".lora_B"] = s * (Gm @ A.T)                                     # [Σ out, r]
-        return grads
 
     # ---- forward / backward -------------------------------------------------------------------------
     def loss_and_grads(self, tokens, loss_mask=None, *, reference: bool = False, out=None, dropout=None,
                        counts=None, adapter_dropout: ops.Dropout | None = None):
         """As Model.loss_and_grads, with grads keyed like `params` (the adapters). dropout: on the residual
-        branches; adapter_dropout: on the adapters' inputs (runs the reference path, which applies it op by op).
+        branches; adapter_dropout: on the adapters' inputs (the same masks on both paths).
         counts: a data-parallel rank's target counts (see fast.heads); the reference path divides by its own."""
         cfg = self.config
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
-        adrop = adapter_dropout
-        if reference or adrop is not None:
-            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adrop, counts)
+        if reference:
+            head0, objective, grads = self._reference_step(tokens, loss_mask, dropout, adapter_dropout, counts)
         else:
-            head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, counts)
+            head0, objective, grads = self._fast_step(tokens, loss_mask, dropout, adapter_dropout, counts)
         if out is not None:
             for name, g in grads.items():
                 out[name][...] = g
@@ -174,11 +143,11 @@ class LoraModel:
     def loss(self, tokens, loss_mask=None, *, reference: bool = False, dropout=None):
         """Forward only (no adapter dropout: evaluation): (head-0 loss, objective)."""
         if reference:
-            return Model(self.config, self.merged_params()).loss(tokens, loss_mask, reference=True, dropout=dropout)
+            return self.merged().loss(tokens, loss_mask, reference=True, dropout=dropout)
         from . import fast
         check_tokens(self.config, tokens, extra=self.config.n_mtp)
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        return fast.loss(self.config, self.merged_params(), tokens, loss_mask, ws, dropout)
+        return fast.loss(self.config, self.base.params, tokens, loss_mask, ws, dropout)
 
     def reference_objective(self, tokens, loss_mask=None, dropout=None, adapter_dropout=None):
         """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
@@ -211,82 +180,176 @@ class LoraModel:
             grads[module + ".lora_B"] = np.concatenate([g[b][1] for b in bases])
         return head_losses[0], objective, grads
 
-    def _fast_step(self, tokens, loss_mask, dropout, counts):
+    def _fast_step(self, tokens, loss_mask, dropout, adapter_dropout, counts):
         from . import fast
         from .fast import engine
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        for g in ws.lora:
-            g.reset()
-        with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
-            head0, objective, _ = fast.loss_and_grads(self.config, self.merged_params(), tokens, loss_mask, ws,
-                                                      ws.lora[0], dropout, counts)
-        grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
-        for g in ws.lora[1:]:           # the parts' shares, in part order (deterministic)
-            for n, a in g.out.items():
-                grads[n] += a
-        return head0, objective, grads
+        self.engine_adapters.drop = adapter_dropout
+        try:
+            with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
+                head0, objective, _ = fast.loss_and_grads(self.config, self.base.params, tokens, loss_mask, ws,
+                                                          self.engine_adapters.new_step(ws), dropout, counts)
+        finally:
+            self.engine_adapters.drop = None
+        return head0, objective, self.engine_adapters.step_grads(ws)
 
     def _workspace(self, B: int, T: int):
-        """The fast engine's buffers for this batch shape, each part's gradients a LoraGrads (kept)."""
+        """The fast engine's buffers for this batch shape and precision (kept from step to step), the adapters
+        applied on the fly (`Adapters.attach`)."""
         from . import fast
-        ws = getattr(self, "_ws", None)
-        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype)):
+        ws = self._ws
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
             self._ws = None
-            ws = fast.Workspace(self.config, B, T, self.dtype)
-            ws.lora = [LoraGrads(self.config, self.lcfg, self.params) for _ in ws.parts]
-            for w, g in zip(ws.parts[1:], ws.lora[1:]):
-                w.grads = g             # the full gradient set the engine gave the part is dropped
-            self._ws = ws
+            self._ws = ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision))
         return ws
+
+
+class Adapters:
+    """The adapters as the fast engine applies them on the fly (`Workspace.adapters`): after each product of
+    a frozen weight W they adapt (engine.linear, linear_dx), their low-rank share is added,
+
+        y += s·(x̃·Aᵀ)·Bᵀ      dx += (s·(dy·B)·A) ⊙ mask          x̃ = x ⊙ mask (adapter dropout, else x)
+
+    ~2·n·r·(in + out) flops each, W never copied, through the workspace's products `mm` (bf16: operands
+    rounded like every other product). `drop` (ops.Dropout, set for one step by LoraModel) draws module j's
+    masks at site DROPOUT_SITE0 + j by batch row, as the reference path does (`batch_row`)."""
+
+    def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
+        self.shapes, self.adapters, self.scale = cfg.param_shapes(), adapters, lcfg.scale
+        mods = ad.modules(cfg, lcfg)
+        self.where = {name: (module, rows) for module, (bases, _) in mods.items()
+                      for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+        self.site = {module: ad.DROPOUT_SITE0 + j for j, module in enumerate(mods)}
+        self.drop = None
+        self._runs = {}
+
+    def attach(self, ws):
+        """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora)."""
+        ws.adapters = self
+        ws.fixed_weights = True         # the frozen base: stacked and packed once
+        ws.lora = [LoraGrads(self.shapes, self) for _ in ws.parts]
+        for w, g in zip(ws.parts[1:], ws.lora[1:]):
+            w.grads = g                 # the full gradient set the engine gave the part is dropped
+        return ws
+
+    def new_step(self, ws) -> "LoraGrads":
+        """Zero the parts' adapter gradients; the gradients to hand the engine (part 0's)."""
+        for g in ws.lora:
+            for a in g.out.values():
+                a[...] = 0
+        return ws.lora[0]
+
+    def step_grads(self, ws) -> dict[str, np.ndarray]:
+        """The adapters' gradients of the step: the parts' shares summed in part order (deterministic)."""
+        grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
+        for g in ws.lora[1:]:
+            for n, a in g.out.items():
+                grads[n] += a
+        return grads
+
+    def forward(self, key, x, out, mm) -> None:
+        """out [n, Σ out] += s·(x̃·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
+        for module, cols, rows in self._product_runs(key):
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
+            u = np.empty((x.shape[0], A.shape[0]), x.dtype)
+            mm(self.dropped(module, x), A.T, u)                             # [n, r]
+            u *= x.dtype.type(self.scale)
+            t = np.empty((x.shape[0], B.shape[0]), x.dtype)
+            mm(u, B.T, t)                                                   # [n, out]
+            out[:, cols] += t
+
+    def dx(self, key, dy, out, mm) -> None:
+        """out [n, in] += (s·(dy·B)·A) ⊙ mask for every adapted stretch of `key` (dy [n, Σ out])."""
+        for module, cols, rows in self._product_runs(key):
+            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
+            du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
+            mm(dy[:, cols], B, du)                                          # [n, r]
+            du *= dy.dtype.type(self.scale)
+            t = np.empty_like(out)
+            mm(du, A, t)                                                    # [n, in]
+            out += self.dropped(module, t, batch_row(out))
+
+    def dropped(self, module: str, x, row0: int | None = None):
+        """x ⊙ the module's dropout mask (a new array), or x itself without dropout. row0: x's first batch
+        row (default: batch_row(x))."""
+        if self.drop is None:
+            return x
+        from .fast.kernels import dropout_scale
+        d = self.drop
+        row0 = batch_row(x) if row0 is None else row0
+        out = np.empty_like(x)
+        dropout_scale(x, np.uint64(d.base(self.site[module], row0, x.shape[1])), np.uint64(d.threshold),
+                      x.dtype.type(d.scale), out)
+        return out
+
+    def _product_runs(self, key: str):
+        """runs() of the weights behind the engine's product `key` ("wqkv.0", "layers.0.attn.wo.weight", ...)."""
+        if key not in self._runs:
+            from .fast.engine import product_weights
+            self._runs[key] = self.runs(tuple(product_weights(key)))
+        return self._runs[key]
+
+    def runs(self, names: tuple[str, ...]):
+        """The adapted stretches of the output columns of a product of weights stacked by rows:
+        [(module, columns, rows of its B)], neighbours of one module joined (GPT-2's q|k|v: one product for
+        c_attn, not three).
+
+            euler (wq, wk, wv) (modules q, k, v) -> 3 runs;  gpt2 (wq, wk, wv) (c_attn) -> 1 run;  a head -> []"""
+        if names not in self._runs:
+            runs, col = [], 0
+            for name in names:
+                c0, col = col, col + self.shapes[name][0]
+                if name not in self.where:
+                    continue
+                module, rows = self.where[name]
+                if runs and runs[-1][0] == module and runs[-1][1].stop == c0 and runs[-1][2].stop == rows.start:
+                    runs[-1] = (module, slice(runs[-1][1].start, col), slice(runs[-1][2].start, rows.stop))
+                else:
+                    runs.append((module, slice(c0, col), rows))
+            self._runs[names] = runs
+        return self._runs[names]
+
+
+def batch_row(a) -> int:
+    """The batch row of a's first row. The fast engine hands its hooks a part's rows as row views of its
+    workspace's [..., N, width] activation arrays, so the offset into the owning array, in rows, mod N is
+    the row (sequence b, position t: row b·T + t, as in the reference path's [B, T, width])."""
+    base = a if a.base is None else a.base
+    if a.ndim != 2 or base.shape[-1] != a.shape[1] or base.strides[-2] != a.strides[0]:
+        raise AssertionError(f"adapter dropout needs a row view of a workspace array, got {a.shape} of {base.shape}")
+    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return offset // a.strides[0] % base.shape[-2]
 
 
 class LoraGrads(dict):
     """What the fast engine writes a LoRA step's gradients into: the small ones it writes itself (norms,
-    biases, the embeddings' lookup share: kept, unused) as a dict, and for every linear, through
-    `engine.weight_grad`, the adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
+    biases, positions: kept, unused) as a dict, and for every linear, through `engine.weight_grad`, the
+    adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
 
-        u = x·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x [r, in]     ~2·n·r·(in + out) flops
+        u = x̃·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x̃ [r, in]     ~2·n·r·(in + out) flops
 
-    in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all."""
+    in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all, nor the
+    embedding's (no "embed.weight" here: the engine skips it)."""
 
-    def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
-        self.shapes = cfg.param_shapes()
-        dtype = next(iter(adapters.values())).dtype
-        super().__init__({n: np.zeros(s, dtype) for n, s in self.shapes.items()
-                          if len(s) == 1 or n in ("embed.weight", "pos_embed.weight")})
-        self.adapters, self.scale = adapters, lcfg.scale
-        self.out = {n: np.zeros_like(a) for n, a in adapters.items()}
-        self.where = {name: (module, rows) for module, (bases, _) in ad.modules(cfg, lcfg).items()
-                      for name, rows in zip(bases, ad.row_slices(cfg, bases))}
+    def __init__(self, shapes: dict, adapters: Adapters):
+        dtype = next(iter(adapters.adapters.values())).dtype
+        super().__init__({n: np.zeros(s, dtype) for n, s in shapes.items() if len(s) == 1 or n == "pos_embed.weight"})
+        self.adapters = adapters
+        self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items()}
 
-    def reset(self) -> None:
-        for a in self.out.values():
-            a[...] = 0
-
-    def weight_grad(self, names, dy, x) -> None:
-        s = dy.dtype.type(self.scale)
-        for module, cols, rows in self._runs(names):
-            A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"]
-            dym = dy[:, cols]                                               # [n, out] of the module's rows
-            self.out[module + ".lora_B"][rows] += s * (dym.T @ (x @ A.T))   # [out, r]
-            self.out[module + ".lora_A"] += s * ((dym @ B[rows]).T @ x)     # [r, in]
-
-    def _runs(self, names):
-        """The adapted stretches of dy's columns: [(module, dy columns, rows of its B)], neighbours of one
-        module joined (GPT-2's q|k|v: one product for c_attn, not three).
-
-            euler [wq, wk, wv] (modules q, k, v) -> 3 runs;  gpt2 [wq, wk, wv] (c_attn) -> 1 run"""
-        runs, col = [], 0
-        for name in names:
-            n_out = self.shapes[name][0]
-            c0, col = col, col + n_out
-            if name not in self.where:
-                if name in self:    # gpt2's tied head: its share of embed.weight's gradient (unused)
-                    self[name][...] = 0
-                continue
-            module, rows = self.where[name]
-            if runs and runs[-1][0] == module and runs[-1][1].stop == c0 and runs[-1][2].stop == rows.start:
-                runs[-1] = (module, slice(runs[-1][1].start, col), slice(runs[-1][2].start, rows.stop))
-            else:
-                runs.append((module, slice(c0, col), rows))
-        return runs
+    def weight_grad(self, names, dy, x, mm) -> None:
+        s = dy.dtype.type(self.adapters.scale)
+        n = dy.shape[0]
+        for module, cols, rows in self.adapters.runs(tuple(names)):
+            A, B = self.adapters.adapters[module + ".lora_A"], self.adapters.adapters[module + ".lora_B"][rows]
+            dym, xd = dy[:, cols], self.adapters.dropped(module, x)        # [n, out] of the module's rows, x̃
+            u, du = np.empty((n, A.shape[0]), dy.dtype), np.empty((n, A.shape[0]), dy.dtype)
+            mm(xd, A.T, u)                                                  # [n, r]
+            mm(dym, B, du)                                                  # [n, r]
+            u *= s
+            du *= s
+            dB, dA = np.empty(B.shape, dy.dtype), np.empty(A.shape, dy.dtype)
+            mm(dym.T, u, dB)                                                # [out, r]
+            mm(du.T, xd, dA)                                                # [r, in]
+            self.out[module + ".lora_B"][rows] += dB
+            self.out[module + ".lora_A"] += dA

@@ -244,3 +244,40 @@ def test_dpo_head_products_in_bf16():
     grads = dpo.sequence_logprobs_backward(np.ones(2), cache)
     dlogits = dpo.response_logprobs_backward(np.ones(2), cache[5]).reshape(ws.N, -1).astype(np.float32)
     assert rel_err(grads["heads.0.weight"], reference(dlogits.T, hf)) < 1e-5
+
+
+# ---- LoRA in bf16 ------------------------------------------------------------------------------------------
+def _far_lora(arch, dropout=0.0):
+    from nanoeuler import adapters as ad
+    from nanoeuler.lora import LoraModel
+    m, tokens, mask = _far_model(arch)
+    lcfg = ad.LoraConfig(4, 8.0, ad.DEFAULT_TARGETS[arch], dropout)
+    adapters = ad.init_adapters(m.config, lcfg, 1)
+    for a in adapters.values():
+        a += np.random.default_rng(2).standard_normal(a.shape).astype(np.float32) * 0.2
+    return LoraModel(m, lcfg, adapters, {"path": "", "sha256": ""}), tokens, mask
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_lora_step_products_are_the_rounded_operands_products(arch, monkeypatch):
+    """bf16 + LoRA: the frozen weights' products and the adapters' small ones (on the fly, with adapter
+    dropout) take bfloat16 operands, as in the full step: the step equals its twin with float64 products of
+    the same rounded operands, where the fp32 step is ~1e-2 away; no product runs on float32 BLAS."""
+    from nanoeuler import ops
+    from nanoeuler.fast import engine
+    m, tokens, mask = _far_lora(arch, dropout=0.2)
+    drop = ops.Dropout(0.2, seed=3)
+    g_fp32 = m.loss_and_grads(tokens, mask, adapter_dropout=drop)[2]
+    with monkeypatch.context() as mp:
+        mp.setattr(engine, "matmul", None)                    # engine's float32 BLAS: any use raises TypeError
+        mp.setattr(np, "matmul", None)                        # ... and NumPy's (the adapters' products)
+        g = m.set_precision("bf16").loss_and_grads(tokens, mask, adapter_dropout=drop)[2]
+    m._ws = None                                              # a new workspace, on the twin's products
+    monkeypatch.setattr(bf16, "KERNELS", bf16.TWIN)
+    g_twin = m.loss_and_grads(tokens, mask, adapter_dropout=drop)[2]
+    assert set(g) == set(m.params)
+    for name in g:
+        assert (rel_err(g[name], g_twin[name], floor=1.0) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name], floor=1.0)
+                and rel_err(g[name], g_twin[name]) < 1e-3), name
+

@@ -5,6 +5,7 @@ import pytest
 from conftest import rel_err, tiny_config
 from nanoeuler import adapters as ad
 from nanoeuler import ops
+from nanoeuler.fast import bf16
 from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
 from nanoeuler.lora import LoraModel
 from nanoeuler.model import Model
@@ -47,20 +48,46 @@ def test_adapter_gradients_match_finite_differences(config, dropout):
     assert max(r.max_rel_error for r in rows) < TOLERANCE, max(rows, key=lambda r: r.max_rel_error)
 
 
-@pytest.mark.parametrize("arch,parts", [("euler", 1), ("euler", 3), ("gpt2", 1), ("gpt2", 3)])
-def test_fast_step_equals_reference_step(arch, parts, monkeypatch):
-    """The fused step (adapter gradients from each linear's dy and x, no dW) in 1 or 3 parts = the reference."""
+@pytest.mark.parametrize("arch,parts,p", [("euler", 1, 0.0), ("euler", 3, 0.0), ("gpt2", 1, 0.0), ("gpt2", 3, 0.0),
+                                          ("euler", 3, 0.3), ("gpt2", 2, 0.3)])
+def test_fast_step_equals_reference_step(arch, parts, p, monkeypatch):
+    """The fused step (adapters applied on the fly, their gradients from each linear's dy and x, no dW) in
+    1..3 parts = the reference, adapter dropout included (the same masks by batch row in every part)."""
     from nanoeuler.fast import parallel
     monkeypatch.setattr(parallel, "PARTS", parts)
-    m = lora_model(arch)
+    m = lora_model(arch, dropout=p)
     tokens, mask = batch(m.config)
-    h1, o1, g1 = m.loss_and_grads(tokens, mask, reference=True)
-    h2, o2, g2 = m.loss_and_grads(tokens, mask)
+    adrop = ops.Dropout(p, seed=11) if p else None
+    h1, o1, g1 = m.loss_and_grads(tokens, mask, reference=True, adapter_dropout=adrop)
+    h2, o2, g2 = m.loss_and_grads(tokens, mask, adapter_dropout=adrop)
     assert len(m._ws.parts) == parts
     assert abs(o1 - o2) < 1e-12 and abs(h1 - h2) < 1e-12
     assert set(g1) == set(g2) == set(m.params)
     for name in g1:
         assert rel_err(g2[name], g1[name]) < 1e-10, name
+    if p:   # the masks matter: without them the step differs
+        assert abs(m.loss_and_grads(tokens, mask)[1] - o2) > 1e-6
+
+
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers(arch, monkeypatch):
+    """One workspace from step to step (it held the precision in its key, and every step rebuilt it), the
+    frozen weights stacked once (not every step), no merged weight copies, no gradient buffer of the frozen
+    embedding in any part."""
+    from nanoeuler import fast
+    stack = fast.arch(tiny_config(arch=arch))._stack_weights
+    calls = []
+    monkeypatch.setattr(fast.arch(tiny_config(arch=arch)), "_stack_weights", lambda *a: calls.append(stack(*a)))
+    m = lora_model(arch)
+    tokens, mask = batch(m.config)
+    m.loss_and_grads(tokens, mask)
+    ws = m._ws
+    m.loss_and_grads(tokens, mask)
+    m.loss(tokens, mask)
+    assert m._ws is ws
+    assert len(calls) == 1
+    assert all("embed.weight" not in g for g in ws.lora)
+    assert all(w.grads is None or w.grads is g for w, g in zip(ws.parts, ws.lora))
 
 
 def test_fresh_adapters_are_the_base_and_only_b_moves_first():
@@ -79,6 +106,29 @@ def test_merged_model_computes_what_the_adapters_compute():
     frozen = {n for n in m.base.params if not any(n in b for b, _ in m.modules.values())}
     merged = m.merged().params
     assert all(merged[n] is m.base.params[n] for n in frozen)          # unadapted weights shared, not copied
+
+
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch):
+    """DPO's LoRA step (adapters on the fly, no weight gradient formed) gives what the merged model's weight
+    gradients G give through W' = W + s·B·A: dB = s·G·Aᵀ, dA = s·Bᵀ·G (a stacked module: G stacked)."""
+    from nanoeuler.dpo import Workspaces, dpo_loss_and_grads
+    from nanoeuler.dpo_data import PairBatch
+    m = lora_model(arch)
+    cfg, s = m.config, m.lcfg.scale
+    rng = np.random.default_rng(4)
+    inputs = rng.integers(0, cfg.vocab_size, (4, cfg.ctx_len))
+    pairs = PairBatch(inputs, np.roll(inputs, -1, axis=1), rng.random(inputs.shape) > 0.3, 2)
+    ref_c, ref_r = np.array([-20.0, -15.0]), np.array([-18.0, -21.0])
+    loss1, _, g = dpo_loss_and_grads(cfg, m.base.params, pairs, ref_c, ref_r, 0.1,
+                                     Workspaces(cfg, np.float64, adapters=m.engine_adapters))
+    loss2, _, G = dpo_loss_and_grads(cfg, m.merged().params, pairs, ref_c, ref_r, 0.1, Workspaces(cfg, np.float64))
+    assert loss1 == pytest.approx(loss2, abs=1e-12) and set(g) == set(m.params)
+    for module, (bases, _) in m.modules.items():
+        A, B = m.params[module + ".lora_A"], m.params[module + ".lora_B"]
+        Gm = np.concatenate([G[b] for b in bases])                         # [Σ out, in]
+        assert rel_err(g[module + ".lora_B"], s * Gm @ A.T) < 1e-10, module
+        assert rel_err(g[module + ".lora_A"], s * B.T @ Gm) < 1e-10, module
 
 
 @pytest.mark.parametrize("adapter_dropout", [None, 0.2])
@@ -118,7 +168,10 @@ def sft_setup(tmp_path, tok, arch="euler"):
             "--no-progress", "--json"]
 
 
-@pytest.mark.parametrize("arch,extra", [("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"])])
+@pytest.mark.parametrize("arch,extra", [
+    ("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"]),
+    pytest.param("euler", ["--precision", "bf16", "--lora-dropout", "0.1"],
+                 marks=pytest.mark.skipif(not bf16.AVAILABLE, reason="this CPU has no AVX512_BF16"))])
 def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
     import json
 
@@ -135,6 +188,7 @@ def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, ca
     assert all(np.array_equal(ta[n], tb[n]) for n in ta) and any(ta[n].any() for n in ta if "lora_B" in n)
     opt = read_tensors(a / "optimizer.safetensors", "opt")
     assert set(opt) == {f"{k}.{n}" for k in ("m", "v") for n in ta}               # moments of the adapters only
+    assert json.loads((b / "trainer.json").read_text())["precision"] == ("bf16" if "bf16" in extra else "fp32")
     # the adapter run loads as the merged model, and `lora merge` writes exactly that
     base = Model.load(tmp_path / "base")
     merged = Model.load(a, read_only=True)

@@ -14,13 +14,17 @@ def register(sub) -> None:
                     "--format gguf writes one .gguf file for llama.cpp (architecture llama, q/k rows permuted "
                     "for its RoPE layout, the tokenizer and chat template in the metadata). --format peft writes "
                     "an adapter run's LoRA adapters as a PEFT folder that PeftModel.from_pretrained loads on the "
-                    "base's --format hf export (hf and gguf of an adapter run export it merged). An existing output "
+                    "base's --format hf export, and --format gguf-lora as one .gguf LoRA adapter that llama.cpp applies "
+                    "(--lora) on the base's --format gguf export (hf and gguf of an adapter run export it merged). "
+                    "An existing output "
                     "is refused unless --force; the output appears whole or not at all.")
     e.add_argument("--ckpt", required=True, help="checkpoint directory (from train, sft, dpo or import)")
-    e.add_argument("--format", required=True, choices=["hf", "gguf", "peft"],
+    e.add_argument("--format", required=True, choices=["hf", "gguf", "peft", "gguf-lora"],
                    help="hf: transformers folder; gguf: llama.cpp file; peft: an adapter run's LoRA adapters as a "
-                        "PEFT folder (adapter_config.json + adapter_model.safetensors) for the base's hf export")
-    e.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")
+                        "PEFT folder (adapter_config.json + adapter_model.safetensors) for the base's hf export; "
+                        "gguf-lora: an adapter run's LoRA adapters as a llama.cpp adapter file (float32) for the "
+                        "base's gguf export")
+    e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
     e.add_argument("--dtype", default=None,
                    help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1")
     e.add_argument("--force", action="store_true", help="replace an existing output")
@@ -59,6 +63,12 @@ def run_export(args) -> int:
         out = export_peft(args.ckpt, args.out, args.force)
         print(json.dumps({"ckpt": args.ckpt, "format": "peft", "out": str(out)}) if args.json
               else f"exported the adapters of {args.ckpt} as a PEFT folder -> {out}")
+        return 0
+    if args.format == "gguf-lora":
+        from ..interop.gguf_export import export_gguf_lora
+        out = export_gguf_lora(args.ckpt, args.out, args.force)
+        print(json.dumps({"ckpt": args.ckpt, "format": "gguf-lora", "out": str(out)}) if args.json
+              else f"exported the adapters of {args.ckpt} as a llama.cpp LoRA adapter -> {out}")
         return 0
     model = Model.load(args.ckpt, read_only=True)  # export only reads RUN: a pending save is not applied
     tok = load_tokenizer(args.ckpt, read_only=True)

@@ -23,7 +23,11 @@ organised for speed:
   then its two backward matmuls; only one [N, V] buffer exists;
 - precision "bf16": every matrix product (`linear`, `linear_dx`, `ws.mm`) takes bfloat16 operands with
   float32 accumulation (fast/bf16.py); the weights are rounded and packed once per step by `pack_weights`
-  (the parts a share each). Everything else is unchanged float32.
+  (the parts a share each). Everything else is unchanged float32;
+- LoRA (lora.py) hooks in without a copy of any weight: `ws.adapters` adds the adapters' low-rank share
+  to each product of a weight they adapt (`linear`, `linear_dx`), a gradient mapping with its own
+  `weight_grad` forms the adapters' gradients instead of dW, one without "embed.weight" skips the
+  embedding's, and `ws.fixed_weights` stacks and packs the frozen weights once for the whole run.
 
     ws = Workspace(cfg, B, T, np.float32)              # or Workspace(..., precision="bf16")
     head0, objective, grads = loss_and_grads(cfg, params, tokens, loss_mask, ws)
@@ -49,6 +53,7 @@ PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]
 ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
+STACKS = {"wqkv": ("attn.wq", "attn.wk", "attn.wv"), "wgu": ("ffn.gate", "ffn.up")}  # ws.wqkv[i], ws.wgu[i]
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
 
@@ -63,6 +68,9 @@ class Workspace:
         self.bf16 = bf16.products(dt) if precision == "bf16" else None  # kernels (float32) or the float64 twin
         self.mm = self.bf16.matmul if self.bf16 else _blas_mm     # mm(a, b, out): out = a @ b
         self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
+        self.adapters = None               # LoRA (lora.Adapters): added to each product of a weight it adapts
+        self.fixed_weights = False         # True: the same unchanging weights every step (LoRA's frozen base):
+        self.stacked = False               # stacked (wqkv, wgu) and packed (bf16) by the first forward only
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -167,19 +175,33 @@ def _blas_mm(a, b, out):
 
 
 def linear(ws: Workspace, x, W, key: str, out) -> None:
-    """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`."""
+    """out [n, out] = x [n, in] · Wᵀ (W [out, in]); bf16: W's panels packed this step under `key`.
+    With ws.adapters (LoRA), W's low-rank adapters' share is added: out += s·(x·Aᵀ)·Bᵀ."""
     if ws.bf16:
         ws.bf16.matmul_packed(x, ws.packs[key][0], out)
     else:
         matmul(x, W.T, out=out)
+    if ws.adapters is not None:
+        ws.adapters.forward(key, x, out, ws.mm)
 
 
 def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
-    """out [n, in] = dy [n, out] · W (the input gradient of `linear`)."""
+    """out [n, in] = dy [n, out] · W (the input gradient of `linear`; with ws.adapters: + s·(dy·B)·A)."""
     if ws.bf16:
         ws.bf16.matmul_packed(dy, ws.packs[key][1], out)
     else:
         matmul(dy, W, out=out)
+    if ws.adapters is not None:
+        ws.adapters.dx(key, dy, out, ws.mm)
+
+
+def product_weights(key: str) -> list[str]:
+    """The weights (stacked by rows) behind a product key of `linear`: a weight's name, or a stack.
+    product_weights("wgu.3") -> ["layers.3.ffn.gate.weight", "layers.3.ffn.up.weight"]"""
+    stack, _, layer = key.partition(".")
+    if stack not in STACKS:
+        return [key]
+    return [f"layers.{layer}.{m}.weight" for m in STACKS[stack]]
 
 
 def pack_weights(ws: Workspace, weights: dict) -> None:
@@ -219,7 +241,7 @@ def weight_grad(grads, names, dy, x, mm=_blas_mm) -> None:
     dy and x instead: adapter gradients, and nothing at all for a frozen weight (no [out, in] product)."""
     own = getattr(grads, "weight_grad", None)
     if own is not None:
-        own(names, dy, x)
+        own(names, dy, x, mm)
     else:
         _matmul_into(dy.T, x, [grads[n] for n in names], mm)
 
@@ -358,7 +380,9 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
         grads[p + "attn_norm.weight"][...] = w.dw
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
-    if cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
+    if "embed.weight" not in grads:          # frozen (a LoRA step): no [V, d] gradient
+        pass
+    elif cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
         kernels.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:
         kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
@@ -398,6 +422,21 @@ def _announce_part(w, names, grads) -> None:
 def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final normed hidden state).
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
+    if restack(ws):
+        _stack_weights(cfg, params, ws)
+    _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
+
+
+def restack(ws) -> bool:
+    """Whether this forward stacks (and, bf16, packs) the weights: every step, or only the first with
+    ws.fixed_weights."""
+    again = not (ws.fixed_weights and ws.stacked)
+    ws.stacked = True
+    return again
+
+
+def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
+    """q|k|v and gate|up of every layer into ws.wqkv, ws.wgu; bf16: every product's weight packed."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
@@ -407,7 +446,6 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
         (f"wqkv.{i}", ws.wqkv[i]), (f"wgu.{i}", ws.wgu[i]), (f"layers.{i}.attn.wo.weight", params[f"layers.{i}.attn.wo.weight"]),
         (f"layers.{i}.ffn.down.weight", params[f"layers.{i}.ffn.down.weight"])]}
         | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
-    _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
 def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):

@@ -263,7 +263,9 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
         _set(grads, p + "attn_norm.bias", w.db)
         engine._announce_part(w, [n for n in grads if n.startswith(p)], grads)
     position_backward(dx, ws.T, grads["pos_embed.weight"])
-    if w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
+    if "embed.weight" not in grads:  # frozen (a LoRA step): no [V, d] gradient
+        pass
+    elif w.index == 0:  # the caller's buffer already holds the tied head's gradient (of the whole batch)
         K.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:             # another part's own buffer: its lookup share only, summed into the caller's by `backward`
         K.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
@@ -273,6 +275,13 @@ def _backward_part(cfg: Config, P: dict, ws, w, grads, ids, drop) -> None:
 # ---- the public steps ---------------------------------------------------------------------------------------------
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
     """inputs int [B, T] -> fills ws up to ws.hf (the final LayerNorm's output)."""
+    if engine.restack(ws):
+        _stack_weights(cfg, P, ws)
+    engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
+
+
+def _stack_weights(cfg: Config, P: dict, ws) -> None:
+    """q|k|v weights and biases of every layer into ws.wqkv, ws.bqkv; bf16: every product's weight packed."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
@@ -281,7 +290,6 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
         (f"wqkv.{i}", ws.wqkv[i])] + [(n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight",
                                                           f"layers.{i}.ffn.proj.weight")]}
         | {head_name(P, k): head_weight(P, k) for k in range(cfg.n_mtp)})
-    engine._in_parts(_forward_part, cfg, P, ws, None, inputs, dropout)
 
 
 def heads(cfg: Config, P: dict, targets: np.ndarray, ws, grads: dict | None, counts=None):

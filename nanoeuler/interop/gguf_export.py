@@ -38,21 +38,31 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d)
 
 
+# our name under layers.i. -> llama.cpp's under blk.i. (matrices: [out, in] in both)
+LAYER_NAMES = {"attn_norm": "attn_norm", "attn.wq": "attn_q", "attn.wk": "attn_k", "attn.wv": "attn_v",
+               "attn.wo": "attn_output", "ffn_norm": "ffn_norm", "ffn.gate": "ffn_gate", "ffn.up": "ffn_up",
+               "ffn.down": "ffn_down"}
+
+
+def layer_tensor(cfg, name: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
+    """Our layer weight name ("layers.3.attn.wq.weight") and an array whose rows are that weight's output
+    rows (the weight, or a LoRA B) -> llama.cpp's name ("blk.3.attn_q.weight") and the rows as it orders
+    them (q and k: `permute_qk`)."""
+    _, i, rest = name.split(".", 2)
+    ours = rest.rsplit(".", 1)[0]
+    if ours in ("attn.wq", "attn.wk"):
+        rows = permute_qk(rows, cfg.n_heads if ours == "attn.wq" else cfg.n_kv_heads)
+    return f"blk.{i}.{LAYER_NAMES[ours]}.weight", rows
+
+
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """llama.cpp name -> float32 array (q and k permuted), in llama.cpp's order."""
     cfg, P = model.config, model.params
     t = {"token_embd.weight": P["embed.weight"]}
     for i in range(cfg.n_layers):
-        o, g = f"layers.{i}.", f"blk.{i}."
-        t[g + "attn_norm.weight"] = P[o + "attn_norm.weight"]
-        t[g + "attn_q.weight"] = permute_qk(P[o + "attn.wq.weight"], cfg.n_heads)
-        t[g + "attn_k.weight"] = permute_qk(P[o + "attn.wk.weight"], cfg.n_kv_heads)
-        t[g + "attn_v.weight"] = P[o + "attn.wv.weight"]
-        t[g + "attn_output.weight"] = P[o + "attn.wo.weight"]
-        t[g + "ffn_norm.weight"] = P[o + "ffn_norm.weight"]
-        t[g + "ffn_gate.weight"] = P[o + "ffn.gate.weight"]
-        t[g + "ffn_up.weight"] = P[o + "ffn.up.weight"]
-        t[g + "ffn_down.weight"] = P[o + "ffn.down.weight"]
+        for ours in LAYER_NAMES:
+            name, a = layer_tensor(cfg, f"layers.{i}.{ours}.weight", P[f"layers.{i}.{ours}.weight"])
+            t[name] = a
     t["output_norm.weight"] = P["norm.weight"]
     if "heads.0.weight" in P and not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
         t["output.weight"] = P["heads.0.weight"]  # left out when tied: llama.cpp then uses token_embd
@@ -85,12 +95,17 @@ def token_metadata(tok, vocab_size: int):
     return tokens, types, merges
 
 
-def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True) -> Path:
-    """Write the GGUF file `out` atomically (a temporary name renamed at the end)."""
+def _gguf():
     try:
         import gguf
     except ImportError:
         raise UserError("GGUF export needs the gguf package: pip install 'nanoeuler[interop]'") from None
+    return gguf
+
+
+def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True) -> Path:
+    """Write the GGUF file `out` atomically (a temporary name renamed at the end)."""
+    gguf = _gguf()
     from tqdm import tqdm
 
     from ..fileio import atomic_path
@@ -141,6 +156,46 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
                 w.add_tensor(name, a)
             else:
                 w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
+def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
+    """Write the adapters of the LoRA run in run_dir as a llama.cpp LoRA adapter (one .gguf file, atomically),
+    for the base's `--format gguf` export: general.type "adapter", adapter.type "lora", adapter.lora.alpha,
+    and each adapted weight's A [r, in] and B [out, r] as `<its llama.cpp name>.lora_a` / `.lora_b`, as
+    llama.cpp's convert_lora_to_gguf.py writes them (B's rows of q and k permuted like the weight's rows).
+    llama.cpp applies W + (alpha / r)·B·A: our merged model."""
+    from ..adapters import check_adapters, is_adapter_run, load_base, modules, read_adapter_run, row_slices
+    from ..fileio import atomic_path
+    from .hf import require_llama
+    from .outputs import check_free
+    gguf = _gguf()
+    if not is_adapter_run(run_dir):
+        raise UserError(f"--format gguf-lora exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
+    lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
+    cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
+    require_llama(cfg)
+    lcfg = lcfg.check(cfg)
+    check_adapters(cfg, lcfg, adapters, run_dir)
+    out = check_free(out, force)
+    if out.is_dir():
+        raise UserError(f"{out} is a folder; the GGUF adapter is one file")
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(lcfg.alpha))
+        w.add_name("nanoeuler LoRA")
+        for module, (bases, _) in modules(cfg, lcfg).items():
+            A, B = adapters[module + ".lora_A"], adapters[module + ".lora_B"]
+            for name, rows in zip(bases, row_slices(cfg, bases)):
+                gname, b = layer_tensor(cfg, name, B[rows])
+                w.add_tensor(gname + ".lora_a", np.ascontiguousarray(A, np.float32))   # [r, in]
+                w.add_tensor(gname + ".lora_b", np.ascontiguousarray(b, np.float32))   # [out, r]
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

@@ -1,0 +1,79 @@
+"""`export --format gguf-lora`: an adapter run as a llama.cpp LoRA adapter. Its metadata and tensors as
+llama.cpp's convert_lora_to_gguf.py writes them, and llama.cpp (llama-cpp-python, skipped when absent)
+applying it on our GGUF export of the base giving our merged model's logits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from nanoeuler import Model, Tokenizer
+from nanoeuler import adapters as ad
+from nanoeuler.cli import main
+from nanoeuler.data.corpus import bundled_works
+from nanoeuler.lora import LoraModel
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A base (GGUF-exportable tokenizer), an adapter run on it with B ≠ 0, and both exported."""
+    from nanoeuler.checkpoint import save_files
+    from nanoeuler.config import Config
+    d = tmp_path_factory.mktemp("gguf_lora")
+    tok = Tokenizer.train([bundled_works()["hamlet"][:40000]], 300, progress=False)
+    cfg = Config(vocab_size=300, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=96, n_mtp=1)
+    base = Model.init(cfg, seed=0)
+    rng = np.random.default_rng(1)
+    for p in base.params.values():
+        p += (rng.standard_normal(p.shape) * 0.05).astype(np.float32)
+    base.save(d / "base", tokenizer=tok)
+    m = LoraModel.new(d / "base", ad.LoraConfig(4, 12.0, ("q", "k", "v", "o", "gate", "up", "down")), seed=0)
+    for n, a in m.params.items():
+        if n.endswith("lora_B"):
+            a += (rng.standard_normal(a.shape) * 0.1).astype(np.float32)
+    save_files(d / "run", m.checkpoint_writers(tok))
+    assert main(["export", "--ckpt", str(d / "base"), "--format", "gguf", "--out", str(d / "base.gguf"),
+                 "--no-progress"]) == 0
+    assert main(["export", "--ckpt", str(d / "run"), "--format", "gguf-lora", "--out", str(d / "lora.gguf")]) == 0
+    return d, m
+
+
+def test_gguf_lora_metadata_and_tensors_are_llama_cpps(run):
+    d, m = run
+    r = gguf.GGUFReader(str(d / "lora.gguf"))
+    field = lambda k: r.fields[k].contents()   # noqa: E731
+    assert (field("general.architecture"), field("general.type"), field("adapter.type")) == ("llama", "adapter", "lora")
+    assert field("adapter.lora.alpha") == 12.0
+    t = {x.name: np.array(x.data) for x in r.tensors}
+    assert len(t) == 2 * 7 * m.config.n_layers
+    base = {x.name: np.array(x.data) for x in gguf.GGUFReader(str(d / "base.gguf")).tensors}
+    merged = Model.load(d / "run", read_only=True)    # W + s·B·A, rounded once
+    from nanoeuler.interop.gguf_export import gguf_tensors
+    want = gguf_tensors(merged)
+    s = m.lcfg.scale
+    for name in ("blk.1.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight"):
+        a, b = t[name + ".lora_a"], t[name + ".lora_b"]                # [r, in], [out, r]
+        assert a.shape == (4, base[name].shape[1]) and b.shape == (base[name].shape[0], 4)
+        # llama.cpp's W + s·B·A on its (permuted) base rows is our merged weight, permuted alike
+        assert rel_err(base[name] + s * b @ a, want[name]) < 1e-5, name     # float32 sums (a wrong row order: ~1)
+
+
+def test_gguf_lora_refuses_what_is_not_an_adapter_run(run, capsys, tmp_path):
+    d, _ = run
+    assert main(["export", "--ckpt", str(d / "base"), "--format", "gguf-lora", "--out", str(tmp_path / "x.gguf")]) != 0
+    assert "lora.json" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()
+
+
+def test_llama_cpp_applies_it_and_gives_our_merged_logits(run):
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    d, m = run
+    ids = list(np.random.default_rng(3).integers(0, 300, 32))
+    T = m.config.ctx_len
+    theirs = LlamaCpp(d / "base.gguf", n_ctx=T, logits_all=True, lora=d / "lora.gguf").logits(ids)
+    ours = Model.load(d / "run", read_only=True).logits(np.array([ids]))[0, 0]
+    plain = LlamaCpp(d / "base.gguf", n_ctx=T, logits_all=True).logits(ids)
+    assert rel_err(theirs, ours) <= 1e-4
+    assert rel_err(plain, ours) > 1e-2          # the adapter matters: not the base's logits
