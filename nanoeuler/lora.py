@@ -92,12 +92,12 @@ class LoraModel:
         cfg, params = ad.load_base(run_dir, ref)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
-    precision = "fp32"   # adapters train with float32 products (bf16 with --lora is refused: set_precision)
+    precision = "f32"   # adapters train with float32 products (bf16 with --lora is refused: set_precision)
 
     def set_precision(self, precision: str) -> "LoraModel":
-        """Only fp32: the fast engine's bf16 packs would hold the base, not the merged weights a step uses."""
-        if precision != "fp32":
-            raise UserError(f"--precision {precision} is not available with --lora (adapters train in fp32)")
+        """Only f32: the fast engine's bf16 packs would hold the base, not the merged weights a step uses."""
+        if precision != "f32":
+            raise UserError(f"--precision {precision} is not available with --lora (adapters train in f32)")
         return self
 
     @property

@@ -20,8 +20,9 @@ def register(sub) -> None:
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: the config's)")
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed warm-up steps (default 2; 0 = none)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="fp32 (default), or bf16 matrix products with float32 accumulation (needs AVX512_BF16)")
+    from ..config import PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default="f32",
+                   help="f32 (default), or bf16 matrix products with float32 accumulation (needs AVX512_BF16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
