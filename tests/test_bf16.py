@@ -273,3 +273,11 @@ def test_dpo_head_products_in_bf16():
     grads = dpo.sequence_logprobs_backward(np.ones(2), cache)
     dlogits = dpo.response_logprobs_backward(np.ones(2), cache[5]).reshape(ws.N, -1).astype(np.float32)
     assert rel_err(grads["heads.0.weight"], reference(dlogits.T, hf)) < 1e-5
+
+
+def test_check_leaves_out_the_bf16_rows_without_avx512_bf16(monkeypatch, capsys):
+    """`nanoeuler check` on a CPU without the instruction: no bf16 rows (nothing to check), and a note says so."""
+    from nanoeuler.cli.check import bf16_rows
+    monkeypatch.setattr(bf16, "AVAILABLE", False)
+    assert bf16_rows(seed=1) == []
+    assert "no AVX512_BF16" in capsys.readouterr().err

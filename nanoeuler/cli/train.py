@@ -86,6 +86,13 @@ def add_precision_argument(p) -> None:
                         "float32. On the CPU it needs AVX512_BF16. On --resume: the run's")
 
 
+def saved_state(out: Path) -> dict:
+    """out/trainer.json, read and validated (an old spelling brought up to date: check_trainer_state), or {}."""
+    from ..checkpoint import check_trainer_state, read_json
+    path = out / "trainer.json"
+    return check_trainer_state(read_json(path, "resume state"), path) if path.exists() else {}
+
+
 def resolve_precision(args, state: dict | None) -> str:
     """--precision, else the resumed run's (trainer.json `precision`), else f32; a resume must keep it
     (a run saved before precision was recorded takes what it is given)."""
