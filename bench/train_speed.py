@@ -8,12 +8,15 @@ step at a time (forward, backward, AdamW), so load from anything else on the mac
 alike. Between two steps the parent waits --pause seconds (default 0.3): PyTorch's OpenMP threads keep
 spinning for a while after a step, and without the pause they would steal the cores from whichever
 engine runs next (measured: our small step 247 ms right after PyTorch's, 216 ms alone). Warm-up steps
-(numba cache load, torch.compile compilation) are excluded; the median of the timed steps is reported.
-All engines use 2 threads.
+(numba cache load, torch.compile compilation) are excluded. Each step is timed twice inside the worker:
+forward+backward (up to the gradients) and the full step (AdamW too). All engines use 2 threads. An engine
+that fails (torch.compile may not build on this machine) is reported with its reason; the others go on.
 
+    ms            the median step time over the timed rounds, [min-max] the spread
     tokens/s      B·T / median step time
     ours/x        our tokens/s over engine x's, in the same precision (ours over eager, ours-bf16 over
-                  eager-bf16 ...); bf16/f32 our bf16 tokens/s over our float32's
+                  eager-bf16 ...): the median over the rounds of the two engines' step times in the same round,
+                  [min-max] over the rounds; bf16/f32 the same for our bf16 over our float32
     MFU           6·N·tokens/s over the matmul peak of the engine's precision measured in this run: float32,
                   the best of NumPy's and torch's 2048³ sgemm; bf16, the best of our bf16 kernels' and torch's
                   bfloat16 2048³ matmul (both on THREADS threads, measured between rounds; the max over the run)
@@ -24,7 +27,9 @@ All engines use 2 threads.
     python bench/train_speed.py                         # small B=32 T=128 and big B=16 T=256, 10 steps
     python bench/train_speed.py --presets big --steps 20 --json
     python bench/train_speed.py --presets gpt2 --steps 3 --warmup 1   # GPT-2 124M (arch gpt2), B=4 T=256
-    python bench/train_speed.py --presets big gpt --engines ours eager ours-bf16 eager-bf16 compile-bf16
+    python bench/train_speed.py --presets big gpt gpt2 --engines ours eager ours-bf16 eager-bf16 compile-bf16 \
+        --steps 5 --warmup 1                            # issue 27's comparison (~15 min on a quiet 2-core machine)
+    python bench/train_speed.py --quick                 # smoke run: small, 2 timed steps, every engine
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,7 +89,7 @@ def sgemm_gflops(engine: str, n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def make_ours(cfg, params, tokens, precision: str = "fp32"):
+def make_ours(cfg, params, tokens, precision: str = "f32"):
     import numpy as np
     from nanoeuler.model import Model
     from nanoeuler.optim import AdamW
@@ -92,9 +98,11 @@ def make_ours(cfg, params, tokens, precision: str = "fp32"):
     grads = model.grad_buffers()
 
     def step():
+        t0 = time.perf_counter()
         loss, _, _ = model.loss_and_grads(tokens, out=grads)
+        t1 = time.perf_counter()
         opt.step(model.params, grads)
-        return loss
+        return time.perf_counter() - t0, t1 - t0, loss
     assert np  # numpy imported for the worker's memory baseline
     return step
 
@@ -257,18 +265,28 @@ def make_torch(cfg, params, tokens, compiled: bool, bf16: bool = False):
     tok = torch.from_numpy(tokens).long()
 
     def step():
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             loss, objective = loss_fn(tok)
         objective.backward()
+        t1 = time.perf_counter()
         opt.step()
-        return float(loss.detach())
+        return time.perf_counter() - t0, t1 - t0, float(loss.detach())
     return step
 
 
 def worker(engine: str, preset: str, B: int, T: int) -> None:
-    """Line protocol on stdin/stdout: 'step' -> 'time <s> <loss>'; 'reset' (peak RSS); 'peak' -> sgemm
-    GFLOP/s; 'quit' -> 'done <peak MiB>'."""
+    """Line protocol on stdin/stdout: 'ready <idle MiB>' first; 'step' -> 'time <full s> <fwd+bwd s> <loss>';
+    'reset' (peak RSS); 'peak' -> sgemm GFLOP/s; 'quit' -> 'done <peak MiB>'. Any failure: 'fail <reason>'."""
+    try:
+        serve(engine, preset, B, T)
+    except Exception as e:  # noqa: BLE001  (the parent reports the engine as not run, with this reason)
+        reason = f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+        print(f"fail {reason}", flush=True)
+
+
+def serve(engine: str, preset: str, B: int, T: int) -> None:
     import numpy as np
     if engine.startswith("ours"):
         import nanoeuler.fast  # noqa: F401  (numba and the kernels: library memory, like torch's import)
@@ -282,15 +300,14 @@ def worker(engine: str, preset: str, B: int, T: int) -> None:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
     idle = rss_mib()
     kind, bf16 = engine.split("-")[0], engine.endswith("-bf16")
-    step = (make_ours(cfg, params, tokens, "bf16" if bf16 else "fp32") if kind == "ours"
+    step = (make_ours(cfg, params, tokens, "bf16" if bf16 else "f32") if kind == "ours"
             else make_torch(cfg, params, tokens, kind == "compile", bf16))
     print(f"ready {idle:.1f}", flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "step":
-            t = time.perf_counter()
-            loss = step()
-            print(f"time {time.perf_counter() - t:.6f} {loss:.6f}", flush=True)
+            full, fb, loss = step()
+            print(f"time {full:.6f} {fb:.6f} {loss:.6f}", flush=True)
         elif cmd == "reset":
             reset_peak_rss()
             print("ok", flush=True)
@@ -302,25 +319,50 @@ def worker(engine: str, preset: str, B: int, T: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- parent side
+class EngineFailed(Exception):
+    """An engine's worker that failed or died; the message is the reason."""
+
+
 class Worker:
     def __init__(self, engine: str, preset: str, B: int, T: int):
         env = dict(os.environ, NUMBA_NUM_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS),
                    OPENBLAS_NUM_THREADS=str(THREADS), PYTHONPATH=str(ROOT))
         self.engine = engine
+        self.err = tempfile.TemporaryFile("w+")   # torch.compile's warnings; the last line explains a crash
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", engine, preset, str(B), str(T)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     env=env, cwd=ROOT)
         self.idle = float(self.expect("ready")[0])
 
     def expect(self, word: str) -> list[str]:
         line = self.proc.stdout.readline()
-        if not line.startswith(word):
-            raise RuntimeError(f"{self.engine} worker: expected {word!r}, got {line!r} (exit {self.proc.poll()})")
-        return line.split()[1:]
+        if line.startswith(word):
+            return line.split()[1:]
+        if line.startswith("fail "):
+            raise EngineFailed(line[5:].strip())
+        self.proc.kill()
+        self.err.seek(0)
+        last = [ln for ln in self.err.read().splitlines() if ln.strip()][-1:]
+        raise EngineFailed(f"the worker exited ({self.proc.wait()}) {' '.join(last)}"[:300])
 
     def ask(self, cmd: str, word: str) -> list[str]:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # expect() reports why the worker is gone
         return self.expect(word)
+
+
+def spread(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def paired(ours: list[float], other: list[float]) -> dict:
+    """ours tokens/s over other's, round by round (the other's step time over ours in the same round):
+    the median and the range over the rounds."""
+    r = [o / u for u, o in zip(ours, other)]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
 
 def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float = 0.3) -> dict:
@@ -328,63 +370,123 @@ def run_preset(preset: str, engines, steps: int, warmup: int, log, pause: float 
     cfg = PRESETS[preset]
     B, T = SHAPES[preset]
     log(f"{preset}: B={B} T={T}, {cfg.n_params():,} params; starting workers {', '.join(engines)}")
-    workers = [Worker(e, preset, B, T) for e in engines]
-    times = {w.engine: [] for w in workers}
+    workers, failed = [], {}
+
+    def attempt(w, cmd, word):
+        """w's answer to cmd, or None: w failed, is dropped and its reason kept."""
+        try:
+            return w.ask(cmd, word)
+        except EngineFailed as e:
+            failed[w.engine] = str(e)
+            workers.remove(w)
+            log(f"  {w.engine} did not run: {e}")
+            return None
+    for e in engines:
+        try:
+            workers.append(Worker(e, preset, B, T))
+        except EngineFailed as err:
+            failed[e] = str(err)
+            log(f"  {e} did not run: {err}")
+    times = {w.engine: ([], []) for w in workers}   # per round: full step, forward+backward
     losses = {}
     peaks = {"f32": [], "bf16": []}
 
     def measure_peaks():
-        for w in workers:
-            peaks[_precision(w.engine)].append(float(w.ask("peak", "gflops")[0]))
+        for w in list(workers):
+            if (answer := attempt(w, "peak", "gflops")) is not None:
+                peaks[_precision(w.engine)].append(float(answer[0]))
     for r in range(warmup):
-        for w in workers:
+        for w in list(workers):
             t0 = time.perf_counter()
-            _, loss = w.ask("step", "time")
-            losses.setdefault(w.engine, float(loss))
-            log(f"  warm-up {r + 1}/{warmup} {w.engine}: {time.perf_counter() - t0:.2f} s")
-    for w in workers:
-        w.ask("reset", "ok")
+            if (answer := attempt(w, "step", "time")) is not None:
+                losses.setdefault(w.engine, float(answer[2]))
+                log(f"  warm-up {r + 1}/{warmup} {w.engine}: {time.perf_counter() - t0:.2f} s")
+    for w in list(workers):
+        attempt(w, "reset", "ok")
     for r in range(steps):
+        if not workers:
+            break
         order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotate who goes first
         for w in order:
             time.sleep(pause)  # let the previous engine's threads go idle
-            times[w.engine].append(float(w.ask("step", "time")[0]))
-        log(f"  step {r + 1}/{steps}: " + ", ".join(f"{w.engine} {times[w.engine][-1]:.2f} s" for w in workers))
+            if (answer := attempt(w, "step", "time")) is not None:
+                times[w.engine][0].append(float(answer[0]))
+                times[w.engine][1].append(float(answer[1]))
+                losses.setdefault(w.engine, float(answer[2]))
+        log(f"  step {r + 1}/{steps}: " + ", ".join(f"{w.engine} {times[w.engine][0][-1]:.2f} s" for w in workers))
         if r % 3 == 0:
             measure_peaks()
     measure_peaks()
     peak_gflops = {k: max(v) for k, v in peaks.items() if v}
     rows = {}
-    for w in workers:
-        peak_mib = float(w.ask("quit", "done")[0])
+    for w in list(workers):
+        if (answer := attempt(w, "quit", "done")) is None:
+            continue
         w.proc.wait()
-        med = statistics.median(times[w.engine])
-        tps = B * T / med
-        peak = peak_gflops[_precision(w.engine)]
-        rows[w.engine] = {"median_s": med, "tokens_per_s": tps, "mfu": cfg.flops_per_token() * tps / (peak * 1e9),
-                          "peak_mib": peak_mib, "train_mib": peak_mib - w.idle, "first_loss": losses[w.engine],
-                          "times": times[w.engine]}
+        full, fb = times[w.engine]
+        peak = peak_gflops[_precision(w.engine)] * 1e9
+        rows[w.engine] = {"full": spread(full), "fb": spread(fb), "tokens_per_s": B * T / statistics.median(full),
+                          "fb_tokens_per_s": B * T / statistics.median(fb),
+                          "mfu": cfg.flops_per_token() * B * T / statistics.median(full) / peak,
+                          "fb_mfu": cfg.flops_per_token() * B * T / statistics.median(fb) / peak,
+                          "peak_mib": float(answer[0]), "train_mib": float(answer[0]) - w.idle,
+                          "first_loss": losses[w.engine], "times": full, "fb_times": fb}
     for e, row in rows.items():
-        ours = rows.get("ours-bf16" if _precision(e) == "bf16" else "ours")
-        row["ours_over_this"] = ours["tokens_per_s"] / row["tokens_per_s"] if ours else None
+        ours = "ours-bf16" if _precision(e) == "bf16" else "ours"
+        row["ours_over_this"] = {k: paired(times[ours][i], times[e][i]) for i, k in enumerate(("full", "fb"))} \
+            if ours in rows and ours != e else None
     if "ours" in rows and "ours-bf16" in rows:
-        rows["ours-bf16"]["bf16_over_f32"] = rows["ours-bf16"]["tokens_per_s"] / rows["ours"]["tokens_per_s"]
-    return {"preset": preset, "B": B, "T": T, "n_params": cfg.n_params(), "peak_gflops": peak_gflops, "engines": rows}
+        rows["ours-bf16"]["bf16_over_f32"] = {k: paired(times["ours-bf16"][i], times["ours"][i])
+                                              for i, k in enumerate(("full", "fb"))}
+    return {"preset": preset, "B": B, "T": T, "n_params": cfg.n_params(), "peak_gflops": peak_gflops,
+            "engines": rows, "failed": failed}
 
 
 def _precision(engine: str) -> str:
     return "bf16" if engine.endswith("-bf16") else "f32"
 
 
+def _ms(s: dict) -> str:
+    return f"{s['median_s'] * 1e3:.0f} [{s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}]"
+
+
+def _ratio(r: dict | None) -> str:
+    return f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+
+def print_table(results) -> None:
+    print(f"{'preset':7} {'engine':12} {'full step ms':>17} {'fwd+bwd ms':>17} {'tok/s':>6} {'f+b tok/s':>9} "
+          f"{'ours/x full':>17} {'ours/x f+b':>17} {'MFU':>5} {'f+b MFU':>7} {'peak MiB':>8} {'train MiB':>9}  first loss")
+    for res in results:
+        for e, row in res["engines"].items():
+            ratios = row["ours_over_this"] or {}
+            print(f"{res['preset']:7} {e:12} {_ms(row['full']):>17} {_ms(row['fb']):>17} {row['tokens_per_s']:6.0f} "
+                  f"{row['fb_tokens_per_s']:9.0f} {_ratio(ratios.get('full')):>17} {_ratio(ratios.get('fb')):>17} "
+                  f"{row['mfu']:5.2f} {row['fb_mfu']:7.2f} {row['peak_mib']:8.0f} {row['train_mib']:9.0f}  "
+                  f"{row['first_loss']:.5f}")
+            if "bf16_over_f32" in row:
+                b = row["bf16_over_f32"]
+                print(f"{res['preset']:7} {'':12} ours bf16 / ours f32: full {_ratio(b['full'])}, "
+                      f"fwd+bwd {_ratio(b['fb'])}")
+        for e, why in res["failed"].items():
+            print(f"{res['preset']:7} {e:12} did not run: {why}")
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in res["peak_gflops"].items())
+        rounds = len(next(iter(res["engines"].values()))["times"]) if res["engines"] else 0
+        print(f"{res['preset']:7} (B={res['B']} T={res['T']}, N={res['n_params']:,}, matmul peaks GFLOP/s: "
+              f"{peaks}; median of {rounds} interleaved rounds)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, choices=list(SHAPES))
+    ap.add_argument("--presets", nargs="+", default=None, choices=list(SHAPES),
+                    help=f"default: {' '.join(DEFAULT_PRESETS)} (--quick: small)")
     ap.add_argument("--engines", nargs="+", default=None, choices=list(ENGINES),
                     help="default: all of them (the -bf16 ones only on a CPU with AVX512_BF16)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per engine (median reported)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
+    ap.add_argument("--steps", type=int, default=None, help="timed rounds (median reported; default 10, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per engine first (default 3, --quick 1)")
     ap.add_argument("--pause", type=float, default=0.3,
                     help="seconds between two engines' steps, so spinning threads go idle (default 0.3)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small, 2 timed rounds after 1 warm-up step")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -396,20 +498,14 @@ def main(argv=None) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
     from nanoeuler.fast.bf16 import AVAILABLE
     engines = args.engines or [e for e in ENGINES if AVAILABLE or _precision(e) == "f32"]
-    results = [run_preset(p, engines, args.steps, args.warmup, log, args.pause) for p in args.presets]
+    presets = args.presets or (["small"] if args.quick else DEFAULT_PRESETS)
+    steps = args.steps or (2 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    results = [run_preset(p, engines, steps, warmup, log, args.pause) for p in presets]
     if args.json:
         print(json.dumps({"threads": THREADS, "results": results}))
-        return 0
-    print(f"{'preset':7} {'engine':12} {'tokens/s':>9} {'ms/step':>8} {'ours/x':>7} {'MFU':>6} {'peak MiB':>9} {'train MiB':>9}  first loss")
-    for res in results:
-        for e, row in res["engines"].items():
-            ratio = f"{row['ours_over_this']:7.2f}" if row["ours_over_this"] else f"{'-':>7}"
-            print(f"{res['preset']:7} {e:12} {row['tokens_per_s']:9.0f} {row['median_s'] * 1e3:8.1f} "
-                  f"{ratio} {row['mfu']:6.3f} {row['peak_mib']:9.0f} {row['train_mib']:9.0f}  "
-                  f"{row['first_loss']:.5f}" + (f"  (bf16/f32 {row['bf16_over_f32']:.2f})" if "bf16_over_f32" in row else ""))
-        peaks = ", ".join(f"{k} {v:.0f}" for k, v in res["peak_gflops"].items())
-        print(f"{res['preset']:7} (B={res['B']} T={res['T']}, N={res['n_params']:,}, matmul peaks GFLOP/s: "
-              f"{peaks}; median of {len(next(iter(res['engines'].values()))['times'])} steps)")
+    else:
+        print_table(results)
     return 0
 
 

@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import Config
+from .config import PRECISIONS, Config
 from .errors import UserError
 
 STAGING, COMMIT, JOURNAL, LOCK = ".staging", ".commit", ".journal.json", ".lock"
@@ -367,8 +367,10 @@ def check_trainer_state(state, path: str | Path = "trainer.json") -> dict:
             bad(f"{key} must be a string")
     if "phase" in state and state["phase"] not in PHASES:
         bad(f"phase must be one of {', '.join(PHASES)}, got {state['phase']!r}"[:200])
-    if state.get("precision", "fp32") not in ("fp32", "bf16"):
-        bad(f"precision must be fp32 or bf16, got {state['precision']!r}"[:200])
+    if state.get("precision") == "fp32":   # written before the spelling became SPEC's f32: the same precision
+        state["precision"] = "f32"
+    if state.get("precision", "f32") not in PRECISIONS:
+        bad(f"precision must be one of {', '.join(PRECISIONS)}, got {state['precision']!r}"[:200])
     for key in ("train_config", "data", "optimizer", "rng", "last_eval"):
         if key in state and not isinstance(state[key], dict):
             bad(f"{key} must be a JSON object")

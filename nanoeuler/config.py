@@ -156,6 +156,9 @@ class Config:
 
 
 ARCHS = ("euler", "gpt2")
+# of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
+# accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)
+PRECISIONS = ("f32", "bf16")
 
 # upper bounds of the integer fields (checked before anything is allocated: a ctx_len of 1e8 is refused here)
 LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 15, "n_heads": 1 << 10, "n_kv_heads": 1 << 10, "n_layers": 1 << 10,

@@ -103,9 +103,9 @@ def trained_params(cfg, P: dict) -> dict:
 
 class Workspaces:
     """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps.
-    precision: of the matrix products ("fp32" or "bf16", see fast/bf16.py)."""
+    precision: of the matrix products ("f32" or "bf16", see fast/bf16.py)."""
 
-    def __init__(self, cfg, dtype=np.float32, precision: str = "fp32", adapters=None):
+    def __init__(self, cfg, dtype=np.float32, precision: str = "f32", adapters=None):
         self.cfg, self.dtype, self.precision, self.by_shape = cfg, np.dtype(dtype), precision, {}
         self.adapters = adapters  # a LoRA policy's (lora.Adapters): applied on the fly, only their gradients formed
 
@@ -324,7 +324,7 @@ class DPOObjective:
         self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
-        precision = getattr(model, "precision", "fp32")  # the reference's log-probs in the run's precision too
+        precision = getattr(model, "precision", "f32")  # the reference's log-probs in the run's precision too
         self.workspaces = Workspaces(self.cfg, model.dtype, precision,   # the fast engine's buffers, reused
                                      model.engine_adapters if self.lora else None)
         self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision)

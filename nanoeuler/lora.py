@@ -92,7 +92,7 @@ class LoraModel:
         cfg, params = ad.load_base(run_dir, ref)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
-    precision = "fp32"
+    precision = "f32"
 
     def set_precision(self, precision: str) -> "LoraModel":
         """The precision of the fast engine's products from now on: the frozen weights' and the adapters'."""

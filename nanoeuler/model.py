@@ -35,9 +35,9 @@ from .errors import UserError
 
 class Model:
     """Parameters (SPEC names -> arrays) plus the config; forward, backward, save and load.
-    precision: of the fast engine's matrix products, "fp32" or "bf16" (`set_precision`; fast/bf16.py)."""
+    precision: of the fast engine's matrix products, "f32" or "bf16" (`set_precision`; fast/bf16.py)."""
 
-    precision = "fp32"
+    precision = "f32"
 
     def __init__(self, config: Config, params: dict[str, np.ndarray]):
         check_params(config, params)
@@ -48,7 +48,7 @@ class Model:
         """The precision of the fast engine's matrix products from now on (UserError where it cannot run)."""
         from .fast.engine import check_precision
         self.precision = check_precision(precision, self.dtype)
-        if precision != "fp32" and not fast_supports(self.config):
+        if precision != "f32" and not fast_supports(self.config):
             raise UserError(f"--precision {precision} needs the fast engine, which does not run arch {self.config.arch}")
         return self
 
@@ -158,8 +158,8 @@ class Model:
         return fast.grad_buffers(self.config, self.dtype)
 
     def _check_reference(self, reference: bool) -> None:
-        if reference and self.precision != "fp32":
-            raise ValueError(f"the reference model runs in fp32 only, not {self.precision}")
+        if reference and self.precision != "f32":
+            raise ValueError(f"the reference model runs in f32 only, not {self.precision}")
 
     def _workspace(self, B: int, T: int):
         """The fast engine's buffers for this batch shape and precision, kept between calls (one at a time)."""

@@ -332,7 +332,7 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     with contextlib.ExitStack() as stack:
         if lead:
             stack.enter_context(ckpt.run_lock(out_dir))
-        precision = getattr(model, "precision", "fp32")
+        precision = getattr(model, "precision", "f32")
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)
             if state.setdefault("precision", precision) != precision:   # it would not resume bit for bit

@@ -145,10 +145,10 @@ def _far_model(arch, seed=4):
 def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
     """The bf16 step with its kernels equals the same step with every product replaced by the float64
     product of the same rounded operands (the twin's, cast back to float32): to float32 accumulation, where
-    the fp32 step is ~1e-2 away. And no product of the bf16 step runs on float32 BLAS."""
+    the f32 step is ~1e-2 away. And no product of the bf16 step runs on float32 BLAS."""
     from nanoeuler.fast import engine
     m, tokens, mask = _far_model(arch)
-    _, g_fp32 = _grads(m, tokens, mask)
+    _, g_f32 = _grads(m, tokens, mask)
     monkeypatch.setattr(engine, "matmul", None)               # engine's float32 BLAS: any use raises TypeError
     _, g = _grads(m.set_precision("bf16"), tokens, mask)
     m._fast_ws = None                                         # a new workspace, on the twin's products
@@ -159,12 +159,12 @@ def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
             continue
         # against the tensor's largest entry (floor 1): the kernels' and the twin's float32 sums differ in
         # order only, the float32 products by bf16 rounding (per entry, small entries read up to 1e-4)
-        assert (rel_err(g[name], g_twin[name], floor=1.0) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name], floor=1.0)
+        assert (rel_err(g[name], g_twin[name], floor=1.0) < 2e-6 < 1e-3 < rel_err(g_f32[name], g_twin[name], floor=1.0)
                 and rel_err(g[name], g_twin[name]) < 1e-3), name
 
 
 @needs_bf16
-def test_engine_bf16_is_deterministic_and_not_fp32():
+def test_engine_bf16_is_deterministic_and_not_f32():
     cfg = tiny_config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=12, ffn_hidden=40)
     m = Model.init(cfg, seed=0)
     tokens = np.random.default_rng(0).integers(0, 50, (3, 12 + cfg.n_mtp))
@@ -193,27 +193,56 @@ def test_refused_without_avx512_bf16(monkeypatch, capsys, tmp_path):
     assert "AVX512_BF16" in line and not (tmp_path / "demo").exists()
 
 
-@needs_bf16
-def test_bf16_run_resumes_bit_for_bit_and_records_its_precision(tmp_path):
+def _train(out, steps, stop_after=None, resume=False, precision="bf16"):
+    """The tiny model trained on synthetic batches into out (or resumed there)."""
     from train_fixtures import TINY, SyntheticSource
     from nanoeuler.train import TrainConfig, run_training
+    model = (Model.load(out) if resume else Model.init(TINY, seed=0)).set_precision(precision)
+    tcfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
+    return run_training(model, None, SyntheticSource(), out, tcfg, resume=resume, stop_after=stop_after,
+                        progress=False)
 
-    def train(out, steps, stop_after=None, resume=False, precision="bf16"):
-        model = (Model.load(out) if resume else Model.init(TINY, seed=0)).set_precision(precision)
-        tcfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
-        return run_training(model, None, SyntheticSource(), out, tcfg, resume=resume, stop_after=stop_after,
-                            progress=False)
-    train(tmp_path / "a", 6)
-    train(tmp_path / "b", 6, stop_after=3)
-    with pytest.raises(UserError, match="precision bf16, not fp32"):
-        train(tmp_path / "b", 6, resume=True, precision="fp32")
-    train(tmp_path / "b", 6, resume=True)
+
+def _same_run(a, b) -> bool:
+    """Two run directories hold the same float32 weights and AdamW moments, bit for bit."""
     from safetensors.numpy import load_file
     for name in ("model.safetensors", "optimizer.safetensors"):
-        ta, tb = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
-        assert all(ta[k].dtype == np.float32 and np.array_equal(ta[k], tb[k]) for k in ta)
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        if not all(ta[k].dtype == np.float32 and np.array_equal(ta[k], tb[k]) for k in ta):
+            return False
+    return True
+
+
+def _recorded_precision(run):
     import json
-    assert json.loads((tmp_path / "b" / "trainer.json").read_text())["precision"] == "bf16"
+    return json.loads((run / "trainer.json").read_text())["precision"]
+
+
+@needs_bf16
+def test_bf16_run_resumes_bit_for_bit_and_records_its_precision(tmp_path):
+    _train(tmp_path / "a", 6)
+    _train(tmp_path / "b", 6, stop_after=3)
+    with pytest.raises(UserError, match="precision bf16, not f32"):
+        _train(tmp_path / "b", 6, resume=True, precision="f32")
+    _train(tmp_path / "b", 6, resume=True)
+    assert _same_run(tmp_path / "a", tmp_path / "b")
+    assert _recorded_precision(tmp_path / "b") == "bf16"
+
+
+def test_precision_is_spelled_f32_and_a_run_recorded_as_fp32_resumes(tmp_path, capsys):
+    """SPEC's spelling `--precision f32|bf16` is the only one; a trainer.json written before the rename
+    (precision "fp32") resumes as the f32 run it is, bit for bit, and is saved with the new spelling."""
+    from test_cli_errors import one_line_error
+    line = one_line_error(["bench", "small", "--steps", "1", "--warmup", "0", "--precision", "fp32"], capsys)
+    assert "invalid choice: 'fp32'" in line
+    _train(tmp_path / "a", 6, precision="f32")
+    _train(tmp_path / "b", 6, stop_after=3, precision="f32")
+    trainer_json = tmp_path / "b" / "trainer.json"
+    trainer_json.write_text(trainer_json.read_text().replace('"precision": "f32"', '"precision": "fp32"'))
+    assert _recorded_precision(tmp_path / "b") == "fp32"
+    _train(tmp_path / "b", 6, resume=True, precision="f32")
+    assert _same_run(tmp_path / "a", tmp_path / "b")
+    assert _recorded_precision(tmp_path / "b") == "f32"
 
 
 
@@ -281,3 +310,10 @@ def test_lora_step_products_are_the_rounded_operands_products(arch, monkeypatch)
         assert (rel_err(g[name], g_twin[name], floor=1.0) < 2e-6 < 1e-3 < rel_err(g_fp32[name], g_twin[name], floor=1.0)
                 and rel_err(g[name], g_twin[name]) < 1e-3), name
 
+
+def test_check_leaves_out_the_bf16_rows_without_avx512_bf16(monkeypatch, capsys):
+    """`nanoeuler check` on a CPU without the instruction: no bf16 rows (nothing to check), and a note says so."""
+    from nanoeuler.cli.check import bf16_rows
+    monkeypatch.setattr(bf16, "AVAILABLE", False)
+    assert bf16_rows(seed=1) == []
+    assert "no AVX512_BF16" in capsys.readouterr().err

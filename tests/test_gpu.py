@@ -187,13 +187,13 @@ def test_gpu_check_passes():
 
 
 @needs_gpu
-def test_gpu_bf16_step_close_to_fp32():
+def test_gpu_bf16_step_close_to_f32():
     from nanoeuler.gpu import engine
     from nanoeuler.model import Model
     cfg = Config(vocab_size=256, dim=128, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=64, ffn_hidden=256, n_mtp=2)
     gm = engine.to_gpu(Model.init(cfg, seed=0))
     tokens = np.random.default_rng(0).integers(0, 256, (4, 66))
-    l32, _, g32 = engine.loss_and_grads(gm, tokens, precision="fp32")
+    l32, _, g32 = engine.loss_and_grads(gm, tokens, precision="f32")
     l16, _, g16 = engine.loss_and_grads(gm, tokens, precision="bf16")
     assert abs(l16 - l32) < 1e-2
     for n in g32:
@@ -202,14 +202,14 @@ def test_gpu_bf16_step_close_to_fp32():
 
 
 @needs_gxx
-def test_emulated_bf16_mode_tracks_fp32(emu):
+def test_emulated_bf16_mode_tracks_f32(emu):
     """bf16 mixed precision (bf16 matmul operands, tensor-core attention) stays within bf16 error of fp32."""
     from nanoeuler.gpu import engine
     from nanoeuler.model import Model
     cfg = Config(vocab_size=40, dim=32, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=12, ffn_hidden=48, n_mtp=2)
     gm = engine.to_gpu(Model.init(cfg, seed=1))
     tokens = np.random.default_rng(1).integers(0, 40, (2, 14))
-    l32, _, g32 = engine.loss_and_grads(gm, tokens, precision="fp32")
+    l32, _, g32 = engine.loss_and_grads(gm, tokens, precision="f32")
     l16, _, g16 = engine.loss_and_grads(gm, tokens, precision="bf16")
     assert engine.gpu_ops("bf16").flash_kernel(cfg.head_dim) == "wmma"
     assert abs(l16 - l32) < 1e-2 * abs(l32)

@@ -28,8 +28,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 10)")
     p.add_argument("--warmup", type=nonneg_int, default=2,
                    help="untimed warm-up steps, or with --decode runs of each test (default 2; 0 = none)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                   help="fp32 (default), or bf16 matrix products with float32 accumulation (needs AVX512_BF16)")
+    from ..config import PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="f32 (default), or bf16 matrix products with float32 accumulation (needs AVX512_BF16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     d = p.add_argument_group("decoding (--decode)", "llama-bench's figures for our engine: ppN, a prompt of N random "
                              "tokens in one call (prompt tokens/s), and tgN, N greedy tokens one forward each from "
@@ -75,7 +76,7 @@ def run_training(args) -> int:
     from ..optim import AdamW
     from ..perf import matmul_peak_flops
     from .info import resolve_config
-    args.preset, args.steps, args.precision = args.preset or "small", args.steps or 10, args.precision or "fp32"
+    args.preset, args.steps, args.precision = args.preset or "small", args.steps or 10, args.precision or "f32"
     cfg = resolve_config(args.preset)
     B = args.batch_size if args.batch_size is not None else (32 if cfg.n_params() < 2_000_000 else 16)
     T = args.ctx if args.ctx is not None else cfg.ctx_len

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, resolve_precision,
-                    train_config_from_args)
+                    saved_state, train_config_from_args)
 
 # Measured on the offline set (docs/benchmarks.md): with on-policy negatives, DPO + 0.5·NLL at lr 3e-4
 # raised greedy task accuracy 69 -> 78 / 83 of 299 (two seeds); plain DPO or lr 1e-3 did not.
@@ -96,7 +96,7 @@ def register(sub) -> None:
 
 
 def run_dpo(args) -> int:
-    from ..checkpoint import load_tokenizer, read_json
+    from ..checkpoint import load_tokenizer
     from ..dpo import run_dpo as train_dpo
     from ..dpo_data import pair_records, tokenize_pairs
     from ..errors import UserError
@@ -112,7 +112,7 @@ def run_dpo(args) -> int:
     lora = wants_lora(args, out)
     if args.resume:
         model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
-        state = read_json(out / "trainer.json", "resume state") if (out / "trainer.json").exists() else {}
+        state = saved_state(out)
         tcfg = train_config_from_args(args, state.get("train_config", {}))
         beta = args.beta if args.beta is not None else state.get("beta", 0.1)
         nll_weight = args.nll_weight if args.nll_weight is not None else state.get("nll_weight", 0.0)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, report,
-                    resolve_precision, train_config_from_args)
+                    resolve_precision, saved_state, train_config_from_args)
 
 # Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
 # in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
@@ -120,7 +120,7 @@ def run_sft(args) -> int:
     lora = wants_lora(args, out)
     if args.resume:
         model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
-        state = json.loads((out / "trainer.json").read_text()) if (out / "trainer.json").exists() else {}
+        state = saved_state(out)
         tcfg = train_config_from_args(args, state.get("train_config", {}))
     else:
         if not args.base:

@@ -79,18 +79,26 @@ def add_hyperparameters(p, dropout: bool = True) -> None:
 
 
 def add_precision_argument(p) -> None:
-    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                   help="fp32 (default), or bf16 mixed precision: the matrix products (linears, attention) take "
+    from ..config import PRECISIONS
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="f32 (default), or bf16 mixed precision: the matrix products (linears, attention) take "
                         "bfloat16 operands and accumulate in float32; master weights, optimizer and checkpoints stay "
                         "float32. On the CPU it needs AVX512_BF16. On --resume: the run's")
 
 
+def saved_state(out: Path) -> dict:
+    """out/trainer.json, read and validated (an old spelling brought up to date: check_trainer_state), or {}."""
+    from ..checkpoint import check_trainer_state, read_json
+    path = out / "trainer.json"
+    return check_trainer_state(read_json(path, "resume state"), path) if path.exists() else {}
+
+
 def resolve_precision(args, state: dict | None) -> str:
-    """--precision, else the resumed run's (trainer.json `precision`), else fp32; a resume must keep it
+    """--precision, else the resumed run's (trainer.json `precision`), else f32; a resume must keep it
     (a run saved before precision was recorded takes what it is given)."""
     from ..errors import UserError
     recorded = (state or {}).get("precision")
-    precision = args.precision or recorded or "fp32"
+    precision = args.precision or recorded or "f32"
     if recorded is not None and precision != recorded:
         raise UserError(f"the run was trained with --precision {recorded}; resume it with that (bit-for-bit resume)")
     return precision

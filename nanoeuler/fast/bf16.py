@@ -62,7 +62,7 @@ def require() -> None:
     """Refuse bf16 on a CPU without AVX512_BF16 (one line; there is no silent float32 fallback)."""
     if not AVAILABLE:
         raise UserError("--precision bf16 needs a CPU with AVX512_BF16 (vdpbf16ps), which this one lacks; "
-                        "use --precision fp32")
+                        "use --precision f32")
 
 
 # ---- rounding ---------------------------------------------------------------------------------------------

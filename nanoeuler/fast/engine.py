@@ -42,7 +42,7 @@ import numpy as np
 from numpy import matmul
 
 from .. import ops
-from ..config import Config, head_name, head_weight
+from ..config import PRECISIONS, Config, head_name, head_weight
 from ..errors import UserError
 from . import bf16, kernels
 from . import parallel
@@ -61,7 +61,7 @@ EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient
 class Workspace:
     """Every buffer one training step needs, for a fixed (config, B, T, dtype). Reused step after step."""
 
-    def __init__(self, cfg: Config, B: int, T: int, dtype, precision: str = "fp32"):
+    def __init__(self, cfg: Config, B: int, T: int, dtype, precision: str = "f32"):
         self.key = (cfg, B, T, np.dtype(dtype), precision)
         dt = np.dtype(dtype)
         self.precision = check_precision(precision, dt)
@@ -133,10 +133,10 @@ class Workspace:
 
 
 def check_precision(precision: str, dtype) -> str:
-    """precision "fp32" (any dtype), or "bf16" (float32: a CPU with AVX512_BF16; float64: the NumPy twin),
+    """precision "f32" (any dtype), or "bf16" (float32: a CPU with AVX512_BF16; float64: the NumPy twin),
     else UserError."""
-    if precision not in ("fp32", "bf16"):
-        raise UserError(f"unknown precision {precision!r}: fp32 or bf16")
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}: {' or '.join(PRECISIONS)}")
     if precision == "bf16":
         bf16.products(dtype)
     return precision

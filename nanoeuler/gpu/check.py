@@ -113,7 +113,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         x, w, dy = r32(3, 7, 320), r32(320), r32(3, 7, 320)
         y_ref, c_ref = ref.rmsnorm_forward(f64(x), f64(w), 1e-5)
         dx_ref, dw_ref = ref.rmsnorm_backward(f64(dy), c_ref)
-        ops32 = gpu_ops("fp32")
+        ops32 = gpu_ops("f32")
         y, c = ops32.rmsnorm_forward(g(x), g(w), 1e-5)
         dx, dw = ops32.rmsnorm_backward(g(dy), c)
         return [_row("rmsnorm forward", y, y_ref), _row("rmsnorm backward dx", dx, dx_ref),
@@ -125,7 +125,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         x, dy = r32(B, H, T, hd), r32(B, H, T, hd)
         cos, sin = ref.rope_tables(T, hd, 10000.0, np.float64)
         y_ref, c_ref = ref.rope_forward(f64(x), cos, sin)
-        ops32 = gpu_ops("fp32")
+        ops32 = gpu_ops("f32")
         cg, sg = ops32.rope_tables(T, hd, 10000.0, np.float32)
         y, c = ops32.rope_forward(g(x), cg, sg)
         return [_row("rope forward", y, y_ref),
@@ -136,7 +136,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         gg, u, dh = r32(5, 301) * 6, r32(5, 301), r32(5, 301)
         h_ref, c_ref = ref.swiglu_forward(f64(gg), f64(u))
         dg_ref, du_ref = ref.swiglu_backward(f64(dh), c_ref)
-        ops32 = gpu_ops("fp32")
+        ops32 = gpu_ops("f32")
         h, c = ops32.swiglu_forward(g(gg), g(u))
         dg, du = ops32.swiglu_backward(g(dh), c)
         return [_row("swiglu forward", h, h_ref), _row("swiglu backward dg", dg, dg_ref),
@@ -147,7 +147,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         z, t = r32(40, 1000) * 3, rng.integers(0, 1000, 40)
         t[::4] = -1
         loss_ref, c_ref = ref.cross_entropy_forward(f64(z), t)
-        ops32 = gpu_ops("fp32")
+        ops32 = gpu_ops("f32")
         loss, c = ops32.cross_entropy_forward(g(z), g(t))
         return [Row("gpu cross_entropy loss", abs(loss - loss_ref) / abs(loss_ref), 1),
                 _row("cross_entropy dlogits", ops32.cross_entropy_backward(0.7, c), ref.cross_entropy_backward(0.7, c_ref))]
@@ -157,7 +157,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         W, ids, dx = r32(50, 24), rng.integers(0, 50, (3, 9)), r32(3, 9, 24)
         ids[0, :3] = 7  # repeated ids must accumulate
         e_ref, c_ref = ref.embedding_forward(ids, f64(W))
-        ops32 = gpu_ops("fp32")
+        ops32 = gpu_ops("f32")
         e, c = ops32.embedding_forward(g(ids), g(W))
         return [_row("embedding forward", e, e_ref),
                 _row("embedding backward", ops32.embedding_backward(g(dx), c), ref.embedding_backward(f64(dx), c_ref))]
@@ -167,7 +167,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         x, W, dy = r32(4, 33, 96), r32(80, 96), r32(4, 33, 80)
         y_ref, c_ref = ref.linear_forward(f64(x), f64(W))
         dx_ref, dW_ref = ref.linear_backward(f64(dy), c_ref)
-        ops32, ops16 = gpu_ops("fp32"), gpu_ops("bf16")
+        ops32, ops16 = gpu_ops("f32"), gpu_ops("bf16")
         y, c = ops32.linear_forward(g(x), g(W))
         dx, dW = ops32.linear_backward(g(dy), c)
         rows = [_row("linear fp32 forward", y, y_ref), _row("linear fp32 dx", dx, dx_ref), _row("linear fp32 dW", dW, dW_ref)]
@@ -182,7 +182,7 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
     def attention(i, name, shape, bf16=False):
         def run():
             rng, _ = gen(i)
-            gops = GpuOps("bf16", tensor_core_attention=False) if bf16 else gpu_ops("fp32")
+            gops = GpuOps("bf16", tensor_core_attention=False) if bf16 else gpu_ops("f32")
             return _attention_rows(name, rng, *shape, gops)
         return run
 
@@ -304,7 +304,7 @@ def check_model_gpu(seed: int = 0, config: Config = MODEL_CHECK_CONFIG, batch: i
     tokens = rng.integers(0, config.vocab_size, (batch, config.ctx_len + config.n_mtp))
     mask = rng.random(tokens.shape) > 0.2
     head0_ref, obj_ref, grads_ref = cpu.astype(np.float64).loss_and_grads(tokens, mask, reference=True)
-    head0, obj, grads = loss_and_grads(to_gpu(cpu), tokens, mask, precision="fp32")
+    head0, obj, grads = loss_and_grads(to_gpu(cpu), tokens, mask, precision="f32")
     rows = [Row("gpu model objective", abs(obj - obj_ref) / abs(obj_ref), 1),
             Row("gpu model head-0 loss", abs(head0 - head0_ref) / abs(head0_ref), 1)]
     return rows + [_row(f"model {name}", grads[name], grads_ref[name]) for name in cpu.params]
@@ -331,7 +331,7 @@ def check_train_roundtrip(steps: int = 30, seed: int = 0, out_dir=None, min_drop
     cfg = config or PRESETS["small"]
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, (8, cfg.ctx_len + cfg.n_mtp))
-    gm = GpuModel(Model.init(cfg, seed=seed), precision="fp32")
+    gm = GpuModel(Model.init(cfg, seed=seed), precision="f32")
     opt = gm.optimizer(lr=3e-3)
     losses = []
     for _ in range(steps):

@@ -31,8 +31,8 @@ from .runtime import THREADS, blocks_for, get_kernel, require_cupy
 _OPS = {}
 
 
-def gpu_ops(precision: str = "fp32") -> GpuOps:
-    """The shared GpuOps namespace for a precision ("fp32" or "bf16")."""
+def gpu_ops(precision: str = "f32") -> GpuOps:
+    """The shared GpuOps namespace for a precision ("f32" or "bf16")."""
     if precision not in _OPS:
         _OPS[precision] = GpuOps(precision)
     return _OPS[precision]
@@ -55,7 +55,7 @@ def set_precision(precision: str) -> None:
     set_tf32(precision == "bf16")
 
 
-def loss_and_grads(model: Model, tokens, loss_mask=None, precision: str = "fp32"):
+def loss_and_grads(model: Model, tokens, loss_mask=None, precision: str = "f32"):
     """tokens int [B, T+K] (NumPy or cupy) -> (head-0 loss, objective, grads as cupy arrays keyed like params)."""
     cp = require_cupy()
     cfg = model.config
@@ -82,7 +82,7 @@ def loss_and_grads(model: Model, tokens, loss_mask=None, precision: str = "fp32"
     return head_losses[0], sum(head_losses) / K, grads
 
 
-def loss(model: Model, tokens, loss_mask=None, precision: str = "fp32") -> tuple[float, float]:
+def loss(model: Model, tokens, loss_mask=None, precision: str = "f32") -> tuple[float, float]:
     """Forward only: (head-0 loss, objective)."""
     cp = require_cupy()
     cfg = model.config
@@ -110,7 +110,7 @@ class GpuModel:
         head0, objective, grads = gm.loss_and_grads(tokens)     # grads: cupy, keyed like params
     """
 
-    def __init__(self, model: Model, precision: str = "fp32"):
+    def __init__(self, model: Model, precision: str = "f32"):
         gpu_ops(precision)  # validates the precision
         self.config = model.config
         self.precision = precision

@@ -27,11 +27,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import ops as reference_ops
+from ..config import PRECISIONS
 from ..errors import UserError
 from .matmul import gemm_bf16, to_bf16
 from .runtime import THREADS, blocks_for, get_kernel, require_cupy
 
-PRECISIONS = ("fp32", "bf16")
 
 # FlashAttention launch shapes; they mirror FA_BM and FaConst<HD>::BWD_BN in flash_attention.cu.
 FA_BM = 64
@@ -200,7 +200,7 @@ class Bf16LinearCache(NamedTuple):
 class GpuOps:
     """Forward/backward pairs on CuPy float32 arrays; names and signatures as in `nanoeuler.ops`."""
 
-    def __init__(self, precision: str = "fp32", tensor_core_attention: bool = True):
+    def __init__(self, precision: str = "f32", tensor_core_attention: bool = True):
         if precision not in PRECISIONS:
             raise UserError(f"unknown GPU precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         self.precision = precision
