@@ -92,7 +92,7 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     cfg = Config(**fields)
     base = Model.init(cfg, seed=0)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
-    precision = "bf16" if engine.endswith("-bf16") else "fp32"
+    precision = "bf16" if engine.endswith("-bf16") else "f32"
     if engine.startswith("ours-full"):
         base.set_precision(precision)
         model, grads = base, base.grad_buffers()

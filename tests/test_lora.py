@@ -188,7 +188,7 @@ def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, ca
     assert all(np.array_equal(ta[n], tb[n]) for n in ta) and any(ta[n].any() for n in ta if "lora_B" in n)
     opt = read_tensors(a / "optimizer.safetensors", "opt")
     assert set(opt) == {f"{k}.{n}" for k in ("m", "v") for n in ta}               # moments of the adapters only
-    assert json.loads((b / "trainer.json").read_text())["precision"] == ("bf16" if "bf16" in extra else "fp32")
+    assert json.loads((b / "trainer.json").read_text())["precision"] == ("bf16" if "bf16" in extra else "f32")
     # the adapter run loads as the merged model, and `lora merge` writes exactly that
     base = Model.load(tmp_path / "base")
     merged = Model.load(a, read_only=True)
