@@ -47,7 +47,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..fast.parallel import PARTS, blas_threads
 from . import step
 from .cache import new_cache, rows
 from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
@@ -333,8 +332,7 @@ class Batcher:
                     self._prefill(slot, row.seq)
         tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
         pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
-        with blas_threads(PARTS if len(self.rows) >= WIDE_STEP else 1):  # (the fused step calls no BLAS)
-            logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
+        logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
         for row, lg in zip(self.rows, logits):
             row.seq.append(row.pending)
             row.pending, row.logits = None, lg
@@ -351,7 +349,7 @@ class Batcher:
         """Steps until close(). BLAS runs on one thread here: OpenBLAS's helper threads spin while they wait,
         and would take the core the HTTP event loop needs (measured on 2 shared cores: 16 streams went from
         40 to 600 tokens/s); see fast/parallel.py. On the BLAS path (models without the fused step) only
-        decoding steps of WIDE_STEP rows or more, whose matrix products are long enough to pay, use every
+        decoding steps of step.WIDE_STEP rows or more, whose matrix products are long enough to pay, use every
         core (`big`, quiet machine: 16 streams 1307-1403 -> 1372-1519 tokens/s, 64 streams 1716 ->
         1832-1912). The fused step's helpers claim work only while a step runs (kernels.py)."""
         from ..fast.parallel import single_threaded_blas
@@ -398,8 +396,6 @@ def _fail(jobs: list[Job], e: Exception) -> None:
     for job in jobs:
         job.on_event("error", f"engine error: {type(e).__name__}: {e}"[:500])
 
-
-WIDE_STEP = 8  # decoding steps of at least this many rows use every core's BLAS (fewer: one thread, see _loop)
 
 
 def prefill_groups(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
