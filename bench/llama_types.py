@@ -18,7 +18,7 @@ ours ÷ llama.cpp the ratio of medians. `bytes/token` is what one decoded token 
 tensors (every matrix once; the embedding table only as the tied head), `GB/s` that times tokens/s.
 A type our engine cannot decode is measured on llama.cpp's side alone (ours: "-").
 
-    .venv/bin/python bench/llama_types.py --llama-bench /work/llama-bin/llama-bench         # ~10 min
+    .venv/bin/python bench/llama_types.py --llama-bench path/to/llama-bench         # ~10 min
     .venv/bin/python bench/llama_types.py --quick                                           # big, 1 repeat: ~2 min
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ float16 today, the block types once the engine has them); `dequantized` = the fi
 float32 and run by the float32 step (dequantize(quantize(W)): the same weights, float arithmetic; used for a
 type the engine cannot decode yet). Bounded: the demo model takes well under a minute.
 
-    .venv/bin/python bench/quant_quality.py /work/trained/demo            # add --json for one JSON object
+    .venv/bin/python bench/quant_quality.py runs/demo            # add --json for one JSON object
 """
 from __future__ import annotations
 

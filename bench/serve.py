@@ -24,7 +24,7 @@ Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeou
 
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
     .venv/bin/python bench/serve.py --ckpt runs/small --clients 1,16 --json
-    .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server /work/llama-bin/llama-server
+    .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server path/to/llama-server
 """
 from __future__ import annotations
 

@@ -31,29 +31,25 @@ the forward had cost 30-40 µs).
 
 The rounds run on session.py's window (`_Window`: advance, keep, head, head_drafts).
 
-What each part gains (`bench/generate.py --ckpt RUN --presets '' --parts --decode-threads 1`, 256 tokens,
-spec ÷ plain in CPU time, back-to-back pairs; measured on the 2-core machine at load 17-30, where the same
-variant moved by up to ±20 % from run to run: every part is kept, the figures say where to look first):
+What each part gains (`bench/generate.py --ckpt RUN --presets '' --parts --repeat 7 --decode-threads 1`,
+256 tokens, spec ÷ plain, wall (CPU time), back-to-back pairs; make demo's model, quiet machine (load 0.9),
+three runs:
 
-    variant                          demo, 3 runs: greedy  sampled T 0.8   random-init small: greedy  sampled
-    all parts (adaptive planner)           0.89-1.06x      0.84-1.00x                  0.90x        0.88x
-    no prompt lookup (heads only)          0.98-1.07x          -                       0.96x          -
-    no head drafts (lookup only)           1.14-1.27x          -                       1.03x          -
-    head drafts made apart                 1.00-1.02x          -                       0.99x          -
-    fixed depth 1                          1.13-1.28x      0.75-0.76x                  1.16x        0.57x
-    fixed depth 2                          1.18-1.50x      0.61-0.70x                  0.97x        0.50x
+    variant                          greedy                        sampled T 0.8
+    all parts (adaptive planner)     1.38-1.39x (1.12-1.14x)       0.99-1.00x (0.99-1.00x)
+    no prompt lookup (heads only)    1.01-1.03x (1.02x)                 -
+    no head drafts (lookup only)     1.40-1.42x (1.38-1.39x)            -
+    head drafts made apart           1.38-1.40x (1.30-1.32x)            -
+    fixed depth 1                    1.29-1.31x (1.28-1.31x)       0.88-0.90x
+    fixed depth 2                    1.42-1.44x (1.42-1.44x)       0.75-0.76x
 
-  - the planner: where drafts do not pay (sampled decoding of both models) it keeps speculation off, 0.84-1.00x
-    against 0.50-0.76x for a fixed depth: +10-75 %. Where they pay (greedy) a fixed depth did better under
-    this load, but a fixed depth has no off switch.
-  - prompt lookup: the greedy gain where the text repeats (lookup drafts accepted ~90 %; without them the
-    planner switched speculation off).
-  - head drafts: under this load, greedy decoding with lookup drafts alone did better than with head drafts
-    added (both models, every run); on a quiet machine the two together measured 1.39-1.41x on make demo's
-    model and 1.19-1.22x on the default-trained small (docs/benchmarks.md). Sampled decoding drafts with the
-    heads only, and on both models the planner kept that off.
-  - the next round's head drafts made in the round's compiled call (`Planner.heads_wanted`): no difference
-    beyond the noise.
+  - the planner: where drafts do not pay (sampled decoding) it keeps speculation off, 1.00x against
+    0.75-0.90x for a fixed depth (+11-33 %); a fixed depth has no off switch.
+  - prompt lookup: the whole greedy gain on this model (1.02x without it, 1.39x with it).
+  - head drafts: on this model they add nothing to lookup's gain (1.39x with, 1.41x without) and cost CPU
+    time (1.13x against 1.38x); on the default-trained small the two together measured 1.19-1.22x
+    (docs/benchmarks.md). Sampled decoding drafts with the heads only, and the planner keeps that off.
+  - the next round's head drafts made in the round's compiled call (`Planner.heads_wanted`): within the noise.
 """
 from __future__ import annotations
 
