@@ -120,6 +120,9 @@ def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: li
         for c in levels:
             rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
             print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
+    except (asyncio.TimeoutError, TimeoutError):  # a stalled server: the levels measured so far, and a line
+        print(f"  {name}: a level took longer than --level-timeout {args.level_timeout:g} s; it and the "
+              f"levels after it are not measured", file=sys.stderr, flush=True)
     finally:
         stop(proc)
     base = rows[0]["tok_s"] if rows and rows[0]["clients"] == 1 else None

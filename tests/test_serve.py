@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_fixtures import CTX, ServerThread, shared_checkpoint  # noqa: E402
 
-from nanoeuler.infer.session import generate# noqa: E402
-from nanoeuler.infer.sampling import log_softmax# noqa: E402
+from nanoeuler.infer.session import generate  # noqa: E402
+from nanoeuler.infer.sampling import log_softmax  # noqa: E402
 from nanoeuler.sft import render  # noqa: E402
 
 KEY = "test-key"
