@@ -413,3 +413,15 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
     assert "decode" in b.W and max(b.batch_sizes) > kernels.ROWS
     for p, out in zip(ps, outs):
         assert out == generate(qm, p, 30, temperature=0, mode="cache").ids
+
+
+def test_the_cli_dtypes_are_the_engines_weight_types():
+    """`--dtype`'s choices (cli/sample.DTYPES, kept beside the CLI so that --help imports no numba) name every
+    type the engine decodes, and the engine takes each of them: a type added to one list fails here."""
+    from nanoeuler.cli.sample import DTYPES, SOURCE_DTYPES
+    from nanoeuler.infer import quant
+    from nanoeuler.infer.weights import for_dtype
+    assert set(DTYPES) == {"float32", "float16", *quant.BLOCK_TYPES} == set(SOURCE_DTYPES.values())
+    m = qmodel()
+    for dtype in DTYPES:
+        assert for_dtype(m, dtype) is not None
