@@ -89,6 +89,9 @@ def test_a_quantized_gguf_decodes_in_its_own_type(run_dir, tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--decode", "--ckpt", "{run}", "--dtype", "q3_x"], "--dtype"),
     (["--decode", "--ckpt", "{run}", "--threads", "0"], "--threads"),
+    (["--decode", "--ckpt", "{run}", "--threads", "100000"], "more than the"),
+    (["--decode", "--ckpt", "{run}", "--n-prompt", "100000"], "--n-prompt 100000 does not fit"),
+    (["--decode", "--ckpt", "{run}", "--n-gen", "100000"], "--n-gen 100000 does not fit"),
     (["--decode", "--ckpt", "{run}", "--repeat", "0"], "--repeat"),
     (["--decode", "--ckpt", "{missing}"], "missing"),
     (["--decode"], "--ckpt"),

@@ -42,10 +42,10 @@ def register(sub) -> None:
                    help="the weights while decoding (default: as `sample` decodes the checkpoint: float32, an "
                         "imported or .gguf model in its file's type)")
     d.add_argument("--threads", type=positive_int, default=None,
-                   help="decoding threads (default: the cores this process may use, at most 8)")
+                   help="decoding threads, at most the cores this process may use (default: those cores, at most 8)")
     d.add_argument("--repeat", type=positive_int, default=None, help="timed runs of each test (default 5)")
-    d.add_argument("--n-prompt", type=positive_int, default=None, help="prompt tokens of the pp test (default 256)")
-    d.add_argument("--n-gen", type=positive_int, default=None, help="generated tokens of the tg test (default 64)")
+    d.add_argument("--n-prompt", type=positive_int, default=None, help="prompt tokens of the pp test, at most the context (default 256, or the context if shorter)")
+    d.add_argument("--n-gen", type=positive_int, default=None, help="generated tokens of the tg test, at most the context - 1 (default 64, or that if shorter)")
     p.set_defaults(run=run)
 
 
@@ -165,10 +165,16 @@ def run_decode(args) -> int:
     args.repeat = args.repeat or 5
     model, name = load_decoding(args)
     cfg = model.config
-    n_prompt, n_gen = min(args.n_prompt or 256, cfg.ctx_len), min(args.n_gen or 64, cfg.ctx_len - 1)
-    if n_gen < 1:
+    if cfg.ctx_len < 2:
         raise UserError(f"the model's context ({cfg.ctx_len}) has no room for a tg test")
+    for flag, asked, room in (("--n-prompt", args.n_prompt, cfg.ctx_len), ("--n-gen", args.n_gen, cfg.ctx_len - 1)):
+        if asked is not None and asked > room:  # a default shrinks to the context; a number asked for is kept
+            raise UserError(f"{flag} {asked} does not fit the model's context of {cfg.ctx_len} tokens (at most {room})")
+    n_prompt, n_gen = args.n_prompt or min(256, cfg.ctx_len), args.n_gen or min(64, cfg.ctx_len - 1)
     if args.threads is not None:
+        cores = len(os.sched_getaffinity(0))
+        if args.threads > cores:
+            raise UserError(f"--threads {args.threads} is more than the {cores} cores this process may use")
         kernels.set_threads(args.threads)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt).tolist()  # as llama-bench: random tokens
     fused = fuse_weights(cfg, model.params)
