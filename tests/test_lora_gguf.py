@@ -66,6 +66,21 @@ def test_gguf_lora_refuses_what_is_not_an_adapter_run(run, capsys, tmp_path):
     assert "lora.json" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("fmt, extra, needle", [
+    ("gguf-lora", ["--dtype", "q8_0"], "--dtype is not for --format gguf-lora"),
+    ("peft", ["--dtype", "float16"], "--dtype is not for --format peft"),
+    ("gguf-lora", [], "inside the input"),   # --out inside the base the adapters were trained on
+    ("gguf", [], "inside the input"),        # the merged export reads the base too
+])
+def test_adapter_exports_refuse_a_dtype_and_writing_into_the_base(run, capsys, tmp_path, fmt, extra, needle):
+    d, _ = run
+    out = tmp_path / "x.gguf" if extra else d / "base" / "x.gguf"
+    before = sorted(p.name for p in (d / "base").iterdir())
+    assert main(["export", "--ckpt", str(d / "run"), "--format", fmt, "--out", str(out), *extra]) != 0
+    assert needle in capsys.readouterr().err and not out.exists()
+    assert sorted(p.name for p in (d / "base").iterdir()) == before
+
+
 def test_llama_cpp_applies_it_and_gives_our_merged_logits(run):
     pytest.importorskip("llama_cpp")
     from nanoeuler.interop.llamacpp import LlamaCpp

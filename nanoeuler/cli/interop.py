@@ -26,7 +26,7 @@ def register(sub) -> None:
                         "base's gguf export")
     e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1")
+                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1; peft and gguf-lora write float32 adapters and take none")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")
@@ -54,10 +54,17 @@ def register(sub) -> None:
 
 
 def run_export(args) -> int:
+    from ..adapters import is_adapter_run, read_adapter_run
     from ..checkpoint import load_tokenizer
+    from ..errors import UserError
     from ..interop.outputs import check_free
     from ..model import Model
-    check_free(args.out, args.force, inputs=[args.ckpt])    # before anything is read: never over the checkpoint
+    inputs = [args.ckpt]
+    if is_adapter_run(args.ckpt):  # an adapter run reads its base too: never write into or over it either
+        inputs.append(read_adapter_run(args.ckpt, read_only=True)[1]["path"])
+    check_free(args.out, args.force, inputs=inputs)    # before anything is read: never over the checkpoint
+    if args.dtype is not None and args.format in ("peft", "gguf-lora"):
+        raise UserError(f"--dtype is not for --format {args.format}: the adapters are written in float32")
     if args.format == "peft":
         from ..interop.peft import export_peft
         out = export_peft(args.ckpt, args.out, args.force)
