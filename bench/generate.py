@@ -22,7 +22,7 @@ prompt (70 tokens on small) inside the window.
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --parts        # gain of each depth
 
 --parts measures, on each --ckpt model, speculative decoding at the most drafts a round may verify (PARTS:
-7, the default, 3 and 1), each as spec/plain against plain decoding back to back in the same run.
+3, the default, 7 and 1), each as spec/plain against plain decoding back to back in the same run.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def compare(model, prompt_ids, n_new, repeat, depth=None) -> dict:
             "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec))}
 
 
-PARTS = {"up to 7 drafts a round (default)": 7, "up to 3 drafts a round": 3, "up to 1 draft a round": 1}
+PARTS = {"up to 3 drafts a round (default)": 3, "up to 7 drafts a round": 7, "up to 1 draft a round": 1}
 
 
 def parts(model, prompt_ids, args) -> dict:
@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="back-to-back pairs per model")
     ap.add_argument("--full", action="store_true", help="also time full recomputation (slow) once per model")
     ap.add_argument("--spec-depth", type=int, default=None, metavar="D",
-                    help="verify at most D lookup drafts a round (default 7, one call's rows)")
+                    help="verify at most D lookup drafts a round (default 3; 7 fill one call's rows)")
     ap.add_argument("--decode-threads", type=int, default=None, metavar="N",
                     help="threads of the fused decoding step (default: the cores, at most 8). At 1, `cpu` is the "
                          "work done: with 2, the process's CPU time also counts a helper thread that waits for work")
@@ -160,7 +160,7 @@ def main() -> int:
         return 0
     print(f"{args.new_tokens} new tokens, greedy; decode tokens/s, median of {args.repeat} back-to-back pairs; "
           f"OPENBLAS_NUM_THREADS={info['openblas_threads']}, numba threads {info['numba_threads']}, decode threads "
-          f"{info['decode_threads']}, load average {info['load_avg']:.2f}; most drafts a round: {args.spec_depth or 7}")
+          f"{info['decode_threads']}, load average {info['load_avg']:.2f}; most drafts a round: {args.spec_depth or 3}")
     head = (f"{'model':<30} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
             f"{'tok/fwd':>7} {'jumps':>5} {'same':>5}")
     print(head + "  step of 1..8 tokens (ms, best of 200)")
