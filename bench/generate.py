@@ -1,31 +1,28 @@
-"""Benchmark generation: self-speculative decoding (MTP drafts verified by head 0) against plain KV-cache
-decoding, greedy and sampled, side by side for each model in one run, with the draft acceptance rate.
+"""Benchmark generation: greedy speculative decoding (prompt-lookup drafts verified by head 0) against plain
+KV-cache decoding, side by side for each model in one run, with the draft acceptance rate.
 
-For each model, greedy (temperature 0) and sampled (--temperature, --top-k) decoding of --new-tokens tokens
-(no stop token) from the same prompt, plain ("cache") and "speculative" back to back, --repeat times with
-seeds 0..repeat-1 (sampled text differs per seed; both modes get the same seeds). Speed is decode tokens/s
-(new tokens / time after the prompt's prefill); `spec/plain` is the median over repeats of the ratio of the
-two back-to-back runs, and `cpu` the same comparison in the process's CPU time summed over the repeats:
-on a machine shared with others, where wall time mostly measures the scheduler, run with
-OPENBLAS_NUM_THREADS=1 --decode-threads 1 and read `cpu` (the work done; with two decode threads the
-process's CPU time also counts a helper thread waiting for work). Greedy speculative output is checked
-to equal plain greedy token for token (`same`). `drafts` is the share of rounds that verified drafts (the
-rest were plain steps: the planner's fallback); `accept` the share of verified drafts accepted.
-Random-init weights show the fallback (drafts never pay there); the speed-up needs a trained model: pass one
-with --ckpt (its preset is read from the checkpoint). --full adds the slow full-recomputation reference.
-`jumps` counts the window refills of one run: a generation longer than the context recomputes the last
-ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~1.4 ms at 1 thread, ~20 plain steps), the same in both modes, so
-they dilute the speed-up; `--new-tokens 58` keeps the default prompt (70 tokens on small) inside the window.
+For each model, greedy (temperature 0) decoding of --new-tokens tokens (no stop token) from the same
+prompt, plain ("cache") and "speculative" back to back, --repeat times. Speed is decode tokens/s (new
+tokens / time after the prompt's prefill); `spec/plain` is the median over repeats of the ratio of the two
+back-to-back runs, and `cpu` the same comparison in the process's CPU time summed over the repeats: on a
+machine shared with others, where wall time mostly measures the scheduler, run with OPENBLAS_NUM_THREADS=1
+--decode-threads 1 and read `cpu` (the work done; with two decode threads the process's CPU time also
+counts a helper thread waiting for work). Speculative output is checked to equal plain greedy token for
+token (`same`). `drafts` is the share of rounds that verified drafts (the rest were plain steps: no
+lookup); `accept` the share of verified drafts accepted. A random-init model's text rarely repeats:
+pass a trained one with --ckpt (its preset is read from the checkpoint). --full adds the slow
+full-recomputation reference. `jumps` counts the window refills of one run: a generation longer than the
+context recomputes the last ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~1.4 ms at 1 thread, ~20
+plain steps), the same in both modes, so they dilute the speed-up; `--new-tokens 58` keeps the default
+prompt (70 tokens on small) inside the window.
 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --json
     .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --spec-depth 1   # acceptance of draft 1
-    .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --parts        # what each part of speculation gains
+    .venv/bin/python bench/generate.py --ckpt runs/demo --presets '' --parts        # gain of each depth
 
---parts measures the parts of speculative decoding one at a time on each --ckpt model: the whole (adaptive
-planner, prompt-lookup and head drafts, the next round's head drafts made in the round's compiled call),
-then with one part taken away or replaced by a fixed depth, each as spec/plain in CPU time against plain
-decoding back to back in the same run (and greedy output checked equal to plain).
+--parts measures, on each --ckpt model, speculative decoding at the most drafts a round may verify (PARTS:
+3, the default, 7 and 1), each as spec/plain against plain decoding back to back in the same run.
 """
 from __future__ import annotations
 
@@ -45,12 +42,11 @@ PROMPT = ("HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nob
 
 
 def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
-    """Best-of-n milliseconds of one KV-cache forward of 1..max_tokens tokens after 64 cached positions
-    (a decoding step, and speculative verification blocks): robust to a machine shared with others."""
+    """Best-of-n milliseconds of one KV-cache forward of 1..max_tokens tokens with head 0 after 64 cached
+    positions (a decoding step, and speculative verification blocks): robust to a machine shared with others."""
     import time
     from nanoeuler.infer.cache import new_cache
-    from nanoeuler.infer.step import forward_hidden, fuse_weights
-    from nanoeuler.infer.weights import linear
+    from nanoeuler.infer.step import advance, forward_hidden, fuse_weights
     cfg = model.config
     W = fuse_weights(cfg, model.params)
     cache = new_cache(cfg, dtype=model.dtype)
@@ -61,24 +57,21 @@ def step_costs(model, max_tokens: int, n: int = 200) -> list[float]:
         for _ in range(n):
             cache.length = 64
             t0 = time.perf_counter()
-            h = forward_hidden(cfg, W, np.zeros((1, tn), dtype=np.int64), cache)
-            linear(h, W["head.0"])
+            advance(cfg, W, cache, [0] * tn)
             best = min(best, time.perf_counter() - t0)
         out.append(best * 1e3)
     return out
 
 
-def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) -> dict:
-    """Plain vs speculative decoding, back to back per seed -> tokens/s, ratio, acceptance."""
+def compare(model, prompt_ids, n_new, repeat, depth=None) -> dict:
+    """Plain vs speculative greedy decoding, back to back -> tokens/s, ratio, acceptance."""
     from nanoeuler.infer.session import generate
     runs: dict = {"cache": [], "speculative": []}
     for mode in runs:  # untimed: the first call of a process loads (or compiles) the numba kernels
-        generate(model, prompt_ids, 8, temperature, top_k=top_k if temperature else None, seed=0, mode=mode,
-                 spec_depth=depth)
-    for seed in range(repeat):
+        generate(model, prompt_ids, 8, 0.0, mode=mode, spec_depth=depth)
+    for _ in range(repeat):
         for mode in runs:
-            runs[mode].append(generate(model, prompt_ids, n_new, temperature, top_k=top_k if temperature else None,
-                                       seed=seed, mode=mode, spec_depth=depth))
+            runs[mode].append(generate(model, prompt_ids, n_new, 0.0, mode=mode, spec_depth=depth))
     tok_s = {m: [len(g.ids) / g.decode_s for g in gs] for m, gs in runs.items()}
     cpu_s = {m: sum(g.decode_cpu_s for g in gs) for m, gs in runs.items()}
     spec = runs["speculative"]
@@ -91,69 +84,24 @@ def compare(model, prompt_ids, n_new, repeat, temperature, top_k, depth=None) ->
             "draft_round_share": sum(g.draft_rounds for g in spec) / max(1, rounds),
             "jumps": spec[0].jumps,
             "tokens_per_forward": sum(len(g.ids) for g in spec) / max(1, rounds),
-            "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec)) if temperature == 0 else None}
+            "same": all(a.ids == b.ids for a, b in zip(runs["cache"], spec))}
 
 
-def _no_head_drafts(self, win, j):
-    """Greedy.propose_draft without the heads: lookup drafts only."""
-    if j == 0:
-        self.cont = self.lookup(win)
-    return (self.cont[j], self.LOOKUP_CONF) if j < len(self.cont) else None
-
-
-def _choose_without_heads(self, win, rule, room, probe):
-    """Planner.choose where a probe may find no draft at all (no lookup, no heads): a plain step then."""
-    props, d = _ORIGINAL[("Planner", "choose")](self, win, rule, room, probe)
-    props = [p for p in props if p is not None]
-    return props, min(d, len(props))
-
-
-_ORIGINAL: dict = {}  # (class name, attribute) -> the original, while a variant replaces it
-
-# variant -> (temperature 0 / sampled, fixed depth or None, {(class name, attribute): replacement})
-PARTS = {
-    "greedy: all parts": (0, None, {}),
-    "greedy: no prompt lookup": (0, None, {("Greedy", "lookup"): lambda self, win: []}),
-    "greedy: no head drafts": (0, None, {("Greedy", "propose_draft"): _no_head_drafts,
-                                         ("Planner", "choose"): _choose_without_heads,
-                                         ("Planner", "heads_wanted"): lambda self: 0}),
-    "greedy: head drafts made apart": (0, None, {("Planner", "heads_wanted"): lambda self: 0}),
-    "greedy: fixed depth 1": (0, 1, {}),
-    "greedy: fixed depth 2": (0, 2, {}),
-    "sampled: all parts": (1, None, {}),
-    "sampled: fixed depth 1": (1, 1, {}),
-    "sampled: fixed depth 2": (1, 2, {}),
-}
+PARTS = {"up to 3 drafts a round (default)": 3, "up to 7 drafts a round": 7, "up to 1 draft a round": 1}
 
 
 def parts(model, prompt_ids, args) -> dict:
-    """PARTS on one model: each variant's spec/plain (wall and CPU), acceptance and equality, with a fresh
-    planner each (planners are kept per model and learn across calls)."""
-    from nanoeuler.infer import speculative
-    out = {}
-    for name, (sampled, depth, patches) in PARTS.items():
-        saved = {key: getattr(speculative, key[0]).__dict__[key[1]] for key in patches}
-        _ORIGINAL.update(saved)
-        speculative._PLANNERS.clear()
-        try:
-            for (cls, attr), fn in patches.items():
-                setattr(getattr(speculative, cls), attr, fn)
-            out[name] = compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature if sampled else 0.0,
-                                args.top_k if sampled else None, depth)
-        finally:
-            for (cls, attr), fn in saved.items():
-                setattr(getattr(speculative, cls), attr, fn)
-    return out
+    """PARTS on one model: each depth's spec/plain (wall and CPU), acceptance and equality."""
+    return {name: compare(model, prompt_ids, args.new_tokens, args.repeat, depth) for name, depth in PARTS.items()}
 
 
 def bench_model(name, model, prompt_ids, args) -> dict:
+    from nanoeuler.infer import kernels
     from nanoeuler.infer.session import generate
     row = {"model": name, "params": model.n_params(), "ctx": model.config.ctx_len, "K": model.config.n_mtp,
            "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens,
-           "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, 0.0, None, args.spec_depth),
-           "sampled": compare(model, prompt_ids, args.new_tokens, args.repeat, args.temperature, args.top_k,
-                              args.spec_depth),
-           "step_ms": step_costs(model, model.config.n_mtp)}  # forward of 1..K tokens
+           "greedy": compare(model, prompt_ids, args.new_tokens, args.repeat, args.spec_depth),
+           "step_ms": step_costs(model, kernels.ROWS)}  # a step of 1..ROWS tokens
     if args.full:
         full = generate(model, prompt_ids, args.new_tokens, temperature=0, mode="full")
         cache = generate(model, prompt_ids, args.new_tokens, temperature=0, mode="cache")
@@ -169,24 +117,19 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for random-init models")
     ap.add_argument("--prompt", default=PROMPT, help="prompt text for trained models (default: the opening of Hamlet's soliloquy)")
-    ap.add_argument("--repeat", type=int, default=5, help="back-to-back pairs per model and temperature (seeds 0..)")
-    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled rows (default 0.8)")
-    ap.add_argument("--top-k", type=int, default=40, help="top-k of the sampled rows (default 40; 0 = all)")
+    ap.add_argument("--repeat", type=int, default=5, help="back-to-back pairs per model")
     ap.add_argument("--full", action="store_true", help="also time full recomputation (slow) once per model")
     ap.add_argument("--spec-depth", type=int, default=None, metavar="D",
-                    help="verify D drafts every round instead of the planner's choice (the acceptance of drafts "
-                         "1..D whatever they cost, and what a fixed depth would gain)")
+                    help="verify at most D lookup drafts a round (default 3; 7 fill one call's rows)")
     ap.add_argument("--decode-threads", type=int, default=None, metavar="N",
                     help="threads of the fused decoding step (default: the cores, at most 8). At 1, `cpu` is the "
                          "work done: with 2, the process's CPU time also counts a helper thread that waits for work")
     ap.add_argument("--parts", action="store_true",
-                    help="for each --ckpt model: what each part of speculative decoding gains (see the docstring)")
+                    help="for each --ckpt model: what each depth of speculative decoding gains (see the docstring)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    if args.new_tokens < 1 or args.repeat < 1 or not args.temperature > 0 or args.top_k < 0 \
-            or (args.spec_depth is not None and args.spec_depth < 1):
-        ap.error("need --new-tokens >= 1, --repeat >= 1, --temperature > 0, --top-k >= 0, --spec-depth >= 1")
-    args.top_k = args.top_k or None
+    if args.new_tokens < 1 or args.repeat < 1 or (args.spec_depth is not None and not 1 <= args.spec_depth <= 7):
+        ap.error("need --new-tokens >= 1, --repeat >= 1, 1 <= --spec-depth <= 7")
     if args.decode_threads is not None:
         from nanoeuler.infer import kernels
         kernels.set_threads(max(1, args.decode_threads))
@@ -215,22 +158,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(info))
         return 0
-    print(f"{args.new_tokens} new tokens; decode tokens/s, median of {args.repeat} back-to-back pairs; sampled = "
-          f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}; OPENBLAS_NUM_THREADS="
-          f"{info['openblas_threads']}, numba threads {info['numba_threads']}, decode threads {info['decode_threads']}, load average {info['load_avg']:.2f}; "
-          f"drafts per round: {args.spec_depth or 'adaptive'}")
-    head = (f"{'model':<30} {'decoding':<8} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
+    print(f"{args.new_tokens} new tokens, greedy; decode tokens/s, median of {args.repeat} back-to-back pairs; "
+          f"OPENBLAS_NUM_THREADS={info['openblas_threads']}, numba threads {info['numba_threads']}, decode threads "
+          f"{info['decode_threads']}, load average {info['load_avg']:.2f}; most drafts a round: {args.spec_depth or 3}")
+    head = (f"{'model':<30} {'plain':>7} {'spec':>7} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} "
             f"{'tok/fwd':>7} {'jumps':>5} {'same':>5}")
-    print(head + "  forward of 1..K tokens (ms, best of 200)")
+    print(head + "  step of 1..8 tokens (ms, best of 200)")
     print("-" * len(head))
     for r in rows:
-        for kind in ("greedy", "sampled"):
-            c = r[kind]
-            same = "-" if c["same"] is None else "yes" if c["same"] else "NO"
-            print(f"{r['model'] if kind == 'greedy' else '':<30} {kind:<8} {c['plain_tok_s']:7.1f} {c['spec_tok_s']:7.1f} "
-                  f"{c['spec_vs_plain']:9.2f}x {c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} {c['draft_round_share']:7.1%} "
-                  f"{c['tokens_per_forward']:7.2f} {c['jumps']:5d} {same:>5}"
-                  + ("  " + " / ".join(f"{t:.2f}" for t in r["step_ms"]) if kind == "greedy" else ""))
+        c = r["greedy"]
+        print(f"{r['model']:<30} {c['plain_tok_s']:7.1f} {c['spec_tok_s']:7.1f} {c['spec_vs_plain']:9.2f}x "
+              f"{c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} {c['draft_round_share']:7.1%} "
+              f"{c['tokens_per_forward']:7.2f} {c['jumps']:5d} {'yes' if c['same'] else 'NO':>5}  "
+              + " / ".join(f"{t:.2f}" for t in r["step_ms"]))
         if "full_tok_s" in r:
             print(f"{'':<30} full recomputation: {r['full_tok_s']:.1f} tok/s, equals cache: {r['full_equals_cache']}")
     return 0
@@ -243,9 +183,8 @@ def print_parts(path, table: dict, args) -> None:
     print(f"{path}: {args.new_tokens} new tokens, {args.repeat} back-to-back pairs each, load average {load:.2f}")
     print(f"{'variant':<32} {'spec/plain':>10} {'cpu':>6} {'accept':>7} {'drafts':>7} {'tok/fwd':>7} {'same':>5}")
     for name, c in table.items():
-        same = "-" if c["same"] is None else "yes" if c["same"] else "NO"
         print(f"{name:<32} {c['spec_vs_plain']:9.2f}x {c['spec_vs_plain_cpu']:5.2f}x {c['acceptance']:7.1%} "
-              f"{c['draft_round_share']:7.1%} {c['tokens_per_forward']:7.2f} {same:>5}")
+              f"{c['draft_round_share']:7.1%} {c['tokens_per_forward']:7.2f} {'yes' if c['same'] else 'NO':>5}")
 
 
 if __name__ == "__main__":

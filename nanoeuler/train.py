@@ -5,10 +5,7 @@ micro-batches), clip the global gradient norm, AdamW with the scheduled learning
 Every `eval_every` steps the objective's validation metrics; every `ckpt_every` steps, on Ctrl-C/SIGTERM
 and at the end, a checkpoint. A checkpoint holds the model, the AdamW moments, the RNG state and the
 step (and what the objective adds, e.g. DPO's reference log-probs), so `--resume` continues bit-for-bit
-as if never stopped. trainer.json's `phase` says what is left: "train" (steps remain), a caller's
-`then` phase once the steps are done (e.g. "drafts": pretraining's draft-head distillation, which the
-caller runs and then marks "done"), or "done"; a resumed run finishes exactly what the straight run would
-have done. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
+as if never stopped. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
 share of each batch; rank 0 alone logs and writes.
 
 What is trained is an *objective* (`LMObjective` here for pretraining and SFT, `dpo.DPOObjective`):
@@ -309,11 +306,9 @@ def evaluate(model, source, max_batches: int = 0) -> dict:
 # ---- the loop ----------------------------------------------------------------------------------
 def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: bool = False,
                  stop_after: int | None = None, progress: bool = True, kind: str = "pretrain",
-                 objective=None, then: str = "done") -> dict:
+                 objective=None) -> dict:
     """Train model in place on `objective` (default: `LMObjective` on batches from source); checkpoints go
-    to out_dir. `then`: the phase recorded once the steps are done (the caller's work after training, e.g.
-    "drafts"; "done" if none). Returns a summary dict, whose "phase" is the run's phase on disk (a resumed
-    run's saved one). Under MPI every rank calls this with the same arguments."""
+    to out_dir. Returns a summary dict. Under MPI every rank calls this with the same arguments."""
     from . import dist
     comm = dist.world()
     lead = comm.rank == 0
@@ -342,14 +337,14 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
             obj.resume(state, out_dir)
         else:
             state = {"kind": kind, "step": 0, "train_config": dataclasses.asdict(tcfg), "data": obj.describe(),
-                     "elapsed_s": 0.0, "phase": "train", "precision": precision} | obj.new_state()
+                     "elapsed_s": 0.0, "precision": precision} | obj.new_state()
         trainer = dist.Trainer(comm, obj, opt, tcfg, state, rng)  # one process: plain; MPI: checks the ranks agree
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
             truncate_log(log_path, state["step"])     # a fresh run: the lines of one that never saved go
         log = stack.enter_context(open_append(log_path)) if lead else None
         return _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after,
-                     progress and lead, kind, then)
+                     progress and lead, kind)
 
 
 RUN_OWN_FILES = ("log.jsonl", "curves.png")   # what a run writes besides its checkpoint (dot files aside)
@@ -368,19 +363,11 @@ def check_fresh_run_dir(out_dir: Path) -> None:
                         f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty --out")
 
 
-def run_phase(state: dict, steps: int) -> str:
-    """The phase of a trainer.json; one saved before phases were recorded: "train" or, finished, "done"."""
-    return state.get("phase") or ("train" if state["step"] < steps else "done")
-
-
-def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after, progress, kind,
-          then) -> dict:
+def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, stop_after, progress, kind) -> dict:
     lead = trainer.comm.rank == 0
     log_path = out_dir / "log.jsonl"
-    state["phase"] = run_phase(state, tcfg.steps)
 
     def checkpoint():
-        state["phase"] = "train" if state["step"] < tcfg.steps else then
         state["rng"] = rng.bit_generator.state
         trainer.save(lambda o: save_training_checkpoint(out_dir, model, tokenizer, o, state,
                                                          obj.checkpoint_tensors()))
@@ -433,7 +420,7 @@ def _loop(model, tokenizer, obj, opt, trainer, out_dir, log, tcfg, state, rng, s
     if finished and lead:
         obj.plot(log_path, out_dir / "curves.png")
     return {"step": state["step"], "steps": tcfg.steps, "finished": finished, "interrupted": stop.requested,
-            "phase": state["phase"], "wall_s": time.perf_counter() - t_run, **obj.summary(state), **metrics}
+            "wall_s": time.perf_counter() - t_run, **obj.summary(state), **metrics}
 
 
 def accumulate(obj, rng, grad_accum: int, trainer=None):

@@ -173,9 +173,9 @@ def test_sample_streams_and_truncates_long_prompts(run_dir, capsys):
     assert "error: --top-p" in capsys.readouterr().err
 
 
-def test_sampling_speculates_unless_a_seed_must_replay(run_dir, capsys):
-    """Speculative sampling draws plain sampling's distribution but not its tokens for a seed, so `sample`
-    speculates at temperature > 0 only without --seed; a seeded sample replays exactly."""
+def test_greedy_sampling_speculates_and_sampling_is_plain(run_dir, capsys):
+    """`sample` speculates at temperature 0 unless --no-speculative; at temperature > 0 it samples a token
+    per forward, and a seeded sample replays exactly."""
     import json
     from nanoeuler.cli import main
 
@@ -183,14 +183,14 @@ def test_sampling_speculates_unless_a_seed_must_replay(run_dir, capsys):
         assert main(["sample", "--ckpt", str(run_dir), "--prompt", "Who", "--max-new-tokens", "8",
                      "--json", *flags]) == 0
         return json.loads(capsys.readouterr().out)
-    assert run("--temperature", "0.8")["mode"] == "speculative"
+    assert run("--temperature", "0.8")["mode"] == "cache"
     assert run("--temperature", "0")["mode"] == "speculative"
-    assert run("--temperature", "0.8", "--no-speculative")["mode"] == "cache"
+    assert run("--temperature", "0", "--no-speculative")["mode"] == "cache"
     seeded = [run("--temperature", "0.8", "--seed", "3") for _ in range(2)]
     assert seeded[0]["mode"] == "cache" and seeded[0]["text"] == seeded[1]["text"]
 
 
-def test_chat_speculates_when_sampling_without_a_seed(run_dir, monkeypatch):
+def test_chat_speculates_when_greedy(run_dir, monkeypatch):
     calls = []
 
     def fake_generate(model, ids, *a, mode="cache", **kw):
@@ -198,8 +198,9 @@ def test_chat_speculates_when_sampling_without_a_seed(run_dir, monkeypatch):
         return generate(model, ids, *a, mode=mode, **kw)
     monkeypatch.setattr("nanoeuler.infer.session.generate", fake_generate)
     model, tok = Model.load(run_dir, read_only=True), Tokenizer.load(run_dir / "tokenizer.json")
-    for seed, expect in ((None, "speculative"), (5, "cache")):
-        Repl(Chat(model, tok, temperature=0.8, seed=seed, max_new_tokens=4)).handle("Who speaks?", lambda s: None)
+    for temperature, speculative, expect in ((0, True, "speculative"), (0.8, True, "cache"), (0, False, "cache")):
+        Repl(Chat(model, tok, temperature=temperature, max_new_tokens=4, speculative=speculative)).handle(
+            "Who speaks?", lambda s: None)
         assert calls[-1] == expect
 
 

@@ -125,6 +125,22 @@ def test_resume_of_a_run_saved_before_a_setting_existed(tmp_path):
     _assert_identical_runs(tmp_path / "a", tmp_path / "b")
 
 
+def test_a_run_saved_with_a_phase_resumes_without_it(tmp_path):
+    """trainer.json written while pretraining ended by distilling draft heads records what was left, a
+    `phase` ("train", "drafts", "done"): such a run resumes bit for bit and is saved without it; a finished
+    one (phase "drafts": its distillation never ran) resumes as finished."""
+    run(tmp_path / "a", steps=6)
+    run(tmp_path / "b", steps=6, stop_after=3)
+    state_file = tmp_path / "b" / "trainer.json"
+    for phase in ("train", "drafts"):
+        state_file.write_text(json.dumps(json.loads(state_file.read_text()) | {"phase": phase}))
+        _, summary = run(tmp_path / "b", steps=6, resume=True)
+        assert summary["finished"] and summary["step"] == 6, phase
+        _assert_identical_runs(tmp_path / "a", tmp_path / "b")
+        if phase == "train":
+            assert "phase" not in json.loads(state_file.read_text())
+
+
 def test_changed_settings_names_what_differs_and_fills_missing_with_defaults():
     from nanoeuler.train import TrainConfig, changed_settings
     import dataclasses

@@ -14,7 +14,7 @@ import sys
 from ..errors import UserError, say
 
 COMMAND_MODULES = ["check", "info", "tokenizer", "prepare", "train", "sample", "sft", "dpo", "chat", "data",
-                   "bench", "demo", "interop", "serve", "drafts", "lora"]
+                   "bench", "demo", "interop", "serve", "lora"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,9 +24,9 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
     p.add_argument("--seed", type=nonneg_int, default=None, help="random seed >= 0 (same seed, same text)")
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"default {max_new}")
     p.add_argument("--no-speculative", action="store_true",
-                   help="one token per forward. By default decoding drafts with the MTP heads and verifies with "
-                        "head 0 where that pays (greedy: the same text; sampling: the same distribution). "
-                        "With --seed, sampling is plain so that the same seed gives the same text")
+                   help="one token per forward. By default greedy decoding (--temperature 0) drafts the tokens "
+                        "that followed the last occurrence of the last 3 and verifies them with head 0 in one "
+                        "forward: the same text in fewer forwards. Sampling is always one token per forward")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights while decoding (default float32; a checkpoint imported from a GGUF file: the "
                         "type most of its matrices had there). float16 rounds them to half precision and computes "
@@ -111,11 +111,8 @@ class StdoutStream:
 
 
 def mode_of(args) -> str:
-    """Speculative unless asked not to, or unless a seeded sample must replay the same text: speculative
-    sampling draws the same distribution as plain sampling, but which tokens a seed gives depends on the
-    timing-based planner."""
-    replay = args.temperature > 0 and args.seed is not None
-    return "cache" if args.no_speculative or replay else "speculative"
+    """Speculative for greedy decoding unless asked not to; sampling is plain KV-cache decoding."""
+    return "speculative" if args.temperature == 0 and not args.no_speculative else "cache"
 
 
 def register(sub) -> None:

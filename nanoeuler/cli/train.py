@@ -40,9 +40,6 @@ def register(sub) -> None:
                    help="where to train (gpu needs CuPy and a CUDA device; the checkpoint is the same either way)")
     add_precision_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    p.add_argument("--no-drafts", action="store_true",
-                   help="skip the draft-head distillation at the end (K > 1: heads 1..K-1 refitted to the model's "
-                        "own output for faster speculative decoding, ~25 s for small; `nanoeuler drafts` later)")
     add_dist_arguments(p)
     p.set_defaults(run=data_parallel(run_train, prepare=prepare_before_launch))
 
@@ -260,34 +257,10 @@ def run_train(args) -> int:
         raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
     print(f"{'resuming' if args.resume else 'training'} {cfg.n_params():,} parameters -> {out} "
           f"({tcfg.steps} steps x {tcfg.batch_size} x {cfg.ctx_len} tokens)")
-    then = "drafts" if cfg.n_mtp > 1 and not args.no_drafts and not lora else "done"
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
-                           progress=not args.no_progress, then=then)
-    if summary["phase"] == "drafts" and not summary["interrupted"] and not args.no_drafts:
-        summary["drafts"] = distill_drafts(out, data, args)
+                           progress=not args.no_progress)
     report(summary, out, args.json)
     return 130 if summary["interrupted"] else 0
-
-
-def distill_drafts(out: Path, data: Path, args) -> dict | None:
-    """The end of pretraining (K > 1): nanoeuler/drafts.py refits draft heads 1..K-1 to head 0's own output,
-    prompts from the training data; head 0 and the trunk (so the reported loss) are unchanged. Rank 0 only."""
-    from ..dist import world
-    from ..drafts import distill_checkpoint
-    from ..errors import UserError
-    from .drafts import report as drafts_report
-    if world().rank != 0:
-        return None
-    if not args.json:
-        print("distilling the draft heads 1..K-1 toward head 0 for speculative decoding (--no-drafts skips it)")
-    try:
-        result = distill_checkpoint(out, data, progress=not args.no_progress, finish_run=True)
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted during the draft distillation; the trained checkpoint in {out} is intact: "
-                        f"`nanoeuler train --out {out} --resume` finishes it", exit_code=130) from None
-    if not args.json:
-        print(result.summary())
-    return drafts_report(result)
 
 
 def report(summary: dict, out: Path, as_json: bool) -> None:
@@ -301,8 +274,6 @@ def report(summary: dict, out: Path, as_json: bool) -> None:
     print(line)
     if not summary["finished"]:
         print(f"continue with: nanoeuler train --out {out} --resume")
-    elif summary["phase"] == "drafts" and "drafts" not in summary:
-        print(f"the draft distillation has not run; finish it with: nanoeuler train --out {out} --resume")
 
 
 def run_eval(args) -> int:

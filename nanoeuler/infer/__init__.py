@@ -11,13 +11,13 @@ Modules, each importing only the ones above it in this list:
                     once (in `fuse_weights`); `forward_hidden` for one sequence, `advance` for a speculative
                     round, `decode_rows` for one token per row of a batch
     sampling.py     temperature / top-k / top-p, drawing, log-probabilities
-    speculative.py  self-speculative decoding: MTP-head and prompt-lookup drafts, exact acceptance, the planner
+    speculative.py  greedy speculative decoding: prompt-lookup drafts verified by head 0
     session.py      one sequence: `generate` (full / cache / speculative), the context-window rule, text out
     engine.py       continuous batching (`Batcher`): serve, dpo-data and answer scoring share it
     chat.py         a conversation: rendering with the chat template, dropping the oldest turns to fit
 
 Callers: `sample`, `chat`, `demo`, evaluation and SFT/DPO answer checks run `session.generate`; `serve` and
-`dpo-data` submit jobs to `engine.Batcher`; draft distillation runs `step.forward_hidden` for hidden states.
+`dpo-data` submit jobs to `engine.Batcher`.
 """
 from ..numba_cache import install
 

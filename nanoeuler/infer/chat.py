@@ -21,8 +21,7 @@ class Chat:
                  speculative=True):
         self.model, self.tok = model, tok
         self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
-        self.speculative = speculative
-        self.replay = seed is not None  # a seeded chat replays the same text: its sampling stays plain
+        self.speculative = speculative  # greedy replies only: sampling is one token per forward
         self.rng = np.random.default_rng(seed)
         self.messages: list[dict] = []  # the conversation so far ({"role", "content"}), rendered anew each turn
         self.last_reply: list[int] = []
@@ -73,7 +72,7 @@ class Chat:
         def stream(token):
             if token not in stops:
                 on_text(dec.feed(token))
-        speculate = self.speculative and (self.temperature == 0 or not self.replay)
+        speculate = self.speculative and self.temperature == 0
         seed = int(self.rng.integers(2**31))
         try:
             if self.fused is None:

@@ -32,15 +32,12 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     heads = np.concatenate([head_weight(P, k) for k in range(K)])  # [K·V, d] (tied: head 0 is the embedding)
     heads32 = f32(heads)
     F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, kernel_form(heads))}
-    each = kernel_form(heads.reshape(K, V, -1))  # [K, panels, d, PANEL]: head k's kernel form is each[k]
-    for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair(heads32[k * V:(k + 1) * V], None if each is None else each[k])
+    F["head.0"] = pair(heads32[:V], kernel_form(heads[:V]))  # decoding reads head 0 only
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
             "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
     if forms.kernels:
-        F["drafting"] = each[1:]  # heads 1..K-1 for speculative rounds' drafts
         stacked, packed = _stack(mats, forms)
         for name in mats:
             mats[name] = [(f32(stacked[name][i]), packed[name][i]) for i in range(len(layers))]

@@ -3,7 +3,7 @@
 The decoding loop (session.py, speculative decoding, the batcher) needs four things of an architecture
 (step.py's registry): an inference layout of the weights (`fuse_weights`), a cached forward to the final
 norm for one sequence (`forward_hidden`) and for one token per row (`forward_rows`), and head matrices
-`W["head.k"]` / `W["heads"]` in that layout. These are the GPT-2 ones:
+`W["head.0"]` / `W["heads"]` (all K stacked) in that layout. These are the GPT-2 ones:
 LayerNorm with bias, q/k/v stacked into one biased matmul, no RoPE (the learned position rows of the new
 tokens' positions are added to their embeddings instead), GELU-tanh MLP, head 0 tied to the embedding.
 Their logits equal the full recomputation's (tests/test_gpt2_downstream.py).
@@ -26,8 +26,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     heads = [head_weight(P, k) for k in range(cfg.n_mtp)]
     F = {"embed": P["embed.weight"], "pos": P["pos_embed.weight"], "norm": (P["norm.weight"], P["norm.bias"]),
          "heads": pair(np.concatenate(heads) if cfg.n_mtp > 1 else heads[0])}  # [K·V, d]
-    for k in range(cfg.n_mtp):
-        F[f"head.{k}"] = pair(heads[k])
+    F["head.0"] = pair(heads[0])  # decoding reads head 0 only
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         F[p + "qkv"] = pair(np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"]))

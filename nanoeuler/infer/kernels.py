@@ -15,8 +15,8 @@ the same mathematics in one compiled call, layer after layer on preallocated row
 
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
-decoding, a prompt CHUNK rows at a time); `round_rows` runs a speculative round (the step, head 0, its
-argmax, the next drafts); the batcher (`step.decode_rows`) a row per stream, any number (its prompts one at a
+decoding, a prompt CHUNK rows at a time); `round_rows` runs a speculative round (the step, head 0 and its
+argmax at every row); the batcher (`step.decode_rows`) a row per stream, any number (its prompts one at a
 time); batches of sequences of equal positions stay on the NumPy path.
 
 Matrix products: a weight matrix W [out, in] is kept in kernel form (`pack`): panels of PANEL = 64
@@ -930,17 +930,11 @@ def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
 
 
 def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray, v: np.ndarray,
-               cos: np.ndarray, sin: np.ndarray, head0: np.ndarray, drafting: np.ndarray, draft: int) -> tuple:
+               cos: np.ndarray, sin: np.ndarray, head0: np.ndarray) -> tuple:
     """A speculative round's model work in one compiled call (`_round`): tokens [n] of one sequence
-    -> (h [n, d], head-0 logits [n, V], their argmax [n], n_ok, the greedy drafts of heads 1..draft at row
-    n_ok [draft], their probabilities [draft])."""
+    -> (h [n, d], head-0 logits [n, V], their argmax [n])."""
     return on_pool(_round, tokens, pos, slot, D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm,
-                   np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0, drafting, int(draft))
-
-
-def head_drafts(drafting: np.ndarray, x: np.ndarray, V: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The greedy drafts of heads 1..n at one hidden state x [d] -> (tokens [n], probabilities [n])."""
-    return on_pool(_drafts, drafting, np.ascontiguousarray(x[None], dtype=np.float32), V, n)
+                   np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0)
 
 
 def on_pool(kernel, *args):
@@ -957,16 +951,10 @@ def on_pool(kernel, *args):
 
 @njit(**OPTS)
 def _round(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
-           cos, sin, head0, heads, draft):
+           cos, sin, head0):
     """A speculative round's model work in one compiled call: `step` over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
-    forward + matvec + argmax, so the same numbers); then the greedy drafts for the next round:
-    the argmax of each of the first `draft` draft heads (heads: heads 1..K-1, [K-1] kernel forms) and its
-    probability at row n_ok, the first row whose argmax differs from the token fed after it (the last row
-    when all agree): where a greedy round continues.
-
-        tokens [t1, d2], best [d2, a3]  ->  n_ok = 1: heads 1, 2 at row 1 draft the tokens after a3
-    -> (h, logits, best, n_ok, draft tokens [draft], their probabilities [draft])."""
+    forward + matvec + argmax, so the same numbers) -> (h, logits, best)."""
     h = step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
              cos, sin, False)
     n, V = h.shape[0], embed.shape[0]
@@ -975,25 +963,4 @@ def _round(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms,
     best = np.empty(n, np.int64)
     for r in range(n):
         best[r] = np.argmax(logits[r])
-    n_ok = 0
-    while n_ok < n - 1 and best[n_ok] == tokens[n_ok + 1]:
-        n_ok += 1
-    tok, conf = _drafts(ctl, pooled, heads, h[n_ok:n_ok + 1], V, min(draft, heads.shape[0]))
-    return h, logits, best, n_ok, tok, conf
-
-
-@njit(**OPTS)
-def _drafts(ctl, pooled, heads, x, V, nd):
-    """The greedy drafts of heads 1..nd at one hidden state x [1, d] (heads: the kernel forms of heads
-    1..K-1, V outputs each) -> (each one's argmax [nd], its softmax probability [nd])."""
-    tok, conf = np.empty(nd, np.int64), np.empty(nd, np.float64)
-    logits = np.empty((nd, V), np.float32)
-    for k in range(nd):
-        _gemv(ctl, pooled, heads[k], x, logits[k:k + 1], False)
-        lk = logits[k]
-        t = np.argmax(lk)
-        z = np.float32(0.0)
-        for i in range(V):  # (vexp: vectorised; a libm exp per logit was ~40 % of this head's cost)
-            z += vexp(lk[i] - lk[t])
-        tok[k], conf[k] = t, 1.0 / z
-    return tok, conf
+    return h, logits, best

@@ -1,8 +1,7 @@
 """Sampling: logits -> a token (temperature, top-k, top-p, greedy), and log-probabilities.
 
-Every decoding path draws through these functions: `session.generate`, the speculative rules
-(`speculative.py`), the batcher (`engine.py`) and the draft distillation's rollouts (`drafts.py`), so a
-seed gives the same tokens whichever of them runs the plain sampling.
+Every decoding path draws through these functions: `session.generate` and the batcher (`engine.py`), so
+a seed gives the same tokens whichever of them runs the sampling.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from numba import njit
 
 def scaled_logits(logits: np.ndarray, temperature: float, top_k: int | None = None) -> np.ndarray:
     """logits [..., V] / temperature (> 0) in float64, all but each row's top_k largest set to -inf: what
-    sampling's softmax is taken of (token_probs; drafts.py on many rows at once).
+    sampling's softmax is taken of (token_probs).
     scaled_logits(np.array([1., 3., 2.]), 0.5, 2) -> [-inf, 6., 4.]"""
     z = logits.astype(np.float64) / temperature
     if top_k is not None and 0 < top_k < z.shape[-1]:

@@ -22,7 +22,7 @@ from ..errors import UserError
 from . import step
 from .cache import new_cache
 from .sampling import sample_token
-from .speculative import Greedy, Sampled, planner, speculate
+from .speculative import DEPTH, MOST, speculate
 from .weights import linear
 
 MODES = ("full", "cache", "speculative")
@@ -34,7 +34,7 @@ class Generation:
     ids: list[int]
     stopped: bool = False          # ended on a stop token (rather than max_new_tokens)
     forwards: int = 0              # model calls, prefill included
-    drafted: int = 0               # speculative: draft tokens proposed by heads 1..K-1 and verified
+    drafted: int = 0               # speculative: draft tokens proposed (prompt lookup) and verified
     accepted: int = 0              # speculative: draft tokens the verification accepted
     draft_rounds: int = 0          # speculative: rounds that verified drafts (the others were plain steps)
     jumps: int = 0                 # times the window jumped forward (and the cache was refilled)
@@ -54,28 +54,29 @@ class Generation:
 
 class _Window:
     """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full.
-    Keeps the final hidden state h [d] of the last position; `head(k)` turns it into head k's logits [V]
-    on demand (plain decoding only ever needs head 0)."""
+    Keeps the final hidden state h [d] of the last position; `head0` turns it into head 0's logits [V]
+    on demand."""
 
     def __init__(self, model, seq: list[int], mode: str, fused: dict | None = None):
         self.cfg, self.P = model.config, model.params
         self.mode, self.seq, self.forwards, self.jumps = mode, seq, 0, 0
         self.start = max(0, len(seq) - self.cfg.ctx_len)
-        self.want_draft = 0  # `feed` makes the greedy drafts of heads 1..want_draft too (see `advance`)
-        self._head_drafts = None  # (row, drafts) the last `advance` made, for `keep`
         self.cache = new_cache(self.cfg, 1, dtype=model.dtype)
         self.W = fused if fused is not None else step.fuse_weights(self.cfg, self.P)
         self._refill()
 
-    def _set(self, h: np.ndarray, head0: np.ndarray | None = None, best: int | None = None) -> None:
-        self.h, self._heads, self.best = h, {} if head0 is None else {0: head0}, best  # best: head 0's argmax
-        self.head_drafts = None  # [(head k's argmax, its probability), k = 1..K-1] at the last position (`advance`)
+    def _set(self, h: np.ndarray, logits: np.ndarray | None = None, best: int | None = None) -> None:
+        self.h, self._logits, self.best = h, logits, best  # best: head 0's argmax, when known
 
-    def head(self, k: int) -> np.ndarray:
-        """Logits [V] of head k at the last position."""
-        if k not in self._heads:
-            self._heads[k] = linear(self.h, self.W[f"head.{k}"])
-        return self._heads[k]
+    def head0(self) -> np.ndarray:
+        """Logits [V] of head 0 at the last position."""
+        if self._logits is None:
+            self._logits = linear(self.h, self.W["head.0"])
+        return self._logits
+
+    def argmax(self) -> int:
+        """Head 0's argmax at the last position: the greedy next token."""
+        return self.best if self.best is not None else int(np.argmax(self.head0()))
 
     def _forward(self, tokens, last_only: bool) -> np.ndarray:
         self.forwards += 1
@@ -103,49 +104,31 @@ class _Window:
         else:
             self._set(self._forward([token], True)[0])
 
-    def fast(self) -> bool:
-        """Do rounds run as one compiled call, head drafts included (step.fused_rounds)?"""
-        if not hasattr(self, "_fast"):
-            self._fast = step.fused_rounds(self.cfg, self.W, self.cache)
-        return self._fast
-
-    def advance(self, block: list[int], draft: int = 0) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def advance(self, block: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Feed tokens block (1 <= len(block) <= min(room(), kernels.ROWS)) in one call (step.advance)
-        -> (hidden states [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints); the call also
-        makes the greedy drafts of heads 1..draft where a greedy round goes on (`head_drafts`), where the
-        model runs rounds fused. The caller rolls back with `keep` (a plain step keeps everything)."""
+        -> (hidden states [n, d], head-0 logits [n, V], head 0's argmax at each row, as ints). The caller
+        rolls back with `keep` (a plain step keeps everything)."""
         self.forwards += 1
-        n = len(block)
-        h, logits, best, self._head_drafts = step.advance(self.cfg, self.W, self.cache, block, draft)
+        h, logits, best = step.advance(self.cfg, self.W, self.cache, block)
         self.seq.extend(block)
-        self.h, self._heads, self.best = h[-1], {0: logits[-1]}, best[-1]
-        made = self._head_drafts
-        self.head_drafts = made[1] if made is not None and made[0] == n - 1 else None
+        self._set(h[-1], logits[-1], best[-1])
         return h, logits, best
-
-    def make_head_drafts(self, n: int) -> None:
-        """head_drafts of heads 1..n at the last position, in one compiled call (fast path only)."""
-        self.head_drafts = step.head_drafts(self.cfg, self.W, self.h, n)
 
     def feed(self, token: int) -> None:
         """A plain step of speculative decoding: `advance` by one token, or `push` where the window jumps."""
         if self.room() >= 1:
-            self.advance([token], self.want_draft)
+            self.advance([token])
         else:
             self.push(token)
 
-    def keep(self, n_total: int, h: np.ndarray, head0: np.ndarray, best: int | None = None, row: int = -1) -> None:
-        """Roll back seq and cache to n_total tokens of the window; h [d] and head0 [V] are the outputs there
-        (best: head0's argmax, when known; row: which row of the last `advance` they are)."""
+    def keep(self, n_total: int, h: np.ndarray, logits: np.ndarray, best: int) -> None:
+        """Roll back seq and cache to n_total tokens of the window; h [d], logits [V] and best (their argmax)
+        are head 0's outputs there."""
         drop = (len(self.seq) - self.start) - n_total
         if drop:
             del self.seq[len(self.seq) - drop:]
         self.cache.length = n_total
-        self._set(h, head0, best)
-        made = self._head_drafts
-        self.head_drafts = made[1] if made is not None and made[0] == row else None
-
-
+        self._set(h, logits, best)
 
 
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temperature: float = 1.0,
@@ -156,13 +139,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     """Continue prompt_ids with up to max_new_tokens tokens, stopping after any of stop_ids.
 
     mode: "cache" (KV cache, one token per forward), "full" (recompute the whole window every token:
-    the slow reference) or "speculative" (MTP drafts verified by head 0: at temperature 0 the same tokens
-    as greedy "cache"; at temperature > 0 samples from exactly the same distribution as "cache", though
-    not the same tokens for a seed). on_token(id) is called for each new token as soon as it is known
-    (streaming). spec_depth fixes how many drafts each speculative round verifies (default: adaptive, see
-    `Planner`; for tests and benchmarks). fused: step.fuse_weights(model.config, model.params), when the caller
-    keeps it across calls of an unchanged model (a chat session, an evaluation over many prompts: on `gpt`
-    fusing costs ~0.4 s a call).
+    the slow reference) or "speculative" (at temperature 0, prompt-lookup drafts verified by head 0: the
+    same tokens as greedy "cache" in fewer forwards; at temperature > 0 it is "cache"). on_token(id) is
+    called for each new token as soon as it is known (streaming). spec_depth: the most drafts a speculative
+    round verifies (default speculative.DEPTH, at most speculative.MOST; for tests and benchmarks).
+    fused: step.fuse_weights(model.config, model.params), when the caller keeps it across calls of an
+    unchanged model (a chat session, an evaluation over many prompts: on `gpt` fusing costs ~0.4 s a call).
     """
     if mode not in MODES:
         raise UserError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -176,8 +158,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     if not (temperature >= 0 and np.isfinite(temperature)) or (top_p is not None and not 0 < top_p <= 1) \
             or (top_k is not None and top_k < 0):
         raise UserError("need a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
-    if spec_depth is not None and spec_depth < 0:
-        raise UserError("spec_depth must be >= 0")
+    if spec_depth is not None and not 0 <= spec_depth <= MOST:
+        raise UserError(f"spec_depth must be in [0, {MOST}]")
     rng = np.random.default_rng(seed)
     stop = set(int(s) for s in stop_ids)
     out = Generation([])
@@ -200,12 +182,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
         return len(out.ids) >= max_new_tokens
 
     if max_new_tokens > 0:
-        if mode == "speculative" and model.config.n_mtp > 1:
-            rule = Greedy() if temperature == 0 else Sampled(temperature, top_k, top_p, rng)
-            speculate(win, rule, emit, out, spec_depth, planner(model, (temperature, top_k, top_p)))
+        if mode == "speculative" and temperature == 0:
+            speculate(win, emit, out, DEPTH if spec_depth is None else spec_depth)
         else:
             while True:
-                token = sample_token(win.head(0), temperature, top_k, top_p, rng)
+                token = sample_token(win.head0(), temperature, top_k, top_p, rng)
                 if emit(token):
                     break
                 win.push(token)

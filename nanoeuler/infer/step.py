@@ -2,7 +2,7 @@
 
     W = fuse_weights(cfg, P)                       the architecture's layout (ARCHS); the fused kernels or not
     h = forward_hidden(cfg, W, tokens, cache)      one sequence (or B of equal positions): tokens [B, Tn] -> [B, Tn|1, d]
-    h, logits, best, drafts = advance(cfg, W, cache, block, draft)   a speculative round: head 0 and its argmax too
+    h, logits, best = advance(cfg, W, cache, block)   a speculative round: head 0 and its argmax too
     logits = decode_rows(cfg, W, cache, tok, pos)  one token per cache row, each at its own position -> [n, V]
 
 The architecture is chosen by `arch(cfg)` (a registry: euler.py, gpt2.py; callers never branch on it), and
@@ -32,7 +32,7 @@ def arch(cfg: Config):
 
 def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
     """The inference layout of a model's parameters P (see euler.fuse_weights): batched keeps [in, out]
-    copies for steps of many rows (the batcher, the drafts' rollouts)."""
+    copies for steps of many rows (the batcher)."""
     return arch(cfg).fuse_weights(cfg, P, Forms(P, batched))
 
 
@@ -70,35 +70,20 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
     return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
 
 
-def fused_rounds(cfg: Config, W: dict, cache: KVCache) -> bool:
-    """Does `advance` run a round as one compiled call (kernels.round_rows) for this model and cache?"""
-    return runs_fused(W, cache) and cfg.n_mtp <= kernels.ROWS
-
-
-def advance(cfg: Config, W: dict, cache: KVCache, block: list[int], draft: int = 0) -> tuple:
+def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
     """Feed one sequence's tokens block (1..kernels.ROWS of them) at cache.length.. -> (hidden states [n, d],
-    head 0's logits [n, V], their argmax per row as ints, drafts): a plain step or a speculative round's
-    verification. With fused_rounds, one compiled call that also makes the greedy drafts of heads 1..draft at
-    the first row whose argmax differs from the next token fed (where a greedy round goes on): drafts =
-    (that row, [(token, probability)] per head), else None; the reference path: forward + head 0 + argmax."""
+    head 0's logits [n, V], their argmax per row as ints): a plain step or a speculative round's verification.
+    On the fused path one compiled call (kernels.round_rows); else forward + head 0 + argmax."""
     n, L = len(block), cache.length
-    if not fused_rounds(cfg, W, cache):
+    if not runs_fused(W, cache):
         h = forward_hidden(cfg, W, np.asarray(block, dtype=np.int64)[None], cache)[0]  # [n, d]
         logits = linear(h, W["head.0"])  # [n, V]
-        return h, logits, [int(i) for i in np.argmax(logits, axis=-1)], None
+        return h, logits, [int(i) for i in np.argmax(logits, axis=-1)]
     k, v, b0 = cache.store
-    h, logits, best, row, t, conf = kernels.round_rows(
-        cfg, W["decode"], np.array(block, np.int64), np.arange(L, L + n), np.full(n, b0, np.int64), k, v, cache.cos,
-        cache.sin, W["head.0"][2], W["drafting"], draft)
+    h, logits, best = kernels.round_rows(cfg, W["decode"], np.array(block, np.int64), np.arange(L, L + n),
+                                         np.full(n, b0, np.int64), k, v, cache.cos, cache.sin, W["head.0"][2])
     cache.length = L + n
-    return h, logits, best.tolist(), (row, list(zip(t.tolist(), conf.tolist()))) if draft else None
-
-
-def head_drafts(cfg: Config, W: dict, h: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The greedy drafts of heads 1..n at one hidden state h [d], [(token, probability)], in one compiled
-    call (models with fused_rounds only)."""
-    t, conf = kernels.head_drafts(W["drafting"], h, cfg.vocab_size, n)
-    return list(zip(t.tolist(), conf.tolist()))
+    return h, logits, best.tolist()
 
 
 def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:

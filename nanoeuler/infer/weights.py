@@ -80,8 +80,8 @@ NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-
 
 class Forms:
     """How one model's matrices are held: its weight type, whether the fused kernels run it (kernels.ENABLED
-    and a weight type), and whether [in, out] copies are kept for many rows too (`batched`: the batcher and
-    the drafts' rollouts read more rows than the kernels take)."""
+    and a weight type), and whether [in, out] copies are kept for many rows too (`batched`: the batcher
+    reads more rows than the kernels take)."""
 
     def __init__(self, P: dict, batched: bool = False):
         self.wt = wtype(P)
