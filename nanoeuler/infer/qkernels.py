@@ -169,7 +169,8 @@ def ir_weights(builder, kind: int, bp, blk, v: int, hi16: bool = False) -> list:
                              align=1) for u in range(8)]
     lo4, hi4, wv = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), ir.Constant(IVEC, [-0x0F0F0F10] * LANES), []
     for s in range(4):
-        raw = builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64)), IVEC), align=1)
+        at = builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64))
+        raw = builder.load(ir_at(builder, bp, at, IVEC), align=1)
         hi = builder.and_(raw, hi4) if hi16 else builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)
         wv += [builder.and_(raw, lo4), hi]
     return wv
@@ -223,7 +224,7 @@ def _panel_intrinsic(kind: int, vnni: bool = VNNI):
             dxs.append(ir_splat(builder, builder.fmul(d, s), FVEC) if kind == 5 else None)
             start.append(ir_splat(builder, builder.mul(builder.fptosi(s, I32), ir.Constant(I32, -offset)), IVEC))
         new = [None] * (rows * VECS)
-        hi16 = rows == 1 and kind != 3  # one row: 2 ops a nibble vector, not 3 (2 against 2.5 ms a token of smol135's)
+        hi16 = rows == 1 and kind != 3  # one row: 2 ops per 64 nibble bytes, not 3
         for v in range(VECS):
             wv = ir_weights(builder, kind, bp, blk, v, hi16)
             xp = builder.inttoptr(ir_opaque(builder, xq, xd, v), I8.as_pointer())
