@@ -129,10 +129,11 @@ def test_the_portable_panel_equals_vnni(name):
     X = rng.standard_normal((3, I)).astype(np.float32)
     xq, xd, xs = np.empty((3, I), np.int8), np.empty((3, I // 32), np.float32), np.empty((3, I // 32), np.float32)
     qk.quantize_x(X, xq, xd, xs)
-    T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
-    _portable_panel(qk.KINDS[name], 3, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, T.ctypes.data,
-                    I // 32, I)
-    np.testing.assert_array_equal(T[:3], kernels.matvec(Wk, X, qk.PANEL))
+    for k in (1, 3):  # (one row: Q4_x's high nibbles are multiplied in place, 16 q, and shifted back)
+        T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
+        _portable_panel(qk.KINDS[name], k, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+                        T.ctypes.data, I // 32, I)
+        np.testing.assert_array_equal(T[:k], kernels.matvec(Wk, X[:k], qk.PANEL))
 
 
 def quantized_reference(B, name, X):
