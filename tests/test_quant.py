@@ -73,6 +73,7 @@ def test_activation_quantization_kernel_equals_numpy():
     X = np.random.default_rng(2).standard_normal((5, 96)).astype(np.float32)
     X[1, :32] = 0                                                   # an all-zero block
     X[2, 32:64] = np.float32(127) * np.arange(32, dtype=np.float32) / 2  # ties at .5: to even
+    X[3] *= np.float32(1e4) ** np.arange(-3, 3).repeat(16)               # blocks of scales 1e-12 .. 1e8
     want = quant.quantize_x8(X)
     got = np.empty((5, 96), np.int8), np.empty((5, 3), np.float32), np.empty((5, 3), np.float32)
     qk.quantize_x(X, *got)
