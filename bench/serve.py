@@ -14,8 +14,9 @@ prompts, all starting together. Reported per level:
 
 `x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
 machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
-adds the engine alone (no HTTP, jobs stepped in this process), timed also in CPU time, which a shared
-machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its HTTP path costs 1 minus it).
+adds the engine alone at each served dtype (no HTTP, jobs stepped in this process), timed also in CPU
+time, which a shared machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its
+HTTP path costs 1 minus it).
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
@@ -205,16 +206,19 @@ async def level(url: str, clients: int, requests: int, tokens: int, prompts: lis
                                for r in results if not r["ok"] and r.get("status") != 429][:3]}
 
 
-def engine_level(ckpt: Path, clients: int, tokens: int, prompts: list[str]) -> dict:
-    """The engine alone (no HTTP): `clients` jobs submitted together, stepped in this thread until done.
-    cpu_tok_s uses this thread's CPU time, so it holds on a machine shared with other jobs."""
+def engine_level(ckpt: Path, clients: int, tokens: int, prompts: list[str], dtype: str = "float32") -> dict:
+    """The engine alone (no HTTP) at `dtype`: `clients` jobs submitted together, stepped in this thread until
+    done. cpu_tok_s uses this thread's CPU time, so it holds on a machine shared with other jobs."""
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.fast.parallel import single_threaded_blas
     from nanoeuler.infer.engine import Batcher, Job
-    model, tok = Model.load(ckpt), load_tokenizer(ckpt)
+    from nanoeuler.infer.weights import for_dtype
+    model, tok = for_dtype(Model.load(ckpt), dtype), load_tokenizer(ckpt)
     b = Batcher(model, max_batch=max(64, clients), max_queue=max(64, clients))
-    b.submit(Job(ids=tok.encode(prompts[0]), max_tokens=2))  # untimed: a process's first step loads the kernels
+    # untimed: a process's first step and first sampled draw load their kernels (a greedy warm-up left the
+    # draw's in the 1-job level)
+    b.submit(Job(ids=tok.encode(prompts[0]), max_tokens=2, temperature=0.8))
     while b.step():
         pass
     for i in range(clients):
@@ -274,14 +278,14 @@ def main() -> int:
                     report["models"][theirs] = rows
                     report.setdefault("vs_llama_server", {})[theirs] = [
                         a["tok_s"] / b["tok_s"] if b["tok_s"] else None for a, b in zip(report["models"][ours], rows)]
-            if args.engine:
-                eng = [engine_level(ckpt, c, args.tokens, prompts) for c in levels]
-                for r in eng:
-                    r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
-                report.setdefault("engine", {})[name] = eng
-                if levels[0] == 1:  # the HTTP path's cost of one stream
-                    http = report["models"][name][0]["tok_s"]
-                    report.setdefault("http_vs_engine_1", {})[name] = http / eng[0]["tok_s"]
+                if args.engine:
+                    eng = [engine_level(ckpt, c, args.tokens, prompts, dtype) for c in levels]
+                    for r in eng:
+                        r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
+                    report.setdefault("engine", {})[ours] = eng
+                    if levels[0] == 1:  # the HTTP path's cost of one stream
+                        http = report["models"][ours][0]["tok_s"]
+                        report.setdefault("http_vs_engine_1", {})[ours] = http / eng[0]["tok_s"]
     report["load_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(report))

@@ -73,6 +73,7 @@ def test_activation_quantization_kernel_equals_numpy():
     X = np.random.default_rng(2).standard_normal((5, 96)).astype(np.float32)
     X[1, :32] = 0                                                   # an all-zero block
     X[2, 32:64] = np.float32(127) * np.arange(32, dtype=np.float32) / 2  # ties at .5: to even
+    X[3] *= np.float32(1e4) ** np.arange(-3, 3).repeat(16)               # blocks of scales 1e-12 .. 1e8
     want = quant.quantize_x8(X)
     got = np.empty((5, 96), np.int8), np.empty((5, 3), np.float32), np.empty((5, 3), np.float32)
     qk.quantize_x(X, *got)
@@ -129,10 +130,11 @@ def test_the_portable_panel_equals_vnni(name):
     X = rng.standard_normal((3, I)).astype(np.float32)
     xq, xd, xs = np.empty((3, I), np.int8), np.empty((3, I // 32), np.float32), np.empty((3, I // 32), np.float32)
     qk.quantize_x(X, xq, xd, xs)
-    T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
-    _portable_panel(qk.KINDS[name], 3, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, T.ctypes.data,
-                    I // 32, I)
-    np.testing.assert_array_equal(T[:3], kernels.matvec(Wk, X, qk.PANEL))
+    for k in (1, 3):  # (one row: Q4_x's high nibbles are multiplied in place, 16 q, and shifted back)
+        T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
+        _portable_panel(qk.KINDS[name], k, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data,
+                        T.ctypes.data, I // 32, I)
+        np.testing.assert_array_equal(T[:k], kernels.matvec(Wk, X[:k], qk.PANEL))
 
 
 def quantized_reference(B, name, X):
@@ -146,16 +148,22 @@ def quantized_reference(B, name, X):
 @needs_vnni
 @pytest.mark.parametrize("name", TYPES)
 def test_quantized_product_equals_dequantized_float_product(name):
+    """At 1..20 rows (the kernels run MAX_R rows per pass over a panel, so every remainder occurs): the
+    float64 product of the dequantized weights and activations to float32 rounding, each row the same bits
+    whichever rows share its passes; and near the plain float product."""
     rng = np.random.default_rng(4)
     O, I = 150, 256
     W = rng.standard_normal((O, I)).astype(np.float32) * np.float32(0.05)
     W[3, :32] += np.float32(1.5)          # a block with an offset (Q4_1's minimum) and a large scale
-    X = rng.standard_normal((7, I)).astype(np.float32)
+    X = rng.standard_normal((20, I)).astype(np.float32)
     B = quant.quantize(W, name)
-    Y = kernels.matvec(qk.pack(B, name, I), X, O)
+    Wk = qk.pack(B, name, I)
+    Y = kernels.matvec(Wk, X, O)
     ref = quantized_reference(B, name, X)
-    assert Y.dtype == np.float32 and Y.shape == (7, O)
+    assert Y.dtype == np.float32 and Y.shape == (20, O)
     assert np.abs(Y - ref).max() <= 2e-6 * np.abs(ref).max()
+    for n in range(1, 20):
+        np.testing.assert_array_equal(kernels.matvec(Wk, X[20 - n:], O), Y[20 - n:])
     exact = X.astype(np.float64) @ W.T.astype(np.float64)
     bound = {"q8_0": 0.02, "q4_0": 0.15, "q4_1": 0.15}[name]
     assert np.abs(Y - exact).max() <= bound * np.abs(exact).max()
@@ -263,6 +271,63 @@ def test_quantized_step_equals_dequantized_float_step(name, monkeypatch):
     assert rel_err(got, want) <= 1e-4
     assert rel_err(got, plain) > 10 * rel_err(got, want)
     assert l2 <= 2e-2
+
+
+def batch_logits(W, cache, tokens, pos):
+    """step.decode_rows on a copy of cache (every call sees the same keys and values)."""
+    from nanoeuler.infer.step import decode_rows
+    c = new_cache(QCFG, batch=cache.store[0].shape[1])
+    c.store[0][...], c.store[1][...] = cache.store[0], cache.store[1]
+    return decode_rows(QCFG, W, c, tokens, pos)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", TYPES)
+def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(name, monkeypatch):
+    """serve's batched step (one token per cache row, each at its own position) on quantized weights at
+    1..20 rows: the same bits at 1, 2 and 3 threads, each row the same bits as that row stepped alone, and
+    the NumPy reference on the dequantized weights with 8-bit activations to float32 rounding (per row,
+    relative L2). The two compute the activations to float32 rounding apart, so where one lies on a
+    rounding boundary of its 8-bit step the two sides round it apart: a few rows in a hundred, still far
+    closer than the plain float reference (float activations) is."""
+    from nanoeuler.infer import step
+    qm = QuantizedModel(qmodel(seed=5), name)
+    rng = np.random.default_rng(11)
+    cache = new_cache(QCFG, batch=20)
+    for kv in cache.store[:2]:
+        kv[...] = rng.standard_normal(kv.shape).astype(np.float32)
+    fused = fuse_weights(QCFG, qm.params, batched=True)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    ref_w = fuse_weights(QCFG, qm.params, batched=True)
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    assert "decode" in fused and "decode" not in ref_w
+    errs, plain_errs = [], []
+    old = kernels.get_threads()
+    try:
+        for n in range(1, 21):
+            tokens, pos = rng.integers(0, QCFG.vocab_size, n), rng.integers(0, QCFG.ctx_len, n)
+            kernels.set_threads(1)
+            one = batch_logits(fused, cache, tokens, pos)
+            for threads in (2, 3):
+                kernels.set_threads(threads)
+                np.testing.assert_array_equal(batch_logits(fused, cache, tokens, pos), one)
+            r = n // 2  # row r alone: its cache row copied to row 0
+            alone = new_cache(QCFG, batch=1)
+            for a, b in zip(alone.store[:2], cache.store[:2]):
+                a[:, 0] = b[:, r]
+            np.testing.assert_array_equal(batch_logits(fused, alone, tokens[r:r + 1], pos[r:r + 1]), one[r:r + 1])
+            plain = batch_logits(ref_w, cache, tokens, pos)
+            with monkeypatch.context() as m:
+                m.setattr(euler, "batched_linear", quantized_activations(euler.batched_linear))
+                m.setattr(step, "batched_linear", quantized_activations(step.batched_linear))
+                want = batch_logits(ref_w, cache, tokens, pos)
+            errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, want)]
+            plain_errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, plain)]
+    finally:
+        kernels.set_threads(old)
+    errs, plain_errs = np.array(errs), np.array(plain_errs)
+    assert len(errs) == 210 and np.sum(errs > 1e-6) <= len(errs) // 20
+    assert np.median(plain_errs) > 1000 * np.median(errs) and errs.max() < 2 * plain_errs.max()
 
 
 @needs_vnni

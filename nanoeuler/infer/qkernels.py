@@ -28,6 +28,8 @@ decode step reads every weight once, so its speed is these bytes.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
@@ -136,6 +138,14 @@ def ir_function(builder, name, ret, args):
     return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, args), name)
 
 
+def ir_opaque(builder, a, zero, i: int):
+    """a + (zero >> (56 + i)): the same value as a when zero < 2^56 (an address), but LLVM cannot prove the
+    copies for different i equal, so loads from addresses made from them are not merged: a value used by
+    several vectors is then loaded again where it is used (vpdpbusd's memory operand) instead of being held
+    in a register across them (which spilled the accumulators to the stack)."""
+    return builder.add(a, builder.lshr(zero, ir.Constant(I64, 56 + i)))
+
+
 def ir_dot4(builder, acc, u, x, vnni: bool):
     """acc + per lane the dot product of 4 unsigned bytes of u and 4 signed bytes of x (<16 x i32> each):
     one `vpdpbusd`, or where the CPU lacks it the same in portable IR (widen, multiply, add the 4 products)
@@ -149,21 +159,53 @@ def ir_dot4(builder, acc, u, x, vnni: bool):
     return acc
 
 
+def ir_weights(builder, kind: int, bp, blk, v: int, hi16: bool = False) -> list:
+    """Vector v of a panel's block at byte blk: 8 <16 x i32>, [u]: 16 outputs x the 4 unsigned bytes of
+    inputs 4u .. 4u + 3 (Q4_x: each 64 bytes split into low and high nibbles, one and / shift + and each;
+    hi16: the high nibbles left in place, 16 q, one and)."""
+    head = _layout(kind)[0]
+    if kind == 3:
+        return [builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * 8 + u) * 64)), IVEC),
+                             align=1) for u in range(8)]
+    lo4, hi4, wv = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), ir.Constant(IVEC, [-0x0F0F0F10] * LANES), []
+    for s in range(4):
+        at = builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64))
+        raw = builder.load(ir_at(builder, bp, at, IVEC), align=1)
+        hi = builder.and_(raw, hi4) if hi16 else builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)
+        wv += [builder.and_(raw, lo4), hi]
+    return wv
+
+
+def ir_row_dot(builder, start, wv, xp, at, chains: int, vnni: bool, hi16: bool = False):
+    """start + Σ_u wv[u]·(x's 4 bytes at byte at + 4u of xp, broadcast): 8 `vpdpbusd` in `chains` independent
+    chains (1 row: 2, even and odd u, to hide their latency), the x bytes loaded where used (vpdpbusd's
+    memory operand). hi16: the odd u hold 16 q (ir_weights), their chain is exactly 16 times its sum."""
+    ia = [start] + [ir.Constant(IVEC, [0] * LANES)] * (chains - 1)
+    for u in range(8):
+        xi = builder.load(ir_at(builder, xp, builder.add(at, ir.Constant(I64, 4 * u)), I32), align=1)
+        ia[u % chains] = ir_dot4(builder, ia[u % chains], wv[u], ir_splat(builder, xi, IVEC), vnni)
+    if hi16:
+        ia[1] = builder.ashr(ia[1], ir.Constant(IVEC, [4] * LANES))
+    return functools.reduce(builder.add, ia)
+
+
 def _panel_intrinsic(kind: int, vnni: bool = VNNI):
     """An intrinsic (k, w, xq, xd, xs, t, nb, n_in) running one panel for k <= MAX_R rows, all addresses:
 
         t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (Q4_1: + mw·xd·xs)
 
     the panel at w (nb blocks, see `pack`), xq int8 [k, n_in], xd, xs float32 [k, nb], t [k, PANEL] float32.
-    Per block: the panel's integers are loaded once (Q4_x: split into low and high nibbles) and each row
-    makes VECS chains of 8 `vpdpbusd` against its 4 bytes of activation broadcast per sub-vector, then one
-    int -> float conversion and multiply-add per vector of 16 outputs. One loop per row count (its
-    accumulators in registers), chosen by a switch on k."""
+    Per block and vector of 16 outputs: its integers are loaded once into 8 registers (Q4_x: split into
+    nibbles) and each row makes a chain of 8 `vpdpbusd` against its activation bytes, broadcast from memory,
+    starting from -offset·xs (the sum stays an exact integer), then one int -> float conversion and
+    multiply-add. Only the k·VECS float accumulators and one vector's weights stay in registers (weights
+    held for every vector at once, or x held across vectors, spilled: 84 against 126 GMAC/s at 4 rows).
+    One loop per row count, chosen by a switch on k."""
     head, body, offset = _layout(kind)
 
     def loop(builder, rows, w, xq, xd, xs, t, nb, n_in):
         fma = ir_function(builder, f"llvm.fma.v{LANES}f32", FVEC, [FVEC] * 3)
-        bp, xqp = builder.inttoptr(w, I8.as_pointer()), builder.inttoptr(xq, I8.as_pointer())
+        bp = builder.inttoptr(w, I8.as_pointer())
         xdp, xsp = builder.inttoptr(xd, F32.as_pointer()), builder.inttoptr(xs, F32.as_pointer())
         entry, body_ = builder.block, builder.append_basic_block(f"qpanel{rows}")
         builder.branch(body_)
@@ -173,37 +215,23 @@ def _panel_intrinsic(kind: int, vnni: bool = VNNI):
         blk = builder.mul(b, ir.Constant(I64, head + body))
         dw = ir_halves(builder, bp, blk, 0)
         mw = ir_halves(builder, bp, blk, 2 * PANEL) if kind == 5 else None
-        wv = []  # wv[v][u]: 16 lanes x the 4 bytes of inputs 4u .. 4u + 3
-        for v in range(VECS):
-            if kind == 3:
-                wv.append([builder.load(ir_at(builder, bp, builder.add(blk, ir.Constant(I64, head + (v * 8 + u) * 64)),
-                                              IVEC), align=1) for u in range(8)])
-                continue
-            lo4, subs = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), []
-            for s in range(4):
-                at = builder.add(blk, ir.Constant(I64, head + (v * 4 + s) * 64))
-                raw = builder.load(ir_at(builder, bp, at, IVEC), align=1)
-                subs += [builder.and_(raw, lo4), builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)]
-            wv.append(subs)
-        new = []
+        xat, start, dx, dxs = [], [], [], []
         for r in range(rows):
-            xrow = builder.add(builder.mul(ir.Constant(I64, r), n_in), builder.mul(b, ir.Constant(I64, QK)))
-            xb = [ir_splat(builder, builder.load(ir_at(builder, xqp, builder.add(xrow, ir.Constant(I64, 4 * u)), I32),
-                                                 align=1), IVEC) for u in range(8)]
+            xat.append(builder.add(builder.mul(ir.Constant(I64, r), n_in), builder.mul(b, ir.Constant(I64, QK))))
             rb = builder.add(builder.mul(ir.Constant(I64, r), nb), b)
-            dx = ir_splat(builder, builder.load(builder.gep(xdp, [rb])), FVEC)
-            sx = ir_splat(builder, builder.load(builder.gep(xsp, [rb])), FVEC)
-            for v in range(VECS):
-                ia = ir.Constant(IVEC, [0] * LANES)
-                for u in range(8):
-                    ia = ir_dot4(builder, ia, wv[v][u], xb[u], vnni)
-                f = builder.sitofp(ia, FVEC)
-                if offset:
-                    f = builder.fsub(f, builder.fmul(sx, ir.Constant(FVEC, [float(offset)] * LANES)))
-                a = builder.call(fma, [f, builder.fmul(dw[v], dx), acc[r * VECS + v]])
-                if kind == 5:
-                    a = builder.call(fma, [mw[v], builder.fmul(dx, sx), a])
-                new.append(a)
+            d, s = builder.load(builder.gep(xdp, [rb])), builder.load(builder.gep(xsp, [rb]))
+            dx.append(ir_splat(builder, d, FVEC))
+            dxs.append(ir_splat(builder, builder.fmul(d, s), FVEC) if kind == 5 else None)
+            start.append(ir_splat(builder, builder.mul(builder.fptosi(s, I32), ir.Constant(I32, -offset)), IVEC))
+        new = [None] * (rows * VECS)
+        hi16 = rows == 1 and kind != 3  # one row: 2 ops per 64 nibble bytes, not 3
+        for v in range(VECS):
+            wv = ir_weights(builder, kind, bp, blk, v, hi16)
+            xp = builder.inttoptr(ir_opaque(builder, xq, xd, v), I8.as_pointer())
+            for r in range(rows):
+                ia = ir_row_dot(builder, start[r], wv, xp, xat[r], 2 if rows == 1 else 1, vnni, hi16)
+                a = builder.call(fma, [builder.sitofp(ia, FVEC), builder.fmul(dw[v], dx[r]), acc[r * VECS + v]])
+                new[r * VECS + v] = builder.call(fma, [mw[v], dxs[r], a]) if kind == 5 else a
         ir_close_loop(builder, b, acc, new, entry, nb, body_, builder.append_basic_block(f"qpanel{rows}.out"))
         tp = builder.inttoptr(t, F32.as_pointer())
         for k, a in enumerate(new):
@@ -264,23 +292,50 @@ def _round_half(typingctx, x):
     return types.float32(types.float32), codegen
 
 
+@intrinsic
+def _quantize_block(typingctx, x, q, d, s):
+    """One block of 32 activations at address x (float32) -> q (int8 [32]), d, s (float32) at their addresses,
+    as quant.quantize_x8 rounds them, in two 16-lane vectors: max |x| (exact in any order), one scalar 127 / max,
+    a product and a round-to-even (vrndscaleps) per lane, the integers' sum. (The scalar loop numba made of it
+    cost ~1 ns an activation, on the calling thread before the products share out.)"""
+    def codegen(context, builder, sig, args):
+        xa, qa, da, sa = args
+        fv = [builder.load(ir_at(builder, builder.inttoptr(xa, F32.as_pointer()), ir.Constant(I64, 16 * h), FVEC),
+                           align=4) for h in range(2)]
+        fabs = ir_function(builder, f"llvm.fabs.v{LANES}f32", FVEC, [FVEC])
+        top = builder.call(ir_function(builder, f"llvm.maxnum.v{LANES}f32", FVEC, [FVEC] * 2),
+                           [builder.call(fabs, [fv[0]]), builder.call(fabs, [fv[1]])])
+        amax = builder.call(ir_function(builder, f"llvm.vector.reduce.fmax.v{LANES}f32", F32, [FVEC]), [top])
+        inv = builder.select(builder.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
+                             builder.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
+        rint = ir_function(builder, f"llvm.rint.v{LANES}f32", FVEC, [FVEC])
+        total = ir.Constant(I32, 0)
+        for h in range(2):
+            qi = builder.fptosi(builder.call(rint, [builder.fmul(fv[h], ir_splat(builder, inv, FVEC))]), IVEC)
+            builder.store(builder.trunc(qi, ir.VectorType(I8, LANES)),
+                          ir_at(builder, builder.inttoptr(qa, I8.as_pointer()), ir.Constant(I64, 16 * h),
+                                ir.VectorType(I8, LANES)), align=1)
+            total = builder.add(total, builder.call(ir_function(builder, f"llvm.vector.reduce.add.v{LANES}i32", I32,
+                                                                [IVEC]), [qi]))
+        half = builder.fdiv(amax, ir.Constant(F32, 127.0))
+        builder.store(builder.fpext(builder.fptrunc(half, ir.HalfType()), F32), builder.inttoptr(da, F32.as_pointer()))
+        builder.store(builder.sitofp(total, F32), builder.inttoptr(sa, F32.as_pointer()))
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+
 @njit(**OPTS)
 def quantize_x(X, xq, xd, xs):
-    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32 [n, k / 32] (quant.quantize_x8, in numba)."""
+    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32 [n, k / 32] (quant.quantize_x8, in numba), each
+    row contiguous, a block at a time (_quantize_block)."""
     n, k = X.shape
+    if X.strides[1] != 4 or xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("quantize_x needs rows of contiguous elements")
     for r in range(n):
+        x, q = X.ctypes.data + r * X.strides[0], xq.ctypes.data + r * xq.strides[0]
+        d, s = xd.ctypes.data + r * xd.strides[0], xs.ctypes.data + r * xs.strides[0]
         for b in range(k // QK):
-            amax = np.float32(0.0)
-            for i in range(b * QK, (b + 1) * QK):
-                amax = max(amax, abs(X[r, i]))
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            s = 0
-            for i in range(b * QK, (b + 1) * QK):
-                q = np.int8(np.rint(X[r, i] * inv))
-                xq[r, i] = q
-                s += q
-            xd[r, b] = _round_half(amax / np.float32(127.0))
-            xs[r, b] = s
+            _quantize_block(x + b * QK * 4, q + b * QK, d + b * 4, s + b * 4)
 
 
 # ---- the product ------------------------------------------------------------------------------------------
