@@ -90,6 +90,24 @@ def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers(arch, monkeyp
     assert all(w.grads is None or w.grads is g for w, g in zip(ws.parts, ws.lora))
 
 
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_bf16_workspace_keeps_no_stacked_weight_copy(arch):
+    """bf16 products read the packed weights: the workspace holds no stacked copy of q|k|v (nor gate|up),
+    formed only while packed (GPT-2 124 M: 81 MiB less); the step's loss is still the float32 one, to bf16
+    rounding."""
+    m = lora_model(arch).set_precision("bf16")
+    tokens, mask = batch(m.config)
+    _, o_bf16, g_bf16 = m.loss_and_grads(tokens, mask)
+    ws = m._ws
+    cfg = m.config
+    stacked = {(cfg.n_layers, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim),
+               (cfg.n_layers, 2 * cfg.ffn_hidden, cfg.dim)}
+    assert not [n for n, a in vars(ws).items() if isinstance(a, np.ndarray) and a.shape in stacked]
+    assert {"wqkv.0", f"wqkv.{cfg.n_layers - 1}"} <= set(ws.packs)
+    _, o_f32, _ = lora_model(arch).loss_and_grads(tokens, mask)
+    assert abs(o_bf16 - o_f32) < 0.05 * abs(o_f32)                     # bf16 rounding, not a different model
+
+
 def test_fresh_adapters_are_the_base_and_only_b_moves_first():
     m = lora_model(trained=False)
     tokens, mask = batch(m.config)
