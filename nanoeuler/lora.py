@@ -212,7 +212,10 @@ class Adapters:
 
     ~2·n·r·(in + out) flops each, W never copied, through the workspace's products `mm` (bf16: operands
     rounded like every other product). `drop` (ops.Dropout, set for one step by LoraModel) draws module j's
-    masks at site DROPOUT_SITE0 + j by batch row, as the reference path does (`batch_row`)."""
+    masks at site DROPOUT_SITE0 + j by batch row, as the reference path does (`batch_row`).
+    The thin products are formed once a step: u = s·x̃·Aᵀ of the forward is kept for the gradients
+    (LoraGrads.weight_grad), and du = s·dy·B of the gradients for dx, by (module, first batch row): 6 products
+    of an adapter a step instead of 8, the two saved both [n, r] (in bf16 padded to 64 output columns)."""
 
     def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
         self.shapes, self.adapters, self.scale = cfg.param_shapes(), adapters, lcfg.scale
@@ -222,6 +225,7 @@ class Adapters:
         self.site = {module: ad.DROPOUT_SITE0 + j for j, module in enumerate(mods)}
         self.drop = None
         self._runs = {}
+        self.saved = {}   # ("u" | "du", module, first batch row) -> [n, r], from forward to grads, grads to dx
 
     def attach(self, ws):
         """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora)."""
@@ -249,25 +253,32 @@ class Adapters:
 
     def forward(self, key, x, out, mm) -> None:
         """out [n, Σ out] += s·(x̃·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
-        for module, cols, rows in self._product_runs(key):
+        runs = self._product_runs(key)
+        row0 = batch_row(x) if runs else 0
+        for module, cols, rows in runs:
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
             u = np.empty((x.shape[0], A.shape[0]), x.dtype)
-            mm(self.dropped(module, x), A.T, u)                             # [n, r]
+            mm(self.dropped(module, x, row0), A.T, u)                       # [n, r]
             u *= x.dtype.type(self.scale)
+            self.saved["u", module, row0] = u
             t = np.empty((x.shape[0], B.shape[0]), x.dtype)
             mm(u, B.T, t)                                                   # [n, out]
             out[:, cols] += t
 
     def dx(self, key, dy, out, mm) -> None:
         """out [n, in] += (s·(dy·B)·A) ⊙ mask for every adapted stretch of `key` (dy [n, Σ out])."""
-        for module, cols, rows in self._product_runs(key):
+        runs = self._product_runs(key)
+        row0 = batch_row(out) if runs else 0
+        for module, cols, rows in runs:
             A, B = self.adapters[module + ".lora_A"], self.adapters[module + ".lora_B"][rows]
-            du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
-            mm(dy[:, cols], B, du)                                          # [n, r]
-            du *= dy.dtype.type(self.scale)
+            du = self.saved.pop(("du", module, row0), None)                 # the gradients' (formed first)
+            if du is None:
+                du = np.empty((dy.shape[0], A.shape[0]), dy.dtype)
+                mm(dy[:, cols], B, du)                                      # [n, r]
+                du *= dy.dtype.type(self.scale)
             t = np.empty_like(out)
             mm(du, A, t)                                                    # [n, in]
-            out += self.dropped(module, t, batch_row(out))
+            out += self.dropped(module, t, row0)
 
     def dropped(self, module: str, x, row0: int | None = None):
         """x ⊙ the module's dropout mask (a new array), or x itself without dropout. row0: x's first batch
@@ -338,16 +349,21 @@ class LoraGrads(dict):
         self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items()}
 
     def weight_grad(self, names, dy, x, mm) -> None:
-        s = dy.dtype.type(self.adapters.scale)
-        n = dy.shape[0]
-        for module, cols, rows in self.adapters.runs(tuple(names)):
-            A, B = self.adapters.adapters[module + ".lora_A"], self.adapters.adapters[module + ".lora_B"][rows]
-            dym, xd = dy[:, cols], self.adapters.dropped(module, x)        # [n, out] of the module's rows, x̃
-            u, du = np.empty((n, A.shape[0]), dy.dtype), np.empty((n, A.shape[0]), dy.dtype)
-            mm(xd, A.T, u)                                                  # [n, r]
+        ad, s, n = self.adapters, dy.dtype.type(self.adapters.scale), dy.shape[0]
+        runs = ad.runs(tuple(names))
+        row0 = batch_row(x) if runs else 0
+        for module, cols, rows in runs:
+            A, B = ad.adapters[module + ".lora_A"], ad.adapters[module + ".lora_B"][rows]
+            dym, xd = dy[:, cols], ad.dropped(module, x, row0)             # [n, out] of the module's rows, x̃
+            u = ad.saved.pop(("u", module, row0), None)                     # the forward's
+            if u is None:
+                u = np.empty((n, A.shape[0]), dy.dtype)
+                mm(xd, A.T, u)                                              # [n, r]
+                u *= s
+            du = np.empty((n, A.shape[0]), dy.dtype)
             mm(dym, B, du)                                                  # [n, r]
-            u *= s
             du *= s
+            ad.saved["du", module, row0] = du                               # for linear_dx's adapter share
             dB, dA = np.empty(B.shape, dy.dtype), np.empty(A.shape, dy.dtype)
             mm(dym.T, u, dB)                                                # [out, r]
             mm(du.T, xd, dA)                                                # [r, in]

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 LORA_HELP = ("LoRA: train rank-R adapters W + (alpha/R)·B·A on the targets, the base frozen; the run holds the "
-             "adapters and points to the base (path + sha256, refused if the base changed)")
+             "adapters and points to the base (path + sha256, refused if the base changed). R=8 is usual on wide "
+             "models; a narrow one needs more (the 128-wide demo model: task accuracy 1.9%% at R=8, 7.8%% at R=64, "
+             "full SFT 15.9%%)")
 
 
 def register(sub) -> None:

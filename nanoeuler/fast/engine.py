@@ -98,9 +98,10 @@ class Workspace:
         self.dq, self.dy = e(B * Hkv, G * T, hd), e(B * Hkv, G * T, hd)  # per kv head, like q
         self.dk, self.dv = e(B * Hkv, T, hd), e(B * Hkv, T, hd)
         self.dS = e(B * Hkv, G * T, T)     # score gradients
-        # shared by the parts, refreshed from params each step
-        self.wqkv = e(L, (H + 2 * Hkv) * hd, d)   # stacked weights
-        self.wgu = e(L, 2 * F, d)
+        # shared by the parts, refreshed from params each step: the stacked weights (float32 products only;
+        # bf16 products read the packs, each stack formed only while it is packed: see _stack_weights)
+        self.wqkv = e(L, (H + 2 * Hkv) * hd, d) if self.bf16 is None else [None] * L
+        self.wgu = e(L, 2 * F, d) if self.bf16 is None else [None] * L
         self.rope = ops.rope_tables(T, hd, cfg.rope_theta, dt)
         self.qscale = dt.type(1.0 / np.sqrt(hd))
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
@@ -205,20 +206,28 @@ def product_weights(key: str) -> list[str]:
 
 
 def pack_weights(ws: Workspace, weights: dict) -> None:
-    """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W) rounded to bfloat16 and
-    packed both ways, into buffers kept in ws.packs from step to step; the parts take a share each."""
+    """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W, or a list of weights
+    stacked by rows: the stack exists only while it is packed) rounded to bfloat16 and packed both ways,
+    into buffers kept in ws.packs from step to step; the parts take a share each."""
     if not ws.bf16:
         return
     items = list(weights.items())
     for key, W in items:
         if key not in ws.packs:
+            W = _stack(W)
             ws.packs[key] = (ws.bf16.pack_b(W.T), ws.bf16.pack_b(W))
 
     def share(k):
         for key, W in items[k::len(ws.parts)]:
+            W = _stack(W)
             ws.bf16.pack_b(W.T, out=ws.packs[key][0])
             ws.bf16.pack_b(W, out=ws.packs[key][1])
     run_parts(share, len(ws.parts))
+
+
+def _stack(W):
+    """W, or a list of weights stacked by rows (a new array): [wq [128, 64], wk [32, 64]] -> [160, 64]."""
+    return np.concatenate(W) if isinstance(W, list) else W
 
 
 def _matmul_into(a, b, outs, mm=_blas_mm):
@@ -436,16 +445,17 @@ def restack(ws) -> bool:
 
 
 def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
-    """q|k|v and gate|up of every layer into ws.wqkv, ws.wgu; bf16: every product's weight packed."""
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        np.concatenate([params[p + "attn.wq.weight"], params[p + "attn.wk.weight"], params[p + "attn.wv.weight"]],
-                       out=ws.wqkv[i])
-        np.concatenate([params[p + "ffn.gate.weight"], params[p + "ffn.up.weight"]], out=ws.wgu[i])
-    pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
-        (f"wqkv.{i}", ws.wqkv[i]), (f"wgu.{i}", ws.wgu[i]), (f"layers.{i}.attn.wo.weight", params[f"layers.{i}.attn.wo.weight"]),
-        (f"layers.{i}.ffn.down.weight", params[f"layers.{i}.ffn.down.weight"])]}
-        | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
+    """float32: q|k|v and gate|up of every layer into ws.wqkv, ws.wgu; bf16: every product's weight packed
+    (the stacks formed one at a time as they are packed, none kept: for GPT-2 81 MiB less)."""
+    stacks = {f"{s}.{i}": [params[n] for n in product_weights(f"{s}.{i}")] for i in range(cfg.n_layers) for s in STACKS}
+    if not ws.bf16:
+        for key, weights in stacks.items():
+            stack, _, i = key.partition(".")
+            np.concatenate(weights, out=getattr(ws, stack)[int(i)])
+        return
+    pack_weights(ws, stacks | {n: params[n] for i in range(cfg.n_layers)
+                               for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.down.weight")}
+                 | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
 
 
 def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):

@@ -281,14 +281,16 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ws, dropout=None) -> None:
 
 
 def _stack_weights(cfg: Config, P: dict, ws) -> None:
-    """q|k|v weights and biases of every layer into ws.wqkv, ws.bqkv; bf16: every product's weight packed."""
+    """q|k|v biases of every layer into ws.bqkv; float32: the weights into ws.wqkv; bf16: every product's
+    weight packed (q|k|v stacked only while packed, see engine.pack_weights)."""
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
         np.concatenate([P[p + f"attn.w{x}.bias"] for x in "qkv"], out=ws.bqkv[i])
+        if not ws.bf16:
+            np.concatenate([P[p + f"attn.w{x}.weight"] for x in "qkv"], out=ws.wqkv[i])
     engine.pack_weights(ws, {k: W for i in range(cfg.n_layers) for k, W in [
-        (f"wqkv.{i}", ws.wqkv[i])] + [(n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight",
-                                                          f"layers.{i}.ffn.proj.weight")]}
+        (f"wqkv.{i}", [P[n] for n in engine.product_weights(f"wqkv.{i}")])] + [
+        (n, P[n]) for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.fc.weight", f"layers.{i}.ffn.proj.weight")]}
         | {head_name(P, k): head_weight(P, k) for k in range(cfg.n_mtp)})
 
 
