@@ -415,28 +415,6 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
         assert out == generate(qm, p, 30, temperature=0, mode="cache").ids
 
 
-def held_float32_bytes(W, P: dict) -> int:
-    """Bytes of the float32 arrays the decoding weights W hold beyond the parameters P (views counted once,
-    as the arrays that own their memory)."""
-    def root(a):
-        while isinstance(a.base, np.ndarray):
-            a = a.base
-        return a
-
-    def arrays(x):
-        if isinstance(x, np.ndarray):
-            yield x
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                yield from arrays(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                yield from arrays(y)
-    own = {id(root(p)) for p in P.values()}
-    held = {id(r): r for r in map(root, arrays(W)) if id(r) not in own}
-    return sum(r.nbytes for r in held.values() if r.dtype == np.float32)
-
-
 @needs_vnni
 @pytest.mark.parametrize("name", ("float16",) + TYPES)
 def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
@@ -444,12 +422,17 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     their kernel form; of float32 only the embedding (the fused step reads its rows) and the norms, not the
     float32 matrices: the NumPy path (here: more rows than the kernels take) dequantizes them per use, to the
     same products as the float32 layout of the same values."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    from decode_memory import float32_held
+
     from nanoeuler.infer.engine import Batcher
     from nanoeuler.infer.weights import linear
     low = for_dtype(qmodel(), name)
     W = Batcher(low, max_batch=2).W
     c = QCFG
-    assert held_float32_bytes(W, low.params) <= 4 * c.dim * (c.vocab_size + 4 * c.n_layers + 1)
+    assert float32_held(W, low.params) <= 4 * c.dim * (c.vocab_size + 4 * c.n_layers + 1)
     monkeypatch.setattr(kernels, "ENABLED", False)
     ref = fuse_weights(c, low.params, batched=True)  # no kernels: float32 values
     x = np.random.default_rng(1).standard_normal((kernels.ROWS + 3, c.dim)).astype(np.float32)
