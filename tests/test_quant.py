@@ -450,3 +450,31 @@ def test_the_cli_dtypes_are_the_engines_weight_types():
     m = qmodel()
     for dtype in DTYPES:
         assert for_dtype(m, dtype) is not None
+
+
+@needs_vnni
+def test_eval_dtype_scores_the_decoded_model(tmp_path, capsys):
+    """`eval --dtype`: at float32 the decoding step gives the training forward's loss (to rounding); at q8_0
+    the quantized weights' loss, a little off it; q4_0 further (4 bits of 32-weight blocks against 8)."""
+    import json
+
+    from nanoeuler.cli import main
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.data.shards import prepare
+    from nanoeuler.tokenizer import Tokenizer
+    text = bundled_works()["hamlet"][:30000]
+    tok = Tokenizer.train([text], 300, progress=False)
+    (tmp_path / "play.txt").write_text(text)
+    prepare([tmp_path / "play.txt"], tok, tmp_path / "data", processes=1, progress=False)
+    cfg = tiny_config(vocab_size=tok.vocab_size, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32,
+                      ffn_hidden=96, n_mtp=2)
+    Model.init(cfg, seed=3).save(tmp_path / "run", tokenizer=tok)
+
+    def loss(*flags):
+        assert main(["eval", "--ckpt", str(tmp_path / "run"), "--data", str(tmp_path / "data"), "--max-batches",
+                     "2", "--batch-size", "4", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["val_loss"]
+    base, f32, q8, q4 = loss(), loss("--dtype", "float32"), loss("--dtype", "q8_0"), loss("--dtype", "q4_0")
+    assert abs(f32 - base) <= 1e-6 * base
+    assert 1e-6 * base < abs(q8 - base) < 5e-3 * base
+    assert abs(q4 - base) > abs(q8 - base)
