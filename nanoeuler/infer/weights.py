@@ -13,10 +13,10 @@ A new type is a new entry (its values, its pack) and, in kernels.py, a kernel ki
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
 contiguous [in, out] or None, W in kernel form or None): `Forms.pair` makes it, `linear` (a step's 1..8
-rows) and `batched_linear` (a batch's n rows) multiply by it. A model the kernels run in a type other than
-f32 keeps, as the first element, its parameters themselves (a tuple of raw parts, stacked along the
-outputs), which `values` widens / dequantizes when the NumPy path needs them: no float32 copy of its
-matrices stays resident (bench/decode_memory.py measures it).
+rows) and `batched_linear` (a batch's n rows) multiply by it. A model the kernels run keeps, as the first
+element, its parameters themselves (a tuple of raw parts, stacked along the outputs), which `values`
+widens / dequantizes when the NumPy path needs them (prompts scored at every position): besides its
+parameters it holds their kernel form and no float32 copy of its matrices (bench/decode_memory.py).
 """
 from __future__ import annotations
 
@@ -83,13 +83,14 @@ def of_dtype(dtype: np.dtype) -> WType | None:
 
 def values(W) -> np.ndarray:
     """The float values a matrix computes with on the NumPy path: W itself (an array of them), or, for the
-    raw parts Forms.pair keeps of a model in another weight type, the parts widened / dequantized and stacked
-    on each use (such a model holds no float32 copy of its matrices).
+    raw parts Forms.pair keeps of a model the kernels run, the parts widened / dequantized and stacked on each
+    use (such a model holds no second float32 copy of its matrices).
 
         values((np.ones((2, 32), np.float16), np.zeros((1, 32), np.float16))).shape -> (3, 32), float32"""
     if isinstance(W, np.ndarray):
         return W
-    return np.concatenate([of_dtype(p.dtype).values(p) for p in W])
+    parts = [of_dtype(p.dtype).values(p) for p in W]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def n_out(W) -> int:
@@ -109,7 +110,7 @@ class Forms:
         self.wt = wtype(P)
         self.kernels = kernels.ENABLED and self.wt is not None
         self.batched = batched
-        self.raw = self.kernels and self.wt.name != "f32"  # matrices kept as raw parts + kernel form (pair)
+        self.raw = self.kernels  # matrices kept as the parameters themselves (raw parts) + kernel form (pair)
 
     def values(self, a: np.ndarray) -> np.ndarray:
         """The values the NumPy path computes with (float16 widened to float32)."""
