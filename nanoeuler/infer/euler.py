@@ -35,9 +35,10 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     parts = [head_weight(P, k) for k in range(K)]
     heads = np.concatenate(parts)  # [K·V, d] (tied: head 0 is the embedding)
     heads32 = None if forms.raw else f32(heads)
-    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]),
-         "heads": pair(tuple(parts) if forms.raw else heads32, kernel_form(heads))}
     each = kernel_form(heads.reshape(K, V, -1))  # [K, panels, d, PANEL]: head k's kernel form is each[k]
+    all_k = each[0] if K == 1 and each is not None else kernel_form(heads)  # (one head: the same panels)
+    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]),
+         "heads": pair(tuple(parts) if forms.raw else heads32, all_k)}
     for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
         F[f"head.{k}"] = pair((parts[k],) if forms.raw else heads32[k * V:(k + 1) * V], None if each is None else each[k])
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
