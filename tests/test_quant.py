@@ -421,7 +421,7 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     """A model decoded at float16 or a block type (the batcher's layout, the widest) holds its own weights and
     their kernel form; of float32 only the embedding (the fused step reads its rows) and the norms, not the
     float32 matrices: the NumPy path (here: more rows than the kernels take) dequantizes them per use, to the
-    same products as the float32 layout of the same values."""
+    same products as the float32 layout of the same values. A float32 model: one kernel-form copy, no more."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
@@ -433,6 +433,8 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     W = Batcher(low, max_batch=2).W
     c = QCFG
     assert float32_held(W, low.params) <= 4 * c.dim * (c.vocab_size + 4 * c.n_layers + 1)
+    f32 = qmodel()  # a float32 model: its parameters and one kernel form of them (padded to whole panels)
+    assert float32_held(Batcher(f32, max_batch=2).W, f32.params) <= 1.25 * sum(p.nbytes for p in f32.params.values())
     monkeypatch.setattr(kernels, "ENABLED", False)
     ref = fuse_weights(c, low.params, batched=True)  # no kernels: float32 values
     x = np.random.default_rng(1).standard_normal((kernels.ROWS + 3, c.dim)).astype(np.float32)
