@@ -2,7 +2,9 @@
 bench/llama_types.py makes it) or a preset, at float32 in memory as a checkpoint load leaves it, then converted
 (weights.for_dtype, what `sample --dtype` runs), laid out for the batcher (serve's engine, the widest
 layout), and a few greedy tokens decoded. Reported per type: the process's peak RSS, its RSS after decoding
-(the float32 model let go), and the float32 bytes the engine's weights hold beyond the model's parameters.
+(the float32 model let go; freed memory the allocator keeps counts), the model's parameters, all the bytes
+the engine's weights hold (parameters included: the model as decoding holds it), and of those the float32
+bytes beyond the parameters.
 
     .venv/bin/python bench/decode_memory.py                      # smol135: float32, float16, q8_0, q4_0
     .venv/bin/python bench/decode_memory.py --model big --types float32,q8_0 --json
@@ -27,8 +29,9 @@ def status_mib(field: str) -> float:
     raise SystemExit(f"no {field} in /proc/self/status (Linux only)")
 
 
-def float32_held(W: dict, P: dict) -> int:
-    """Bytes of float32 arrays in the engine's weights W that are not the parameters P (views counted once)."""
+def held(W: dict, P: dict) -> list:
+    """The arrays that own the memory of the engine's weights W, apart from the parameters P (views counted
+    once, as their base)."""
     import numpy as np
 
     def root(a):
@@ -43,8 +46,13 @@ def float32_held(W: dict, P: dict) -> int:
             for y in (x.values() if isinstance(x, dict) else x):
                 yield from arrays(y)
     own = {id(root(p)) for p in P.values()}
-    held = {id(r): r for r in map(root, arrays(W)) if id(r) not in own}
-    return sum(r.nbytes for r in held.values() if r.dtype == np.float32)
+    return list({id(r): r for r in map(root, arrays(W)) if id(r) not in own}.values())
+
+
+def float32_held(W: dict, P: dict) -> int:
+    """Bytes of float32 arrays in the engine's weights W that are not the parameters P."""
+    import numpy as np
+    return sum(r.nbytes for r in held(W, P) if r.dtype == np.float32)
 
 
 def child(model_name: str, dtype: str) -> dict:
@@ -60,7 +68,9 @@ def child(model_name: str, dtype: str) -> dict:
         pass
     return {"dtype": dtype, "peak_mib": status_mib("VmHWM"), "rss_mib": status_mib("VmRSS"),
             "float32_held_mib": float32_held(b.W, model.params) / 2**20,
-            "params_mib": sum(p.nbytes for p in model.params.values()) / 2**20}
+            "params_mib": sum(p.nbytes for p in model.params.values()) / 2**20,
+            "weights_mib": sum(p.nbytes for p in model.params.values()) / 2**20
+            + sum(r.nbytes for r in held(b.W, model.params)) / 2**20}
 
 
 def main() -> int:
@@ -84,10 +94,11 @@ def main() -> int:
     if args.json:
         print(json.dumps({"model": args.model, "rows": rows}))
         return 0
-    print(f"{args.model}: {'dtype':>8} {'peak RSS':>9} {'RSS after':>10} {'params':>8} {'float32 held':>13}  (MiB)")
+    print(f"{args.model}: {'dtype':>8} {'peak RSS':>9} {'RSS after':>10} {'params':>8} {'weights':>8} "
+          f"{'float32 held':>13}  (MiB)")
     for r in rows:
         print(f"{'':>{len(args.model) + 1}} {r['dtype']:>8} {r['peak_mib']:>9.0f} {r['rss_mib']:>10.0f} "
-              f"{r['params_mib']:>8.0f} {r['float32_held_mib']:>13.1f}")
+              f"{r['params_mib']:>8.0f} {r['weights_mib']:>8.0f} {r['float32_held_mib']:>13.1f}")
     return 0
 
 
