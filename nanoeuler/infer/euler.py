@@ -26,31 +26,30 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
 
     float16 weights (weights.Float16Model; `sample --dtype float16`) decode in float32 arithmetic on the
     weights rounded to float16, as llama.cpp runs an f16 GGUF: the fused step reads the float16 bits (half
-    the memory traffic of float32), the NumPy path their float32 values. A model in such a type (float16, or
-    a GGUF block type) keeps no float32 copy of its matrices: the NumPy path's W is its parameters themselves
-    (weights.values widens / dequantizes them per use), and only the embedding is float32 (the fused step
-    reads its rows)."""
+    the memory traffic of float32), the NumPy path their float32 values. With kernels, the NumPy path's
+    matrices are the parameters themselves (raw parts: weights.values widens / dequantizes them per use), so
+    the layout holds P and one kernel form of it; a float16 or quantized model's one float32 matrix is the
+    embedding (the fused step reads its rows)."""
     f32, kernel_form, pair = forms.values, forms.kernel_form, forms.pair
     K, V = cfg.n_mtp, cfg.vocab_size
     parts = [head_weight(P, k) for k in range(K)]
     heads = np.concatenate(parts)  # [K·V, d] (tied: head 0 is the embedding)
-    heads32 = None if forms.raw else f32(heads)
+    heads32 = None if forms.kernels else f32(heads)
     each = kernel_form(heads.reshape(K, V, -1))  # [K, panels, d, PANEL]: head k's kernel form is each[k]
     all_k = each[0] if K == 1 and each is not None else kernel_form(heads)  # (one head: the same panels)
     F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]),
-         "heads": pair(tuple(parts) if forms.raw else heads32, all_k)}
+         "heads": pair(tuple(parts) if forms.kernels else heads32, all_k)}
     for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair((parts[k],) if forms.raw else heads32[k * V:(k + 1) * V], None if each is None else each[k])
+        F[f"head.{k}"] = pair((parts[k],) if forms.kernels else heads32[k * V:(k + 1) * V], None if each is None else each[k])
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
             "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
     if forms.kernels:
         F["drafting"] = each[1:]  # heads 1..K-1 for speculative rounds' drafts
-        stacked, packed = _stack(mats, forms)  # (raw: the parameters themselves stay the NumPy path's W)
-        for name in mats:
-            mats[name] = [(tuple(mats[name][i]) if forms.raw else f32(stacked[name][i]), packed[name][i])
-                          for i in range(len(layers))]
+        packed = _stack(mats, forms)
+        for name in mats:  # (the NumPy path's W: the parameters themselves)
+            mats[name] = [(tuple(mats[name][i]), packed[name][i]) for i in range(len(layers))]
     else:
         mats = {name: [(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]), None) for ps in parts]
                 for name, parts in mats.items()}
@@ -65,9 +64,9 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     return F
 
 
-def _stack(mats: dict, forms: Forms) -> tuple[dict, dict]:
-    """mats {kind: per layer [parts [out_j, in]]} -> ({kind: [layers, Σ out_j, in]} in the parameters' dtype,
-    {kind: its kernel form [layers, panels, in, PANEL]}), every kernel form in one buffer."""
+def _stack(mats: dict, forms: Forms) -> dict:
+    """mats {kind: per layer [parts [out_j, in]]} -> {kind: the kernel form of its [layers, Σ out_j, in] stack
+    [layers, panels, in, PANEL]}, every kernel form in one buffer."""
     stacked = {}
     for name, parts in mats.items():
         stacked[name] = S = np.empty((len(parts), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1]),
@@ -80,7 +79,7 @@ def _stack(mats: dict, forms: Forms) -> tuple[dict, dict]:
     for name, sh in shapes.items():
         packed[name] = forms.kernel_form(stacked[name], buf[off:off + np.prod(sh)].reshape(sh))
         off += np.prod(sh)
-    return stacked, packed
+    return packed
 
 
 def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:

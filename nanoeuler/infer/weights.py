@@ -110,7 +110,6 @@ class Forms:
         self.wt = wtype(P)
         self.kernels = kernels.ENABLED and self.wt is not None
         self.batched = batched
-        self.raw = self.kernels  # matrices kept as the parameters themselves (raw parts) + kernel form (pair)
 
     def values(self, a: np.ndarray) -> np.ndarray:
         """The values the NumPy path computes with (float16 widened to float32)."""
@@ -123,8 +122,8 @@ class Forms:
     def pair(self, W, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
         made it from the raw weights (else W itself is packed). The copy W.T only where it pays (see linear).
-        W may be a tuple of raw parts (the parameters stacked along the outputs, in a model's own type, with
-        Wk given): a float16 or quantized model keeps those and the kernel form, and no float32 values."""
+        W may be a tuple of raw parts (the parameters stacked along the outputs, in the model's own type, with
+        Wk given): a model the kernels run keeps those and the kernel form, and no float32 values."""
         if isinstance(W, tuple):
             return W, None, Wk
         Wk = Wk if Wk is not None or not self.kernels else kernels.pack(W)
