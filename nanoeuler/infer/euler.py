@@ -40,7 +40,8 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]),
          "heads": pair(tuple(parts) if forms.kernels else heads32, all_k)}
     for k in range(K):  # one head at a time, for decoding (head 0, and drafts only when drafting)
-        F[f"head.{k}"] = pair((parts[k],) if forms.kernels else heads32[k * V:(k + 1) * V], None if each is None else each[k])
+        F[f"head.{k}"] = pair((parts[k],) if forms.kernels else heads32[k * V:(k + 1) * V],
+                              None if each is None else each[k])
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
