@@ -1,5 +1,5 @@
 """Held-out text for the benches that score a model (bench/llama_cpp.py, bench/quant_quality.py): windows of
-the bundled corpus's validation works as token ids, and the summed loss of targets under logits.
+the bundled corpus's validation works as token ids (their loss: nanoeuler.infer.sampling.nll_sum).
 
     windows = held_out_windows(tok, 128, per_work=4)     # [(ids [129], bytes of the 128 targets), ...]
     bits_per_byte = sum(nll_sum(logits_of(w[:-1]), w[1:]) for w, _ in windows) / ln 2 / sum(b for _, b in windows)
@@ -20,12 +20,3 @@ def held_out_windows(tok, T: int, per_work: int):
             w = ids[s:s + T + 1]
             out.append((w, len(tok.decode_bytes(w[1:]))))
     return out
-
-
-def nll_sum(logits, targets):
-    """Summed natural-log loss of targets [T] under logits [T, V] (float64)."""
-    import numpy as np
-    z = logits.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    lse = np.log(np.exp(z).sum(-1))
-    return float((lse - z[np.arange(len(targets)), targets]).sum())

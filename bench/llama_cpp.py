@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from bench.heldout import held_out_windows, nll_sum  # noqa: E402
+from bench.heldout import held_out_windows  # noqa: E402
+from nanoeuler.infer.sampling import nll_sum  # noqa: E402
 
 
 def set_threads(n: int) -> None:

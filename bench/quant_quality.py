@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # `import llama_cpp`: the package
 sys.path.insert(0, str(ROOT))
 
-from bench.heldout import held_out_windows, nll_sum  # noqa: E402
+from bench.heldout import held_out_windows  # noqa: E402
+from nanoeuler.infer.sampling import nll_sum  # noqa: E402
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
@@ -55,11 +56,10 @@ def bpb(m, windows) -> float:
     """Bits per byte of the windows' targets under m's decoding step (logits at every position)."""
     import numpy as np
 
-    from nanoeuler.infer.cache import new_cache
-    from nanoeuler.infer.step import forward_cached, fuse_weights
+    from nanoeuler.infer.session import head0_logits
+    from nanoeuler.infer.step import fuse_weights
     fused = fuse_weights(m.config, m.params)
-    nll = sum(nll_sum(forward_cached(m.config, m.params, np.array([w[:-1]]), new_cache(m.config, 1, dtype=m.dtype),
-                                     fused=fused)[0, 0], np.array(w[1:])) for w, _ in windows)
+    nll = sum(nll_sum(head0_logits(m, w[:-1], fused), np.array(w[1:])) for w, _ in windows)
     return nll / np.log(2) / sum(b for _, b in windows)
 
 

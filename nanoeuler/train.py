@@ -283,16 +283,17 @@ def load_training_state(out_dir: Path, model, opt) -> dict:
 
 
 # ---- evaluation --------------------------------------------------------------------------------
-def evaluate(model, source, max_batches: int = 0) -> dict:
-    """Mean head-0 loss over the validation batches (all of them if max_batches is 0), and bits per byte."""
+def evaluate(model, source, max_batches: int = 0, score=None) -> dict:
+    """Mean head-0 loss over the validation batches (all of them if max_batches is 0), and bits per byte.
+    score(tokens [B, T+1], mask or None) -> the summed head-0 loss of the batch's targets (eval --dtype: the
+    decoding step's, infer/session.head0_loss_sum); None: the training forward's."""
     total, count = 0.0, 0
     for i, (tokens, mask) in enumerate(source.eval_batches()):
         if max_batches and i >= max_batches:
             break
-        head0, _ = model.loss(tokens, mask)
         T = tokens.shape[1] - model.config.n_mtp
         n = int(mask[:, 1:T + 1].sum()) if mask is not None else tokens.shape[0] * T  # head-0 targets scored
-        total += head0 * n
+        total += model.loss(tokens, mask)[0] * n if score is None else score(tokens[:, :T + 1], mask)
         count += n
     if count == 0:
         raise UserError("the validation set has no scored tokens")

@@ -16,7 +16,7 @@ from nanoeuler.infer import euler, kernels
 from nanoeuler.infer.cache import KVCache, new_cache
 from nanoeuler.infer.session import generate
 from nanoeuler.infer.step import forward_cached, forward_hidden, fuse_weights
-from nanoeuler.infer.weights import Float16Model, linear
+from nanoeuler.infer.weights import Float16Model, linear, values
 
 # hd 8, output widths (gate_up 80, vocab 53) that are no multiple of kernels.PANEL
 CFG = tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=40, n_mtp=3)
@@ -158,8 +158,9 @@ def test_linear_takes_the_kernel_for_few_rows(monkeypatch):
     W = weights(m, True, monkeypatch)["head.0"]
     assert len(W) == 3 and W[2] is not None
     x = np.random.default_rng(2).standard_normal((2, 5, CFG.dim)).astype(np.float32)
-    assert rel_err(linear(x[:1, :3], W), x[:1, :3] @ W[0].T) <= 1e-5  # 3 rows: the kernel
-    assert rel_err(linear(x, W), x @ W[0].T) <= 1e-5                   # 10 rows: BLAS
+    Wv = values(W[0])  # (the parameters themselves: head 0 is the embedding)
+    assert rel_err(linear(x[:1, :3], W), x[:1, :3] @ Wv.T) <= 1e-5  # 3 rows: the kernel
+    assert rel_err(linear(x, W), x @ Wv.T) <= 1e-5                   # 10 rows: BLAS
 
 
 def test_threads_change_no_bit():

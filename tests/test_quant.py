@@ -480,6 +480,33 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
         assert out == generate(qm, p, 30, temperature=0, mode="cache").ids
 
 
+@needs_vnni
+@pytest.mark.parametrize("name", ("float16",) + TYPES)
+def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
+    """A model decoded at float16 or a block type (the batcher's layout, the widest) holds its own weights and
+    their kernel form; of float32 only the embedding (the fused step reads its rows) and the norms, not the
+    float32 matrices: the NumPy path (here: more rows than the kernels take) dequantizes them per use, to the
+    same products as the float32 layout of the same values. A float32 model: one kernel-form copy, no more."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    from decode_memory import float32_held
+
+    from nanoeuler.infer.engine import Batcher
+    from nanoeuler.infer.weights import linear
+    low = for_dtype(qmodel(), name)
+    W = Batcher(low, max_batch=2).W
+    c = QCFG
+    assert float32_held(W, low.params) <= 4 * c.dim * (c.vocab_size + 4 * c.n_layers + 1)
+    f32 = qmodel()  # a float32 model: its parameters and one kernel form of them (padded to whole panels)
+    assert float32_held(Batcher(f32, max_batch=2).W, f32.params) <= 1.25 * sum(p.nbytes for p in f32.params.values())
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    ref = fuse_weights(c, low.params, batched=True)  # no kernels: float32 values
+    x = np.random.default_rng(1).standard_normal((kernels.ROWS + 3, c.dim)).astype(np.float32)
+    for key in ("heads", "head.1", "layers.1.qkv", "layers.0.gate_up"):
+        np.testing.assert_array_equal(linear(x, W[key]), linear(x, ref[key]))
+
+
 def test_the_cli_dtypes_are_the_engines_weight_types():
     """`--dtype`'s choices (cli/sample.DTYPES, kept beside the CLI so that --help imports no numba) name every
     type the engine decodes, and the engine takes each of them: a type added to one list fails here."""
@@ -490,3 +517,31 @@ def test_the_cli_dtypes_are_the_engines_weight_types():
     m = qmodel()
     for dtype in DTYPES:
         assert for_dtype(m, dtype) is not None
+
+
+@needs_vnni
+def test_eval_dtype_scores_the_decoded_model(tmp_path, capsys):
+    """`eval --dtype`: at float32 the decoding step gives the training forward's loss (to rounding); at q8_0
+    the quantized weights' loss, a little off it; q4_0 further (4 bits of 32-weight blocks against 8)."""
+    import json
+
+    from nanoeuler.cli import main
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.data.shards import prepare
+    from nanoeuler.tokenizer import Tokenizer
+    text = bundled_works()["hamlet"][:30000]
+    tok = Tokenizer.train([text], 300, progress=False)
+    (tmp_path / "play.txt").write_text(text)
+    prepare([tmp_path / "play.txt"], tok, tmp_path / "data", processes=1, progress=False)
+    cfg = tiny_config(vocab_size=tok.vocab_size, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32,
+                      ffn_hidden=96, n_mtp=2)
+    Model.init(cfg, seed=3).save(tmp_path / "run", tokenizer=tok)
+
+    def loss(*flags):
+        assert main(["eval", "--ckpt", str(tmp_path / "run"), "--data", str(tmp_path / "data"), "--max-batches",
+                     "2", "--batch-size", "4", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["val_loss"]
+    base, f32, q8, q4 = loss(), loss("--dtype", "float32"), loss("--dtype", "q8_0"), loss("--dtype", "q4_0")
+    assert abs(f32 - base) <= 1e-6 * base
+    assert 1e-6 * base < abs(q8 - base) < 5e-3 * base
+    assert abs(q4 - base) > abs(q8 - base)

@@ -454,3 +454,30 @@ def test_choice_i_of_n_samples_with_seed_plus_i(ckpt, client, route):
     if route == "completions":
         ref = generate(model, tok.encode(PROMPT, add_bos=True), 20, temperature=1.0, seed=13, stop_ids=[tok.eos_id])
         assert texts[2] == tok.decode(ref.ids)
+
+
+def test_dispatcher_hands_a_flowing_stream_over_in_batches():
+    """The first event after a quiet spell reaches its queue at once; the events that follow within the
+    window arrive together, as one list (one pass over the HTTP path), in order; then it is quiet again."""
+    import asyncio
+    import threading
+
+    from nanoeuler.serve.app import Dispatcher
+
+    async def main():
+        d, q = Dispatcher(asyncio.get_running_loop()), asyncio.Queue()
+        d.WINDOW = 0.5
+        d.put(q, 0)
+        first = await asyncio.wait_for(q.get(), 0.4)  # not held for the window
+        engine = threading.Thread(target=lambda: [d.put(q, i) for i in range(1, 51)])
+        engine.start()
+        engine.join()
+        flowing = await asyncio.wait_for(q.get(), 2)
+        await asyncio.sleep(d.WINDOW * 1.5)  # the window passes with nothing new: quiet
+        d.put(q, 51)
+        again = await asyncio.wait_for(q.get(), 0.4)
+        return first, flowing, again
+    first, flowing, again = asyncio.run(main())
+    assert first == [0]
+    assert flowing == list(range(1, 51))
+    assert again == [51]

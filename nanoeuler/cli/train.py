@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .sample import DTYPES
+
 BUNDLED_DATA = Path("data/shakespeare")
 
 
@@ -45,11 +47,16 @@ def register(sub) -> None:
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint",
                        description="Head-0 validation loss (nats) and bits per byte of a checkpoint on the "
-                                   "validation split of a token shard directory (all of it by default).")
+                                   "validation split of a token shard directory (all of it by default); with --dtype, "
+                                   "of the model decoded at that weight type (its quantization's cost, measured).")
     e.add_argument("--ckpt", required=True, help="checkpoint directory")
     e.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
     e.add_argument("--batch-size", type=positive_int, default=16)
     e.add_argument("--max-batches", type=nonneg_int, default=0, help="evaluate only this many batches (0 = all)")
+    e.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="score the model as decoding holds it at this weight type (float32, float16, q8_0, q4_0, "
+                        "q4_1; `sample --help`): each validation row through the KV-cache decoding step. Default: "
+                        "the training forward (float32)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(run=run_eval)
 
@@ -289,7 +296,12 @@ def run_eval(args) -> int:
         raise UserError("--batch-size must be >= 1")
     source = PretrainSource(data, args.batch_size, model.config.ctx_len, model.config.n_mtp)
     source.val.check_tokenizer(load_tokenizer(args.ckpt, read_only=True).fingerprint())
-    result = evaluate(model, source, args.max_batches)
+    score = None
+    if args.dtype is not None:  # the model as decoding holds it at that type
+        from ..infer.session import head0_loss_sum
+        from ..infer.weights import for_dtype
+        score = head0_loss_sum(for_dtype(model, args.dtype))
+    result = evaluate(model, source, args.max_batches, score)
     if args.json:
         print(json.dumps(result))
     else:

@@ -26,21 +26,27 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
 
     float16 weights (weights.Float16Model; `sample --dtype float16`) decode in float32 arithmetic on the
     weights rounded to float16, as llama.cpp runs an f16 GGUF: the fused step reads the float16 bits (half
-    the memory traffic of float32), the NumPy path their float32 values."""
+    the memory traffic of float32), the NumPy path their float32 values. With kernels, the NumPy path's
+    matrices are the parameters themselves (raw parts: weights.values widens / dequantizes them per use), so
+    the layout holds P and one kernel form of it; a float16 or quantized model's one float32 matrix is the
+    embedding (the fused step reads its rows)."""
     f32, kernel_form, pair = forms.values, forms.kernel_form, forms.pair
     K, V = cfg.n_mtp, cfg.vocab_size
-    heads = np.concatenate([head_weight(P, k) for k in range(K)])  # [K·V, d] (tied: head 0 is the embedding)
-    heads32 = f32(heads)
-    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]), "heads": pair(heads32, kernel_form(heads))}
-    F["head.0"] = pair(heads32[:V], kernel_form(heads[:V]))  # decoding reads head 0 only
+    parts = [head_weight(P, k) for k in range(K)]
+    heads = np.concatenate(parts)  # [K·V, d] (tied: head 0 is the embedding)
+    heads32 = None if forms.kernels else f32(heads)
+    head0 = kernel_form(parts[0])  # [panels, d, PANEL]: decoding reads head 0 only
+    F = {"embed": f32(P["embed.weight"]), "norm": f32(P["norm.weight"]),
+         "heads": pair(tuple(parts) if forms.kernels else heads32, head0 if K == 1 else kernel_form(heads)),
+         "head.0": pair((parts[0],) if forms.kernels else heads32[:V], head0)}
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     mats = {"qkv": [[P[p + "attn.wq.weight"], P[p + "attn.wk.weight"], P[p + "attn.wv.weight"]] for p in layers],
             "gate_up": [[P[p + "ffn.gate.weight"], P[p + "ffn.up.weight"]] for p in layers],  # [2F, d]
             "wo": [[P[p + "attn.wo.weight"]] for p in layers], "down": [[P[p + "ffn.down.weight"]] for p in layers]}
     if forms.kernels:
-        stacked, packed = _stack(mats, forms)
-        for name in mats:
-            mats[name] = [(f32(stacked[name][i]), packed[name][i]) for i in range(len(layers))]
+        packed = _stack(mats, forms)
+        for name in mats:  # (the NumPy path's W: the parameters themselves)
+            mats[name] = [(tuple(mats[name][i]), packed[name][i]) for i in range(len(layers))]
     else:
         mats = {name: [(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]), None) for ps in parts]
                 for name, parts in mats.items()}
@@ -55,9 +61,9 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     return F
 
 
-def _stack(mats: dict, forms: Forms) -> tuple[dict, dict]:
-    """mats {kind: per layer [parts [out_j, in]]} -> ({kind: [layers, Σ out_j, in]} in the parameters' dtype,
-    {kind: its kernel form [layers, panels, in, PANEL]}), every kernel form in one buffer."""
+def _stack(mats: dict, forms: Forms) -> dict:
+    """mats {kind: per layer [parts [out_j, in]]} -> {kind: the kernel form of its [layers, Σ out_j, in] stack
+    [layers, panels, in, PANEL]}, every kernel form in one buffer."""
     stacked = {}
     for name, parts in mats.items():
         stacked[name] = S = np.empty((len(parts), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1]),
@@ -70,7 +76,7 @@ def _stack(mats: dict, forms: Forms) -> tuple[dict, dict]:
     for name, sh in shapes.items():
         packed[name] = forms.kernel_form(stacked[name], buf[off:off + np.prod(sh)].reshape(sh))
         off += np.prod(sh)
-    return stacked, packed
+    return packed
 
 
 def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:

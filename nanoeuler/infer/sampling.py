@@ -100,3 +100,13 @@ def top_logprobs(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
     idx = np.argpartition(-logp, k - 1)[:k]
     idx = idx[np.lexsort((idx, -logp[idx]))]
     return [(int(i), float(logp[i])) for i in idx]
+
+
+def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Summed natural-log loss of targets [T] under logits [T, V], in float64.
+
+        nll_sum(np.zeros((2, 4)), np.array([0, 3])) -> 2·ln 4 = 2.7726"""
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    lse = np.log(np.exp(z).sum(-1))
+    return float((lse - z[np.arange(len(targets)), targets]).sum())

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import UserError
 from . import step
 from .cache import new_cache
-from .sampling import sample_token
+from .sampling import nll_sum, sample_token
 from .speculative import DEPTH, MOST, speculate
 from .weights import linear
 
@@ -224,6 +224,28 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self.dec.decode(b"", final=True)
+
+
+def head0_logits(model, ids: Sequence[int], fused: dict | None = None) -> np.ndarray:
+    """Head 0's logits [T, V] at every position of one sequence of T <= ctx_len ids, through the KV-cache
+    decoding step on the model as decoding holds it (float16, quantized: weights.for_dtype), from an empty
+    cache. fused: step.fuse_weights(model.config, model.params), kept across calls (eval, the quality benches)."""
+    cfg = model.config
+    W = fused if fused is not None else step.fuse_weights(cfg, model.params)
+    h = step.forward_hidden(cfg, W, np.asarray(ids, dtype=np.int64)[None], new_cache(cfg, 1, dtype=model.dtype))
+    return linear(h[0], W["head.0"])  # [T, V]
+
+
+def head0_loss_sum(model) -> Callable:
+    """score(tokens [B, T+1], mask [B, T+1] or None) -> the summed head-0 loss (nats) of the targets tokens[:, 1:]
+    (where mask[:, 1:]), each row through the decoding step on `model` as decoding holds it (`eval --dtype`:
+    weights.for_dtype's model)."""
+    fused = step.fuse_weights(model.config, model.params)
+
+    def score(tokens: np.ndarray, mask: np.ndarray | None) -> float:
+        keep = np.ones(tokens[:, 1:].shape, bool) if mask is None else mask[:, 1:tokens.shape[1]]
+        return sum(nll_sum(head0_logits(model, row[:-1], fused)[k], row[1:][k]) for row, k in zip(tokens, keep))
+    return score
 
 
 def truncate_left(ids: list[int], limit: int) -> tuple[list[int], int]:

@@ -13,7 +13,10 @@ A new type is a new entry (its values, its pack) and, in kernels.py, a kernel ki
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
 contiguous [in, out] or None, W in kernel form or None): `Forms.pair` makes it, `linear` (a step's 1..8
-rows) and `batched_linear` (a batch's n rows) multiply by it.
+rows) and `batched_linear` (a batch's n rows) multiply by it. A model the kernels run keeps, as the first
+element, its parameters themselves (a tuple of raw parts, stacked along the outputs), which `values`
+widens / dequantizes when the NumPy path needs them (prompts scored at every position): besides its
+parameters it holds their kernel form and no float32 copy of its matrices (bench/decode_memory.py).
 """
 from __future__ import annotations
 
@@ -71,8 +74,28 @@ WTYPES = {
 
 def wtype(P: dict) -> WType | None:
     """The weight type of a model's parameters (the embedding's dtype), or None (no kernel form)."""
-    dtype = P["embed.weight"].dtype
+    return of_dtype(P["embed.weight"].dtype)
+
+
+def of_dtype(dtype: np.dtype) -> WType | None:
     return next((t for t in WTYPES.values() if t.dtype == dtype), None)
+
+
+def values(W) -> np.ndarray:
+    """The float values a matrix computes with on the NumPy path: W itself (an array of them), or, for the
+    raw parts Forms.pair keeps of a model the kernels run, the parts widened / dequantized and stacked on each
+    use (such a model holds no second float32 copy of its matrices).
+
+        values((np.ones((2, 32), np.float16), np.zeros((1, 32), np.float16))).shape -> (3, 32), float32"""
+    if isinstance(W, np.ndarray):
+        return W
+    parts = [of_dtype(p.dtype).values(p) for p in W]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def n_out(W) -> int:
+    """The output width of a matrix (Forms.pair's first element: values, or raw parts)."""
+    return W.shape[0] if isinstance(W, np.ndarray) else sum(p.shape[0] for p in W)
 
 
 NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-row products
@@ -96,9 +119,13 @@ class Forms:
         """a as the fused kernels read it (its weight type's pack), or None without kernels."""
         return self.wt.pack(a, out) if self.kernels else None
 
-    def pair(self, W: np.ndarray, Wk: np.ndarray | None = None) -> tuple:
+    def pair(self, W, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
-        made it from the raw weights (else W itself is packed). The copy W.T only where it pays (see linear)."""
+        made it from the raw weights (else W itself is packed). The copy W.T only where it pays (see linear).
+        W may be a tuple of raw parts (the parameters stacked along the outputs, in the model's own type, with
+        Wk given): a model the kernels run keeps those and the kernel form, and no float32 values."""
+        if isinstance(W, tuple):
+            return W, None, Wk
         Wk = Wk if Wk is not None or not self.kernels else kernels.pack(W)
         Wt = np.ascontiguousarray(W.T) if W.shape[0] <= NARROW and (self.batched or Wk is None) else None
         return W, Wt, Wk
@@ -119,10 +146,11 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     back into the CPU cache (that made a verification after plain steps cost 2x a plain step instead of
     1.2x, measured here on `small`)."""
     W, Wt, Wk = W
-    rows = x.reshape(-1, x.shape[-1])
+    rows, out = x.reshape(-1, x.shape[-1]), n_out(W)
     if Wk is not None and len(rows) <= kernels.ROWS and rows.dtype == np.float32:
-        y = kernels.matvec(Wk, rows, W.shape[0])
-    elif len(rows) <= 4 and Wt is not None:
+        return kernels.matvec(Wk, rows, out).reshape(*x.shape[:-1], out)
+    W = values(W)
+    if len(rows) <= 4 and Wt is not None:
         y = rows @ Wt
     elif len(rows) == 1:
         y = (W @ rows[0])[None]
@@ -130,9 +158,7 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
         y = np.stack([W @ r for r in rows])
     else:
         y = ops.linear_forward(rows, W)[0]
-    return y.reshape(*x.shape[:-1], W.shape[0])
-
-
+    return y.reshape(*x.shape[:-1], out)
 
 
 def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
@@ -140,11 +166,12 @@ def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
     Wide outputs (no [in, out] copy) are computed as (W @ x.T).T: OpenBLAS (one thread, measured here) takes
     322 µs for W [2048, 384] and 16 rows that way against 577 µs as x @ W.T, and 690 against 1168 µs for a
     [4096, 384] head; narrow ones read the [in, out] copy (at 4 rows 20 µs against 60)."""
+    W0 = values(W[0])  # (raw parts: dequantized for this use)
     if len(x) == 1:
-        return (W[0] @ x[0])[None]
+        return (W0 @ x[0])[None]
     if W[1] is not None:
         return x @ W[1]
-    return (W[0] @ x.T).T
+    return (W0 @ x.T).T
 
 
 class Float16Model:

@@ -24,7 +24,6 @@ import json
 import threading
 import time
 import uuid
-from collections import deque
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -180,12 +179,18 @@ class Choice:
 
 
 class Dispatcher:
-    """Engine events into the event loop: the engine thread appends them here, and one call_soon_threadsafe
-    per burst (not one per token: a wake-up is a system call) moves them onto their requests' queues."""
+    """Engine events into the event loop, in batches. The engine thread appends them under a lock (a token
+    costs it no system call); the first event after a quiet spell wakes the loop at once (call_soon_threadsafe,
+    so a first token is not delayed), and while events keep coming the loop collects them itself every
+    WINDOW seconds (a timer of its own): each request's queue gets one list per batch, and the HTTP path
+    (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token.
+    Without it one stream over HTTP ran at 0.4-0.6x the engine alone on `big` (2 shared cores)."""
+
+    WINDOW = 0.01  # seconds: at most this late does a token reach its request while a stream flows
 
     def __init__(self, loop):
         self.loop, self.lock = loop, threading.Lock()
-        self.items: deque = deque()
+        self.items: list = []
         self.scheduled = False
 
     def put(self, queue: asyncio.Queue, item) -> None:
@@ -200,10 +205,19 @@ class Dispatcher:
             pass
 
     def _drain(self) -> None:
+        """Hand what arrived to its queues and look again in WINDOW seconds; nothing arrived: go quiet (the
+        next event wakes the loop)."""
         with self.lock:
-            items, self.items, self.scheduled = self.items, deque(), False
+            items, self.items = self.items, []
+            self.scheduled = bool(items)
+        if not items:
+            return
+        batches: dict = {}
         for queue, item in items:
-            queue.put_nowait(item)
+            batches.setdefault(queue, []).append(item)
+        for queue, batch in batches.items():
+            queue.put_nowait(batch)
+        self.loop.call_later(self.WINDOW, self._drain)
 
     @staticmethod
     def of(app) -> "Dispatcher":
@@ -268,11 +282,11 @@ class Run:
                     self.cancel()
                     return
             try:
-                events = [await asyncio.wait_for(self.queue.get(), 0.5)]
+                events = await asyncio.wait_for(self.queue.get(), 0.5)  # a Dispatcher batch
             except asyncio.TimeoutError:
                 continue
             while not self.queue.empty():
-                events.append(self.queue.get_nowait())
+                events += self.queue.get_nowait()
             batch: dict[Choice, tuple[str, int]] = {}
             for i, kind, args in events:
                 c = self.choices[i]
