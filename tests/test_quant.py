@@ -503,7 +503,7 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     monkeypatch.setattr(kernels, "ENABLED", False)
     ref = fuse_weights(c, low.params, batched=True)  # no kernels: float32 values
     x = np.random.default_rng(1).standard_normal((kernels.ROWS + 3, c.dim)).astype(np.float32)
-    for key in ("heads", "head.1", "layers.1.qkv", "layers.0.gate_up"):
+    for key in ("heads", "head.0", "layers.1.qkv", "layers.0.gate_up"):
         np.testing.assert_array_equal(linear(x, W[key]), linear(x, ref[key]))
 
 
