@@ -481,3 +481,22 @@ def test_dispatcher_hands_a_flowing_stream_over_in_batches():
     assert first == [0]
     assert flowing == list(range(1, 51))
     assert again == [51]
+
+
+def test_dispatcher_hands_a_jobs_last_event_over_at_once():
+    """While a stream flows (the window's timer running), a job's last event does not wait for the window:
+    it and what came before it reach the queue at once."""
+    import asyncio
+
+    from nanoeuler.serve.app import Dispatcher
+
+    async def main():
+        d, q = Dispatcher(asyncio.get_running_loop()), asyncio.Queue()
+        d.WINDOW = 5.0
+        d.put(q, 0)
+        first = await asyncio.wait_for(q.get(), 1)  # the first event: at once; the 5 s window starts
+        d.put(q, 1)
+        d.put(q, "done", last=True)
+        end = await asyncio.wait_for(q.get(), 1)    # not 5 s later
+        return first, end
+    assert asyncio.run(main()) == ([0], [1, "done"])

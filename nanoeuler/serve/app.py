@@ -183,7 +183,8 @@ class Dispatcher:
     costs it no system call); the first event after a quiet spell wakes the loop at once (call_soon_threadsafe,
     so a first token is not delayed), and while events keep coming the loop collects them itself every
     WINDOW seconds (a timer of its own): each request's queue gets one list per batch, and the HTTP path
-    (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token.
+    (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token. A job's
+    last event (done, error) wakes the loop at once too: a request's end never waits for the window.
     Without it one stream over HTTP ran at 0.4-0.6x the engine alone on `big` (2 shared cores)."""
 
     WINDOW = 0.01  # seconds: at most this late does a token reach its request while a stream flows
@@ -192,21 +193,29 @@ class Dispatcher:
         self.loop, self.lock = loop, threading.Lock()
         self.items: list = []
         self.scheduled = False
+        self.timer: asyncio.TimerHandle | None = None  # the next look, while events flow (loop thread only)
 
-    def put(self, queue: asyncio.Queue, item) -> None:
+    def put(self, queue: asyncio.Queue, item, last: bool = False) -> None:
+        """From the engine thread: item for queue; last: the job's final event (hand it over now)."""
         with self.lock:
             self.items.append((queue, item))
-            if self.scheduled:
+            if self.scheduled and not last:
                 return
             self.scheduled = True
         try:
-            self.loop.call_soon_threadsafe(self._drain)
+            self.loop.call_soon_threadsafe(self._drain_now)
         except RuntimeError:  # the event loop is gone (shutdown): nobody listens any more
             pass
+
+    def _drain_now(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self._drain()
 
     def _drain(self) -> None:
         """Hand what arrived to its queues and look again in WINDOW seconds; nothing arrived: go quiet (the
         next event wakes the loop)."""
+        self.timer = None
         with self.lock:
             items, self.items = self.items, []
             self.scheduled = bool(items)
@@ -217,7 +226,7 @@ class Dispatcher:
             batches.setdefault(queue, []).append(item)
         for queue, batch in batches.items():
             queue.put_nowait(batch)
-        self.loop.call_later(self.WINDOW, self._drain)
+        self.timer = self.loop.call_later(self.WINDOW, self._drain)
 
     @staticmethod
     def of(app) -> "Dispatcher":
@@ -238,7 +247,7 @@ class Run:
 
     def add(self, choice: Choice, **job) -> None:
         def on_event(kind, *args, _i=len(self.choices)):
-            self.dispatcher.put(self.queue, (_i, kind, args))
+            self.dispatcher.put(self.queue, (_i, kind, args), last=kind in ("done", "error"))
         choice.job = Job(on_event=on_event, **job)
         self.choices.append(choice)
 
