@@ -16,7 +16,10 @@ prompts, all starting together. Reported per level:
 machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
 adds the engine alone at each served dtype (no HTTP, jobs stepped in this process), timed also in CPU
 time, which a shared machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its
-HTTP path costs 1 minus it).
+HTTP path costs 1 minus it); and, for every server, one stream through a minimal client (`raw_stream`: the
+request in one socket write, the reply read to the end, no HTTP library: the median of --raw-repeat requests),
+so the server's own HTTP path is told apart from the client's (httpx's per-request cost, ~25 ms here, is
+part of every level's figures, ours and llama-server's alike).
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
@@ -33,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,14 +117,48 @@ def stop(proc) -> None:
         proc.kill()
 
 
+def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float) -> dict:
+    """One streamed completion through a bare socket: the request in one write (TCP_NODELAY), the reply read
+    until the server closes it. -> {"ok", "wall_s", "ttft"}; ok: status 200 and the stream's [DONE]."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
+                       "stream": True, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    reply, ttft = b"", None
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        sock.sendall(request)
+        while chunk := sock.recv(1 << 16):
+            if ttft is None and b'"text"' in chunk:
+                ttft = time.perf_counter() - t0
+            reply += chunk
+        wall = time.perf_counter() - t0
+    return {"ok": reply.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in reply, "wall_s": wall, "ttft": ttft}
+
+
+def raw_level(url: str, args, prompts: list[str]) -> dict:
+    """One stream at a time through raw_stream, --raw-repeat requests: the median's tok/s and TTFT."""
+    runs = [raw_stream(url, prompts[i % len(prompts)], args.tokens, i, args.level_timeout)
+            for i in range(args.raw_repeat)]
+    if not all(r["ok"] for r in runs):
+        return {"ok": False}
+    wall = float(np.median([r["wall_s"] for r in runs]))
+    return {"ok": True, "tok_s": args.tokens / wall, "ttft_ms": float(np.median([r["ttft"] for r in runs])) * 1000}
+
+
 def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: list[str]) -> list[dict]:
-    """A warm-up request, then each concurrency level against the server at url; stops the server after."""
+    """A warm-up request, then each concurrency level against the server at url (and with --engine, one
+    stream through a minimal client: rows[0]["raw"]); stops the server after."""
     rows = []
     try:
         asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout))  # warm-up
         for c in levels:
             rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
             print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
+        if args.engine and rows and rows[0]["clients"] == 1:
+            rows[0]["raw"] = raw_level(url, args, prompts)
     except (asyncio.TimeoutError, TimeoutError):  # a stalled server: the levels measured so far, and a line
         print(f"  {name}: a level took longer than --level-timeout {args.level_timeout:g} s; it and the "
               f"levels after it are not measured", file=sys.stderr, flush=True)
@@ -244,6 +282,8 @@ def main() -> int:
     ap.add_argument("--level-timeout", type=float, default=120, help="seconds a level may take (default 120)")
     ap.add_argument("--engine", action="store_true",
                     help="also time the engine alone (no HTTP), in wall and in this thread's CPU time")
+    ap.add_argument("--raw-repeat", type=int, default=5,
+                    help="with --engine: requests of one stream through a minimal client, per server (default 5)")
     ap.add_argument("--dtype", default="float32",
                     help="our server's --dtype (default float32; with --llama-server: each --gguf type's)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
@@ -283,9 +323,11 @@ def main() -> int:
                     for r in eng:
                         r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
                     report.setdefault("engine", {})[ours] = eng
-                    if levels[0] == 1:  # the HTTP path's cost of one stream
-                        http = report["models"][ours][0]["tok_s"]
-                        report.setdefault("http_vs_engine_1", {})[ours] = http / eng[0]["tok_s"]
+                    if levels[0] == 1:  # the HTTP path's cost of one stream (httpx, and a minimal client)
+                        one = report["models"][ours][0]
+                        report.setdefault("http_vs_engine_1", {})[ours] = one["tok_s"] / eng[0]["tok_s"]
+                        if one.get("raw", {}).get("ok"):
+                            report.setdefault("raw_vs_engine_1", {})[ours] = one["raw"]["tok_s"] / eng[0]["tok_s"]
     report["load_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(report))
@@ -308,6 +350,12 @@ def main() -> int:
         if name in report.get("http_vs_engine_1", {}):
             print(f"{'':>8} one stream over HTTP: {report['http_vs_engine_1'][name]:.2f}x the engine alone's tok/s "
                   "(wall; the HTTP path's cost is 1 minus it)")
+        raw = rows[0].get("raw") if rows else None
+        if raw:
+            print(f"{'':>8} one stream, a minimal client: " + (
+                f"{raw['tok_s']:.1f} tok/s, ttft {raw['ttft_ms']:.0f}ms" if raw["ok"] else "failed") + (
+                f", {report['raw_vs_engine_1'][name]:.2f}x the engine alone's" if name in
+                report.get("raw_vs_engine_1", {}) else ""))
         if name in report.get("vs_llama_server", {}):
             print(f"{'':>8} ours / llama-server (the row above it): " + ", ".join(
                 f"{c} clients {v:.2f}x" for c, v in zip(levels, report["vs_llama_server"][name]) if v))

@@ -483,9 +483,10 @@ def test_dispatcher_hands_a_flowing_stream_over_in_batches():
     assert again == [51]
 
 
-def test_dispatcher_hands_a_jobs_last_event_over_at_once():
-    """While a stream flows (the window's timer running), a job's last event does not wait for the window:
-    it and what came before it reach the queue at once."""
+def test_dispatcher_hands_a_jobs_first_token_and_last_event_over_at_once():
+    """While the window's timer runs (a prompt event opened it, or a stream flows), an event put `now` (a
+    job's first token, its last event) does not wait for the window: it and what came before it reach the
+    queue at once."""
     import asyncio
 
     from nanoeuler.serve.app import Dispatcher
@@ -496,7 +497,26 @@ def test_dispatcher_hands_a_jobs_last_event_over_at_once():
         d.put(q, 0)
         first = await asyncio.wait_for(q.get(), 1)  # the first event: at once; the 5 s window starts
         d.put(q, 1)
-        d.put(q, "done", last=True)
+        d.put(q, "done", now=True)
         end = await asyncio.wait_for(q.get(), 1)    # not 5 s later
         return first, end
     assert asyncio.run(main()) == ([0], [1, "done"])
+
+
+def test_a_jobs_first_token_and_end_are_handed_over_at_once(monkeypatch):
+    """Run.add marks a job's first token and its done / error events `now`, its prompt event and later tokens
+    not (the prompt event, just before the first token, opened a window the first token used to wait out)."""
+    from nanoeuler.serve import app as serve_app
+    calls = []
+
+    class Recorder:
+        def put(self, queue, item, now=False):
+            calls.append((item[1], now))
+    run = serve_app.Run(batcher=None, dispatcher=Recorder())
+    choice = type("C", (), {})()
+    monkeypatch.setattr(serve_app, "Job",
+                        lambda on_event, **job: type("J", (), {"on_event": staticmethod(on_event)}))
+    run.add(choice)
+    for kind, args in [("prompt", ()), ("token", (5, None, None)), ("token", (6, None, None)), ("done", ("length",))]:
+        choice.job.on_event(kind, *args)
+    assert calls == [("prompt", False), ("token", True), ("token", False), ("done", True)]

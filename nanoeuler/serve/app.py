@@ -184,7 +184,8 @@ class Dispatcher:
     so a first token is not delayed), and while events keep coming the loop collects them itself every
     WINDOW seconds (a timer of its own): each request's queue gets one list per batch, and the HTTP path
     (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token. A job's
-    last event (done, error) wakes the loop at once too: a request's end never waits for the window.
+    first token and its last event (done, error) wake the loop at once too: neither a reply's start (its
+    prompt event opens a window just before the first token) nor its end waits for the window.
     Without it one stream over HTTP ran at 0.4-0.6x the engine alone on `big` (2 shared cores)."""
 
     WINDOW = 0.01  # seconds: at most this late does a token reach its request while a stream flows
@@ -195,11 +196,11 @@ class Dispatcher:
         self.scheduled = False
         self.timer: asyncio.TimerHandle | None = None  # the next look, while events flow (loop thread only)
 
-    def put(self, queue: asyncio.Queue, item, last: bool = False) -> None:
-        """From the engine thread: item for queue; last: the job's final event (hand it over now)."""
+    def put(self, queue: asyncio.Queue, item, now: bool = False) -> None:
+        """From the engine thread: item for queue; now: hand it over at once (a job's first token, its end)."""
         with self.lock:
             self.items.append((queue, item))
-            if self.scheduled and not last:
+            if self.scheduled and not now:
                 return
             self.scheduled = True
         try:
@@ -246,8 +247,13 @@ class Run:
         self.choices: list[Choice] = []
 
     def add(self, choice: Choice, **job) -> None:
+        started = []  # the job's first token has been handed over
+
         def on_event(kind, *args, _i=len(self.choices)):
-            self.dispatcher.put(self.queue, (_i, kind, args), last=kind in ("done", "error"))
+            now = kind in ("done", "error") or (kind == "token" and not started)
+            if kind == "token":
+                started.append(True)
+            self.dispatcher.put(self.queue, (_i, kind, args), now=now)
         choice.job = Job(on_event=on_event, **job)
         self.choices.append(choice)
 
