@@ -117,12 +117,18 @@ def stop(proc) -> None:
         proc.kill()
 
 
+def completion_request(prompt: str, tokens: int, seed: int) -> dict:
+    """The body of every benchmark request: a streamed completion of exactly `tokens` tokens (ignore_eos),
+    its usage in the last chunk."""
+    return {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
 def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float) -> dict:
     """One streamed completion through a bare socket: the request in one write (TCP_NODELAY), the reply read
     until the server closes it. -> {"ok", "wall_s", "ttft"}; ok: status 200 and the stream's [DONE]."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
-                       "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps(completion_request(prompt, tokens, seed)).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     reply, ttft = b"", None
@@ -186,8 +192,7 @@ def llama_server_rows(ckpt: Path, label: str, gguf_type: str, levels: list[int],
 
 
 async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = completion_request(prompt, tokens, seed)
     t0 = time.perf_counter()
     stamps, n_tokens, done, status = [], 0, False, None
     try:
