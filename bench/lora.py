@@ -8,7 +8,8 @@ for every engine. Engines:
 
     ours-lora   nanoeuler's fused LoRA step (lora.LoraModel): the frozen weights' products plus the adapters'
                 on the fly, adapters' dA, dB from each linear's dy and x, no dW of frozen weights, AdamW
-                moments for the adapters only
+                moments for the adapters only; the base saved to a temporary checkpoint and loaded from it
+                as `sft --lora` loads it (mapped: what the workspace packs or stacks leaves memory)
     ours-full   nanoeuler's full fine-tuning step (Model.loss_and_grads + AdamW on every weight)
     peft-lora   transformers' GPT2LMHeadModel / LlamaForCausalLM + peft.get_peft_model, the same targets,
                 rank and alpha, torch.optim.AdamW on the adapters
@@ -35,11 +36,14 @@ in one step, beside its FLOPs and rate: where the time goes beyond the bound.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,33 +87,39 @@ def flops(model_name: str, B: int, T: int, rank: int) -> dict:
 def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     import numpy as np
 
-    from nanoeuler.adapters import LoraConfig, init_adapters
+    from nanoeuler.adapters import LoraConfig
     from nanoeuler.config import Config
     from nanoeuler.lora import LoraModel
-    from nanoeuler.model import Model
     from nanoeuler.optim import AdamW
-    fields, targets, _ = MODELS[model_name]
-    cfg = Config(**fields)
-    base = Model.init(cfg, seed=0)
+    cfg = Config(**MODELS[model_name][0])
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
     precision = "bf16" if engine.endswith("-bf16") else "f32"
     if engine.startswith("ours-full"):
-        base.set_precision(precision)
-        model, grads = base, base.grad_buffers()
+        model = random_base(model_name).set_precision(precision)
+        grads = model.grad_buffers()
         opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
         def step():
             model.loss_and_grads(tokens, out=grads)
             opt.step(model.params, grads)
         return step
-    lcfg = LoraConfig(rank, 2.0 * rank, targets)
-    model = LoraModel(base, lcfg, init_adapters(cfg, lcfg, 0), {"path": "", "sha256": ""}).set_precision(precision)
+    base_dir = Path(tempfile.mkdtemp(prefix="lora-base-"))   # as `sft --lora` does: the base from its checkpoint,
+    atexit.register(shutil.rmtree, base_dir, True)           # saved by another process (none of it held here)
+    subprocess.run([sys.executable, __file__, "--save-base", model_name, str(base_dir)], check=True)
+    model = LoraModel.new(base_dir, LoraConfig(rank, 2.0 * rank, MODELS[model_name][1])).set_precision(precision)
     opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
     def step():
         _, _, grads = model.loss_and_grads(tokens)
         opt.step(model.params, grads)
     return step
+
+
+def random_base(model_name: str):
+    """The model's shape with random weights (seed 0)."""
+    from nanoeuler.config import Config
+    from nanoeuler.model import Model
+    return Model.init(Config(**MODELS[model_name][0]), seed=0)
 
 
 def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool):
@@ -236,7 +246,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also where one step of ours spends its CPU time")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
+    ap.add_argument("--save-base", nargs=2, metavar=("MODEL", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.save_base:
+        random_base(args.save_base[0]).save(args.save_base[1])
+        return
     if args.worker:
         print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps, args.profile)))
         return

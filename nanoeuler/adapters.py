@@ -192,8 +192,9 @@ def read_adapter_run(run_dir, read_only: bool = False) -> tuple[LoraConfig, dict
     return lcfg, base, read_tensors(member(run_dir, ADAPTER_FILE, journal), "adapters")
 
 
-def load_base(run_dir, base: dict) -> tuple[Config, dict]:
-    """The base checkpoint an adapter run points to, refused when its content is not what was fine-tuned."""
+def load_base(run_dir, base: dict, mapped: bool = False) -> tuple[Config, dict]:
+    """The base checkpoint an adapter run points to, refused when its content is not what was fine-tuned.
+    mapped: its params are read-only views of its weights file (checkpoint.map_tensors)."""
     from .checkpoint import load_model
     path = Path(base["path"])
     if is_adapter_run(path):
@@ -203,7 +204,7 @@ def load_base(run_dir, base: dict) -> tuple[Config, dict]:
     if base_fingerprint(path) != base["sha256"]:
         raise UserError(f"{run_dir}: the base checkpoint {path} changed since the adapters were trained "
                         f"(sha256 differs); the adapters only fit the original weights")
-    return load_model(path, read_only=True)
+    return load_model(path, read_only=True, mapped=mapped)
 
 
 def load_merged(run_dir, read_only: bool = False) -> tuple[Config, dict]:

@@ -263,16 +263,66 @@ def save_model(run_dir, config: Config, params: dict[str, np.ndarray], tokenizer
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def read_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
-    """Load a safetensors file into writable numpy arrays; any defect is a one-line UserError."""
+def read_tensors(path: Path, what: str, mapped: bool = False) -> dict[str, np.ndarray]:
+    """Load a safetensors file into writable numpy arrays; any defect is a one-line UserError.
+    mapped: read-only arrays over a read-only map of the file instead (`map_tensors`)."""
     from safetensors.numpy import load_file
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what}: {path} not found")
+    if mapped:
+        return map_tensors(path, what)
     try:
         return {n: np.array(a) for n, a in load_file(str(path)).items()}
     except Exception as e:  # safetensors raises several types for truncated / foreign files
         raise UserError(f"{what}: {path} is corrupt or not a safetensors file ({str(e).splitlines()[0][:120]})") from None
+
+
+def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only arrays over one read-only map of it: their bytes are
+    the file's, in memory only while (and once) read, and `drop_pages` lets them go again. Files are only
+    ever replaced by rename (save_files), never written in place, so the map keeps the bytes it was opened on.
+
+        params = map_tensors(Path("runs/small/model.safetensors"), "weights")   # nothing read yet
+    """
+    import mmap
+
+    from .interop.safetensors_io import DTYPES, read_header
+    try:
+        header, start = read_header(path)
+    except UserError as e:
+        raise UserError(f"{what}: {e}") from None
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # the map outlives the descriptor
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] == "BF16":
+            raise UserError(f"{what}: {path}: tensor {name} is bfloat16, which a checkpoint never holds")
+        dt = np.dtype(DTYPES[info["dtype"]]).newbyteorder("<")
+        b, _ = info["data_offsets"]
+        n = int(np.prod(info["shape"], dtype=np.int64))
+        out[name] = np.frombuffer(m, dt, count=n, offset=start + b).reshape(info["shape"])
+    return out
+
+
+def drop_pages(arrays) -> int:
+    """Let this process's memory drop every page of the files that arrays of `map_tensors` view (other arrays
+    are left alone): the pages are read back from the files, the same bytes, when next read. -> bytes dropped."""
+    import mmap
+    maps = {id(m): m for m in map(file_map, arrays) if m is not None}
+    for m in maps.values():
+        m.madvise(mmap.MADV_DONTNEED)
+    return sum(len(m) for m in maps.values())
+
+
+def file_map(a: np.ndarray):
+    """The mmap an array of `map_tensors` views, else None."""
+    import mmap
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return a.obj if isinstance(a, memoryview) and isinstance(a.obj, mmap.mmap) else None
 
 
 def read_json(path: Path, what: str, max_bytes: int = 256 << 20):
@@ -296,13 +346,14 @@ def check_run_dir(run_dir, read_only: bool = False) -> Path:
     return run_dir
 
 
-def load_model(run_dir, read_only: bool = False) -> tuple[Config, dict[str, np.ndarray]]:
-    """(config, params) from a checkpoint directory, validated against each other and finite."""
+def load_model(run_dir, read_only: bool = False, mapped: bool = False) -> tuple[Config, dict[str, np.ndarray]]:
+    """(config, params) from a checkpoint directory, validated against each other and finite.
+    mapped: the params are read-only views of the weights file (`map_tensors`), for a base that stays frozen."""
     from .config import check_params
     run_dir = check_run_dir(run_dir, read_only)
     journal = read_journal(run_dir) if read_only else None
     config = Config.from_dict(read_json(member(run_dir, "config.json", journal), "checkpoint config"))
-    params = read_tensors(member(run_dir, "model.safetensors", journal), "checkpoint weights")
+    params = read_tensors(member(run_dir, "model.safetensors", journal), "checkpoint weights", mapped)
     try:
         check_params(config, params)
         check_finite(params, "weights", "; this checkpoint cannot be used (retrain, or resume from an earlier copy)")

@@ -225,6 +225,21 @@ def pack_weights(ws: Workspace, weights: dict) -> None:
     run_parts(share, len(ws.parts))
 
 
+def copied_weights(ws: Workspace) -> list[str]:
+    """The params a workspace with ws.fixed_weights holds in a form of its own after its first forward (bf16:
+    every product's weight packed; float32: q|k|v and gate|up stacked) and never reads from params again: a
+    frozen base may let their float32 go (checkpoint.drop_pages). The embedding, read by the lookup, never is.
+
+        bf16 euler -> [layers.0.attn.wq.weight, ..., layers.0.ffn.down.weight, ..., heads.0.weight]"""
+    if not (ws.fixed_weights and ws.stacked):
+        return []
+    if ws.bf16:
+        keys = list(ws.packs)
+    else:
+        keys = [f"{s}.{i}" for s in STACKS for i in range(len(getattr(ws, s)))]
+    return [n for k in keys for n in product_weights(k) if n != "embed.weight"]
+
+
 def _stack(W):
     """W, or a list of weights stacked by rows (a new array): [wq [128, 64], wk [32, 64]] -> [160, 64]."""
     return np.concatenate(W) if isinstance(W, list) else W
