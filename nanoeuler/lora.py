@@ -12,6 +12,10 @@ Two ways to a step, the same mathematics (tests/test_lora.py compares them):
   dB and never the [out, in] gradient of a frozen weight (nor the embedding's). DPO's policy runs the
   same way (its workspaces `attach` the adapters).
 
+The base of `new` / `load` is a read-only map of its checkpoint (checkpoint.map_tensors): once the first step
+has packed (bf16) or stacked (float32 q|k|v, gate|up) the frozen matrices, their float32 pages leave memory
+(`_drop_copied`) and only merge or the reference path read them back from the file.
+
     model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
     head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
 """
