@@ -334,11 +334,19 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
+def thread_cpu_s(pid: int) -> float:
+    """CPU time so far of process pid's main thread (the server's event loop), from its schedstat (ns)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
 def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
     """One stream's HTTP cost: a server at dtype (engine_server), then --pairs pairs, each the same greedy job
     of --tokens tokens on the same prompt run first by the engine alone in the server's process, then over
     HTTP through raw_stream (wall from the request's write to [DONE], TTFT included on both sides); two
-    untimed pairs first. -> the pairs' figures, and cost: the median of HTTP wall / engine wall, minus 1."""
+    untimed pairs first. -> the pairs' figures, and cost: the median of HTTP wall / engine wall, minus 1.
+    loop_cpu_s: the event loop thread's CPU time over each request (the engine's: its request to the route),
+    which a loaded machine distorts less than wall time."""
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.infer.session import truncate_left
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -347,20 +355,24 @@ def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
     pairs = []
     try:
         for i in range(2 + args.pairs):
+            c0 = thread_cpu_s(proc.pid)
             e = post_json(url + "/bench/engine", {"ids": ids, "max_tokens": args.tokens}, args.level_timeout)
+            c1 = thread_cpu_s(proc.pid)
             h = raw_stream(url, prompt, args.tokens, i, args.level_timeout, temperature=0.0)
+            c2 = thread_cpu_s(proc.pid)
             if not (e["ok"] and h["ok"] and e["pid"] == proc.pid and h["usage"]["prompt_tokens"] == len(ids)):
                 raise SystemExit(f"a pair failed or did not run the same job: engine {e}, HTTP {h}")
             if i >= 2:
                 pairs.append({"engine_s": e["wall_s"], "engine_ttft_s": e["ttft_s"], "http_s": h["wall_s"],
-                              "http_ttft_s": h["ttft"]})
+                              "http_ttft_s": h["ttft"], "engine_loop_cpu_s": c1 - c0, "http_loop_cpu_s": c2 - c1})
     finally:
         stop(proc)
     costs = [p["http_s"] / p["engine_s"] - 1 for p in pairs]
     med = (lambda k: float(np.median([p[k] for p in pairs])))
     return {"dtype": dtype, "tokens": args.tokens, "prompt_tokens": len(ids), "pairs": pairs,
             "cost": float(np.median(costs)), "cost_min": min(costs), "cost_max": max(costs),
-            **{k: med(k) for k in ("engine_s", "engine_ttft_s", "http_s", "http_ttft_s")}}
+            **{k: med(k) for k in ("engine_s", "engine_ttft_s", "http_s", "http_ttft_s", "engine_loop_cpu_s",
+                                   "http_loop_cpu_s")}}
 
 
 def llama_server_stream(ckpt: Path, dtype: str, args, prompt: str, tmp: Path) -> dict:
@@ -393,6 +405,8 @@ def print_http_cost(name: str, r: dict) -> None:
           f"{len(r['pairs'])} pairs (engine alone in the server's process, then over HTTP)")
     print(f"  engine alone: {ms(r['engine_s'])} (TTFT {ms(r['engine_ttft_s'])}); over HTTP: {ms(r['http_s'])} "
           f"(TTFT {ms(r['http_ttft_s'])}); medians")
+    print(f"  the event loop thread's CPU time over a request: {ms(r['http_loop_cpu_s'])} over HTTP, "
+          f"{ms(r['engine_loop_cpu_s'])} for the engine route's")
     if "llama_server" in r:
         ls = r["llama_server"]
         print(f"  llama-server, the same stream on the same model's GGUF: {ms(ls['http_s'])} (TTFT "
