@@ -15,11 +15,14 @@ prompts, all starting together. Reported per level:
 `x1` is tok/s relative to the single-stream level of the same model, measured in the same run. The
 machine's load average is printed: on a shared machine compare ratios, not absolute numbers. --engine
 adds the engine alone at each served dtype (no HTTP, jobs stepped in this process), timed also in CPU
-time, which a shared machine does not distort as much, and one stream's HTTP tok/s ÷ the engine's (its
-HTTP path costs 1 minus it); and, for every server, one stream through a minimal client (`raw_stream`: the
-request in one socket write, the reply read to the end, no HTTP library: the median of --raw-repeat requests),
-so the server's own HTTP path is told apart from the client's (httpx's per-request cost, ~25 ms here, is
-part of every level's figures, ours and llama-server's alike).
+time, which a shared machine does not distort as much; and, for every server, one stream through a minimal
+client (`raw_stream`: the request in one socket write, the reply read to its [DONE], no HTTP library: the
+median of --raw-repeat requests), so the server's own HTTP path is told apart from the client's (httpx's
+per-request cost, ~25 ms here, is part of every level's figures, ours and llama-server's alike).
+--http-cost measures instead what the HTTP path costs one stream: the server runs with one route more
+(engine_server), through which the same greedy job goes straight to the server's own engine (same
+process, engine thread, decoding threads); pairs alternate engine alone, then HTTP (raw_stream), and the
+median of HTTP wall / engine wall - 1 is "HTTP cost of one stream" (TTFT is inside both walls).
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
@@ -29,6 +32,7 @@ Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeou
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
     .venv/bin/python bench/serve.py --ckpt runs/small --clients 1,16 --json
     .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server path/to/llama-server
+    .venv/bin/python bench/serve.py --http-cost [--llama-server path/to/llama-server]   # big, f32 and q8_0
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
 OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
+GGUF = {v: k for k, v in OURS.items()}  # the GGUF type of our --dtype
+ENGINE_SERVER = "--engine-server"  # argv[1] of this script run as engine_server (by --http-cost)
 
 
 def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
@@ -69,9 +75,11 @@ def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
     return d
 
 
-def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float32"):
-    """`nanoeuler serve` on 127.0.0.1, any free port -> (process, base url)."""
-    cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--port", "0", "--model-name", "bench",
+def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float32", engine_route: bool = False):
+    """`nanoeuler serve` on 127.0.0.1, any free port -> (process, base url); engine_route: served by
+    engine_server (the same server and one route more)."""
+    serve = [str(ROOT / "bench" / "serve.py"), ENGINE_SERVER] if engine_route else ["-m", "nanoeuler", "serve"]
+    cmd = [sys.executable, *serve, "--ckpt", str(ckpt), "--port", "0", "--model-name", "bench",
            "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", "4096"]
     cmd += ["--dtype", dtype] if dtype != "float32" else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -117,21 +125,23 @@ def stop(proc) -> None:
         proc.kill()
 
 
-def completion_request(prompt: str, tokens: int, seed: int) -> dict:
+def completion_request(prompt: str, tokens: int, seed: int, temperature: float = 0.8) -> dict:
     """The body of every benchmark request: a streamed completion of exactly `tokens` tokens (ignore_eos),
-    its usage in the last chunk."""
-    return {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    its usage in the last chunk; llama-server computes every prompt afresh (cache_prompt, which ours ignores:
+    else a repeated prompt would come from its cache)."""
+    return {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": temperature, "seed": seed,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, "cache_prompt": False}
 
 
-def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float) -> dict:
+def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float, temperature: float = 0.8) -> dict:
     """One streamed completion through a bare socket: the request in one write (TCP_NODELAY), the reply read
-    until the server closes it. -> {"ok", "wall_s", "ttft"}; ok: status 200 and the stream's [DONE]."""
+    until its `data: [DONE]` -> {"ok", "wall_s", "ttft", "usage"}: wall_s from the write to [DONE], ttft to
+    the first chunk with text; ok: status 200, [DONE], and the usage chunk's completion_tokens == tokens."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(completion_request(prompt, tokens, seed)).encode()
+    body = json.dumps(completion_request(prompt, tokens, seed, temperature)).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-    reply, ttft = b"", None
+    reply, ttft, wall = b"", None, None
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()
@@ -140,8 +150,13 @@ def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float) ->
             if ttft is None and b'"text"' in chunk:
                 ttft = time.perf_counter() - t0
             reply += chunk
-        wall = time.perf_counter() - t0
-    return {"ok": reply.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in reply, "wall_s": wall, "ttft": ttft}
+            if b"data: [DONE]" in reply[-len(chunk) - 16:]:
+                wall = time.perf_counter() - t0
+                break
+    usage = next((json.loads(line[6:])["usage"] for line in reply.decode(errors="replace").splitlines()
+                  if line.startswith("data: {") and '"usage"' in line and json.loads(line[6:]).get("usage")), {})
+    ok = reply.startswith(b"HTTP/1.1 200") and wall is not None and usage.get("completion_tokens") == tokens
+    return {"ok": ok, "wall_s": wall, "ttft": ttft, "usage": usage}
 
 
 def raw_level(url: str, args, prompts: list[str]) -> dict:
@@ -275,6 +290,131 @@ def engine_level(ckpt: Path, clients: int, tokens: int, prompts: list[str], dtyp
     return {"clients": clients, "tok_s": clients * tokens / wall, "cpu_tok_s": clients * tokens / cpu}
 
 
+def engine_server(argv: list[str]) -> int:
+    """`nanoeuler serve ARGV` in this process, with one route more: POST /bench/engine {"ids", "max_tokens"}
+    submits one greedy job straight to the server's own Batcher, and times it by the engine thread's events:
+    {"wall_s": submit -> the job's end, "ttft_s": submit -> its first token, "pid"}. So the engine alone runs
+    where a request's job runs: the same process, engine thread, decoding threads and switch interval; only
+    the HTTP path (request, tokenizing, event hand-over, SSE, socket) is left out. The route is the bench's:
+    `nanoeuler serve` has none."""
+    import asyncio
+
+    from nanoeuler.cli import build_parser
+    from nanoeuler.cli.serve import prepare
+    from nanoeuler.infer.engine import Job
+    from nanoeuler.serve.app import run_server
+    args = build_parser().parse_args(["serve", *argv])
+    app, sock = prepare(args)
+
+    @app.post("/bench/engine")
+    async def engine_alone(body: dict):
+        loop, stamps = asyncio.get_running_loop(), {}
+        ended = loop.create_future()
+
+        def on_event(kind, *_):
+            now = time.perf_counter()
+            if kind == "token":
+                stamps.setdefault("first", now)
+            elif kind in ("done", "error"):
+                stamps["end"] = now
+                loop.call_soon_threadsafe(ended.set_result, kind)
+        t0 = time.perf_counter()
+        app.state.batcher.submit(Job(ids=body["ids"], max_tokens=body["max_tokens"], on_event=on_event))
+        ok = await ended == "done"
+        return {"ok": ok, "wall_s": stamps["end"] - t0, "ttft_s": stamps.get("first", stamps["end"]) - t0,
+                "pid": os.getpid()}
+    run_server(app, sock, args.log_level)
+    return 0
+
+
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    import urllib.request
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def thread_cpu_s(pid: int) -> float:
+    """CPU time so far of process pid's main thread (the server's event loop), from its schedstat (ns)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
+    """One stream's HTTP cost: a server at dtype (engine_server), then --pairs pairs, each the same greedy job
+    of --tokens tokens on the same prompt run first by the engine alone in the server's process, then over
+    HTTP through raw_stream (wall from the request's write to [DONE], TTFT included on both sides); two
+    untimed pairs first. -> the pairs' figures, and cost: the median of HTTP wall / engine wall, minus 1.
+    loop_cpu_s: the event loop thread's CPU time over each request (the engine's: its request to the route),
+    which a loaded machine distorts less than wall time."""
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.infer.session import truncate_left
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ids = truncate_left(load_tokenizer(ckpt, read_only=True).encode(prompt, add_bos=True), cfg["ctx_len"])[0]
+    proc, url = start_server(ckpt, args.max_batch, 64, dtype, engine_route=True)
+    pairs = []
+    try:
+        for i in range(2 + args.pairs):
+            c0 = thread_cpu_s(proc.pid)
+            e = post_json(url + "/bench/engine", {"ids": ids, "max_tokens": args.tokens}, args.level_timeout)
+            c1 = thread_cpu_s(proc.pid)
+            h = raw_stream(url, prompt, args.tokens, i, args.level_timeout, temperature=0.0)
+            c2 = thread_cpu_s(proc.pid)
+            if not (e["ok"] and h["ok"] and e["pid"] == proc.pid and h["usage"]["prompt_tokens"] == len(ids)):
+                raise SystemExit(f"a pair failed or did not run the same job: engine {e}, HTTP {h}")
+            if i >= 2:
+                pairs.append({"engine_s": e["wall_s"], "engine_ttft_s": e["ttft_s"], "http_s": h["wall_s"],
+                              "http_ttft_s": h["ttft"], "engine_loop_cpu_s": c1 - c0, "http_loop_cpu_s": c2 - c1})
+    finally:
+        stop(proc)
+    costs = [p["http_s"] / p["engine_s"] - 1 for p in pairs]
+    med = (lambda k: float(np.median([p[k] for p in pairs])))
+    return {"dtype": dtype, "tokens": args.tokens, "prompt_tokens": len(ids), "pairs": pairs,
+            "cost": float(np.median(costs)), "cost_min": min(costs), "cost_max": max(costs),
+            **{k: med(k) for k in ("engine_s", "engine_ttft_s", "http_s", "http_ttft_s", "engine_loop_cpu_s",
+                                   "http_loop_cpu_s")}}
+
+
+def llama_server_stream(ckpt: Path, dtype: str, args, prompt: str, tmp: Path) -> dict:
+    """llama-server on our GGUF export of ckpt at dtype's type: --pairs greedy streams through raw_stream
+    (two untimed first) -> the medians of their wall and TTFT."""
+    from nanoeuler import Model
+    from nanoeuler.checkpoint import load_tokenizer
+    from nanoeuler.interop.gguf_export import export_gguf
+    model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
+    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{dtype}.gguf", GGUF.get(dtype, dtype), force=True,
+                       progress=False)
+    try:
+        proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)
+        try:
+            runs = [raw_stream(url, prompt, args.tokens, i, args.level_timeout, temperature=0.0)
+                    for i in range(2 + args.pairs)][2:]
+        finally:
+            stop(proc)
+    finally:
+        path.unlink()
+    if not all(r["ok"] for r in runs):
+        raise SystemExit(f"a llama-server stream failed: {runs}")
+    return {"http_s": float(np.median([r["wall_s"] for r in runs])),
+            "http_ttft_s": float(np.median([r["ttft"] for r in runs]))}
+
+
+def print_http_cost(name: str, r: dict) -> None:
+    ms = (lambda s: f"{s * 1000:.1f} ms")
+    print(f"\n{name}: one stream, {r['tokens']} greedy tokens after a {r['prompt_tokens']}-token prompt, "
+          f"{len(r['pairs'])} pairs (engine alone in the server's process, then over HTTP)")
+    print(f"  engine alone: {ms(r['engine_s'])} (TTFT {ms(r['engine_ttft_s'])}); over HTTP: {ms(r['http_s'])} "
+          f"(TTFT {ms(r['http_ttft_s'])}); medians")
+    print(f"  the event loop thread's CPU time over a request: {ms(r['http_loop_cpu_s'])} over HTTP, "
+          f"{ms(r['engine_loop_cpu_s'])} for the engine route's")
+    if "llama_server" in r:
+        ls = r["llama_server"]
+        print(f"  llama-server, the same stream on the same model's GGUF: {ms(ls['http_s'])} (TTFT "
+              f"{ms(ls['http_ttft_s'])}); ours over HTTP / it: {r['http_s'] / ls['http_s']:.2f}x the time")
+    print(f"  HTTP cost of one stream: {r['cost'] * 100:.1f} % (median of {len(r['pairs'])} pairs; range "
+          f"{r['cost_min'] * 100:.1f} .. {r['cost_max'] * 100:.1f} %)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint to serve (repeatable)")
@@ -289,8 +429,14 @@ def main() -> int:
                     help="also time the engine alone (no HTTP), in wall and in this thread's CPU time")
     ap.add_argument("--raw-repeat", type=int, default=5,
                     help="with --engine: requests of one stream through a minimal client, per server (default 5)")
-    ap.add_argument("--dtype", default="float32",
-                    help="our server's --dtype (default float32; with --llama-server: each --gguf type's)")
+    ap.add_argument("--dtype", default=None,
+                    help="our server's --dtype (default float32; with --llama-server: each --gguf type's; with "
+                         "--http-cost: a comma list, default float32,q8_0)")
+    ap.add_argument("--http-cost", action="store_true",
+                    help="instead of the levels: one stream's HTTP cost, the same greedy job by the engine alone in "
+                         "the server's process and over HTTP, --pairs interleaved pairs at each --dtype (with "
+                         "--llama-server: its time for the same stream too)")
+    ap.add_argument("--pairs", type=int, default=9, help="with --http-cost: timed pairs per dtype (default 9)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
     ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")
@@ -301,6 +447,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.ckpt, args.preset, args.clients = [], None, "1,16"
+    if args.pairs < 1:
+        raise SystemExit("--pairs must be >= 1")
+    if not args.http_cost:
+        args.dtype = args.dtype or "float32"
     presets = ["big"] if args.preset is None else [p for p in args.preset if p]
     levels = [int(c) for c in args.clients.split(",")]
     from nanoeuler.data.corpus import bundled_works
@@ -311,6 +461,13 @@ def main() -> int:
         models = [(Path(c).name, Path(c)) for c in args.ckpt]
         models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
         for name, ckpt in models:
+            if args.http_cost:
+                for dtype in (args.dtype or "float32,q8_0").split(","):
+                    r = http_cost(ckpt, dtype, args, prompts[0])
+                    if args.llama_server:
+                        r["llama_server"] = llama_server_stream(ckpt, dtype, args, prompts[0], Path(tmp))
+                    report.setdefault("http_cost", {})[f"{name} {dtype}"] = r
+                continue
             # with llama-server: ours at each --gguf type's dtype, each followed by llama-server on that file
             pairs = [(OURS.get(t, t), t) for t in args.gguf.split(",")] if args.llama_server else [(args.dtype, None)]
             for dtype, gguf_type in pairs:
@@ -328,17 +485,14 @@ def main() -> int:
                     for r in eng:
                         r["x1_cpu"] = r["cpu_tok_s"] / eng[0]["cpu_tok_s"] if eng[0]["clients"] == 1 else None
                     report.setdefault("engine", {})[ours] = eng
-                    if levels[0] == 1:  # the HTTP path's cost of one stream (httpx, and a minimal client)
-                        one = report["models"][ours][0]
-                        report.setdefault("http_vs_engine_1", {})[ours] = one["tok_s"] / eng[0]["tok_s"]
-                        if one.get("raw", {}).get("ok"):
-                            report.setdefault("raw_vs_engine_1", {})[ours] = one["raw"]["tok_s"] / eng[0]["tok_s"]
     report["load_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"load average before {report['load_before'][0]:.1f}, after {report['load_after'][0]:.1f}; "
-          f"{args.tokens} tokens x {args.requests} request(s) per client")
+    print(f"load average before {report['load_before'][0]:.1f}, after {report['load_after'][0]:.1f}"
+          + ("" if args.http_cost else f"; {args.tokens} tokens x {args.requests} request(s) per client"))
+    for name, r in report.get("http_cost", {}).items():
+        print_http_cost(name, r)
     for name, rows in report["models"].items():
         print(f"\n{name}")
         print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'tpot p50':>9} {'p99':>8} "
@@ -352,15 +506,10 @@ def main() -> int:
         for r in report.get("engine", {}).get(name, []):
             print(f"{'engine':>8} {r['clients']:>3} jobs: {r['tok_s']:>8.1f} tok/s wall, {r['cpu_tok_s']:>8.1f} tok/s "
                   f"of CPU time (x{r['x1_cpu'] or 0:.2f})")
-        if name in report.get("http_vs_engine_1", {}):
-            print(f"{'':>8} one stream over HTTP: {report['http_vs_engine_1'][name]:.2f}x the engine alone's tok/s "
-                  "(wall; the HTTP path's cost is 1 minus it)")
         raw = rows[0].get("raw") if rows else None
         if raw:
             print(f"{'':>8} one stream, a minimal client: " + (
-                f"{raw['tok_s']:.1f} tok/s, ttft {raw['ttft_ms']:.0f}ms" if raw["ok"] else "failed") + (
-                f", {report['raw_vs_engine_1'][name]:.2f}x the engine alone's" if name in
-                report.get("raw_vs_engine_1", {}) else ""))
+                f"{raw['tok_s']:.1f} tok/s, ttft {raw['ttft_ms']:.0f}ms" if raw["ok"] else "failed"))
         if name in report.get("vs_llama_server", {}):
             print(f"{'':>8} ours / llama-server (the row above it): " + ", ".join(
                 f"{c} clients {v:.2f}x" for c, v in zip(levels, report["vs_llama_server"][name]) if v))
@@ -368,4 +517,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(engine_server(sys.argv[2:]) if sys.argv[1:2] == [ENGINE_SERVER] else main())

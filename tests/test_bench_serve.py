@@ -1,8 +1,10 @@
-"""bench/serve.py against a server that cannot finish a level in time: it reports the levels it measured and
-says which were not, exit code 0, no traceback (it used to end with asyncio's TimeoutError)."""
+"""bench/serve.py: a level past its timeout ends the run with a line (it used to end with asyncio's
+TimeoutError), the minimal client's stream, and --http-cost's pairs."""
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_fixtures import shared_checkpoint  # noqa: E402
@@ -23,7 +25,7 @@ def test_a_level_past_its_timeout_ends_the_run_with_a_line_not_a_traceback():
 
 def test_one_stream_through_a_minimal_client_is_measured_beside_the_engine():
     """--engine also times one stream through a bare socket (the server's HTTP path without a client
-    library's cost): every request completes ([DONE], status 200), and its ratio to the engine is reported."""
+    library's cost): every request completes ([DONE], status 200, every token counted in its usage)."""
     import json
     ckpt = shared_checkpoint()[0]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--ckpt", ckpt, "--preset", "",
@@ -34,4 +36,28 @@ def test_one_stream_through_a_minimal_client_is_measured_beside_the_engine():
     (name, rows), = report["models"].items()
     raw = rows[0]["raw"]
     assert raw["ok"] and raw["tok_s"] > 0 and raw["ttft_ms"] > 0
-    assert report["raw_vs_engine_1"][name] == raw["tok_s"] / report["engine"][name][0]["tok_s"]
+    assert report["engine"][name][0]["tok_s"] > 0
+
+
+def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs(capsys):
+    """--http-cost: a server with the bench's engine route; --pairs pairs of the same greedy job (the
+    engine alone in the server's process, then over HTTP: the bench exits non-zero if the route ran in
+    another process or the HTTP reply's usage differs); the cost is the median of the pairs' ratios."""
+    import json
+    ckpt = shared_checkpoint()[0]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--ckpt", ckpt, "--preset", "",
+                        "--http-cost", "--dtype", "float32", "--pairs", "3", "--tokens", "16", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (name, cost), = json.loads(r.stdout)["http_cost"].items()
+    assert name.endswith("float32") and cost["tokens"] == 16 and cost["prompt_tokens"] > 1
+    pairs = cost["pairs"]
+    assert len(pairs) == 3
+    for p in pairs:
+        assert 0 < p["engine_ttft_s"] < p["engine_s"] and 0 < p["http_ttft_s"] < p["http_s"]
+    ratios = sorted(p["http_s"] / p["engine_s"] - 1 for p in pairs)
+    assert (cost["cost"], cost["cost_min"], cost["cost_max"]) == pytest.approx((ratios[1], ratios[0], ratios[2]))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve
+    serve.print_http_cost(name, cost)
+    assert f"HTTP cost of one stream: {cost['cost'] * 100:.1f} % (median of 3 pairs" in capsys.readouterr().out

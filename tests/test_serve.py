@@ -520,3 +520,33 @@ def test_a_jobs_first_token_and_end_are_handed_over_at_once(monkeypatch):
     for kind, args in [("prompt", ()), ("token", (5, None, None)), ("token", (6, None, None)), ("done", ("length",))]:
         choice.job.on_event(kind, *args)
     assert calls == [("prompt", False), ("token", True), ("token", False), ("done", True)]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_streams_end_is_one_write(ckpt, route):
+    """The reply's last piece of text, its usage and [DONE] go out in one body message (one socket write:
+    each write wakes the client; they were three), and every message holds whole events."""
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    app, messages = create_app(model, tok, "tiny"), []
+
+    async def recorder(scope, receive, send):
+        async def record(message):
+            if scope["type"] == "http" and message["type"] == "http.response.body" and message.get("body"):
+                messages.append(message["body"].decode())
+            await send(message)
+        await app(scope, receive, record)
+    body = {"model": "tiny", "max_tokens": 12, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    body.update({"prompt": LONG} if route == "completions" else {"messages": [{"role": "user", "content": LONG}]})
+    with ServerThread(recorder) as srv:
+        r = httpx.post(f"{srv.url}/v1/{'completions' if route == 'completions' else 'chat/completions'}",
+                       json=body, timeout=60)
+    assert r.status_code == 200
+    assert all(m.startswith("data: ") and m.endswith("\n\n") for m in messages)
+    last = messages[-1].split("\n\n")[:-1]
+    assert last[-1] == "data: [DONE]"
+    assert json.loads(last[-2][6:])["usage"]["completion_tokens"] == 12
+    assert json.loads(last[-3][6:])["choices"][0]["finish_reason"] == "length"
+    assert "".join(messages) == r.text
+

@@ -46,6 +46,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..serve.app import run_server
+    app, sock = prepare(args)
+    run_server(app, sock, args.log_level)
+    print("nanoeuler serve: stopped", flush=True)
+    return 0
+
+
+def prepare(args):
+    """The checks, the model loaded, the app built and its socket listening, the banner printed -> (app, socket):
+    what `run` serves (bench/serve.py's --http-cost serves it too, with one route of its own added)."""
     from ..errors import UserError
     try:
         import fastapi  # noqa: F401
@@ -64,7 +74,7 @@ def run(args) -> int:
     from ..chat_template import with_template_file
     from ..checkpoint import load_tokenizer
     from ..model import Model
-    from ..serve.app import bind, create_app, run_server
+    from ..serve.app import bind, create_app
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     model = decoding_model(model, args)
     tok = with_template_file(tok, args.chat_template)
@@ -82,9 +92,7 @@ def run(args) -> int:
           f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
     print(f"  {args.max_batch} rows decoded together, KV cache up to {cache_mb:,.0f} MiB; up to {args.max_queue} "
           f"requests wait, more get 429{'; API key required' if args.api_key else ''}", flush=True)
-    run_server(app, sock, args.log_level)
-    print("nanoeuler serve: stopped", flush=True)
-    return 0
+    return app, sock
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

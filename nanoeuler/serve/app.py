@@ -21,9 +21,9 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import random
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextSt
                        render_chat, stop_list, token_text)
 
 STATIC = Path(__file__).parent / "static"
+DONE = "data: [DONE]\n\n"  # a stream's last event
 
 
 class APIError(Exception):
@@ -276,6 +277,10 @@ class Run:
         for c in self.choices:
             c.job.cancel()
 
+    def finished(self) -> bool:
+        """Every choice has its finish_reason."""
+        return all(c.finish_reason is not None for c in self.choices)
+
     async def finish(self, request: Request) -> None:
         """A non-streaming request: wait until every choice has finished (or the client has gone); whatever
         ends the wait, no job is left running."""
@@ -290,7 +295,7 @@ class Run:
         folded into one batch (a client that reads slower than tokens come gets fewer, longer chunks),
         until every choice has finished. request: stop early when that client has gone (non-streaming)."""
         checked = time.monotonic()
-        while any(c.finish_reason is None for c in self.choices):
+        while not self.finished():
             if request is not None and time.monotonic() - checked > 0.5:
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -309,6 +314,12 @@ class Run:
                 text, n = batch.get(c, ("", 0))
                 batch[c] = (text + piece, n + n_lp)
             yield batch
+
+
+def request_id() -> str:
+    """24 random hex digits naming a response. Not a secret: Python's generator, not os.urandom, whose system
+    call gives the GIL up on the request's path (the engine thread takes it; the loop then waits for it)."""
+    return f"{random.getrandbits(96):024x}"
 
 
 def end_token(tok) -> str | None:
@@ -440,15 +451,25 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     def sse(obj) -> str:
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
-    def stream_response(gen, run: Run):
+    def stream_response(gen, run: Run, usage_chunk=None):
+        """The SSE reply: gen yields one list of events per batch of engine events, written at once; the list
+        that ends the run takes usage_chunk() (the usage, when asked) and [DONE] with it: the reply's end is
+        one socket write (each write wakes the client, a process on the same cores)."""
         async def body():
             try:
+                ended = False
                 try:
-                    async for piece in gen:
-                        yield piece
+                    async for events in gen:
+                        if run.finished():
+                            events += ([usage_chunk()] if usage_chunk else []) + [DONE]
+                            ended = True
+                        if events:
+                            yield "".join(events)
                 except APIError as e:  # the engine failed on a choice: the stream says so and ends
-                    yield sse(error_body(e.message, e.type, e.param, e.code))
-                yield "data: [DONE]\n\n"
+                    yield sse(error_body(e.message, e.type, e.param, e.code)) + DONE
+                    ended = True
+                if not ended:
+                    yield DONE
             finally:
                 run.cancel()  # the client went away or we are done: free the rows now
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -530,7 +551,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                 c = Choice(len(run.choices), tok, ids, stops, stop_ids(body), chat=False)
                 run.add(c, **job_args(body, ids, max_tokens, body.logprobs, body.echo, j))
         run.submit()
-        rid, now = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        rid, now = "cmpl-" + request_id(), int(time.time())
         notes = {"prompt_truncated_tokens": truncated} if any(truncated) else {}
 
         def chunk(choices, **extra):
@@ -546,6 +567,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             async def gen():
                 first, ended = set(), set()
                 async for batch in run.updates():
+                    events = []
                     for c, (text, n_lp) in batch.items():
                         if c.index in ended:
                             continue
@@ -557,11 +579,13 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                         if not (text or n_lp or c.finish_reason):
                             continue
                         lp = c.completion_logprobs(len(c.logprobs) - n_lp) if body.logprobs is not None else None
-                        yield sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
-                                          "finish_reason": c.finish_reason}], **({"nanoeuler": notes} if notes else {})))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(chunk([], usage=usage(prompts, run.choices)))
-            return stream_response(gen(), run)
+                        events.append(sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
+                                                  "finish_reason": c.finish_reason}],
+                                                **({"nanoeuler": notes} if notes else {}))))
+                    yield events
+            with_usage = body.stream_options and body.stream_options.include_usage
+            return stream_response(gen(), run, (lambda: sse(chunk([], usage=usage(prompts, run.choices))))
+                                   if with_usage else None)
 
         await run.finish(request)
         choices = [{"index": c.index, "text": echo_text(c) + c.text,
@@ -583,7 +607,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             c = Choice(j, tok, ids, stops, stop_ids(body), chat=True)
             run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
         run.submit()
-        rid, now = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        rid, now = "chatcmpl-" + request_id(), int(time.time())
         extra = {"nanoeuler": notes} if notes else {}
 
         def chunk(choices, **more):
@@ -592,25 +616,26 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 
         if body.stream:
             async def gen():
-                for c in run.choices:
-                    yield sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]))
+                yield [sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}])) for c in run.choices]
                 ended = set()
                 async for batch in run.updates():
+                    events = []
                     for c, (piece, n_lp) in batch.items():
                         if c.index in ended:
                             continue
                         lp = c.chat_logprobs(len(c.logprobs) - n_lp) if logprobs is not None and n_lp else None
                         if piece or lp:
-                            yield sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
-                                              "finish_reason": None}]))
+                            events.append(sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                                      "finish_reason": None}])))
                         if c.finish_reason:
                             ended.add(c.index)
-                            yield sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                              "finish_reason": c.finish_reason}]))
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(chunk([], usage=usage([ids], run.choices)))
-            return stream_response(gen(), run)
+                            events.append(sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                                      "finish_reason": c.finish_reason}])))
+                    yield events
+            with_usage = body.stream_options and body.stream_options.include_usage
+            return stream_response(gen(), run, (lambda: sse(chunk([], usage=usage([ids], run.choices))))
+                                   if with_usage else None)
 
         await run.finish(request)
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
