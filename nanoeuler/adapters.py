@@ -11,6 +11,15 @@ is cut by rows between them). Targets are named as PEFT names the modules, per a
 Parameters are `<module>.lora_A` [r, in] and `<module>.lora_B` [Σ out, r]; A ~ U(±1/√in) (PEFT's
 Kaiming-uniform with a = √5), B = 0, so training starts from the base model exactly.
 
+Whole modules can be trained beside the adapters, as PEFT's `modules_to_save` does: a trainable copy of
+each of their tensors, under its own name, replaces the base's (`saved_names`). Offered on euler:
+
+    lm_head    heads.0.weight (PEFT's lm_head; refused when tied to the embedding: PEFT would train
+               an untied copy of the whole [V, d] embedding, which LoRA exists to avoid)
+    mtp_heads  heads.1.. (euler's multi-token heads, part of the training loss; not in a PEFT export:
+               Hugging Face's Llama has none)
+    norm       every RMSNorm weight (PEFT's "norm" matches them all: it matches module names by suffix)
+
 An adapter run directory holds `lora.json` (rank, alpha, targets, dropout, and the base: its path and
 the sha256 of its config.json + model.safetensors), `adapter.safetensors` and `tokenizer.json`; with a
 training run also `optimizer.safetensors` (moments of the adapters only) and `trainer.json`. Loading
@@ -22,6 +31,7 @@ weight per token).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -51,6 +61,9 @@ TARGETS = {
     },
 }
 DEFAULT_TARGETS = {"euler": ("q", "k", "v", "o", "gate", "up", "down"), "gpt2": ("c_attn", "c_proj", "c_fc")}
+# modules_to_save name -> (the base tensors it trains, a regular expression; its PEFT name or None), euler only
+SAVABLE = {"lm_head": (r"heads\.0\.weight", "lm_head"), "mtp_heads": (r"heads\.[1-9]\d*\.weight", None),
+           "norm": (r"(layers\.\d+\.\w+_)?norm\.weight", "norm")}
 DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site DROPOUT_SITE0 + j (ops/dropout.py)
 
 
@@ -60,6 +73,7 @@ class LoraConfig:
     alpha: float
     targets: tuple[str, ...] = ()   # () = the arch's DEFAULT_TARGETS (filled in by `check`)
     dropout: float = 0.0
+    modules_to_save: tuple[str, ...] = ()   # SAVABLE names: trained whole beside the adapters
 
     @property
     def scale(self) -> float:
@@ -79,10 +93,37 @@ class LoraConfig:
                             f"got {self.rank} and {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        check_modules_to_save(cfg, self.modules_to_save)
         return self
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"targets": list(self.targets)}
+        return asdict(self) | {"targets": list(self.targets), "modules_to_save": list(self.modules_to_save)}
+
+
+def check_modules_to_save(cfg: Config, names: tuple[str, ...]) -> None:
+    """UserError unless every name is a SAVABLE module of this base, given once."""
+    if not names:
+        return
+    if cfg.arch != "euler":
+        raise UserError(f"--lora-modules-to-save: arch {cfg.arch} has none (its output head is the tied embedding)")
+    bad = [n for n in names if n not in SAVABLE]
+    if bad or len(set(names)) != len(names):
+        raise UserError(f"--lora-modules-to-save: {', '.join(bad) or 'a module given twice'}: choose from "
+                        f"{','.join(SAVABLE)}")
+    if "lm_head" in names and cfg.tie_embeddings:
+        raise UserError("--lora-modules-to-save lm_head: this model's output head is its embedding (tied); PEFT "
+                        "would train an untied copy of the whole [V, d] embedding, which is what LoRA avoids: "
+                        "fine-tune fully, or save only norm")
+    if "mtp_heads" in names and cfg.n_mtp == 1:
+        raise UserError("--lora-modules-to-save mtp_heads: this model has no multi-token heads (K = 1)")
+
+
+def saved_names(cfg: Config, lcfg: LoraConfig) -> list[str]:
+    """The base tensors trained whole (modules_to_save), in the config's order.
+
+        saved_names(small, modules_to_save=("lm_head",)) -> ["heads.0.weight"]"""
+    pattern = "|".join(SAVABLE[m][0] for m in lcfg.modules_to_save)
+    return [n for n in cfg.param_shapes() if pattern and re.fullmatch(pattern, n)]
 
 
 def modules(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -108,8 +149,10 @@ def adapter_shapes(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def init_adapters(cfg: Config, lcfg: LoraConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """A ~ U(±1/√in) [r, in] (PEFT's kaiming_uniform_(a=√5)), B = 0 [Σ out, r], for every module."""
+def init_adapters(cfg: Config, lcfg: LoraConfig, seed: int = 0, dtype=np.float32,
+                  base: dict | None = None) -> dict[str, np.ndarray]:
+    """A ~ U(±1/√in) [r, in] (PEFT's kaiming_uniform_(a=√5)), B = 0 [Σ out, r], for every module; and a copy of
+    each saved module's tensors from the base params `base` (needed when lcfg.modules_to_save is set)."""
     rng = np.random.default_rng(seed)
     params = {}
     for name, shape in adapter_shapes(cfg, lcfg).items():
@@ -118,7 +161,7 @@ def init_adapters(cfg: Config, lcfg: LoraConfig, seed: int = 0, dtype=np.float32
             params[name] = rng.uniform(-bound, bound, shape).astype(dtype)
         else:
             params[name] = np.zeros(shape, dtype=dtype)
-    return params
+    return params | {n: np.array(base[n], dtype) for n in saved_names(cfg, lcfg)}
 
 
 def row_slices(cfg: Config, bases: tuple[str, ...]) -> list[slice]:
@@ -131,8 +174,9 @@ def row_slices(cfg: Config, bases: tuple[str, ...]) -> list[slice]:
 
 
 def merge_params(cfg: Config, params: dict, lcfg: LoraConfig, adapters: dict) -> dict[str, np.ndarray]:
-    """The base params with every adapted weight replaced by W + s·B·A (the others shared, not copied)."""
-    merged = dict(params)
+    """The base params with every adapted weight replaced by W + s·B·A and every saved module by its trained
+    copy (the others shared, not copied)."""
+    merged = dict(params) | {n: adapters[n] for n in saved_names(cfg, lcfg)}
     for module, (bases, _) in modules(cfg, lcfg).items():
         A, B = adapters[module + ".lora_A"], adapters[module + ".lora_B"]
         for name, rows in zip(bases, row_slices(cfg, bases)):
@@ -140,8 +184,14 @@ def merge_params(cfg: Config, params: dict, lcfg: LoraConfig, adapters: dict) ->
     return merged
 
 
+def trainable_shapes(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[int, ...]]:
+    """What an adapter run trains: the adapters' shapes and those of the saved modules' tensors."""
+    shapes = cfg.param_shapes()
+    return adapter_shapes(cfg, lcfg) | {n: shapes[n] for n in saved_names(cfg, lcfg)}
+
+
 def check_adapters(cfg: Config, lcfg: LoraConfig, adapters: dict, where) -> None:
-    if {n: a.shape for n, a in adapters.items()} != adapter_shapes(cfg, lcfg):
+    if {n: a.shape for n, a in adapters.items()} != trainable_shapes(cfg, lcfg):
         raise UserError(f"{where}: the adapters do not match lora.json and the base's shapes")
     if not all(np.isfinite(a).all() for a in adapters.values()):
         raise UserError(f"{where}: the adapters hold non-finite values")
@@ -185,7 +235,8 @@ def read_adapter_run(run_dir, read_only: bool = False) -> tuple[LoraConfig, dict
     journal = read_journal(run_dir) if read_only else None
     meta = read_json(member(run_dir, LORA_FILE, journal), "adapter config")
     try:
-        lcfg = LoraConfig(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]), float(meta["dropout"]))
+        lcfg = LoraConfig(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]), float(meta["dropout"]),
+                          tuple(meta.get("modules_to_save", ())))
         base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{run_dir}/{LORA_FILE} is not an adapter config ({e})") from None
@@ -216,7 +267,18 @@ def load_merged(run_dir, read_only: bool = False) -> tuple[Config, dict]:
     return cfg, merge_params(cfg, params, lcfg, adapters)
 
 
+def step_memory(cfg: Config, lcfg: LoraConfig, B: int, T: int) -> dict[str, int]:
+    """memory.training_memory of a LoRA step: gradients and moments of what it trains, the saved modules'
+    tensors held twice (the base's, the trained copy)."""
+    from .memory import training_memory
+    shapes = trainable_shapes(cfg, lcfg)
+    copied = sum(int(np.prod(shapes[n])) for n in saved_names(cfg, lcfg))
+    return training_memory(cfg, B, T, trained=sum(int(np.prod(s)) for s in shapes.values()), copied=copied)
+
+
 def describe(lcfg: LoraConfig, cfg: Config) -> str:
-    """'r=8 α=16 on q,v: 73,728 trainable parameters' (a one-line summary for the CLI)."""
-    n = sum(r * c for r, c in adapter_shapes(cfg, lcfg).values())
-    return f"LoRA r={lcfg.rank} alpha={lcfg.alpha:g} on {','.join(lcfg.targets)}: {n:,} trainable parameters"
+    """'r=8 α=16 on q,v: 73,728 trainable parameters' (a one-line summary for the CLI), with the saved modules
+    ('..., lm_head trained whole: 139,264 trainable parameters')."""
+    n = sum(int(np.prod(s)) for s in trainable_shapes(cfg, lcfg).values())
+    saved = f", {','.join(lcfg.modules_to_save)} trained whole" if lcfg.modules_to_save else ""
+    return f"LoRA r={lcfg.rank} alpha={lcfg.alpha:g} on {','.join(lcfg.targets)}{saved}: {n:,} trainable parameters"

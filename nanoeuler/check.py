@@ -260,9 +260,11 @@ def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
 
 
 # ---- (d) LoRA ---------------------------------------------------------------------------------------
-def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, dropout: float = 0.0) -> list[Row]:
-    """Every adapter tensor (rank 3, every target of the arch) of a float64 model: the adapters' analytic
-    gradients (base frozen) vs finite differences of the objective (with dropout > 0: under fixed masks)."""
+def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, dropout: float = 0.0,
+               modules_to_save: tuple[str, ...] = ()) -> list[Row]:
+    """Every adapter tensor (rank 3, every target of the arch) of a float64 model, and every tensor of the
+    modules trained whole beside them (modules_to_save): the analytic gradients (base frozen) vs finite
+    differences of the objective (with dropout > 0: under fixed masks)."""
     from .adapters import DEFAULT_TARGETS, LoraConfig, init_adapters
     from .lora import LoraModel
     from .model import Model
@@ -270,8 +272,8 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
     base = Model.init(config, seed=seed, dtype=np.float64)
     for p in base.params.values():
         p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
-    lcfg = LoraConfig(3, 3.0, DEFAULT_TARGETS[config.arch], dropout)
-    adapters = init_adapters(config, lcfg, seed, np.float64)
+    lcfg = LoraConfig(3, 3.0, DEFAULT_TARGETS[config.arch], dropout, modules_to_save)
+    adapters = init_adapters(config, lcfg, seed, np.float64, base.params)
     for a in adapters.values():
         a += rng.standard_normal(a.shape) * 0.2  # B = 0 would leave dA = 0: check a trained state
     model = LoraModel(base, lcfg, adapters, {"path": "", "sha256": ""})
@@ -283,7 +285,8 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
     def f():
         return model.reference_objective(tokens, mask, adapter_dropout=drop)[1]
 
-    prefix = f"lora {config.arch}" + (f" dropout {dropout:g}" if dropout else "") + ": "
+    prefix = (f"lora {config.arch}" + (f" dropout {dropout:g}" if dropout else "")
+              + (f" saving {','.join(modules_to_save)}" if modules_to_save else "") + ": ")
     return [check_tensor(prefix + name, f, a, grads[name], rng, n_samples) for name, a in adapters.items()]
 
 

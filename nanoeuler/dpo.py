@@ -321,6 +321,8 @@ class DPOObjective:
             raise UserError(f"a micro-batch of {self.micro} pairs is more than the {len(train)} training pairs")
         self.model, self.cfg, self.reference_model = model, model.config, reference_model
         self.lora = hasattr(model, "engine_adapters")  # a LoraModel (lora.py): the adapters are trained
+        if self.lora and "mtp_heads" in model.lcfg.modules_to_save:
+            raise UserError("--lora-modules-to-save mtp_heads: dpo trains head 0 only (the MTP heads stay as they are)")
         self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
@@ -406,7 +408,7 @@ class DPOObjective:
             (idx, b), scale = batch, 1.0
         self._reference_logprobs(idx, b, isinstance(batch, PairPart))
         ref_c, ref_r = self.reference["train.chosen"], self.reference["train.rejected"]
-        policy = self.model.base.params if self.lora else self.model.params   # LoRA: adapters on the fly
+        policy = self.model.policy.params if self.lora else self.model.params   # LoRA: adapters on the fly
         return dpo_loss_and_grads(self.cfg, policy, b, ref_c[idx], ref_r[idx], self.beta, self.workspaces,
                                   self.nll_weight, scale)
 
@@ -427,7 +429,7 @@ class DPOObjective:
                 ref_c[i], ref_r[i] = c, r
 
     def evaluate(self, max_batches: int) -> dict:
-        policy = self.model.base if self.lora else self.model   # LoRA: the workspaces apply the adapters
+        policy = self.model.policy if self.lora else self.model   # LoRA: the workspaces apply the adapters
         m = evaluate_dpo(policy, self.val, self.reference["val.chosen"], self.reference["val.rejected"],
                          self.beta, self.pad_id, workspaces=self.workspaces)
         return {f"val_{k}": v for k, v in m.items()}

@@ -76,6 +76,10 @@ class LoraModel:
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
         ad.check_adapters(base.config, self.lcfg, adapters, "adapters")
         self.modules = ad.modules(base.config, lcfg)
+        self.whole = ad.saved_names(base.config, self.lcfg)   # modules_to_save: trained whole, in self.params
+        # what a step runs on (adapters aside): the base, each saved module's tensors replaced by the trained
+        # copy in self.params (the same arrays); DPO's reference is `base` itself
+        self.policy = Model(base.config, base.params | {n: adapters[n] for n in self.whole})
         self.engine_adapters = Adapters(base.config, self.lcfg, adapters)   # how the fast engine applies them
         self._ws = None
         self._dropped = None    # the workspace whose own copies replaced the base's pages (_drop_copied)
@@ -89,7 +93,7 @@ class LoraModel:
         base = Model(*load_model(base_dir, read_only=True, mapped=True))
         ref = {"path": str(Path(base_dir).resolve()), "sha256": ad.base_fingerprint(base_dir)}
         lcfg = lcfg.check(base.config)
-        return cls(base, lcfg, ad.init_adapters(base.config, lcfg, seed, base.dtype), ref)
+        return cls(base, lcfg, ad.init_adapters(base.config, lcfg, seed, base.dtype, base.params), ref)
 
     @classmethod
     def load(cls, run_dir) -> "LoraModel":
@@ -153,7 +157,7 @@ class LoraModel:
         from . import fast
         check_tokens(self.config, tokens, extra=self.config.n_mtp)
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        out = fast.loss(self.config, self.base.params, tokens, loss_mask, ws, dropout)
+        out = fast.loss(self.config, self.policy.params, tokens, loss_mask, ws, dropout)
         self._drop_copied(ws)
         return out
 
@@ -161,7 +165,7 @@ class LoraModel:
         """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
         cfg, s = self.config, self.lcfg.scale
         T = tokens.shape[1] - cfg.n_mtp
-        P = dict(self.base.params)
+        P = dict(self.policy.params)
         for j, (module, (bases, _)) in enumerate(self.modules.items()):
             A, B = self.params[module + ".lora_A"], self.params[module + ".lora_B"]
             for name, rows in zip(bases, ad.row_slices(cfg, bases)):
@@ -186,7 +190,7 @@ class LoraModel:
         for module, (bases, _) in self.modules.items():
             grads[module + ".lora_A"] = sum(g[b][0] for b in bases)
             grads[module + ".lora_B"] = np.concatenate([g[b][1] for b in bases])
-        return head_losses[0], objective, grads
+        return head_losses[0], objective, grads | {n: g[n] for n in self.whole}
 
     def _fast_step(self, tokens, loss_mask, dropout, adapter_dropout, counts):
         from . import fast
@@ -195,7 +199,7 @@ class LoraModel:
         self.engine_adapters.drop = adapter_dropout
         try:
             with engine.grad_hook(None):   # what the engine announces are base gradients, not what ranks reduce
-                head0, objective, _ = fast.loss_and_grads(self.config, self.base.params, tokens, loss_mask, ws,
+                head0, objective, _ = fast.loss_and_grads(self.config, self.policy.params, tokens, loss_mask, ws,
                                                           self.engine_adapters.new_step(ws), dropout, counts)
         finally:
             self.engine_adapters.drop = None
@@ -218,6 +222,8 @@ class LoraModel:
         for n in mapped:
             if n not in copied:
                 P[n] = np.array(P[n])
+                if n not in self.whole:     # the policy reads the base's tensors but its saved modules'
+                    self.policy.params[n] = P[n]
         drop_pages(P[n] for n in mapped)
         self._dropped = ws
 
@@ -248,6 +254,7 @@ class Adapters:
     def __init__(self, cfg, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray]):
         self.shapes, self.adapters, self.scale = cfg.param_shapes(), adapters, lcfg.scale
         mods = ad.modules(cfg, lcfg)
+        self.whole = ad.saved_names(cfg, lcfg)   # modules_to_save: trained whole (their tensors in `adapters`)
         self.where = {name: (module, rows) for module, (bases, _) in mods.items()
                       for name, rows in zip(bases, ad.row_slices(cfg, bases))}
         self.site = {module: ad.DROPOUT_SITE0 + j for j, module in enumerate(mods)}
@@ -256,10 +263,12 @@ class Adapters:
         self.saved = {}   # ("u" | "du", module, first batch row) -> [n, r], from forward to grads, grads to dx
 
     def attach(self, ws):
-        """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora)."""
+        """Make the fast engine's workspace ws apply these adapters, with a LoraGrads per part (ws.lora),
+        which form the saved modules' gradients too."""
         ws.adapters = self
-        ws.fixed_weights = True         # the frozen base: stacked and packed once
-        ws.lora = [LoraGrads(self.shapes, self) for _ in ws.parts]
+        ws.fixed_weights = True         # the frozen base: stacked and packed once ...
+        ws.trained_weights = [n for n in self.whole if len(self.shapes[n]) == 2]   # ... these packed every step
+        ws.lora = [LoraGrads(self.shapes, self, self.whole) for _ in ws.parts]
         for w, g in zip(ws.parts[1:], ws.lora[1:]):
             w.grads = g                 # the full gradient set the engine gave the part is dropped
         return ws
@@ -272,12 +281,13 @@ class Adapters:
         return ws.lora[0]
 
     def step_grads(self, ws) -> dict[str, np.ndarray]:
-        """The adapters' gradients of the step: the parts' shares summed in part order (deterministic)."""
+        """The adapters' gradients of the step, the parts' shares summed in part order (deterministic), and
+        the saved modules' (the engine sums those into part 0's)."""
         grads = {n: a.copy() for n, a in ws.lora[0].out.items()}
         for g in ws.lora[1:]:
             for n, a in g.out.items():
                 grads[n] += a
-        return grads
+        return grads | {n: ws.lora[0][n].copy() for n in self.whole}
 
     def forward(self, key, x, out, mm) -> None:
         """out [n, Σ out] += s·(x̃·Aᵀ)·Bᵀ for every adapted stretch of the product `key` (x [n, in])."""
@@ -362,21 +372,26 @@ def batch_row(a) -> int:
 
 class LoraGrads(dict):
     """What the fast engine writes a LoRA step's gradients into: the small ones it writes itself (norms,
-    biases, positions: kept, unused) as a dict, and for every linear, through `engine.weight_grad`, the
-    adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
+    biases, positions: kept, unused unless saved) as a dict, and for every linear, through `engine.weight_grad`,
+    the adapters' dA, dB from that linear's dy [n, out] and x [n, in] (into `out`):
 
         u = x̃·Aᵀ [n, r]     dB = s·dyᵀ·u [out, r]     dA = s·(dy·B)ᵀ·x̃ [r, in]     ~2·n·r·(in + out) flops
 
     in place of dW = dyᵀ·x (n·in·out flops); a frozen weight's gradient is not computed at all, nor the
-    embedding's (no "embed.weight" here: the engine skips it)."""
+    embedding's (no "embed.weight" here: the engine skips it). A saved weight (modules_to_save: an output
+    head) gets its whole dW, as in full fine-tuning."""
 
-    def __init__(self, shapes: dict, adapters: Adapters):
+    def __init__(self, shapes: dict, adapters: Adapters, saved=()):
         dtype = next(iter(adapters.adapters.values())).dtype
-        super().__init__({n: np.zeros(s, dtype) for n, s in shapes.items() if len(s) == 1 or n == "pos_embed.weight"})
-        self.adapters = adapters
-        self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items()}
+        super().__init__({n: np.zeros(s, dtype) for n, s in shapes.items()
+                          if len(s) == 1 or n == "pos_embed.weight" or n in saved})
+        self.adapters, self.whole = adapters, tuple(saved)
+        self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items() if n not in self.whole}
 
     def weight_grad(self, names, dy, x, mm) -> None:
+        if names[0] in self.whole:                                          # a saved head: dyᵀ·x [V, d]
+            mm(dy.T, x, self[names[0]])
+            return
         ad, s, n = self.adapters, dy.dtype.type(self.adapters.scale), dy.shape[0]
         runs = ad.runs(tuple(names))
         row0 = batch_row(x) if runs else 0

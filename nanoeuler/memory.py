@@ -22,12 +22,14 @@ def activation_floats(cfg: Config, B: int, T: int) -> int:
     return cfg.n_layers * per_layer + norm + cfg.n_mtp * N * cfg.vocab_size
 
 
-def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4, trained: int | None = None) -> dict[str, int]:
+def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4, trained: int | None = None,
+                    copied: int = 0) -> dict[str, int]:
     """Bytes of one training step. trained: the parameters that get gradients and AdamW moments (default all;
-    LoRA: the adapters', whose own activations x·Aᵀ, B·T·r per adapted linear, are left out as negligible)."""
+    LoRA: the adapters', whose own activations x·Aᵀ, B·T·r per adapted linear, are left out as negligible,
+    and the saved modules'); copied: parameters held twice (LoRA's saved modules: the base's and the copy)."""
     n = cfg.n_params()
     t = n if trained is None else trained
-    mem = {"weights": n, "gradients": t, "optimizer": 2 * t, "activations": activation_floats(cfg, B, T)}
+    mem = {"weights": n + copied, "gradients": t, "optimizer": 2 * t, "activations": activation_floats(cfg, B, T)}
     mem = {k: v * bytes_per_float for k, v in mem.items()}
     mem["total"] = sum(mem.values())
     return mem

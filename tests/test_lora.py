@@ -11,11 +11,14 @@ from nanoeuler.lora import LoraModel
 from nanoeuler.model import Model
 
 
-def lora_model(arch="euler", dtype=np.float64, seed=0, rank=4, targets=None, trained=True, dropout=0.0):
+SAVE_ALL = ("lm_head", "mtp_heads", "norm")
+
+
+def lora_model(arch="euler", dtype=np.float64, seed=0, rank=4, targets=None, trained=True, dropout=0.0, save=()):
     cfg = tiny_config(arch=arch)
     base = Model.init(cfg, seed=seed, dtype=dtype)
-    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets or ad.DEFAULT_TARGETS[arch], dropout)
-    adapters = ad.init_adapters(cfg, lcfg, seed, dtype)
+    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets or ad.DEFAULT_TARGETS[arch], dropout, save)
+    adapters = ad.init_adapters(cfg, lcfg, seed, dtype, base.params)
     if trained:
         rng = np.random.default_rng(seed + 1)
         for a in adapters.values():
@@ -40,22 +43,27 @@ def test_lora_op_equals_merged_linear_and_its_check_rows_pass():
     assert len(rows) == 6 and max(r.max_rel_error for r in rows) < TOLERANCE
 
 
-@pytest.mark.parametrize("config,dropout", [(None, 0.0), (GPT2_CHECK_CONFIG, 0.0), (None, 0.25)])
-def test_adapter_gradients_match_finite_differences(config, dropout):
+@pytest.mark.parametrize("config,dropout,save", [(None, 0.0, ()), (GPT2_CHECK_CONFIG, 0.0, ()), (None, 0.25, ()),
+                                                 (None, 0.25, SAVE_ALL)])
+def test_adapter_gradients_match_finite_differences(config, dropout, save):
+    """Every adapter, and (save) every tensor trained whole beside them: the 3 heads and the 5 norms."""
     kw = {"config": config} if config is not None else {}
-    rows = check_lora(seed=1, n_samples=8, dropout=dropout, **kw)
-    assert len(rows) == 2 * 2 * (4 if config is not None else 7)  # A and B, 2 layers, every module
+    rows = check_lora(seed=1, n_samples=8, dropout=dropout, modules_to_save=save, **kw)
+    assert len(rows) == 2 * 2 * (4 if config is not None else 7) + (3 + 5 if save else 0)
+    assert {r.name.split(": ")[1] for r in rows} >= ({"heads.2.weight", "norm.weight"} if save else set())
     assert max(r.max_rel_error for r in rows) < TOLERANCE, max(rows, key=lambda r: r.max_rel_error)
 
 
-@pytest.mark.parametrize("arch,parts,p", [("euler", 1, 0.0), ("euler", 3, 0.0), ("gpt2", 1, 0.0), ("gpt2", 3, 0.0),
-                                          ("euler", 3, 0.3), ("gpt2", 2, 0.3)])
-def test_fast_step_equals_reference_step(arch, parts, p, monkeypatch):
+@pytest.mark.parametrize("arch,parts,p,save", [("euler", 1, 0.0, ()), ("euler", 3, 0.0, ()), ("gpt2", 1, 0.0, ()),
+                                               ("gpt2", 3, 0.0, ()), ("euler", 3, 0.3, ()), ("gpt2", 2, 0.3, ()),
+                                               ("euler", 1, 0.0, SAVE_ALL), ("euler", 3, 0.3, SAVE_ALL)])
+def test_fast_step_equals_reference_step(arch, parts, p, save, monkeypatch):
     """The fused step (adapters applied on the fly, their gradients from each linear's dy and x, no dW) in
-    1..3 parts = the reference, adapter dropout included (the same masks by batch row in every part)."""
+    1..3 parts = the reference, adapter dropout included (the same masks by batch row in every part), and
+    the gradients of the modules trained whole (save: heads and norms, summed over the parts)."""
     from nanoeuler.fast import parallel
     monkeypatch.setattr(parallel, "PARTS", parts)
-    m = lora_model(arch, dropout=p)
+    m = lora_model(arch, dropout=p, save=save)
     tokens, mask = batch(m.config)
     adrop = ops.Dropout(p, seed=11) if p else None
     h1, o1, g1 = m.loss_and_grads(tokens, mask, reference=True, adapter_dropout=adrop)
@@ -133,6 +141,37 @@ def test_bf16_workspace_keeps_no_stacked_weight_copy(arch):
     assert abs(o_bf16 - o_f32) < 0.05 * abs(o_f32)                     # bf16 rounding, not a different model
 
 
+def test_bf16_step_repacks_the_heads_it_trains():
+    """The frozen weights are packed once for the run, but a head trained whole changes every step: the
+    next step must read its new values (a fresh workspace gives the same loss and gradients)."""
+    m = lora_model(save=("lm_head", "mtp_heads")).set_precision("bf16")
+    tokens, mask = batch(m.config)
+    m.loss_and_grads(tokens, mask)
+    for k in range(m.config.n_mtp):
+        m.params[f"heads.{k}.weight"] += 0.5                             # in place, as AdamW updates
+    _, o, g = m.loss_and_grads(tokens, mask)
+    fresh = LoraModel(m.base, m.lcfg, m.params, m.base_ref).set_precision("bf16")
+    _, o_fresh, g_fresh = fresh.loss_and_grads(tokens, mask)
+    assert o == o_fresh and all(np.array_equal(g[n], g_fresh[n]) for n in g)
+
+
+def test_modules_to_save_are_copies_and_merge_equals_the_step():
+    """A saved module trains a copy (the base, DPO's reference, is untouched); the merged model computes
+    what the step computes; the weights neither adapted nor saved are shared, not copied."""
+    m = lora_model(save=SAVE_ALL)
+    tokens, mask = batch(m.config)
+    saved = ad.saved_names(m.config, m.lcfg)
+    cfg = m.config
+    assert len(saved) == 2 * cfg.n_layers + 1 + cfg.n_mtp and all(m.params[n] is not m.base.params[n] for n in saved)
+    assert all(m.policy.params[n] is m.params[n] for n in saved)
+    merged = m.merged()
+    assert merged.loss(tokens, mask)[1] == pytest.approx(m.reference_objective(tokens, mask)[1], abs=1e-12)
+    assert merged.loss(tokens, mask)[1] == pytest.approx(m.loss(tokens, mask)[1], abs=1e-12)
+    assert all(np.array_equal(merged.params[n], m.params[n]) for n in saved)
+    assert merged.params["embed.weight"] is m.base.params["embed.weight"]
+    assert abs(m.base.loss(tokens, mask)[1] - m.loss(tokens, mask)[1]) > 1e-3   # the copies matter
+
+
 def test_fresh_adapters_are_the_base_and_only_b_moves_first():
     m = lora_model(trained=False)
     tokens, mask = batch(m.config)
@@ -151,19 +190,20 @@ def test_merged_model_computes_what_the_adapters_compute():
     assert all(merged[n] is m.base.params[n] for n in frozen)          # unadapted weights shared, not copied
 
 
-@pytest.mark.parametrize("arch", ["euler", "gpt2"])
-def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch):
+@pytest.mark.parametrize("arch,save", [("euler", ()), ("gpt2", ()), ("euler", ("lm_head", "norm"))])
+def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, save):
     """DPO's LoRA step (adapters on the fly, no weight gradient formed) gives what the merged model's weight
-    gradients G give through W' = W + s·B·A: dB = s·G·Aᵀ, dA = s·Bᵀ·G (a stacked module: G stacked)."""
+    gradients G give through W' = W + s·B·A: dB = s·G·Aᵀ, dA = s·Bᵀ·G (a stacked module: G stacked), and
+    a saved module's tensors their G."""
     from nanoeuler.dpo import Workspaces, dpo_loss_and_grads
     from nanoeuler.dpo_data import PairBatch
-    m = lora_model(arch)
+    m = lora_model(arch, save=save)
     cfg, s = m.config, m.lcfg.scale
     rng = np.random.default_rng(4)
     inputs = rng.integers(0, cfg.vocab_size, (4, cfg.ctx_len))
     pairs = PairBatch(inputs, np.roll(inputs, -1, axis=1), rng.random(inputs.shape) > 0.3, 2)
     ref_c, ref_r = np.array([-20.0, -15.0]), np.array([-18.0, -21.0])
-    loss1, _, g = dpo_loss_and_grads(cfg, m.base.params, pairs, ref_c, ref_r, 0.1,
+    loss1, _, g = dpo_loss_and_grads(cfg, m.policy.params, pairs, ref_c, ref_r, 0.1,
                                      Workspaces(cfg, np.float64, adapters=m.engine_adapters))
     loss2, _, G = dpo_loss_and_grads(cfg, m.merged().params, pairs, ref_c, ref_r, 0.1, Workspaces(cfg, np.float64))
     assert loss1 == pytest.approx(loss2, abs=1e-12) and set(g) == set(m.params)
@@ -172,6 +212,7 @@ def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch):
         Gm = np.concatenate([G[b] for b in bases])                         # [Σ out, in]
         assert rel_err(g[module + ".lora_B"], s * Gm @ A.T) < 1e-10, module
         assert rel_err(g[module + ".lora_A"], s * B.T @ Gm) < 1e-10, module
+    assert all(rel_err(g[n], G[n]) < 1e-10 for n in m.whole) and len(m.whole) == (2 * cfg.n_layers + 2 if save else 0)
 
 
 @pytest.mark.parametrize("adapter_dropout", [None, 0.2])
@@ -213,6 +254,7 @@ def sft_setup(tmp_path, tok, arch="euler"):
 
 @pytest.mark.parametrize("arch,extra", [
     ("euler", []), ("gpt2", ["--lora-dropout", "0.1", "--lora-targets", "c_attn"]),
+    ("euler", ["--lora-modules-to-save", "lm_head,mtp_heads,norm", "--lora-targets", "q,v"]),
     pytest.param("euler", ["--precision", "bf16", "--lora-dropout", "0.1"],
                  marks=pytest.mark.skipif(not bf16.AVAILABLE, reason="this CPU has no AVX512_BF16"))])
 def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, capsys, arch, extra):
@@ -238,8 +280,12 @@ def test_sft_lora_trains_adapters_only_and_resumes_bit_for_bit(tmp_path, tok, ca
     assert main(["lora", "merge", "--ckpt", str(a), "--out", str(tmp_path / "m")]) == 0
     written = Model.load(tmp_path / "m")
     assert all(np.array_equal(written.params[n], merged.params[n]) for n in merged.params)
-    changed = [n for n in base.params if not np.array_equal(base.params[n], merged.params[n])]
-    assert changed and all(".attn." in n or ".ffn." in n for n in changed)
+    changed = {n for n in base.params if not np.array_equal(base.params[n], merged.params[n])}
+    saved = {n for n in ta if not n.endswith(("lora_A", "lora_B"))}     # modules_to_save: whole copies
+    assert {n for n in changed if not (".attn." in n or ".ffn." in n)} == saved
+    assert saved == (set() if "--lora-modules-to-save" not in extra else
+                     {"heads.0.weight", "heads.1.weight", "norm.weight", "layers.0.attn_norm.weight",
+                      "layers.0.ffn_norm.weight"})
     assert main(["sample", "--ckpt", str(a), "--prompt", "To be", "--max-new-tokens", "3"]) == 0
     capsys.readouterr()
     assert main(["info", str(a), "--json"]) == 0
@@ -272,20 +318,52 @@ def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok,
     assert "the targets of arch euler are q,k,v,o,gate,up,down" in capsys.readouterr().err
 
 
+def test_lora_modules_to_save_refusals(tmp_path, tok, capsys):
+    """What cannot be saved is refused in one line: a head tied to the embedding, gpt2 (tied), an unknown
+    module, MTP heads on a K = 1 model or in dpo, the flag without --lora; gguf-lora cannot carry them."""
+    import dataclasses
+
+    from nanoeuler.cli import main
+    cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=160)
+    for name, c in (("tied", dataclasses.replace(cfg, tie_embeddings=True)), ("k1", dataclasses.replace(cfg, n_mtp=1)),
+                    ("gpt2", dataclasses.replace(cfg, arch="gpt2"))):
+        Model.init(c, seed=0).save(tmp_path / name, tokenizer=tok)
+    common = sft_setup(tmp_path, tok)
+    for base, saved, needle in (("tied", "lm_head", "output head is its embedding (tied)"),
+                                ("tied", "norm,norm", "a module given twice"),
+                                ("k1", "mtp_heads", "no multi-token heads"),
+                                ("gpt2", "norm", "arch gpt2 has none"),
+                                ("base", "head", "head: choose from lm_head,mtp_heads,norm")):
+        args = common + ["--base", str(tmp_path / base), "--lora", "2", "--lora-modules-to-save", saved]
+        assert main(args + ["--out", str(tmp_path / "x")]) == 2, saved
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert main(common + ["--lora-modules-to-save", "lm_head", "--out", str(tmp_path / "y")]) == 2
+    assert "need --lora R" in capsys.readouterr().err
+    assert main(common + ["--lora", "2", "--lora-modules-to-save", "lm_head,norm", "--stop-after", "1",
+                          "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--ckpt", str(tmp_path / "a"), "--format", "gguf-lora", "--out", str(tmp_path / "a.gguf")]) == 2
+    assert "cannot carry (A/B pairs only)" in capsys.readouterr().err and not (tmp_path / "a.gguf").exists()
+
+
 def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
-    """MPI data parallel unchanged: only the adapters' gradients are reduced; 2 ranks = 1 process."""
+    """MPI data parallel unchanged: only the adapters' gradients are reduced (and those of the modules saved
+    whole beside them); 2 ranks = 1 process."""
     pytest.importorskip("mpi4py")
     from safetensors.numpy import load_file
     from test_dist import MPIEXEC, mpirun, ok, one
     if MPIEXEC is None:
         pytest.skip("no mpiexec")
-    common = sft_setup(tmp_path, tok) + ["--lora", "4", "--batch-size", "4"]
+    common = sft_setup(tmp_path, tok) + ["--lora", "4", "--batch-size", "4", "--lora-modules-to-save", "lm_head,norm"]
     ok(one(common + ["--out", "one"], tmp_path))
     ok(mpirun(2, common + ["--out", "two"], tmp_path))
     a, b = (load_file(str(tmp_path / run / "adapter.safetensors")) for run in ("one", "two"))
-    assert a.keys() == b.keys()
-    assert max(rel_err(b[n], a[n]) for n in a if n.endswith("lora_B")) < 1e-5
+    base = Model.load(tmp_path / "base").params
+    assert a.keys() == b.keys() and {"heads.0.weight", "norm.weight"} <= a.keys()
+    assert max(rel_err(b[n] - base.get(n, 0), a[n] - base.get(n, 0), floor=0.01) for n in a if not n.endswith("lora_A")) < 1e-4
     assert any(a[n].any() for n in a if n.endswith("lora_B"))
+    assert not np.array_equal(a["heads.0.weight"], base["heads.0.weight"])
 
 
 def test_dpo_lora_reference_is_the_base_and_resumes_bit_for_bit(tmp_path, capsys):

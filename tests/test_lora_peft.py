@@ -19,9 +19,9 @@ from nanoeuler.tokenizer import Tokenizer  # noqa: E402
 TARGETS = {"euler": ("q", "k", "v", "o", "gate", "up", "down"), "gpt2": ("c_attn", "c_proj", "c_fc")}
 
 
-def setup(arch, tmp_path):
-    """Our LoraModel (adapters with B ≠ 0) on a saved base, and PEFT's model on that base's HF export with the
-    same adapter values copied in."""
+def setup(arch, tmp_path, save=()):
+    """Our LoraModel (adapters with B ≠ 0; `save`: modules trained whole, their copies moved off the base) on a
+    saved base, and PEFT's model on that base's HF export with the same values copied in."""
     from nanoeuler.interop.hf import export_hf
     cfg = tiny_config(vocab_size=257, dim=32, n_layers=2, ctx_len=16, ffn_hidden=40, n_mtp=1, arch=arch,
                       n_kv_heads=4 if arch == "gpt2" else 2)          # HF GPT-2 has no GQA
@@ -31,24 +31,30 @@ def setup(arch, tmp_path):
         p += (rng.standard_normal(p.shape) * 0.05).astype(np.float32)
     tok = Tokenizer([])
     base.save(tmp_path / "base", tokenizer=tok)
-    lcfg = ad.LoraConfig(4, 8.0, TARGETS[arch])
+    lcfg = ad.LoraConfig(4, 8.0, TARGETS[arch], modules_to_save=save)
     m = LoraModel.new(tmp_path / "base", lcfg, seed=0)
     for n, a in m.params.items():
-        if n.endswith("lora_B"):
+        if not n.endswith("lora_A"):
             a += (rng.standard_normal(a.shape) * 0.05).astype(np.float32)
     export_hf(m.base, tok, tmp_path / "hf", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     pcfg = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, task_type="CAUSAL_LM",
-                           target_modules=sorted({p.rsplit(".", 1)[1] for _, p in m.modules.values()}))
+                           target_modules=sorted({p.rsplit(".", 1)[1] for _, p in m.modules.values()}),
+                           modules_to_save=list(save) or None)
     pm = peft.get_peft_model(hf, pcfg)
     theirs = dict(pm.named_parameters())
     names = peft_names(cfg, m.lcfg)
-    lora_params = {n: p for n, p in theirs.items() if "lora_" in n}
-    assert sorted(n.replace(".default", "") for n in lora_params) == sorted(names.values())
+    trained = [n for n, p in theirs.items() if p.requires_grad]
+    assert sorted(trained) == sorted(live(t) for t in names.values())
     with torch.no_grad():
         for ours, t in names.items():
-            theirs[t.replace(".weight", ".default.weight")].copy_(torch.from_numpy(m.params[ours]))
+            theirs[live(t)].copy_(torch.from_numpy(m.params[ours]))
     return m, pm, names
+
+
+def live(t: str) -> str:
+    """A saved PEFT key -> the parameter's name in the live PeftModel (adapter "default")."""
+    return t.replace(".weight", ".default.weight" if ".lora_" in t else ".modules_to_save.default.weight")
 
 
 def peft_loss(pm, tokens):
@@ -63,9 +69,13 @@ def close(ours, theirs) -> bool:
     return rel_err(ours, theirs, floor=1.0) <= 1e-5 and rel_err(ours, theirs) <= 1e-3
 
 
-@pytest.mark.parametrize("arch", ["euler", "gpt2"])
-def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
-    m, pm, names = setup(arch, tmp_path)
+CASES = [("euler", ()), ("gpt2", ()), ("euler", ("lm_head", "norm"))]
+
+
+@pytest.mark.parametrize("arch,save", CASES)
+def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, save, tmp_path):
+    """The adapters, and with `save` the head and every norm trained whole (PEFT's modules_to_save)."""
+    m, pm, names = setup(arch, tmp_path, save)
     theirs = dict(pm.named_parameters())
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, 257, (3, 17)) for _ in range(10)]
@@ -74,12 +84,14 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
     tl.backward()
     assert abs(loss - tl.item()) <= 1e-5 * abs(loss)
     for ours, t in names.items():
-        g = theirs[t.replace(".weight", ".default.weight")].grad.numpy()
+        g = theirs[live(t)].grad.numpy()
         assert close(grads[ours], g), ours
-    # 10 AdamW steps on different batches: the same adapters
+    # 10 AdamW steps on different batches: the same adapters (ours decays matrices only: so the norms there)
     opt = AdamW(m.params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    topt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=0.1)
+    trained = [p for p in pm.parameters() if p.requires_grad]
+    topt = torch.optim.AdamW([{"params": [p for p in trained if p.ndim >= 2]},
+                              {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for tokens in batches:
         _, _, grads = m.loss_and_grads(tokens)
         opt.step(m.params, grads)
@@ -87,15 +99,15 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, tmp_path):
         peft_loss(pm, tokens).backward()
         topt.step()
     for ours, t in names.items():
-        assert close(m.params[ours], theirs[t.replace(".weight", ".default.weight")].detach().numpy()), ours
+        assert close(m.params[ours], theirs[live(t)].detach().numpy()), ours
     assert any(not np.array_equal(m.params[n], 0) for n in m.params if n.endswith("lora_B"))
 
 
-@pytest.mark.parametrize("arch", ["euler", "gpt2"])
-def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, tmp_path):
+@pytest.mark.parametrize("arch,save", CASES)
+def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, save, tmp_path):
     from nanoeuler.cli import main
     from nanoeuler.train import TrainConfig, run_training
-    m, _, _ = setup(arch, tmp_path)
+    m, _, _ = setup(arch, tmp_path, save)
 
     class Source:   # two fixed batches: enough to save an adapter run through the training loop
         bytes_per_token = None

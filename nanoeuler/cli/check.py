@@ -52,6 +52,7 @@ def run(args) -> int:
                 + check_lora(seed=args.seed, n_samples=args.samples)
                 + check_lora(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)
                 + check_lora(seed=args.seed, n_samples=args.samples, dropout=0.25)
+                + check_lora(seed=args.seed, n_samples=args.samples, modules_to_save=("lm_head", "mtp_heads", "norm"))
                 + bf16_rows(args.seed))
     worst = max(r.max_rel_error for r in rows)
     ok = worst < tolerance

@@ -143,6 +143,9 @@ def run_dpo(args) -> int:
           f"{len(held_t)} held-out pairs; {train_t.truncated + held_t.truncated} longer than {ctx + 1} tokens "
           f"(prompt start cut), {train_t.dropped + held_t.dropped} dropped (responses alone too long); "
           f"beta {beta}")
+    if lora:
+        from .lora import print_lora
+        print_lora(model, 2 * tcfg.batch_size // tcfg.grad_accum, ctx)   # a pair: two sequences
     summary = train_dpo(model, tok, train_t, held_t, reference, out, tcfg, beta=beta, resume=args.resume,
                         stop_after=args.stop_after, progress=not args.no_progress, data_id=data_id, sft=sft,
                         nll_weight=nll_weight)

@@ -1,7 +1,8 @@
-"""`nanoeuler info PRESET|RUN [--lora R]`: config, exact parameter count, memory of one training step."""
+"""`nanoeuler info PRESET|RUN [--lora R [--lora-modules-to-save M,M]]`: config, exact parameter count, memory of one training step."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -17,6 +18,8 @@ def register(sub) -> None:
                    help="context length for the memory estimate (default: the config's)")
     p.add_argument("--lora", type=positive_int, default=None, metavar="R",
                    help="the memory of a LoRA step of rank R on the default targets (an adapter run: its own)")
+    p.add_argument("--lora-modules-to-save", metavar="M,M", default=None,
+                   help="with --lora: modules trained whole beside the adapters (lm_head, mtp_heads, norm; see sft --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -55,15 +58,19 @@ def source_lines(src: dict, n_params: int) -> list[str]:
 def lora_config(args, cfg):
     """The LoRA config of `info --lora R` (default targets), or an adapter run's own, or None."""
     from ..adapters import LoraConfig, is_adapter_run, read_adapter_run
+    from ..errors import UserError
     if args.lora is not None:
-        return LoraConfig(args.lora, 2.0 * args.lora).check(cfg)
+        saved = tuple(m for m in (args.lora_modules_to_save or "").split(",") if m)
+        return LoraConfig(args.lora, 2.0 * args.lora, modules_to_save=saved).check(cfg)
+    if args.lora_modules_to_save is not None:
+        raise UserError("--lora-modules-to-save needs --lora R")
     if is_adapter_run(args.target):
         return read_adapter_run(args.target, read_only=True)[0].check(cfg)
     return None
 
 
 def run(args) -> int:
-    from ..adapters import adapter_shapes
+    from ..adapters import step_memory, trainable_shapes
     from ..checkpoint import read_source
     from ..errors import UserError
     from ..memory import training_memory
@@ -73,8 +80,8 @@ def run(args) -> int:
     if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
     lcfg = lora_config(args, cfg)
-    trained = None if lcfg is None else sum(r * c for r, c in adapter_shapes(cfg, lcfg).values())
-    mem = training_memory(cfg, args.batch, T, trained=trained)
+    trained = None if lcfg is None else sum(math.prod(s) for s in trainable_shapes(cfg, lcfg).values())
+    mem = training_memory(cfg, args.batch, T) if lcfg is None else step_memory(cfg, lcfg, args.batch, T)
     if args.json:
         extra = {} if lcfg is None else {"lora": lcfg.to_dict(), "trainable_params": trained}
         print(json.dumps({"config": cfg.to_dict(), "n_params": cfg.n_params(), "batch": args.batch, "ctx": T,
@@ -86,7 +93,8 @@ def run(args) -> int:
     for line in source_lines(src, cfg.n_params()) if src else []:
         print(line)
     if lcfg is not None:
-        print(f"{'trainable':<12} {trained:,} (LoRA r={lcfg.rank} on {','.join(lcfg.targets)}; the rest frozen)")
+        saved = f", {','.join(lcfg.modules_to_save)} trained whole" if lcfg.modules_to_save else ""
+        print(f"{'trainable':<12} {trained:,} (LoRA r={lcfg.rank} on {','.join(lcfg.targets)}{saved}; the rest frozen)")
     print(f"training step memory at batch {args.batch} x ctx {T} (float32):")
     for k, v in mem.items():
         print(f"  {k:<12} {v / 2**20:10.1f} MiB")

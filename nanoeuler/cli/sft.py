@@ -139,8 +139,8 @@ def run_sft(args) -> int:
           f"{d['val_examples']} validation examples, {d['truncated']} truncated, {d['dropped']} dropped "
           f"(longer than {d['max_example']} tokens)")
     if lora:
-        from ..adapters import describe
-        print(describe(model.lcfg, cfg) + f" (the base's {model.n_params():,} frozen)")
+        from .lora import print_lora
+        print_lora(model, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len)
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress, kind="sft")
     summary |= {"truncated": d["truncated"], "dropped": d["dropped"]}

@@ -264,6 +264,9 @@ def run_train(args) -> int:
         raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
     print(f"{'resuming' if args.resume else 'training'} {cfg.n_params():,} parameters -> {out} "
           f"({tcfg.steps} steps x {tcfg.batch_size} x {cfg.ctx_len} tokens)")
+    if lora:
+        from .lora import print_lora
+        print_lora(model, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len)
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress)
     report(summary, out, args.json)

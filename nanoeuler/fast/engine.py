@@ -70,7 +70,8 @@ class Workspace:
         self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
         self.adapters = None               # LoRA (lora.Adapters): added to each product of a weight it adapts
         self.fixed_weights = False         # True: the same unchanging weights every step (LoRA's frozen base):
-        self.stacked = False               # stacked (wqkv, wgu) and packed (bf16) by the first forward only
+        self.stacked = False               # stacked (wqkv, wgu) and packed (bf16) by the first forward only,
+        self.trained_weights = []          # except these (LoRA's modules_to_save), repacked every forward (bf16)
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
@@ -448,6 +449,8 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
     dropout (ops.Dropout, optional): on the residual branches, the masks of `model.forward`."""
     if restack(ws):
         _stack_weights(cfg, params, ws)
+    elif ws.trained_weights:
+        pack_weights(ws, {n: params[n] for n in ws.trained_weights})
     _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 

@@ -181,6 +181,10 @@ def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
     require_llama(cfg)
     lcfg = lcfg.check(cfg)
     check_adapters(cfg, lcfg, adapters, run_dir)
+    if lcfg.modules_to_save:   # llama-adapter.cpp: only .lora_a/.lora_b pairs; *_norm.weight read and ignored
+        raise UserError(f"--format gguf-lora: {run_dir} trains {','.join(lcfg.modules_to_save)} whole, which a "
+                        f"llama.cpp LoRA adapter cannot carry (A/B pairs only); export --format peft, or merge "
+                        f"(nanoeuler lora merge) and export --format gguf")
     out = check_free(out, force)
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF adapter is one file")

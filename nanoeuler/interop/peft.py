@@ -12,6 +12,11 @@ and adapter_model.safetensors, each module's A [r, in] and B [out, r] under PEFT
 
 PEFT's A and B have these shapes for GPT-2's Conv1D too (only the base weight is stored transposed), and
 c_attn's output rows are q | k | v as our stacked B's, so no tensor is transposed or reordered.
+
+Modules trained whole (`--lora-modules-to-save`) go in as PEFT saves its `modules_to_save`: listed in
+adapter_config.json ("lm_head"; "norm", which PEFT matches by suffix to every RMSNorm), each tensor under
+the module's own name (heads.0.weight -> base_model.model.lm_head.weight). The MTP heads (mtp_heads) stay
+out: Hugging Face's Llama has none (the base's hf export keeps them in a file of its own).
 """
 from __future__ import annotations
 
@@ -24,9 +29,12 @@ PEFT_PREFIX = {"euler": "base_model.model.model.layers.", "gpt2": "base_model.mo
 
 
 def peft_names(cfg, lcfg) -> dict[str, str]:
-    """Our adapter names -> PEFT's (both A and B of every module)."""
-    from ..adapters import modules
-    out = {}
+    """Our adapter names -> PEFT's (both A and B of every module), and those of the saved modules' tensors
+    that PEFT knows (not mtp_heads)."""
+    from ..adapters import modules, saved_names
+    from .hf import hf_names
+    hf = hf_names(cfg.n_layers)
+    out = {n: "base_model.model." + hf[n] for n in saved_names(cfg, lcfg) if n in hf}
     for module, (_, peft) in modules(cfg, lcfg).items():
         i, rest = peft.split(".", 2)[1], peft.split(".", 2)[2]          # "layers.<i>.<module>"
         for m in ("lora_A", "lora_B"):
@@ -35,12 +43,13 @@ def peft_names(cfg, lcfg) -> dict[str, str]:
 
 
 def adapter_config(cfg, lcfg, base_path: str) -> dict:
-    from ..adapters import modules
+    from ..adapters import SAVABLE, modules
     targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})
+    saved = [SAVABLE[m][1] for m in lcfg.modules_to_save if SAVABLE[m][1]]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
             "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": cfg.arch == "gpt2", "base_model_name_or_path": base_path, "inference_mode": True,
-            "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+            "init_lora_weights": True, "modules_to_save": saved or None, "use_rslora": False, "use_dora": False}
 
 
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
@@ -56,7 +65,7 @@ def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     check_adapters(cfg, lcfg, adapters, run_dir)
     names = peft_names(cfg, lcfg)
     with output_dir(out, force) as tmp:
-        write_tensors(tmp / "adapter_model.safetensors", {names[n]: a for n, a in adapters.items()}, "F32",
+        write_tensors(tmp / "adapter_model.safetensors", {names[n]: a for n, a in adapters.items() if n in names}, "F32",
                       {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, lcfg, base["path"]), indent=2) + "\n")
     return Path(out)
