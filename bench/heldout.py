@@ -1,4 +1,4 @@
-"""Held-out text for the benches that score a model (bench/llama_cpp.py, bench/quant_quality.py): windows of
+"""Held-out text for the benches that score a model (bench/vs_llama_cpp.py, bench/quant_quality.py): windows of
 the bundled corpus's validation works as token ids (their loss: nanoeuler.infer.sampling.nll_sum).
 
     windows = held_out_windows(tok, 128, per_work=4)     # [(ids [129], bytes of the 128 targets), ...]

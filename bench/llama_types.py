@@ -36,7 +36,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # `import llama_cpp`: the package
 sys.path.insert(0, str(ROOT))
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")

@@ -29,7 +29,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # `import llama_cpp`: the package
 sys.path.insert(0, str(ROOT))
 
 from bench.heldout import held_out_windows  # noqa: E402

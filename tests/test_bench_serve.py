@@ -39,7 +39,7 @@ def test_one_stream_through_a_minimal_client_is_measured_beside_the_engine():
     assert report["engine"][name][0]["tok_s"] > 0
 
 
-def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs(capsys):
+def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs(capsys, monkeypatch):
     """--http-cost: a server with the bench's engine route; --pairs pairs of the same greedy job (the
     engine alone in the server's process, then over HTTP: the bench exits non-zero if the route ran in
     another process or the HTTP reply's usage differs); the cost is the median of the pairs' ratios."""
@@ -57,7 +57,7 @@ def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs
         assert 0 < p["engine_ttft_s"] < p["engine_s"] and 0 < p["http_ttft_s"] < p["http_s"]
     ratios = sorted(p["http_s"] / p["engine_s"] - 1 for p in pairs)
     assert (cost["cost"], cost["cost_min"], cost["cost_max"]) == pytest.approx((ratios[1], ratios[0], ratios[2]))
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import serve
     serve.print_http_cost(name, cost)
     assert f"HTTP cost of one stream: {cost['cost'] * 100:.1f} % (median of 3 pairs" in capsys.readouterr().out

@@ -487,9 +487,8 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     their kernel form; of float32 only the embedding (the fused step reads its rows) and the norms, not the
     float32 matrices: the NumPy path (here: more rows than the kernels take) dequantizes them per use, to the
     same products as the float32 layout of the same values. A float32 model: one kernel-form copy, no more."""
-    import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
     from decode_memory import float32_held
 
     from nanoeuler.infer.engine import Batcher

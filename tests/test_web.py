@@ -35,8 +35,8 @@ def test_chat_page_streams_stops_and_keeps_the_conversation():
     batcher = app.state.batcher
     step = batcher.step
 
-    def slow_step():  # a visible pace: tokens arrive one by one, and a long reply is still running when stopped
-        time.sleep(0.004)
+    def slow_step():  # a visible pace: tokens arrive one by one (slower than serve's 10 ms hand-over window, which
+        time.sleep(0.02)  # folds the tokens of one window into one write), and a long reply is still running when stopped
         return step()
     batcher.step = slow_step
     with ServerThread(app) as srv, sync_api.sync_playwright() as pw:

@@ -1,6 +1,6 @@
 """Run a GGUF with llama.cpp (through `llama-cpp-python`) on token ids: greedy decoding and logits.
 
-Used by the interop tests and bench/llama_cpp.py to hold llama.cpp's output against ours on the same ids
+Used by the interop tests and bench/vs_llama_cpp.py to hold llama.cpp's output against ours on the same ids
 (feeding ids, not text, keeps tokenizer differences out of the comparison).
 
     lc = LlamaCpp("m.gguf", n_ctx=128, threads=2)

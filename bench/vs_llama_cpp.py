@@ -20,7 +20,7 @@ speed   - greedy decoding of --new-tokens tokens after the same prompt, with --t
           disturbed), and at 1 thread tokens per CPU-second of the process (preemption does not count).
           Our threads: infer.kernels.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
 
-    .venv/bin/python bench/llama_cpp.py runs/small runs/big            # add --json for one JSON object
+    .venv/bin/python bench/vs_llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# this file is named llama_cpp.py: take bench/ off the path so that `import llama_cpp` finds the package
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 from bench.heldout import held_out_windows  # noqa: E402
