@@ -130,17 +130,17 @@ def test_the_readme_picture_is_the_import_graph():
 
 
 
-def test_no_benchmark_script_takes_the_name_of_a_module(monkeypatch):
+def test_no_benchmark_script_takes_the_name_of_a_module():
     """A test that puts bench/ on sys.path (to import a script's helper) must not shadow a module: a
     bench/llama_cpp.py once made `import llama_cpp` find the script, so the llama.cpp tests of a fresh venv
     (without llama-cpp-python, whose tests skip) failed instead. No script is named as a standard-library
     module, an installed one, or an optional package the project imports."""
-    import importlib.util
     import sys
+    from importlib.machinery import PathFinder
     bench = ROOT.parent / "bench"
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != bench])
+    path = [p for p in sys.path if Path(p or ".").resolve() != bench]   # (sys.modules may hold a script a test imported)
     optional = {"llama_cpp", "gguf", "torch", "transformers", "peft", "cupy", "mpi4py", "fastapi", "uvicorn",
                 "openai", "playwright", "httpx", "numba", "matplotlib", "jinja2", "hypothesis"}
     taken = [p.stem for p in bench.glob("*.py") if p.stem in optional | set(sys.stdlib_module_names)
-             or importlib.util.find_spec(p.stem) is not None]
+             or PathFinder.find_spec(p.stem, path) is not None]
     assert not taken, f"bench scripts named as modules: {taken}"
