@@ -108,7 +108,7 @@ def check_modules_to_save(cfg: Config, names: tuple[str, ...]) -> None:
         raise UserError(f"--lora-modules-to-save: arch {cfg.arch} has none (its output head is the tied embedding)")
     bad = [n for n in names if n not in SAVABLE]
     if bad or len(set(names)) != len(names):
-        raise UserError(f"--lora-modules-to-save: {', '.join(bad) or 'a module given twice'}: choose from "
+        raise UserError(f"--lora-modules-to-save: {', '.join(map(str, bad)) or 'a module given twice'}: choose from "
                         f"{','.join(SAVABLE)}")
     if "lm_head" in names and cfg.tie_embeddings:
         raise UserError("--lora-modules-to-save lm_head: this model's output head is its embedding (tied); PEFT "

@@ -1,4 +1,6 @@
 """LoRA: the op, the model with adapters (reference vs fast vs finite differences), and adapter runs."""
+import json
+
 import numpy as np
 import pytest
 
@@ -345,6 +347,12 @@ def test_lora_modules_to_save_refusals(tmp_path, tok, capsys):
     capsys.readouterr()
     assert main(["export", "--ckpt", str(tmp_path / "a"), "--format", "gguf-lora", "--out", str(tmp_path / "a.gguf")]) == 2
     assert "cannot carry (A/B pairs only)" in capsys.readouterr().err and not (tmp_path / "a.gguf").exists()
+    meta = json.loads((tmp_path / "a" / "lora.json").read_text())
+    for bad in ([1], "lm_head", {"x": 1}):    # a hand-edited lora.json: one line, no traceback
+        (tmp_path / "a" / "lora.json").write_text(json.dumps(meta | {"modules_to_save": bad}))
+        assert main(["sample", "--ckpt", str(tmp_path / "a"), "--prompt", "To be", "--max-new-tokens", "1"]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "modules-to-save" in err and err.count("\n") == 1, err
 
 
 def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):
