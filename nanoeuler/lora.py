@@ -268,7 +268,7 @@ class Adapters:
         ws.adapters = self
         ws.fixed_weights = True         # the frozen base: stacked and packed once ...
         ws.trained_weights = [n for n in self.whole if len(self.shapes[n]) == 2]   # ... these packed every step
-        ws.lora = [LoraGrads(self.shapes, self, self.whole) for _ in ws.parts]
+        ws.lora = [LoraGrads(self.shapes, self) for _ in ws.parts]
         for w, g in zip(ws.parts[1:], ws.lora[1:]):
             w.grads = g                 # the full gradient set the engine gave the part is dropped
         return ws
@@ -381,11 +381,11 @@ class LoraGrads(dict):
     embedding's (no "embed.weight" here: the engine skips it). A saved weight (modules_to_save: an output
     head) gets its whole dW, as in full fine-tuning."""
 
-    def __init__(self, shapes: dict, adapters: Adapters, saved=()):
+    def __init__(self, shapes: dict, adapters: Adapters):
         dtype = next(iter(adapters.adapters.values())).dtype
+        self.adapters, self.whole = adapters, adapters.whole
         super().__init__({n: np.zeros(s, dtype) for n, s in shapes.items()
-                          if len(s) == 1 or n == "pos_embed.weight" or n in saved})
-        self.adapters, self.whole = adapters, tuple(saved)
+                          if len(s) == 1 or n == "pos_embed.weight" or n in self.whole})
         self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items() if n not in self.whole}
 
     def weight_grad(self, names, dy, x, mm) -> None:
