@@ -66,12 +66,13 @@ class ServerThread:
     def __init__(self, app):
         import uvicorn
 
-        from nanoeuler.serve.app import bind
+        from nanoeuler.serve.app import bind, http_protocol
         self.app = app
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", ws="none", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http_protocol(), ws="none",
+                                                   lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):

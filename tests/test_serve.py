@@ -291,6 +291,128 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():
     assert ts.feed(ord("a")) == "" and ts.flush() == "a"  # at the end, a held prefix is released
 
 
+@pytest.mark.parametrize("stops, logprobs", [([], None), ([], 2), (["e t"], None)])
+def test_a_batch_of_events_gives_what_they_give_one_by_one(ckpt, stops, logprobs):
+    """Choice.on_events (a Dispatcher batch at once: the tokens of a run decoded together) leaves a choice
+    as on_event of each event does: text, pieces, token count, logprobs, finish reason, for tokens that
+    split characters, end-of-turn ids (chat) and stop strings; in batches of every size."""
+    from nanoeuler.serve.app import Choice
+    d, model, tok = ckpt
+    rng = np.random.default_rng(0)
+    ids = tok.encode("the end  of é☃ days; the e t") + [int(t) for t in rng.integers(0, tok.vocab_size, 30)]
+    events = [("token", (t, None if logprobs is None else -1.0, None)) for t in ids]
+    stop_ids = {tok.eos_id}
+    events = events[:25] + [("token", (tok.eos_id, None, None))] + [("done", ("stop",))]
+
+    def fresh():
+        return Choice(0, tok, [1], stops, stop_ids, chat=True)
+    one = fresh()
+    pieces = [one.on_event(kind, args) for kind, args in events]
+    for size in (1, 2, 7, len(events)):
+        batched = fresh()
+        got = [batched.on_events(events[i:i + size]) for i in range(0, len(events), size)]
+        assert "".join(p for p, _ in got) == "".join(p for p, _ in pieces) == one.text == batched.text
+        assert sum(n for _, n in got) == sum(n for _, n in pieces)
+        assert (batched.n_tokens, batched.finish_reason, batched.logprobs) == (one.n_tokens, one.finish_reason,
+                                                                               one.logprobs)
+    assert one.finish_reason == "stop" and one.n_tokens > 0
+
+
+def test_one_send_per_pass_of_the_event_loop():
+    """Writes to a connection within one pass of the event loop leave in one send, at the end of the pass;
+    a close sends what is pending first; nothing is sent on a closing transport."""
+    import asyncio
+
+    from nanoeuler.serve.app import OneSendPerPass
+
+    class Transport:
+        def __init__(self):
+            self.sent, self.closed = [], False
+
+        def write(self, data):
+            self.sent.append(data)
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+        def get_extra_info(self, name):
+            return "peer" if name == "peername" else None
+
+    async def main():
+        t = Transport()
+        w = OneSendPerPass(t)
+        w.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        w.write(memoryview(b"data: 1\n\n"))
+        assert t.sent == []  # not before the pass ends
+        await asyncio.sleep(0)
+        w.write(b"data: 2\n\n")
+        await asyncio.sleep(0)
+        w.write(b"0\r\n\r\n")
+        w.close()
+        after_close = list(t.sent)
+        w.write(b"late")
+        await asyncio.sleep(0)
+        return t, after_close, w.get_extra_info("peername")
+    t, after_close, peer = asyncio.run(main())
+    assert after_close == [b"HTTP/1.1 200 OK\r\n\r\ndata: 1\n\n", b"data: 2\n\n", b"0\r\n\r\n"]
+    assert t.sent == after_close and t.closed and peer == "peer"
+
+
+@pytest.mark.parametrize("first_after, headers_at", [(0.01, "with the first events"), (0.4, "at the wait")])
+def test_a_streams_headers_leave_with_its_first_events_or_at_the_wait(first_after, headers_at):
+    """EventStream sends the status line and headers together with the first events when these come within
+    HEADERS_WAIT (one write instead of two), else at HEADERS_WAIT, before them (a request waiting for a row
+    learns it was taken); then the events, then the end."""
+    import asyncio
+
+    from nanoeuler.serve.app import EventStream
+
+    async def main():
+        loop, sent = asyncio.get_running_loop(), []
+
+        async def body():
+            await asyncio.sleep(first_after)
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+
+        async def send(message):
+            sent.append((loop.time(), message["type"], message.get("body")))
+
+        async def receive():
+            await asyncio.sleep(10)
+        t0 = loop.time()
+        await EventStream(body(), media_type="text/event-stream")({"type": "http"}, receive, send)
+        return [(round(t - t0, 2), kind, b) for t, kind, b in sent]
+    sent = asyncio.run(main())
+    assert [(kind, b) for _, kind, b in sent] == [("http.response.start", None), ("http.response.body", b"data: 1\n\n"),
+                                                  ("http.response.body", b"data: 2\n\n"), ("http.response.body", b"")]
+    wait = sent[0][0]
+    if headers_at == "with the first events":
+        assert wait >= first_after and sent[1][0] == wait
+    else:
+        assert 0.04 <= wait < 0.3 and sent[1][0] >= first_after
+
+
+def test_short_texts_are_tokenized_on_the_event_loop_long_ones_off_it():
+    """on_loop_if_short: up to INLINE_CHARS characters on the loop's own thread (no hop to a worker and
+    back), more on a worker thread (test_tokenize_runs_off_the_event_loop: the loop keeps serving)."""
+    import asyncio
+    import threading
+
+    from nanoeuler.serve.app import INLINE_CHARS, on_loop_if_short
+
+    async def main():
+        here = threading.get_ident()
+        short = await on_loop_if_short(INLINE_CHARS, threading.get_ident)
+        long = await on_loop_if_short(INLINE_CHARS + 1, threading.get_ident)
+        return here, short, long
+    here, short, long = asyncio.run(main())
+    assert short == here != long
+
+
 def test_a_gpt2_arch_model_with_a_gpt2_style_tokenizer():
     """An imported-style checkpoint: arch gpt2 (learned positions, LayerNorm, biases) and <|endoftext|> as
     the end token instead of </s>. Greedy completions and chat equal `generate` on the same ids."""

@@ -222,6 +222,10 @@ class StreamDecoder:
     def feed(self, token: int) -> str:
         return self.dec.decode(self.tok.token_bytes(token))
 
+    def feed_many(self, tokens) -> str:
+        """The text of several tokens at once: feed of each, joined."""
+        return self.dec.decode(b"".join(map(self.tok.token_bytes, tokens)))
+
     def flush(self) -> str:
         return self.dec.decode(b"", final=True)
 

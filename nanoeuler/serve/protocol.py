@@ -151,6 +151,10 @@ class TextStream:
     def feed(self, token: int) -> str:
         return self._push(self.dec.feed(token))
 
+    def feed_many(self, tokens: list[int]) -> str:
+        """feed of each token, joined (one decoding of their bytes)."""
+        return self._push(self.dec.feed_many(tokens))
+
     def flush(self) -> str:
         """The rest at the end of generation (a cut-off character becomes U+FFFD)."""
         out = self._push(self.dec.flush())
