@@ -140,7 +140,7 @@ def test_no_benchmark_script_takes_the_name_of_a_module():
     bench = ROOT.parent / "bench"
     path = [p for p in sys.path if Path(p or ".").resolve() != bench]   # (sys.modules may hold a script a test imported)
     optional = {"llama_cpp", "gguf", "torch", "transformers", "peft", "cupy", "mpi4py", "fastapi", "uvicorn",
-                "openai", "playwright", "httpx", "numba", "matplotlib", "jinja2", "hypothesis"}
+                "httptools", "openai", "playwright", "httpx", "numba", "matplotlib", "jinja2", "hypothesis"}
     taken = [p.stem for p in bench.glob("*.py") if p.stem in optional | set(sys.stdlib_module_names)
              or PathFinder.find_spec(p.stem, path) is not None]
     assert not taken, f"bench scripts named as modules: {taken}"

@@ -365,7 +365,8 @@ def test_one_send_per_pass_of_the_event_loop():
 def test_a_streams_headers_leave_with_its_first_events_or_at_the_wait(first_after, headers_at):
     """EventStream sends the status line and headers together with the first events when these come within
     HEADERS_WAIT (one write instead of two), else at HEADERS_WAIT, before them (a request waiting for a row
-    learns it was taken); then the events, then the end."""
+    learns it was taken); then the events; the chunk that ends with [DONE] ends the reply (a generator that
+    stops without one: an empty last message)."""
     import asyncio
 
     from nanoeuler.serve.app import EventStream
@@ -373,22 +374,29 @@ def test_a_streams_headers_leave_with_its_first_events_or_at_the_wait(first_afte
     async def main():
         loop, sent = asyncio.get_running_loop(), []
 
-        async def body():
+        async def body(done):
             await asyncio.sleep(first_after)
             yield "data: 1\n\n"
-            yield "data: 2\n\n"
+            yield "data: 2\n\n" + ("data: [DONE]\n\n" if done else "")
+            ended.append(True)  # (after [DONE]: run by the generator's closing)
 
         async def send(message):
-            sent.append((loop.time(), message["type"], message.get("body")))
+            sent.append((loop.time(), message["type"], message.get("body"), message.get("more_body")))
 
         async def receive():
             await asyncio.sleep(10)
         t0 = loop.time()
-        await EventStream(body(), media_type="text/event-stream")({"type": "http"}, receive, send)
-        return [(round(t - t0, 2), kind, b) for t, kind, b in sent]
-    sent = asyncio.run(main())
-    assert [(kind, b) for _, kind, b in sent] == [("http.response.start", None), ("http.response.body", b"data: 1\n\n"),
-                                                  ("http.response.body", b"data: 2\n\n"), ("http.response.body", b"")]
+        await EventStream(body(False), media_type="text/event-stream")({"type": "http"}, receive, send)
+        plain, sent[:] = list(sent), []
+        await EventStream(body(True), media_type="text/event-stream")({"type": "http"}, receive, send)
+        return [(round(t - t0, 2), kind, b, more) for t, kind, b, more in plain], [m[1:] for m in sent]
+    ended = []
+    sent, with_done = asyncio.run(main())
+    assert [m[1:] for m in sent] == [("http.response.start", None, None), ("http.response.body", b"data: 1\n\n", True),
+                                     ("http.response.body", b"data: 2\n\n", True), ("http.response.body", b"", False)]
+    assert with_done == [("http.response.start", None, None), ("http.response.body", b"data: 1\n\n", True),
+                         ("http.response.body", b"data: 2\n\ndata: [DONE]\n\n", False)]
+    assert ended == [True]  # the first generator ran to its end; the second was closed after its [DONE]
     wait = sent[0][0]
     if headers_at == "with the first events":
         assert wait >= first_after and sent[1][0] == wait

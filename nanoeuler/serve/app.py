@@ -116,7 +116,8 @@ class EventStream(StreamingResponse):
     """A server-sent-events reply whose status line and headers leave with its first events when these come
     within HEADERS_WAIT seconds (a stream's first token, after its prompt): one socket write and one wake
     of the client, not two during the prompt's forward pass. A request that waits longer (for a free row,
-    or a long prompt) gets its headers at HEADERS_WAIT, so its client knows it was taken."""
+    or a long prompt) gets its headers at HEADERS_WAIT, so its client knows it was taken. The chunk that
+    ends with [DONE] ends the reply too (one message less through the middleware)."""
 
     HEADERS_WAIT = 0.05
 
@@ -129,10 +130,11 @@ class EventStream(StreamingResponse):
             chunk = await first
         finally:
             first.cancel()  # (the client went away before the first events: stop waiting for them)
-        while chunk is not None:
+        while chunk is not None and not chunk.endswith(DONE):
             await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             chunk = await anext(chunks, None)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": (chunk or "").encode(), "more_body": False})
+        await chunks.aclose()
 
 
 class OneSendPerPass:
@@ -164,10 +166,12 @@ class OneSendPerPass:
 
 
 def http_protocol():
-    """uvicorn's HTTP/1.1 protocol (h11) over OneSendPerPass transports."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), whose parsing and
+    framing took a stream 0.2 ms less than h11's pure Python (`big` q8_0, 60 interleaved pairs: 6.1 % over
+    the engine alone against 8.6 %)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class Protocol(H11Protocol):
+    class Protocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(OneSendPerPass(transport))
     return Protocol
@@ -392,10 +396,13 @@ class Run:
                 if await request.is_disconnected():
                     self.cancel()
                     return
-            try:
-                events = await asyncio.wait_for(self.queue.get(), 0.5)  # a Dispatcher batch
-            except asyncio.TimeoutError:
-                continue
+            if request is None:  # a stream: no timeout (wait_for's task costs each batch a pass of the loop)
+                events = await self.queue.get()  # a Dispatcher batch
+            else:
+                try:
+                    events = await asyncio.wait_for(self.queue.get(), 0.5)
+                except asyncio.TimeoutError:
+                    continue
             while not self.queue.empty():
                 events += self.queue.get_nowait()
             by_choice: dict[int, list] = {}
@@ -637,7 +644,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         return prompts, truncated
 
     def check_ids(ids, param) -> None:
-        if any(not 0 <= t < cfg.vocab_size for t in ids):
+        if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
             raise APIError(400, f"token ids must lie in [0, {cfg.vocab_size})", param=param, code="invalid_value")
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
