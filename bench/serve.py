@@ -371,6 +371,7 @@ def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
     med = (lambda k: float(np.median([p[k] for p in pairs])))
     return {"dtype": dtype, "tokens": args.tokens, "prompt_tokens": len(ids), "pairs": pairs,
             "cost": float(np.median(costs)), "cost_min": min(costs), "cost_max": max(costs),
+            "cost_quartiles": [float(q) for q in np.percentile(costs, [25, 75])],
             **{k: med(k) for k in ("engine_s", "engine_ttft_s", "http_s", "http_ttft_s", "engine_loop_cpu_s",
                                    "http_loop_cpu_s")}}
 
@@ -411,8 +412,9 @@ def print_http_cost(name: str, r: dict) -> None:
         ls = r["llama_server"]
         print(f"  llama-server, the same stream on the same model's GGUF: {ms(ls['http_s'])} (TTFT "
               f"{ms(ls['http_ttft_s'])}); ours over HTTP / it: {r['http_s'] / ls['http_s']:.2f}x the time")
-    print(f"  HTTP cost of one stream: {r['cost'] * 100:.1f} % (median of {len(r['pairs'])} pairs; range "
-          f"{r['cost_min'] * 100:.1f} .. {r['cost_max'] * 100:.1f} %)")
+    q1, q3 = r["cost_quartiles"]
+    print(f"  HTTP cost of one stream: {r['cost'] * 100:.1f} % (median of {len(r['pairs'])} pairs; quartiles "
+          f"{q1 * 100:.1f} .. {q3 * 100:.1f} %, range {r['cost_min'] * 100:.1f} .. {r['cost_max'] * 100:.1f} %)")
 
 
 def main() -> int:
@@ -436,7 +438,9 @@ def main() -> int:
                     help="instead of the levels: one stream's HTTP cost, the same greedy job by the engine alone in "
                          "the server's process and over HTTP, --pairs interleaved pairs at each --dtype (with "
                          "--llama-server: its time for the same stream too)")
-    ap.add_argument("--pairs", type=int, default=9, help="with --http-cost: timed pairs per dtype (default 9)")
+    ap.add_argument("--pairs", type=int, default=25,
+                    help="with --http-cost: timed pairs per dtype (default 25: on a shared machine a pair's ratio "
+                         "swings by tens of percent)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
     ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")

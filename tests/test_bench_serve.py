@@ -57,6 +57,7 @@ def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs
         assert 0 < p["engine_ttft_s"] < p["engine_s"] and 0 < p["http_ttft_s"] < p["http_s"]
     ratios = sorted(p["http_s"] / p["engine_s"] - 1 for p in pairs)
     assert (cost["cost"], cost["cost_min"], cost["cost_max"]) == pytest.approx((ratios[1], ratios[0], ratios[2]))
+    assert cost["cost_quartiles"] == pytest.approx([(ratios[0] + ratios[1]) / 2, (ratios[1] + ratios[2]) / 2])
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import serve
     serve.print_http_cost(name, cost)
