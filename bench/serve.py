@@ -56,6 +56,7 @@ TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
 OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
 GGUF = {v: k for k, v in OURS.items()}  # the GGUF type of our --dtype
 ENGINE_SERVER = "--engine-server"  # argv[1] of this script run as engine_server (by --http-cost)
+REST = 0.1  # seconds --http-cost leaves the server idle before each timed run (see http_cost)
 
 
 def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
@@ -344,7 +345,9 @@ def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
     """One stream's HTTP cost: a server at dtype (engine_server), then --pairs pairs, each the same greedy job
     of --tokens tokens on the same prompt run first by the engine alone in the server's process, then over
     HTTP through raw_stream (wall from the request's write to [DONE], TTFT included on both sides); two
-    untimed pairs first. -> the pairs' figures, and cost: the median of HTTP wall / engine wall, minus 1.
+    untimed pairs first; each run starts from rest (REST seconds idle: after a job the decoding helpers
+    spin for tens of ms, and would share the cores with the next run's start, which was always the HTTP
+    request's). -> the pairs' figures, and cost: the median of HTTP wall / engine wall, minus 1.
     loop_cpu_s: the event loop thread's CPU time over each request (the engine's: its request to the route),
     which a loaded machine distorts less than wall time."""
     from nanoeuler.checkpoint import load_tokenizer
@@ -355,9 +358,11 @@ def http_cost(ckpt: Path, dtype: str, args, prompt: str) -> dict:
     pairs = []
     try:
         for i in range(2 + args.pairs):
+            time.sleep(REST)
             c0 = thread_cpu_s(proc.pid)
             e = post_json(url + "/bench/engine", {"ids": ids, "max_tokens": args.tokens}, args.level_timeout)
             c1 = thread_cpu_s(proc.pid)
+            time.sleep(REST)
             h = raw_stream(url, prompt, args.tokens, i, args.level_timeout, temperature=0.0)
             c2 = thread_cpu_s(proc.pid)
             if not (e["ok"] and h["ok"] and e["pid"] == proc.pid and h["usage"]["prompt_tokens"] == len(ids)):
