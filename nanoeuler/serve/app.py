@@ -587,7 +587,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
             finally:
                 run.cancel()  # the client went away or we are done: free the rows now
         return EventStream(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- routes ----
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
