@@ -404,6 +404,31 @@ def test_a_streams_headers_leave_with_its_first_events_or_at_the_wait(first_afte
         assert 0.04 <= wait < 0.3 and sent[1][0] >= first_after
 
 
+def test_the_servers_connections_send_without_nagles_delay():
+    """bind() names the socket's protocol, so that asyncio turns Nagle's algorithm off (TCP_NODELAY) on every
+    connection it accepts: without it a stream's chunk waited for the client's delayed acknowledgement of the
+    chunk before (a keep-alive client got a reply's end tens of ms late)."""
+    import asyncio
+    import socket
+
+    from nanoeuler.serve.app import bind
+
+    async def main():
+        sock, seen = bind("127.0.0.1", 0), []
+
+        async def handler(reader, writer):
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+        server = await asyncio.start_server(handler, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return seen
+    assert asyncio.run(main()) == [1]
+
+
 def test_short_texts_are_tokenized_on_the_event_loop_long_ones_off_it():
     """on_loop_if_short: up to INLINE_CHARS characters on the loop's own thread (no hop to a worker and
     back), more on a worker thread (test_tokenize_runs_off_the_event_loop: the loop keeps serving)."""
