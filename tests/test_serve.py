@@ -429,6 +429,22 @@ def test_the_servers_connections_send_without_nagles_delay():
     assert asyncio.run(main()) == [1]
 
 
+def test_the_warm_up_request_goes_through_the_whole_app(ckpt):
+    """run_server's startup streams one short completion through the app in-process (with the API key when
+    there is one), so that what a first request builds exists before the server's objects are frozen."""
+    import asyncio
+
+    from nanoeuler.serve.app import create_app, warm_up_request
+    d, model, tok = ckpt
+    app = create_app(model, tok, "tiny", api_key=KEY)
+    batcher = app.state.batcher.start()
+    try:
+        asyncio.run(asyncio.wait_for(warm_up_request(app), 60))
+    finally:
+        batcher.close()
+    assert batcher.stats()["tokens"] == 2
+
+
 def test_short_texts_are_tokenized_on_the_event_loop_long_ones_off_it():
     """on_loop_if_short: up to INLINE_CHARS characters on the loop's own thread (no hop to a worker and
     back), more on a worker thread (test_tokenize_runs_off_the_event_loop: the loop keeps serving)."""
