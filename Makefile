@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test check bench install clean
+.PHONY: demo test check bench install models clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# the published models tests and benchmarks run on (SmolLM2-135M-Instruct, Gemma 3 270M), into .cache/models
+models:
+	$(PYTHON) scripts/fetch_models.py
 
 check: $(STAMP)
 	$(BIN)/nanoeuler check
