@@ -2,23 +2,23 @@
 
 An adapter *module* adds s·B·A (s = α / r, A [r, in], B [out, r]) to one weight, or to several weights
 stacked by rows (GPT-2's `c_attn` is q|k|v in one matrix in HF, so one A is shared by wq, wk, wv and B
-is cut by rows between them). Targets are named as PEFT names the modules, per architecture:
+is cut by rows between them). Targets are named per architecture as its record says (arch.py `lora`):
 
-    euler (Llama): q k v o gate up down    ->  layers.i.attn.wq ... layers.i.ffn.down
-    gpt2:          c_attn c_proj c_fc      ->  layers.i.attn.wqkv (wq|wk|wv), attn.wo and ffn.proj
-                                               (PEFT's "c_proj" matches both), ffn.fc
+    euler, qwen2, gemma3: q k v o gate up down  ->  layers.i.attn.wq ... layers.i.ffn.down
+    gpt2:                 c_attn c_proj c_fc    ->  layers.i.attn.wqkv (wq|wk|wv), attn.wo and ffn.proj
+                                                    (PEFT's "c_proj" matches both), ffn.fc
 
 Parameters are `<module>.lora_A` [r, in] and `<module>.lora_B` [Σ out, r]; A ~ U(±1/√in) (PEFT's
 Kaiming-uniform with a = √5), B = 0, so training starts from the base model exactly.
 
 Whole modules can be trained beside the adapters, as PEFT's `modules_to_save` does: a trainable copy of
-each of their tensors, under its own name, replaces the base's (`saved_names`). Offered on euler:
+each of their tensors, under its own name, replaces the base's (`saved_names`):
 
     lm_head    heads.0.weight (PEFT's lm_head; refused when tied to the embedding: PEFT would train
                an untied copy of the whole [V, d] embedding, which LoRA exists to avoid)
-    mtp_heads  heads.1.. (euler's multi-token heads, part of the training loss; not in a PEFT export:
-               Hugging Face's Llama has none)
-    norm       every RMSNorm weight (PEFT's "norm" matches them all: it matches module names by suffix)
+    mtp_heads  heads.1.. (the multi-token heads, part of the training loss; not in a PEFT export:
+               Hugging Face's models have none)
+    norm       every norm's weight (and bias) (PEFT's "norm" matches them all: it matches module names by suffix)
 
 An adapter run directory holds `lora.json` (rank, alpha, targets, dropout, and the base: its path and
 the sha256 of its config.json + model.safetensors), `adapter.safetensors` and `tokenizer.json`; with a
@@ -43,27 +43,9 @@ from .ops import lora_merge
 
 LORA_FILE = "lora.json"
 ADAPTER_FILE = "adapter.safetensors"
-# target -> [(module under layers.i., the base weights it adapts, stacked by rows, its PEFT module name)]
-TARGETS = {
-    "euler": {
-        "q": [("attn.wq", ("attn.wq",), "self_attn.q_proj")],
-        "k": [("attn.wk", ("attn.wk",), "self_attn.k_proj")],
-        "v": [("attn.wv", ("attn.wv",), "self_attn.v_proj")],
-        "o": [("attn.wo", ("attn.wo",), "self_attn.o_proj")],
-        "gate": [("ffn.gate", ("ffn.gate",), "mlp.gate_proj")],
-        "up": [("ffn.up", ("ffn.up",), "mlp.up_proj")],
-        "down": [("ffn.down", ("ffn.down",), "mlp.down_proj")],
-    },
-    "gpt2": {
-        "c_attn": [("attn.wqkv", ("attn.wq", "attn.wk", "attn.wv"), "attn.c_attn")],
-        "c_proj": [("attn.wo", ("attn.wo",), "attn.c_proj"), ("ffn.proj", ("ffn.proj",), "mlp.c_proj")],
-        "c_fc": [("ffn.fc", ("ffn.fc",), "mlp.c_fc")],
-    },
-}
-DEFAULT_TARGETS = {"euler": ("q", "k", "v", "o", "gate", "up", "down"), "gpt2": ("c_attn", "c_proj", "c_fc")}
-# modules_to_save name -> (the base tensors it trains, a regular expression; its PEFT name or None), euler only
+# modules_to_save name -> (the base tensors it trains, a regular expression; its PEFT name or None)
 SAVABLE = {"lm_head": (r"heads\.0\.weight", "lm_head"), "mtp_heads": (r"heads\.[1-9]\d*\.weight", None),
-           "norm": (r"(layers\.\d+\.\w+_)?norm\.weight", "norm")}
+           "norm": (r"(layers\.\d+\.[\w.]*)?norm\.(weight|bias)", "norm")}
 DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site DROPOUT_SITE0 + j (ops/dropout.py)
 
 
@@ -71,7 +53,7 @@ DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site D
 class LoraConfig:
     rank: int
     alpha: float
-    targets: tuple[str, ...] = ()   # () = the arch's DEFAULT_TARGETS (filled in by `check`)
+    targets: tuple[str, ...] = ()   # () = the architecture's lora_defaults (filled in by `check`)
     dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()   # SAVABLE names: trained whole beside the adapters
 
@@ -82,8 +64,8 @@ class LoraConfig:
     def check(self, cfg: Config) -> "LoraConfig":
         """This config for a base of config cfg (default targets filled in), or UserError."""
         if not self.targets:
-            return replace(self, targets=DEFAULT_TARGETS[cfg.arch]).check(cfg)
-        known = TARGETS[cfg.arch]
+            return replace(self, targets=cfg.spec.lora_defaults).check(cfg)
+        known = cfg.spec.lora
         bad = [t for t in self.targets if t not in known]
         if bad or len(set(self.targets)) != len(self.targets):
             raise UserError(f"--lora-targets: {', '.join(bad) or 'a target given twice'}: the targets of arch "
@@ -104,8 +86,6 @@ def check_modules_to_save(cfg: Config, names: tuple[str, ...]) -> None:
     """UserError unless every name is a SAVABLE module of this base, given once."""
     if not names:
         return
-    if cfg.arch != "euler":
-        raise UserError(f"--lora-modules-to-save: arch {cfg.arch} has none (its output head is the tied embedding)")
     bad = [n for n in names if n not in SAVABLE]
     if bad or len(set(names)) != len(names):
         raise UserError(f"--lora-modules-to-save: {', '.join(map(str, bad)) or 'a module given twice'}: choose from "
@@ -127,16 +107,18 @@ def saved_names(cfg: Config, lcfg: LoraConfig) -> list[str]:
 
 
 def modules(cfg: Config, lcfg: LoraConfig) -> dict[str, tuple[tuple[str, ...], str]]:
-    """module name -> (the base weight names it adapts, its PEFT name), in layer order.
+    """module name -> (the base weight names it adapts, its Hugging Face module name: PEFT's), in layer order.
 
         modules(gpt2 config, targets=("c_attn",))
-          -> {"layers.0.attn.wqkv": (("layers.0.attn.wq.weight", ...wk..., ...wv...), "layers.0.attn.c_attn"), ...}
+          -> {"layers.0.attn.wqkv": (("layers.0.attn.wq.weight", ...wk..., ...wv...), "h.0.attn.c_attn"), ...}
     """
+    hf = {n: e.name for e in cfg.spec.hf.tensors(cfg.n_layers) for n in e.ours}
     out = {}
     for i in range(cfg.n_layers):
         for target in lcfg.targets:
-            for module, bases, peft in TARGETS[cfg.arch][target]:
-                out[f"layers.{i}.{module}"] = (tuple(f"layers.{i}.{b}.weight" for b in bases), f"layers.{i}.{peft}")
+            for module, bases in cfg.spec.lora[target]:
+                names = tuple(f"layers.{i}.{b}.weight" for b in bases)
+                out[f"layers.{i}.{module}"] = (names, hf[names[0]].removesuffix(".weight"))
     return out
 
 

@@ -11,7 +11,8 @@ Richardson-extrapolated to (16·D(h) − D(2h)) / 15 (truncation error O(h⁶)),
 
 The floor keeps near-zero gradients (where both sides are round-off) from dividing by zero.
 (a) each op on random inputs, with L = Σ out ⊙ R for a fixed random R;
-(b) every parameter tensor of a whole small model with MTP (K=3) and GQA (H=4, Hkv=2), L = objective:
+(b) every parameter tensor of a whole small model of each architecture (arch.py) with MTP (K=3) and GQA
+    (H=4, Hkv=2), L = objective:
     every entry of a tensor of at most n_samples + 8 entries (norms, biases), else n_samples entries at
     random plus the 4 largest and the 4 most negative gradient entries; once more with dropout on the residual
     branches (fixed masks);
@@ -126,6 +127,8 @@ def check_ops(seed: int = 0) -> list[Row]:
                       [r(B, 4, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
     rows += _check_op("attention (MHA)", ops.attention_forward, ops.attention_backward,
                       [r(B, 2, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
+    rows += _check_op("attention (window 2)", lambda q, k, v: ops.attention_forward(q, k, v, 2), ops.attention_backward,
+                      [r(B, 4, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
     ids = rng.integers(0, V, (B, T))
     emb_fwd = lambda W: ops.embedding_forward(ids, W)
     rows += _check_op("embedding", emb_fwd, ops.embedding_backward, [r(V, d)], rng)
@@ -141,7 +144,7 @@ def check_ops(seed: int = 0) -> list[Row]:
         return objective, cache
 
     rows += _check_op("mtp_loss", mtp_fwd, ops.mtp_loss_backward, [r(3, B, T, V)], rng)
-    # the GPT-2 ops (arch "gpt2")
+    # LayerNorm, GELU, bias, learned positions (arch gpt2); GeGLU (gemma3)
     rows += _check_op("layernorm", lambda x, w, b: ops.layernorm_forward(x, w, b, 1e-5), ops.layernorm_backward,
                       [r(B, T, d), r(d), r(d)], rng)
     # gelu' vanishes at x ≈ −0.752: there the gradient is below what finite differences of an O(10) sum
@@ -150,6 +153,7 @@ def check_ops(seed: int = 0) -> list[Row]:
     gx = 1.5 * r(B, T, d)
     gx[np.abs(gx + 0.752) < 0.25] += 1.0
     rows += _check_op("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, [gx], rng)
+    rows += _check_op("geglu", ops.geglu_forward, ops.geglu_backward, [gx, r(B, T, d)], rng)
     rows += _check_op("bias", ops.bias_forward, ops.bias_backward, [r(B, T, d), r(d)], rng)
     rows += _check_op("position (start 3)", lambda x, W: ops.position_forward(x, W, start=3), ops.position_backward,
                       [r(B, T, d), r(T + 4, d)], rng)
@@ -158,10 +162,17 @@ def check_ops(seed: int = 0) -> list[Row]:
 
 # ---- (b) the whole model -----------------------------------------------------------------------
 CHECK_CONFIG = Config(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=16, ffn_hidden=48, n_mtp=3)
-# arch gpt2 (LayerNorm, learned positions, biases, GELU, tied head 0) with two extra MTP heads and GQA.
-# attn.wk.bias has an exactly-zero gradient (a key bias shifts a whole row of scores, which softmax
-# ignores): its row measures finite-difference round-off against the floor (~6e-7), not a wrong backward.
+# every architecture of arch.py at the same small size, MTP and GQA, each with what makes it itself:
+# gpt2 (LayerNorm, learned positions, biases, GELU, tied head 0). attn.wk.bias has an exactly-zero gradient
+# (a key bias shifts a whole row of scores, which softmax ignores): its row measures finite-difference
+# round-off against the floor (~6e-7), not a wrong backward. qwen2 (q/k/v biases, tied head). gemma3 (GeGLU,
+# q/k norms, post norms, √d embedding, a head width of its own, windowed layers with their own RoPE base).
 GPT2_CHECK_CONFIG = CHECK_CONFIG.replace(arch="gpt2")
+ARCH_CHECK_CONFIGS = {
+    "euler": CHECK_CONFIG, "gpt2": GPT2_CHECK_CONFIG,
+    "qwen2": CHECK_CONFIG.replace(arch="qwen2", tie_embeddings=True),
+    "gemma3": CHECK_CONFIG.replace(arch="gemma3", head_dim=12, sliding_window=5, global_every=2),
+}
 
 
 def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG, batch: int = 2,
@@ -265,14 +276,14 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
     """Every adapter tensor (rank 3, every target of the arch) of a float64 model, and every tensor of the
     modules trained whole beside them (modules_to_save): the analytic gradients (base frozen) vs finite
     differences of the objective (with dropout > 0: under fixed masks)."""
-    from .adapters import DEFAULT_TARGETS, LoraConfig, init_adapters
+    from .adapters import LoraConfig, init_adapters
     from .lora import LoraModel
     from .model import Model
     rng = np.random.default_rng(seed)
     base = Model.init(config, seed=seed, dtype=np.float64)
     for p in base.params.values():
         p += rng.standard_normal(p.shape) * (0.3 if p.ndim > 1 else 0.5)
-    lcfg = LoraConfig(3, 3.0, DEFAULT_TARGETS[config.arch], dropout, modules_to_save)
+    lcfg = LoraConfig(3, 3.0, config.spec.lora_defaults, dropout, modules_to_save)
     adapters = init_adapters(config, lcfg, seed, np.float64, base.params)
     for a in adapters.values():
         a += rng.standard_normal(a.shape) * 0.2  # B = 0 would leave dA = 0: check a trained state

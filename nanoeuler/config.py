@@ -1,4 +1,4 @@
-"""Model configuration: the SPEC presets and the validated config dataclass.
+"""Model configuration: the SPEC presets and the validated config dataclass (its architecture: arch.py).
 
     >>> Config.preset("small").n_params()
     1049728
@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .arch import ARCHS, Arch
 from .errors import UserError
 
 
@@ -21,30 +22,44 @@ class Config:
     n_kv_heads: int
     n_layers: int
     ctx_len: int        # T, the context length
-    ffn_hidden: int     # F, the SwiGLU hidden width
+    ffn_hidden: int     # F, the MLP's hidden width
     n_mtp: int          # K, the number of multi-token-prediction heads (head k predicts k+1 ahead)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    arch: str = "euler"  # "euler": RMSNorm/RoPE/SwiGLU, no biases; "gpt2": LayerNorm/learned positions/GELU, biases, tied head
-    tie_embeddings: bool = False  # euler: head 0 IS embed.weight (one matrix, as tied imports); gpt2 always ties
+    rope_theta: float | None = None        # RoPE base (of the global layers)
+    norm_eps: float | None = None
+    arch: str = "euler"                    # an entry of arch.ARCHS: the block's recipe (arch.py)
+    tie_embeddings: bool | None = None     # head 0 IS embed.weight (one matrix)
+    head_dim: int | None = None            # the width of one head (default dim / n_heads)
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers (default rope_theta)
+    sliding_window: int | None = None      # windowed layers attend to their last this many positions (0: none)
+    global_every: int | None = None        # with a window: layer i attends globally iff (i + 1) % this == 0
+                                           # (0: every layer windowed)
+    # None: the architecture's default (arch.Arch.defaults), else DEFAULTS below
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise UserError(f"config: unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
-        for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp"):
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
+            raise UserError(f"config: unknown arch {self.arch!r:.60}; choose one of {', '.join(ARCHS)}")
+        if self.head_dim is None and isinstance(self.dim, int) and isinstance(self.n_heads, int) \
+                and self.n_heads > 0 and self.dim % self.n_heads:
+            raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads} (give head_dim)")
+        for name, value in self._defaults().items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "n_layers", "ctx_len", "ffn_hidden", "n_mtp",
+                     "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[name]:
                 raise UserError(f"config: {name} must be a positive integer <= {LIMITS[name]:,}, got {value!r:.60}")
-        if self.dim % self.n_heads:
-            raise UserError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        for name in ("sliding_window", "global_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= LIMITS["ctx_len"]:
+                raise UserError(f"config: {name} must be an integer in [0, {LIMITS['ctx_len']:,}], got {value!r:.60}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if not isinstance(self.tie_embeddings, bool) or (self.tie_embeddings and self.arch != "euler"):
-            raise UserError(f"config: tie_embeddings must be true or false (arch euler only; gpt2 always ties), "
-                            f"got {self.tie_embeddings!r:.60}")
-        if self.arch == "euler" and self.head_dim % 2:
-            raise UserError(f"config: head_dim {self.head_dim} (dim / n_heads) must be even for RoPE")
-        for name in ("rope_theta", "norm_eps"):
+        if not isinstance(self.tie_embeddings, bool):
+            raise UserError(f"config: tie_embeddings must be true or false, got {self.tie_embeddings!r:.60}")
+        if self.spec.positions == "rope" and self.head_dim % 2:
+            raise UserError(f"config: head_dim {self.head_dim} must be even for RoPE")
+        for name in ("rope_theta", "norm_eps", "rope_local_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
@@ -52,48 +67,69 @@ class Config:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
                             f"({MAX_PARAMS:,})")
 
+    def _defaults(self) -> dict:
+        """The value each defaultable field takes when not given: the architecture's, else DEFAULTS."""
+        out = DEFAULTS | ARCHS[self.arch].defaults
+        out["head_dim"] = self.dim // self.n_heads if isinstance(self.dim, int) and isinstance(self.n_heads, int) \
+            and self.n_heads > 0 else None
+        out["rope_local_theta"] = out.get("rope_local_theta") or (self.rope_theta if self.rope_theta is not None
+                                                                  else out["rope_theta"])
+        return out
+
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def spec(self) -> Arch:
+        """The architecture's record (arch.py): what the block computes and its names in other formats."""
+        return ARCHS[self.arch]
+
+    def window(self, layer: int) -> int:
+        """How many positions layer `layer` attends back over (itself included), 0 for all of them.
+        Gemma 3 (window 512, global_every 6): layers 0-4 -> 512, layer 5 -> 0, ..."""
+        if not self.sliding_window or (self.global_every and (layer + 1) % self.global_every == 0):
+            return 0
+        return self.sliding_window
+
+    def layer_theta(self, layer: int) -> float:
+        """The RoPE base of layer `layer`: rope_local_theta on windowed layers, rope_theta on the others."""
+        return self.rope_local_theta if self.window(layer) else self.rope_theta
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's SPEC name and shape ([out, in] for matrices), in checkpoint order."""
-        d, hd, V, F = self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
-        if self.arch == "gpt2":
-            return self._gpt2_param_shapes()
+        """Every parameter's name and shape ([out, in] for matrices), in checkpoint order (arch.py names them).
+        A linear's bias follows its weight; a LayerNorm has a bias, an RMSNorm none."""
+        a, d, hd, V, F = self.spec, self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
         shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, d)}
-        for i in range(self.n_layers):
-            p = f"layers.{i}."
-            shapes[p + "attn_norm.weight"] = (d,)
-            shapes[p + "attn.wq.weight"] = (self.n_heads * hd, d)
-            shapes[p + "attn.wk.weight"] = (self.n_kv_heads * hd, d)
-            shapes[p + "attn.wv.weight"] = (self.n_kv_heads * hd, d)
-            shapes[p + "attn.wo.weight"] = (d, self.n_heads * hd)
-            shapes[p + "ffn_norm.weight"] = (d,)
-            shapes[p + "ffn.gate.weight"] = (F, d)
-            shapes[p + "ffn.up.weight"] = (F, d)
-            shapes[p + "ffn.down.weight"] = (d, F)
-        shapes["norm.weight"] = (d,)
-        for k in range(1 if self.tie_embeddings else 0, self.n_mtp):  # tied: head 0 is embed.weight
-            shapes[f"heads.{k}.weight"] = (V, d)
-        return shapes
+        if a.positions == "learned":
+            shapes["pos_embed.weight"] = (self.ctx_len, d)
 
-    def _gpt2_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """arch "gpt2" (see model.py): learned positions, LayerNorm weight+bias, biased linears; head 0 is
-        tied to embed.weight (not stored), heads 1..K-1 (MTP, optional) are their own matrices."""
-        d, hd, V, F = self.dim, self.head_dim, self.vocab_size, self.ffn_hidden
-        shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, d), "pos_embed.weight": (self.ctx_len, d)}
+        def norm(name: str, n: int) -> None:
+            shapes[name + ".weight"] = (n,)
+            if a.norm == "layer":
+                shapes[name + ".bias"] = (n,)
+
+        def linear(name: str, out: int, inp: int, bias: bool) -> None:
+            shapes[name + ".weight"] = (out, inp)
+            if bias:
+                shapes[name + ".bias"] = (out,)
+
         for i in range(self.n_layers):
             p = f"layers.{i}."
-            for name, out, inp in (("attn_norm", d, 0), ("attn.wq", self.n_heads * hd, d),
-                                   ("attn.wk", self.n_kv_heads * hd, d), ("attn.wv", self.n_kv_heads * hd, d),
-                                   ("attn.wo", d, self.n_heads * hd), ("ffn_norm", d, 0),
-                                   ("ffn.fc", F, d), ("ffn.proj", d, F)):
-                shapes[p + name + ".weight"] = (out, inp) if inp else (out,)
-                shapes[p + name + ".bias"] = (out,)
-        shapes["norm.weight"] = (d,)
-        shapes["norm.bias"] = (d,)
-        for k in range(1, self.n_mtp):
+            norm(p + "attn_norm", d)
+            for w, heads in (("wq", self.n_heads), ("wk", self.n_kv_heads), ("wv", self.n_kv_heads)):
+                linear(p + "attn." + w, heads * hd, d, a.qkv_bias)
+            if a.qk_norm:
+                norm(p + "attn.q_norm", hd)
+                norm(p + "attn.k_norm", hd)
+            linear(p + "attn.wo", d, self.n_heads * hd, a.out_bias)
+            if a.post_norms:
+                norm(p + "attn_post_norm", d)
+            norm(p + "ffn_norm", d)
+            *ins, out = a.mlp_weights
+            for w in ins:
+                linear(p + "ffn." + w, F, d, a.out_bias)
+            linear(p + "ffn." + out, d, F, a.out_bias)
+            if a.post_norms:
+                norm(p + "ffn_post_norm", d)
+        norm("norm", d)
+        for k in range(1 if self.tie_embeddings else 0, self.n_mtp):  # tied: head 0 is embed.weight
             shapes[f"heads.{k}.weight"] = (V, d)
         return shapes
 
@@ -111,9 +147,12 @@ class Config:
         return 6 * self.n_params()
 
     def to_dict(self) -> dict:
+        """config.json: the SPEC's fields always, the others only where they differ from their defaults."""
         d = dataclasses.asdict(self)
-        if not self.tie_embeddings:  # untied configs (every one before the field) keep their exact config.json
-            del d["tie_embeddings"]
+        defaults = self._defaults()
+        for name in OPTIONAL:
+            if d[name] == defaults[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -146,7 +185,12 @@ class Config:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def replace(self, **changes) -> "Config":
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed; the fields left at their defaults follow the change
+        (Config.preset("small").replace(n_heads=2).head_dim == 64)."""
+        d = self.to_dict()
+        for name in OPTIONAL:
+            d.setdefault(name, None)
+        return Config(**(d | changes))
 
     @classmethod
     def preset(cls, name: str) -> "Config":
@@ -155,14 +199,16 @@ class Config:
         return PRESETS[name]
 
 
-ARCHS = ("euler", "gpt2")
+# the defaults of the defaultable fields where the architecture has none (head_dim, rope_local_theta: derived)
+DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0}
+OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every")  # config.json: if not default
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)
 PRECISIONS = ("f32", "bf16")
 
 # upper bounds of the integer fields (checked before anything is allocated: a ctx_len of 1e8 is refused here)
 LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 15, "n_heads": 1 << 10, "n_kv_heads": 1 << 10, "n_layers": 1 << 10,
-          "ctx_len": 1 << 20, "ffn_hidden": 1 << 17, "n_mtp": 64}
+          "ctx_len": 1 << 20, "ffn_hidden": 1 << 17, "n_mtp": 64, "head_dim": 1 << 12}
 MAX_PARAMS = 20_000_000_000
 
 PRESETS: dict[str, Config] = {
@@ -201,8 +247,8 @@ def check_params(config: Config, params: dict) -> None:
 
 
 def head_name(P: dict, k: int) -> str:
-    """The parameter that is output head k: head 0 is the token embedding when tied (arch gpt2,
-    tie_embeddings), and its gradient goes there too. head_name({"embed.weight": E}, 0) == "embed.weight"."""
+    """The parameter that is output head k: head 0 is the token embedding when tied (tie_embeddings), and
+    its gradient goes there too. head_name({"embed.weight": E}, 0) == "embed.weight"."""
     return "embed.weight" if k == 0 and "heads.0.weight" not in P else f"heads.{k}.weight"
 
 

@@ -332,7 +332,7 @@ class Adapters:
         return out
 
     def _product_runs(self, key: str):
-        """runs() of the weights behind the engine's product `key` ("wqkv.0", "layers.0.attn.wo.weight", ...)."""
+        """runs() of the weights behind the engine's product `key` (a weight, or weights stacked: fast.engine.product_key)."""
         if key not in self._runs:
             from .fast.engine import product_weights
             self._runs[key] = self.runs(tuple(product_weights(key)))

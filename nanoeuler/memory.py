@@ -1,24 +1,32 @@
 """What one float32 training step holds in memory: weights, gradients, AdamW moments, activations.
 
 Activations are the arrays the reference forward pass keeps for the backward (its caches), counted
-exactly (tests/test_memory.py checks the count against the caches; the fast engine's workspace is of
-the same order):
-    per layer   rmsnorm n, h and 1/rms (2·B·T·d + B·T), rotated q (B·T·d), k and v (2·B·T·Hkv·hd),
-                attention probabilities (B·H·T·T), attention output (B·T·d), second rmsnorm (2·B·T·d + B·T),
-                gate, up, σ(gate) and silu·up (4·B·T·F); arch gpt2: LayerNorm's n, h and 1/σ (same count),
-                fc's output, its tanh and gelu (3·B·T·F) instead of SwiGLU's four
-    once        final norm n, h and 1/rms (2·B·T·d + B·T), logits of the K heads (K·B·T·V)
+exactly for every architecture (tests/test_memory.py checks the count against the caches; the fast
+engine's workspace is of the same order). With N = B·T:
+    per layer   each norm's n, h and 1/rms (or 1/σ) (2·N·d + N), rotated q (N·H·hd), k and v (2·N·Hkv·hd),
+                attention probabilities (B·H·T·T), attention output (N·H·hd); q/k norms: the normed heads
+                and their 1/rms (N·(H + Hkv)·(hd + 1)); post norms: n and 1/rms (N·d + N each);
+                the MLP: SwiGLU's gate, up, σ(gate) and silu·up (4·N·F), GeGLU's gate, up, gelu, its tanh
+                and the product (5·N·F), GPT-2's fc output, its tanh and gelu (3·N·F)
+    once        final norm n, h and 1/rms (2·N·d + N), logits of the K heads (K·N·V)
 """
 from __future__ import annotations
 
 from .config import Config
 
 
+MLP_FLOATS = {"swiglu": 4, "geglu": 5, "gelu": 3}  # the MLP's kept [N, F] arrays (see above)
+
+
 def activation_floats(cfg: Config, B: int, T: int) -> int:
-    d, F, hd, N = cfg.dim, cfg.ffn_hidden, cfg.head_dim, B * T
+    a, d, F, hd, N = cfg.spec, cfg.dim, cfg.ffn_hidden, cfg.head_dim, B * T
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
     norm = 2 * N * d + N
-    ffn = (3 if cfg.arch == "gpt2" else 4) * N * F
-    per_layer = norm + N * d + 2 * N * cfg.n_kv_heads * hd + B * cfg.n_heads * T * T + N * d + norm + ffn
+    attention = 2 * N * H * hd + 2 * N * Hkv * hd + B * H * T * T
+    if a.qk_norm:
+        attention += N * (H + Hkv) * (hd + 1)
+    post = 2 * (N * d + N) if a.post_norms else 0
+    per_layer = norm + attention + norm + MLP_FLOATS[a.mlp] * N * F + post
     return cfg.n_layers * per_layer + norm + cfg.n_mtp * N * cfg.vocab_size
 
 

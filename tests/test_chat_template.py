@@ -142,7 +142,7 @@ def test_export_writes_the_template_and_import_keeps_it(chatml_run, tmp_path):
     from nanoeuler.interop.gguf_export import export_gguf
     from nanoeuler.interop.gguf_import import load_gguf
     from nanoeuler.interop.hf import export_hf
-    from nanoeuler.interop.importer import load_hf_folder
+    from nanoeuler.interop.hf import load_hf_folder
     m, tok = Model.load(chatml_run), load_tokenizer(chatml_run)
     export_hf(m, tok, tmp_path / "hf", progress=False)
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML

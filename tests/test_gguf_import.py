@@ -75,7 +75,7 @@ def test_import_of_export_is_the_checkpoint_bitwise_at_f32(tmp_path, model, tok,
 
 def test_tokenizer_equals_the_hf_import_of_the_same_vocabulary(tmp_path, model, tok):
     from nanoeuler.interop.hf import export_hf
-    from nanoeuler.interop.importer import load_hf_folder
+    from nanoeuler.interop.hf import load_hf_folder
     export_hf(model, tok, tmp_path / "hf", progress=False)
     _, _, hf_tok = load_hf_folder(tmp_path / "hf")
     _, _, g_tok, _ = load_gguf(write_gguf(tmp_path / "m.gguf", model, tok))

@@ -1,10 +1,10 @@
-"""The fast engine on arch gpt2 (nanoeuler/fast/gpt2.py) against the reference ops and model: kernels one
+"""The fast engine on arch gpt2 (nanoeuler/fast/, its LayerNorm, GELU, bias and position kernels) against the reference ops and model: kernels one
 by one, then loss and every gradient, with several parts, MTP heads, a loss mask and dropout."""
 import numpy as np
 import pytest
 
 from nanoeuler import Config, Model, ops
-from nanoeuler.fast import gpt2 as G
+from nanoeuler.fast import kernels as G
 from conftest import rel_err
 
 CFG = Config(vocab_size=96, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=16, ffn_hidden=80, n_mtp=2,

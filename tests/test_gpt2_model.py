@@ -43,11 +43,11 @@ def test_tied_head_gradient_is_the_sum_of_both_uses():
     from nanoeuler import model as M, ops
     P = dict(m.params)
     P["heads.0.weight"] = P["embed.weight"].copy()
-    logits, caches = M.gpt2_forward(cfg, P, tokens[:, :8])
+    logits, caches = M.forward(cfg, P, tokens[:, :8])
     targets = ops.mtp_targets(tokens, 8, 1)
     _, _, lc = ops.mtp_loss_forward(logits, targets)
     dlogits = ops.mtp_loss_backward(1.0, lc)
-    lookup_only = M.gpt2_backward(cfg, P, dlogits, caches)  # heads.0 untied: embed gets only the lookup part
+    lookup_only = M.backward(cfg, P, dlogits, caches)  # heads.0 untied: embed gets only the lookup part
     head_only = np.einsum("btv,btd->vd", dlogits[0], caches[-1])
     np.testing.assert_allclose(grads["embed.weight"], lookup_only["embed.weight"] + head_only, rtol=1e-12, atol=1e-15)
     assert np.abs(head_only).max() > 1e-3 and np.abs(lookup_only["embed.weight"]).max() > 1e-3

@@ -28,7 +28,8 @@ import torch
 
 from nanoeuler import Model
 from nanoeuler.errors import UserError
-from nanoeuler.interop.gpt2 import export_gpt2_folder, load_gpt2_folder, read_gpt2_tokenizer
+from nanoeuler.interop.gpt2 import read_gpt2_tokenizer
+from nanoeuler.interop.hf import export_hf as export_gpt2_folder, load_hf_folder as load_gpt2_folder
 from conftest import rel_err
 
 torch.set_num_threads(1)

@@ -9,7 +9,7 @@ from nanoeuler import Config, Model
 from nanoeuler.infer import engine, step
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.engine import BadJob, Batcher, Closed, Job, prefill_groups, QueueFull
-from nanoeuler.infer.euler import forward_rows
+from nanoeuler.infer.forward import forward_rows
 from nanoeuler.infer.sampling import log_softmax, top_logprobs
 from nanoeuler.infer.session import generate
 from nanoeuler.infer.step import forward_cached

@@ -1,4 +1,4 @@
-"""The fused decoding step (nanoeuler/infer/kernels.py) against the NumPy reference path (infer/euler.py).
+"""The fused decoding step (nanoeuler/infer/kernels.py) against the NumPy reference path (infer/forward.py).
 
 float32 weights: logits within 1e-5 relative of the reference; float16 weights (Float16Model): within 1e-4
 of the reference run on the same float16-rounded weights. For 1 row and several, at cache lengths 0, mid
@@ -12,7 +12,7 @@ import pytest
 from conftest import rel_err, tiny_config
 
 from nanoeuler import Model
-from nanoeuler.infer import euler, kernels
+from nanoeuler.infer import forward as reference, kernels
 from nanoeuler.infer.cache import KVCache, new_cache
 from nanoeuler.infer.session import generate
 from nanoeuler.infer.step import forward_cached, forward_hidden, fuse_weights
@@ -259,7 +259,7 @@ def test_sample_dtype_float16(tmp_path, capsys, monkeypatch, calls):
 
 def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     """serve's batcher: one row per sequence, each at its own position of its own cache row, in one fused step,
-    equals the NumPy step (euler.forward_rows)."""
+    equals the NumPy step (reference.forward_rows)."""
     m = model(seed=9)
     rng = np.random.default_rng(5)
     W = weights(m, True, monkeypatch)
@@ -269,7 +269,7 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     cache = new_cache(CFG)
     tokens, pos = np.array([7, 0, 52]), np.array([5, 0, CFG.ctx_len - 1])
     got = kernels.forward_rows(CFG, W["decode"], tokens, pos, np.arange(3), k, v, cache.cos, cache.sin)
-    want = euler.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.cos, cache.sin), tokens, pos)
+    want = reference.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.cos, cache.sin, cache.kind), tokens, pos)
     assert rel_err(got, want) <= 5e-5
     assert rel_err(k, k2) <= 5e-5 and rel_err(v, v2) <= 5e-5  # the new keys and values where the reference put them
 
@@ -305,7 +305,7 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
         kernels.set_threads(old)
     assert jobs - jobs_short == cfg.n_layers
     assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
-    want = euler.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), cos, sin), tokens, pos)
+    want = reference.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), cos, sin, new_cache(cfg).kind), tokens, pos)
     assert rel_err(two, want) <= 5e-5
 
 

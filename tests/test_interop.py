@@ -287,7 +287,7 @@ def test_the_fixture_is_sharded_gqa_and_tied_as_asked(hf_folders):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied, tmp_path):
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     hf, d = hf_folders[tied]
     cfg, params, tok = import_folder(d, tmp_path / "run", progress=False)
     m = Model.load(tmp_path / "run")
@@ -315,7 +315,7 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     assert abs(loss - t_loss.item()) <= 1e-5 * abs(t_loss.item())
     g = {n: p.grad.numpy() for n, p in hf.named_parameters()}
     from nanoeuler.interop.hf import hf_names
-    for ours_name, theirs_name in hf_names(cfg.n_layers).items():
+    for ours_name, theirs_name in hf_names(cfg).items():
         if ours_name == "embed.weight":
             assert rel_err(grads["embed.weight"], g[theirs_name]) <= GRAD_TOL  # tied: both uses, one matrix
         elif ours_name == "heads.0.weight":
@@ -351,7 +351,7 @@ def test_shuffled_vocabulary_keeps_its_ids_through_import_and_export(shuffled, c
     """Ids in no order of ours: the imported tokenizer gives AutoTokenizer's ids (bos included), the model
     keeps the folder's rows and gives transformers' logits for the same ids; export -> hf gives the same
     ids and logits again, export -> gguf lists token i at index i; import -> export -> import is the identity."""
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     from nanoeuler.tokenizer import bytes_to_unicode
     hf, d, vocab = shuffled
     import_folder(d, tmp_path / "run", progress=False)
@@ -413,7 +413,7 @@ def test_every_sequence_an_imported_llama3_reads_opens_with_its_bos(shuffled, co
     the model's own tokenizer does; our own tokenizers have no bos and are unchanged."""
     from nanoeuler.infer import session
     from nanoeuler.data.shards import TokenShards, prepare
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     _, d, vocab = shuffled
     import_folder(d, tmp_path / "run", progress=False)
     tok, bos = Tokenizer.load(tmp_path / "run"), vocab[BOS]
@@ -692,7 +692,7 @@ def test_serving_an_imported_model_speaks_its_ids(shuffled, tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from serve_fixtures import ServerThread
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     from nanoeuler.serve.app import create_app
     _, d, vocab = shuffled
     import_folder(d, tmp_path / "run", progress=False)

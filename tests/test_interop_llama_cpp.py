@@ -90,7 +90,7 @@ def test_imported_tokenizers_keep_their_pre_tokenizer_in_llama_cpp(style, tmp_pa
     (gpt-2, smollm, llama-bpe, qwen2): llama.cpp then encodes text as we do."""
     pytest.importorskip("transformers")
     from test_interop import hf_tokenizer_json, make_hf_llama
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     text = bundled_works()["hamlet"][:60000]
     d = tmp_path / "hf"
     make_hf_llama(d, hf_tokenizer_json(text, style), tied=True, shards=1)
@@ -107,7 +107,7 @@ def test_a_shuffled_vocabulary_with_bos_keeps_its_ids_in_llama_cpp(tmp_path):
     GGUF, llama.cpp's tokenizer gives our ids (bos first, as AutoTokenizer) and its greedy tokens are ours."""
     pytest.importorskip("transformers")
     from test_interop import hf_tokenizer_json, make_hf_llama, shuffled_tokenizer_json
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     tok_json = shuffled_tokenizer_json(hf_tokenizer_json(bundled_works()["hamlet"][:60000], "llama3"), seed=7)
     vocab = __import__("json").loads(tok_json)["model"]["vocab"]
     d = tmp_path / "hf"

@@ -138,7 +138,7 @@ def test_bf16_workspace_keeps_no_stacked_weight_copy(arch):
     stacked = {(cfg.n_layers, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim),
                (cfg.n_layers, 2 * cfg.ffn_hidden, cfg.dim)}
     assert not [n for n, a in vars(ws).items() if isinstance(a, np.ndarray) and a.shape in stacked]
-    assert {"wqkv.0", f"wqkv.{cfg.n_layers - 1}"} <= set(ws.packs)
+    assert not ws.stacks and {ws.products[0]["qkv"], ws.products[-1]["qkv"]} <= set(ws.packs)
     _, o_f32, _ = lora_model(arch).loss_and_grads(tokens, mask)
     assert abs(o_bf16 - o_f32) < 0.05 * abs(o_f32)                     # bf16 rounding, not a different model
 

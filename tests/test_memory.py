@@ -20,6 +20,9 @@ def _kept_floats(caches, params) -> int:
         elif isinstance(o, (tuple, list)):
             for x in o:
                 walk(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                walk(x)
 
     walk(caches)
     return sum(bases.values())
@@ -28,12 +31,18 @@ def _kept_floats(caches, params) -> int:
 @pytest.mark.parametrize("cfg", [
     Config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2),
     Config(vocab_size=33, dim=24, n_heads=3, n_kv_heads=3, n_layers=1, ctx_len=12, ffn_hidden=40, n_mtp=1),
-])
+    Config(vocab_size=40, dim=16, n_heads=2, n_kv_heads=1, n_layers=3, ctx_len=8, ffn_hidden=24, n_mtp=2,
+           arch="gemma3", head_dim=12, sliding_window=4, global_every=3),
+    Config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=1,
+           arch="qwen2"),
+], ids=["euler", "euler-mha", "gemma3", "qwen2"])
 def test_activation_count_matches_the_caches(cfg):
+    from nanoeuler.model import rope_tables as tables
     model = Model.init(cfg)
     B, T = 3, cfg.ctx_len
     logits, caches = forward(cfg, model.params, np.zeros((B, T), dtype=np.int64))
-    rope_tables = 2 * T * cfg.head_dim // 2  # cos and sin, shared by all layers (not activations)
+    rope_tables = len(tables(cfg, T, np.float32)) * 2 * T * cfg.head_dim // 2  # cos and sin of each RoPE base,
+    # shared by the layers (not activations)
     assert _kept_floats(caches, model.params) - rope_tables + logits.size == activation_floats(cfg, B, T)
 
 

@@ -20,7 +20,7 @@ def test_digest_follows_every_file(tmp_path):
 
 def test_kernel_sources_cover_the_kernels_and_their_constants():
     names = {p.relative_to(numba_cache.PACKAGE).as_posix() for p in numba_cache.kernel_sources()}
-    assert {"infer/kernels.py", "infer/sampling.py", "fast/vmath.py", "fast/kernels.py", "fast/gpt2.py",
+    assert {"infer/kernels.py", "infer/sampling.py", "fast/vmath.py", "fast/kernels.py", "fast/engine.py",
             "tokenizer/bpe_fast.py", "ops/gelu.py"} <= names
 
 

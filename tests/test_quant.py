@@ -14,7 +14,7 @@ from numba import njit
 
 from nanoeuler import Model
 from nanoeuler.errors import UserError
-from nanoeuler.infer import euler, kernels, quant
+from nanoeuler.infer import forward as reference, kernels, quant
 from nanoeuler.infer import qkernels as qk
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.session import generate
@@ -246,7 +246,7 @@ def logits(m, ids, fused, monkeypatch):
 
 
 def quantized_activations(linear):
-    """euler's `linear` with its input rows rounded as the kernels round them (8 bits per block of 32)."""
+    """forward.py's `linear` with its input rows rounded as the kernels round them (8 bits per block of 32)."""
     def wrapped(x, W):
         rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
         q, d, _ = quant.quantize_x8(rows)
@@ -265,7 +265,7 @@ def test_quantized_step_equals_dequantized_float_step(name, monkeypatch):
     ids = np.random.default_rng(7).integers(0, QCFG.vocab_size, (1, 11))
     got = logits(qm, ids, True, monkeypatch)
     plain = logits(qm, ids, False, monkeypatch)
-    monkeypatch.setattr(euler, "linear", quantized_activations(euler.linear))
+    monkeypatch.setattr(reference, "linear", quantized_activations(reference.linear))
     want = logits(qm, ids, False, monkeypatch)
     l2 = np.linalg.norm(got - plain) / np.linalg.norm(plain)  # 8-bit activations: ~0.4 % per element
     assert rel_err(got, want) <= 1e-4
@@ -318,7 +318,7 @@ def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(nam
             np.testing.assert_array_equal(batch_logits(fused, alone, tokens[r:r + 1], pos[r:r + 1]), one[r:r + 1])
             plain = batch_logits(ref_w, cache, tokens, pos)
             with monkeypatch.context() as m:
-                m.setattr(euler, "batched_linear", quantized_activations(euler.batched_linear))
+                m.setattr(reference, "batched_linear", quantized_activations(reference.batched_linear))
                 m.setattr(step, "batched_linear", quantized_activations(step.batched_linear))
                 want = batch_logits(ref_w, cache, tokens, pos)
             errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, want)]

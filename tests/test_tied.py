@@ -90,7 +90,7 @@ def test_tied_gguf_and_hf_imports_stay_tied_and_export_tied(tmp_path):
     from nanoeuler.interop.gguf_export import gguf_tensors
     from nanoeuler.interop.gguf_import import load_gguf
     from nanoeuler.interop.hf import export_hf
-    from nanoeuler.interop.importer import load_hf_folder
+    from nanoeuler.interop.hf import load_hf_folder
     tok = chatml_tokenizer()
     m = chatml_model(tok, tied=True)
     cfg, P, _, _ = load_gguf(write_gguf(tmp_path / "t.gguf", m, tok))

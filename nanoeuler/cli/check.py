@@ -33,7 +33,7 @@ def bf16_rows(seed: int) -> list:
 
 
 def run(args) -> int:
-    from ..check import GPT2_CHECK_CONFIG, TOLERANCE, check_model, check_ops
+    from ..check import ARCH_CHECK_CONFIGS, GPT2_CHECK_CONFIG, TOLERANCE, check_model, check_ops
     from ..errors import UserError
     tolerance = TOLERANCE
     if args.device == "gpu":
@@ -46,8 +46,9 @@ def run(args) -> int:
         from ..check import check_dpo, check_lora
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
                 + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
-                + [dataclasses.replace(r, name="gpt2: " + r.name)
-                   for r in check_model(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)]
+                + [dataclasses.replace(r, name=f"{arch}: " + r.name)
+                   for arch, config in ARCH_CHECK_CONFIGS.items() if arch != "euler"
+                   for r in check_model(seed=args.seed, n_samples=args.samples, config=config)]
                 + check_dpo(seed=args.seed, n_samples=args.samples)
                 + check_lora(seed=args.seed, n_samples=args.samples)
                 + check_lora(seed=args.seed, n_samples=args.samples, config=GPT2_CHECK_CONFIG)

@@ -102,7 +102,7 @@ def run_import(args) -> int:
     if Path(args.src).is_file():
         from ..interop.gguf_import import import_gguf as import_model
     else:
-        from ..interop.importer import import_folder as import_model
+        from ..interop.hf import import_folder as import_model
     cfg, params, tok = import_model(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),

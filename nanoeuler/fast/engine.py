@@ -49,11 +49,11 @@ from . import parallel
 from .parallel import run_parts, single_threaded_blas
 
 # Activation arrays of a Workspace, by how a part's rows are cut out of them.
-PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S")            # [L, N, ...]: a[:, n0:n1]
-ROWS = ("rf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
+PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S", "mu1", "mu2", "QK", "rqk", "O1", "O2", "rp1", "rp2")
+                                                                   # [L, N, ...]: a[:, n0:n1]
+ROWS = ("rf", "muf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "o", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
-STACKS = {"wqkv": ("attn.wq", "attn.wk", "attn.wv"), "wgu": ("ffn.gate", "ffn.up")}  # ws.wqkv[i], ws.wgu[i]
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
 
@@ -70,40 +70,61 @@ class Workspace:
         self.packs = {}                    # bf16: weight key -> (packed for x·Wᵀ, for dy·W), see pack_weights
         self.adapters = None               # LoRA (lora.Adapters): added to each product of a weight it adapts
         self.fixed_weights = False         # True: the same unchanging weights every step (LoRA's frozen base):
-        self.stacked = False               # stacked (wqkv, wgu) and packed (bf16) by the first forward only,
+        self.stacked = False               # stacked (ws.stacks) and packed (bf16) by the first forward only,
         self.trained_weights = []          # except these (LoRA's modules_to_save), repacked every forward (bf16)
+        a = cfg.spec
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
         N = B * T
+        F_in = 2 * F if a.gated else F     # the MLP's input product: [gate | up], or GPT-2's fc
         self.B, self.T, self.N = B, T, N
         e = lambda *shape: np.empty(shape, dtype=dt)  # noqa: E731
-        # saved for backward, per layer
+        layer = a.norm == "layer"
+        # saved for backward, per layer (empty where the architecture has no use for them)
         self.X = e(L + 1, N, d)            # residual stream entering each block (X[L]: before the final norm)
         self.M = e(L, N, d)                # residual stream between attention and feed-forward
-        self.r1, self.r2, self.rf = e(L, N), e(L, N), e(N)  # 1/rms of each norm's input
+        self.r1, self.r2, self.rf = e(L, N), e(L, N), e(N)  # 1/rms (or 1/σ) of each norm's input
+        self.mu1, self.mu2, self.muf = (e(L, N), e(L, N), e(N)) if layer else (e(L, 0), e(L, 0), e(0))  # LayerNorm means
         self.q = e(L, B * Hkv, G * T, hd)  # RoPE(q)/√hd per kv head: its G query heads stacked
         self.k, self.v = e(L, B * Hkv, T, hd), e(L, B * Hkv, T, hd)  # RoPE(k), v per kv head
-        self.P = e(L, B * Hkv, G * T, T)   # attention probabilities per kv head (0 above the diagonal)
+        self.P = e(L, B * Hkv, G * T, T)   # attention probabilities per kv head (0 where a query sees no key)
+        self.QK = e(L, N, (H + Hkv) * hd) if a.qk_norm else e(L, 0, 0)  # q|k before their norms
+        self.rqk = e(L, N, H + Hkv) if a.qk_norm else e(L, 0, 0)      # 1/rms of each q and k head
         self.A = e(L, N, H * hd)           # attention output, input of wo
-        self.GU = e(L, N, 2 * F)           # [gate | up] pre-activations; backward turns them into [dg | du]
-        self.S = e(L, N, F)                # SwiGLU output, input of down
+        self.O1, self.O2 = (e(L, N, d), e(L, N, d)) if a.post_norms else (e(L, 0, 0), e(L, 0, 0))  # post norms' inputs
+        self.rp1, self.rp2 = (e(L, N), e(L, N)) if a.post_norms else (e(L, 0), e(L, 0))
+        self.GU = e(L, N, F_in)            # the MLP's pre-activations ([gate | up] or fc + b); backward: their gradients
+        self.S = e(L, N, F)                # the activation's output, input of the MLP's output matrix
         self.hf = e(N, d)                  # final normed hidden state, input of the heads
         # scratch, shared by layers
         self.h = e(N, d)                   # a normed input (recomputed in backward)
         self.qkv, self.dqkv = e(N, (H + 2 * Hkv) * hd), e(N, (H + 2 * Hkv) * hd)  # q, k, v projections
-        self.ds = e(N, F)                  # gradient of the SwiGLU output
+        self.ds = e(N, F)                  # gradient of the activation's output
         self.logits = e(N, V)
-        self.t = e(N, d)                   # a matmul result about to be added somewhere
+        self.t, self.o = e(N, d), e(N, d)  # matmul results about to be added somewhere
         self.dx, self.dh = e(N, d), e(N, d)
         self.losses = np.empty(N, dtype=np.float64)
         self.dq, self.dy = e(B * Hkv, G * T, hd), e(B * Hkv, G * T, hd)  # per kv head, like q
         self.dk, self.dv = e(B * Hkv, T, hd), e(B * Hkv, T, hd)
         self.dS = e(B * Hkv, G * T, T)     # score gradients
         # shared by the parts, refreshed from params each step: the stacked weights (float32 products only;
-        # bf16 products read the packs, each stack formed only while it is packed: see _stack_weights)
-        self.wqkv = e(L, (H + 2 * Hkv) * hd, d) if self.bf16 is None else [None] * L
-        self.wgu = e(L, 2 * F, d) if self.bf16 is None else [None] * L
-        self.rope = ops.rope_tables(T, hd, cfg.rope_theta, dt)
+        # bf16 products read the packs, each stack formed only while it is packed: see _stack_weights), the
+        # stacked q|k|v biases, a layer's products (arch.Arch.layer_products) and their keys
+        self.products = [{m: product_key(names) for m, names in a.layer_products(i).items()} for i in range(L)]
+        self.stacks = {}
+        if self.bf16 is None:
+            self.stacks = {key: e(sum(cfg.param_shapes()[n][0] for n in product_weights(key)), d)
+                           for pr in self.products for key in pr.values() if "+" in key}
+        self.bqkv = e(L, (H + 2 * Hkv) * hd) if a.qkv_bias else None
+        hd2 = hd // 2
+        self.ropes = []
+        for i in range(L):                 # each layer's RoPE tables (no RoPE: the identity, cos 1, sin 0)
+            if a.positions == "rope":
+                self.ropes.append(ops.rope_tables(T, hd, cfg.layer_theta(i), dt))
+            else:
+                self.ropes.append((np.ones((T, hd2), dt), np.zeros((T, hd2), dt)))
+        self.windows = [cfg.window(i) for i in range(L)]
+        self.embed_scale = dt.type(np.sqrt(d)) if a.embed_scale else None
         self.qscale = dt.type(1.0 / np.sqrt(hd))
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
@@ -122,7 +143,10 @@ class Workspace:
             setattr(w, name, getattr(self, name)[:, b0 * Hkv:b1 * Hkv])
         for name in HEAD_ITEMS:
             setattr(w, name, getattr(self, name)[b0 * Hkv:b1 * Hkv])
-        w.dw = np.empty(cfg.dim, np.float64)
+        w.dw, w.db = np.empty(cfg.dim, np.float64), np.empty(cfg.dim, np.float64)  # a norm's or d-wide bias's
+        w.dbqkv = np.empty(self.qkv.shape[1], np.float64)              # q|k|v biases' gradients
+        w.dbin = np.empty(self.GU.shape[2], np.float64)                # the MLP input's biases'
+        w.dwq, w.dwk = np.empty(cfg.head_dim, np.float64), np.empty(cfg.head_dim, np.float64)  # q/k norms'
         w.grads = grad_buffers(cfg, self.X.dtype) if k else None
         w.single = False  # set below: the only part (its gradients are final as it writes them)
         return w
@@ -197,13 +221,16 @@ def linear_dx(ws: Workspace, dy, W, key: str, out) -> None:
         ws.adapters.dx(key, dy, out, ws.mm)
 
 
+def product_key(names: list[str]) -> str:
+    """The key of the product of weights stacked by rows (one weight: its name). Keys name the packs (bf16),
+    the float32 stacks and the products LoRA adapts."""
+    return "+".join(names)
+
+
 def product_weights(key: str) -> list[str]:
-    """The weights (stacked by rows) behind a product key of `linear`: a weight's name, or a stack.
-    product_weights("wgu.3") -> ["layers.3.ffn.gate.weight", "layers.3.ffn.up.weight"]"""
-    stack, _, layer = key.partition(".")
-    if stack not in STACKS:
-        return [key]
-    return [f"layers.{layer}.{m}.weight" for m in STACKS[stack]]
+    """The weights (stacked by rows) behind a product key of `linear`.
+    product_weights("layers.3.ffn.gate.weight+layers.3.ffn.up.weight") -> ["layers.3.ffn.gate.weight", ...up...]"""
+    return key.split("+")
 
 
 def pack_weights(ws: Workspace, weights: dict) -> None:
@@ -234,10 +261,7 @@ def copied_weights(ws: Workspace) -> list[str]:
         bf16 euler -> [layers.0.attn.wq.weight, ..., layers.0.ffn.down.weight, ..., heads.0.weight]"""
     if not (ws.fixed_weights and ws.stacked):
         return []
-    if ws.bf16:
-        keys = list(ws.packs)
-    else:
-        keys = [f"{s}.{i}" for s in STACKS for i in range(len(getattr(ws, s)))]
+    keys = list(ws.packs) if ws.bf16 else list(ws.stacks)
     return [n for k in keys for n in product_weights(k) if n != "embed.weight"]
 
 
@@ -290,24 +314,26 @@ def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
 
 
 # ---- attention of one part: RoPE + head split, BLAS products, causal softmax ------------------------------
-def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_mm) -> None:
+def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_mm, window=0) -> None:
     """qkv rows [n, (H + 2·Hkv)·hd] -> A [n, H·hd] (the input of wo). Fills q [b·Hkv, G·T, hd], k, v
-    [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch. mm: the products."""
+    [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch. mm: the products.
+    window: each query sees its last `window` keys (0: all earlier ones)."""
     cos, sin = rope
     kernels.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
     mm(q, k.transpose(0, 2, 1), P)                                          # scores
-    kernels.causal_softmax(P, k.shape[1])
+    kernels.causal_softmax(P, k.shape[1], window)
     mm(P, v, y)                                                             # [b·Hkv, G·T, hd]
     kernels.heads_to_rows(y, n_kv_heads, A)
 
 
-def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv, mm=_blas_mm) -> None:
+def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv, mm=_blas_mm,
+                       window=0) -> None:
     """dA [n, H·hd] -> dqkv [n, (H + 2·Hkv)·hd], from what attention_forward kept (q, k, v, P);
     dy, dq (like q), dk, dv (like k) and dS (like P) are scratch. mm: the products."""
     cos, sin = rope
     kernels.rows_to_heads(dA, n_kv_heads, dy)                               # [b·Hkv, G·T, hd]
     mm(dy, v.transpose(0, 2, 1), dS)                                        # dP
-    kernels.causal_softmax_backward(P, dS, k.shape[1])                      # dS
+    kernels.causal_softmax_backward(P, dS, k.shape[1], window)              # dS
     mm(dS, k, dq)                                                           # [b·Hkv, G·T, hd]
     mm(dS.transpose(0, 2, 1), q, dk)                                        # [b·Hkv, T, hd] (sums the G heads)
     mm(P.transpose(0, 2, 1), dy, dv)
@@ -335,26 +361,104 @@ def _dropout_args(drop, site: int, row0: int, a):
     return np.uint64(drop.base(site, row0, a.shape[1])), np.uint64(drop.threshold), a.dtype.type(drop.scale)
 
 
+def _norm_forward(cfg: Config, params: dict, name: str, x, eps, y, r, mu) -> None:
+    """y = the architecture's norm of x [n, d] with the weights under `name`; r (and mu: LayerNorm) kept."""
+    if cfg.spec.norm == "rms":
+        kernels.rmsnorm_forward(x, params[name + ".weight"], eps, y, r)
+    else:
+        kernels.layernorm_forward(x, params[name + ".weight"], params[name + ".bias"], eps, y, mu, r)
+
+
+def _norm_backward(cfg: Config, params: dict, name: str, dy, x, r, mu, dx, w, grads) -> None:
+    """dx += the gradient of the norm `name` (input x [n, d]) for dy; its weight's (and bias's) into grads."""
+    if cfg.spec.norm == "rms":
+        kernels.rmsnorm_backward(dy, x, r, params[name + ".weight"], dx, w.dw)
+    else:
+        kernels.layernorm_backward(dy, x, mu, r, params[name + ".weight"], dx, w.dw, w.db)
+        grads[name + ".bias"][...] = w.db
+    grads[name + ".weight"][...] = w.dw
+
+
+def _bias(params: dict, key: str):
+    """The bias of a product (its weights' biases stacked like them), or None where the architecture has none."""
+    biases = [n.removesuffix("weight") + "bias" for n in product_weights(key)]
+    if biases[0] not in params:
+        return None
+    return np.concatenate([params[b] for b in biases]) if len(biases) > 1 else params[biases[0]]
+
+
+def _add_bias(params: dict, key: str, y) -> None:
+    """y [n, out] += the bias of the product `key` where the architecture has one."""
+    b = _bias(params, key)
+    if b is not None:
+        y += b
+
+
+def _bias_grads(grads: dict, names: list[str], dy, acc) -> None:
+    """The biases of the weights `names` (stacked by rows), if they have any: their gradient Σ_rows dy."""
+    biases = [n.removesuffix("weight") + "bias" for n in names]
+    if biases[0] not in grads:
+        return
+    kernels.col_sum(dy, acc)
+    off = 0
+    for b in biases:
+        n = grads[b].shape[0]
+        grads[b][...] = acc[off:off + n]
+        off += n
+
+
+def _product(ws: Workspace, params: dict, key: str):
+    """The weight behind a product key as `linear` reads it: the stack, or the param itself."""
+    return ws.stacks[key] if key in ws.stacks else params[key] if "+" not in key else None
+
+
 def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, drop) -> None:
-    Hkv = cfg.n_kv_heads
+    a, Hkv, H, hd = cfg.spec, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     eps = ws.X.dtype.type(cfg.norm_eps)
     np.take(params["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
+    if ws.embed_scale is not None:
+        w.X[0] *= ws.embed_scale
+    if a.positions == "learned":
+        kernels.add_positions(w.X[0], params["pos_embed.weight"], ws.T)
     for i in range(cfg.n_layers):
-        p = f"layers.{i}."
+        p, pr = f"layers.{i}.", ws.products[i]
         x, mid = w.X[i], w.M[i]
-        # attention sub-block
-        kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])
-        linear(ws, w.h, ws.wqkv[i], f"wqkv.{i}", w.qkv)                    # [n, (H+2Hkv)·hd]
-        attention_forward(w.qkv, ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i], ws.mm)
-        linear(ws, w.A[i], params[p + "attn.wo.weight"], p + "attn.wo.weight", w.t)
+        # attention sub-block: mid = x + post(wo · attention(q, k, v) + b)
+        _norm_forward(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])
+        linear(ws, w.h, _product(ws, params, pr["qkv"]), pr["qkv"], w.qkv)   # [n, (H+2Hkv)·hd]
+        if ws.bqkv is not None:
+            w.qkv += ws.bqkv[i]
+        if a.qk_norm:
+            kernels.qk_norm_forward(w.qkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
+                                    params[p + "attn.k_norm.weight"], H, eps, w.QK[i], w.rqk[i])
+        attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i], ws.mm,
+                          ws.windows[i])
+        _output(cfg, ws, params, pr["wo"], w.A[i], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
-        # feed-forward sub-block
-        kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])
-        linear(ws, w.h, ws.wgu[i], f"wgu.{i}", w.GU[i])                     # [n, 2F]
-        kernels.swiglu_forward(w.GU[i], w.S[i])                             # [n, F]
-        linear(ws, w.S[i], params[p + "ffn.down.weight"], p + "ffn.down.weight", w.t)
+        # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
+        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
+        linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.GU[i])  # [n, 2F | F]
+        if a.mlp == "gelu":
+            b = _bias(params, pr["mlp_in"])
+            kernels.bias_gelu_forward(w.GU[i], np.zeros(w.GU.shape[2], w.GU.dtype) if b is None else b, w.S[i])
+        else:
+            _add_bias(params, pr["mlp_in"], w.GU[i])
+            (kernels.swiglu_forward if a.mlp == "swiglu" else kernels.geglu_forward)(w.GU[i], w.S[i])  # [n, F]
+        _output(cfg, ws, params, pr["mlp_out"], w.S[i], p + "ffn_post_norm", w.O2, w.rp2, i, w, eps)
         _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
-    kernels.rmsnorm_forward(w.X[cfg.n_layers], params["norm.weight"], eps, w.hf, w.rf)
+    _norm_forward(cfg, params, "norm", w.X[cfg.n_layers], eps, w.hf, w.rf, w.muf)
+
+
+def _output(cfg: Config, ws: Workspace, params: dict, key: str, inp, post: str, O, rp, i: int, w, eps) -> None:
+    """w.t = post(inp · Wᵀ + b): a sub-block's output before the residual add (post norms: its input kept in
+    O[i], its 1/rms in rp[i])."""
+    if not cfg.spec.post_norms:
+        linear(ws, inp, params[key], key, w.t)
+        _add_bias(params, key, w.t)
+        return
+    linear(ws, inp, params[key], key, O[i])
+    _add_bias(params, key, O[i])
+    kernels.rmsnorm_forward(O[i], params[post + ".weight"], eps, w.t, rp[i])
 
 
 def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
@@ -372,46 +476,73 @@ def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, sca
                 w.dh += w.t
 
 
+def _output_backward(cfg: Config, ws: Workspace, params: dict, key: str, g, inp, post: str, O, rp, i: int, w,
+                     grads, out) -> None:
+    """The backward of _output: g [n, d] (the gradient of its result) -> out [n, in] (of its input inp); the
+    weight's, bias's and post norm's gradients into grads."""
+    if cfg.spec.post_norms:
+        w.o[...] = 0
+        kernels.rmsnorm_backward(g, O[i], rp[i], params[post + ".weight"], w.o, w.dw)
+        grads[post + ".weight"][...] = w.dw
+        g = w.o
+    weight_grad(grads, [key], g, inp, ws.mm)                                # [out, in]
+    _bias_grads(grads, [key], g, w.db)
+    linear_dx(ws, g, params[key], key, out)
+
+
 def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop) -> None:
-    Hkv = cfg.n_kv_heads
+    a, Hkv, H, hd = cfg.spec, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     eps = ws.X.dtype.type(cfg.norm_eps)
     dx = w.dx
     dx[...] = 0
-    kernels.rmsnorm_backward(w.dh, w.X[cfg.n_layers], w.rf, params["norm.weight"], dx, w.dw)
-    grads["norm.weight"][...] = w.dw
-    _announce_part(w, ["norm.weight"], grads)
+    _norm_backward(cfg, params, "norm", w.dh, w.X[cfg.n_layers], w.rf, w.muf, dx, w, grads)
+    _announce_part(w, [n for n in grads if n.startswith("norm.")], grads)
     for i in reversed(range(cfg.n_layers)):
-        p = f"layers.{i}."
+        p, pr = f"layers.{i}.", ws.products[i]
         x, mid, GU = w.X[i], w.M[i], w.GU[i]
-        # feed-forward sub-block (x = mid + down(swiglu(norm(mid))))
+        # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid))))))
         df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
-        weight_grad(grads, [p + "ffn.down.weight"], df, w.S[i], ws.mm)      # [d, F]
-        linear_dx(ws, df, params[p + "ffn.down.weight"], p + "ffn.down.weight", w.ds)  # [n, F]
-        kernels.swiglu_backward(w.ds, GU)                                   # GU := [dg | du]
-        kernels.rmsnorm_forward(mid, params[p + "ffn_norm.weight"], eps, w.h, w.r2[i])  # recompute h2
-        weight_grad(grads, [p + "ffn.gate.weight", p + "ffn.up.weight"], GU, w.h, ws.mm)
-        linear_dx(ws, GU, ws.wgu[i], f"wgu.{i}", w.dh)                      # [n, d]
-        kernels.rmsnorm_backward(w.dh, mid, w.r2[i], params[p + "ffn_norm.weight"], dx, w.dw)
-        grads[p + "ffn_norm.weight"][...] = w.dw
-        # attention sub-block (mid = x + wo(attention(rope(q), rope(k), v)))
+        _output_backward(cfg, ws, params, pr["mlp_out"], df, w.S[i], p + "ffn_post_norm", w.O2, w.rp2, i, w,
+                         grads, w.ds)                                       # ds [n, F]
+        if a.mlp == "gelu":
+            kernels.gelu_backward(w.ds, GU)                                 # ds := d(fc output)
+            dU = w.ds
+        else:
+            (kernels.swiglu_backward if a.mlp == "swiglu" else kernels.geglu_backward)(w.ds, GU)  # GU := [dg | du]
+            dU = GU
+        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
+        weight_grad(grads, product_weights(pr["mlp_in"]), dU, w.h, ws.mm)
+        _bias_grads(grads, product_weights(pr["mlp_in"]), dU, w.dbin)
+        linear_dx(ws, dU, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.dh)  # [n, d]
+        _norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
+        # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
-        weight_grad(grads, [p + "attn.wo.weight"], do, w.A[i], ws.mm)       # [d, H·hd]
-        linear_dx(ws, do, params[p + "attn.wo.weight"], p + "attn.wo.weight", w.A[i])  # dA [n, H·hd] (A is spent)
-        attention_backward(w.A[i], ws.rope, ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
-                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm)     # [n, (H+2Hkv)·hd]
-        kernels.rmsnorm_forward(x, params[p + "attn_norm.weight"], eps, w.h, w.r1[i])  # recompute h1
-        weight_grad(grads, [p + "attn.wq.weight", p + "attn.wk.weight", p + "attn.wv.weight"], w.dqkv, w.h, ws.mm)
-        linear_dx(ws, w.dqkv, ws.wqkv[i], f"wqkv.{i}", w.dh)
-        kernels.rmsnorm_backward(w.dh, x, w.r1[i], params[p + "attn_norm.weight"], dx, w.dw)
-        grads[p + "attn_norm.weight"][...] = w.dw
+        _output_backward(cfg, ws, params, pr["wo"], do, w.A[i], p + "attn_post_norm", w.O1, w.rp1, i, w, grads,
+                         w.A[i])                                            # dA [n, H·hd] (A is spent)
+        attention_backward(w.A[i], ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
+                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm, ws.windows[i])  # [n, (H+2Hkv)·hd]
+        if a.qk_norm:
+            kernels.qk_norm_backward(w.dqkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
+                                     params[p + "attn.k_norm.weight"], H, w.QK[i], w.rqk[i], w.dwq, w.dwk)
+            grads[p + "attn.q_norm.weight"][...] = w.dwq
+            grads[p + "attn.k_norm.weight"][...] = w.dwk
+        _norm_forward(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])  # recompute the normed input
+        weight_grad(grads, product_weights(pr["qkv"]), w.dqkv, w.h, ws.mm)
+        _bias_grads(grads, product_weights(pr["qkv"]), w.dqkv, w.dbqkv)
+        linear_dx(ws, w.dqkv, _product(ws, params, pr["qkv"]), pr["qkv"], w.dh)
+        _norm_backward(cfg, params, p + "attn_norm", w.dh, x, w.r1[i], w.mu1[i], dx, w, grads)
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
+    if a.positions == "learned" and "pos_embed.weight" in grads:
+        kernels.position_backward(dx, ws.T, grads["pos_embed.weight"])
+    if ws.embed_scale is not None:
+        dx *= ws.embed_scale
     if "embed.weight" not in grads:          # frozen (a LoRA step): no [V, d] gradient
         pass
     elif cfg.tie_embeddings and w.index == 0:  # the caller's buffer already holds the tied head's whole share
         kernels.embedding_backward_add(dx, ids[w.n0:w.n1], grads["embed.weight"])
     else:
         kernels.embedding_backward(dx, ids[w.n0:w.n1], grads["embed.weight"])
-    _announce_part(w, ["embed.weight"], grads)
+    _announce_part(w, ["pos_embed.weight", "embed.weight"], grads)
 
 
 # ---- the gradient hook (data-parallel overlap, see nanoeuler/dist.py) ----------------------------------------
@@ -463,17 +594,20 @@ def restack(ws) -> bool:
 
 
 def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
-    """float32: q|k|v and gate|up of every layer into ws.wqkv, ws.wgu; bf16: every product's weight packed
-    (the stacks formed one at a time as they are packed, none kept: for GPT-2 81 MiB less)."""
-    stacks = {f"{s}.{i}": [params[n] for n in product_weights(f"{s}.{i}")] for i in range(cfg.n_layers) for s in STACKS}
+    """The q|k|v biases of every layer into ws.bqkv; float32: every stacked product's weights into ws.stacks;
+    bf16: every product's weight packed (the stacks formed one at a time as they are packed, none kept: for
+    GPT-2 81 MiB less)."""
+    if ws.bqkv is not None:
+        for i in range(cfg.n_layers):
+            np.concatenate([params[n.removesuffix("weight") + "bias"] for n in product_weights(ws.products[i]["qkv"])],
+                           out=ws.bqkv[i])
     if not ws.bf16:
-        for key, weights in stacks.items():
-            stack, _, i = key.partition(".")
-            np.concatenate(weights, out=getattr(ws, stack)[int(i)])
+        for key, S in ws.stacks.items():
+            np.concatenate([params[n] for n in product_weights(key)], out=S)
         return
-    pack_weights(ws, stacks | {n: params[n] for i in range(cfg.n_layers)
-                               for n in (f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.down.weight")}
-                 | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
+    products = {key: [params[n] for n in product_weights(key)] if "+" in key else params[key]
+                for pr in ws.products for key in pr.values()}
+    pack_weights(ws, products | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
 
 
 def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):

@@ -1,7 +1,7 @@
 """Fused numba kernels of the fast engine: each one pass over rows, in place where it can be.
 
 Every kernel here is the same mathematics as a reference op in `nanoeuler/ops/` (named in its docstring)
-and is tested against it (tests/test_fast.py). Rules they all follow:
+and is tested against it (tests/test_fast.py, tests/test_gpt2_fast.py). Rules they all follow:
 
 - Serial and `nogil`: the engine parallelises over whole sub-batches, one per core, each thread calling
   these kernels on its own rows. Every sum runs in a fixed order, so results are bit-identical run to run.
@@ -9,7 +9,13 @@ and is tested against it (tests/test_fast.py). Rules they all follow:
   float32 → float64 conversions vectorise); no `fastmath`, so every other operation rounds as written.
 - dtype-generic: a float32 array gives float32 arithmetic (exp via `vexp`), float64 gives float64.
 
-Shapes: N = B·T rows; d model width; F SwiGLU width; V vocabulary; hd head width (h2 = hd/2).
+GELU-tanh goes through the sigmoid: ½·x·(1 + tanh(u)) = x·σ(2u), and 1 − tanh²(u) = 4·σ(2u)·(1 − σ(2u)), so
+
+    gelu(x) = x·s,   gelu'(x) = s + 2·x·s·(1 − s)·c·(1 + 3a·x²),   s = σ(2·c·(x + a·x³))
+
+with vexp (vmath.py) for the exponential: no cancellation near 0 and no scalar tanh call.
+
+Shapes: N = B·T rows; d model width; F the MLP's width; V vocabulary; hd head width (h2 = hd/2).
 """
 import math
 
@@ -17,6 +23,8 @@ import numpy as np
 from numba import njit
 
 from ..ops import dropout
+from ..ops.gelu import A as GELU_A
+from ..ops.gelu import C as GELU_C
 from .vmath import vexp
 
 OPTS = dict(cache=True, nogil=True, error_model="numpy")  # numpy: x/0 is inf, no check that blocks SIMD
@@ -197,35 +205,87 @@ def rows_to_heads(A, n_kv_heads, y):
                 y[i, hh * T + t] = A[b * T + t, h * hd:(h + 1) * hd]
 
 
+@njit(inline="always", **OPTS)
+def _keys(r, T, window):
+    """The keys row r of a [G·T, T] score block sees: j0 .. m-1 (position t = r mod T: 0 .. t, or with a
+    window W > 0 the last W of them).  _keys(5, 4, 0) -> (0, 2); _keys(3, 4, 2) -> (2, 4)"""
+    m = r % T + 1
+    return (max(0, m - window) if window > 0 else 0), m
+
+
 @njit(**OPTS)
-def causal_softmax(S, T):
-    """S [I, G·T, T] scores -> in place P = softmax over keys j ≤ t (row r is position t = r mod T), 0 above."""
+def causal_softmax(S, T, window):
+    """S [I, G·T, T] scores -> in place P = softmax over the keys each row sees (`_keys`), 0 elsewhere."""
     I, R, _ = S.shape
     for i in range(I):
         for r in range(R):
             row = S[i, r]
-            m = r % T + 1
-            mx = row_max(row, m)
-            for j in range(m):
+            j0, m = _keys(r, T, window)
+            seen = row[j0:m]
+            mx = row_max(seen, m - j0)
+            for j in range(j0, m):
                 row[j] = vexp(row[j] - mx)
-            tot = row.dtype.type(row_sum(row, m))
-            for j in range(m):
+            tot = row.dtype.type(row_sum(seen, m - j0))
+            for j in range(j0, m):
                 row[j] = row[j] / tot
+            row[:j0] = 0
             row[m:] = 0
 
 
 @njit(**OPTS)
-def causal_softmax_backward(P, dP, T):
-    """P, dP [I, G·T, T] -> in place dS = P ⊙ (dP − Σ_j dP⊙P) on keys j ≤ t, 0 above (ops/attention.py)."""
+def causal_softmax_backward(P, dP, T, window):
+    """P, dP [I, G·T, T] -> in place dS = P ⊙ (dP − Σ_j dP⊙P) on the keys each row sees, 0 elsewhere
+    (ops/attention.py)."""
     I, R, _ = P.shape
     for i in range(I):
         for r in range(R):
             p, d = P[i, r], dP[i, r]
-            m = r % T + 1
-            a = d.dtype.type(row_dot(d, p, m))
-            for j in range(m):
+            j0, m = _keys(r, T, window)
+            a = d.dtype.type(row_dot(d[j0:m], p[j0:m], m - j0))
+            for j in range(j0, m):
                 d[j] = p[j] * (d[j] - a)
+            d[:j0] = 0
             d[m:] = 0
+
+
+# ---- q/k norms: RMSNorm of each head of q and k, in place on the projected rows (Gemma 3) ----------------
+@njit(**OPTS)
+def qk_norm_forward(qkv, heads, hd, wq, wk, n_q, eps, raw, r):
+    """The first `heads` heads of each row of qkv [N, ≥ heads·hd] (q's n_q heads, then k's) := their RMSNorm
+    with weight wq [hd] (q) or wk [hd] (k), in place; raw [N, heads·hd] keeps the input, r [N, heads] 1/rms."""
+    N = qkv.shape[0]
+    for n in range(N):
+        row = qkv[n]
+        raw[n] = row[:heads * hd]
+        for h in range(heads):
+            x = row[h * hd:(h + 1) * hd]
+            ri = x.dtype.type(1.0 / math.sqrt(row_dot(x, x, hd) / hd + eps))
+            r[n, h] = ri
+            w = wq if h < n_q else wk
+            for j in range(hd):
+                x[j] = (x[j] * ri) * w[j]
+
+
+@njit(**OPTS)
+def qk_norm_backward(dqkv, heads, hd, wq, wk, n_q, raw, r, dwq, dwk):
+    """The transpose of qk_norm_forward on dqkv's first heads·hd columns (in place: dy -> dx, rmsnorm_backward
+    per head); dwq, dwk [hd] (float64) = Σ over rows and heads of dy·n, accumulated in row order."""
+    N = dqkv.shape[0]
+    dwq[:] = 0
+    dwk[:] = 0
+    for n in range(N):
+        for h in range(heads):
+            dy, x = dqkv[n, h * hd:(h + 1) * hd], raw[n, h * hd:(h + 1) * hd]
+            ri = r[n, h]
+            w, dw = (wq, dwq) if h < n_q else (wk, dwk)
+            acc = 0.0
+            for j in range(hd):
+                acc += (dy[j] * w[j]) * (x[j] * ri)
+            m = x.dtype.type(acc / hd)
+            for j in range(hd):
+                nj = x[j] * ri
+                dw[j] += dy[j] * nj
+                dy[j] = ri * (dy[j] * w[j] - nj * m)
 
 
 # ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
@@ -251,6 +311,135 @@ def swiglu_backward(ds, gu):
             sg = one / (one + vexp(-g))
             gu[n, j] = ((d * u) * sg) * (one + g * (one - sg))
             gu[n, F + j] = d * (g * sg)
+
+
+# ---- GeGLU (ops/geglu.py): gelu_tanh(g)·u ---------------------------------------------------------------
+@njit(**OPTS)
+def geglu_forward(gu, s):
+    """gu [N, 2F] = [gate(x) | up(x)] -> s [N, F] = gelu(g)·u."""
+    N, F = s.shape
+    one, two = s.dtype.type(1.0), s.dtype.type(2.0)
+    c, a = s.dtype.type(GELU_C), s.dtype.type(GELU_A)
+    for n in range(N):
+        for j in range(F):
+            x = gu[n, j]
+            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
+            s[n, j] = (x * sg) * gu[n, F + j]
+
+
+@njit(**OPTS)
+def geglu_backward(ds, gu):
+    """ds [N, F], gu [N, 2F] -> in place gu := [dg | du], dg = ds·u·gelu'(g), du = ds·gelu(g) (gelu' as in
+    gelu_backward below)."""
+    N, F = ds.shape
+    one, two, three = ds.dtype.type(1.0), ds.dtype.type(2.0), ds.dtype.type(3.0)
+    c, a = ds.dtype.type(GELU_C), ds.dtype.type(GELU_A)
+    for n in range(N):
+        for j in range(F):
+            x, u, d = gu[n, j], gu[n, F + j], ds[n, j]
+            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
+            gu[n, j] = (d * u) * (sg + ((two * x) * (sg * (one - sg))) * (c * (one + three * a * (x * x))))
+            gu[n, F + j] = d * (x * sg)
+
+
+# ---- LayerNorm, GELU, biases and learned positions (arch gpt2) ------------------------------------------------
+@njit(**OPTS)
+def layernorm_forward(x, w, b, eps, y, mu, r):
+    """ops/layernorm.py. x [N, d], w, b [d] -> y [N, d] = (x − μ)·r·w + b; μ [N], r [N] = 1/sqrt(var + eps)."""
+    N, d = x.shape
+    for i in range(N):
+        m = x.dtype.type(row_sum(x[i], d) / d)
+        acc = 0.0
+        for j in range(d):  # Σ (x − μ)², in float64
+            c = x[i, j] - m
+            acc += c * c
+        ri = x.dtype.type(1.0 / math.sqrt(acc / d + eps))
+        mu[i] = m
+        r[i] = ri
+        for j in range(d):
+            y[i, j] = ((x[i, j] - m) * ri) * w[j] + b[j]
+
+
+@njit(**OPTS)
+def layernorm_backward(dy, x, mu, r, w, dx, dw, db):
+    """dy, x [N, d], μ, r [N], w [d] -> dx [N, d] += r·(g − mean(g) − n·mean(g·n)) with g = dy·w,
+    n = (x − μ)·r; dw, db [d] (float64) = Σ over rows of dy·n and dy, accumulated in row order."""
+    N, d = x.shape
+    dw[:] = 0
+    db[:] = 0
+    for i in range(N):
+        m, ri = mu[i], r[i]
+        sg = 0.0
+        sgn = 0.0
+        for j in range(d):
+            g = dy[i, j] * w[j]
+            sg += g
+            sgn += g * ((x[i, j] - m) * ri)
+        mg = x.dtype.type(sg / d)
+        mgn = x.dtype.type(sgn / d)
+        for j in range(d):
+            n = (x[i, j] - m) * ri
+            dx[i, j] += ri * ((dy[i, j] * w[j] - mg) - n * mgn)
+            dw[j] += dy[i, j] * n
+            db[j] += dy[i, j]
+
+
+@njit(**OPTS)
+def bias_gelu_forward(f, b, s):
+    """ops/bias.py + ops/gelu.py. f [N, F] := f + b (the pre-activation, kept for backward); s [N, F] = gelu(f)."""
+    N, F = f.shape
+    one, two = s.dtype.type(1.0), s.dtype.type(2.0)
+    c, a = s.dtype.type(GELU_C), s.dtype.type(GELU_A)
+    for n in range(N):
+        for j in range(F):
+            x = f[n, j] + b[j]
+            f[n, j] = x
+            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
+            s[n, j] = x * sg
+
+
+@njit(**OPTS)
+def gelu_backward(ds, f):
+    """ds, f [N, F] -> in place ds := ds · gelu'(f)."""
+    N, F = f.shape
+    one, two, three = f.dtype.type(1.0), f.dtype.type(2.0), f.dtype.type(3.0)
+    c, a = f.dtype.type(GELU_C), f.dtype.type(GELU_A)
+    for n in range(N):
+        for j in range(F):
+            x = f[n, j]
+            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
+            ds[n, j] = ds[n, j] * (sg + ((two * x) * (sg * (one - sg))) * (c * (one + three * a * (x * x))))
+
+
+@njit(**OPTS)
+def col_sum(a, out):
+    """a [N, n] -> out [n] (float64) = Σ over rows, in row order: a bias gradient."""
+    N, n = a.shape
+    out[:] = 0
+    for i in range(N):
+        for j in range(n):
+            out[j] += a[i, j]
+
+
+@njit(**OPTS)
+def add_positions(x, pos, T):
+    """x [b·T, d] += pos[t] on row s·T + t (every sequence of the part starts at position 0)."""
+    N, d = x.shape
+    for i in range(N):
+        t = i % T
+        for j in range(d):
+            x[i, j] += pos[t, j]
+
+
+@njit(**OPTS)
+def position_backward(dx, T, dW):
+    """dx [b·T, d] -> dW [ctx, d]: rows 0..T-1 = Σ over the sequences of dx at that position; the rest 0."""
+    N, d = dx.shape
+    dW[:] = 0
+    for i in range(N):
+        t = i % T
+        for j in range(d):
+            dW[t, j] += dx[i, j]
 
 
 # ---- dropout on the residual branches (ops/dropout.py) ---------------------------------------------------

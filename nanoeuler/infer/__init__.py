@@ -5,9 +5,8 @@ Modules, each importing only the ones above it in this list:
     kernels.py      the fused numba/LLVM-IR decoding step, panel GEMV over f32/f16 weights, the thread pool
     cache.py        the KV cache (rows per sequence, positions per row) and attention over per-row positions
     weights.py      weight forms: the weight-type table (f32, f16) and `linear` for a decoding step's few rows
-    euler.py        arch euler: inference layout of the weights, the readable NumPy forward (any rows)
-    gpt2.py         arch gpt2: the same two for GPT-2 (LayerNorm, biases, learned positions, GELU)
-    step.py         the one step every caller runs: the architecture registry, fused-or-reference chosen
+    forward.py      the inference layout of the weights, the readable NumPy forward (any rows, any architecture)
+    step.py         the one step every caller runs: fused-or-reference chosen
                     once (in `fuse_weights`); `forward_hidden` for one sequence, `advance` for a speculative
                     round, `decode_rows` for one token per row of a batch
     sampling.py     temperature / top-k / top-p, drawing, log-probabilities

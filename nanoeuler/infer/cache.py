@@ -1,4 +1,4 @@
-"""The KV cache: every layer's rotated keys and values, a row per sequence, and attention over it.
+"""The KV cache: every layer's rotated keys and values, a row per sequence, the RoPE tables, and attention over it.
 
 A cache of `batch` rows holds, per layer, keys and values [batch, Hkv, max_len, hd]. One sequence
 (`session.generate`) uses row 0 and its `length`; the batcher (`engine.py`) gives each request a row with
@@ -20,8 +20,9 @@ class KVCache:
     """Rotated keys and values of every layer for the first `length` positions of the window."""
     k: list[np.ndarray]  # per layer [B, Hkv, max_len, hd]
     v: list[np.ndarray]
-    cos: np.ndarray      # RoPE tables for positions 0 .. max_len-1, [max_len, hd/2]
-    sin: np.ndarray
+    cos: np.ndarray      # RoPE tables of each base the layers use, positions 0 .. max_len-1: [kinds, max_len, hd/2]
+    sin: np.ndarray      #   (no RoPE: 0 kinds)
+    kind: np.ndarray     # [layers] int64: layer i's table in cos / sin (-1: no RoPE)
     length: int = 0
     store: tuple | None = None  # (k, v, b0): arrays [layers, batch, Hkv, max_len, hd] whose rows b0.. are
                                 #   k[i], v[i] (new_cache: b0 = 0; serve's batcher: a view of its rows)
@@ -30,6 +31,11 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
+    def tables(self, i: int, pos: np.ndarray) -> tuple:
+        """Layer i's RoPE (cos, sin) at positions pos (any shape: the tables' rows pos), or (None, None)."""
+        j = self.kind[i]
+        return (None, None) if j < 0 else (self.cos[j][pos], self.sin[j][pos])
+
 
 def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
     """An empty cache for up to max_len (default ctx_len) positions. A float16 model computes in float32
@@ -37,10 +43,13 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     max_len = max_len or cfg.ctx_len
     dtype = np.float32 if np.dtype(dtype) == np.float16 else dtype
     shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-    cos, sin = ops.rope_tables(max_len, cfg.head_dim, cfg.rope_theta, dtype)
+    thetas = sorted({cfg.layer_theta(i) for i in range(cfg.n_layers)}) if cfg.spec.positions == "rope" else []
+    tables = [ops.rope_tables(max_len, cfg.head_dim, t, dtype) for t in thetas]
+    cos = np.array([c for c, _ in tables], dtype).reshape(len(thetas), max_len, cfg.head_dim // 2)
+    sin = np.array([s for _, s in tables], dtype).reshape(cos.shape)
+    kind = np.array([thetas.index(cfg.layer_theta(i)) if thetas else -1 for i in range(cfg.n_layers)], np.int64)
     k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
-    return KVCache(list(k), list(v), cos, sin, store=(k, v, 0))
-
+    return KVCache(list(k), list(v), cos, sin, kind, store=(k, v, 0))
 
 
 def rows(cache: KVCache, b0: int, n: int) -> KVCache:
@@ -48,20 +57,22 @@ def rows(cache: KVCache, b0: int, n: int) -> KVCache:
     cache's own arrays.  rows(new_cache(cfg, 4), 2, 1).k[0].shape[0] == 1"""
     k, v, _ = cache.store
     return KVCache([x[b0:b0 + n] for x in cache.k], [x[b0:b0 + n] for x in cache.v], cache.cos, cache.sin,
-                   store=(k, v, b0))
+                   cache.kind, store=(k, v, b0))
 
 
-def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
+                window: int = 0) -> np.ndarray:
     """Layer i's attention for n rows, one new token each: q [n, H, hd], k and v [n, Hkv, hd] of row r at
-    position pos[r] (written into cache row r) -> [n, H·hd]. Row r reads keys 0..pos[r]; the rest of the
-    [0, max(pos)] block gets -inf scores (probability exactly 0):
+    position pos[r] (written into cache row r) -> [n, H·hd]. Row r reads keys 0..pos[r] (a window W > 0:
+    pos[r] − W + 1 .. pos[r]); the rest of the [0, max(pos)] block gets -inf scores (probability exactly 0):
 
-        pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf
+        pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf       (window 2: row 0: -inf -inf s s)
     """
     n, H, hd = q.shape
     Hkv, kc, vc = k.shape[1], cache.k[i], cache.v[i]
     Lk = int(pos.max()) + 1
-    masked = np.arange(Lk)[None, :] > pos[:, None]  # [n, Lk]
+    j = np.arange(Lk)[None, :]
+    masked = (j > pos[:, None]) | ((j <= pos[:, None] - window) if window else False)  # [n, Lk]
     bias = np.where(masked, -np.inf, 0.0).astype(kc.dtype)[:, None, None, :]  # [n, 1, 1, Lk]
     at = np.arange(n)
     kc[at, :, pos] = k

@@ -68,6 +68,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..fast.vmath import vexp
+from ..ops.gelu import A as GELU_A
+from ..ops.gelu import C as GELU_C
 from . import qkernels
 
 ROWS = 8          # most rows `linear` sends to the kernels (a speculative round: t1 + 7 drafts)
@@ -491,16 +493,44 @@ def _serve(ctl, patience):
 
 
 @njit(**OPTS)
-def _rmsnorm(x, w, eps, y):
-    """y [n, d] = x·w / sqrt(mean(x²) + eps) row by row (ops/rmsnorm.py)."""
+def _norm(x, w, b, eps, y):
+    """y [n, d] = the norm of x row by row with weight w [d]: RMSNorm x·w / sqrt(mean(x²) + eps) when the bias b
+    is empty (ops/rmsnorm.py), else LayerNorm (x − μ)·w / sqrt(var + eps) + b (ops/layernorm.py)."""
     n, d = x.shape
     for r in range(n):
+        m = np.float32(0.0)
+        if b.shape[0]:
+            for j in range(d):
+                m += x[r, j]
+            m /= d
         ss = np.float32(0.0)
         for j in range(d):
-            ss += x[r, j] * x[r, j]
+            ss += (x[r, j] - m) * (x[r, j] - m)
         k = np.float32(1.0 / np.sqrt(ss / d + eps))
-        for j in range(d):
-            y[r, j] = (x[r, j] * k) * w[j]
+        if b.shape[0]:
+            for j in range(d):
+                y[r, j] = ((x[r, j] - m) * k) * w[j] + b[j]
+        else:
+            for j in range(d):
+                y[r, j] = (x[r, j] * k) * w[j]
+
+
+@njit(inline="always", **OPTS)
+def _head_norm(x, base, hd, w, eps):
+    """x[base : base+hd] := its RMSNorm with weight w [hd] (a q or k head, q/k norms)."""
+    ss = np.float32(0.0)
+    for i in range(hd):
+        ss += x[base + i] * x[base + i]
+    k = np.float32(1.0 / np.sqrt(ss / hd + eps))
+    for i in range(hd):
+        x[base + i] = (x[base + i] * k) * w[i]
+
+
+@njit(inline="always", **OPTS)
+def _gelu(x):
+    """GELU, tanh approximation (ops/gelu.py), as x·σ(2u) with u = c·(x + a·x³): no tanh call."""
+    u = np.float32(GELU_C) * (x + np.float32(GELU_A) * (x * x * x))
+    return x / (np.float32(1.0) + vexp(np.float32(-2.0) * u))
 
 
 @njit(inline="always", **OPTS)
@@ -703,16 +733,17 @@ POOLED_ATTENTION = 1 << 17  # multiply-adds (positions x heads x hd, all rows) f
 
 
 @njit(inline="always", **OPTS)
-def _attend_unit(t, a, K, V, pos, slot, H, u, p):
+def _attend_unit(t, a, K, V, pos, slot, H, window, u, p):
     """Unit u = r·Hkv + g: row r's query heads of group g (hh // G == g) attend to key/value head g of its
-    cache row, positions 0 .. pos[r]. t [n, (H + 2·Hkv)·hd] the row's q (rotated) first; a [n, H·hd] out;
-    K, V [B, Hkv, max_len, hd] one layer's cache; p [>= pos[r] + 1] scratch."""
+    cache row, positions 0 .. pos[r] (a window W > 0: the last W of them). t [n, (H + 2·Hkv)·hd] the row's
+    q (rotated) first; a [n, H·hd] out; K, V [B, Hkv, max_len, hd] one layer's cache; p [>= pos[r] + 1] scratch."""
     Hkv, hd = K.shape[1], K.shape[3]
     r, g = u // Hkv, u % Hkv
     G = H // Hkv
+    j0 = max(0, pos[r] + 1 - window) if window > 0 else 0
     scale = np.float32(1.0 / np.sqrt(hd))
     for hh in range(g * G, (g + 1) * G):
-        _attend(t[r, hh * hd:(hh + 1) * hd], K[slot[r], g], V[slot[r], g], pos[r] + 1, scale, p,
+        _attend(t[r, hh * hd:(hh + 1) * hd], K[slot[r], g, j0:], V[slot[r], g, j0:], pos[r] + 1 - j0, scale, p,
                 a[r, hh * hd:(hh + 1) * hd])
 
 
@@ -722,16 +753,17 @@ def _attend_units(ctl, u0, u1):
     ta, tw, aa, ka, va = ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3], ctl[DESC + 4], ctl[DESC + 5]
     pa, sa, H, Hkv = ctl[DESC + 6], ctl[DESC + 7], ctl[DESC + 8], ctl[DESC + 9]
     hd, L, B, n = ctl[DESC + 10], ctl[DESC + 11], ctl[DESC + 12], ctl[DESC + 13]
+    window = ctl[DESC + 14]
     t, a = carray(_f32_at(ta), (n, tw)), carray(_f32_at(aa), (n, H * hd))
     K, V = carray(_f32_at(ka), (B, Hkv, L, hd)), carray(_f32_at(va), (B, Hkv, L, hd))
     pos, slot = carray(_i64_at(pa), n), carray(_i64_at(sa), n)
     p = np.empty(L, np.float32)
     for u in range(u0, u1):
-        _attend_unit(t, a, K, V, pos, slot, H, u, p)
+        _attend_unit(t, a, K, V, pos, slot, H, window, u, p)
 
 
 @njit(**OPTS)
-def _attention(ctl, pooled, t, a, K, V, pos, slot, H, p):
+def _attention(ctl, pooled, t, a, K, V, pos, slot, H, window, p):
     """Every row's attention of one layer (see _attend_unit), units shared with the helpers (as the panels
     of a matrix product) when there is enough of it: a batch of serve's streams, not one sequence's step.
     (The claim word counts units in 16 bits: more than 0xFFFF run on the calling thread.)"""
@@ -746,11 +778,11 @@ def _attention(ctl, pooled, t, a, K, V, pos, slot, H, p):
         ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = K.ctypes.data, V.ctypes.data, \
             pos.ctypes.data, slot.ctypes.data
         ctl[DESC + 8], ctl[DESC + 9], ctl[DESC + 10], ctl[DESC + 11] = H, Hkv, hd, K.shape[2]
-        ctl[DESC + 12], ctl[DESC + 13] = K.shape[0], n
+        ctl[DESC + 12], ctl[DESC + 13], ctl[DESC + 14] = K.shape[0], n, window
         _run_pooled(ctl, units)
         return
     for u in range(units):
-        _attend_unit(t, a, K, V, pos, slot, H, u, p)
+        _attend_unit(t, a, K, V, pos, slot, H, window, u, p)
 
 
 # ---- the kernels ---------------------------------------------------------------------------------
@@ -763,60 +795,101 @@ def gemv(ctl, pooled, W, X, out):
     return Y
 
 
-@njit(**OPTS)
-def step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc, cos,
-         sin, last_only):
-    """The forward of tokens int [n], row r at position pos[r] of cache row slot[r] -> final normed hidden
-    states [n|1, d]. One sequence: slot all 0, pos = L0, L0+1, ..; a batch of sequences: one row each.
+@njit(inline="always", **OPTS)
+def _add_bias(y, b):
+    """y [n, m] += b [m] on every row (nothing when b is empty: no bias)."""
+    if b.shape[0]:
+        for r in range(y.shape[0]):
+            for j in range(y.shape[1]):
+                y[r, j] += b[j]
 
-    embed [V, d]; per layer l, in kernel form (`pack`, float32 or float16 bits): qkv[l] of [(H + 2·Hkv)·hd, d],
-    wo[l] of [d, H·hd], gate_up[l] of [2F, d], down[l] of [d, F]; norms[l] = (attn_norm, ffn_norm) [2, d];
-    norm [d].
+
+@njit(**OPTS)
+def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h):
+    """x += post(inp @ Wᵀ + b): a sub-block's output projection added to the residual stream x [n, d], with the
+    architecture's post norm (post: its weight; nb its bias) when it has one (o, h [n, d] scratch)."""
+    if post.shape[0] == 0 and b.shape[0] == 0:
+        _gemv(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
+        return
+    _gemv(ctl, pooled, W, inp, o, False)
+    _add_bias(o, b)
+    if post.shape[0]:
+        _norm(o, post, nb, eps, h)
+        x += h
+    else:
+        x += o
+
+
+@njit(**OPTS)
+def step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_only):
+    """The forward of tokens int [n], row r at position pos[r] of cache row slot[r] -> final normed hidden
+    states [n|1, d], for every architecture (D: `Weights`, what the model's record in arch.py chose). One
+    sequence: slot all 0, pos = L0, L0+1, ..; a batch of sequences: one row each.
+
     kc, vc [layers, B, Hkv, max_len, hd]: row r writes its key and value at (slot[r], pos[r]) and attends
-    to positions 0 .. pos[r] of its slot (all rows write before any attends)."""
-    n, d = tokens.shape[0], embed.shape[1]
+    to positions 0 .. pos[r] of its slot (a windowed layer: the last D.window[l] of them; all rows write
+    before any attends). cos, sin [kinds, max_len, hd/2]: the RoPE tables, layer l's at D.rope[l] (-1: none)."""
+    n, d = tokens.shape[0], D.embed.shape[1]
     n_layers, _, Hkv, _, hd = kc.shape
-    H, F = n_heads, down.shape[2] * _row_in(down)
+    H, F = n_heads, D.mlp_out.shape[2] * _row_in(D.mlp_out)
     Hhd = n_heads * hd
     x = np.empty((n, d), np.float32)
     for r in range(n):
-        if tokens[r] < 0 or tokens[r] >= embed.shape[0]:
+        if tokens[r] < 0 or tokens[r] >= D.embed.shape[0]:
             raise IndexError("token id out of range")
         if pos[r] < 0 or pos[r] >= kc.shape[3] or slot[r] < 0 or slot[r] >= kc.shape[1]:
             raise IndexError("cache position or row out of range")
-        x[r] = embed[tokens[r]]
+        for j in range(d):
+            x[r, j] = D.embed[tokens[r], j] * D.embed_scale
+        if D.pos.shape[0]:
+            x[r] += D.pos[pos[r]]
     h = np.empty((n, d), np.float32)
+    o = np.empty((n, d), np.float32)                # a sub-block's output before its post norm
     t = np.empty((n, (H + 2 * Hkv) * hd), np.float32)  # q, k, v of the new rows
     a = np.empty((n, Hhd), np.float32)              # attention output
-    gu = np.empty((n, 2 * F), np.float32)
+    gu = np.empty((n, D.mlp_in_width), np.float32)  # the MLP's input products (gated: [gate | up])
     s = np.empty((n, F), np.float32)
     p = np.empty(pos.max() + 1, np.float32)         # attention probabilities
     rot = np.empty(hd, np.float32)
     for l in range(n_layers):
-        _rmsnorm(x, norms[l, 0], eps, h)
-        _gemv(ctl, pooled, qkv[l], h, t, False)
-        for r in range(n):  # RoPE; the new keys and values go into the cache
-            for hh in range(H):
-                _rope(t[r], hh * hd, hd, cos, sin, pos[r], rot)
-                t[r, hh * hd:(hh + 1) * hd] = rot
+        _norm(x, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
+        _gemv(ctl, pooled, D.qkv[l], h, t, False)
+        _add_bias(t, D.qkv_bias[l])
+        k_ = D.rope[l]
+        for r in range(n):  # q/k norms, RoPE; the new keys and values go into the cache
+            for hh in range(H + Hkv):
+                base = hh * hd
+                if D.qk_norms.shape[2]:
+                    _head_norm(t[r], base, hd, D.qk_norms[l, 0 if hh < H else 1], eps)
+                if k_ >= 0:
+                    _rope(t[r], base, hd, cos[k_], sin[k_], pos[r], rot)
+                    t[r, base:base + hd] = rot
             for g in range(Hkv):
-                _rope(t[r], Hhd + g * hd, hd, cos, sin, pos[r], kc[l, slot[r], g, pos[r]])
+                kc[l, slot[r], g, pos[r]] = t[r, Hhd + g * hd:Hhd + (g + 1) * hd]
                 vc[l, slot[r], g, pos[r]] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
         # Past the last layer's keys and values only the rows returned matter: with last_only, the last
         # row alone goes on (a prompt's or a window refill's other rows skip ~1/layers of their work).
         f = n - 1 if last_only and l == n_layers - 1 else 0
-        _attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, p)  # row r, head hh: kv head hh // G
-        _gemv(ctl, pooled, wo[l], a[f:], x[f:], True)  # x += a @ Woᵀ
-        _rmsnorm(x[f:], norms[l, 1], eps, h[f:])
-        _gemv(ctl, pooled, gate_up[l], h[f:], gu[f:], False)
-        for r in range(f, n):  # SwiGLU: silu(g)·u
+        _attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, D.window[l], p)
+        _residual(ctl, pooled, D.wo[l], D.wo_bias[l], a[f:], x[f:], o[f:], D.norms[l, 2, :D.post],
+                  D.norm_biases[l, 2], eps, h[f:])
+        _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
+        _gemv(ctl, pooled, D.mlp_in[l], h[f:], gu[f:], False)
+        _add_bias(gu[f:], D.mlp_in_bias[l])
+        for r in range(f, n):  # the activation: SwiGLU silu(g)·u, GeGLU gelu(g)·u, or GELU
             for j in range(F):
                 g_ = gu[r, j]
-                s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
-        _gemv(ctl, pooled, down[l], s[f:], x[f:], True)  # x += s @ Wdownᵀ
+                if D.mlp == 0:
+                    s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
+                elif D.mlp == 1:
+                    s[r, j] = _gelu(g_) * gu[r, F + j]
+                else:
+                    s[r, j] = _gelu(g_)
+        _residual(ctl, pooled, D.mlp_out[l], D.mlp_out_bias[l], s[f:], x[f:], o[f:], D.norms[l, 3, :D.post],
+                  D.norm_biases[l, 3], eps, h[f:])
     first = n - 1 if last_only else 0
     out = np.empty((n - first, d), np.float32)
-    _rmsnorm(x[first:], norm, eps, out)
+    _norm(x[first:], D.norm, D.norm_bias, eps, out)
     return out
 
 
@@ -894,15 +967,64 @@ def get_threads() -> int:
 
 # ---- the Python side -----------------------------------------------------------------------------
 class Weights(NamedTuple):
-    """What `step` reads, stacked over layers (see `step`); matrices in kernel form (`pack` of [layers, out,
-    in]: [layers, panels, in, PANEL]), float32 or float16 bits (uint16)."""
-    embed: np.ndarray    # [V, d] float32
-    qkv: np.ndarray      # pack of [layers, (H + 2·Hkv)·hd, d]
-    wo: np.ndarray       # pack of [layers, d, H·hd]
-    gate_up: np.ndarray  # pack of [layers, 2F, d]
-    down: np.ndarray     # pack of [layers, d, F]
-    norms: np.ndarray    # [layers, 2, d] float32: attn_norm, ffn_norm
-    norm: np.ndarray     # [d] float32
+    """What `step` reads, stacked over layers; matrices in kernel form (`pack` of [layers, out, in]:
+    [layers, panels, in, PANEL]), float32, float16 bits (uint16) or blocks (uint8). What an architecture
+    lacks is an empty array (a bias [layers, 0], LayerNorm biases [layers, 4, 0], q/k norms [layers, 2, 0])."""
+    embed: np.ndarray         # [V, d] float32
+    embed_scale: np.float32   # the lookup's factor (Gemma: √d; else 1)
+    pos: np.ndarray           # [ctx, d] learned positions, or [0, d]
+    qkv: np.ndarray           # pack of [layers, (H + 2·Hkv)·hd, d]
+    wo: np.ndarray            # pack of [layers, d, H·hd]
+    mlp_in: np.ndarray        # pack of [layers, 2F, d] ([gate; up]) or [layers, F, d] (GPT-2's fc)
+    mlp_out: np.ndarray       # pack of [layers, d, F]
+    qkv_bias: np.ndarray      # [layers, (H + 2·Hkv)·hd] or [layers, 0]
+    wo_bias: np.ndarray       # [layers, d] or [layers, 0]
+    mlp_in_bias: np.ndarray   # [layers, 2F | F] or [layers, 0]
+    mlp_out_bias: np.ndarray  # [layers, d] or [layers, 0]
+    norms: np.ndarray         # [layers, 4, d] float32: attn_norm, ffn_norm, attn_post_norm, ffn_post_norm
+    norm_biases: np.ndarray   # [layers, 4, d] (LayerNorm) or [layers, 4, 0]
+    qk_norms: np.ndarray      # [layers, 2, hd] or [layers, 2, 0]
+    norm: np.ndarray          # [d] float32
+    norm_bias: np.ndarray     # [d] or [0]
+    post: int                 # d with post norms, else 0 (norms[:, 2:, :post] is empty)
+    mlp: int                  # 0 SwiGLU, 1 GeGLU, 2 GELU
+    mlp_in_width: int         # 2F (gated) or F
+    window: np.ndarray        # [layers] int64: each layer's window (0: none)
+    rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
+
+
+MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
+
+
+def weights(cfg, W: dict, packed: dict) -> Weights:
+    """The fused step's weights from the inference layout W (forward.fuse_weights) and the packed matrices."""
+    from .cache import new_cache
+    L, d, f32 = cfg.n_layers, cfg.dim, np.float32
+    p = [f"layers.{i}." for i in range(L)]
+
+    def biases(m):
+        return np.array([W[q + m + ".bias"] for q in p], f32) if W[p[0] + m + ".bias"] is not None else np.zeros((L, 0), f32)
+
+    a = cfg.spec
+    names = ("attn_norm", "ffn_norm", "attn_post_norm", "ffn_post_norm")
+    norms = np.ones((L, 4, d), f32)
+    norm_biases = np.zeros((L, 4, d if a.norm == "layer" else 0), f32)
+    for i, q in enumerate(p):
+        for j, name in enumerate(names):
+            if q + name in W:
+                norms[i, j], b = W[q + name]
+                if b is not None:
+                    norm_biases[i, j] = b
+    qk = np.array([[W[q + "attn.q_norm"][0], W[q + "attn.k_norm"][0]] for q in p], f32) if a.qk_norm \
+        else np.zeros((L, 2, 0), f32)
+    nw, nb = W["norm"]
+    return Weights(W["embed"], f32(W["embed_scale"] or 1.0),
+                   W["pos"] if W["pos"] is not None else np.zeros((0, d), f32),
+                   packed["qkv"], packed["wo"], packed["mlp_in"], packed["mlp_out"],
+                   biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"), norms, norm_biases, qk,
+                   nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0, MLP_KINDS[a.mlp],
+                   cfg.ffn_hidden * (2 if a.gated else 1), np.array([cfg.window(i) for i in range(L)], np.int64),
+                   new_cache(cfg, 1, 1).kind)
 
 
 def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
@@ -919,8 +1041,8 @@ def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.
     """tokens int [n], row r at position pos[r] of cache row slot[r] of k, v [layers, B, Hkv, max_len, hd]
     (one sequence, or one row per sequence as the batcher steps) -> final normed hidden states [n|1, d]."""
     return on_pool(step, np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(pos, dtype=np.int64),
-                   np.ascontiguousarray(slot, dtype=np.int64), D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms,
-                   D.norm, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, last_only)
+                   np.ascontiguousarray(slot, dtype=np.int64), D, np.float32(cfg.norm_eps), cfg.n_heads, k, v,
+                   cos, sin, last_only)
 
 
 def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
@@ -933,8 +1055,7 @@ def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.nd
                cos: np.ndarray, sin: np.ndarray, head0: np.ndarray) -> tuple:
     """A speculative round's model work in one compiled call (`_round`): tokens [n] of one sequence
     -> (h [n, d], head-0 logits [n, V], their argmax [n])."""
-    return on_pool(_round, tokens, pos, slot, D.embed, D.qkv, D.wo, D.gate_up, D.down, D.norms, D.norm,
-                   np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0)
+    return on_pool(_round, tokens, pos, slot, D, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0)
 
 
 def on_pool(kernel, *args):
@@ -950,14 +1071,12 @@ def on_pool(kernel, *args):
 
 
 @njit(**OPTS)
-def _round(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
-           cos, sin, head0):
+def _round(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0):
     """A speculative round's model work in one compiled call: `step` over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
     forward + matvec + argmax, so the same numbers) -> (h, logits, best)."""
-    h = step(ctl, pooled, tokens, pos, slot, embed, qkv, wo, gate_up, down, norms, norm, eps, n_heads, kc, vc,
-             cos, sin, False)
-    n, V = h.shape[0], embed.shape[0]
+    h = step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, False)
+    n, V = h.shape[0], D.embed.shape[0]
     logits = np.empty((n, V), np.float32)
     _gemv(ctl, pooled, head0, h, logits, False)
     best = np.empty(n, np.int64)

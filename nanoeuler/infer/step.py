@@ -1,14 +1,13 @@
 """The one step every inference caller runs, and the one place that picks what runs it.
 
-    W = fuse_weights(cfg, P)                       the architecture's layout (ARCHS); the fused kernels or not
+    W = fuse_weights(cfg, P)                       the layout (forward.py); the fused kernels or not
     h = forward_hidden(cfg, W, tokens, cache)      one sequence (or B of equal positions): tokens [B, Tn] -> [B, Tn|1, d]
     h, logits, best = advance(cfg, W, cache, block)   a speculative round: head 0 and its argmax too
     logits = decode_rows(cfg, W, cache, tok, pos)  one token per cache row, each at its own position -> [n, V]
 
-The architecture is chosen by `arch(cfg)` (a registry: euler.py, gpt2.py; callers never branch on it), and
-whether the fused kernels (kernels.py) run a model is decided once, when its weights are laid out
-(weights.Forms: kernels.ENABLED and a weight type they read; only euler has a fused step), and recorded as
-W["decode"]. A step on the fused path and on the reference path gives the same logits to float32 rounding
+Every architecture runs the same two paths (forward.py's NumPy reference, kernels.py's fused step), each
+reading the model's record (arch.py); whether the fused kernels run a model is decided once, when its weights
+are laid out (weights.Forms: kernels.ENABLED and a weight type they read), and recorded as W["decode"]. A step on the fused path and on the reference path gives the same logits to float32 rounding
 (tests/test_infer_kernels.py).
 """
 from __future__ import annotations
@@ -18,22 +17,15 @@ import numpy as np
 from ..config import Config
 from ..errors import UserError
 from ..fast.parallel import PARTS, blas_threads
-from . import euler, gpt2, kernels
+from . import forward, kernels
 from .cache import KVCache
 from .weights import Forms, batched_linear, linear
 
-ARCHS = {"euler": euler, "gpt2": gpt2}  # config.arch -> its module: fuse_weights, forward_hidden, forward_rows
-
-
-def arch(cfg: Config):
-    """The inference module of cfg's architecture."""
-    return ARCHS[cfg.arch]
-
 
 def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
-    """The inference layout of a model's parameters P (see euler.fuse_weights): batched keeps [in, out]
+    """The inference layout of a model's parameters P (see forward.fuse_weights): batched keeps [in, out]
     copies for steps of many rows (the batcher)."""
-    return arch(cfg).fuse_weights(cfg, P, Forms(P, batched))
+    return forward.fuse_weights(cfg, P, Forms(P, batched))
 
 
 def runs_fused(W: dict, cache: KVCache) -> bool:
@@ -51,7 +43,7 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
     if L + Tn > cache.max_len:
         raise UserError(f"KV cache overflow: {L} cached + {Tn} new > {cache.max_len} positions")
     if B > 1 or not runs_fused(W, cache):
-        return arch(cfg).forward_hidden(cfg, W, inputs, cache, last_only)
+        return forward.forward_hidden(cfg, W, inputs, cache, last_only)
     k, v, b0 = cache.store
     hs = [kernels.forward(cfg, W["decode"], inputs[0, a:a + kernels.CHUNK], k, v, L + a, cache.cos, cache.sin,
                           last_only, b0) for a in range(0, Tn, kernels.CHUNK)]
@@ -89,7 +81,7 @@ def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
 def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """One token for each of rows 0..n-1 of cache: tokens int [n] at positions pos [n] (row r holds positions
     0..pos[r]-1) -> head 0's logits [n, V]; writes each row's key/value at pos[r]. Fused: every row attends
-    to its own cache row in one compiled call (no BLAS); else the architecture's NumPy `forward_rows` on BLAS,
+    to its own cache row in one compiled call (no BLAS); else the NumPy `forward.forward_rows` on BLAS,
     every core's threads from WIDE_STEP rows up (fewer rows: one thread, their products too short to pay).
     (Switching OpenBLAS's thread count, ~2 µs each way, is not paid by the fused step: `small`'s is ~80 µs.)"""
     if runs_fused(W, cache):
@@ -98,7 +90,7 @@ def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: n
                                  cache.sin)  # [n, d]
         return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
     with blas_threads(PARTS if len(tokens) >= WIDE_STEP else 1):
-        return batched_linear(arch(cfg).forward_rows(cfg, W, cache, tokens, pos), W["head.0"])
+        return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos), W["head.0"])
 
 
 WIDE_STEP = 8  # BLAS decoding steps of at least this many rows use every core (see engine.Batcher._loop)

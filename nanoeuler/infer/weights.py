@@ -34,7 +34,7 @@ from . import kernels, qkernels, quant
 class WType:
     """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
     computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
-    form's shape, dtype), so that stacked matrices can share one buffer (euler.fuse_weights)."""
+    form's shape, dtype), so that stacked matrices can share one buffer (forward.fuse_weights)."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]

@@ -1,9 +1,10 @@
-"""Export a checkpoint as a GGUF file for llama.cpp (architecture `llama`), written with the `gguf` package.
+"""Export a checkpoint as a GGUF file for llama.cpp (its architecture's GGUF name: `llama` for ours), written
+with the `gguf` package.
 
     nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1
 
-Tensor names are llama.cpp's (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
-out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
+Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`,
+..., `output_norm`, `output`; `output` is left out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
 in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
 the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
 name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported
@@ -38,49 +39,70 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(rows, d)
 
 
-# our name under layers.i. -> llama.cpp's under blk.i. (matrices: [out, in] in both)
-LAYER_NAMES = {"attn_norm": "attn_norm", "attn.wq": "attn_q", "attn.wk": "attn_k", "attn.wv": "attn_v",
-               "attn.wo": "attn_output", "ffn_norm": "ffn_norm", "ffn.gate": "ffn_gate", "ffn.up": "ffn_up",
-               "ffn.down": "ffn_down"}
+def gguf_names(cfg) -> dict[str, str]:
+    """Our parameter name -> llama.cpp's tensor holding it (arch.py's `gguf` table; GPT-2's wq, wk, wv share
+    attn_qkv). gguf_names(small)["layers.3.attn.wq.weight"] -> 'blk.3.attn_q.weight'"""
+    return {n: e.name for e in cfg.spec.gguf.tensors(cfg.n_layers) for n in e.ours}
 
 
 def layer_tensor(cfg, name: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
-    """Our layer weight name ("layers.3.attn.wq.weight") and an array whose rows are that weight's output
-    rows (the weight, or a LoRA B) -> llama.cpp's name ("blk.3.attn_q.weight") and the rows as it orders
-    them (q and k: `permute_qk`)."""
-    _, i, rest = name.split(".", 2)
-    ours = rest.rsplit(".", 1)[0]
-    if ours in ("attn.wq", "attn.wk"):
-        rows = permute_qk(rows, cfg.n_heads if ours == "attn.wq" else cfg.n_kv_heads)
-    return f"blk.{i}.{LAYER_NAMES[ours]}.weight", rows
+    """Our weight name ("layers.3.attn.wq.weight") and an array whose rows are that weight's output rows (the
+    weight, or a LoRA B) -> llama.cpp's name ("blk.3.attn_q.weight") and the rows as it orders them (q and k
+    of a `llama` file: `permute_qk`)."""
+    if cfg.spec.gguf.permute_qk and name.endswith(("attn.wq.weight", "attn.wk.weight")):
+        rows = permute_qk(rows, cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads)
+    return gguf_names(cfg)[name], rows
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
-    """llama.cpp name -> float32 array (q and k permuted), in llama.cpp's order."""
+    """llama.cpp name -> float32 array (q and k permuted where llama.cpp wants it; several of ours stacked by
+    rows into one where it fuses them), in the table's order. `output` is left out when head 0 is the
+    embedding (llama.cpp then uses token_embd)."""
     cfg, P = model.config, model.params
-    t = {"token_embd.weight": P["embed.weight"]}
-    for i in range(cfg.n_layers):
-        for ours in LAYER_NAMES:
-            name, a = layer_tensor(cfg, f"layers.{i}.{ours}.weight", P[f"layers.{i}.{ours}.weight"])
-            t[name] = a
-    t["output_norm.weight"] = P["norm.weight"]
-    if "heads.0.weight" in P and not np.array_equal(P["heads.0.weight"], P["embed.weight"]):
-        t["output.weight"] = P["heads.0.weight"]  # left out when tied: llama.cpp then uses token_embd
-    return {n: np.ascontiguousarray(a, dtype=np.float32) for n, a in t.items()}
+    tied = "heads.0.weight" not in P or np.array_equal(P["heads.0.weight"], P["embed.weight"])
+    out = {}
+    for e in cfg.spec.gguf.tensors(cfg.n_layers):
+        if e.ours == ("heads.0.weight",) and tied:
+            continue
+        parts = [layer_tensor(cfg, n, P[n])[1] if P[n].ndim == 2 else P[n] for n in e.ours]
+        out[e.name] = np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+    return out
 
 
 def add_hparams(w, cfg) -> None:
-    """The llama.* hyperparameters of cfg into a gguf.GGUFWriter."""
+    """The `{arch}.*` hyperparameters of cfg into a gguf.GGUFWriter (made for cfg's GGUF architecture)."""
+    a = cfg.spec
     w.add_context_length(cfg.ctx_len)
     w.add_embedding_length(cfg.dim)
     w.add_block_count(cfg.n_layers)
     w.add_feed_forward_length(cfg.ffn_hidden)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    if a.norm == "rms":
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+    else:
+        w.add_layer_norm_eps(cfg.norm_eps)
+    if a.positions == "rope":
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.head_dim * cfg.n_heads != cfg.dim:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(cfg.vocab_size)
+
+
+def check_expressible(cfg) -> None:
+    """Refuse what llama.cpp would read differently from our config: it fixes some numbers per architecture
+    instead of reading them (Gemma 3: every 6th layer global, windowed layers at RoPE base 10,000)."""
+    a = cfg.spec
+    for name in ("global_every", "rope_local_theta"):
+        if name in a.defaults and getattr(cfg, name) != a.defaults[name] and cfg.sliding_window:
+            raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} takes {name} = {a.defaults[name]}, "
+                            f"this model has {getattr(cfg, name)}")
+    if cfg.sliding_window and "sliding_window" not in a.defaults:
+        raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
 
 
 def token_metadata(tok, vocab_size: int):
@@ -109,7 +131,6 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     from tqdm import tqdm
 
     from ..fileio import atomic_path
-    from .hf import require_llama
     from ..chat_template import template_of
     from .hf_tokenizer import GGUF_PRE_NAMES
     from .outputs import check_free
@@ -120,7 +141,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF output is one file")
     cfg = model.config
-    require_llama(cfg)
+    check_expressible(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     pre = GGUF_PRE_NAMES.get(tok.pattern)
@@ -133,7 +154,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         raise UserError(f"{dtype} needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
     tensors = gguf_tensors(model)
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), cfg.spec.gguf.name)
         w.add_name("nanoeuler")
         add_hparams(w, cfg)
         w.add_file_type(int(ftype))
@@ -171,14 +192,12 @@ def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
     llama.cpp applies W + (alpha / r)·B·A: our merged model."""
     from ..adapters import check_adapters, is_adapter_run, load_base, modules, read_adapter_run, row_slices
     from ..fileio import atomic_path
-    from .hf import require_llama
     from .outputs import check_free
     gguf = _gguf()
     if not is_adapter_run(run_dir):
         raise UserError(f"--format gguf-lora exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
     lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
     cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
-    require_llama(cfg)
     lcfg = lcfg.check(cfg)
     check_adapters(cfg, lcfg, adapters, run_dir)
     if lcfg.modules_to_save:   # llama-adapter.cpp: only .lora_a/.lora_b pairs; *_norm.weight read and ignored
@@ -189,7 +208,7 @@ def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF adapter is one file")
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), cfg.spec.gguf.name)
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
         w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(lcfg.alpha))

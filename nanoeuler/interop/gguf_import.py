@@ -2,8 +2,8 @@
 
     nanoeuler import --from SmolLM2-135M-Instruct-Q8_0.gguf --out runs/smol
 
-`general.architecture` `llama` (Llama, SmolLM, Qwen2 without biases, Mistral without sliding window) or
-`gpt2`. Every tensor is read with the `gguf` package (`GGUFReader`) and made float32 by
+`general.architecture` names one of arch.py's entries by its GGUF name (`llama`: Llama, SmolLM2, Mistral
+without a window; `qwen2`; `gemma3`; `gpt2`), whose `gguf` table names every tensor. Every tensor is read with the `gguf` package (`GGUFReader`) and made float32 by
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K, ...); the type each tensor
 had in the file is kept in the checkpoint's `source.json`:
 
@@ -15,15 +15,15 @@ again at load, which gives back the file's Q8_0 / Q4_0 bytes; F16; else float32)
 
 llama: the q and k rows come back from llama.cpp's interleaved RoPE order (`gguf_export.unpermute_qk`, the
 inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bit at f32. gpt2: the fused
-`attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already).
+`attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already). gemma3: the
+norms are stored as their effective scale, as ours (llama.cpp's converter adds Gemma's 1).
 
 The tokenizer comes from `tokenizer.ggml.*` (model `gpt2`: byte-level BPE): tokens, merges, token types
 (CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids reserved rows), bos / eos / end-of-turn ids,
 `add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
 llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE). The ids stay the file's (the Tokenizer's
 id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not compute the same
-(rope scaling, sliding window, biases on llama, experts, another architecture, a SentencePiece vocabulary) is
-refused by name, and so is any defect of the file (truncated, absurd counts, data past the end, shapes that
+(rope scaling, soft-capping, experts, another architecture) is refused by name, and so is any defect of the file (truncated, absurd counts, data past the end, shapes that
 disagree with the metadata): one line, nothing written.
 """
 from __future__ import annotations
@@ -194,110 +194,70 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
 # -------------------------------------------------------------------------------------- architectures
 
 def refuse_unsupported(meta: dict, arch: str) -> None:
-    for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.attention.sliding_window",
-                f"{arch}.expert_count", f"{arch}.attention.clamp_kqv", f"{arch}.logit_scale"):
+    for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.expert_count",
+                f"{arch}.attention.clamp_kqv", f"{arch}.logit_scale", f"{arch}.final_logit_softcapping",
+                f"{arch}.attn_logit_softcapping"):
         v = meta.get(key)
         if v not in (None, "none", 0, 1):  # absent, or the values that change nothing
             raise UserError(f"GGUF metadata {key} = {v!r:.40} is not supported")
 
 
-def llama_config(meta: dict, tensors: dict):
-    a = "llama"
+def gguf_config(meta: dict, arch, tensors: dict):
+    """The `{arch}.*` hyperparameters -> our Config (one head). What llama.cpp fixes per architecture rather than
+    reads (Gemma 3's window pattern and local RoPE base) are the architecture's defaults (arch.py)."""
+    from ..config import Config
+    a = arch.gguf.name
     refuse_unsupported(meta, a)
-    dim, heads = field(meta, f"{a}.embedding_length"), field(meta, f"{a}.attention.head_count")
-    if not heads or dim % heads:
-        raise UserError(f"GGUF metadata: embedding_length {dim} is not divisible by head_count {heads}")
-    hd = dim // heads
-    for key in (f"{a}.rope.dimension_count", f"{a}.attention.key_length", f"{a}.attention.value_length"):
-        if field(meta, key, default=hd) != hd:
-            raise UserError(f"GGUF metadata {key} = {meta[key]} differs from the head size {hd}; not supported")
+    window = field(meta, f"{a}.attention.sliding_window", default=0)
+    if window and arch.defaults.get("sliding_window") is None:  # llama.cpp's llama / qwen2 read no window
+        raise UserError(f"GGUF metadata {a}.attention.sliding_window = {window} is not supported for {a}")
+    heads = field(meta, f"{a}.attention.head_count")
+    dim = field(meta, f"{a}.embedding_length")
+    hd = field(meta, f"{a}.attention.key_length", default=dim // heads if heads else 0)
+    for key in (f"{a}.attention.value_length", f"{a}.rope.dimension_count"):
+        if arch.positions == "rope" or key.endswith("value_length"):
+            if field(meta, key, default=hd) != hd:
+                raise UserError(f"GGUF metadata {key} = {meta[key]} differs from the head size {hd}; not supported")
+    eps_key = "layer_norm_rms_epsilon" if arch.norm == "rms" else "layer_norm_epsilon"
     fields = dict(vocab_size=tensors["token_embd.weight"].shape[0], dim=dim, n_heads=heads,
                   n_kv_heads=field(meta, f"{a}.attention.head_count_kv", default=heads),
                   n_layers=field(meta, f"{a}.block_count"), ctx_len=field(meta, f"{a}.context_length"),
-                  ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1,
-                  rope_theta=field(meta, f"{a}.rope.freq_base", float, 10000.0),
-                  norm_eps=field(meta, f"{a}.attention.layer_norm_rms_epsilon", float))
-    return config_from(fields)
-
-
-def config_from(fields: dict):
-    from ..config import Config
+                  ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch=arch.name,
+                  norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
+                  tie_embeddings="output.weight" not in tensors)
+    if arch.positions == "rope":
+        fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, arch.defaults.get("rope_theta", 10000.0))
+    if window:
+        fields["sliding_window"] = window
     try:
         return Config(**fields)
     except UserError as e:
         raise UserError(f"GGUF metadata: {e}") from None
 
 
-def llama_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """llama.cpp tensors (q/k interleaved) -> (our params, our name -> GGUF name); what it reads leaves T."""
+def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """llama.cpp's tensors -> (our params, our name -> GGUF name), by the architecture's `gguf` table: several of
+    ours cut out of one of theirs by rows (GPT-2's attn_qkv), q/k rows back from llama.cpp's interleaved RoPE
+    order where it permutes them (`gguf_export.unpermute_qk`). What it reads leaves T; a tensor of the wrong
+    shape is a UserError naming it."""
     from .gguf_export import unpermute_qk
-    src = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    for i in range(cfg.n_layers):
-        o, g = f"layers.{i}.", f"blk.{i}."
-        for a, b in (("attn_norm", "attn_norm"), ("attn.wq", "attn_q"), ("attn.wk", "attn_k"),
-                     ("attn.wv", "attn_v"), ("attn.wo", "attn_output"), ("ffn_norm", "ffn_norm"),
-                     ("ffn.gate", "ffn_gate"), ("ffn.up", "ffn_up"), ("ffn.down", "ffn_down")):
-            src[f"{o}{a}.weight"] = f"{g}{b}.weight"
-    if not cfg.tie_embeddings:
-        src["heads.0.weight"] = "output.weight"
-    P = {n: T[g] for n, g in src.items() if g in T}
-    take(T, src.values())
-    shapes = cfg.param_shapes()
-    for i in range(cfg.n_layers):
-        for w, heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
-            n = f"layers.{i}.attn.{w}.weight"
-            if P[n].shape == shapes[n]:  # a wrong shape is reported by the caller
-                P[n] = unpermute_qk(P[n], heads)
+    fmt, shapes = cfg.spec.gguf, cfg.param_shapes()
+    P, src = {}, {}
+    for e in fmt.tensors(cfg.n_layers):
+        ours = [n for n in e.ours if n in shapes]
+        if not ours:
+            continue  # output.weight of a tied model
+        if e.name not in T:
+            raise UserError(f"tensor {e.name} is missing from the GGUF file")
+        a = T.pop(e.name)
+        want = (sum(shapes[n][0] for n in ours), *shapes[ours[0]][1:])
+        if tuple(a.shape) != want:
+            raise UserError(f"tensor {e.name} has shape {list(a.shape)}, expected {list(want)} from the metadata")
+        for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
+            if fmt.permute_qk and n.endswith(("attn.wq.weight", "attn.wk.weight")):
+                part = unpermute_qk(part, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
+            P[n], src[n] = part, e.name
     return P, src
-
-
-def gpt2_config(meta: dict, tensors: dict):
-    a = "gpt2"
-    refuse_unsupported(meta, a)
-    dim, heads = field(meta, f"{a}.embedding_length"), field(meta, f"{a}.attention.head_count")
-    return config_from(dict(vocab_size=tensors["token_embd.weight"].shape[0], dim=dim, n_heads=heads,
-                            n_kv_heads=heads, n_layers=field(meta, f"{a}.block_count"),
-                            ctx_len=field(meta, f"{a}.context_length"),
-                            ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch="gpt2",
-                            norm_eps=field(meta, f"{a}.attention.layer_norm_epsilon", float)))
-
-
-def gpt2_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """llama.cpp's gpt2 tensors -> (our arch gpt2 params, our name -> GGUF name); the fused attn_qkv [3d, d]
-    is cut in thirds; head 0 is tied, so an `output` tensor must equal the embedding."""
-    src = {"embed.weight": "token_embd.weight", "pos_embed.weight": "position_embd.weight",
-           "norm.weight": "output_norm.weight", "norm.bias": "output_norm.bias"}
-    for i in range(cfg.n_layers):
-        o, g = f"layers.{i}.", f"blk.{i}."
-        for s in ("weight", "bias"):
-            for ours, theirs in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("attn.wo", "attn_output"),
-                                 ("ffn.fc", "ffn_up"), ("ffn.proj", "ffn_down"), ("attn.wq", "attn_qkv"),
-                                 ("attn.wk", "attn_qkv"), ("attn.wv", "attn_qkv")):
-                src[f"{o}{ours}.{s}"] = f"{g}{theirs}.{s}"
-    P = {n: T[g] for n, g in src.items() if g in T}
-    take(T, src.values())
-    d = cfg.dim
-    for n, g in src.items():
-        if g.split(".")[-2] == "attn_qkv" and P[n].shape[0] == 3 * d:
-            j = "qkv".index(n.split(".")[-2][-1])
-            P[n] = P[n][j * d:(j + 1) * d]
-    head = T.pop("output.weight", None)
-    if head is not None and not np.array_equal(head, P["embed.weight"]):
-        raise UserError("tensor output.weight differs from token_embd.weight; arch gpt2 ties them (not supported)")
-    return P, src
-
-
-def take(T: dict, names) -> None:
-    """Remove names from T; a missing one is a UserError naming it."""
-    names = list(dict.fromkeys(names))
-    missing = [g for g in names if g not in T]
-    if missing:
-        raise UserError(f"tensor {missing[0]} is missing from the GGUF file")
-    for g in names:
-        del T[g]
-
-
-ARCHS = {"llama": (llama_config, llama_params), "gpt2": (gpt2_config, gpt2_params)}
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -305,30 +265,25 @@ ARCHS = {"llama": (llama_config, llama_params), "gpt2": (gpt2_config, gpt2_param
 def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False):
     """A GGUF file -> (Config, params, Tokenizer, source) without writing anything; source is source.json's
     dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0."""
+    from ..arch import ARCHS, by_format
     from ..config import check_params, head_weight
     if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
         raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
     path = Path(src)
     reader = open_gguf(path)
     meta = metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch not in ARCHS:
-        raise UserError(f"GGUF general.architecture {arch!r:.60} is not supported; importable: {', '.join(ARCHS)}")
+    name = meta.get("general.architecture")
+    arch = by_format("gguf", name) if isinstance(name, str) else None
+    if arch is None:
+        raise UserError(f"GGUF general.architecture {name!r:.60} is not supported; importable: "
+                        f"{', '.join(a.gguf.name for a in ARCHS.values())}")
     T, types, nbytes = tensors_of(reader, path, progress)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
-    make_config, make_params = ARCHS[arch]
-    cfg = make_config(meta, T)
-    if arch == "llama" and "output.weight" not in T:  # no output matrix: the head is the embedding, one matrix
-        cfg = cfg.replace(tie_embeddings=True)
-    params, src_names = make_params(cfg, T)
+    cfg = gguf_config(meta, arch, T)
+    params, src_names = gguf_params(cfg, T)
     if T:
-        raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {arch} model)")
-    shapes = cfg.param_shapes()
-    for ours, a in params.items():
-        if tuple(a.shape) != shapes[ours]:
-            raise UserError(f"tensor {src_names[ours]} has shape {list(a.shape)}, expected {list(shapes[ours])} "
-                            "from the metadata")
+        raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {name} model)")
     for k in range(1, n_mtp or 1):
         params[f"heads.{k}.weight"] = head_weight(params, 0).copy()
     cfg = cfg.replace(n_mtp=n_mtp or 1)

@@ -1,11 +1,21 @@
-"""Export a checkpoint as a Hugging Face `transformers` Llama folder (no code of ours needed to load it).
+"""Hugging Face `transformers` folders <-> nanoeuler checkpoints, for every architecture of arch.py.
 
+    nanoeuler import --from SmolLM2-135M --out runs/smol --mtp 2
     nanoeuler export --ckpt runs/demo --format hf --out demo-hf
     AutoModelForCausalLM.from_pretrained("demo-hf"); AutoTokenizer.from_pretrained("demo-hf")
 
-The folder: config.json (LlamaForCausalLM), model.safetensors (Llama names, head 0 = lm_head, left out when
-it equals the embedding: tie_word_embeddings), tokenizer.json, tokenizer_config.json (the Alpaca chat
-template), generation_config.json, and nanoeuler_mtp.safetensors with MTP heads 1..K-1 (K > 1 only).
+Tensors: each architecture's `hf` table (arch.py) names every tensor, so one pair of functions converts them
+all: `to_hf` stacks ours by rows where one of theirs holds several (GPT-2's c_attn = q|k|v), transposes
+GPT-2's Conv1D weights, and stores Gemma's norms as w − 1 (its norm multiplies by 1 + w); `from_hf` undoes
+each step. A tied head (tie_word_embeddings) has no lm_head; MTP heads 1..K-1 travel in a side file
+(`nanoeuler_mtp.safetensors`) that only `import` reads.
+
+config.json: CONFIG_KEYS names each Config field in Llama-style folders (llama, qwen2, gemma3_text) and in
+GPT-2's; `REFUSED` lists the settings that would make the imported model compute something else than ours
+(rope scaling, soft-capping, other activations, ...): each is refused by name.
+
+The folder's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
+template (chat_template.jinja or tokenizer_config.json) and extra end-of-turn ids come along.
 """
 from __future__ import annotations
 
@@ -14,50 +24,315 @@ from pathlib import Path
 
 import numpy as np
 
+from ..arch import ARCHS, Arch, by_format
 from ..errors import UserError
-from .gpt2 import export_gpt2_folder
-from .hf_folder import HF_DTYPES, MTP_FILE
+from .hf_folder import HF_DTYPES, MTP_FILE, eos_id_of, mtp_heads, read_hf_config, read_json_file, read_weights
+
+# Config field -> (key in a Llama-style config.json, key in GPT-2's)
+CONFIG_KEYS = {
+    "vocab_size": ("vocab_size", "vocab_size"), "dim": ("hidden_size", "n_embd"),
+    "n_layers": ("num_hidden_layers", "n_layer"), "n_heads": ("num_attention_heads", "n_head"),
+    "n_kv_heads": ("num_key_value_heads", None), "ffn_hidden": ("intermediate_size", "n_inner"),
+    "ctx_len": ("max_position_embeddings", "n_positions"), "norm_eps": ("rms_norm_eps", "layer_norm_epsilon"),
+    "head_dim": ("head_dim", None), "rope_theta": ("rope_theta", None),
+    "rope_local_theta": ("rope_local_base_freq", None), "sliding_window": ("sliding_window", None),
+    "tie_embeddings": ("tie_word_embeddings", "tie_word_embeddings"),
+}
+# the activation each MLP kind computes, as transformers names it (hidden_act, hidden_activation, activation_function)
+ACTIVATIONS = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
+# config.json keys whose other values change the function: key -> the values that do not
+REFUSED = {
+    "rope_scaling": (None,), "attention_bias": (None, False), "mlp_bias": (None, False),
+    "quantization_config": (None,), "use_sliding_window": (None, False), "final_logit_softcapping": (None,),
+    "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
+    "scale_attn_weights": (None, True), "scale_attn_by_inverse_layer_idx": (None, False),
+    "reorder_and_upcast_attn": (None, False), "add_cross_attention": (None, False),
+}
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers of old saves, not parameters
 
 
-def hf_names(n_layers: int) -> dict[str, str]:
-    """Our SPEC name -> Hugging Face Llama name (heads.0 -> lm_head.weight).
-    hf_names(1)["layers.0.attn.wq.weight"] -> 'model.layers.0.self_attn.q_proj.weight'"""
-    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "heads.0.weight": "lm_head.weight"}
-    for i in range(n_layers):
-        o, h = f"layers.{i}.", f"model.layers.{i}."
-        names[o + "attn_norm.weight"] = h + "input_layernorm.weight"
-        names[o + "ffn_norm.weight"] = h + "post_attention_layernorm.weight"
-        for a, b in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o")):
-            names[o + f"attn.{a}.weight"] = h + f"self_attn.{b}_proj.weight"
-        for a in ("gate", "up", "down"):
-            names[o + f"ffn.{a}.weight"] = h + f"mlp.{a}_proj.weight"
-    return names
+# ------------------------------------------------------------------------------------------------ tensors
+
+def to_hf(cfg, P: dict) -> dict[str, np.ndarray]:
+    """Our parameters -> Hugging Face tensor name -> array (their dtype), by the architecture's `hf` table.
+    A tensor whose parts are not all in P (lm_head of a tied model) is left out."""
+    fmt = cfg.spec.hf
+    out = {}
+    for e in fmt.tensors(cfg.n_layers):
+        if all(n in P for n in e.ours):
+            a = np.concatenate([external_value(fmt.norm_offset, n, P[n]) for n in e.ours])
+            out[e.name] = np.ascontiguousarray(a.T if e.transposed else a)
+    return out
 
 
-def require_llama(cfg) -> None:
-    """Only our own (Llama) block exports as Llama; another arch would load as a different model."""
-    arch = cfg.arch
-    if arch != "euler":
-        raise UserError(f"config: arch {arch!r} cannot be exported as a Llama model")
+def from_hf(cfg, W: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hugging Face tensors -> our parameters (every tensor of cfg, shapes checked); what it reads leaves W."""
+    shapes, fmt = cfg.param_shapes(), cfg.spec.hf
+    P = {}
+    for e in fmt.tensors(cfg.n_layers):
+        ours = [n for n in e.ours if n in shapes]
+        if not ours:
+            continue  # lm_head of a tied model
+        if e.name not in W:
+            raise UserError(f"tensor {e.name} is missing from the weights")
+        a = W.pop(e.name)
+        want = (sum(shapes[n][0] for n in ours), *shapes[ours[0]][1:])
+        got = a.T.shape if e.transposed else a.shape
+        if tuple(got) != want:
+            shown = want[::-1] if e.transposed else want
+            raise UserError(f"tensor {e.name} has shape {list(a.shape)}, expected {list(shown)}")
+        a = a.T if e.transposed else a
+        for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
+            P[n] = np.ascontiguousarray(internal_value(fmt.norm_offset, n, part), dtype=np.float32)
+    return P
+
+
+def external_value(offset: float, name: str, a: np.ndarray) -> np.ndarray:
+    return a - a.dtype.type(offset) if offset and name.endswith("norm.weight") else a
+
+
+def internal_value(offset: float, name: str, a: np.ndarray) -> np.ndarray:
+    return a + np.float32(offset) if offset and name.endswith("norm.weight") else a
+
+
+# ------------------------------------------------------------------------------------------------ config.json
+
+def architecture_of(c: dict) -> Arch:
+    """config.json -> the architecture (model_type, else its `architectures` entry), or a one-line UserError.
+    Every name config.json gives must be the same architecture's."""
+    mt, archs = c.get("model_type"), c.get("architectures")
+    if mt is not None and not isinstance(mt, str):
+        raise UserError(f"config.json: model_type must be a name, got {mt!r:.60}")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UserError("config.json: architectures must be a list of names")
+    found = {by_format("hf", a) for a in archs or []}
+    arch = by_format("hf", mt) if mt is not None else next(iter(found)) if len(found) == 1 else None
+    if arch is None or (found and found != {arch}):
+        known = ", ".join(f"{a.hf.name} ({', '.join(a.hf.aliases)})" for a in ARCHS.values())
+        raise UserError(f"config.json: model_type {mt!r:.60} (architectures {str(archs):.80}) is not supported; "
+                        f"importable: {known}")
+    return arch
+
+
+def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
+    """A config.json -> our Config (one head; the caller sets n_mtp), refusing every setting that would change
+    the function (REFUSED, the activation, Gemma's attention scale, GPT-2's untied head)."""
+    from ..config import Config
+    for key, fine in REFUSED.items():
+        if key in c and c[key] not in fine:
+            raise UserError(f"config.json: {key}={json.dumps(c[key])[:60]} is not supported")
+    act = next((c[k] for k in ("hidden_act", "hidden_activation", "activation_function") if c.get(k) is not None),
+               ACTIVATIONS[arch.mlp][0])
+    if act not in ACTIVATIONS[arch.mlp]:
+        raise UserError(f"config.json: activation {act!r:.40} is not supported for {arch.hf.name} "
+                        f"({' or '.join(ACTIVATIONS[arch.mlp])})")
+    gpt2 = arch.hf.dialect == "gpt2"
+    fields = {}
+    for ours, keys in CONFIG_KEYS.items():
+        key = keys[1] if gpt2 else keys[0]
+        if key is not None and c.get(key) is not None:
+            fields[ours] = c[key]
+    if gpt2 and "ctx_len" not in fields and c.get("n_ctx") is not None:
+        fields["ctx_len"] = c["n_ctx"]
+    fields.update(_rope_fields(c, arch))
+    if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
+        if c.get("use_sliding_window", True) is not False:                    # (Qwen2 names one it does not use)
+            raise UserError(f"config.json: sliding_window={fields['sliding_window']!r:.20} is not supported for "
+                            f"{arch.hf.name}")
+        del fields["sliding_window"]
+    if "sliding_window" in fields:
+        fields.update(_window_pattern(c))
+    if not arch.gated:
+        fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
+    if vocab_rows is not None and fields.get("vocab_size") != vocab_rows:
+        raise UserError(f"config.json: vocab_size {fields.get('vocab_size')} but the embedding has {vocab_rows} rows")
+    missing = [CONFIG_KEYS[f][1 if gpt2 else 0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden")
+               if fields.get(f) is None]
+    if missing:
+        raise UserError(f"config.json: {missing[0]} is missing")
+    for name in ("rope_theta", "rope_local_theta", "norm_eps"):
+        if isinstance(fields.get(name), int) and not isinstance(fields[name], bool):
+            fields[name] = float(fields[name])
+    fields.setdefault("ctx_len", 2048)
+    fields.setdefault("n_kv_heads", fields["n_heads"])
+    try:
+        cfg = Config(**fields, n_mtp=1, arch=arch.name)
+    except TypeError as e:
+        raise UserError(f"config.json: {e}") from None
+    except UserError as e:
+        raise UserError(f"config.json: {e}") from None
+    if c.get("query_pre_attn_scalar", cfg.head_dim) != cfg.head_dim:
+        raise UserError(f"config.json: query_pre_attn_scalar={c['query_pre_attn_scalar']} differs from head_dim "
+                        f"{cfg.head_dim}; not supported")
+    return cfg
+
+
+def _rope_fields(c: dict, arch: Arch) -> dict:
+    """RoPE bases from rope_theta / rope_local_base_freq or transformers 5's rope_parameters (plain RoPE only)."""
+    rp = c.get("rope_parameters")
+    if rp is None or arch.positions != "rope":
+        return {}
+    if not isinstance(rp, dict):
+        raise UserError("config.json: rope_parameters must be an object")
+    kinds = {"full_attention": "rope_theta", "sliding_attention": "rope_local_theta"}
+    per_kind = {k: v for k, v in rp.items() if k in kinds}
+    out = {}
+    for kind, params in (per_kind or {"full_attention": rp}).items():
+        if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
+            raise UserError(f"config.json: rope_parameters {json.dumps(params)[:80]} is not supported (plain RoPE only)")
+        if params.get("rope_theta") is not None:
+            out[kinds[kind]] = params["rope_theta"]
+    return out
+
+
+def _window_pattern(c: dict) -> dict:
+    """Which layers attend through the window (Gemma 3's layer_types, or sliding_window_pattern) as our
+    global_every: layer i global iff (i + 1) % n == 0."""
+    types, n = c.get("layer_types"), c.get("sliding_window_pattern", 6)
+    if types is not None:
+        if not isinstance(types, list) or not all(t in ("sliding_attention", "full_attention") for t in types):
+            raise UserError("config.json: layer_types must list sliding_attention / full_attention")
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        n = full[0] + 1 if full else 0
+        if [t == "full_attention" for t in types] != [bool(n) and (i + 1) % n == 0 for i in range(len(types))]:
+            raise UserError("config.json: layer_types is not a repeating pattern of sliding layers then one full "
+                            "one; not supported")
+    return {"global_every": n}
 
 
 def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
-    """config.json of the Llama model equal to ours (every field that changes the function)."""
+    """config.json of the transformers model equal to ours."""
+    a = cfg.spec
+    gpt2 = a.hf.dialect == "gpt2"
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     bos = tok.bos_id if tok.bos_id is not None else eos
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.ctx_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True,
-        "tie_word_embeddings": tied, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None,
-        "torch_dtype": dtype, "nanoeuler_n_mtp": cfg.n_mtp,
-    }
+    values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim}
+    if not cfg.sliding_window:
+        values = {k: v for k, v in values.items() if k not in ("sliding_window", "rope_local_theta")}
+    out = {"architectures": [a.hf.aliases[0]], "model_type": a.hf.name}
+    out |= {keys[gpt2]: values[ours] for ours, keys in CONFIG_KEYS.items() if keys[gpt2] is not None and ours in values}
+    if gpt2:
+        return out | {"n_ctx": cfg.ctx_len, "activation_function": ACTIVATIONS[a.mlp][0], "resid_pdrop": 0.0,
+                      "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "initializer_range": 0.02,
+                      "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": dtype,
+                      "nanoeuler_n_mtp": cfg.n_mtp}
+    if cfg.sliding_window:
+        out["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
+    if not a.qkv_bias:
+        out["attention_bias"] = False
+    return out | {"hidden_act": ACTIVATIONS[a.mlp][0], "hidden_activation": ACTIVATIONS[a.mlp][0],
+                  "query_pre_attn_scalar": cfg.head_dim, "rope_scaling": None, "mlp_bias": False,
+                  "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos,
+                  "eos_token_id": eos, "pad_token_id": None, "torch_dtype": dtype, "nanoeuler_n_mtp": cfg.n_mtp}
 
+
+# ------------------------------------------------------------------------------------------------ import
+
+def read_folder_weights(folder: Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """The folder's tensors, names without GPT-2's `transformer.` prefix, buffers skipped."""
+    return {n.removeprefix("transformer."): a for n, a in read_weights(folder, progress).items()
+            if not n.endswith(MASK_BUFFERS)}
+
+
+def import_weights(folder: Path, c: dict, arch: Arch, n_mtp: int | None, progress: bool = False):
+    """A folder of architecture `arch` -> (Config, params); rows stay in the folder's token id order."""
+    W = read_folder_weights(folder, progress)
+    embed = next((e.name for e in arch.hf.globals_ if e.ours == ("embed.weight",)), None)
+    if embed not in W:
+        raise UserError(f"tensor {embed} is missing from the weights")
+    cfg = config_from_hf(c, arch, W[embed].shape[0])
+    tied = cfg.tie_embeddings
+    if not isinstance(tied, bool):
+        raise UserError(f"config.json: tie_word_embeddings must be true or false, got {tied!r:.60}")
+    if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
+        W.pop("lm_head.weight", None)
+    if "wpe.weight" in W and W["wpe.weight"].shape[0] != cfg.ctx_len:
+        raise UserError(f"tensor wpe.weight has {W['wpe.weight'].shape[0]} positions but config.json says "
+                        f"n_positions {cfg.ctx_len}")
+    params = from_hf(cfg, W)
+    if W:
+        extra = sorted(W)[0]
+        what = " (biases are not supported for this architecture)" if extra.endswith(".bias") else ""
+        raise UserError(f"unexpected tensor {extra}{what}")
+    from ..config import head_weight
+    params.update(mtp_heads(folder, n_mtp, head_weight(params, 0)))
+    cfg = cfg.replace(n_mtp=1 + sum(1 for n in params if n.startswith("heads.") and n != "heads.0.weight"))
+    return cfg, {n: params[n] for n in cfg.param_shapes()}
+
+
+def read_tokenizer(folder: Path, vocab_size: int, eos_id):
+    """Our Tokenizer (the folder's token ids kept exactly) from tokenizer.json, or GPT-2's vocab.json +
+    merges.txt."""
+    from .hf_tokenizer import from_hf_json
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            from .gpt2 import read_gpt2_tokenizer
+            return read_gpt2_tokenizer(folder, vocab_size, eos_id)
+        if (folder / "tokenizer.model").is_file():
+            raise UserError(f"{folder} has a SentencePiece tokenizer.model and no tokenizer.json; convert it with "
+                            "transformers (AutoTokenizer.from_pretrained(...).save_pretrained(...)) first")
+        raise UserError(f"{folder} has no tokenizer.json")
+    return from_hf_json(read_json_file(path, "tokenizer"), vocab_size, eos_id)
+
+
+def with_chat_extras(folder: Path, c: dict, tok):
+    """tok with the folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template)
+    and, as stops, every other eos id config.json / generation_config.json name (Llama-3's <|eot_id|>)."""
+    from ..tokenizer import Tokenizer
+    template = None
+    if (folder / "chat_template.jinja").is_file():
+        try:
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{folder / 'chat_template.jinja'} is not UTF-8 ({e})") from None
+    elif (folder / "tokenizer_config.json").is_file():
+        t = read_json_file(folder / "tokenizer_config.json", "tokenizer config")
+        template = t.get("chat_template") if isinstance(t, dict) else None
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((x.get("template") for x in template
+                             if isinstance(x, dict) and x.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise UserError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
+    ends = []
+    gen = folder / "generation_config.json"
+    for d in (c, read_json_file(gen, "generation config") if gen.is_file() else {}):
+        e = d.get("eos_token_id") if isinstance(d, dict) else None
+        ends += e if isinstance(e, list) else [e]
+    names = {i: s for s, i in tok.special_tokens.items()}
+    stops = [names[i] for i in dict.fromkeys(ends) if isinstance(i, int) and i in names and names[i] != tok.eos_token]
+    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template, "stops": stops})
+
+
+def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = False):
+    """Any supported Hugging Face folder -> (Config, params, Tokenizer), without writing anything."""
+    from ..config import check_params
+    folder = Path(src)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder")
+    if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
+        raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
+    c = read_hf_config(folder)
+    cfg, params = import_weights(folder, c, architecture_of(c), n_mtp, progress)
+    check_params(cfg, params)
+    tok = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
+    return cfg, params, with_chat_extras(folder, c, tok)
+
+
+def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
+                  progress: bool = True):
+    """Import src into the checkpoint directory out (atomically; refuses an existing out unless force, and
+    an out that is, holds or lies inside src)."""
+    from ..checkpoint import save_model
+    from .outputs import check_free, output_dir
+    check_free(out, force, inputs=[src])
+    cfg, params, tok = load_hf_folder(src, n_mtp, progress)
+    with output_dir(out, force) as tmp:
+        save_model(tmp, cfg, params, tok)
+    return cfg, params, tok
+
+
+# ------------------------------------------------------------------------------------------------ export
 
 def tokenizer_config(tok, ctx_len: int) -> dict:
     from ..chat_template import template_of
@@ -72,19 +347,18 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     """Write the Hugging Face folder `out` (atomically: a temporary folder renamed at the end)."""
     from .outputs import check_free, output_dir
     from .safetensors_io import write_tensors
-
-    if model.config.arch == "gpt2":  # a GPT2LMHeadModel folder instead (interop/gpt2.py)
-        return export_gpt2_folder(model, tok, out, dtype, force, progress)
     if dtype not in HF_DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)} for --format hf")
     check_free(out, force)
     cfg, P = model.config, model.params
-    require_llama(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    names = hf_names(cfg.n_layers)
     tied = "heads.0.weight" not in P or bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
-    tensors = {names[n]: P[n] for n in P if n in names and not (tied and n == "heads.0.weight")}
+    if cfg.n_heads != cfg.n_kv_heads and cfg.spec.hf.dialect == "gpt2":
+        raise UserError("a GPT-2 folder has as many key/value heads as query heads; this model groups them (GQA)")
+    tensors = to_hf(cfg, {n: p for n, p in P.items() if not (tied and n == "heads.0.weight")})
+    if cfg.spec.hf.dialect == "gpt2":
+        tensors = {("" if n == "lm_head.weight" else "transformer.") + n: a for n, a in tensors.items()}
     with output_dir(out, force) as tmp:
         write_tensors(tmp / "model.safetensors", tensors, HF_DTYPES[dtype], {"format": "pt"})
         if cfg.n_mtp > 1:  # MTP heads 1..K-1 stay float32: only `nanoeuler import` reads them
@@ -92,11 +366,28 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
                           "F32", {"format": "nanoeuler-mtp", "n_mtp": str(cfg.n_mtp)})
         config = hf_config(cfg, tok, tied, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
+        write_tokenizer(tmp, tok, cfg)
         ends = tok.stop_ids
         gen = {"bos_token_id": config["bos_token_id"], "do_sample": False,
                "eos_token_id": ends if len(ends) > 1 else config["eos_token_id"],
                "max_length": cfg.ctx_len}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return Path(out)
+
+
+def write_tokenizer(folder: Path, tok, cfg) -> None:
+    """The tokenizer files transformers' AutoTokenizer loads: tokenizer.json and tokenizer_config.json (a GPT-2
+    folder: vocab.json + merges.txt as GPT2Tokenizer wants them, with GPT-2's pre-tokenizer)."""
+    if cfg.spec.hf.dialect == "gpt2":
+        from .gpt2 import write_gpt2_tokenizer
+        write_gpt2_tokenizer(folder, tok, cfg.ctx_len)
+        return
+    (folder / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
+
+
+def hf_names(cfg) -> dict[str, str]:
+    """Our parameter name -> the Hugging Face tensor holding it (several of ours may share one: GPT-2's
+    c_attn). hf_names(small)["layers.0.attn.wq.weight"] -> 'model.layers.0.self_attn.q_proj.weight'"""
+    return {n: e.name for e in cfg.spec.hf.tensors(cfg.n_layers) for n in e.ours}
+

@@ -1,7 +1,7 @@
 """Reading a Hugging Face model folder, whatever its architecture: config.json, the weights (one
 model.safetensors or the shards listed in model.safetensors.index.json, every shard checked), the end-of-text
-id, and the MTP heads 1..K-1 our export keeps in a side file. importer.py (Llama, and the architecture
-switch), gpt2.py and hf.py build on it; it imports none of them.
+id, and the MTP heads 1..K-1 our export keeps in a side file. hf.py (every architecture) and gpt2.py (GPT-2's
+tokenizer files) build on it; it imports neither.
 """
 from __future__ import annotations
 

@@ -25,36 +25,36 @@ from pathlib import Path
 
 from ..errors import UserError
 
-PEFT_PREFIX = {"euler": "base_model.model.model.layers.", "gpt2": "base_model.model.transformer.h."}
-
-
 def peft_names(cfg, lcfg) -> dict[str, str]:
     """Our adapter names -> PEFT's (both A and B of every module), and those of the saved modules' tensors
-    that PEFT knows (not mtp_heads)."""
+    that PEFT knows (not mtp_heads): the module's Hugging Face name (hf.hf_names) under PEFT's prefix."""
     from ..adapters import modules, saved_names
     from .hf import hf_names
-    hf = hf_names(cfg.n_layers)
-    out = {n: "base_model.model." + hf[n] for n in saved_names(cfg, lcfg) if n in hf}
-    for module, (_, peft) in modules(cfg, lcfg).items():
-        i, rest = peft.split(".", 2)[1], peft.split(".", 2)[2]          # "layers.<i>.<module>"
+    hf = hf_names(cfg)
+    prefix = "base_model.model." + ("transformer." if cfg.spec.hf.dialect == "gpt2" else "")
+    out = {n: ("base_model.model." if hf[n] == "lm_head.weight" else prefix) + hf[n]
+           for n in saved_names(cfg, lcfg) if n in hf}
+    for module, (_, hf_module) in modules(cfg, lcfg).items():
         for m in ("lora_A", "lora_B"):
-            out[f"{module}.{m}"] = f"{PEFT_PREFIX[cfg.arch]}{i}.{rest}.{m}.weight"
+            out[f"{module}.{m}"] = f"{prefix}{hf_module}.{m}.weight"
     return out
 
 
 def adapter_config(cfg, lcfg, base_path: str) -> dict:
     from ..adapters import SAVABLE, modules
-    targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})
+    targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})  # PEFT matches by suffix
     saved = [SAVABLE[m][1] for m in lcfg.modules_to_save if SAVABLE[m][1]]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
             "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
-            "fan_in_fan_out": cfg.arch == "gpt2", "base_model_name_or_path": base_path, "inference_mode": True,
+            "fan_in_fan_out": cfg.spec.hf.dialect == "gpt2",  # GPT-2's Conv1D stores its weights [in, out]
+            "base_model_name_or_path": base_path, "inference_mode": True,
             "init_lora_weights": True, "modules_to_save": saved or None, "use_rslora": False, "use_dora": False}
 
 
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
     from ..adapters import check_adapters, is_adapter_run, load_base, read_adapter_run
+    from .hf import external_value
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     if not is_adapter_run(run_dir):
@@ -65,7 +65,9 @@ def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     check_adapters(cfg, lcfg, adapters, run_dir)
     names = peft_names(cfg, lcfg)
     with output_dir(out, force) as tmp:
-        write_tensors(tmp / "adapter_model.safetensors", {names[n]: a for n, a in adapters.items() if n in names}, "F32",
+        offset = cfg.spec.hf.norm_offset   # a saved norm is stored as Hugging Face stores it (Gemma: w - 1)
+        write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, a)
+                                                          for n, a in adapters.items() if n in names}, "F32",
                       {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, lcfg, base["path"]), indent=2) + "\n")
     return Path(out)

@@ -10,6 +10,7 @@ from .bias import bias_backward, bias_forward
 from .dropout import Dropout, dropout_backward, dropout_forward
 from .cross_entropy import cross_entropy_backward, cross_entropy_forward, mtp_loss_backward, mtp_loss_forward, mtp_targets
 from .embedding import embedding_backward, embedding_forward
+from .geglu import geglu_backward, geglu_forward
 from .gelu import gelu_backward, gelu_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
@@ -26,6 +27,7 @@ __all__ = [
     "linear_forward", "linear_backward", "lora_forward", "lora_backward", "lora_merge",
     "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
-    "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "bias_forward", "bias_backward",
+    "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "geglu_forward", "geglu_backward",
+    "bias_forward", "bias_backward",
     "position_forward", "position_backward",
 ]

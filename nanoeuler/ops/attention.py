@@ -1,6 +1,7 @@
 """Causal grouped-query attention: q head h reads kv head h // G, with G = H / Hkv queries per kv head.
 
-Forward, per (batch, kv head, group member): S = q·kᵀ/√hd with the future masked to −∞,
+Forward, per (batch, kv head, group member): S = q·kᵀ/√hd with the future masked to −∞ (and, with a
+sliding window W, the keys more than W − 1 positions back too: query i sees keys i − W + 1 .. i),
 P = softmax(S), y = P·v. Backward: dv = Pᵀ·dy, dP = dy·vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
 dq = dS·k/√hd, dk = dSᵀ·q/√hd; dk and dv sum over the G query heads that share a kv head.
 Grouping is done by reshaping q to [B, Hkv, G, T, hd] so k and v are broadcast, never copied.
@@ -11,23 +12,27 @@ import numpy as np
 
 
 @lru_cache(maxsize=256)
-def _causal_mask(Tq, Tk):
-    """True where query i may NOT look at key j (j in the future). Queries are the last Tq positions.
-    Memoized (a decoding step asks for the same few shapes again and again), hence read-only."""
+def _causal_mask(Tq, Tk, window=0):
+    """True where query i may NOT look at key j: j in the future, or (window W > 0) j <= i − W. Queries are
+    the last Tq positions. Memoized (a decoding step asks for the same few shapes again and again), hence
+    read-only.  _causal_mask(3, 3, 2) -> [[F, T, T], [F, F, T], [T, F, F]]"""
     mask = np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)
+    if window:
+        mask |= np.tril(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq - window)
     mask.setflags(write=False)
     return mask
 
 
-def attention_forward(q, k, v):
-    """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (Tq <= Tk; queries are the last Tq positions) -> y [B, H, Tq, hd]."""
+def attention_forward(q, k, v, window=0):
+    """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] (Tq <= Tk; queries are the last Tq positions) -> y [B, H, Tq, hd].
+    window: each query sees only its last `window` keys (itself included); 0: all earlier keys."""
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G, Tq, hd)
     scale = q.dtype.type(1.0 / np.sqrt(hd))
     S = (qg @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, Hkv, G, Tq, Tk]
-    S[..., _causal_mask(Tq, Tk)] = -np.inf
+    S[..., _causal_mask(Tq, Tk, window)] = -np.inf
     S -= S.max(axis=-1, keepdims=True)
     P = np.exp(S)
     P /= P.sum(axis=-1, keepdims=True)

@@ -1,0 +1,217 @@
+"""Architectures as data: one record per architecture, read by every engine and every converter.
+
+Every architecture here is one transformer, differing only in the choices this record makes:
+
+    x = embed[ids] · (√d if embed_scale) (+ pos_embed[t] if positions == "learned")
+    each layer i:
+        h = norm(x)                                     norm: "rms" x/rms·w, or "layer" (x − μ)/σ·w + b
+        q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (+ biases if qkv_bias), cut into heads of head_dim
+        q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm
+        q, k = RoPE(q), RoPE(k) at base θ of the layer   if positions == "rope" (windowed layers: local θ)
+        a = softmax(q·kᵀ/√head_dim, causal, the last `window` keys if layer i is windowed) · v
+        x = x + post(a·Woᵀ (+ b))                       post: a norm if post_norms, else nothing
+        x = x + post(mlp(norm(x)))                      mlp: "swiglu" down(silu(gate·h)·up·h)
+                                                             "geglu"  down(gelu_tanh(gate·h)·up·h)
+                                                             "gelu"   proj(gelu_tanh(fc·h + b)) + b
+    logits_k = norm(x) · head_kᵀ                        head 0 is the embedding itself when tied
+
+| entry  | norm  | mlp    | positions             | biases        | q/k norm | post norms | embed ×√d |
+|--------|-------|--------|-----------------------|---------------|----------|------------|-----------|
+| euler  | rms   | swiglu | RoPE                  | none          |          |            |           |
+| qwen2  | rms   | swiglu | RoPE                  | q, k, v       |          |            |           |
+| gemma3 | rms   | geglu  | RoPE, local and global| none          | yes      | yes        | yes       |
+| gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
+
+`euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
+euler). A model's own numbers (widths, θ, ε, window, tied head) live in its Config; `defaults` gives the
+ones a checkpoint's config.json may leave out (config.json names the architecture and any field that
+differs). Parameter names are the same for every entry (Config.param_shapes builds them from the record):
+
+    layers.i.attn_norm  attn.wq attn.wk attn.wv  attn.q_norm attn.k_norm  attn.wo  attn_post_norm
+    layers.i.ffn_norm   ffn.gate ffn.up ffn.down (gated) | ffn.fc ffn.proj (gelu)  ffn_post_norm
+
+each `.weight`, plus `.bias` where the record says so. Checkpoints store a norm's effective scale w (the
+norm multiplies by w); Gemma's files store w − 1 (their norm multiplies by 1 + w), `hf.norm_offset` = 1
+converts. The tables `hf` and `gguf` name every tensor in those formats ({i} the layer; several of ours
+stacked by rows into one of theirs, or stored transposed, as GPT-2's Conv1D `c_attn`), and `lora` names
+the adapter targets as PEFT does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NORMS = ("rms", "layer")
+MLPS = ("swiglu", "geglu", "gelu")
+POSITIONS = ("rope", "learned")
+
+
+@dataclass(frozen=True)
+class External:
+    """One tensor of another format: its name ({i}: the layer), our tensors stacked by rows in it, whether it
+    is stored transposed ([in, out], GPT-2's Conv1D). External("h.{i}.attn.c_attn.weight", ("attn.wq.weight",
+    "attn.wk.weight", "attn.wv.weight"), transposed=True)"""
+    name: str
+    ours: tuple[str, ...]
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one outside format names an architecture's tensors.
+    name: its architecture name there (HF model_type, GGUF general.architecture); aliases: other names read.
+    globals_, layer: External entries (layer names under `layers.{i}.` on our side);
+    norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
+    order (GGUF `llama` only); dialect: how its config and tokenizer files are written (HF: "llama" for
+    Llama-style config.json and tokenizer.json, "gpt2" for GPT-2's n_embd... keys and vocab.json + merges.txt)."""
+    name: str
+    globals_: tuple[External, ...]
+    layer: tuple[External, ...]
+    aliases: tuple[str, ...] = ()
+    norm_offset: float = 0.0
+    permute_qk: bool = False
+    dialect: str = "llama"
+
+    def tensors(self, n_layers: int) -> list[External]:
+        """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
+        out = list(self.globals_)
+        for i in range(n_layers):
+            out += [External(e.name.format(i=i), tuple(f"layers.{i}.{o}" for o in e.ours), e.transposed)
+                    for e in self.layer]
+        return out
+
+
+@dataclass(frozen=True, eq=False)   # one record per architecture: compared (and hashed) by identity
+class Arch:
+    """The recipe of one architecture (see the module docstring) and its names in other formats."""
+    name: str
+    norm: str = "rms"
+    mlp: str = "swiglu"
+    positions: str = "rope"
+    qkv_bias: bool = False       # biases on q, k, v
+    out_bias: bool = False       # biases on wo and on the MLP's matrices
+    qk_norm: bool = False        # RMSNorm of each head of q and k (weights [head_dim]) before RoPE
+    post_norms: bool = False     # a norm on the attention's and the MLP's output before the residual add
+    embed_scale: bool = False    # the looked-up embedding times √dim (not the tied head)
+    defaults: dict = field(default_factory=dict)   # Config fields a config.json may leave out
+    hf: Format | None = None
+    gguf: Format | None = None
+    lora: dict = field(default_factory=dict)       # target -> [(module, its weights stacked by rows)]
+    lora_defaults: tuple[str, ...] = ()
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (gate, up, down) rather than GPT-2's (fc, proj)."""
+        return self.mlp != "gelu"
+
+    @property
+    def mlp_weights(self) -> tuple[str, ...]:
+        """The MLP's matrices under layers.i.ffn., input side first."""
+        return ("gate", "up", "down") if self.gated else ("fc", "proj")
+
+    def layer_products(self, i: int) -> dict[str, list[str]]:
+        """The matrix products of layer i, each the weights it stacks by rows, in a step's order.
+        EULER.layer_products(0)["mlp_in"] -> ["layers.0.ffn.gate.weight", "layers.0.ffn.up.weight"]"""
+        p = f"layers.{i}."
+        *ins, out = self.mlp_weights
+        return {"qkv": [p + f"attn.w{x}.weight" for x in "qkv"], "wo": [p + "attn.wo.weight"],
+                "mlp_in": [p + f"ffn.{w}.weight" for w in ins], "mlp_out": [p + f"ffn.{out}.weight"]}
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        """The norms of a layer, in order: ("attn_norm", "ffn_norm") plus post and q/k norms where present."""
+        return (("attn_norm",) + (("attn.q_norm", "attn.k_norm") if self.qk_norm else ())
+                + (("attn_post_norm",) if self.post_norms else ()) + ("ffn_norm",)
+                + (("ffn_post_norm",) if self.post_norms else ()))
+
+
+def _e(name: str, *ours: str, transposed: bool = False) -> External:
+    return External(name, ours, transposed)
+
+
+# ---- the names of Llama-like blocks in Hugging Face folders and GGUF files ------------------------------------
+_HF_ATTN = tuple(_e(f"model.layers.{{i}}.self_attn.{x}_proj.weight", f"attn.w{x}.weight") for x in "qkvo")
+_HF_MLP = tuple(_e(f"model.layers.{{i}}.mlp.{x}_proj.weight", f"ffn.{x}.weight") for x in ("gate", "up", "down"))
+_HF_GLOBALS = (_e("model.embed_tokens.weight", "embed.weight"), _e("model.norm.weight", "norm.weight"),
+               _e("lm_head.weight", "heads.0.weight"))
+_GGUF_ATTN = tuple(_e(f"blk.{{i}}.attn_{t}.weight", f"attn.w{x}.weight")
+                   for x, t in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")))
+_GGUF_MLP = tuple(_e(f"blk.{{i}}.ffn_{x}.weight", f"ffn.{x}.weight") for x in ("gate", "up", "down"))
+_GGUF_GLOBALS = (_e("token_embd.weight", "embed.weight"), _e("output_norm.weight", "norm.weight"),
+                 _e("output.weight", "heads.0.weight"))
+_LLAMA_LORA = {x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | \
+              {x: [(f"ffn.{x}", (f"ffn.{x}",))] for x in ("gate", "up", "down")}
+_LLAMA_LORA_DEFAULTS = ("q", "k", "v", "o", "gate", "up", "down")
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False}
+
+EULER = Arch(
+    "euler", defaults=_LLAMA_DEFAULTS,
+    hf=Format("llama", _HF_GLOBALS, (_e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"), *_HF_ATTN,
+                                     _e("model.layers.{i}.post_attention_layernorm.weight", "ffn_norm.weight"),
+                                     *_HF_MLP), aliases=("LlamaForCausalLM",)),
+    gguf=Format("llama", _GGUF_GLOBALS, (_e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
+                                         _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP),
+                permute_qk=True),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+QWEN2 = Arch(
+    "qwen2", qkv_bias=True, defaults=_LLAMA_DEFAULTS | {"rope_theta": 1000000.0, "norm_eps": 1e-6},
+    hf=Format("qwen2", _HF_GLOBALS, EULER.hf.layer + tuple(
+        _e(f"model.layers.{{i}}.self_attn.{x}_proj.bias", f"attn.w{x}.bias") for x in "qkv"),
+        aliases=("Qwen2ForCausalLM",)),
+    gguf=Format("qwen2", _GGUF_GLOBALS, EULER.gguf.layer + tuple(
+        _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv")),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+GEMMA3 = Arch(
+    "gemma3", mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True,
+    defaults={"rope_theta": 1000000.0, "rope_local_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": True,
+              "sliding_window": 512, "global_every": 6},
+    hf=Format("gemma3_text", _HF_GLOBALS, (
+        _e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"), *_HF_ATTN,
+        _e("model.layers.{i}.self_attn.q_norm.weight", "attn.q_norm.weight"),
+        _e("model.layers.{i}.self_attn.k_norm.weight", "attn.k_norm.weight"),
+        _e("model.layers.{i}.post_attention_layernorm.weight", "attn_post_norm.weight"),
+        _e("model.layers.{i}.pre_feedforward_layernorm.weight", "ffn_norm.weight"), *_HF_MLP,
+        _e("model.layers.{i}.post_feedforward_layernorm.weight", "ffn_post_norm.weight")),
+        aliases=("Gemma3ForCausalLM",), norm_offset=1.0),
+    gguf=Format("gemma3", _GGUF_GLOBALS, (
+        _e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
+        _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"), _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"),
+        _e("blk.{i}.post_attention_norm.weight", "attn_post_norm.weight"),
+        _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP,
+        _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight"))),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+_GPT2_QKV = ("attn.wq", "attn.wk", "attn.wv")
+GPT2 = Arch(
+    "gpt2", norm="layer", mlp="gelu", positions="learned", qkv_bias=True, out_bias=True,
+    defaults={"norm_eps": 1e-5, "tie_embeddings": True},
+    hf=Format("gpt2", (_e("wte.weight", "embed.weight"), _e("wpe.weight", "pos_embed.weight"),
+                       _e("ln_f.weight", "norm.weight"), _e("ln_f.bias", "norm.bias"),
+                       _e("lm_head.weight", "heads.0.weight")), tuple(
+        _e(f"h.{{i}}.{theirs}.{s}", *(f"{o}.{s}" for o in ours), transposed=s == "weight" and ".c_" in theirs)
+        for ours, theirs in ((("attn_norm",), "ln_1"), (_GPT2_QKV, "attn.c_attn"), (("attn.wo",), "attn.c_proj"),
+                             (("ffn_norm",), "ln_2"), (("ffn.fc",), "mlp.c_fc"), (("ffn.proj",), "mlp.c_proj"))
+        for s in ("weight", "bias")), aliases=("GPT2LMHeadModel",), dialect="gpt2"),
+    gguf=Format("gpt2", (_e("token_embd.weight", "embed.weight"), _e("position_embd.weight", "pos_embed.weight"),
+                         _e("output_norm.weight", "norm.weight"), _e("output_norm.bias", "norm.bias"),
+                         _e("output.weight", "heads.0.weight")), tuple(
+        _e(f"blk.{{i}}.{theirs}.{s}", *(f"{o}.{s}" for o in ours))
+        for ours, theirs in ((("attn_norm",), "attn_norm"), (_GPT2_QKV, "attn_qkv"), (("attn.wo",), "attn_output"),
+                             (("ffn_norm",), "ffn_norm"), (("ffn.fc",), "ffn_up"), (("ffn.proj",), "ffn_down"))
+        for s in ("weight", "bias"))),
+    lora={"c_attn": [("attn.wqkv", _GPT2_QKV)], "c_proj": [("attn.wo", ("attn.wo",)), ("ffn.proj", ("ffn.proj",))],
+          "c_fc": [("ffn.fc", ("ffn.fc",))]},
+    lora_defaults=("c_attn", "c_proj", "c_fc"))
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, GEMMA3, GPT2)}
+
+
+def by_format(kind: str, name: str) -> Arch | None:
+    """The architecture that format `kind` ("hf" or "gguf") calls `name` (or an alias of it), or None.
+    by_format("gguf", "llama") is EULER; by_format("hf", "Gemma3ForCausalLM") is GEMMA3."""
+    for a in ARCHS.values():
+        f = getattr(a, kind)
+        if f is not None and name in (f.name, *f.aliases):
+            return a
+    return None

@@ -1,0 +1,153 @@
+"""Every architecture of arch.py against transformers: a random model of each, built by transformers and saved as
+a Hugging Face folder, is imported; our logits and loss gradients equal transformers' (torch autograd), and
+the export back (HF and GGUF) gives the same tensors and the same logits. No network: every model is made here.
+
+    gemma3: head_dim of its own (16, not dim / heads), q/k norms, post norms, GeGLU, √d embedding, windowed
+            layers (window 5, every 3rd layer global) with their own RoPE base, sequences longer than the window
+    qwen2:  biases on q, k, v;  llama: our own block;  gpt2: LayerNorm, learned positions, GELU, every bias
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from nanoeuler import Model
+from nanoeuler.data.corpus import bundled_works
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+# float32, every entry (conftest.rel_err). (transformers cannot be the oracle in float64: its norms and RoPE
+# angles are computed in float32 whatever the model's dtype.) A norm's weight gradient sums B·T (q/k norms:
+# B·T·heads) terms that partly cancel: up to 5.4e-4 measured, against 7.7e-5 for the others.
+LOGITS_TOL, GRAD_TOL, NORM_GRAD_TOL = 1e-4, 2e-4, 2e-3
+T = 24                              # longer than gemma3's window (5)
+
+
+def hf_model(kind: str, vocab: int, seed: int = 0):
+    """A random transformers model of architecture `kind`, norms away from their init and biases nonzero so
+    that their mapping is tested."""
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=64, eos_token_id=0, bos_token_id=0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=5000.0,
+                                       tie_word_embeddings=False)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=20000.0,
+                                       tie_word_embeddings=True)
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                                            query_pre_attn_scalar=16, sliding_window=5, sliding_window_pattern=3,
+                                            rope_theta=50000.0, rope_local_base_freq=1000.0,
+                                            pad_token_id=None, attn_implementation="eager")  # no padding_idx row
+    else:
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+                                      n_inner=48, eos_token_id=0, bos_token_id=0)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "gemma3": transformers.Gemma3ForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[kind]
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.copy_((0.0 if kind == "gemma3" else 1.0) + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from test_interop import hf_tokenizer_json
+    text = bundled_works()["hamlet"][:30000]
+    tok_json = hf_tokenizer_json(text, "gpt2", vocab=300)
+    n_tok = len(json.loads(tok_json)["model"]["vocab"])
+    out = {}
+    for kind in ("llama", "qwen2", "gemma3", "gpt2"):
+        d = tmp_path_factory.mktemp(kind)
+        model = hf_model(kind, n_tok)
+        model.save_pretrained(d)
+        (d / "tokenizer.json").write_text(tok_json)
+        out[kind] = (model, d)
+    return out
+
+
+def torch_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.atleast_2d(ids))).logits.numpy()
+
+
+KINDS = ["llama", "qwen2", "gemma3", "gpt2"]
+OURS = {"llama": "euler", "qwen2": "qwen2", "gemma3": "gemma3", "gpt2": "gpt2"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_logits_and_gradients_equal_torch(folders, kind):
+    from nanoeuler.interop.hf import load_hf_folder
+    hf, d = folders[kind]
+    cfg, params, tok = load_hf_folder(d)
+    assert cfg.arch == OURS[kind]
+    if kind == "gemma3":
+        assert cfg.head_dim == 16 and cfg.sliding_window == 5 and cfg.global_every == 3
+        assert [cfg.window(i) for i in range(3)] == [5, 5, 0] and cfg.rope_local_theta == 1000.0
+    m = Model(cfg, params)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, T + 1))
+    ours = m.logits(ids[:, :T])[0]
+    assert rel_err(ours, torch_logits(hf, ids[:, :T])) <= LOGITS_TOL
+    loss, _, grads = m.loss_and_grads(ids)
+    hf.zero_grad()
+    t_in = torch.tensor(ids)
+    logits = hf(t_in[:, :-1]).logits
+    t_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
+    t_loss.backward()
+    assert abs(loss - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    from nanoeuler.interop.hf import to_hf
+    theirs = {n.removeprefix("transformer."): p.grad.numpy() for n, p in hf.named_parameters()}
+    mine = to_hf(cfg, grads)   # named and laid out as theirs
+    offset = cfg.spec.hf.norm_offset
+    for name, g in mine.items():
+        if name in theirs:
+            if offset and "norm" in name:
+                g = g + offset  # to_hf shifted the gradient like a weight; a gradient has no offset
+            tol = NORM_GRAD_TOL if "norm" in name else GRAD_TOL
+            assert rel_err(g, theirs[name]) <= tol, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_round_trip_is_exact(folders, kind, tmp_path):
+    """HF -> ours -> HF: the same tensors (Gemma's norms: the same 1 + w), and transformers' logits equal."""
+    from nanoeuler.interop.hf import export_hf, load_hf_folder
+    _, d = folders[kind]
+    cfg, params, tok = load_hf_folder(d)
+    out = export_hf(Model(cfg, params), tok, tmp_path / "out", progress=False)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    first, again = (load(f, attn_implementation="eager").float().eval() for f in (d, out))
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, T))
+    a, b = torch_logits(first, ids), torch_logits(again, ids)
+    assert rel_err(b, a, floor=1e-6) <= 1e-6
+    cfg2, params2, _ = load_hf_folder(out)
+    assert cfg2 == cfg
+    for n in params:
+        assert np.array_equal(params[n], params2[n]), n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_round_trip_is_exact(folders, kind, tmp_path):
+    """ours -> GGUF (f32) -> ours: every tensor bit for bit, the same config, the same logits."""
+    pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.gguf_import import load_gguf
+    from nanoeuler.interop.hf import load_hf_folder
+    _, d = folders[kind]
+    cfg, params, tok = load_hf_folder(d)
+    if kind == "gemma3":  # llama.cpp fixes these for gemma3 (every 6th layer global, local base 10,000)
+        cfg = cfg.replace(global_every=6, rope_local_theta=10000.0)
+    path = export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
+    cfg2, params2, _, source = load_gguf(path)
+    assert cfg2 == cfg and source["format"] == "gguf"
+    for n in params:
+        assert np.array_equal(params[n], params2[n]), n

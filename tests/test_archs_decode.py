@@ -1,0 +1,134 @@
+"""Decoding every architecture of arch.py: the KV-cache reference (infer/forward.py) equals the training forward
+(model.py) recomputed over the whole prefix, and the fused step (infer/kernels.py) equals the reference, for one
+sequence, a prompt in chunks, rows at their own positions (serve's batcher), and greedy generation.
+
+Each architecture at a small size with what makes it itself switched on and nonzero: gemma3 (a head width of
+its own, q/k norms, post norms, GeGLU, √d embedding, windowed layers with their own RoPE base, sequences well
+past the window), qwen2 (q/k/v biases, tied head), gpt2 (LayerNorm with biases, learned positions, GELU,
+every bias), euler (the SPEC's model, MTP heads).
+"""
+import numpy as np
+import pytest
+from conftest import rel_err, tiny_config
+
+from nanoeuler import Model
+from nanoeuler.infer import kernels
+from nanoeuler.infer.cache import new_cache
+from nanoeuler.infer.session import generate
+from nanoeuler.infer.step import decode_rows, forward_cached, forward_hidden, fuse_weights
+from nanoeuler.infer.weights import Float16Model
+
+CONFIGS = {
+    "euler": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                         n_mtp=2),
+    "qwen2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                         n_mtp=1, arch="qwen2", tie_embeddings=True),
+    "gemma3": tiny_config(vocab_size=53, dim=32, n_heads=2, n_kv_heads=1, n_layers=3, ctx_len=40, ffn_hidden=40,
+                          n_mtp=2, arch="gemma3", head_dim=16, sliding_window=6, global_every=3,
+                          rope_local_theta=500.0),
+    "gpt2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=40, ffn_hidden=40,
+                        n_mtp=1, arch="gpt2"),
+}
+
+
+def model(arch: str, seed: int = 0) -> Model:
+    """Random weights a few times the init's size, norms and biases away from 1 and 0."""
+    m = Model.init(CONFIGS[arch], seed=seed)
+    rng = np.random.default_rng(seed)
+    for name, p in m.params.items():
+        if name.endswith("norm.weight"):
+            p[...] = 1 + 0.3 * rng.standard_normal(p.shape)
+        elif name.endswith(".bias"):
+            p[...] = 0.3 * rng.standard_normal(p.shape)
+        else:
+            p *= 4.0
+    return m
+
+
+def laid_out(m, fused: bool, monkeypatch) -> dict:
+    monkeypatch.setattr(kernels, "ENABLED", fused)
+    W = fuse_weights(m.config, m.params)
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    assert ("decode" in W) == fused
+    return W
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_cached_reference_equals_the_training_forward(arch, monkeypatch):
+    """The prompt in pieces through the KV cache (9, then 1, then the rest) gives every position the logits of
+    one full forward pass: the cache, the window and the positions are right."""
+    m = model(arch)
+    cfg = m.config
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, cfg.ctx_len))
+    full = m.logits(ids)  # [K, 1, T, V]
+    W, cache = laid_out(m, False, monkeypatch), new_cache(cfg)
+    parts = [forward_cached(cfg, None, ids[:, a:b], cache, fused=W) for a, b in ((0, 9), (9, 10), (10, cfg.ctx_len))]
+    assert rel_err(np.concatenate(parts, axis=2), full) <= 1e-5
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_fused_step_equals_reference(arch, half, monkeypatch):
+    """One sequence: a prompt of 3 chunks (kernels.CHUNK rows at most each call), then one token, past the
+    window; logits and the cached keys and values equal the reference's."""
+    m = model(arch, seed=2)
+    if half:
+        m = Float16Model(m)
+    cfg = m.config
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, cfg.ctx_len))
+    Wf, Wr = laid_out(m, True, monkeypatch), laid_out(m, False, monkeypatch)
+    cf, cr = new_cache(cfg, dtype=m.dtype), new_cache(cfg, dtype=m.dtype)
+    tol = 1e-4 if half else 5e-5
+    for a, b in ((0, 17), (17, 18), (18, cfg.ctx_len)):
+        got = forward_cached(cfg, None, ids[:, a:b], cf, fused=Wf)
+        want = forward_cached(cfg, None, ids[:, a:b], cr, fused=Wr)
+        assert rel_err(got, want) <= tol, (a, b)
+    for x, y in zip(cf.k + cf.v, cr.k + cr.v):
+        assert rel_err(x, y) <= tol
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
+    """serve's batcher: rows of different sequences at their own positions (one past the window, one at 0) in
+    one fused step equal the NumPy step."""
+    m = model(arch, seed=4)
+    cfg = m.config
+    rng = np.random.default_rng(5)
+    Wf, Wr = laid_out(m, True, monkeypatch), laid_out(m, False, monkeypatch)
+    cf, cr = new_cache(cfg, 3), new_cache(cfg, 3)
+    for x, y in zip(cf.k + cf.v, cr.k + cr.v):
+        x[...] = y[...] = rng.standard_normal(x.shape)
+    tokens, pos = np.array([7, 0, 52]), np.array([25, 0, cfg.ctx_len - 1])
+    got, want = decode_rows(cfg, Wf, cf, tokens, pos), decode_rows(cfg, Wr, cr, tokens, pos)
+    assert rel_err(got, want) <= 5e-5
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_greedy_generation_is_the_same_fused_or_not(arch, monkeypatch):
+    """64 greedy tokens through window jumps (ctx 40): fused and reference decode the same ids, and a full
+    recompute at each step (mode "full") agrees."""
+    m = model(arch, seed=6)
+    prompt = [5, 17, 2, 40, 33]
+    got = generate(m, prompt, 64, temperature=0, mode="cache")
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    want = generate(m, prompt, 64, temperature=0, mode="cache")
+    full = generate(m, prompt, 20, temperature=0, mode="full")
+    assert got.ids == want.ids and got.ids[:20] == full.ids and len(set(got.ids)) > 2
+
+
+def test_a_windowed_layer_forgets_what_left_its_window(monkeypatch):
+    """gemma3 with every layer windowed: changing a token that left the window of every layer changes nothing,
+    in the reference and in the fused step."""
+    cfg = CONFIGS["gemma3"].replace(global_every=0, n_layers=1)
+    m = Model.init(cfg, seed=7)
+    ids = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 20))
+    other = ids.copy()
+    other[0, 2] = (ids[0, 2] + 1) % cfg.vocab_size
+    for fused in (False, True):
+        W = laid_out(m, fused, monkeypatch)
+        a = forward_hidden(cfg, W, ids, new_cache(cfg))[0, -1]
+        b = forward_hidden(cfg, W, other, new_cache(cfg))[0, -1]
+        assert np.array_equal(a, b)
+        c = forward_hidden(cfg, W, ids[:, :8], new_cache(cfg))[0, -1]
+        d = forward_hidden(cfg, W, other[:, :8], new_cache(cfg))[0, -1]
+        assert not np.array_equal(c, d)  # within the window it matters
