@@ -1,6 +1,10 @@
 """SFT: the template and its mask, masked positions carry no gradient, packing/truncation, the Alpaca
-loader, the offline instruction set, the batch source, and `nanoeuler sft` end to end (with resume)."""
+loader, the offline instruction set, the batch source, `nanoeuler sft` end to end (with resume), and sft /
+dpo stopped by SIGTERM leave no lock."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +39,49 @@ def test_mask_covers_exactly_the_response_and_eos(tok, with_input):
     # output=None renders the prompt alone, identical to the prompt part above
     p_ids, p_mask = render(tok, "What is the first word of this line?", inp)
     assert p_ids == list(ids[:n_prompt]) and not any(p_mask)
+
+
+def tiny_base(tok, path):
+    cfg = Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=160,
+                 ffn_hidden=32, n_mtp=1)
+    Model.init(cfg, seed=0).save(path, tokenizer=tok)
+    return path
+
+
+SIGTERM_SCRIPT = """
+import os, signal, sys
+import nanoeuler.train as t
+real = t.truncate_log
+def terminated(*a):   # the run holds its lock and its loop has not begun: SIGTERM arrives now
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a)
+t.truncate_log = terminated
+from nanoeuler.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_sigterm_outside_the_training_loop_ends_the_run_cleanly(tmp_path, tok, command):
+    """SIGTERM while the run holds its lock but is not inside a step: it stops as Ctrl-C does (exit 130,
+    "interrupted"), the lock released and nothing half-written (it killed the process, leaving the lock)."""
+    base = tiny_base(tok, tmp_path / "base")
+    if command == "sft":
+        data = tmp_path / "d.json"
+        data.write_text(json.dumps([{"instruction": f"Say {i}.", "input": "", "output": str(i)} for i in range(8)]))
+        argv = ["sft", "--base", str(base), "--val", str(data)]
+    else:
+        data = tmp_path / "d.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"q{i}=", "chosen": "yes", "rejected": "no"}) + "\n"
+                                for i in range(8)))
+        argv = ["dpo", "--sft", str(base), "--val", str(data)]
+    out = tmp_path / "out"
+    argv += ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT.format(argv=argv)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 130 and p.stderr.strip().endswith("interrupted"), p.stderr
+    assert sorted(f.name for f in out.iterdir()) == []   # no lock, no staging, no checkpoint begun
 
 
 def test_exact_template_text():
