@@ -3,11 +3,10 @@
 A tokenizer carries its model's Jinja chat template (`tok.chat_template`: imported from a GGUF's
 `tokenizer.chat_template` or a Hugging Face `chat_template`, or set with `--chat-template FILE`); without
 one it is ours, the SPEC Alpaca template written in Jinja (`alpaca_template`). Templates are rendered as
-transformers' `apply_chat_template` renders them: jinja2's ImmutableSandboxedEnvironment (trim_blocks,
-lstrip_blocks, loop controls), the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-and the helpers `raise_exception(msg)`, `strftime_now(fmt)` and the `tojson` filter. A template is never
-trusted: the sandbox refuses attribute tricks, and a render is bounded (RENDER_SECONDS, MAX_TEXT: string
-repetition, concatenation and powers are checked), so a hostile or endless template is one line naming it.
+transformers' `apply_chat_template` renders them, with the variables `messages`, `add_generation_prompt`,
+`bos_token` and `eos_token`. A template is never trusted: it is compiled and rendered in a sandbox in a
+worker process (template_worker.py), bounded in time and memory, so a hostile or endless template is one
+line naming it and the rest of the process (serve's other requests) goes on meanwhile.
 
     render(CHATML, [{"role": "user", "content": "Hi"}], tok, add_generation_prompt=True)
     -> '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
@@ -18,18 +17,16 @@ unless the text already starts with it. A reply ends at any of `tok.stop_ids` (e
 from __future__ import annotations
 
 import json
-import threading
-import time
-from functools import lru_cache
 from pathlib import Path
 
+from . import template_worker
 from .errors import UserError
 
-RENDER_SECONDS = 2.0    # a render taking longer is stopped
-MAX_TEXT = 1 << 22      # characters: the longest string (or list) a template may build
+MAX_TEMPLATE = 1 << 20  # characters (or bytes of a file): real templates take a few KB, tool-calling ones ~30 KB
 HEADER = ("Below is an instruction that describes a task. "   # the SPEC Alpaca template's first paragraph
           "Write a response that appropriately completes the request.\n\n")
-_clock = threading.local()  # .deadline of the render running in this thread (serve renders in several)
+EXAMPLES_PER_TRIP = 32  # training examples rendered in one trip to a template worker (3 renders each)
+PROBE = "nanoeulerProbeReply"  # a reply no template trims, escapes or splits: shows where a reply is written
 
 
 def alpaca_template() -> str:
@@ -67,120 +64,43 @@ def template_of(tok) -> str:
 
 
 def with_template_file(tok, path: str | Path | None):
-    """tok with the Jinja template of file `path` (the `--chat-template FILE` option); tok itself when None."""
+    """tok with the Jinja template of file `path` (the `--chat-template FILE` option); tok itself when None.
+    The file must be UTF-8 and compile (each refused in one line naming it)."""
     if path is None:
         return tok
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEMPLATE + 1)
+    except OSError as e:
         raise UserError(f"--chat-template {path}: cannot read it ({e.strerror or e})") from None
-    compiled(text)  # a syntax error is reported now, naming the file
+    if len(data) > MAX_TEMPLATE:
+        raise UserError(f"--chat-template {path}: larger than {MAX_TEMPLATE >> 20} MiB, not a chat template")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--chat-template {path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+    try:
+        template_worker.render(text, [], bos="", eos="")  # a syntax error is reported now, before any work
+    except UserError as e:
+        raise UserError(f"{e} in --chat-template {path}") from None
     from .tokenizer import Tokenizer
     return Tokenizer.from_dict(tok.to_dict() | {"chat_template": text})
 
 
 # ------------------------------------------------------------------------------------------- rendering
 
-def sandbox():
-    """A bounded ImmutableSandboxedEnvironment configured as transformers configures its own."""
-    try:
-        from jinja2.exceptions import SecurityError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise UserError("chat templates need jinja2: pip install 'jinja2>=3.1'") from None
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "+"})
-
-        def tick(self):
-            if time.monotonic() > getattr(_clock, "deadline", float("inf")):
-                raise SecurityError(f"the template ran longer than {RENDER_SECONDS:g} s")
-
-        def call_binop(self, context, operator, left, right):
-            self.tick()
-            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-                raise SecurityError(f"power {right!r:.20} is too large")
-            if operator == "*":  # "ab" * 10**9 must fail before it allocates
-                n, seq = (left, right) if isinstance(left, int) else (right, left)
-                if isinstance(n, int) and hasattr(seq, "__len__") and n * len(seq) > MAX_TEXT:
-                    raise SecurityError(f"a repetition of more than {MAX_TEXT} items")
-            out = super().call_binop(context, operator, left, right)
-            if hasattr(out, "__len__") and len(out) > MAX_TEXT:
-                raise SecurityError(f"a value of more than {MAX_TEXT} items")
-            return out
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-            __self.tick()
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def getattr(self, obj, attribute):
-            self.tick()
-            return super().getattr(obj, attribute)
-
-        def getitem(self, obj, argument):
-            self.tick()
-            return super().getitem(obj, argument)
-
-    from jinja2.ext import loopcontrols
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
-
-
-def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """transformers' tojson: no HTML escaping (unlike jinja's own), unicode kept."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def raise_exception(message):
-    from jinja2.exceptions import TemplateError
-    raise TemplateError(message)
-
-
-def strftime_now(fmt: str) -> str:
-    from datetime import datetime
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def compiled(template: str):
-    """The compiled template (a syntax error is a UserError naming it)."""
-    env = sandbox()
-    try:
-        return env, env.from_string(template)
-    except Exception as e:
-        raise UserError(f"chat template error: {one_line(e)}") from None
-
-
-def one_line(e: Exception) -> str:
-    where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{where}"[:300]
-
-
 def render(template: str, messages: list[dict], tok, add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it (any failure, sandbox or time bound: one UserError)."""
-    env, t = compiled(template)
+    """The conversation as the template writes it (any failure, the template's own or a bound: one UserError)."""
+    return render_many(template, [(messages, add_generation_prompt)], tok)[0]
+
+
+def render_many(template: str, renders: list[tuple[list[dict], bool]], tok) -> list[str]:
+    """render of each (messages, add_generation_prompt), in one trip to a template worker."""
+    if len(template) > MAX_TEMPLATE:
+        raise UserError(f"chat template error: the template is longer than {MAX_TEMPLATE} characters")
     eos = tok.eos_token if tok.eos_token in tok.special_tokens else ""
-    _clock.deadline = time.monotonic() + RENDER_SECONDS
-    out, n = [], 0
-    try:
-        for piece in t.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                bos_token=tok.bos_token or "", eos_token=eos):
-            n += len(piece)
-            if n > MAX_TEXT:
-                raise UserError(f"chat template error: the prompt is longer than {MAX_TEXT} characters")
-            out.append(piece)
-            env.tick()
-    except UserError:
-        raise
-    except Exception as e:  # TemplateError, SecurityError, the template's own TypeError / RecursionError ...
-        raise UserError(f"chat template error: {one_line(e)}") from None
-    finally:
-        _clock.deadline = float("inf")
-    return "".join(out)
+    return template_worker.render(template, renders, bos=tok.bos_token or "", eos=eos)
 
 
 def encode(tok, text: str) -> list[int]:
@@ -195,18 +115,64 @@ def prompt_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def example(tok, messages: list[dict], reply: str) -> tuple[list[int], list[bool]]:
-    """A training example (SFT, DPO) -> (ids, mask): the mask is True on exactly the reply's tokens and its
-    end-of-turn token. Found by rendering with and without the reply, never by guessing strings: the prompt
-    is the render with add_generation_prompt, the reply is what the full render adds to it, and the mask
-    ends at the last stop id in it (ChatML's newline after <|im_end|> carries no loss)."""
-    template = template_of(tok)
-    prompt = render(template, messages, tok, add_generation_prompt=True)
-    full = render(template, [*messages, {"role": "assistant", "content": reply}], tok)
-    if not full.startswith(prompt):
+    """A training example (SFT, DPO) -> (ids, mask): the mask is True on exactly the reply's tokens and the
+    end-of-turn token after it. Found by rendering, never by guessing strings: the prompt is the render with
+    add_generation_prompt, the full render must begin with it, and a render with the reply PROBE shows what
+    the template writes around a reply (refused unless it writes it exactly once, in one piece, and the real
+    reply, not as nothing, in the same place). The mask ends at the first stop id after the reply (ChatML's newline after
+    <|im_end|> carries no loss).
+
+        ChatML, reply "Red.":  prompt '<|im_start|>user\\nColour?<|im_end|>\\n<|im_start|>assistant\\n'
+                               full   prompt + 'Red.<|im_end|>\\n'     mask on 'Red.<|im_end|>'
+        a template writing the reply twice ('Red.</s>Red.</s>'): refused
+    """
+    return examples(tok, [(messages, reply)])[0]
+
+
+def examples(tok, items: list[tuple[list[dict], str]]) -> list[tuple[list[int], list[bool]]]:
+    """example of each (messages, reply), EXAMPLES_PER_TRIP of them to a trip to the template worker."""
+    def answered(messages, content):
+        return [*messages, {"role": "assistant", "content": content}]
+    out = []
+    for i in range(0, len(items), EXAMPLES_PER_TRIP):
+        chunk = items[i:i + EXAMPLES_PER_TRIP]
+        renders = [r for messages, reply in chunk
+                   for r in ((messages, True), (answered(messages, PROBE), False), (answered(messages, reply), False))]
+        texts = render_many(template_of(tok), renders, tok)
+        out += [masked(tok, *texts[3 * j:3 * j + 3], reply) for j, (_, reply) in enumerate(chunk)]
+    return out
+
+
+def masked(tok, prompt: str, probed: str, full: str, reply: str) -> tuple[list[int], list[bool]]:
+    """example's (ids, mask) from its three renders: the prompt, the conversation answered with PROBE, with reply."""
+    before, after = around_reply(prompt, probed)
+    start, stop = len(prompt) + len(before), len(full) - len(after)   # the reply as written: full[start:stop]
+    if not (full.startswith(prompt + before) and full.endswith(after) and stop >= start) or (reply and stop == start):
+        raise UserError(f"chat template error: the template writes the reply {reply[:40]!r} as nothing or elsewhere "
+                        "than other replies, so its tokens cannot be found")
+    tail = full[len(prompt):]
+    head, ids = encode(tok, prompt), tok.encode(tail, allow_special=True)
+    stops = set(tok.stop_ids)
+    in_reply = sum(t in stops for t in tok.encode(full[len(prompt):stop], allow_special=True))
+    ends = [i + 1 for i, t in enumerate(ids) if t in stops][in_reply:]
+    end = ends[0] if ends else len(ids)
+    return head + ids, [False] * len(head) + [True] * end + [False] * (len(ids) - end)
+
+
+def around_reply(prompt: str, probed: str) -> tuple[str, str]:
+    """(what the template writes between the prompt and a reply, what after it) from the render `probed` of a
+    conversation answered with PROBE; refused unless probed begins with prompt and holds PROBE once after it."""
+    if not probed.startswith(prompt):
         raise UserError("chat template error: the rendered conversation does not begin with its rendered prompt "
                         "(add_generation_prompt), so the reply's tokens cannot be found")
-    head = encode(tok, prompt)
-    tail = tok.encode(full[len(prompt):], allow_special=True)
-    stops = set(tok.stop_ids)
-    end = max((i + 1 for i, t in enumerate(tail) if t in stops), default=len(tail))
-    return head + tail, [False] * len(head) + [True] * end + [False] * (len(tail) - end)
+    tail = probed[len(prompt):]
+    if tail.count(PROBE) != 1:
+        raise UserError(f"chat template error: the template writes an assistant reply {tail.count(PROBE)} times "
+                        "after the prompt (it must write it once, in one piece), so the loss mask cannot cover it")
+    before, _, after = tail.partition(PROBE)
+    return before, after
+
+
+def check_training_template(tok) -> None:
+    """Refuse now, before any data or model is read, a template that sft and dpo cannot train on (`example`)."""
+    example(tok, [{"role": "user", "content": "Name a colour."}], "Red.")

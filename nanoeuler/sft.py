@@ -1,8 +1,9 @@
 """Supervised fine-tuning data: the Alpaca template, rendering to (ids, mask), packing, the SFT batch
 source, the offline instruction set made from the bundled corpus, and scoring of generated answers.
 
-`render` is the one place the template and the loss mask are defined. The mask is True exactly on the
-response tokens and the closing `</s>`; the prompt (and padding) carry no loss:
+`render` (`render_all`: many records) is the one way a record becomes (ids, mask), through the chat template
+(chat_template.example). The mask is True exactly on the response tokens and the closing `</s>`; the prompt
+(and padding) carry no loss:
 
     render(tok, "Say hi.", "", "Hi")   ->  ids  = [<Below is ... ### Response:\\n>] + [<Hi>] + [</s>]
                                           mask = [False] * n_prompt           + [True] + [True]
@@ -107,11 +108,12 @@ class Rendered:
 
 
 def render_all(tok, records: list[dict], length: int) -> Rendered:
-    """Render every record; an example longer than `length` keeps its prompt and as much of the response as
-    fits (counted as truncated), or is dropped when not even one response token fits."""
+    """Render every record (as `render` does, many to a trip to the template worker); an example longer than
+    `length` keeps its prompt and as much of the response as fits (counted as truncated), or is dropped when
+    not even one response token fits."""
+    from .chat_template import examples
     out = Rendered([])
-    for r in records:
-        ids, mask = render(tok, r["instruction"], r["input"], r["output"])
+    for ids, mask in examples(tok, [([user_message(r["instruction"], r["input"])], r["output"]) for r in records]):
         if len(ids) > length:
             n_prompt = mask.index(True)
             if n_prompt >= length:

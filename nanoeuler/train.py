@@ -97,6 +97,19 @@ class TrainingDiverged(UserError):
         super().__init__(message, exit_code=3)
 
 
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """SIGTERM (`kill`, a scheduler stopping the job) acts as Ctrl-C for the length of the block. Outside
+    the training loop (loading, rendering data, a first evaluation, the last plot) its KeyboardInterrupt
+    unwinds every `with`: the run lock is released and no file is left half-written; inside the loop
+    `StopRequest` turns either into a stop after the step."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class StopRequest:
     """Turns the first SIGINT/SIGTERM into a flag checked between steps (a second one interrupts at once)."""
 

@@ -1,11 +1,15 @@
 """Chat templates (nanoeuler/chat_template.py): ChatML, Llama-3 and ours (Alpaca) render exactly as
 transformers' apply_chat_template (the oracle), ours exactly as the SPEC template; SFT masks exactly the
 assistant span of an imported ChatML model; chat stops at <|im_end|> without showing it; export keeps the
-template; a hostile or endless template is one line."""
+template; a hostile or endless template is one line, within its time bound, and the process goes on
+meanwhile; a non-UTF-8 template file is one line naming it."""
 from __future__ import annotations
 
 import io
+import os
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -179,31 +183,108 @@ def test_chat_template_option_overrides_and_a_bad_file_is_one_line(chatml_run, t
     assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "bad.jinja")]) != 0
     err = capsys.readouterr().err
     assert err.startswith("error: chat template error: TemplateSyntaxError") and err.count("\n") == 1
+    assert err.rstrip().endswith(f"in --chat-template {tmp_path / 'bad.jinja'}")
     (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m.content }}|{% endfor %}")
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/tokens\n"))
     assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "plain.jinja"),
-                 "--max-new-tokens", "2", "--temperature", "0"]) == 0
+                 "--max-new-tokens", "2", "--temperature", "0", "--dtype", "float32"]) == 0
 
 
-def test_sft_cli_on_an_imported_chatml_model_trains_in_its_template_and_keeps_it(chatml_run, tmp_path):
-    """`sft --chat-template FILE`: the fine-tuned model carries the template it was trained in."""
-    import json
-
-    import numpy as np
-
-    from nanoeuler import Model
-    from nanoeuler.checkpoint import load_tokenizer
+@pytest.mark.parametrize("command", [["chat", "--dtype", "float32"], ["serve", "--port", "0", "--dtype", "float32"],
+                                     ["sft", "--out", "OUT"], ["dpo", "--out", "OUT"]])
+def test_a_template_file_that_is_not_utf8_is_one_line_naming_it(chatml_run, tmp_path, capsys, command):
     from nanoeuler.cli import main
-    data = tmp_path / "d.json"
-    data.write_text(json.dumps([{"instruction": f"Say {w}.", "input": "", "output": w}
-                                for w in ("yes", "no", "maybe", "never", "always", "soon") * 4]))
-    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
-    (tmp_path / "t.jinja").write_text(plain)
-    for out, extra in (("a", []), ("b", ["--chat-template", str(tmp_path / "t.jinja")])):
-        assert main(["sft", "--base", str(chatml_run), "--data", str(data), "--val", str(data), "--steps", "2",
-                     "--out", str(tmp_path / out), "--batch-size", "2", "--no-progress", "--eval-every", "1000",
-                     *extra]) == 0
-    assert load_tokenizer(tmp_path / "a").chat_template == CHATML
-    assert load_tokenizer(tmp_path / "b").chat_template == plain
-    base = Model.load(chatml_run).params["layers.0.attn.wq.weight"]
-    assert not np.array_equal(Model.load(tmp_path / "a").params["layers.0.attn.wq.weight"], base)
+    bad = tmp_path / "latin1.jinja"
+    bad.write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    ckpt = {"chat": "--ckpt", "serve": "--ckpt", "sft": "--base", "dpo": "--sft"}[command[0]]
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in command] + [ckpt, str(chatml_run), "--chat-template", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --chat-template {bad}: not UTF-8 text (byte 7 is 0xe9)\n"
+    assert not (tmp_path / "out").exists()
+
+
+HOSTILE = {"lipsum": "{{ lipsum(10**6) }}",                         # one C-level call: no check inside runs
+           "tojson": "{{ messages | tojson(indent=10**9) }}",       # a gigabyte of indentation
+           "loop": "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}"}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_render_ends_in_time_while_the_process_goes_on(tok, name):
+    """A hostile render in another thread ends with one line within the bound (RENDER_SECONDS + GRACE), and
+    this thread meanwhile keeps encoding text without a long pause (an in-process render held the GIL in
+    lipsum for a minute: a concurrent request waited as long); the next render works."""
+    from nanoeuler.template_worker import GRACE, RENDER_SECONDS
+    assert render("{{ 'warm' }}", [], tok) == "warm"   # a worker is started and waiting
+    result = {}
+
+    def hostile():
+        t0 = time.monotonic()
+        try:
+            render(HOSTILE[name], [{"role": "user", "content": "x"}], tok)
+        except UserError as e:
+            result["error"] = str(e)
+        result["seconds"] = time.monotonic() - t0
+    thread = threading.Thread(target=hostile, daemon=True)
+    start = last = time.monotonic()
+    thread.start()
+    pauses = []
+    while thread.is_alive() and time.monotonic() - start < 30:
+        tok.encode("To be, or not to be, that is the question")   # the plain operation
+        now = time.monotonic()
+        pauses.append(now - last)
+        last = now
+    assert "\n" not in result.get("error", "not ended") and result["error"].startswith("chat template error:")
+    assert result["seconds"] < RENDER_SECONDS + GRACE + 1.5, result
+    assert max(pauses) < 0.5
+    assert render("{{ messages[0]['content'] }}", [{"role": "user", "content": "Hi"}], tok) == "Hi"
+
+
+def test_workers_are_kept_and_reused(tok, monkeypatch):
+    """A render is a trip to a waiting worker, not a new process (chat and serve render on every request)."""
+    from nanoeuler import template_worker
+    assert render("{{ 'warm' }}", [], tok) == "warm"
+    started, real = [], template_worker.Worker.__init__
+    monkeypatch.setattr(template_worker.Worker, "__init__", lambda self: started.append(1) or real(self))
+    for i in range(20):
+        assert render("{{ messages[0]['content'] }}", [{"role": "user", "content": str(i)}], tok) == str(i)
+    assert not started
+
+
+@pytest.mark.parametrize("name", ["lipsum", "tojson"])
+def test_chat_with_a_hostile_template_is_one_line(chatml_run, tmp_path, name):
+    (tmp_path / "t.jinja").write_text(HOSTILE[name])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "nanoeuler", "chat", "--ckpt", str(chatml_run), "--dtype", "float32",
+                        "--chat-template", str(tmp_path / "t.jinja")], input="hi\n", capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: chat template error:") and p.stderr.count("\n") == 1
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's CPU time from /proc")
+def test_a_worker_whose_caller_died_stops(tmp_path):
+    """The caller is killed during a render that no check interrupts (lipsum: ~27 s of CPU before it would
+    run out of memory): its worker ends within seconds of CPU (its CPU limit) instead of running on."""
+    script = ("import sys, json, time; from nanoeuler.template_worker import Worker; w = Worker(); "
+              "print(w.proc.pid, flush=True); r = {'template': '{{ lipsum(10**7, min=1, max=2) }}', 'bos': '', "
+              "'eos': '', 'renders': [[[], False]]}; w.ask(json.dumps(r).encode() + b'\\n', time.monotonic() + 600)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(caller.stdout.readline())
+    time.sleep(0.5)
+    caller.kill()
+    caller.wait()
+    while True:
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+        except FileNotFoundError:
+            return
+        if stat[0] in "ZX":   # ended (a zombie until its new parent reaps it)
+            return
+        cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+        if cpu > 15:
+            os.kill(pid, 9)
+            pytest.fail(f"the orphaned worker has used {cpu:.0f} s of CPU and runs on")
+        time.sleep(0.2)

@@ -1,6 +1,10 @@
-"""SFT: the template and its mask, masked positions carry no gradient, packing/truncation, the Alpaca
-loader, the offline instruction set, the batch source, and `nanoeuler sft` end to end (with resume)."""
+"""SFT: the template and its mask (a template that does not write the reply once, in one piece, refused),
+masked positions carry no gradient, packing/truncation, the Alpaca loader, the offline instruction set, the
+batch source, `nanoeuler sft` end to end (with resume), and sft / dpo stopped by SIGTERM leave no lock."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +39,102 @@ def test_mask_covers_exactly_the_response_and_eos(tok, with_input):
     # output=None renders the prompt alone, identical to the prompt part above
     p_ids, p_mask = render(tok, "What is the first word of this line?", inp)
     assert p_ids == list(ids[:n_prompt]) and not any(p_mask)
+
+
+def with_template(tok, template):
+    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template})
+
+
+def one_turn(assistant: str) -> str:
+    """A template writing each user message and a newline, and each assistant message as `assistant` says."""
+    return ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n{% else %}" + assistant
+            + "{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [
+    one_turn("{{ m['content'] + eos_token }}{{ m['content'] + eos_token }}"),   # twice: 'Red.</s>Red.</s>'
+    one_turn("{{ eos_token }}"),                                                 # never
+    one_turn("{{ m['content'][:2] }}|{{ m['content'][2:] + eos_token }}"),       # in two pieces
+    one_turn("{% if m['content'] == 'Red.' %}{{ eos_token }}{% else %}{{ m['content'] + eos_token }}{% endif %}"),
+    "",                                                                          # nothing at all
+], ids=["twice", "never", "apart", "not-this-one", "nothing"])
+def test_a_template_that_does_not_write_the_reply_once_in_one_piece_is_refused(tok, template):
+    with pytest.raises(UserError, match="chat template error: the template writes") as e:
+        render(with_template(tok, template), "Name a colour.", "", "Red.")
+    assert "\n" not in str(e.value)
+
+
+def test_the_mask_ends_at_the_first_end_of_turn_after_the_reply(tok):
+    t = with_template(tok, one_turn("{{ m['content'] + eos_token }}Bye{{ eos_token }}"))
+    ids, mask = render(t, "Name a colour.", "", "Red.")
+    first = mask.index(True)
+    assert tok.decode(ids[:first]) == "Name a colour.\n"
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Red.</s>" and mask[-1] is False
+    assert tok.decode(ids[first + sum(mask):]) == "Bye</s>"
+
+
+def tiny_base(tok, path):
+    cfg = Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=160,
+                 ffn_hidden=32, n_mtp=1)
+    Model.init(cfg, seed=0).save(path, tokenizer=tok)
+    return path
+
+
+def test_sft_refuses_a_template_it_cannot_mask_before_reading_anything(tmp_path, tok, capsys):
+    """A template writing the reply twice would train past the end of turn; one that writes nothing hung sft
+    (growing without bound, SIGTERM ignored, its lock left): both are one line, nothing created."""
+    from nanoeuler.cli import main
+    base = tiny_base(tok, tmp_path / "base")
+    (tmp_path / "twice.jinja").write_text(one_turn("{{ m['content'] + eos_token }}{{ m['content'] + eos_token }}"))
+    assert main(["sft", "--base", str(base), "--out", str(tmp_path / "a"), "--chat-template",
+                 str(tmp_path / "twice.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: chat template error: the template writes an assistant reply 2 times")
+    assert err.count("\n") == 1 and not (tmp_path / "a").exists()
+    (tmp_path / "empty.jinja").write_text("")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-m", "nanoeuler", "sft", "--base", str(base), "--out", str(tmp_path / "b"),
+                        "--chat-template", str(tmp_path / "empty.jinja"), "--steps", "2", "--no-progress"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("error: chat template error: the template writes an "
+                                                     "assistant reply 0 times") and p.stderr.count("\n") == 1
+    assert not (tmp_path / "b").exists()
+
+
+SIGTERM_SCRIPT = """
+import os, signal, sys
+import nanoeuler.train as t
+real = t.truncate_log
+def terminated(*a):   # the run holds its lock and its loop has not begun: SIGTERM arrives now
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a)
+t.truncate_log = terminated
+from nanoeuler.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_sigterm_outside_the_training_loop_ends_the_run_cleanly(tmp_path, tok, command):
+    """SIGTERM while the run holds its lock but is not inside a step: it stops as Ctrl-C does (exit 130,
+    "interrupted"), the lock released and nothing half-written (it killed the process, leaving the lock)."""
+    base = tiny_base(tok, tmp_path / "base")
+    if command == "sft":
+        data = tmp_path / "d.json"
+        data.write_text(json.dumps([{"instruction": f"Say {i}.", "input": "", "output": str(i)} for i in range(8)]))
+        argv = ["sft", "--base", str(base), "--val", str(data)]
+    else:
+        data = tmp_path / "d.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"q{i}=", "chosen": "yes", "rejected": "no"}) + "\n"
+                                for i in range(8)))
+        argv = ["dpo", "--sft", str(base), "--val", str(data)]
+    out = tmp_path / "out"
+    argv += ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT.format(argv=argv)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 130 and p.stderr.strip().endswith("interrupted"), p.stderr
+    assert sorted(f.name for f in out.iterdir()) == []   # no lock, no staging, no checkpoint begun
 
 
 def test_exact_template_text():
@@ -213,7 +313,7 @@ def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypa
     monkeypatch.setattr(step, "fuse_weights", lambda cfg, params: None)
     records = [{"instruction": "Which play?", "input": "", "output": "Hamlet", "task": "play"}] * 5 + \
               [{"instruction": "Go on.", "input": "", "output": "Hamlet", "task": "continue"}]
-    model = Model.init(Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=64,
+    model = Model.init(Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=160,
                               ffn_hidden=32, n_mtp=1), seed=0)
     got = score_answers(model, tok, records, progress=False)
     assert [(x["in_format"], x["correct"], x["lenient"]) for x in got["examples"]] == [

@@ -152,8 +152,8 @@ def _check_parents(p: Path) -> None:
 def add_template_arg(p) -> None:
     """--chat-template FILE (chat, serve, sft, dpo): a Jinja chat template instead of the checkpoint's."""
     p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template file (transformers' format) to use instead of the checkpoint's own "
-                        "(default: the checkpoint's, else the SPEC Alpaca template)")
+                   help="a Jinja chat template file (transformers' format, UTF-8) to use instead of the "
+                        "checkpoint's own (default: the checkpoint's, else the SPEC Alpaca template)")
 
 
 def escape_control(text: str) -> str:

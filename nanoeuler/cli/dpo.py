@@ -110,8 +110,14 @@ def run_dpo(args) -> int:
     check_apart(out, [sft, *(p for p in (args.data, args.val) if p not in (None, "offline"))])
 
     lora = wants_lora(args, out)
+    if not (args.resume or sft):
+        raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
+    from ..chat_template import check_training_template, with_template_file
+    tok = load_tokenizer(out) if args.resume else load_tokenizer(sft, read_only=True)
+    tok = with_template_file(tok, args.chat_template)
+    check_training_template(tok)   # before the models and the data are read
     if args.resume:
-        model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
+        model = start_or_resume(args, None, out, 0) if lora else Model.load(out)
         state = saved_state(out)
         tcfg = train_config_from_args(args, state.get("train_config", {}))
         beta = args.beta if args.beta is not None else state.get("beta", 0.1)
@@ -122,9 +128,7 @@ def run_dpo(args) -> int:
         # the SFT run is only read; with LoRA the reference is the frozen base itself (no second copy)
         reference = model.base if lora else Model.load(sft, read_only=True)
     else:
-        if not sft:
-            raise UserError("--sft RUN is required (the SFT checkpoint: reference and initial policy)")
-        tok, tcfg = load_tokenizer(sft, read_only=True), train_config_from_args(args, DPO_DEFAULTS)
+        tcfg = train_config_from_args(args, DPO_DEFAULTS)
         if lora:   # the policy is base + adapters, the reference the frozen base: one copy of the weights
             model = start_or_resume(args, sft, out, tcfg.seed)
             reference = model.base
@@ -133,8 +137,6 @@ def run_dpo(args) -> int:
             reference = Model.load(sft, read_only=True)  # a separate copy: the policy is trained in place
         beta = args.beta if args.beta is not None else 0.1
         nll_weight = args.nll_weight if args.nll_weight is not None else NLL_WEIGHT
-    from ..chat_template import with_template_file
-    tok = with_template_file(tok, args.chat_template)
     model.set_precision(resolve_precision(args, state if args.resume else None))
     ctx = model.config.ctx_len
     train, held, data_id, _ = pair_records(args.data, args.val, fits=fits_context(tok, ctx))

@@ -118,18 +118,20 @@ def run_sft(args) -> int:
     out = check_real_dir(args.out)
     check_apart(out, [args.base, None if args.data == "offline" else args.data, args.val])
     lora = wants_lora(args, out)
+    if not (args.resume or args.base):
+        raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
+    from ..chat_template import check_training_template, with_template_file
+    tok = load_tokenizer(out) if args.resume else load_tokenizer(args.base, read_only=True)
+    tok = with_template_file(tok, args.chat_template)
+    check_training_template(tok)   # before the model and the data are read
     if args.resume:
-        model, tok = start_or_resume(args, None, out, 0) if lora else Model.load(out), load_tokenizer(out)
+        model = start_or_resume(args, None, out, 0) if lora else Model.load(out)
         state = saved_state(out)
         tcfg = train_config_from_args(args, state.get("train_config", {}))
     else:
-        if not args.base:
-            raise UserError("--base RUN is required (the pretrained checkpoint to fine-tune)")
-        tok, tcfg = load_tokenizer(args.base, read_only=True), train_config_from_args(args, SFT_DEFAULTS)
+        tcfg = train_config_from_args(args, SFT_DEFAULTS)
         model = start_or_resume(args, args.base, out, tcfg.seed) if lora else Model.load(args.base, read_only=True)
     model.set_precision(resolve_precision(args, state if args.resume else None))
-    from ..chat_template import with_template_file
-    tok = with_template_file(tok, args.chat_template)
     cfg = model.config
     train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,

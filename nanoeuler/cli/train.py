@@ -115,14 +115,16 @@ def add_dist_arguments(p) -> None:
 
 def data_parallel(fn, prepare=None):
     """fn as a command that also runs under `mpiexec -n N` and with --nproc N (see nanoeuler/dist.py).
-    prepare(args): what must exist before the ranks start (--nproc only)."""
+    prepare(args): what must exist before the ranks start (--nproc only). SIGTERM stops it as Ctrl-C does."""
     def run(args):
         from ..dist import check_launch, command
-        if getattr(args, "nproc", 0):
-            check_launch(args.nproc)  # no MPI: one line, before anything is prepared
-            if prepare is not None:
-                prepare(args)
-        return command(fn)(args)
+        from ..train import sigterm_as_ctrl_c
+        with sigterm_as_ctrl_c():
+            if getattr(args, "nproc", 0):
+                check_launch(args.nproc)  # no MPI: one line, before anything is prepared
+                if prepare is not None:
+                    prepare(args)
+            return command(fn)(args)
     return run
 
 
