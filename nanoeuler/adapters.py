@@ -39,14 +39,26 @@ import numpy as np
 
 from .config import Config
 from .errors import UserError
+from .fileio import LORA_FILE
 from .ops import lora_merge
 
-LORA_FILE = "lora.json"
 ADAPTER_FILE = "adapter.safetensors"
 # modules_to_save name -> (the base tensors it trains, a regular expression; its PEFT name or None)
 SAVABLE = {"lm_head": (r"heads\.0\.weight", "lm_head"), "mtp_heads": (r"heads\.[1-9]\d*\.weight", None),
            "norm": (r"(layers\.\d+\.[\w.]*)?norm\.(weight|bias)", "norm")}
 DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site DROPOUT_SITE0 + j (ops/dropout.py)
+
+
+# lora.json's fields: the flag that sets each, and the JSON value it must hold (in words; its test). A config's
+# errors name the flags, or the file and its fields (LoraConfig.check)
+FIELDS = {
+    "rank": ("--lora", "an integer", lambda v: type(v) is int),
+    "alpha": ("--lora-alpha", "a number", lambda v: type(v) in (int, float)),
+    "targets": ("--lora-targets", "a list of names", lambda v: type(v) is list and all(type(n) is str for n in v)),
+    "dropout": ("--lora-dropout", "a number", lambda v: type(v) in (int, float)),
+    "modules_to_save": ("--lora-modules-to-save", "a list of names",
+                        lambda v: type(v) is list and all(type(n) is str for n in v)),
+}
 
 
 @dataclass(frozen=True)
@@ -61,41 +73,48 @@ class LoraConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def check(self, cfg: Config) -> "LoraConfig":
-        """This config for a base of config cfg (default targets filled in), or UserError."""
+    def check(self, cfg: Config, source: str | None = None) -> "LoraConfig":
+        """This config for a base of config cfg (default targets filled in), or UserError. source: the
+        lora.json it was read from, whose file and fields the errors then name instead of the --lora flags.
+
+            LoraConfig(500, 8.0).check(cfg, "runs/a/lora.json")
+            # UserError: runs/a/lora.json: rank must be in [1, 128], got 500
+        """
         if not self.targets:
-            return replace(self, targets=cfg.spec.lora_defaults).check(cfg)
+            return replace(self, targets=cfg.spec.lora_defaults).check(cfg, source)
+        name = (lambda field: f"{source}: {field}") if source else (lambda field: FIELDS[field][0])
         known = cfg.spec.lora
         bad = [t for t in self.targets if t not in known]
         if bad or len(set(self.targets)) != len(self.targets):
-            raise UserError(f"--lora-targets: {', '.join(bad) or 'a target given twice'}: the targets of arch "
+            raise UserError(f"{name('targets')}: {', '.join(bad) or 'a target given twice'}: the targets of arch "
                             f"{cfg.arch} are {','.join(known)}")
-        if not 1 <= self.rank <= min(cfg.dim, 4096) or not self.alpha > 0:
-            raise UserError(f"--lora must be in [1, {min(cfg.dim, 4096)}] and --lora-alpha > 0, "
-                            f"got {self.rank} and {self.alpha}")
+        if not 1 <= self.rank <= min(cfg.dim, 4096):
+            raise UserError(f"{name('rank')} must be in [1, {min(cfg.dim, 4096)}], got {self.rank}")
+        if not self.alpha > 0:
+            raise UserError(f"{name('alpha')} must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
-        check_modules_to_save(cfg, self.modules_to_save)
+            raise UserError(f"{name('dropout')} must be in [0, 1), got {self.dropout}")
+        check_modules_to_save(cfg, self.modules_to_save, name("modules_to_save"))
         return self
 
     def to_dict(self) -> dict:
         return asdict(self) | {"targets": list(self.targets), "modules_to_save": list(self.modules_to_save)}
 
 
-def check_modules_to_save(cfg: Config, names: tuple[str, ...]) -> None:
-    """UserError unless every name is a SAVABLE module of this base, given once."""
+def check_modules_to_save(cfg: Config, names: tuple[str, ...], what: str = "--lora-modules-to-save") -> None:
+    """UserError unless every name is a SAVABLE module of this base, given once; `what` names the setting."""
     if not names:
         return
     bad = [n for n in names if n not in SAVABLE]
     if bad or len(set(names)) != len(names):
-        raise UserError(f"--lora-modules-to-save: {', '.join(map(str, bad)) or 'a module given twice'}: choose from "
+        raise UserError(f"{what}: {', '.join(map(str, bad)) or 'a module given twice'}: choose from "
                         f"{','.join(SAVABLE)}")
     if "lm_head" in names and cfg.tie_embeddings:
-        raise UserError("--lora-modules-to-save lm_head: this model's output head is its embedding (tied); PEFT "
+        raise UserError(f"{what} lm_head: this model's output head is its embedding (tied); PEFT "
                         "would train an untied copy of the whole [V, d] embedding, which is what LoRA avoids: "
                         "fine-tune fully, or save only norm")
     if "mtp_heads" in names and cfg.n_mtp == 1:
-        raise UserError("--lora-modules-to-save mtp_heads: this model has no multi-token heads (K = 1)")
+        raise UserError(f"{what} mtp_heads: this model has no multi-token heads (K = 1)")
 
 
 def saved_names(cfg: Config, lcfg: LoraConfig) -> list[str]:
@@ -211,18 +230,27 @@ def adapter_writers(lcfg: LoraConfig, base: dict, adapters: dict, tokenizer=None
 
 
 def read_adapter_run(run_dir, read_only: bool = False) -> tuple[LoraConfig, dict, dict]:
-    """-> (LoraConfig, base {"path", "sha256"}, adapters). The base itself is not read (see load_base)."""
+    """-> (LoraConfig, base {"path", "sha256"}, adapters), every lora.json field of its JSON type (a rank "4"
+    or 4.5 is refused, not converted). The base itself is not read (see load_adapter_run)."""
     from .checkpoint import check_run_dir, member, read_journal, read_json, read_tensors
     run_dir = check_run_dir(run_dir, read_only)
     journal = read_journal(run_dir) if read_only else None
+    where = run_dir / LORA_FILE
     meta = read_json(member(run_dir, LORA_FILE, journal), "adapter config")
-    try:
-        lcfg = LoraConfig(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]), float(meta["dropout"]),
-                          tuple(meta.get("modules_to_save", ())))
-        base = {"path": str(meta["base"]["path"]), "sha256": str(meta["base"]["sha256"])}
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{run_dir}/{LORA_FILE} is not an adapter config ({e})") from None
-    return lcfg, base, read_tensors(member(run_dir, ADAPTER_FILE, journal), "adapters")
+    if type(meta) is not dict:
+        raise UserError(f"{where} is not an adapter config (not a JSON object)")
+    values = {}
+    for key, (_, kind, ok) in FIELDS.items():
+        values[key] = meta.get(key, [] if key == "modules_to_save" else None)
+        if not ok(values[key]):
+            raise UserError(f"{where}: {key} must be {kind}, got {values[key]!r:.60}")
+    base = meta.get("base")
+    if type(base) is not dict or not all(type(base.get(k)) is str and base[k] for k in ("path", "sha256")):
+        raise UserError(f"{where}: base must be {{\"path\": ..., \"sha256\": ...}}, got {base!r:.60}")
+    lcfg = LoraConfig(values["rank"], float(values["alpha"]), tuple(values["targets"]), float(values["dropout"]),
+                      tuple(values["modules_to_save"]))
+    adapters = read_tensors(member(run_dir, ADAPTER_FILE, journal), "adapters")
+    return lcfg, {"path": base["path"], "sha256": base["sha256"]}, adapters
 
 
 def load_base(run_dir, base: dict, mapped: bool = False) -> tuple[Config, dict]:
@@ -240,12 +268,19 @@ def load_base(run_dir, base: dict, mapped: bool = False) -> tuple[Config, dict]:
     return load_model(path, read_only=True, mapped=mapped)
 
 
+def load_adapter_run(run_dir, read_only: bool = False, mapped: bool = False):
+    """An adapter run and its base, each checked against the other: (LoraConfig with its targets filled in,
+    base {"path", "sha256"}, adapters, the base's Config, the base's params). mapped: see load_base."""
+    lcfg, base, adapters = read_adapter_run(run_dir, read_only)
+    cfg, params = load_base(run_dir, base, mapped)
+    lcfg = lcfg.check(cfg, f"{run_dir}/{LORA_FILE}")
+    check_adapters(cfg, lcfg, adapters, run_dir)
+    return lcfg, base, adapters, cfg, params
+
+
 def load_merged(run_dir, read_only: bool = False) -> tuple[Config, dict]:
     """(config, params) of an adapter run with its adapters merged into the base: a plain model."""
-    lcfg, base, adapters = read_adapter_run(run_dir, read_only)
-    cfg, params = load_base(run_dir, base)
-    lcfg.check(cfg)
-    check_adapters(cfg, lcfg, adapters, run_dir)
+    lcfg, _, adapters, cfg, params = load_adapter_run(run_dir, read_only)
     return cfg, merge_params(cfg, params, lcfg, adapters)
 
 

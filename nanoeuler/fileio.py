@@ -8,7 +8,8 @@ The rules of an output (`check_output`, called by every command that writes, bef
 a link is never followed out of the directory the user named (the output itself may not be a link, and
 files inside a run directory are opened without following links: `open_append`, `own_file`); a file the
 user did not name as the output is never replaced; an existing output needs --force; an output that is,
-contains or is inside an input is refused.
+contains or is inside an input, or the base checkpoint an input adapter run reads, is refused (links
+resolved).
 
     check_output("tok.json", force=False, inputs=["books.txt"])   # UserError if tok.json exists
     check_output("runs/x", force=True, inputs=["runs/x"])         # UserError: --out runs/x is the input
@@ -22,6 +23,8 @@ import os
 from pathlib import Path
 
 from .errors import UserError
+
+LORA_FILE = "lora.json"   # an adapter run's config (adapters.py); its base.path names the checkpoint it reads
 
 
 def check_output(path: str | Path, force: bool = False, inputs=(), kind: str | None = None,
@@ -46,21 +49,37 @@ def check_output(path: str | Path, force: bool = False, inputs=(), kind: str | N
 
 
 def check_apart(path: str | Path, inputs=(), flag: str = "--out") -> None:
-    """Refuse (UserError) an output path that is, contains or is inside one of `inputs` (links resolved).
+    """Refuse (UserError) an output path that is, contains or is inside one of `inputs`, or the base an input
+    adapter run reads (links resolved).
 
         check_apart("runs/a/export", ["runs/a"])    # UserError: --out runs/a/export is inside the input runs/a
+        check_apart("runs/small", ["runs/lora"])    # UserError: --out runs/small is the base of the input runs/lora
     """
     out = Path(os.path.realpath(path))
     for item in inputs:
         if item is None:
             continue
-        src = Path(os.path.realpath(item))
-        if out == src:
-            raise UserError(f"{flag} {path} is the input {item}; write somewhere else")
-        if src in out.parents:
-            raise UserError(f"{flag} {path} is inside the input {item}; write somewhere else")
-        if out in src.parents:
-            raise UserError(f"{flag} {path} contains the input {item}; write somewhere else")
+        for src, what in ((item, f"the input {item}"), (adapter_base(item), f"the base of the input {item}")):
+            if src is None:
+                continue
+            src = Path(os.path.realpath(src))
+            if out == src:
+                raise UserError(f"{flag} {path} is {what}; write somewhere else")
+            if src in out.parents:
+                raise UserError(f"{flag} {path} is inside {what}; write somewhere else")
+            if out in src.parents:
+                raise UserError(f"{flag} {path} contains {what}; write somewhere else")
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base checkpoint an adapter run reads (its lora.json's base.path), or None when path is not one
+    (or its lora.json cannot be read: loading it refuses that later)."""
+    try:
+        with open(Path(path) / LORA_FILE, "rb") as f:
+            base = json.loads(f.read(1 << 20))["base"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return base if isinstance(base, str) and base else None
 
 
 def check_real_dir(path: str | Path, flag: str = "--out") -> Path:

@@ -98,8 +98,7 @@ class LoraModel:
     @classmethod
     def load(cls, run_dir) -> "LoraModel":
         """The adapter run in run_dir on its base (refused if the base changed)."""
-        lcfg, ref, adapters = ad.read_adapter_run(run_dir)
-        cfg, params = ad.load_base(run_dir, ref, mapped=True)
+        lcfg, ref, adapters, cfg, params = ad.load_adapter_run(run_dir, mapped=True)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
     precision = "f32"
@@ -121,9 +120,6 @@ class LoraModel:
     def n_params(self) -> int:
         """The parameters a step computes with (the base's): what MFU counts."""
         return self.base.n_params()
-
-    def n_trainable(self) -> int:
-        return sum(a.size for a in self.params.values())
 
     def checkpoint_writers(self, tokenizer=None) -> dict:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)

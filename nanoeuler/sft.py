@@ -271,6 +271,9 @@ def answer_for(task: str, item: dict) -> str | None:
     raise ValueError(task)
 
 
+MAX_MISSES = 2000   # candidates in a row that `fits` refuses before the offline set is declared out of reach
+
+
 def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
                          fits: Callable[[dict], bool] | None = None) -> tuple[list[dict], list[dict]]:
     """(train, held-out) Alpaca records made from the bundled corpus. A line is held out when its hash
@@ -278,7 +281,8 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
     Half the records carry the line in `input`, half inline after the question (with an empty input),
     the way one types it into the chat: "What is the first word of this line? To be, or not to be".
     Each record also carries `task` and `line` (not used by the template) for scoring and tests.
-    fits(record) -> bool skips candidates (e.g. those longer than a model's context, see `fits_context`).
+    fits(record) -> bool skips candidates (e.g. those longer than a model's context, see `fits_context`);
+    MAX_MISSES of them skipped in a row is a UserError (a context too short for the set).
 
         {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
          "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
@@ -292,7 +296,7 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
             pools[held].append(item)
     split = []
     for held, n in ((False, n_train), (True, n_heldout)):
-        pool, records = pools[held], []
+        pool, records, misses = pools[held], [], 0
         tasks = list(TASKS)
         while len(records) < n:
             item = pool[int(rng.integers(len(pool)))]
@@ -307,6 +311,13 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
             record = {"instruction": instruction, "input": inp, "output": answer, "task": task, "line": item["line"]}
             if fits is None or fits(record):
                 records.append(record)
+                misses = 0
+            else:
+                misses += 1
+                if misses == MAX_MISSES:   # none, or next to none, fits: refuse rather than draw forever
+                    raise UserError(f"the offline instruction set: {MAX_MISSES} examples in a row are longer than "
+                                    f"the model's context, with {len(records)} of {n} found; it needs a model "
+                                    f"with a longer context (or give --data with shorter examples)")
         split.append(records)
     return split[0], split[1]
 

@@ -95,3 +95,17 @@ def quantize(a: np.ndarray, q) -> np.ndarray:
         raw = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
         raw[..., -2:] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
         return raw.reshape(a.shape[0], -1)
+
+
+def patch_tensor_info(path, name: str, offset: int | None = None, qtype: str | None = None):
+    """Rewrite tensor `name`'s info in the GGUF file in place: its data offset (from the start of the data,
+    as the file stores it) and/or its type (the bytes stay the same)."""
+    import gguf
+    r = gguf.GGUFReader(str(path), "r+")
+    parts = next(t.field.parts for t in r.tensors if t.name == name)
+    if offset is not None:
+        parts[-1][0] = offset
+    if qtype is not None:
+        parts[-2][0] = getattr(gguf.GGMLQuantizationType, qtype)
+    r.data.flush()
+    return path

@@ -218,6 +218,29 @@ def _recorded_precision(run):
     return json.loads((run / "trainer.json").read_text())["precision"]
 
 
+def test_bf16_training_keeps_float32_master_weights(tmp_path, monkeypatch):
+    """Only the products' operands are bfloat16: the weights the optimizer updates (and the checkpoint) stay
+    float32, so an update smaller than half a bfloat16 step of its weight is kept, not rounded away. The
+    kernels' float64 twin stands in for them, so this runs on any CPU."""
+    from safetensors.numpy import load_file
+    monkeypatch.setattr(bf16, "AVAILABLE", True)
+    monkeypatch.setattr(bf16, "KERNELS", bf16.TWIN)
+    from train_fixtures import TINY, SyntheticSource
+    from nanoeuler.train import TrainConfig, run_training
+    model = Model.init(TINY, seed=0)
+    before = {n: p.copy() for n, p in model.params.items()}
+    tcfg = TrainConfig(steps=2, batch_size=4, lr=1e-6, warmup=0, eval_every=2, eval_batches=1, ckpt_every=2)
+    run_training(model.set_precision("bf16"), None, SyntheticSource(), tmp_path / "run", tcfg, progress=False)
+    saved = load_file(str(tmp_path / "run" / "model.safetensors"))
+    for name, w0 in before.items():
+        w1 = model.params[name]
+        assert w1.dtype == np.float32 and np.array_equal(saved[name], w1), name
+        half_step = np.ldexp(np.float32(1), np.frexp(w0)[1] - 9)     # half the bfloat16 spacing at each weight
+        small = (w1 != w0) & (np.abs(w1 - w0) < half_step)
+        assert small.mean() > 0.5, name           # lr 1e-6: updates far below it, and they count
+        assert not np.array_equal(bf16.round_bf16(w1), w1), name      # not weights held in bfloat16
+
+
 @needs_bf16
 def test_bf16_run_resumes_bit_for_bit_and_records_its_precision(tmp_path):
     _train(tmp_path / "a", 6)

@@ -474,6 +474,53 @@ def test_writes_never_follow_links_nor_replace_what_was_not_named(run_dir, text_
     assert snapshot(tmp_path) == before
 
 
+def test_no_command_writes_over_or_into_the_base_an_input_adapter_run_reads(run_dir, text_file, tmp_path, capsys):
+    """An adapter run reads its base: every writing command that takes one refuses an output that is, holds or
+    lies inside that base (also named through a link, or with the run named through one), even with --force,
+    and nothing on disk changes (`lora merge --out BASE --force` replaced the base with exit 0)."""
+    import shutil
+
+    from nanoeuler.adapters import LoraConfig
+    from nanoeuler.checkpoint import load_tokenizer, save_files
+    from nanoeuler.lora import LoraModel
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(run_dir, base)
+    save_files(run, LoraModel.new(base, LoraConfig(2, 4.0), seed=0).checkpoint_writers(load_tokenizer(base)))
+    (tmp_path / "alias").symlink_to(tmp_path, target_is_directory=True)    # base again, through a linked folder
+    (tmp_path / "run-link").symlink_to(run, target_is_directory=True)
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "list.tsv").write_text("1\tAn Author\tA Title\n")
+    via_link = tmp_path / "alias" / "base"
+    short = ["--steps", "1", "--batch-size", "1", "--no-progress"]    # a case let through is one quick step
+    cases = [
+        (["lora", "merge", "--ckpt", run, "--out", base, "--force"], "is the base of the input"),
+        (["lora", "merge", "--ckpt", tmp_path / "run-link", "--out", base, "--force"], "is the base of the input"),
+        (["lora", "merge", "--ckpt", run, "--out", via_link, "--force"], "is the base of the input"),
+        (["lora", "merge", "--ckpt", run, "--out", base / "merged"], "inside the base of the input"),
+        (["lora", "merge", "--ckpt", run, "--out", run / "merged"], "inside the input"),
+        (["export", "--ckpt", run, "--format", "hf", "--out", via_link, "--force"], "is the base of the input"),
+        (["export", "--ckpt", run, "--format", "peft", "--out", base, "--force"], "is the base of the input"),
+        (["sft", "--base", run, "--out", base / "sft", *short], "inside the base of the input"),
+        (["dpo", "--sft", run, "--out", base / "dpo", *short], "inside the base of the input"),
+        (["train", "--init-from", run, "--data", tmp_path / "d", "--out", base / "t", *short],
+         "inside the base of the input"),
+        (["dpo-data", "--from-model", run, "--out", base, "--force"], "is the base of the input"),
+        (["tokenizer", "export", "--tokenizer", run, "--out", base / "tok.json", "--force"],
+         "inside the base of the input"),
+        (["prepare", text_file, "--tokenizer", run, "--out", base / "data"], "inside the base of the input"),
+        (["prepare", text_file, "--tokenizer", run, "--out", run / "data"], "inside the input"),
+        (["data", "gutenberg", "--books", tmp_path / "books" / "list.tsv", "--url", "http://127.0.0.1:9/{id}",
+          "--retries", "0", "--out", tmp_path / "books"], "contains the input"),
+    ]
+    assert main([str(a) for a in ["prepare", text_file, "--tokenizer", base, "--no-progress", "--out",
+                                  tmp_path / "d"]]) == 0       # a DATA directory for train's case
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    for argv, needle in cases:
+        assert needle in one_line_error(argv, capsys), argv
+    assert snapshot(tmp_path) == before
+
+
 def test_prepare_and_tokenizer_replace_their_own_output_with_force(text_file, tmp_path, capsys):
     """An existing output needs --force; with it the output (and only it) is replaced."""
     tok_path, data = tmp_path / "tok.json", tmp_path / "d"

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("gguf")
 import gguf  # noqa: E402
-from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf  # noqa: E402
+from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, patch_tensor_info, write_gguf  # noqa: E402
 
 from nanoeuler import Model  # noqa: E402
 from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
@@ -194,13 +194,85 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
     ({"general.architecture": "qwen3"}, "architecture 'qwen3' is not supported"),
     ({"tokenizer.ggml.model": "llama"}, r"'llama' \(SentencePiece\) is not supported"),
     ({"tokenizer.ggml.pre": "starcoder"}, "tokenizer.ggml.pre 'starcoder' is not supported"),
-    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.type = 'linear' is not supported"),
+    ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type = 'yarn' is not supported"),
     ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),
 ])
 def test_unsupported_fields_are_refused_by_name(tmp_path, model, tok, meta, match):
     path = write_gguf(tmp_path / "m.gguf", model, tok)
     patched = rewrite_meta(path, tmp_path / "p.gguf", meta)
     refused(tmp_path, patched, match)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("rope.scale_linear", 4.0), ("rope.scaling.factor", 4.0), ("rope.scaling.type", "longrope"),
+    ("rope.freq_scale", 0.25), ("rope.scaling.attn_factor", 0.5), ("rope.scaling.original_context_length", 4096),
+    ("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.1), ("rope.scaling.alpha", 1000.0),
+    ("rope.scale_linear", "4"),
+])
+def test_rope_scaling_is_refused_by_name(tmp_path, model, tok, key, value):
+    """Every RoPE-scaling key llama.cpp applies, at a value that scales: refused by name (scale_linear = 4 was
+    ignored, and the import computed another model than llama.cpp does)."""
+    path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf", {f"llama.{key}": value})
+    refused(tmp_path, path, f"llama.{key} = {value!r} is not supported .RoPE scaling")
+
+
+def test_neutral_rope_scaling_values_import(tmp_path, model, tok):
+    """The values that leave RoPE unscaled (llama.cpp's defaults, or what computes the same) import."""
+    neutral = {"llama.rope.scale_linear": 1.0, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0,
+               "llama.rope.scaling.attn_factor": 1.0, "llama.rope.freq_scale": 1.0,
+               "llama.rope.scaling.original_context_length": model.config.ctx_len}
+    path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf", neutral)
+    cfg, params, _, _ = load_gguf(path)
+    assert cfg == model.config and all(np.array_equal(params[n], model.params[n]) for n in params)
+
+
+def test_vocab_size_must_be_the_embeddings_rows_as_an_integer(tmp_path, model, tok):
+    n = model.config.vocab_size
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    refused(tmp_path, rewrite_meta(path, tmp_path / "s.gguf", {"llama.vocab_size": str(n)}),
+            f"llama.vocab_size = '{n}' is not a non-negative integer")
+    refused(tmp_path, rewrite_meta(path, tmp_path / "w.gguf", {"llama.vocab_size": n + 1}),
+            f"llama.vocab_size = {n + 1} disagrees with the {n} rows of token_embd.weight")
+    assert load_gguf(rewrite_meta(path, tmp_path / "ok.gguf", {"llama.vocab_size": n}))[0] == model.config
+
+
+def offset_of(path, name: str) -> int:
+    """Tensor `name`'s data offset as the file stores it (from the start of the data section)."""
+    r = gguf.GGUFReader(str(path))
+    return next(int(t.data_offset) for t in r.tensors if t.name == name) - r.data_offset
+
+
+def test_overlapping_tensor_data_is_refused(tmp_path, model, tok):
+    """v's offset pointing at k's bytes imported with exit 0 and wv == wk; llama.cpp refuses such a file."""
+    path = write_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")
+    patch_tensor_info(path, "blk.0.attn_v.weight", offset=offset_of(path, "blk.0.attn_k.weight"))
+    refused(tmp_path, path, "the data of tensors blk.0.attn_k.weight and blk.0.attn_v.weight overlap")
+
+
+def test_misaligned_tensor_data_is_refused(tmp_path, model, tok):
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    patch_tensor_info(path, "blk.1.ffn_up.weight", offset=offset_of(path, "blk.1.ffn_up.weight") + 4)
+    refused(tmp_path, path, "tensor blk.1.ffn_up.weight's data starts at byte .*, off the file's 32-byte alignment")
+
+
+def test_a_relabelled_tensor_type_is_named(tmp_path, model, tok):
+    """A Q8_0 tensor relabelled F32: its F32 size runs into the next tensor, and the bytes it is given are Q8_0's."""
+    path = write_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")
+    patch_tensor_info(path, "blk.0.attn_q.weight", qtype="F32")
+    refused(tmp_path, path, r"tensor blk.0.attn_q.weight is labelled F32 \[256, 256\] .* the size of Q8_0 data")
+
+
+def test_non_finite_weights_are_named_not_blamed_on_training(tmp_path, model, tok, capsys):
+    """A NaN in a file's weights was reported as 'the training diverged ... (try a lower --lr)' by the save."""
+    from nanoeuler.cli import main
+    m = Model(model.config, {n: a.copy() for n, a in model.params.items()})
+    m.params["layers.1.attn.wv.weight"][3, 5] = np.nan
+    m.params["layers.1.attn.wv.weight"][4, 5] = np.inf
+    path = write_gguf(tmp_path / "m.gguf", m, tok)
+    refused(tmp_path, path, r"tensor blk.1.attn_v.weight \(F32\) holds 2 NaN/Inf value\(s\)")
+    assert main(["import", "--from", str(path), "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err
+    assert "blk.1.attn_v.weight" in err and "--lr" not in err and "diverged" not in err
 
 
 def test_a_bias_tensor_is_refused(tmp_path, model, tok):
@@ -224,7 +296,8 @@ def rewrite_meta(src, dst, meta: dict, extra_tensor=None):
             w.add_key_value(name, f.contents(), f.types[0])
     for k, v in meta.items():
         if k != "general.architecture":
-            w.add_key_value(k, v, gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.UINT32)
+            w.add_key_value(k, v, gguf.GGUFValueType.STRING if isinstance(v, str) else
+                            gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.UINT32)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     if extra_tensor:

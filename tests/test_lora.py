@@ -9,6 +9,7 @@ from nanoeuler import adapters as ad
 from nanoeuler import ops
 from nanoeuler.fast import bf16
 from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
+from nanoeuler.errors import UserError
 from nanoeuler.lora import LoraModel
 from nanoeuler.model import Model
 
@@ -77,6 +78,18 @@ def test_fast_step_equals_reference_step(arch, parts, p, save, monkeypatch):
         assert rel_err(g2[name], g1[name]) < 1e-10, name
     if p:   # the masks matter: without them the step differs
         assert abs(m.loss_and_grads(tokens, mask)[1] - o2) > 1e-6
+
+
+@pytest.mark.parametrize("arch", ["euler", "gpt2"])
+def test_adapter_dropout_ends_with_its_step(arch):
+    """Adapter dropout is set for one step only: loss() after a step with it is the loss() before (the step
+    changes no parameter) and the merged model's, with no dropout mask."""
+    m = lora_model(arch, dropout=0.3)
+    tokens, mask = batch(m.config)
+    before = m.loss(tokens, mask)
+    m.loss_and_grads(tokens, mask, adapter_dropout=ops.Dropout(0.3, seed=11))
+    assert m.loss(tokens, mask) == before
+    assert before[1] == pytest.approx(m.merged().loss(tokens, mask)[1], abs=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["euler", "gpt2"])
@@ -352,7 +365,38 @@ def test_lora_modules_to_save_refusals(tmp_path, tok, capsys):
         (tmp_path / "a" / "lora.json").write_text(json.dumps(meta | {"modules_to_save": bad}))
         assert main(["sample", "--ckpt", str(tmp_path / "a"), "--prompt", "To be", "--max-new-tokens", "1"]) == 2, bad
         err = capsys.readouterr().err
-        assert err.startswith("error:") and "modules-to-save" in err and err.count("\n") == 1, err
+        assert err.startswith("error:") and "lora.json: modules_to_save" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rank", 500, "rank must be in [1, 16], got 500"),          # was: "--lora must be in [1, 16] ..."
+    ("rank", "4", "rank must be an integer, got '4'"),          # was: accepted as 4
+    ("rank", 4.5, "rank must be an integer, got 4.5"),          # was: accepted as 4
+    ("rank", True, "rank must be an integer, got True"),
+    ("alpha", "8", "alpha must be a number, got '8'"),
+    ("alpha", -1.0, "alpha must be > 0, got -1.0"),
+    ("dropout", 1.5, "dropout must be in [0, 1), got 1.5"),
+    ("targets", ["q", "x"], "targets: x: the targets of arch euler are"),
+    ("targets", "q,v", "targets must be a list of names, got 'q,v'"),
+    ("base", {"path": 3, "sha256": "0"}, "base must be"),
+])
+def test_a_bad_lora_json_names_the_file_and_field_not_a_flag(tmp_path, tok, capsys, field, value, needle):
+    """A hand-edited lora.json is refused in one line naming the file and the field (it named --lora flags
+    the run was never given) and keeps each field's JSON type (a string rank "4" was taken as 4)."""
+    from nanoeuler.checkpoint import save_files
+    from nanoeuler.cli import main
+    Model.init(tiny_config(vocab_size=tok.vocab_size), seed=0).save(tmp_path / "base", tokenizer=tok)
+    save_files(tmp_path / "a", LoraModel.new(tmp_path / "base", ad.LoraConfig(2, 4.0), seed=0).checkpoint_writers(tok))
+    meta = json.loads((tmp_path / "a" / "lora.json").read_text())
+    (tmp_path / "a" / "lora.json").write_text(json.dumps(meta | {field: value}))
+    for argv in (["sample", "--ckpt", str(tmp_path / "a"), "--prompt", "To be", "--max-new-tokens", "1"],
+                 ["info", str(tmp_path / "a")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / 'a' / 'lora.json'}: {needle}" in err, err
+        assert "--lora" not in err
+    with pytest.raises(UserError, match="lora.json"):
+        LoraModel.load(tmp_path / "a")
 
 
 def test_sft_lora_two_ranks_equal_one_process(tmp_path, tok):

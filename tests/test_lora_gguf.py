@@ -69,8 +69,8 @@ def test_gguf_lora_refuses_what_is_not_an_adapter_run(run, capsys, tmp_path):
 @pytest.mark.parametrize("fmt, extra, needle", [
     ("gguf-lora", ["--dtype", "q8_0"], "--dtype is not for --format gguf-lora"),
     ("peft", ["--dtype", "float16"], "--dtype is not for --format peft"),
-    ("gguf-lora", [], "inside the input"),   # --out inside the base the adapters were trained on
-    ("gguf", [], "inside the input"),        # the merged export reads the base too
+    ("gguf-lora", [], "inside the base of the input"),   # the base the adapters were trained on
+    ("gguf", [], "inside the base of the input"),        # the merged export reads the base too
 ])
 def test_adapter_exports_refuse_a_dtype_and_writing_into_the_base(run, capsys, tmp_path, fmt, extra, needle):
     d, _ = run

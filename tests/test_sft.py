@@ -295,6 +295,32 @@ def test_sft_cli_trains_and_resumes(tmp_path, tok, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["sft", "--base"], ["dpo", "--sft"]])
+def test_a_context_no_offline_example_fits_is_one_line_not_a_hang(tmp_path, tok, command):
+    """`sft --base` a 48-wide model with a 64-token context sat at step 0 forever: the offline set drew
+    examples until 6000 fitted, and none does. A subprocess, so that the hang it was fails instead of hanging."""
+    import os
+    import subprocess
+    import sys
+    cfg = Config(vocab_size=tok.vocab_size, dim=48, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=64, ffn_hidden=96,
+                 n_mtp=1)
+    Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
+    argv = [*command, str(tmp_path / "base"), "--out", str(tmp_path / "out"), "--steps", "1", "--no-progress"]
+    r = subprocess.run([sys.executable, "-m", "nanoeuler", *argv], capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "longer than the model's context, with 0 of 6000 found" in r.stderr
+    assert not (tmp_path / "out" / "trainer.json").exists()
+
+
+def test_offline_set_keeps_a_filter_that_passes_rarely():
+    """The bound on misses refuses only a context next to nothing fits: one in MAX_MISSES / 2 is enough."""
+    from nanoeuler.sft import MAX_MISSES
+    seen = []
+    rare = lambda r: seen.append(r) or len(seen) % (MAX_MISSES // 2) == 0     # noqa: E731
+    assert len(offline_instructions(n_train=3, n_heldout=1, fits=rare)[0]) == 3
+
+
 def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypatch):
     """Canned greedy answers with known verdicts: correct (in format and equal), right but never stopped (lenient
     only), right first line then more (lenient only), wrong, a new ### section, and an unscored task."""

@@ -6,7 +6,7 @@ Use them as `type=` (argparse then reports `error: argument --lr: must be a fini
     p.add_argument("--seed", type=nonneg_int)                      # 0, 1, ...
     p.add_argument("--lr", type=finite_float(lo=0, lo_open=True))  # 0 < x < inf   ("nan", "inf" refused)
     p.add_argument("--top-p", type=finite_float(0, 1, lo_open=True))
-    p.add_argument("--tokenizer", type=existing_file)              # a file (or a directory holding the name)
+    p.add_argument("--tokenizer", type=existing_path)              # a file or directory that exists
     p.add_argument("--out", type=output_file)                      # a file path that is not a directory
     p.add_argument("--out", type=output_dir)                       # a directory path that is not a file
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from pathlib import Path
 
 MAX_INT = 1 << 62
@@ -99,18 +97,6 @@ def check_float(name: str, value, lo: float | None = None, hi: float | None = No
         raise UserError(f"{name}: {e}") from None
 
 
-def existing_file(text: str) -> str:
-    """A path that is an existing readable file (not a directory)."""
-    p = Path(text)
-    if not p.exists():
-        raise argparse.ArgumentTypeError(f"{text} not found")
-    if p.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    if not os.access(p, os.R_OK):
-        raise argparse.ArgumentTypeError(f"{text} is not readable")
-    return text
-
-
 def existing_path(text: str) -> str:
     """A path that exists (file or directory)."""
     if not Path(text).exists():
@@ -172,11 +158,3 @@ def escape_control(text: str) -> str:
         else:
             out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
     return "".join(out)
-
-
-def terminal_safe() -> bool:
-    """Whether stdout is a terminal (escape control characters there; pipes get the exact text)."""
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):
-        return False

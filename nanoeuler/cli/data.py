@@ -57,7 +57,7 @@ def run(args) -> int:
     from ..errors import UserError
 
     from ..data.download import check_url
-    from ..fileio import check_real_dir
+    from ..fileio import check_apart, check_real_dir
     check_real_dir(args.out)             # downloads resume into an existing --out, never through a link
     if args.retries < 0:
         raise UserError(f"--retries must be >= 0, got {args.retries}")
@@ -67,6 +67,7 @@ def run(args) -> int:
         check_url(url.replace("{id}", "1"), "--url")
     kw = dict(retries=args.retries, backoff=args.backoff, progress=True)
     if args.dataset == "gutenberg":
+        check_apart(args.out, [args.books])
         books = sources.read_book_list(args.books) if args.books else sources.read_book_list()
         if args.limit is not None:
             books = books[:args.limit]

@@ -57,7 +57,7 @@ def source_lines(src: dict, n_params: int) -> list[str]:
 
 def lora_config(args, cfg):
     """The LoRA config of `info --lora R` (default targets), or an adapter run's own, or None."""
-    from ..adapters import LoraConfig, is_adapter_run, read_adapter_run
+    from ..adapters import LORA_FILE, LoraConfig, is_adapter_run, read_adapter_run
     from ..errors import UserError
     if args.lora is not None:
         saved = tuple(m for m in (args.lora_modules_to_save or "").split(",") if m)
@@ -65,7 +65,7 @@ def lora_config(args, cfg):
     if args.lora_modules_to_save is not None:
         raise UserError("--lora-modules-to-save needs --lora R")
     if is_adapter_run(args.target):
-        return read_adapter_run(args.target, read_only=True)[0].check(cfg)
+        return read_adapter_run(args.target, read_only=True)[0].check(cfg, f"{args.target}/{LORA_FILE}")
     return None
 
 

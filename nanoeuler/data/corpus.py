@@ -35,17 +35,3 @@ def bundled_split() -> tuple[list[str], list[str]]:
     val = [n for i, n in enumerate(names) if i % VAL_EVERY == 0]
     train = [n for n in names if n not in val]
     return train, val
-
-
-def write_bundled(out_dir: str | Path) -> tuple[Path, Path]:
-    """Write the bundled corpus as two text files (train.txt, val.txt) in out_dir; return their paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    works = bundled_works()
-    train, val = bundled_split()
-    paths = []
-    for split, names in (("train", train), ("val", val)):
-        path = out_dir / f"shakespeare_{split}.txt"
-        path.write_text("\n\n".join(works[n] for n in names), encoding="utf-8")
-        paths.append(path)
-    return paths[0], paths[1]

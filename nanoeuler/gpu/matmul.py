@@ -25,21 +25,13 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_POINTER_MODE_HOST = 0
 
-_tf32 = False
-
 
 def set_tf32(enabled: bool) -> None:
     """Route fp32 CuPy matmuls through TF32 tensor cores (True) or exact fp32 (False, the default)."""
-    global _tf32
     cp = require_cupy()
     from cupy._core import _routines_linalg as rl
     rl.set_compute_type(np.float32, rl.COMPUTE_TYPE_TF32 if enabled else rl.COMPUTE_TYPE_DEFAULT)
-    _tf32 = bool(enabled)
     del cp
-
-
-def tf32_enabled() -> bool:
-    return _tf32
 
 
 def to_bf16(x):

@@ -349,12 +349,6 @@ def _f32_at(typingctx, addr):
 STRIDES = tuple(sum(_layout(k)[:2]) if k in KINDS.values() else 0 for k in range(6))  # bytes of a panel's block
 
 
-def kind_of(block_bytes: int) -> int:
-    """The kernel kind of a kernel-form matrix by its last axis (bytes of a panel's block), -1 if none.
-    kind_of(2176) -> 3 (Q8_0)"""
-    return STRIDES.index(block_bytes) if block_bytes in STRIDES[3:] else -1
-
-
 @njit(**OPTS)
 def gemv_panel(kind, Wa, xqa, xda, xsa, Ya, n, O, I, add, p, T):
     """Outputs p·PANEL .. (at most O) of Y (+)= X @ Wᵀ for every row, all addresses: panel p of W's kernel

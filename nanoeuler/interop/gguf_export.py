@@ -190,21 +190,18 @@ def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
     and each adapted weight's A [r, in] and B [out, r] as `<its llama.cpp name>.lora_a` / `.lora_b`, as
     llama.cpp's convert_lora_to_gguf.py writes them (B's rows of q and k permuted like the weight's rows).
     llama.cpp applies W + (alpha / r)·B·A: our merged model."""
-    from ..adapters import check_adapters, is_adapter_run, load_base, modules, read_adapter_run, row_slices
+    from ..adapters import is_adapter_run, load_adapter_run, modules, row_slices
     from ..fileio import atomic_path
     from .outputs import check_free
     gguf = _gguf()
     if not is_adapter_run(run_dir):
         raise UserError(f"--format gguf-lora exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
-    lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
-    cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
-    lcfg = lcfg.check(cfg)
-    check_adapters(cfg, lcfg, adapters, run_dir)
+    lcfg, _, adapters, cfg, _ = load_adapter_run(run_dir, read_only=True)   # refused if the base changed
     if lcfg.modules_to_save:   # llama-adapter.cpp: only .lora_a/.lora_b pairs; *_norm.weight read and ignored
         raise UserError(f"--format gguf-lora: {run_dir} trains {','.join(lcfg.modules_to_save)} whole, which a "
                         f"llama.cpp LoRA adapter cannot carry (A/B pairs only); export --format peft, or merge "
                         f"(nanoeuler lora merge) and export --format gguf")
-    out = check_free(out, force)
+    out = check_free(out, force, inputs=[run_dir])
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF adapter is one file")
     with atomic_path(out) as tmp:

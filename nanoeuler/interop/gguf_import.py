@@ -110,9 +110,50 @@ def field(meta: dict, key: str, kind=int, default=None):
     return v
 
 
+def check_tensor_layout(reader, path: Path) -> None:
+    """Refuse (UserError, naming the tensors) data that llama.cpp's gguf_init refuses: each tensor's data must
+    start where the previous one's ends, padded to the file's alignment, in the order of the tensor infos. So
+    no two tensors share bytes (v's offset pointing at k's data), no data starts off the alignment, and each
+    tensor's type and shape account for exactly the bytes it is given (a Q8_0 tensor relabelled F32 does not).
+
+        three F32 [1024] tensors at data offsets 0, 4096, 8192 (alignment 32)    # passes
+        the same at 0, 0, 8192                                                   # UserError: ... overlap
+    """
+    align, expected, previous = reader.alignment, reader.data_offset, None
+    for t in reader.tensors:
+        offset = int(t.data_offset)
+        if offset != expected:
+            if (offset - reader.data_offset) % align:
+                why = f"tensor {t.name}'s data starts at byte {offset}, off the file's {align}-byte alignment"
+            elif previous is None:
+                why = f"tensor {t.name}'s data starts at byte {offset}, not where the data begins ({expected})"
+            else:
+                why = layout_mismatch(previous, t, offset - int(previous.data_offset), align)
+            raise UserError(f"{path}: {why}; the file is damaged")
+        expected = offset + -(-int(t.n_bytes) // align) * align
+        previous = t
+
+
+def layout_mismatch(prev, t, given: int, align: int) -> str:
+    """Why tensor t does not start where tensor prev's data (given bytes of the file, padding included) ends:
+    prev's type does not match those bytes (when they are the size of another type's data of its shape), or
+    the two tensors' data overlap, or leave a gap."""
+    import gguf
+    shape = list(reversed([int(n) for n in prev.shape]))
+    fits = [q.name for q, (block, size) in gguf.GGML_QUANT_SIZES.items()
+            if prev.n_elements % block == 0 and given - align < prev.n_elements // block * size <= given]
+    if fits:
+        return (f"tensor {prev.name} is labelled {prev.tensor_type.name} {shape} ({int(prev.n_bytes)} bytes) but "
+                f"is given {given} bytes, the size of {' or '.join(fits)} data of that shape: its type does not "
+                f"match its bytes")
+    if given < int(prev.n_bytes):
+        return f"the data of tensors {prev.name} and {t.name} overlap ({t.name} starts {given} bytes into {prev.name})"
+    return f"{given - int(prev.n_bytes)} bytes lie between the data of tensors {prev.name} and {t.name}"
+
+
 def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
     """(GGUF name -> float32 array in numpy order ([out, in] for matrices), GGUF name -> source type, the
-    bytes all tensors take in the file)."""
+    bytes all tensors take in the file). A NaN or Inf weight is refused here, naming its tensor."""
     import gguf
     from tqdm import tqdm
     out, types = {}, {}
@@ -124,6 +165,10 @@ def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np
             raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be read ({str(e)[:100]})") from None
         out[t.name] = np.ascontiguousarray(a, dtype=np.float32)
         types[t.name] = t.tensor_type.name
+        bad = out[t.name].size - np.count_nonzero(np.isfinite(out[t.name]))
+        if bad:
+            raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) holds {bad} NaN/Inf value(s); the "
+                            f"file's weights are damaged")
     return out, types, sum(int(t.n_bytes) for t in reader.tensors)
 
 
@@ -193,13 +238,44 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
 
 # -------------------------------------------------------------------------------------- architectures
 
+# Every RoPE-scaling key llama.cpp reads (src/llama-arch.cpp LLM_KV_ROPE_*, read in llama-model.cpp and applied
+# in llama-context.cpp), each with the values that leave RoPE unscaled (what llama.cpp assumes when the key is
+# absent, or what computes the same): our RoPE is unscaled, so any other value is refused by name.
+# None: the model's own context_length (llama.cpp's default for the original context).
+ROPE_SCALING = {
+    "rope.scale_linear": (0, 1),                 # the older name of rope.scaling.factor; 0 = unset
+    "rope.freq_scale": (1,),                     # 1 / factor, as older converters wrote it
+    "rope.scaling.type": ("none", "linear"),     # linear (llama.cpp's default type) by a neutral factor is plain
+    "rope.scaling.factor": (0, 1),
+    "rope.scaling.attn_factor": (1,),
+    "rope.scaling.alpha": (0,),
+    "rope.scaling.original_context_length": None,
+    "rope.scaling.yarn_log_multiplier": (0,),
+    "rope.scaling.yarn_ext_factor": (-1, 0),     # -1 = unset
+    "rope.scaling.yarn_attn_factor": (1,),
+    "rope.scaling.yarn_beta_fast": (32,),
+    "rope.scaling.yarn_beta_slow": (1,),
+}
+# what else an architecture's file may say that our model does not compute, with its values that change nothing
+# (a window: gguf_config, by architecture)
+UNSUPPORTED = {"expert_count": (0, 1), "attention.clamp_kqv": (0,), "logit_scale": (1,),
+               "final_logit_softcapping": (0,), "attn_logit_softcapping": (0,)}
+
+
 def refuse_unsupported(meta: dict, arch: str) -> None:
-    for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor", f"{arch}.expert_count",
-                f"{arch}.attention.clamp_kqv", f"{arch}.logit_scale", f"{arch}.final_logit_softcapping",
-                f"{arch}.attn_logit_softcapping"):
-        v = meta.get(key)
-        if v not in (None, "none", 0, 1):  # absent, or the values that change nothing
-            raise UserError(f"GGUF metadata {key} = {v!r:.40} is not supported")
+    """UserError naming the first key of ROPE_SCALING or UNSUPPORTED the file sets to a value that is not neutral.
+
+        refuse_unsupported({"llama.rope.scale_linear": 4.0}, "llama")
+        # UserError: GGUF metadata llama.rope.scale_linear = 4.0 is not supported (RoPE scaling; ...)
+    """
+    for table, what in ((ROPE_SCALING, " (RoPE scaling: this model's RoPE is unscaled)"), (UNSUPPORTED, "")):
+        for key, neutral in table.items():
+            value = meta.get(f"{arch}.{key}")
+            if neutral is None:
+                neutral = (meta.get(f"{arch}.context_length"),)
+            if value is not None and (isinstance(value, bool) or value not in neutral):
+                shown = float(str(np.float32(value))) if isinstance(value, float) else value   # as written
+                raise UserError(f"GGUF metadata {arch}.{key} = {shown!r:.40} is not supported{what}")
 
 
 def gguf_config(meta: dict, arch, tensors: dict):
@@ -233,6 +309,14 @@ def gguf_config(meta: dict, arch, tensors: dict):
         return Config(**fields)
     except UserError as e:
         raise UserError(f"GGUF metadata: {e}") from None
+
+
+def check_vocab_size(meta: dict, arch: str, rows: int) -> None:
+    """{arch}.vocab_size, where the file states it (llama.cpp sizes the vocabulary by it): an integer, the
+    embedding's number of rows. check_vocab_size({"llama.vocab_size": "320"}, "llama", 320) -> UserError"""
+    n = field(meta, f"{arch}.vocab_size", default=rows)
+    if n != rows:
+        raise UserError(f"GGUF metadata {arch}.vocab_size = {n} disagrees with the {rows} rows of token_embd.weight")
 
 
 def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -271,6 +355,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
         raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
     path = Path(src)
     reader = open_gguf(path)
+    check_tensor_layout(reader, path)
     meta = metadata(reader, path)
     name = meta.get("general.architecture")
     arch = by_format("gguf", name) if isinstance(name, str) else None
@@ -280,6 +365,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     T, types, nbytes = tensors_of(reader, path, progress)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
+    check_vocab_size(meta, arch.gguf.name, T["token_embd.weight"].shape[0])
     cfg = gguf_config(meta, arch, T)
     params, src_names = gguf_params(cfg, T)
     if T:
@@ -300,8 +386,8 @@ def import_gguf(src: str | Path, out: str | Path, n_mtp: int | None = None, forc
     """Import the GGUF file src into the checkpoint directory out (whole or not at all)."""
     from ..checkpoint import SOURCE_FILE, json_writer, model_writers, save_files
     from .outputs import check_free, output_dir
-    check_free(out, force)
+    check_free(out, force, inputs=[src])
     cfg, params, tok, source = load_gguf(src, n_mtp, progress)
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, inputs=[src]) as tmp:
         save_files(tmp, {**model_writers(cfg, params, tok), SOURCE_FILE: json_writer(source)})
     return cfg, params, tok

@@ -327,7 +327,7 @@ def import_folder(src: str | Path, out: str | Path, n_mtp: int | None = None, fo
     from .outputs import check_free, output_dir
     check_free(out, force, inputs=[src])
     cfg, params, tok = load_hf_folder(src, n_mtp, progress)
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, inputs=[src]) as tmp:
         save_model(tmp, cfg, params, tok)
     return cfg, params, tok
 

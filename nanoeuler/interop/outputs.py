@@ -18,7 +18,7 @@ from ..errors import UserError
 
 def check_free(path: str | Path, force: bool, inputs=()) -> Path:
     """path, after the rules of every output (fileio.check_output: no link, an existing one only with
-    force, apart from the inputs); its parent must exist."""
+    force, apart from the inputs and the base an input adapter run reads); its parent must exist."""
     from ..fileio import check_output
     path = check_output(path, force, inputs)
     if not path.parent.exists():
@@ -27,9 +27,10 @@ def check_free(path: str | Path, force: bool, inputs=()) -> Path:
 
 
 @contextlib.contextmanager
-def output_dir(path: str | Path, force: bool = False):
-    """Yield a fresh temporary folder beside path; on success it becomes path (atomically replaced)."""
-    path = check_free(path, force)
+def output_dir(path: str | Path, force: bool = False, inputs=()):
+    """Yield a fresh temporary folder beside path; on success it becomes path (atomically replaced).
+    inputs: what the command reads, which path must stay apart from (check_free)."""
+    path = check_free(path, force, inputs)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

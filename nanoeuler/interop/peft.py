@@ -53,18 +53,15 @@ def adapter_config(cfg, lcfg, base_path: str) -> dict:
 
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
-    from ..adapters import check_adapters, is_adapter_run, load_base, read_adapter_run
+    from ..adapters import is_adapter_run, load_adapter_run
     from .hf import external_value
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     if not is_adapter_run(run_dir):
         raise UserError(f"--format peft exports an adapter run (sft/dpo/train --lora); {run_dir} has no lora.json")
-    lcfg, base, adapters = read_adapter_run(run_dir, read_only=True)
-    cfg, _ = load_base(run_dir, base)     # refused if the base changed: the adapters fit only the original
-    lcfg = lcfg.check(cfg)
-    check_adapters(cfg, lcfg, adapters, run_dir)
+    lcfg, base, adapters, cfg, _ = load_adapter_run(run_dir, read_only=True)   # refused if the base changed
     names = peft_names(cfg, lcfg)
-    with output_dir(out, force) as tmp:
+    with output_dir(out, force, inputs=[run_dir]) as tmp:
         offset = cfg.spec.hf.norm_offset   # a saved norm is stored as Hugging Face stores it (Gemma: w - 1)
         write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, a)
                                                           for n, a in adapters.items() if n in names}, "F32",
