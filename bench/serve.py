@@ -305,7 +305,7 @@ def engine_server(argv: list[str]) -> int:
     from nanoeuler.infer.engine import Job
     from nanoeuler.serve.app import run_server
     args = build_parser().parse_args(["serve", *argv])
-    app, sock = prepare(args)
+    app, sock, banner = prepare(args)
 
     @app.post("/bench/engine")
     async def engine_alone(body: dict):
@@ -324,7 +324,7 @@ def engine_server(argv: list[str]) -> int:
         ok = await ended == "done"
         return {"ok": ok, "wall_s": stamps["end"] - t0, "ttft_s": stamps.get("first", stamps["end"]) - t0,
                 "pid": os.getpid()}
-    run_server(app, sock, args.log_level)
+    run_server(app, sock, args.log_level, on_ready=lambda: print(banner, flush=True))
     return 0
 
 
