@@ -694,6 +694,38 @@ def test_tokenize_runs_off_the_event_loop(ckpt):
     assert duration > 0.5 and gaps.max() < duration / 3, (duration, gaps.max())
 
 
+def test_a_large_logprobs_reply_is_written_off_the_event_loop(ckpt):
+    """64 prompts scored with echo and 20 top logprobs a token: the reply's JSON (~10 MB) was built on the event
+    loop, which answered no one else meanwhile (/health waited 5 s). Now it is built on a worker thread and
+    /health keeps answering."""
+    import threading
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    text = bundled_works()["hamlet"]
+    body = {"model": "tiny", "prompt": [text[i * 900:i * 900 + 800] for i in range(64)], "max_tokens": 1,
+            "logprobs": 20, "echo": True}
+    with ServerThread(create_app(model, tok, "tiny", body_limit=1 << 20)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        span = {}
+
+        def big():
+            span["start"] = time.monotonic()
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=600)
+            span["end"], span["bytes"] = time.monotonic(), len(r.content)
+        worker = threading.Thread(target=big)
+        worker.start()
+        waits = []
+        while worker.is_alive():
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.01)
+        worker.join()
+    duration = span["end"] - span["start"]
+    assert span["bytes"] > 5e6 and max(waits) < duration / 4, (duration, max(waits))
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_choice_i_of_n_samples_with_seed_plus_i(ckpt, client, route):
     """The documented rule for n choices: choice i is exactly the single request with seed + i (a rule such

@@ -491,11 +491,17 @@ class Run:
 
 
 async def on_loop_if_short(size: int, fn, *args):
-    """fn(*args), which reads `size` characters or token ids of a request: on the event loop when they are
-    at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back cost every
-    request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, and the loop must go
-    on serving every other client meanwhile)."""
+    """fn(*args), which reads `size` characters, token ids or logprob values of a request: on the event loop
+    when they are at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back
+    cost every request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, the JSON of
+    64 choices with 20 top logprobs a token took the loop 5 s, and the loop must go on serving every other
+    client meanwhile)."""
     return fn(*args) if size <= INLINE_CHARS else await run_in_threadpool(fn, *args)
+
+
+def logprob_values(choices, top: int | None) -> int:
+    """The logprob values a reply writes for its choices' logprobs entries, each with `top` more."""
+    return sum(len(c.logprobs) for c in choices) * (1 + (top or 0))
 
 
 WARM_UP = [  # (method, path, body): what run_server sends through the app before it announces its port
@@ -816,10 +822,14 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                                    if with_usage else None)
 
         await run.finish(request)
-        choices = [{"index": c.index, "text": echo_text(c) + c.text,
-                    "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
-                    "finish_reason": c.finish_reason} for c in run.choices]
-        return chunk(choices, usage=usage(prompts, run.choices), **({"nanoeuler": notes} if notes else {}))
+
+        def reply() -> JSONResponse:
+            choices = [{"index": c.index, "text": echo_text(c) + c.text,
+                        "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason} for c in run.choices]
+            return JSONResponse(chunk(choices, usage=usage(prompts, run.choices),
+                                      **({"nanoeuler": notes} if notes else {})))
+        return await on_loop_if_short(logprob_values(run.choices, body.logprobs), reply)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -867,12 +877,16 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                                    if with_usage else None)
 
         await run.finish(request)
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+
+        def reply() -> JSONResponse:
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "system_fingerprint": None,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": c.chat_logprobs() if logprobs is not None else None,
                              "finish_reason": c.finish_reason} for c in run.choices],
-                "usage": usage([ids], run.choices), **extra}
+                "usage": usage([ids], run.choices), **extra})
+        return await on_loop_if_short(logprob_values(run.choices, logprobs), reply)
 
     return app
 
