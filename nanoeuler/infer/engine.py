@@ -10,11 +10,11 @@ request waits for another's many jobs. One engine step:
                  largest holder, that holder's row with the least cache is parked (its cache positions
                  copied aside, bit for bit; at most max_batch parked at once) and the row handed over. A
                  parked job resumes where it stopped, before its request's jobs not yet started.
-    2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance by at most
-                 max(prefill_tokens, decoding rows) tokens in all, shared max-min fairly between requests
-                 (fair_shares), the smallest demand first: a step's prefill costs about what its decoding
-                 does (the same kernel per token on the fused path), and a short prompt is in at once.
-                 A row whose cache is full joins the decoding rows.
+    2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance: each request
+                 by up to prefill_tokens tokens a step, its jobs in order. A long prompt goes in over several
+                 steps and no step stalls the running streams for long on one request's prompts, while many
+                 requests arriving together all go in at once. A row whose cache is full joins the
+                 decoding rows.
     3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
                  with the job's own random generator): a stop id or max_tokens ends the job, frees its row
     4. decode    one forward over all decoding rows at once: row r feeds its new token at position length_r;
@@ -196,7 +196,7 @@ class Batcher:
     def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 64):
         cfg = self.cfg = model.config
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)  # max_queue: requests waiting
-        self.prefill_tokens = int(prefill_tokens)  # prompt tokens prefilled a step, at least (module docstring)
+        self.prefill_tokens = int(prefill_tokens)  # prompt tokens a request prefills a step (module docstring)
         self.W = step.fuse_weights(cfg, model.params, batched=True)
         self.cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
         self.slots: list[_Seq | None] = [None] * self.max_batch
@@ -341,18 +341,13 @@ class Batcher:
             kv[:, dst, :, :n] = kv[:, src, :, :n]
 
     def _prefill(self) -> None:
-        """Advance the filling rows by max(prefill_tokens, decoding rows) tokens in all, split fairly between
-        requests (fair_shares), the smallest demand first; within a request, its jobs in order."""
+        """Advance the filling rows: each request by up to prefill_tokens tokens, its jobs in order."""
         by_group: dict[_Group, list[_Seq]] = {}
         for s in sorted((s for s in self.slots[self.n_dec:] if s is not None), key=lambda s: s.order):
             by_group.setdefault(s.group, []).append(s)
-        if not by_group:
-            return
-        demands = {g: sum(len(s.seq) - s.filled for s in seqs) for g, seqs in by_group.items()}
-        groups = sorted(by_group, key=lambda g: demands[g])
-        shares = fair_shares([demands[g] for g in groups], max(self.prefill_tokens, self.n_dec))
-        for g, share in zip(groups, shares):
-            for s in by_group[g]:
+        for seqs in by_group.values():
+            share = self.prefill_tokens
+            for s in seqs:
                 n = min(share, len(s.seq) - s.filled)
                 if n <= 0:
                     break
@@ -514,17 +509,3 @@ def _fail(jobs: list[Job], e: Exception) -> None:
     """End jobs the engine failed on: each gets ("error", message)."""
     for job in jobs:
         job.on_event("error", f"engine error: {type(e).__name__}: {e}"[:500])
-
-
-def fair_shares(demands: list[int], budget: int) -> list[int]:
-    """Split budget max-min fairly: a demand below an equal share gets all it asks, the rest is shared by the
-    others alike (in the order given; the last of them takes what integer division leaves).
-
-        fair_shares([10, 300, 500], 256) -> [10, 123, 123]      fair_shares([5, 5], 256) -> [5, 5]
-    """
-    order = sorted(range(len(demands)), key=lambda i: demands[i])
-    shares = [0] * len(demands)
-    for k, i in enumerate(order):
-        shares[i] = min(demands[i], budget // (len(order) - k))
-        budget -= shares[i]
-    return shares
