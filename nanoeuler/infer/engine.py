@@ -222,7 +222,7 @@ class Batcher:
             if self.closed:
                 raise Closed("the server is shutting down")
             g = self.groups.get(key)
-            if g is None or not g.waiting:
+            if (g is None or not g.waiting) and len(self.groups) >= self.max_queue:
                 waiting = sum(1 for h in self.groups.values() if h.waiting)
                 if waiting >= self.max_queue:
                     raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_queue})")
