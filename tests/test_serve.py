@@ -364,6 +364,28 @@ def test_full_queue_429_and_disconnect_frees_rows(ckpt):
         assert h["active"] == 0
 
 
+def test_a_short_request_is_answered_while_a_long_one_holds_every_row(ckpt):
+    """One request of 8 endless streams (2 prompts x n=4) on 4 rows: a short greedy request sent meanwhile is
+    answered, with the text it has alone, while the long one still streams (served first come, first served,
+    it waited for the long request's jobs to end)."""
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    short = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    endless = {"model": "tiny", "prompt": [PROMPT, LONG], "n": 4, "max_tokens": 10 ** 6, "temperature": 1,
+               "stream": True, "ignore_eos": True}
+    app = create_app(model, tok, "tiny", max_batch=4, max_tokens_cap=10 ** 6)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        alone = http.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json=endless) as long:
+            lines = long.iter_lines()
+            assert next(lines).startswith("data: ")
+            deadline = time.time() + 10
+            while http.get("/health").json()["active"] < 4 and time.time() < deadline:  # (its jobs are in)
+                time.sleep(0.01)
+            assert http.post("/v1/completions", json=short).json()["choices"][0]["text"] == alone
+            assert next(lines) is not None and http.get("/health").json()["active"] == 4  # it streams on
+
+
 def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():
     from nanoeuler.serve.protocol import TextStream
 
