@@ -23,6 +23,11 @@ per-request cost, ~25 ms here, is part of every level's figures, ours and llama-
 (engine_server), through which the same greedy job goes straight to the server's own engine (same
 process, engine thread, decoding threads); pairs alternate engine alone, then HTTP (raw_stream), and the
 median of HTTP wall / engine wall - 1 is "HTTP cost of one stream" (TTFT is inside both walls).
+--fairness measures instead how a short request fares beside a long one (the engine shares rows and prompt
+work fairly between requests): one short greedy stream at a time, --pairs alone, then --pairs while one
+long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: the shape that made a
+40-token request wait 48.5 s when requests were served first come, first served); TTFT and the time to the
+end, alone and beside, and whether the long request was still running when each short one ended.
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
@@ -33,6 +38,7 @@ Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeou
     .venv/bin/python bench/serve.py --ckpt runs/small --clients 1,16 --json
     .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server path/to/llama-server
     .venv/bin/python bench/serve.py --http-cost [--llama-server path/to/llama-server]   # big, f32 and q8_0
+    .venv/bin/python bench/serve.py --fairness --tokens 40       # a short request alone and beside a long one
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -305,7 +312,7 @@ def engine_server(argv: list[str]) -> int:
     from nanoeuler.infer.engine import Job
     from nanoeuler.serve.app import run_server
     args = build_parser().parse_args(["serve", *argv])
-    app, sock = prepare(args)
+    app, sock, banner = prepare(args)
 
     @app.post("/bench/engine")
     async def engine_alone(body: dict):
@@ -324,7 +331,7 @@ def engine_server(argv: list[str]) -> int:
         ok = await ended == "done"
         return {"ok": ok, "wall_s": stamps["end"] - t0, "ttft_s": stamps.get("first", stamps["end"]) - t0,
                 "pid": os.getpid()}
-    run_server(app, sock, args.log_level)
+    run_server(app, sock, args.log_level, on_ready=lambda: print(banner, flush=True))
     return 0
 
 
@@ -422,6 +429,75 @@ def print_http_cost(name: str, r: dict) -> None:
           f"{q1 * 100:.1f} .. {q3 * 100:.1f} %, range {r['cost_min'] * 100:.1f} .. {r['cost_max'] * 100:.1f} %)")
 
 
+def health(url: str) -> dict:
+    import urllib.request
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def long_request(url: str, prompts: list[str], tokens: int):
+    """A long request in flight for the block's duration: `prompts` completed to `tokens` tokens each (ignore_eos),
+    20 top logprobs a token and the prompts echoed, sent whole through a socket that is closed at the end
+    (the server then cancels its jobs)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "bench", "prompt": prompts, "max_tokens": tokens, "logprobs": 20, "echo": True,
+                       "temperature": 0.8, "seed": 0, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        deadline = time.time() + 60
+        while health(url)["active"] == 0:  # its jobs have rows
+            if time.time() > deadline:
+                raise SystemExit("the long request did not start within 60 s")
+            time.sleep(0.05)
+        yield
+    deadline = time.time() + 60
+    while (h := health(url))["active"] + h["queued"] and time.time() < deadline:  # cancelled: rows free again
+        time.sleep(0.05)
+
+
+def fairness(ckpt: Path, args, prompts: list[str]) -> dict:
+    """A short greedy stream (--tokens tokens through raw_stream) alone, then beside a long request
+    (long_request: --long-prompts prompts x --long-tokens tokens, logprobs 20, echo), --pairs times each ->
+    the medians of TTFT and of the time to the end, alone and beside, their ratios, and whether the long
+    request was still running when each short one ended (an engine that served requests first come, first
+    served finished it first)."""
+    proc, url = start_server(ckpt, args.max_batch, 64, args.dtype)
+    try:
+        def short(i: int) -> dict:
+            r = raw_stream(url, prompts[1], args.tokens, i, args.level_timeout, temperature=0.0)
+            if not r["ok"]:
+                raise SystemExit(f"a short request failed: {r}")
+            return {"ttft_s": r["ttft"], "end_s": r["wall_s"]}
+        short(0)  # untimed
+        alone = [short(i) for i in range(args.pairs)]
+        beside, running = [], []
+        with long_request(url, [prompts[(2 + i) % len(prompts)] for i in range(args.long_prompts)], args.long_tokens):
+            for i in range(args.pairs):
+                beside.append(short(i))
+                running.append(health(url)["active"] > 0)
+    finally:
+        stop(proc)
+    med = (lambda runs, k: float(np.median([r[k] for r in runs])))
+    out = {"tokens": args.tokens, "long_prompts": args.long_prompts, "long_tokens": args.long_tokens,
+           "alone": alone, "beside": beside, "long_running": running}
+    for k in ("ttft_s", "end_s"):
+        out[k] = {"alone": med(alone, k), "beside": med(beside, k), "ratio": med(beside, k) / med(alone, k)}
+    return out
+
+
+def print_fairness(name: str, r: dict) -> None:
+    ms = (lambda s: f"{s * 1000:.0f} ms")
+    t, e = r["ttft_s"], r["end_s"]
+    print(f"\n{name}: a short request ({r['tokens']} greedy tokens) alone and beside a long one ({r['long_prompts']} "
+          f"prompts x {r['long_tokens']} tokens, 20 top logprobs, echo), medians of {len(r['alone'])}")
+    print(f"  time to first token: alone {ms(t['alone'])}, beside {ms(t['beside'])} ({t['ratio']:.1f}x)")
+    print(f"  time to the end:     alone {ms(e['alone'])}, beside {ms(e['beside'])} ({e['ratio']:.1f}x)")
+    print(f"  the long request still running when the short one ended: {sum(r['long_running'])} of "
+          f"{len(r['long_running'])}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint to serve (repeatable)")
@@ -443,9 +519,15 @@ def main() -> int:
                     help="instead of the levels: one stream's HTTP cost, the same greedy job by the engine alone in "
                          "the server's process and over HTTP, --pairs interleaved pairs at each --dtype (with "
                          "--llama-server: its time for the same stream too)")
-    ap.add_argument("--pairs", type=int, default=25,
+    ap.add_argument("--pairs", type=int, default=None,
                     help="with --http-cost: timed pairs per dtype (default 25: on a shared machine a pair's ratio "
-                         "swings by tens of percent)")
+                         "swings by tens of percent); with --fairness: short requests alone, and beside (default 5)")
+    ap.add_argument("--fairness", action="store_true",
+                    help="instead of the levels: a short greedy stream of --tokens tokens alone, then beside a long "
+                         "request (--long-prompts x --long-tokens, 20 top logprobs, echo): time to first token and "
+                         "to the end, alone vs beside")
+    ap.add_argument("--long-prompts", type=int, default=64, help="with --fairness: the long request's prompts (64)")
+    ap.add_argument("--long-tokens", type=int, default=1024, help="with --fairness: its tokens a prompt (1024)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
     ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")
@@ -456,6 +538,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.ckpt, args.preset, args.clients = [], None, "1,16"
+    args.pairs = args.pairs or (5 if args.fairness else 25)
     if args.pairs < 1:
         raise SystemExit("--pairs must be >= 1")
     if not args.http_cost:
@@ -470,6 +553,9 @@ def main() -> int:
         models = [(Path(c).name, Path(c)) for c in args.ckpt]
         models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
         for name, ckpt in models:
+            if args.fairness:
+                report.setdefault("fairness", {})[name] = fairness(ckpt, args, prompts)
+                continue
             if args.http_cost:
                 for dtype in (args.dtype or "float32,q8_0").split(","):
                     r = http_cost(ckpt, dtype, args, prompts[0])
@@ -499,9 +585,11 @@ def main() -> int:
         print(json.dumps(report))
         return 0
     print(f"load average before {report['load_before'][0]:.1f}, after {report['load_after'][0]:.1f}"
-          + ("" if args.http_cost else f"; {args.tokens} tokens x {args.requests} request(s) per client"))
+          + ("" if args.http_cost or args.fairness else f"; {args.tokens} tokens x {args.requests} request(s) per client"))
     for name, r in report.get("http_cost", {}).items():
         print_http_cost(name, r)
+    for name, r in report.get("fairness", {}).items():
+        print_fairness(name, r)
     for name, rows in report["models"].items():
         print(f"\n{name}")
         print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'tpot p50':>9} {'p99':>8} "

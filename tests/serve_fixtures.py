@@ -58,20 +58,22 @@ def shared_checkpoint():
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 (an ephemeral port) in a thread of this process.
+    """uvicorn serving `app` on 127.0.0.1 (an ephemeral port) in a thread of this process, as run_server does
+    (read_timeout: http_protocol's, default READ_TIMEOUT).
 
         with ServerThread(app) as srv: requests to srv.url ...
     """
 
-    def __init__(self, app):
+    def __init__(self, app, read_timeout: float | None = None):
         import uvicorn
 
-        from nanoeuler.serve.app import bind, http_protocol
+        from nanoeuler.serve.app import READ_TIMEOUT, bind, http_protocol
         self.app = app
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http_protocol(), ws="none",
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http_protocol(read_timeout or READ_TIMEOUT),
+                                                   ws="none",
                                                    lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -62,3 +62,19 @@ def test_http_cost_times_the_same_job_by_the_engine_alone_and_over_http_in_pairs
     import serve
     serve.print_http_cost(name, cost)
     assert f"HTTP cost of one stream: {cost['cost'] * 100:.1f} % (median of 3 pairs" in capsys.readouterr().out
+
+
+def test_fairness_times_a_short_request_alone_and_beside_a_long_one():
+    """--fairness: a short stream alone, then beside a long request that holds more jobs than the server has
+    rows (8 prompts, --max-batch 4): every short request is served and ends while the long one still runs."""
+    import json
+    ckpt = shared_checkpoint()[0]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--ckpt", ckpt, "--preset", "", "--fairness",
+                        "--tokens", "8", "--long-prompts", "8", "--long-tokens", "1000", "--max-batch", "4",
+                        "--pairs", "2", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (name, fair), = json.loads(r.stdout)["fairness"].items()
+    assert len(fair["alone"]) == len(fair["beside"]) == 2 and fair["long_running"] == [True, True]
+    for run in fair["alone"] + fair["beside"]:
+        assert 0 < run["ttft_s"] < run["end_s"]
+    assert fair["end_s"]["ratio"] == pytest.approx(fair["end_s"]["beside"] / fair["end_s"]["alone"])

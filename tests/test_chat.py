@@ -223,3 +223,21 @@ def test_a_tokenizer_that_does_not_match_the_model_is_one_line_at_load(tmp_path,
     out = capsys.readouterr()
     assert code == 2 and out.out == "" and out.err == (
         f"error: the tokenizer has 270 tokens but the model {270 + extra}: they do not belong together\n")
+
+
+@pytest.mark.parametrize("command", ["sample", "chat", "serve"])
+def test_a_dtype_the_model_cannot_take_is_one_line_before_anything_is_printed(tmp_path, monkeypatch, capsys, command):
+    """q8_0 needs widths that are multiples of 32 (and a CPU with AVX512-VNNI): a 48-wide model is refused in
+    one line, and nothing is printed before it (`sample` used to echo the prompt first)."""
+    from nanoeuler.cli import main
+    tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 270, progress=False)
+    cfg = Config(vocab_size=tok.vocab_size, dim=48, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=64,
+                 ffn_hidden=96, n_mtp=1)
+    d = tmp_path / "narrow"
+    Model.init(cfg, seed=0).save(d, tokenizer=tok)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    flags = {"sample": ["--prompt", "hello there"], "chat": [], "serve": ["--port", "0"]}
+    code = main([command, "--ckpt", str(d), "--dtype", "q8_0", *flags[command]])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out
+    assert "q8_0" in out.err

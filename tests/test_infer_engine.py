@@ -8,7 +8,8 @@ import pytest
 from nanoeuler import Config, Model
 from nanoeuler.infer import engine, step
 from nanoeuler.infer.cache import new_cache
-from nanoeuler.infer.engine import BadJob, Batcher, Closed, Job, prefill_groups, QueueFull
+from nanoeuler.infer.cache import rows
+from nanoeuler.infer.engine import BadJob, Batcher, Closed, Job, QueueFull
 from nanoeuler.infer.forward import forward_rows
 from nanoeuler.infer.sampling import log_softmax, top_logprobs
 from nanoeuler.infer.session import generate
@@ -50,9 +51,32 @@ class Collect:
         self.ends += kind in ("done", "error")
 
 
-def run_jobs(model, specs, max_batch=8, join_at=None):
-    """specs: list of Job kwargs; join_at[i]: the engine step before which job i is submitted."""
-    b = Batcher(model, max_batch=max_batch, max_queue=64)
+class Scored(Collect):
+    """Collect, and every token's (id, logprob, top) as the engine reported it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scores = []
+
+    def __call__(self, kind, *args):
+        super().__call__(kind, *args)
+        if kind == "token":
+            self.scores.append(args)
+
+
+def alone(model, spec) -> Scored:
+    """The events of one job run by itself in a one-row engine."""
+    out, b = Scored(), Batcher(model, max_batch=1)
+    b.submit(Job(on_event=out, **spec))
+    while b.step():
+        pass
+    return out
+
+
+def run_jobs(model, specs, max_batch=8, join_at=None, **engine):
+    """specs: list of Job kwargs; join_at[i]: the engine step before which job i is submitted; engine: more
+    Batcher arguments."""
+    b = Batcher(model, max_batch=max_batch, max_queue=64, **engine)
     outs = [Collect() for _ in specs]
     join_at = join_at or [0] * len(specs)
     step = 0
@@ -96,12 +120,6 @@ def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
     from nanoeuler.infer import kernels
     ps = prompts(12, seed=3)
     specs = [dict(ids=p, max_tokens=30, logprobs=1) for p in ps]
-
-    class Scored(Collect):
-        def __call__(self, kind, *args):
-            super().__call__(kind, *args)
-            if kind == "token":
-                self.scores = getattr(self, "scores", []) + [(args[0], args[1], args[2])]
     outs = [Scored() for _ in specs]
     b = Batcher(trained, max_batch=12)
     for i, (spec, out) in enumerate(zip(specs, outs)):
@@ -111,12 +129,7 @@ def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
         pass
     assert max(b.batch_sizes) > kernels.ROWS and "decode" in b.W
     for spec, out in zip(specs, outs):
-        alone = Scored()
-        b1 = Batcher(trained, max_batch=1)
-        b1.submit(Job(on_event=alone, **spec))
-        while b1.step():
-            pass
-        assert out.scores == alone.scores
+        assert out.scores == alone(trained, spec).scores
 
 
 def test_a_float16_model_decodes_in_the_batcher(trained):
@@ -148,7 +161,7 @@ def test_decode_step_logits_match_the_single_row_cache(trained):
     b = Batcher(W_model, max_batch=3)
     seqs = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     for r, s in enumerate(seqs):
-        b._prefill(r, s[:-1]) if len(s) > 1 else None
+        step.forward_hidden(CFG, b.W, np.array([s[:-1]]), rows(b.cache, r, 1)) if len(s) > 1 else None
     tokens = np.array([s[-1] for s in seqs])
     pos = np.array([len(s) - 1 for s in seqs])
     h = forward_rows(CFG, b.W, b.cache, tokens, pos)
@@ -170,11 +183,11 @@ def test_stop_ids_max_tokens_and_zero_tokens(trained):
     assert outs[2].tokens == [] and outs[2].reason == "length"
 
 
-@pytest.mark.parametrize("together", [1, 3])
-def test_echo_logprobs_score_the_prompt(trained, together):
-    """Alone, and prefilled in one padded batch with prompts of other lengths."""
+@pytest.mark.parametrize("together, chunk", [(1, 64), (3, 64), (3, 2)])
+def test_echo_logprobs_score_the_prompt(trained, together, chunk):
+    """Alone, beside prompts of other lengths, and prefilled a few tokens a step (chunk: prefill_tokens)."""
     ps = [[3, 1, 4, 15, 9, 2, 6], [5, 8], [7, 20, 11, 30, 22, 17]][:together]
-    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=1, logprobs=2, echo=True) for p in ps])
+    outs, _ = run_jobs(trained, [dict(ids=p, max_tokens=1, logprobs=2, echo=True) for p in ps], prefill_tokens=chunk)
     for p, out in zip(ps, outs):
         scored = out.prompt
         logits = forward_cached(CFG, trained.params, np.array([p]), new_cache(CFG))[0, 0]  # [T, V]
@@ -186,20 +199,101 @@ def test_echo_logprobs_score_the_prompt(trained, together):
         assert out.tokens == [int(np.argmax(logits[-1]))]
 
 
-def test_prefill_budget_spreads_admissions_over_steps(trained):
-    b = Batcher(trained, max_batch=8, max_queue=8, prefill_tokens=20)
-    outs = [Collect() for _ in range(4)]
-    for out in outs:
-        b.submit(Job(ids=list(range(1, 11)), max_tokens=3, on_event=out))  # 10 tokens each: 2 per step
+def test_prefill_is_chunked_and_shared_between_requests(trained):
+    """Each request prefills up to prefill_tokens prompt tokens a step: a long prompt goes in over several
+    steps, and a short one that arrives meanwhile is in, and has its first token, at the next step. Both
+    outputs are the ones they have alone."""
+    long_ids, short_ids = prompts(2, seed=7, lengths=(20, 2))
+    b = Batcher(trained, max_batch=4, prefill_tokens=8)
+    long, short = Collect(), Collect()
+    b.submit(Job(ids=long_ids, max_tokens=5, on_event=long))
     b.step()
-    assert b.stats()["active"] == 2 and b.stats()["queued"] == 2
+    assert b.slots[b.n_dec].filled == 8 and not long.tokens  # 8 of its 20 tokens
+    b.submit(Job(ids=short_ids, max_tokens=5, on_event=short))
+    b.step()
+    assert len(short.tokens) == 1 and b.slots[b.n_dec].filled == 16  # the short prompt's 2 tokens, the long one's 8
     while b.step():
         pass
-    assert all(o.reason == "length" and len(o.tokens) == 3 for o in outs)
-    big = Batcher(trained, max_batch=8, prefill_tokens=5)  # a prompt over the budget still gets in, alone
-    big.submit(Job(ids=list(range(1, 11)), max_tokens=1))
-    big.step()
-    assert big.stats()["queued"] == 0
+    for ids, out in ((long_ids, long), (short_ids, short)):
+        assert out.tokens == generate(trained, ids, 5, temperature=0, mode="cache").ids and out.reason == "length"
+
+
+def held(b) -> dict:
+    """Rows each request (job.group) holds."""
+    from collections import Counter
+    return dict(Counter(s.job.group for s in b.slots if s is not None))
+
+
+def test_a_short_request_beside_a_big_one_starts_at_once_and_ends_first(trained):
+    """One request of 8 long jobs holds every row; a short request that arrives gets a row at the next step
+    (one of the big request's rows is parked) and finishes while every big job is still running. Each job's
+    tokens and logprobs are the bits it makes alone: a parked row resumes exactly where it stopped."""
+    ps = prompts(9, seed=5)
+    specs = [dict(ids=p, max_tokens=30, logprobs=2, group="big") for p in ps[:8]]
+    b = Batcher(trained, max_batch=4)
+    big = [Scored() for _ in specs]
+    for spec, out in zip(specs, big):
+        b.submit(Job(on_event=out, **spec))
+    for _ in range(3):
+        b.step()
+    assert held(b) == {"big": 4} and b.n_dec == 4
+    short_spec, short = dict(ids=ps[8], max_tokens=5, logprobs=2, group="short"), Scored()
+    b.submit(Job(on_event=short, **short_spec))
+    b.step()
+    assert len(short.tokens) == 1 and held(b) == {"big": 3, "short": 1} and b.stats()["parked"] == 1
+    while short.reason is None:
+        b.step()
+    assert short.reason == "length" and all(o.reason is None for o in big)
+    while b.step():
+        pass
+    assert b.stats()["parked"] == 0 and "decode" in b.W
+    for spec, out in zip(specs + [short_spec], big + [short]):
+        assert out.scores == alone(trained, spec).scores and out.reason == "length"
+
+
+def test_rows_are_shared_max_min_between_requests(trained):
+    """Requests hold rows within one of each other (a request that needs fewer leaves the rest to the others);
+    parked rows never exceed max_batch; a parked job that is cancelled ends at the next step. Every job's
+    greedy tokens equal generate's."""
+    ps = prompts(21, seed=6)
+    b = Batcher(trained, max_batch=5)
+    outs = [Collect() for _ in ps]
+    jobs = [Job(ids=p, max_tokens=40, group="abc"[min(i // 10, 2)], on_event=out)
+            for i, (p, out) in enumerate(zip(ps, outs))]
+    for job in jobs[:10]:
+        b.submit(job)
+    b.step()
+    assert held(b) == {"a": 5}
+    for job in jobs[10:20]:
+        b.submit(job)
+    b.step()
+    assert held(b) == {"a": 3, "b": 2}
+    b.submit(jobs[20])
+    b.step()
+    assert held(b) == {"a": 2, "b": 2, "c": 1}
+    parked = [s.job for g in b.groups.values() for s in g.waiting if s.saved is not None]
+    assert parked and b.stats()["parked"] == len(parked)
+    parked[0].cancel()
+    b.step()
+    assert outs[jobs.index(parked[0])].reason == "cancelled"
+    while b.step():
+        assert b.stats()["parked"] <= b.max_batch
+    for p, job, out in zip(ps, jobs, outs):
+        if job is not parked[0]:
+            assert out.tokens == generate(trained, p, 40, temperature=0, mode="cache").ids and out.ends == 1
+
+
+def test_the_queue_counts_requests_not_jobs(trained):
+    """max_queue bounds the requests waiting, so one request of many jobs does not fill the queue for every
+    other client: its jobs all join it."""
+    b = Batcher(trained, max_batch=1, max_queue=2)
+    for group in ("a", "b"):
+        for _ in range(5):
+            b.submit(Job(ids=[1, 2], max_tokens=1, group=group))
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        b.submit(Job(ids=[3], max_tokens=1))
+    b.submit(Job(ids=[4], max_tokens=1, group="a"))  # a request that already waits takes more jobs
+    assert b.stats()["queued"] == 11
 
 
 def test_cancel_frees_the_row_at_the_next_step(trained):
@@ -230,15 +324,6 @@ def test_queue_is_bounded_and_close_ends_everything(trained):
     assert outs[0].reason == outs[1].reason == "shutdown"
     with pytest.raises(Closed):
         b.submit(Job(ids=[1], max_tokens=1))
-
-
-def test_prefill_groups_bound_the_padding():
-    assert prefill_groups([5, 50, 6, 48]) == [[0, 2], [3, 1]]
-    lengths = [1, 3, 7, 12, 24, 30, 30, 29, 2]
-    groups = prefill_groups(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        assert max(lengths[i] for i in g) * len(g) <= 1.25 * sum(lengths[i] for i in g)
 
 
 def test_top_logprobs_order():
@@ -291,9 +376,9 @@ POISON = 39  # a prompt holding this id makes the patched admission fail
 
 @pytest.mark.parametrize("which", ["trained", "gpt2"])
 def test_an_exception_in_admission_ends_only_its_job(trained, monkeypatch, which):
-    """The fused path admits one prompt at a time, the BLAS path (gpt2) in padded groups: a group that fails is
-    retried job by job, so the good prompts admitted in the same step as the bad one are served as usual
-    (before the fix they never got an answer), and the rows already running go on."""
+    """Each prompt is prefilled on its own (the fused path and BLAS, gpt2): the one that fails ends with an
+    error, the good prompts admitted in the same step as the bad one are served as usual, and the rows
+    already running go on."""
     model = trained if which == "trained" else Model.init(GPT2, seed=5)
     ps = [[1, 2, 3], [4, 5, 6], [7, 8, POISON], [9, 10, 11]]  # equal lengths: one prefill group on BLAS
     want = [run_jobs(model, [dict(ids=p, max_tokens=6)], max_batch=1)[0][0].tokens for p in ps]

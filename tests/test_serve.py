@@ -231,11 +231,100 @@ def test_a_chunked_body_over_the_cap_is_413(server):
 
 @pytest.mark.parametrize("messages", [[], [{"role": "assistant", "content": "hi"}],
                                       [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                                      [{"role": "robot", "content": "a"}], "hello"])
+                                      [{"role": "robot", "content": "a"}], "hello",
+                                      [{"role": "user"}], [{"role": "user", "content": None}],
+                                      [{"role": "user", "content": []}],
+                                      [{"role": "system"}, {"role": "user", "content": "a"}],
+                                      [{"role": "user", "content": [{"type": "text"}]}]])
 def test_bad_chat_messages(client, messages):
+    """Every message's shape is checked as the request is read: a message without content (it rendered as an
+    empty turn and was answered 200), an empty list of parts, a part without text are 400s."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=messages)
     assert e.value.status_code == 400 and e.value.body["message"]
+
+
+def test_top_logprobs_without_logprobs_is_400(client):
+    """top_logprobs asks for something logprobs: false turns off (OpenAI refuses it too); it was ignored."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], top_logprobs=2)
+    assert "top_logprobs" in e.value.body["message"]
+
+
+def exchange(port: int, parts: list[bytes], pause: float = 0.0, timeout: float = 10.0) -> bytes:
+    """Raw bytes to the server on one connection (parts sent `pause` seconds apart) -> all it sent back until it
+    closed the connection (b"<timeout>" appended if it had not within `timeout` seconds)."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(timeout)
+        for part in parts:
+            s.sendall(part)
+            time.sleep(pause)
+        reply = b""
+        try:
+            while chunk := s.recv(1 << 16):
+                reply += chunk
+        except socket.timeout:
+            reply += b"<timeout>"
+    return reply
+
+
+def error_reply(reply: bytes) -> tuple[int, dict]:
+    """The status and the error object of a whole reply (JSON, connection closed after it)."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close", reply
+    assert len(body) == int(headers["content-length"]), reply
+    return int(lines[0].split()[1]), json.loads(body)["error"]
+
+
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+BODY = b'{"model": "tiny", "prompt": "To be", "max_tokens": 3}'
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"GARBAGE\r\n\r\n", "Invalid method"),                                                   # bad request line
+    (POST + b"Content-Length: -5\r\n\r\n", "Content-Length"),                                 # negative
+    (POST + b"Content-Length: 99999999999999999999\r\n\r\n", "Content-Length overflow"),     # 20 digits
+    (POST + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\nhello", "Transfer-Encoding"),
+    (POST + b"Content-Length: 20\r\n\r\n" + BODY, "Content-Length shorter than the body"),   # body past it
+])
+def test_malformed_http_gets_an_error_object_like_every_other_error(server, raw, reason):
+    """What llhttp cannot parse was answered in text by uvicorn (every other error is an OpenAI error object):
+    now a 400 error object naming the reason, and the connection closes."""
+    status, err = error_reply(exchange(server.port, [raw]))
+    assert status == 400 and err["code"] == "malformed_request" and reason in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_a_request_that_stalls_half_way_is_408_after_the_read_timeout(ckpt):
+    """A client that sends half a body, or half its headers, or nothing, and stalls held its connection (and
+    the handler reading the body) for ever: it gets 408 after the read timeout, and the connection closes. A
+    stream running beside it finishes."""
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    with ServerThread(create_app(model, tok, "tiny"), read_timeout=1.0) as srv:
+        for part in (POST + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY[:10], POST[:20], b""):
+            t0 = time.monotonic()
+            status, err = error_reply(exchange(srv.port, [part]))
+            assert status == 408 and err["code"] == "request_timeout" and 0.9 < time.monotonic() - t0 < 6
+        slow = [BODY[:10], BODY[10:]]  # a whole request in time is served, however it is cut
+        reply = exchange(srv.port, [POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(BODY)] + slow,
+                         pause=0.1)
+        assert reply.startswith(b"HTTP/1.1 200") and b'"finish_reason"' in reply
+
+
+def test_bytes_after_a_streaming_bodys_end_are_answered_after_the_stream(server):
+    """Bytes past a request's Content-Length that begin no request, arriving while its answer streams: the
+    stream is sent whole, then the 400 error object (uvicorn wrote its text into the middle of the stream)."""
+    body = json.dumps({**LONG_STREAM, "max_tokens": 200}).encode()
+    head = POST + b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), len(body))
+    reply = exchange(server.port, [head + body, b"junk\r\n"], pause=0.05)
+    stream, _, rest = reply.partition(b"0\r\n\r\n")  # the chunked encoding's end
+    assert stream.startswith(b"HTTP/1.1 200") and stream.count(b"data: [DONE]") == 1
+    status, err = error_reply(rest)
+    assert status == 400 and err["code"] == "malformed_request"
 
 
 def test_unknown_route_and_method(server):
@@ -273,6 +362,28 @@ def test_full_queue_429_and_disconnect_frees_rows(ckpt):
         while (h := http.get("/health").json())["active"] and time.time() < deadline:
             time.sleep(0.05)
         assert h["active"] == 0
+
+
+def test_a_short_request_is_answered_while_a_long_one_holds_every_row(ckpt):
+    """One request of 8 endless streams (2 prompts x n=4) on 4 rows: a short greedy request sent meanwhile is
+    answered, with the text it has alone, while the long one still streams (served first come, first served,
+    it waited for the long request's jobs to end)."""
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    short = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    endless = {"model": "tiny", "prompt": [PROMPT, LONG], "n": 4, "max_tokens": 10 ** 6, "temperature": 1,
+               "stream": True, "ignore_eos": True}
+    app = create_app(model, tok, "tiny", max_batch=4, max_tokens_cap=10 ** 6)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        alone = http.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json=endless) as long:
+            lines = long.iter_lines()
+            assert next(lines).startswith("data: ")
+            deadline = time.time() + 10
+            while http.get("/health").json()["active"] < 4 and time.time() < deadline:  # (its jobs are in)
+                time.sleep(0.01)
+            assert http.post("/v1/completions", json=short).json()["choices"][0]["text"] == alone
+            assert next(lines) is not None and http.get("/health").json()["active"] == 4  # it streams on
 
 
 def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes():
@@ -429,20 +540,20 @@ def test_the_servers_connections_send_without_nagles_delay():
     assert asyncio.run(main()) == [1]
 
 
-def test_the_warm_up_request_goes_through_the_whole_app(ckpt):
-    """run_server's startup streams one short completion through the app in-process (with the API key when
-    there is one), so that what a first request builds exists before the server's objects are frozen."""
+def test_the_warm_up_goes_through_the_whole_app(ckpt):
+    """run_server sends WARM_UP through the app in-process (with the API key when there is one) before it
+    announces its port: every request is answered 200 and the engine made tokens."""
     import asyncio
 
-    from nanoeuler.serve.app import create_app, warm_up_request
+    from nanoeuler.serve.app import WARM_UP, create_app, warm_up
     d, model, tok = ckpt
     app = create_app(model, tok, "tiny", api_key=KEY)
     batcher = app.state.batcher.start()
     try:
-        asyncio.run(asyncio.wait_for(warm_up_request(app), 60))
+        statuses = asyncio.run(asyncio.wait_for(warm_up(app), 120))
     finally:
         batcher.close()
-    assert batcher.stats()["tokens"] == 2
+    assert statuses == [200] * len(WARM_UP) and batcher.stats()["tokens"] >= 8
 
 
 def test_short_texts_are_tokenized_on_the_event_loop_long_ones_off_it():
@@ -603,6 +714,38 @@ def test_tokenize_runs_off_the_event_loop(ckpt):
     during = [span["start"]] + [t for t in answered if t < span["end"]] + [span["end"]]
     gaps = np.diff(during)
     assert duration > 0.5 and gaps.max() < duration / 3, (duration, gaps.max())
+
+
+def test_a_large_logprobs_reply_is_written_off_the_event_loop(ckpt):
+    """64 prompts scored with echo and 20 top logprobs a token: the reply's JSON (~10 MB) was built on the event
+    loop, which answered no one else meanwhile (/health waited 5 s). Now it is built on a worker thread and
+    /health keeps answering."""
+    import threading
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    text = bundled_works()["hamlet"]
+    body = {"model": "tiny", "prompt": [text[i * 900:i * 900 + 800] for i in range(64)], "max_tokens": 1,
+            "logprobs": 20, "echo": True}
+    with ServerThread(create_app(model, tok, "tiny", body_limit=1 << 20)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        span = {}
+
+        def big():
+            span["start"] = time.monotonic()
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=600)
+            span["end"], span["bytes"] = time.monotonic(), len(r.content)
+        worker = threading.Thread(target=big)
+        worker.start()
+        waits = []
+        while worker.is_alive():
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.01)
+        worker.join()
+    duration = span["end"] - span["start"]
+    assert span["bytes"] > 5e6 and max(waits) < duration / 4, (duration, max(waits))
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

@@ -138,6 +138,7 @@ def run(args) -> int:
     check_vocab(model.config, tok)
     from ..memory import check_inference_fits
     check_inference_fits(model.config)
+    decoder = decoding_model(model, args)  # (refuses a --dtype the model cannot take: before anything is printed)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     text_ids = tok.encode(prompt)
     if not text_ids:
@@ -152,7 +153,7 @@ def run(args) -> int:
     if not args.json:
         sys.stdout.write(escape_control(tok.decode(shown)))
         stream = StdoutStream(tok)
-    g = generate(decoding_model(model, args), ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+    g = generate(decoder, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                  stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)
     if args.json:
         print(json.dumps({"prompt": tok.decode(shown), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,

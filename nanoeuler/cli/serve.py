@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
                         "q8_0, q4_0, q4_1 (see `sample --help`)")
-    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together (rows of the KV cache; default 32)")
+    p.add_argument("--max-batch", type=int, default=32, help="rows of the KV cache decoded together, shared fairly between requests (default 32)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request; default 8)")
@@ -47,15 +47,16 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..serve.app import run_server
-    app, sock = prepare(args)
-    run_server(app, sock, args.log_level)
+    app, sock, banner = prepare(args)
+    run_server(app, sock, args.log_level, on_ready=lambda: print(banner, flush=True))
     print("nanoeuler serve: stopped", flush=True)
     return 0
 
 
 def prepare(args):
-    """The checks, the model loaded, the app built and its socket listening, the banner printed -> (app, socket):
-    what `run` serves (bench/serve.py's --http-cost serves it too, with one route of its own added)."""
+    """The checks, the model loaded, the app built and its socket listening -> (app, socket, banner): what `run`
+    serves, printing the banner once the app is warm (bench/serve.py's --http-cost serves it too, with one
+    route of its own added)."""
     from ..errors import UserError
     try:
         import fastapi  # noqa: F401
@@ -89,11 +90,12 @@ def prepare(args):
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     cache_mb = sum(a.nbytes for a in app.state.batcher.cache.store[:2]) / 2**20
-    print(f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
-          f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)", flush=True)
-    print(f"  {args.max_batch} rows decoded together, KV cache up to {cache_mb:,.0f} MiB; up to {args.max_queue} "
-          f"requests wait, more get 429{'; API key required' if args.api_key else ''}", flush=True)
-    return app, sock
+    banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
+              f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)\n"
+              f"  {args.max_batch} rows decoded together (shared fairly between requests), KV cache up to "
+              f"{cache_mb:,.0f} MiB; up to {args.max_queue} requests wait, more get 429"
+              f"{'; API key required' if args.api_key else ''}")
+    return app, sock, banner
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

@@ -1,43 +1,56 @@
-"""Continuous batching: many generation requests share each forward pass over one batched KV cache.
+"""Continuous batching: many generation requests share each forward pass over one batched KV cache, fairly.
 
-The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]; row r of it belongs to the r-th
-active request, which has its own length (the positions it has filled). One engine step:
+The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]. A running job has a row of it
+with its own length (the positions it has filled). Jobs belong to requests (Job.group: the prompts and
+choices of one HTTP request), and rows and prompt work are shared between requests, not jobs, so that no
+request waits for another's many jobs. One engine step:
 
-    1. admit   waiting jobs take the free rows, up to `prefill_tokens` prompt tokens a step; each prompt is
-               prefilled through the fused step in its own row of the cache (session.generate's
-               prefill; on every core, faster than one batched BLAS forward on one), or, for models the
-               fused step does not run (gpt2, float64), together (grouped by length, right-padded;
-               step.forward_hidden on a view of their rows of the cache)
-    2. sample  every row samples its next token from its head-0 logits (sampling.sample_token, with the
-               job's own random generator): </s> or max_tokens ends the job and frees its row
-    3. decode  one forward over all rows at once: row r feeds its new token at position length_r;
-               attention masks every key past length_r, so rows of different lengths share the step
-               (step.decode_rows: the fused step, each row attending to its own cache row, and the head in
-               its kernel; models it does not run: the architecture's NumPy forward_rows, on BLAS)
+    1. schedule  free rows go to waiting jobs, the request that holds the fewest rows first (ties: the
+                 earliest). When every row is taken and a waiting request holds two rows fewer than the
+                 largest holder, that holder's row with the least cache is parked (its cache positions
+                 copied aside, bit for bit; at most max_batch parked at once) and the row handed over. A
+                 parked job resumes where it stopped, before its request's jobs not yet started.
+    2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance: each request
+                 by up to prefill_tokens tokens a step, its jobs in order. A long prompt goes in over several
+                 steps and no step stalls the running streams for long on one request's prompts, while many
+                 requests arriving together all go in at once. A row whose cache is full joins the
+                 decoding rows.
+    3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
+                 with the job's own random generator): a stop id or max_tokens ends the job, frees its row
+    4. decode    one forward over all decoding rows at once: row r feeds its new token at position length_r;
+                 attention masks every key past length_r, so rows of different lengths share the step
+                 (step.decode_rows: the fused step, each row attending to its own cache row, and the head in
+                 its kernel; models it does not run: the architecture's NumPy forward_rows, on BLAS)
+
+    slots:  0 .. n-1             decoding rows (a view of the cache's first n rows, never a gather)
+            n .. max_batch-1     rows filling their cache, and free slots
 
     rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
             b  b  .  .  .  .        b: 2 positions filled, feeds its 3rd  -> one [2, 1] forward
-            c  c  c  c  c  c        c: full (ctx_len): its window jumps first (below)
+            c  c  c  .  .  .        c: filling: 3 of its 5 prompt tokens in, 2 more at the next step
+
+A row moves by copying its cache positions: when a decoding job ends the last decoding row takes its place,
+and a row whose cache is full swaps into slot n.
 
 A job the engine could not run is refused by submit (check_job), and an exception inside a step ends only
-the jobs it touched, with an "error" event (Batcher.step): the other rows and the waiting jobs go on.
-
-Rows are kept compact: when a job ends, the last row moves into its place (its cache rows are copied),
-so the batch is always rows 0..n-1 of the cache, a view and never a gather. A cancelled job (client gone)
-leaves at the next step.
+the jobs it touched, with an "error" event (Batcher.step): the other rows and the waiting jobs go on. A
+cancelled job (client gone) leaves at the next step.
 
 The context window follows session.py's rule, so a request's output is `generate`'s: when a row would
-pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled.
+pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled (as a
+filling row: step 2).
 
-Equal output alone or in a batch: every row's computation is the same arithmetic whatever the other
-rows hold. In the fused step it is the same bits (a row's products do not depend on the rows sharing
-its pass, its attention reads its own cache row); on the BLAS path (masked keys get probability exactly
-0) BLAS picks its kernels by the number of rows, so logits differ in the last bits (~1e-6 relative) and
-greedy tokens agree unless two logits tie that closely (tests/test_infer_engine.py checks tokens and
-logits, alone vs batched vs `generate`).
+Equal output alone or beside others: every row's computation is the same arithmetic whatever the other
+rows hold and however it was scheduled (parking copies a row's cache exactly; a prompt prefilled in chunks
+computes each position as in one piece). In the fused step it is the same bits (a row's products do not
+depend on the rows sharing its pass, its attention reads its own cache row); on the BLAS path (masked keys
+get probability exactly 0) BLAS picks its kernels by the number of rows, so logits differ in the last bits
+(~1e-6 relative) and greedy tokens agree unless two logits tie that closely (tests/test_infer_engine.py
+checks tokens and logits, alone vs batched vs `generate`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -68,7 +81,7 @@ class BadJob(ValueError):
     """A job with a field the engine cannot run (submit refuses it; the HTTP layer answers 400)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One generation request as the engine sees it (token ids in, token events out).
 
@@ -79,7 +92,8 @@ class Job:
       ("error", message)                              the engine failed on this job: it ends here, instead of "done"
     top is a list of (id, logprob) of the `logprobs` most likely tokens, or None. Every job ends with exactly
     one "done" or "error"; on_event must not raise.
-    submit() refuses, with BadJob, a job whose fields the engine could not run (check_job).
+    submit() refuses, with BadJob, a job whose fields the engine could not run (check_job). Jobs with the same
+    `group` are one request: rows are shared fairly between requests (module docstring).
     """
     ids: list[int]
     max_tokens: int
@@ -91,6 +105,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     on_event: Callable = lambda *a: None
+    group: object = None  # the request the job belongs to (any object; None: a request of its own)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -139,33 +154,56 @@ def check_job(job: Job, vocab_size: int) -> None:
         bad("on_event", "callable")
 
 
-class _Row:
-    """An active job: the tokens in its cache row (its window), the logits at its last position, the
-    token waiting to be fed, its random generator and how many tokens it has made."""
+class _Seq:
+    """A job as the engine runs it: the tokens its cache row holds or is filling (its window), how many of them
+    are in the cache, the token waiting to be fed, the logits at its last position, its random generator,
+    how many tokens it has made, its slot (None while waiting) and, parked, its cache positions."""
 
-    def __init__(self, job: Job):
-        self.job, self.rng = job, np.random.default_rng(job.seed)
-        self.seq: list[int] = []
-        self.logits: np.ndarray | None = None  # [V]
+    def __init__(self, job: Job, ctx_len: int, order: int):
+        self.job, self.order = job, order
+        self.group: _Group | None = None
+        self.rng = np.random.default_rng(job.seed)
+        self.seq = [int(t) for t in job.ids[-ctx_len:]]
+        self.filled = 0
         self.pending: int | None = None
+        self.logits: np.ndarray | None = None  # [V]
         self.n_new = 0
+        self.slot: int | None = None
+        self.saved: tuple | None = None  # parked: (k, v) [layers, Hkv, filled, hd]
+        scored = job.echo and job.logprobs is not None  # the prompt's own scores, filled chunk by chunk
+        self.scored: list | None = [(self.seq[0], None, None)] if scored else None
+
+    def ready(self) -> bool:
+        """Its cache is full and it has a token to sample or feed: it decodes."""
+        return self.filled == len(self.seq) and (self.logits is not None or self.pending is not None)
+
+
+class _Group:
+    """The jobs of one request: those waiting for a row (parked ones first), and how many rows it holds."""
+
+    def __init__(self, order: int):
+        self.order, self.held = order, 0
+        self.waiting: deque[_Seq] = deque()
 
 
 class Batcher:
-    """The engine: a batched KV cache, a bounded queue of waiting jobs, and `step` (see the module docstring).
+    """The engine: a batched KV cache, a bounded queue of waiting requests, and `step` (module docstring).
 
         b = Batcher(model, max_batch=8); b.submit(Job(ids, 16, on_event=print)); while b.step(): pass
     or b.start() to run steps on a background thread until b.close().
     """
 
-    def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 2048):
+    def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 64):
         cfg = self.cfg = model.config
-        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
-        self.prefill_tokens = int(prefill_tokens)  # prompt tokens admitted per step (at least one job)
+        self.max_batch, self.max_queue = int(max_batch), int(max_queue)  # max_queue: requests waiting
+        self.prefill_tokens = int(prefill_tokens)  # prompt tokens a request prefills a step (module docstring)
         self.W = step.fuse_weights(cfg, model.params, batched=True)
         self.cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
-        self.rows: list[_Row] = []
-        self.pending: deque[Job] = deque()
+        self.slots: list[_Seq | None] = [None] * self.max_batch
+        self.n_dec = 0  # slots 0 .. n_dec-1 decode
+        self.groups: dict[object, _Group] = {}  # requests with a waiting job or a row, in arrival order
+        self.parked = 0  # waiting jobs that hold a copy of their cache
+        self.counter = itertools.count()
         self.cond = threading.Condition()
         self.closed = False
         self.thread: threading.Thread | None = None
@@ -174,170 +212,244 @@ class Batcher:
 
     # ---- the queue -------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue a job; raises BadJob for fields the engine cannot run (check_job), QueueFull when max_queue
-        jobs already wait, Closed after close()."""
+        """Queue a job; raises BadJob for fields the engine cannot run (check_job), QueueFull when it would make
+        more than max_queue requests wait (jobs of a request that already waits always join it), Closed after
+        close()."""
         check_job(job, self.cfg.vocab_size)
+        s = _Seq(job, self.cfg.ctx_len, next(self.counter))
+        key = job if job.group is None else job.group
         with self.cond:
             if self.closed:
                 raise Closed("the server is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"{len(self.pending)} requests are already waiting (limit {self.max_queue})")
-            self.pending.append(job)
+            g = self.groups.get(key)
+            if (g is None or not g.waiting) and len(self.groups) >= self.max_queue:
+                waiting = sum(1 for h in self.groups.values() if h.waiting)
+                if waiting >= self.max_queue:
+                    raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_queue})")
+            if g is None:
+                g = self.groups[key] = _Group(s.order)
+            s.group = g
+            g.waiting.append(s)
             self.cond.notify()
 
     def stats(self) -> dict:
-        return {"active": len(self.rows), "queued": len(self.pending), "max_batch": self.max_batch,
-                "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens}
+        with self.cond:
+            queued = sum(len(g.waiting) for g in self.groups.values())
+        return {"active": sum(s is not None for s in self.slots), "queued": queued, "parked": self.parked,
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens}
 
     # ---- one engine step -------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, sample, decode (module docstring). Returns False when there was nothing to do.
+        """Schedule, prefill, sample, decode (module docstring). Returns False when there was nothing to do.
         An exception inside the step ends only the jobs it touched, each with an "error" event: a failed
-        admission its group's jobs (a group of several is retried one job at a time), a failed sample its
-        row, a failed decoding step the rows in it. Waiting jobs and the other rows go on."""
-        admit = self._take()
-        lengths = [min(len(j.ids), self.cfg.ctx_len) for j in admit]
-        one = step.runs_fused(self.W, self.cache)  # the fused step takes one prompt at a time, on every core
-        groups = [[i] for i in range(len(admit))] if one else prefill_groups(lengths)
-        for group in groups:
-            self._admit_or_fail([admit[i] for i in group])
-        if not self.rows:
-            return bool(admit)
-        for r in reversed(range(len(self.rows))):  # sample; reversed so that removing row r moves a done one
-            row = self.rows[r]
-            try:
-                reason = "cancelled" if row.job.cancelled else self._sample(row)
-            except Exception as e:
-                self._remove(r)
-                _fail([row.job], e)
-                continue
-            if reason:
-                self._remove(r)
-                row.job.on_event("done", reason)
-        if self.rows:
-            try:
-                self._decode()
-            except Exception as e:
-                jobs = [row.job for row in self.rows]
-                self.rows.clear()
-                _fail(jobs, e)
+        prefill its row, a failed sample its row, a failed decoding step the rows in it. Waiting jobs and the
+        other rows go on."""
+        with self.cond:
+            self._schedule()
+        if not any(self.slots):
+            return False
+        self._prefill()
+        self._sample()
+        if self.n_dec:
+            self._decode()
         return True
 
-    def _take(self) -> list[Job]:
-        """The waiting jobs admitted at this step: free rows, up to prefill_tokens prompt tokens (at least one
-        job); cancelled waiting jobs end here."""
-        with self.cond:
-            admit, budget = [], self.prefill_tokens
-            while self.pending and len(self.rows) + len(admit) < self.max_batch:
-                job = self.pending[0]
-                if job.cancelled:
-                    self.pending.popleft()
-                    job.on_event("done", "cancelled")
-                    continue
-                n = min(len(job.ids), self.cfg.ctx_len)
-                if admit and n > budget:  # the rest join at the next steps: running streams are not stalled long
+    def _schedule(self) -> None:
+        """Cancelled jobs that do not decode end here; free rows go to waiting jobs, parking rows of the largest
+        holder while a waiting request holds two fewer (module docstring). Called with the lock held."""
+        for g in self.groups.values():
+            if any(s.job.cancelled for s in g.waiting):
+                for s in [s for s in g.waiting if s.job.cancelled]:
+                    g.waiting.remove(s)
+                    self.parked -= s.saved is not None
+                    s.job.on_event("done", "cancelled")
+        for s in self.slots[self.n_dec:]:
+            if s is not None and s.job.cancelled:
+                self._free(s)
+                s.job.on_event("done", "cancelled")
+        while (g := min((g for g in self.groups.values() if g.waiting), default=None,
+                        key=lambda g: (g.held, g.order))) is not None:
+            slot = next((i for i in range(self.n_dec, self.max_batch) if self.slots[i] is None), None)
+            if slot is None:
+                holder = max(self.groups.values(), key=lambda h: (h.held, h.order))
+                if holder.held <= g.held + 1 or self.parked >= self.max_batch:
                     break
-                budget -= n
-                admit.append(self.pending.popleft())
-        return admit
+                slot = self._park(min((s for s in self.slots if s is not None and s.group is holder),
+                                      key=lambda s: (s.filled, -s.order)))
+            self._start(g.waiting.popleft(), slot)
+        for key in [k for k, g in self.groups.items() if not g.held and not g.waiting]:
+            del self.groups[key]
 
-    def _admit_or_fail(self, jobs: list[Job]) -> None:
-        """_admit, and when it raises: its rows go, and its jobs are retried one by one (a group of several)
-        or end with an "error" event (one job)."""
-        n0 = len(self.rows)
-        try:
-            self._admit(jobs)
-        except Exception as e:
-            del self.rows[n0:]
-            if len(jobs) == 1:
-                return _fail(jobs, e)
-            for job in jobs:
-                self._admit_or_fail([job])
+    def _start(self, s: _Seq, slot: int) -> None:
+        """Give a waiting job a free slot (>= n_dec); a parked one gets its cache back."""
+        self.slots[slot], s.slot = s, slot
+        s.group.held += 1
+        if s.saved is not None:
+            for kv, part in zip(self.cache.store[:2], s.saved):  # [layers, max_batch, Hkv, ctx_len, hd]
+                kv[:, slot, :, :s.filled] = part
+            s.saved = None
+            self.parked -= 1
+        if s.ready():
+            self._promote(s)
 
-    def _admit(self, jobs: list[Job]) -> None:
-        """Prefill new jobs together into the next free rows (each prompt keeps its last ctx_len tokens).
-        Shorter prompts are padded on the right: causal attention keeps each row's positions blind to the
-        padding after them, and the padding's keys/values sit past the row's length, masked and later
-        overwritten. Events go out once every row is computed (a failed group sends none)."""
-        ctx, n0 = self.cfg.ctx_len, len(self.rows)
-        new = [_Row(job) for job in jobs]
-        for row in new:
-            row.seq = [int(t) for t in row.job.ids[-ctx:]]
-        self.rows += new
-        T = max(len(row.seq) for row in new)
-        tokens = np.zeros((len(new), T), dtype=np.int64)  # [n, T], right-padded with token 0
-        for r, row in enumerate(new):
-            tokens[r, :len(row.seq)] = row.seq
-        view = rows(self.cache, n0, len(new))  # (one prompt: session's fused step)
-        scores = [row.job.echo and row.job.logprobs is not None for row in new]
-        last_only = len(new) == 1 and not scores[0]
-        h = step.forward_hidden(self.cfg, self.W, tokens, view, last_only=last_only)  # [n, T|1, d]
-        prompts = []
-        for r, (row, score) in enumerate(zip(new, scores)):
-            job, n = row.job, len(row.seq)
-            hr = h[r, -1:] if last_only else h[r, :n] if score else h[r, n - 1:n]  # [n|1, d]
-            logits = linear(hr, self.W["head.0"])  # [n|1, V]
-            if score:
-                logp = log_softmax(logits[:-1])
-                prompts.append((job, [(row.seq[0], None, None)] + [
-                    (t, float(logp[i, t]), top_logprobs(logp[i], job.logprobs)) for i, t in enumerate(row.seq[1:])]))
-            row.logits = logits[-1]
-        for job, scored in prompts:
-            job.on_event("prompt", scored)
+    def _park(self, s: _Seq) -> int:
+        """Take a job's row away: its cache positions are copied aside and it waits first in its request's
+        queue -> the slot freed."""
+        if s.filled:
+            k, v, _ = self.cache.store
+            s.saved = (k[:, s.slot, :, :s.filled].copy(), v[:, s.slot, :, :s.filled].copy())
+            self.parked += 1
+        group = s.group
+        slot = self._free(s)
+        group.waiting.appendleft(s)
+        return slot
 
-    def _sample(self, row: _Row) -> str | None:
+    def _free(self, s: _Seq) -> int:
+        """Take s out of its slot -> the slot that is free now: a decoding row's place is taken by the last
+        decoding row (its cache positions copied), so the decoding rows stay 0 .. n_dec-1."""
+        r, s.slot = s.slot, None
+        s.group.held -= 1
+        if r >= self.n_dec:
+            self.slots[r] = None
+            return r
+        last = self.n_dec - 1
+        if r != last:
+            moved = self.slots[last]
+            self._copy(last, r, moved.filled)
+            self.slots[r], moved.slot = moved, r
+        self.slots[last] = None
+        self.n_dec -= 1
+        return last
+
+    def _promote(self, s: _Seq) -> None:
+        """A row whose cache is full joins the decoding rows: it swaps into slot n_dec."""
+        a, b = s.slot, self.n_dec
+        if a != b:
+            other = self.slots[b]
+            k, v, _ = self.cache.store
+            held = (k[:, b, :, :other.filled].copy(), v[:, b, :, :other.filled].copy()) if other else None
+            self._copy(a, b, s.filled)
+            if other is not None:
+                k[:, a, :, :other.filled], v[:, a, :, :other.filled] = held
+                other.slot = a
+            self.slots[a], self.slots[b], s.slot = other, s, b
+        self.n_dec += 1
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        """Cache positions 0..n-1 of slot src into slot dst."""
+        for kv in self.cache.store[:2]:  # [layers, max_batch, Hkv, ctx_len, hd]
+            kv[:, dst, :, :n] = kv[:, src, :, :n]
+
+    def _prefill(self) -> None:
+        """Advance the filling rows: each request by up to prefill_tokens tokens, its jobs in order."""
+        by_group: dict[_Group, list[_Seq]] = {}
+        for s in sorted((s for s in self.slots[self.n_dec:] if s is not None), key=lambda s: s.order):
+            by_group.setdefault(s.group, []).append(s)
+        for seqs in by_group.values():
+            share = self.prefill_tokens
+            for s in seqs:
+                n = min(share, len(s.seq) - s.filled)
+                if n <= 0:
+                    break
+                share -= n
+                try:
+                    self._fill(s, n)
+                except Exception as e:
+                    self._free(s)
+                    _fail([s.job], e)
+
+    def _fill(self, s: _Seq, n: int) -> None:
+        """The next n tokens of s into its cache row; the prompt's scores of those positions (echo with
+        logprobs); its logits at the last one (a new prompt). Full: it joins the decoding rows."""
+        a, b = s.filled, s.filled + n
+        view = rows(self.cache, s.slot, 1)
+        view.length = a
+        tokens = np.asarray(s.seq[a:b], dtype=np.int64)[None]  # [1, n]
+        h = step.forward_hidden(self.cfg, self.W, tokens, view, last_only=s.scored is None)[0]  # [n|1, d]
+        done = b == len(s.seq)
+        if s.scored is not None:
+            logits = linear(h, self.W["head.0"])  # [n, V]: row i predicts token a+i+1
+            m = min(b, len(s.seq) - 1) - a
+            logp = log_softmax(logits[:m])
+            s.scored += [(t, float(logp[i, t]), top_logprobs(logp[i], s.job.logprobs))
+                         for i, t in enumerate(s.seq[a + 1:a + 1 + m])]
+            if done:
+                s.logits = logits[-1]
+                s.job.on_event("prompt", s.scored)
+                s.scored = None
+        elif done and s.pending is None:
+            s.logits = linear(h[-1:], self.W["head.0"])[-1]
+        s.filled = b
+        if done:
+            self._promote(s)
+
+    def _sample(self) -> None:
+        """Every decoding row without a token to feed samples one; ended jobs free their rows (reversed, so
+        that the row moved into a freed slot has been seen already)."""
+        for r in reversed(range(self.n_dec)):
+            s = self.slots[r]
+            try:
+                reason = "cancelled" if s.job.cancelled else None if s.pending is not None else self._sample_one(s)
+            except Exception as e:
+                self._free(s)
+                _fail([s.job], e)
+                continue
+            if reason:
+                self._free(s)
+                s.job.on_event("done", reason)
+
+    def _sample_one(self, s: _Seq) -> str | None:
         """Sample the row's next token and report it; the reason the job ends, or None."""
-        job = row.job
-        if row.n_new >= job.max_tokens:
+        job = s.job
+        if s.n_new >= job.max_tokens:
             return "length"
-        token = sample_token(row.logits, job.temperature, job.top_k, job.top_p, row.rng)
+        token = sample_token(s.logits, job.temperature, job.top_k, job.top_p, s.rng)
         lp, top = None, None
         if job.logprobs is not None:
-            logp = log_softmax(row.logits)
+            logp = log_softmax(s.logits)
             lp, top = float(logp[token]), top_logprobs(logp, job.logprobs)
-        row.logits = None
+        s.logits = None
         self.tokens += 1
         job.on_event("token", token, lp, top)
         if token in job.stop_ids:
             return "stop"
-        row.n_new += 1
-        if row.n_new >= job.max_tokens:
+        s.n_new += 1
+        if s.n_new >= job.max_tokens:
             return "length"
-        row.pending = token
+        s.pending = token
         return None
 
-    def _remove(self, r: int) -> None:
-        """Free row r: the last row moves into it (cache rows copied up to its length)."""
-        last = len(self.rows) - 1
-        if r != last:
-            n = len(self.rows[last].seq)
-            for kv in self.cache.store[:2]:  # [layers, max_batch, Hkv, ctx_len, hd]
-                kv[:, r, :, :n] = kv[:, last, :, :n]
-            self.rows[r] = self.rows[last]
-        self.rows.pop()
-
-    def _prefill(self, slot: int, tokens: list[int], all_positions: bool = False) -> np.ndarray:
-        """Run tokens alone into cache row `slot` from position 0 -> final hidden states [T|1, d]."""
-        return step.forward_hidden(self.cfg, self.W, np.asarray(tokens, dtype=np.int64)[None], rows(self.cache, slot, 1),
-                                   last_only=not all_positions)[0]
-
     def _decode(self) -> None:
-        """Feed every row's pending token in one forward; rows whose window is full jump first."""
+        """Feed every decoding row's token in one forward. A row whose window is full jumps first (session.py's
+        rule: it keeps its last ctx // 2 tokens, the new one included) and refills its cache as a filling row."""
         ctx = self.cfg.ctx_len
-        for slot, row in enumerate(self.rows):
-            if len(row.seq) + 1 > ctx:  # session.py's rule: keep the last ctx // 2 tokens, new one included
-                window = (row.seq + [row.pending])[-(ctx // 2):]
-                row.seq = window[:-1]
-                if row.seq:
-                    self._prefill(slot, row.seq)
-        tokens = np.array([row.pending for row in self.rows], dtype=np.int64)  # [n]
-        pos = np.array([len(row.seq) for row in self.rows], dtype=np.int64)  # [n]
-        logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
-        for row, lg in zip(self.rows, logits):
-            row.seq.append(row.pending)
-            row.pending, row.logits = None, lg
+        for r in reversed(range(self.n_dec)):
+            s = self.slots[r]
+            if len(s.seq) + 1 > ctx:
+                window = (s.seq + [s.pending])[-(ctx // 2):]
+                s.seq, s.pending, s.filled = window[:-1], window[-1], 0
+                group, slot = s.group, self._free(s)
+                self.slots[slot], s.slot = s, slot
+                group.held += 1
+                if s.ready():  # (an empty window: nothing to refill)
+                    self._promote(s)
+        dec = self.slots[:self.n_dec]
+        if not dec:
+            return
+        tokens = np.array([s.pending for s in dec], dtype=np.int64)  # [n]
+        pos = np.array([len(s.seq) for s in dec], dtype=np.int64)  # [n]
+        try:
+            logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
+        except Exception as e:
+            for s in reversed(dec):
+                self._free(s)
+            return _fail([s.job for s in dec], e)
+        for s, lg in zip(dec, logits):
+            s.seq.append(s.pending)
+            s.filled += 1
+            s.pending, s.logits = None, lg
         self.steps += 1
-        self.batch_sizes = (self.batch_sizes + [len(self.rows)])[-1000:]
+        self.batch_sizes = (self.batch_sizes + [len(dec)])[-1000:]
 
     # ---- the background thread -------------------------------------------------------------------
     def start(self) -> "Batcher":
@@ -359,24 +471,26 @@ class Batcher:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.closed and not self.pending and not self.rows:
+                while not self.closed and not any(self.slots) and not any(g.waiting for g in self.groups.values()):
                     self.cond.wait()
                 if self.closed:
                     break
             try:
                 self.step()
             except Exception as e:  # (step ends the jobs an exception touches; this is the last guard)
-                jobs = [row.job for row in self.rows]
-                self.rows.clear()
-                _fail(jobs, e)
+                live = [s for s in self.slots if s is not None]
+                for s in live:
+                    s.group.held -= 1
+                self.slots, self.n_dec = [None] * self.max_batch, 0
+                _fail([s.job for s in live], e)
         self._end_all("shutdown")
 
     def _end_all(self, reason: str) -> None:
-        for row in self.rows:
-            row.job.on_event("done", reason)
-        self.rows.clear()
+        jobs = [s.job for s in self.slots if s is not None]
+        self.slots, self.n_dec = [None] * self.max_batch, 0
         with self.cond:
-            jobs, self.pending = list(self.pending), deque()
+            jobs += [s.job for g in self.groups.values() for s in g.waiting]
+            self.groups, self.parked = {}, 0
         for job in jobs:
             job.on_event("done", reason)
 
@@ -395,18 +509,3 @@ def _fail(jobs: list[Job], e: Exception) -> None:
     """End jobs the engine failed on: each gets ("error", message)."""
     for job in jobs:
         job.on_event("error", f"engine error: {type(e).__name__}: {e}"[:500])
-
-
-
-def prefill_groups(lengths: list[int], waste: float = 1.25) -> list[list[int]]:
-    """Indices of new prompts grouped for batched prefill: by length, each group padded to its longest
-    costs at most `waste` x its real tokens.  prefill_groups([5, 50, 6, 48]) -> [[0, 2], [3, 1]]"""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        g = groups[-1] if groups else None
-        if g is not None and lengths[i] * (len(g) + 1) <= waste * (sum(lengths[j] for j in g) + lengths[i]):
-            g.append(i)
-        else:
-            groups.append([i])
-    return groups

@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -42,6 +43,7 @@ from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TextSt
 
 STATIC = Path(__file__).parent / "static"
 INLINE_CHARS = 4096  # a request's text up to this long is tokenized on the event loop (see on_loop_if_short)
+READ_TIMEOUT = 30.0  # seconds a request may take to arrive whole (http_protocol)
 DONE = "data: [DONE]\n\n"  # a stream's last event
 
 
@@ -165,15 +167,92 @@ class OneSendPerPass:
         return getattr(self._transport, name)
 
 
-def http_protocol():
+def http_protocol(read_timeout: float = READ_TIMEOUT):
     """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), whose parsing and
     framing took a stream 0.2 ms less than h11's pure Python (`big` q8_0, 60 interleaved pairs: 6.1 % over
-    the engine alone against 8.6 %)."""
+    the engine alone against 8.6 %). Two rules of its own:
+
+    - a request llhttp cannot parse (a bad request line, a negative or 20-digit Content-Length, Content-Length
+      with Transfer-Encoding, bytes after a body that begin no request) is answered 400 with an OpenAI error
+      object naming llhttp's reason, as every other error (uvicorn answers in text), and the connection closes;
+      bytes that follow a body whose answer is already streaming get it after that answer, not inside it;
+    - a request must arrive whole within read_timeout seconds of its connection or of its first byte, else
+      408 (an error object) and the connection closes: a client that stalls half-way no longer holds its
+      connection, and the handler reading its body, for ever."""
+    import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class Protocol(HttpToolsProtocol):
+        read_timer: asyncio.TimerHandle | None = None  # runs while a request is arriving
+        refusal: tuple | None = None  # (status, message, code) to answer once the answer on its way is sent
+
         def connection_made(self, transport) -> None:
             super().connection_made(OneSendPerPass(transport))
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def data_received(self, data: bytes) -> None:
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._unsupported_upgrade_warning()  # (ws="none": an upgrade is served as a plain request)
+            except httptools.HttpParserError as e:
+                self._malformed(str(e))
+
+        def _malformed(self, reason: str) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                reason += " (after a request's body: is its Content-Length shorter than the body?)"
+            self._refuse(400, f"malformed HTTP request: {reason}", "malformed_request")
+
+        def _arm(self) -> None:
+            if self.read_timer is None:
+                self.read_timer = self.loop.call_later(read_timeout, self._timed_out)
+
+        def _disarm(self) -> None:
+            if self.read_timer is not None:
+                self.read_timer.cancel()
+                self.read_timer = None
+
+        def _timed_out(self) -> None:
+            self.read_timer = None
+            self._refuse(408, f"the request did not arrive within {read_timeout:g} s", "request_timeout")
+
+        def _refuse(self, status: int, message: str, code: str) -> None:
+            """Answer with an error object and close the connection (an ASGI cycle still reading its body gets a
+            disconnect); while an answer is being sent, after it (reading stops meanwhile)."""
+            self._disarm()
+            cycle = self.cycle
+            if cycle is not None and cycle.response_started and not cycle.response_complete:
+                self.refusal = (status, message, code)
+                self.flow.pause_reading()
+                return
+            if self.transport.is_closing():
+                return
+            body = json.dumps(error_body(message, code=code)).encode()
+            head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
+            head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                     b"connection: close\r\n\r\n"]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.refusal is not None and not self.pipeline:
+                refusal, self.refusal = self.refusal, None
+                self._refuse(*refusal)
     return Protocol
 
 
@@ -350,7 +429,7 @@ class Run:
             if kind == "token":
                 started.append(True)
             self.dispatcher.put(self.queue, (_i, kind, args), now=now)
-        choice.job = Job(on_event=on_event, **job)
+        choice.job = Job(on_event=on_event, group=self, **job)  # (rows are shared fairly between requests)
         self.choices.append(choice)
 
     def submit(self) -> None:
@@ -412,36 +491,48 @@ class Run:
 
 
 async def on_loop_if_short(size: int, fn, *args):
-    """fn(*args), which reads `size` characters or token ids of a request: on the event loop when they are
-    at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back cost every
-    request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, and the loop must go
-    on serving every other client meanwhile)."""
+    """fn(*args), which reads `size` characters, token ids or logprob values of a request: on the event loop
+    when they are at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back
+    cost every request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, the JSON of
+    64 choices with 20 top logprobs a token took the loop 5 s, and the loop must go on serving every other
+    client meanwhile)."""
     return fn(*args) if size <= INLINE_CHARS else await run_in_threadpool(fn, *args)
 
 
-def warm_up(model, tok) -> None:
-    """Tokenize and render a chat once, so that the first request does not load their compiled parts
-    (~1 s) on the event loop. A template that cannot render this conversation fails every request anyway."""
-    from .protocol import Message
-    try:
-        render_chat(model, tok, [Message(role="user", content="Hello")], 1)
-    except UserError:
-        tok.encode("Hello")
+def logprob_values(choices, top: int | None) -> int:
+    """The logprob values a reply writes for its choices' logprobs entries, each with `top` more."""
+    return sum(len(c.logprobs) for c in choices) * (1 + (top or 0))
 
 
-async def warm_up_request(app) -> None:
-    """One short streamed completion through the whole app, in this process: what the first request builds
-    (FastAPI's and pydantic's validators, the tokenizer's and the engine's compiled parts, ...) is built
-    now, before the server's objects are frozen (run_server)."""
-    body = json.dumps({"model": app.state.model_name, "prompt": "Hello", "max_tokens": 2, "stream": True}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+WARM_UP = [  # (method, path, body): what run_server sends through the app before it announces its port
+    ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "stream": True}),  # sampling, a stream
+    ("POST", "/v1/completions", {"prompt": ["Hello"] * 8, "max_tokens": 2, "temperature": 0, "logprobs": 2,
+                                 "echo": True}),  # greedy, prompts scored, a wide decoding step, one reply
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                                      "top_p": 0.9, "top_k": 40, "logprobs": True, "top_logprobs": 2}),
+    ("POST", "/tokenize", {"prompt": "Hello"}), ("POST", "/detokenize", {"tokens": [0]}),
+    ("GET", "/", None), ("GET", "/v1/models", None), ("GET", "/health", None)]
+
+
+async def warm_up(app) -> list[int]:
+    """The WARM_UP requests through the whole app, in this process -> their statuses. What a first request of
+    each kind builds (FastAPI's and pydantic's validators, the tokenizer's, the chat template's and the
+    engine's compiled parts loaded from their cache, ...) is built before the server announces its port and
+    freezes its objects (run_server)."""
+    return [await asgi_request(app, method, path, body) for method, path, body in WARM_UP]
+
+
+async def asgi_request(app, method: str, path: str, body: dict | None = None) -> int:
+    """One request through the ASGI app in this process (a JSON body gets the app's model name, and the API
+    key when there is one), its reply read to the end -> its status."""
+    data = b"" if body is None else json.dumps({"model": app.state.model_name, **body}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     if app.state.api_key:
         headers.append((b"authorization", f"Bearer {app.state.api_key}".encode()))
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": headers, "client": ("127.0.0.1", 0),
-             "server": ("127.0.0.1", 0)}
-    request, answered = [{"type": "http.request", "body": body, "more_body": False}], asyncio.Event()
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    request, answered, status = [{"type": "http.request", "body": data, "more_body": False}], asyncio.Event(), []
 
     async def receive():
         if request:
@@ -450,9 +541,12 @@ async def warm_up_request(app) -> None:
         return {"type": "http.disconnect"}
 
     async def send(message):
-        if message["type"] == "http.response.body" and not message.get("more_body"):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
             answered.set()
     await app(scope, receive, send)
+    return status[0]
 
 
 def request_id() -> str:
@@ -484,7 +578,6 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     from ..checkpoint import check_vocab
     cfg = model.config
     check_vocab(cfg, tok)
-    warm_up(model, tok)
     batcher = Batcher(model, max_batch, max_queue)
     eos_name = end_token(tok)
 
@@ -729,10 +822,14 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                                    if with_usage else None)
 
         await run.finish(request)
-        choices = [{"index": c.index, "text": echo_text(c) + c.text,
-                    "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
-                    "finish_reason": c.finish_reason} for c in run.choices]
-        return chunk(choices, usage=usage(prompts, run.choices), **({"nanoeuler": notes} if notes else {}))
+
+        def reply() -> JSONResponse:
+            choices = [{"index": c.index, "text": echo_text(c) + c.text,
+                        "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason} for c in run.choices]
+            return JSONResponse(chunk(choices, usage=usage(prompts, run.choices),
+                                      **({"nanoeuler": notes} if notes else {})))
+        return await on_loop_if_short(logprob_values(run.choices, body.logprobs), reply)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -780,12 +877,16 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
                                    if with_usage else None)
 
         await run.finish(request)
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
+
+        def reply() -> JSONResponse:
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": now, "model": model_name,
                 "system_fingerprint": None,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": c.chat_logprobs() if logprobs is not None else None,
                              "finish_reason": c.finish_reason} for c in run.choices],
-                "usage": usage([ids], run.choices), **extra}
+                "usage": usage([ids], run.choices), **extra})
+        return await on_loop_if_short(logprob_values(run.choices, logprobs), reply)
 
     return app
 
@@ -811,8 +912,9 @@ def bind(host: str, port: int):
     return sock
 
 
-def run_server(app: FastAPI, sock, log_level: str = "warning") -> None:
-    """Serve until SIGINT/SIGTERM. On a signal the engine ends every open stream (finish_reason "length",
+def run_server(app: FastAPI, sock, log_level: str = "warning", on_ready=None) -> None:
+    """Serve until SIGINT/SIGTERM; on_ready() once the app is warm (WARM_UP) and ready for its first request
+    (the CLI prints the address then). On a signal the engine ends every open stream (finish_reason "length",
     then `data: [DONE]`), connections close, and this returns normally (the CLI then exits 0)."""
     import gc
     import signal
@@ -833,13 +935,16 @@ def run_server(app: FastAPI, sock, log_level: str = "warning") -> None:
 
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
-            if not self.should_exit:
-                await warm_up_request(app)
+            if self.should_exit:
+                return
+            await warm_up(app)
             # What the server holds now lives as long as it does: out of the garbage collector's generations,
             # whose oldest one a collection walks whole, holding the GIL (160k objects: ~80 ms a collection,
             # every stream stalled; frozen, 0.3 ms).
             gc.collect()
             gc.freeze()
+            if on_ready is not None:
+                on_ready()
 
     config = uvicorn.Config(app, log_level=log_level, http=http_protocol(), ws="none", lifespan="on",
                             timeout_graceful_shutdown=10, access_log=log_level in ("info", "debug"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ..errors import UserError
 
@@ -70,13 +70,13 @@ class TextPart(_Base):
 
 
 class Message(_Base):
+    """A chat message: every role carries its content, a string or a non-empty list of text parts (a message
+    without one would render as an empty turn)."""
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
     name: Optional[str] = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -84,7 +84,13 @@ class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)  # only with logprobs: true, as OpenAI has it
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 class TokenizeRequest(_Base):
