@@ -838,8 +838,9 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           min(chat_max_tokens, max_tokens_cap))
         check_limits(max_tokens, body.n, body.seed)
-        size = sum(len(m.text()) for m in body.messages)
-        ids, notes = await on_loop_if_short(size, render_chat, model, tok, body.messages, max_tokens)
+        # a chat template renders in a worker process that may take its whole time limit (chat_template.py):
+        # never on the event loop, where it would stall every other client
+        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Run(batcher, Dispatcher.of(app))
         for j in range(body.n):
