@@ -1,17 +1,19 @@
 """The fused decoding step: the KV-cache forward of a few new tokens (of one sequence, or one per sequence of
-serve's batch) in one numba call.
+serve's batch) in one numba call, for every architecture of arch.py.
 
-euler.py's `forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
+forward.py's `forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
 calls per token; at one token a step each of them is too short for BLAS or NumPy to pay for its own
-overhead (big preset: 2.2 ms a token, of which the matrix-vector products are < 1 ms). `forward` here is
-the same mathematics in one compiled call, layer after layer on preallocated rows:
+overhead (big preset: 2.2 ms a token, of which the matrix-vector products are < 1 ms). `step` here is
+the same mathematics in one compiled call, layer after layer on preallocated rows, with what the model's
+record chose read from `Weights` (empty arrays where an architecture has no such part):
 
-    x = embed[tokens]                                           [n, d]
-    per layer:  h = rmsnorm(x)·w;  qkv = h @ Wqkvᵀ  (one GEMV)      [n, (H + 2·Hkv)·hd]
-                RoPE on q and k; k, v written at positions L0 .. L0+n-1 of the cache
-                a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r)      [n, H·hd]
-                x += a @ Woᵀ;  h = rmsnorm(x)·w;  x += (silu(g)·u) @ Wdownᵀ with [g u] = h @ Wgate_upᵀ
-    h = rmsnorm(x)·w  (all rows, or the last only)              [n|1, d]
+    x = embed[tokens] · scale (+ pos[positions])                 [n, d]
+    per layer:  h = norm(x);  qkv = h @ Wqkvᵀ (+ b)  (one GEMV)      [n, (H + 2·Hkv)·hd]
+                q/k norms per head; RoPE on q and k at the layer's base; k, v written at their positions
+                a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r; a window: its last W)
+                x += post(a @ Woᵀ + b);  h = norm(x)
+                x += post(act(h @ W_inᵀ + b) @ W_outᵀ + b)     act: SwiGLU, GeGLU or GELU
+    h = norm(x)  (all rows, or the last only)                    [n|1, d]
 
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
