@@ -457,19 +457,19 @@ def test_quantized_step_equals_dequantized_float_step(name, monkeypatch):
     l2 = np.linalg.norm(got - plain) / np.linalg.norm(plain)  # 8-bit activations: ~0.4 % per element
     assert rel_err(got, want) <= 1e-4
     assert rel_err(got, plain) > 10 * rel_err(got, want)
-    assert l2 <= 2e-2
+    assert l2 <= (6e-2 if name in K_TYPES else 2e-2)  # (Q8_K: one scale per 256 activations, not 32)
 
 
-def batch_logits(W, cache, tokens, pos):
+def batch_logits(cfg, W, cache, tokens, pos):
     """step.decode_rows on a copy of cache (every call sees the same keys and values)."""
     from nanoeuler.infer.step import decode_rows
-    c = new_cache(QCFG, batch=cache.store[0].shape[1])
+    c = new_cache(cfg, batch=cache.store[0].shape[1])
     c.store[0][...], c.store[1][...] = cache.store[0], cache.store[1]
-    return decode_rows(QCFG, W, c, tokens, pos)
+    return decode_rows(cfg, W, c, tokens, pos)
 
 
 @needs_vnni
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ALL)
 def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(name, monkeypatch):
     """serve's batched step (one token per cache row, each at its own position) on quantized weights at
     1..20 rows: the same bits at 1, 2 and 3 threads, each row the same bits as that row stepped alone, and
@@ -478,36 +478,37 @@ def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(nam
     rounding boundary of its 8-bit step the two sides round it apart: a few rows in a hundred, still far
     closer than the plain float reference (float activations) is."""
     from nanoeuler.infer import step
-    qm = QuantizedModel(qmodel(seed=5), name)
+    qm = model_of(name, seed=5)
+    cfg = qm.config
     rng = np.random.default_rng(11)
-    cache = new_cache(QCFG, batch=20)
+    cache = new_cache(cfg, batch=20)
     for kv in cache.store[:2]:
         kv[...] = rng.standard_normal(kv.shape).astype(np.float32)
-    fused = fuse_weights(QCFG, qm.params, batched=True)
+    fused = fuse_weights(cfg, qm.params, batched=True)
     monkeypatch.setattr(kernels, "ENABLED", False)
-    ref_w = fuse_weights(QCFG, qm.params, batched=True)
+    ref_w = fuse_weights(cfg, qm.params, batched=True)
     monkeypatch.setattr(kernels, "ENABLED", True)
     assert "decode" in fused and "decode" not in ref_w
     errs, plain_errs = [], []
     old = kernels.get_threads()
     try:
         for n in range(1, 21):
-            tokens, pos = rng.integers(0, QCFG.vocab_size, n), rng.integers(0, QCFG.ctx_len, n)
+            tokens, pos = rng.integers(0, cfg.vocab_size, n), rng.integers(0, cfg.ctx_len, n)
             kernels.set_threads(1)
-            one = batch_logits(fused, cache, tokens, pos)
+            one = batch_logits(cfg, fused, cache, tokens, pos)
             for threads in (2, 3):
                 kernels.set_threads(threads)
-                np.testing.assert_array_equal(batch_logits(fused, cache, tokens, pos), one)
+                np.testing.assert_array_equal(batch_logits(cfg, fused, cache, tokens, pos), one)
             r = n // 2  # row r alone: its cache row copied to row 0
-            alone = new_cache(QCFG, batch=1)
+            alone = new_cache(cfg, batch=1)
             for a, b in zip(alone.store[:2], cache.store[:2]):
                 a[:, 0] = b[:, r]
-            np.testing.assert_array_equal(batch_logits(fused, alone, tokens[r:r + 1], pos[r:r + 1]), one[r:r + 1])
-            plain = batch_logits(ref_w, cache, tokens, pos)
+            np.testing.assert_array_equal(batch_logits(cfg, fused, alone, tokens[r:r + 1], pos[r:r + 1]), one[r:r + 1])
+            plain = batch_logits(cfg, ref_w, cache, tokens, pos)
             with monkeypatch.context() as m:
                 m.setattr(euler, "batched_linear", quantized_activations(euler.batched_linear, name))
                 m.setattr(step, "batched_linear", quantized_activations(step.batched_linear, name))
-                want = batch_logits(ref_w, cache, tokens, pos)
+                want = batch_logits(cfg, ref_w, cache, tokens, pos)
             errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, want)]
             plain_errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, plain)]
     finally:
