@@ -7,9 +7,9 @@ Q8_0, and Q8_1 for Q4_1 / Q5_1, whose float16 block sums we keep exact), blocks 
 and sums per 16 for the K types (`quantize_xk`: Q8_K). Each product of 4 weights and 4 activations is an
 integer one, made by AVX512-VNNI's `vpdpbusd` (16 lanes, each += 4 unsigned bytes x 4 signed bytes), then:
 
-    32-weight types   y[o] = Σ_b dw·dx·(Σ_i qw_i·xq_i)  (+ mw·dx·sx: Q4_1, Q5_1)      qw = q - offset
-    Q4_K, Q5_K        y[o] = Σ_B dx·(dw·Σ_j sc_j·(Σ_i∈j q_i·xq_i) - dmin·Σ_j mn_j·sx_j)  (j: 8 sub-blocks of 32)
-    Q6_K              y[o] = Σ_B dx·dw·Σ_j sc_j·(Σ_i∈j qw_i·xq_i)                         (j: 16 sub-blocks of 16)
+    32-weight types   y[o] = Σ_b dw·dx·(Σ_i qw_i·xq_i)  (+ mw·dx·sx: Q4_1, Q5_1)        qw = q - offset
+    Q4_K, Q5_K        y[o] = Σ_B dx·(dw·Σ_j sc_j·(Σ_i∈j q_i·xq_i) - dmin·Σ_j mn_j·sx_j)   j: 8 sub-blocks
+    Q6_K              y[o] = Σ_B dx·dw·Σ_j sc_j·(Σ_i∈j qw_i·xq_i)                          j: 16 sub-blocks
 
 `vpdpbusd` wants the weights unsigned: they are stored as u = q (Q8_0: q + 128) and the offset comes back
 as Σ qw·xq = Σ u·xq - offset·sx (sx: the activations' sum over the block or sub-block; integers, exact).
@@ -32,15 +32,16 @@ inputs 4u .. 4u + 3 of output j (the 4 bytes `vpdpbusd` multiplies in one lane):
     32-weight types: panel [blocks][64 float16 d][64 float16 m: Q4_1, Q5_1][vector v: one group]
         (block bytes Q8_0 2176, Q4_0 1152, Q4_1 1280, Q5_0 1408, Q5_1 1536)
     K types: panel [vector v: one stream][super-blocks][strip header][8 groups], the header of 16 outputs:
-        d [16] float16; Q4_K, Q5_K: dmin [16] float16, sc [8 j][16] uint8, mn [4 t][16][2] uint8 (mn_2t, mn_2t+1
-        side by side: vpdpwssd's pair); Q6_K: sc [16 j][16] int8
-        (super-block bytes for the panel Q4_K 9472, Q5_K 11520, Q6_K 13440: the file's, + 4 per 256 for Q4/5_K)
+        d [16] float16; Q4_K, Q5_K: dmin [16] float16, sc [8 j][16] uint8, mn [4 t][16][2] uint8 (mn_2t,
+        mn_2t+1 side by side: vpdpwssd's pair); Q6_K: sc [16 j][16] int8
+        (super-block bytes for the panel Q4_K 9472, Q5_K 11520, Q6_K 13440)
 
 A 32-weight panel runs block after block with its 4 x rows float accumulators in registers; a K panel one
 vector (16 outputs) at a time, its stream super-block after super-block (its rows' int32 sums, float
 accumulators and one group's weights fit the 32 registers). Either runs up to MAX_R rows per pass; every
 output is computed whole by one thread with the same code, so results depend neither on the thread count
-nor on which rows share a pass. Bytes per weight are the file's: the decode step reads every weight once.
+nor on which rows share a pass. Bytes per weight are the file's (Q4_K, Q5_K: + 4 bytes per 256 weights, their
+6-bit scales and minimums kept as bytes): the decode step reads every weight once.
 """
 from __future__ import annotations
 
@@ -370,6 +371,14 @@ def _block_loop(g: Geometry, vnni: bool):
     return loop
 
 
+def ir_lin(builder, const: int, *terms):
+    """const + Σ a·k over the terms (a, k): a an i64 value, k an int (the byte or element offsets of loops)."""
+    out = ir.Constant(I64, const)
+    for a, k in terms:
+        out = builder.add(out, a if k == 1 else builder.mul(a, ir.Constant(I64, k)))
+    return out
+
+
 def _super_block_loop(g: Geometry, vnni: bool):
     """The loops of a K kind for `rows` rows: per vector v of 16 outputs (its stream, see `pack`), over the
     super-blocks B, for each row
@@ -381,75 +390,35 @@ def _super_block_loop(g: Geometry, vnni: bool):
     xs_j: the activations' sum over sub-block j, from xs [rows, 16 · super-blocks] (Q8_K's sums per 16);
     xd [rows, super-blocks]."""
     strip = g.head + g.block // QK * g.group
-    at_sc = 2 * LANES * (2 if g.minimum else 1)  # the strip header: d, [dmin], sc, [mn pairs]
-    at_mn = at_sc + g.subs * LANES
-    per = g.subs * QK // g.block                 # sub-blocks per group of 32 inputs: 1 or 2 (Q6_K)
 
     def loop(builder, rows, w, xq, xd, xs, t, nb, n_in):
         fma = ir_function(builder, f"llvm.fma.v{LANES}f32", FVEC, [FVEC] * 3)
-        xdp, xsp, xqp = (builder.inttoptr(a, ty.as_pointer()) for a, ty in ((xd, F32), (xs, F32), (xq, I8)))
+        xdp, xsp = builder.inttoptr(xd, F32.as_pointer()), builder.inttoptr(xs, F32.as_pointer())
         entry = builder.block
         vhead, bbody = builder.append_basic_block(f"kv{rows}"), builder.append_basic_block(f"kb{rows}")
         bdone, out = builder.append_basic_block(f"kb{rows}.out"), builder.append_basic_block(f"kv{rows}.out")
         builder.branch(vhead)
         builder.position_at_end(vhead)
         v = builder.phi(I64)
-        sp = builder.inttoptr(builder.add(w, builder.mul(v, builder.mul(nb, ir.Constant(I64, strip)))),
-                              I8.as_pointer())
+        sp = builder.inttoptr(ir_lin(builder, 0, (w, 1), (builder.mul(v, nb), strip)), I8.as_pointer())
         builder.branch(bbody)
         builder.position_at_end(bbody)
         b = builder.phi(I64)
         acc = [builder.phi(FVEC) for _ in range(rows)]
         blk = builder.mul(b, ir.Constant(I64, strip))
-        dw = ir_halves(builder, sp, blk, 1)[0]
+        per16 = g.block // g.subs // 16
 
-        def sub_sum(r, j):  # row r's activation sum over sub-block j (i64), int32 (from its sums per 16)
-            per16 = g.block // g.subs // 16
-            at = builder.add(builder.add(builder.mul(ir.Constant(I64, 16 * r), nb), builder.mul(b, ir.Constant(I64, 16))),
-                             builder.mul(j, ir.Constant(I64, per16)))
+        def sub_sum(r, j):  # row r's activation sum over sub-block j (i64) of this super-block, as int32
+            at = ir_lin(builder, 0, (nb, 16 * r), (b, 16), (j, per16))
             parts = [builder.load(builder.gep(xsp, [ir_off(builder, at, i)])) for i in range(per16)]
             return builder.fptosi(functools.reduce(builder.fadd, parts), I32)
-        dx = [ir_splat(builder, builder.load(builder.gep(xdp, [builder.add(builder.mul(ir.Constant(I64, r), nb), b)])),
-                       FVEC) for r in range(rows)]
-        new = list(acc)
-        if g.minimum:  # acc - dmin·dx·M first, so that M's registers are free for the groups
-            dmin = ir_halves(builder, sp, ir_off(builder, blk, 2 * LANES), 1)[0]
-            pairs = [builder.bitcast(builder.zext(builder.load(ir_at(builder, sp, ir_off(builder, blk, at_mn + 32 * k),
-                                                                     ir.VectorType(I8, 2 * LANES)), align=1),
-                                                  ir.VectorType(I16, 2 * LANES)), IVEC) for k in range(4)]
-            for r in range(rows):
-                m = ir.Constant(IVEC, [0] * LANES)
-                for k in range(4):  # the int16 pair (xs_2k, xs_2k+1) in one int32, broadcast
-                    lo, hi = sub_sum(r, ir.Constant(I64, 2 * k)), sub_sum(r, ir.Constant(I64, 2 * k + 1))
-                    pair = builder.or_(builder.and_(lo, ir.Constant(I32, 0xFFFF)), builder.shl(hi, ir.Constant(I32, 16)))
-                    m = ir_dot2(builder, m, pairs[k], ir_splat(builder, pair, IVEC), vnni)
-                new[r] = builder.call(fma, [builder.fneg(builder.sitofp(m, FVEC)), builder.fmul(dmin, dx[r]), acc[r]])
-        into, gbody, gdone = builder.block, builder.append_basic_block(f"kg{rows}"), builder.append_basic_block(f"kg{rows}.out")
-        builder.branch(gbody)  # the groups of 32 inputs: a loop, S's int32 sums carried
-        builder.position_at_end(gbody)
-        grp = builder.phi(I64)
-        S = [builder.phi(IVEC) for _ in range(rows)]
-        hi16 = rows == 1 and g.bits == 4
-        wv = ir_group(builder, sp, builder.add(ir_off(builder, blk, g.head), builder.mul(grp, ir.Constant(I64, g.group))),
-                      g.bits, hi16)
-        sub = builder.mul(grp, ir.Constant(I64, per))  # the group's first sub-block
-        sc = [ir_bytes(builder, sp, builder.add(ir_off(builder, blk, at_sc + h * LANES),
-                                                builder.mul(sub, ir.Constant(I64, LANES))), g.signed) for h in range(per)]
-        S1 = []
-        for r in range(rows):
-            xat = builder.add(builder.add(builder.mul(ir.Constant(I64, r), n_in), builder.mul(b, ir.Constant(I64, QK_K))),
-                              builder.mul(grp, ir.Constant(I64, QK)))
-            s = S[r]
-            for h in range(per):
-                start = ir_splat(builder, builder.mul(sub_sum(r, ir_off(builder, sub, h)), ir.Constant(I32, -g.offset)),
-                                 IVEC) if g.offset else ir.Constant(IVEC, None)
-                dot = ir_row_dot(builder, start, wv[h * 8 // per:(h + 1) * 8 // per], xqp,
-                                 ir_off(builder, xat, QK // per * h), 2 if rows == 1 else 1, vnni, hi16)
-                s = builder.add(s, builder.mul(dot, sc[h]))
-            S1.append(s)
-        ir_close_loop(builder, grp, S, S1, into, ir.Constant(I64, g.block // QK), gbody, gdone)
-        for r in range(rows):
-            new[r] = builder.call(fma, [builder.sitofp(S1[r], FVEC), builder.fmul(dw, dx[r]), new[r]])
+        dx = [ir_splat(builder, builder.load(builder.gep(xdp, [ir_lin(builder, 0, (nb, r), (b, 1))])), FVEC)
+              for r in range(rows)]
+        new = _k_minimums(builder, g, sp, blk, acc, dx, sub_sum, fma, vnni) if g.minimum else list(acc)
+        S = _k_groups(builder, g, sp, blk, rows, [ir_lin(builder, 0, (n_in, r), (b, QK_K)) for r in range(rows)],
+                      builder.inttoptr(xq, I8.as_pointer()), sub_sum, vnni)
+        dw = ir_halves(builder, sp, blk, 1)[0]
+        new = [builder.call(fma, [builder.sitofp(S[r], FVEC), builder.fmul(dw, dx[r]), new[r]]) for r in range(rows)]
         ir_close_loop(builder, b, acc, new, vhead, nb, bbody, bdone)
         ir_store_rows(builder, t, new, v=v)
         v1 = builder.add(v, ir.Constant(I64, 1))
@@ -458,6 +427,55 @@ def _super_block_loop(g: Geometry, vnni: bool):
         builder.cbranch(builder.icmp_signed("<", v1, ir.Constant(I64, VECS)), vhead, out)
         builder.position_at_end(out)
     return loop
+
+
+def _k_minimums(builder, g: Geometry, sp, blk, acc, dx, sub_sum, fma, vnni: bool) -> list:
+    """acc[r] - dmin·dx[r]·M[r] for each row (see _super_block_loop): M by 4 `vpdpwssd` of the strip's mn pairs
+    (zero-extended to int16) against the row's (xs_2k, xs_2k+1) as two int16 in one int32, broadcast."""
+    at_mn = 4 * LANES + g.subs * LANES  # after d, dmin and sc
+    pairs = [builder.bitcast(builder.zext(builder.load(ir_at(builder, sp, ir_off(builder, blk, at_mn + 32 * k),
+                                                             ir.VectorType(I8, 2 * LANES)), align=1),
+                                          ir.VectorType(I16, 2 * LANES)), IVEC) for k in range(4)]
+    dmin = ir_halves(builder, sp, ir_off(builder, blk, 2 * LANES), 1)[0]
+    out = []
+    for r, a in enumerate(acc):
+        m = ir.Constant(IVEC, None)
+        for k in range(4):
+            lo, hi = (sub_sum(r, ir.Constant(I64, 2 * k + h)) for h in range(2))
+            pair = builder.or_(builder.and_(lo, ir.Constant(I32, 0xFFFF)), builder.shl(hi, ir.Constant(I32, 16)))
+            m = ir_dot2(builder, m, pairs[k], ir_splat(builder, pair, IVEC), vnni)
+        out.append(builder.call(fma, [builder.fneg(builder.sitofp(m, FVEC)), builder.fmul(dmin, dx[r]), a]))
+    return out
+
+
+def _k_groups(builder, g: Geometry, sp, blk, rows: int, xat, xqp, sub_sum, vnni: bool) -> list:
+    """Per row S = Σ_j sc_j·(Σ_i∈j u_i·xq_i - offset·xs_j) over a super-block's 8 groups of 32 inputs (a loop,
+    the rows' int32 sums carried): each group's weights loaded once (ir_group), its 1 or 2 sub-blocks' scales
+    widened from bytes, per row and sub-block a `vpdpbusd` chain times the scale. xat: each row's first input."""
+    per = g.subs * QK // g.block                  # sub-blocks per group: 1, or 2 (Q6_K)
+    at_sc = 2 * LANES * (2 if g.minimum else 1)   # after d, [dmin]
+    into, body, done = builder.block, builder.append_basic_block("kg"), builder.append_basic_block("kg.out")
+    builder.branch(body)
+    builder.position_at_end(body)
+    grp = builder.phi(I64)
+    S = [builder.phi(IVEC) for _ in range(rows)]
+    hi16 = rows == 1 and g.bits == 4
+    wv = ir_group(builder, sp, ir_lin(builder, g.head, (blk, 1), (grp, g.group)), g.bits, hi16)
+    sub = builder.mul(grp, ir.Constant(I64, per))  # the group's first sub-block
+    sc = [ir_bytes(builder, sp, ir_lin(builder, at_sc + h * LANES, (blk, 1), (sub, LANES)), g.signed)
+          for h in range(per)]
+    S1 = []
+    for r in range(rows):
+        s = S[r]
+        for h in range(per):
+            start = ir.Constant(IVEC, None) if not g.offset else \
+                ir_splat(builder, builder.mul(sub_sum(r, ir_off(builder, sub, h)), ir.Constant(I32, -g.offset)), IVEC)
+            dot = ir_row_dot(builder, start, wv[h * 8 // per:(h + 1) * 8 // per], xqp,
+                             ir_lin(builder, QK // per * h, (xat[r], 1), (grp, QK)), 2 if rows == 1 else 1, vnni, hi16)
+            s = builder.add(s, builder.mul(dot, sc[h]))
+        S1.append(s)
+    ir_close_loop(builder, grp, S, S1, into, ir.Constant(I64, g.block // QK), body, done)
+    return S1
 
 
 def _panel_intrinsic(kind: int, vnni: bool = VNNI):
@@ -573,6 +591,20 @@ def _quantize_block(typingctx, x, q, d, s):
     return types.void(types.int64, types.int64, types.int64, types.int64), codegen
 
 
+def ir_first_of_magnitude(builder, fv: list, amax):
+    """The first entry x of the vectors fv (in order) with |x| == amax, signed (0 if none): per vector the lanes
+    that equal it as a 16-bit mask, the lowest set one (cttz); the first vector with a hit wins."""
+    fabs = ir_function(builder, f"llvm.fabs.v{LANES}f32", FVEC, [FVEC])
+    cttz = ir_function(builder, "llvm.cttz.i16", I16, [I16, I1])
+    top = ir.Constant(F32, 0.0)
+    for v in reversed(fv):  # walk back from the last vector: an earlier hit replaces a later one
+        hit = builder.bitcast(builder.fcmp_ordered("==", builder.call(fabs, [v]), ir_splat(builder, amax, FVEC)), I16)
+        lane = builder.and_(builder.zext(builder.call(cttz, [hit, ir.Constant(I1, 0)]), I32), ir.Constant(I32, 15))
+        top = builder.select(builder.icmp_unsigned("!=", hit, ir.Constant(I16, 0)), builder.extract_element(v, lane),
+                             top)
+    return top
+
+
 @intrinsic
 def _quantize_super_block(typingctx, x, q, d, s):
     """One Q8_K block of 256 activations at address x (float32) -> q (int8 [256]), d (float32) and s (float32
@@ -583,15 +615,7 @@ def _quantize_super_block(typingctx, x, q, d, s):
         xa, qa, da, sa = args
         fv = ir_load_floats(builder, xa, 16)
         amax = ir_amax(builder, fv)
-        fabs = ir_function(builder, f"llvm.fabs.v{LANES}f32", FVEC, [FVEC])
-        cttz = ir_function(builder, "llvm.cttz.i16", I16, [I16, I1])
-        top = ir.Constant(F32, 0.0)
-        for h in reversed(range(16)):  # the first vector with a hit wins: walk back from the last
-            hit = builder.bitcast(builder.fcmp_ordered("==", builder.call(fabs, [fv[h]]), ir_splat(builder, amax, FVEC)),
-                                  I16)
-            lane = builder.call(cttz, [hit, ir.Constant(I1, 0)])
-            first = builder.extract_element(fv[h], builder.and_(builder.zext(lane, I32), ir.Constant(I32, 15)))
-            top = builder.select(builder.icmp_unsigned("!=", hit, ir.Constant(I16, 0)), first, top)
+        top = ir_first_of_magnitude(builder, fv, amax)
         some = builder.fcmp_ordered(">", amax, ir.Constant(F32, 0.0))
         iscale = builder.select(some, builder.fdiv(ir.Constant(F32, -127.0), top), ir.Constant(F32, 0.0))
         most, sp = ir.Constant(IVEC, [127] * LANES), builder.inttoptr(sa, F32.as_pointer())
