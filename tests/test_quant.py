@@ -128,15 +128,13 @@ def activations_to_test(rng, k):
     return X
 
 
-@pytest.mark.parametrize("width, numpy_form, kernel", [(32, quant.quantize_x8, qk.quantize_x),
-                                                        (256, quant.quantize_xk, qk.quantize_xk)])
-def test_activation_quantization_kernel_equals_numpy(width, numpy_form, kernel):
+@pytest.mark.parametrize("width, numpy_form", [(32, quant.quantize_x8), (256, quant.quantize_xk)])
+def test_activation_quantization_kernel_equals_numpy(width, numpy_form):
     """The kernels' activation rounding (Q8_0-style blocks of 32, Q8_K's of 256) = its NumPy reference, bit for
     bit: integers, scales and block sums."""
     X = activations_to_test(np.random.default_rng(2), 768)
     want = numpy_form(X)
-    got = tuple(np.empty_like(w) for w in want)
-    kernel(X, *got)
+    got = kernel_form(width, X)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert (want[0][1, :256] == 0).all() and (want[1][1, :256 // width] == 0).all()
@@ -162,22 +160,22 @@ def test_activation_rounding_ties_against_python_round():
     xk = np.concatenate([inner[:256], inner[251:]])[None]                     # 2 Q8_K blocks
     xk[0, 3], xk[0, 10] = -127, 127                                           # block 0: -127 first: d = +1
     xk[0, 256 + 5], xk[0, 256 + 9] = 127, -127                                # block 1: +127 first: d = -1
-    for q, d, _ in (quant.quantize_x8(x8), kernel_form(qk.quantize_x, x8)):
+    for q, d, _ in (quant.quantize_x8(x8), kernel_form(32, x8)):
         for b, block in enumerate(blocks):
             scale = 127 / float(np.abs(block).max())
             assert scale in (1.0, 2.0) and d[0, b] == 1 / scale
             assert q[0, 32 * b:32 * b + 32].tolist() == rounded(block, scale)
-    for q, d, _ in (quant.quantize_xk(xk), kernel_form(qk.quantize_xk, xk)):
+    for q, d, _ in (quant.quantize_xk(xk), kernel_form(256, xk)):
         assert d[0].tolist() == [1.0, -1.0]
         for b, scale in ((0, 1), (1, -1)):
             assert q[0, 256 * b:256 * b + 256].tolist() == rounded(xk[0, 256 * b:256 * b + 256], scale)
 
 
-def kernel_form(kernel, X):
-    """(q, d, s) of X by a kernel (qkernels.quantize_x / quantize_xk) into arrays of its NumPy twin's shapes."""
-    twin = quant.quantize_x8 if kernel is qk.quantize_x else quant.quantize_xk
-    out = tuple(np.empty_like(a) for a in twin(X))
-    kernel(X, *out)
+def kernel_form(width, X):
+    """(q, d, s) of X by qkernels.quantize_x in blocks of `width` (32 or 256), in arrays of its NumPy twin's
+    shapes."""
+    out = tuple(np.empty_like(a) for a in (quant.quantize_x8 if width == 32 else quant.quantize_xk)(X))
+    qk.quantize_x(X, *out, width)
     return out
 
 

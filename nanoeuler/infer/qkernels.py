@@ -1,11 +1,11 @@
 """Matrix products with block-quantized weights (quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in
 integers, for decoding and prompts: Y [n, out] (+)= X [n, in] @ Wᵀ with W kept in its 4 to 8 bits.
 
-As llama.cpp does, the activations are quantized too, to 8 bits, in the blocks llama.cpp pairs with the
-weight type (its `vec_dot_type`): blocks of 32 with a float16 scale for the 32-weight types (`quantize_x`:
-Q8_0, and Q8_1 for Q4_1 / Q5_1, whose float16 block sums we keep exact), blocks of 256 with a float32 scale
-and sums per 16 for the K types (`quantize_xk`: Q8_K). Each product of 4 weights and 4 activations is an
-integer one, made by AVX512-VNNI's `vpdpbusd` (16 lanes, each += 4 unsigned bytes x 4 signed bytes), then:
+As llama.cpp does, the activations are quantized too (`quantize_x`), to 8 bits, in the blocks llama.cpp pairs
+with the weight type (its `vec_dot_type`): blocks of 32 with a float16 scale for the 32-weight types (Q8_0,
+and Q8_1 for Q4_1 / Q5_1, whose float16 block sums we keep exact), blocks of 256 with a float32 scale and
+sums per 16 for the K types (Q8_K). Each product of 4 weights and 4 activations is an integer one, made by
+AVX512-VNNI's `vpdpbusd` (16 lanes, each += 4 unsigned bytes x 4 signed bytes), then:
 
     32-weight types   y[o] = Σ_b dw·dx·(Σ_i qw_i·xq_i)  (+ mw·dx·sx: Q4_1, Q5_1)        qw = q - offset
     Q4_K, Q5_K        y[o] = Σ_B dx·(dw·Σ_j sc_j·(Σ_i∈j q_i·xq_i) - dmin·Σ_j mn_j·sx_j)   j: 8 sub-blocks
@@ -629,36 +629,22 @@ def _quantize_super_block(typingctx, x, q, d, s):
     return types.void(types.int64, types.int64, types.int64, types.int64), codegen
 
 
-@njit(inline="always", **OPTS)
-def _rows_contiguous(X, xq, xd, xs):
+@njit(**OPTS)
+def quantize_x(X, xq, xd, xs, width):
+    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32, each row contiguous, a block of `width` at a
+    time: 32, Q8_0-style (quant.quantize_x8: xd, xs [n, k / 32], _quantize_block), or 256, Q8_K
+    (quant.quantize_xk: xd [n, k / 256], xs [n, k / 16], _quantize_super_block)."""
+    n, k = X.shape
     if X.strides[1] != 4 or xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
         raise ValueError("quantizing activations needs rows of contiguous elements")
-
-
-@njit(**OPTS)
-def quantize_x(X, xq, xd, xs):
-    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32 [n, k / 32] (quant.quantize_x8, in numba), each
-    row contiguous, a block at a time (_quantize_block)."""
-    n, k = X.shape
-    _rows_contiguous(X, xq, xd, xs)
     for r in range(n):
         x, q = X.ctypes.data + r * X.strides[0], xq.ctypes.data + r * xq.strides[0]
         d, s = xd.ctypes.data + r * xd.strides[0], xs.ctypes.data + r * xs.strides[0]
-        for b in range(k // QK):
-            _quantize_block(x + b * QK * 4, q + b * QK, d + b * 4, s + b * 4)
-
-
-@njit(**OPTS)
-def quantize_xk(X, xq, xd, xs):
-    """Rows X float32 [n, k] -> Q8_K: xq int8 [n, k], xd float32 [n, k / 256], xs float32 [n, k / 16]
-    (quant.quantize_xk, in numba), each row contiguous, a super-block at a time (_quantize_super_block)."""
-    n, k = X.shape
-    _rows_contiguous(X, xq, xd, xs)
-    for r in range(n):
-        x, q = X.ctypes.data + r * X.strides[0], xq.ctypes.data + r * xq.strides[0]
-        d, s = xd.ctypes.data + r * xd.strides[0], xs.ctypes.data + r * xs.strides[0]
-        for b in range(k // QK_K):
-            _quantize_super_block(x + b * QK_K * 4, q + b * QK_K, d + b * 4, s + b * 64)
+        for b in range(k // width):
+            if width == QK_K:
+                _quantize_super_block(x + b * QK_K * 4, q + b * QK_K, d + b * 4, s + b * 64)
+            else:
+                _quantize_block(x + b * QK * 4, q + b * QK, d + b * 4, s + b * 4)
 
 
 @njit(**OPTS)
@@ -669,10 +655,9 @@ def quantize_rows(kind, X):
     xq = np.empty((n, k), np.int8)
     if kind >= K_KINDS:
         xd, xs = np.empty((n, k // QK_K), np.float32), np.empty((n, k // 16), np.float32)
-        quantize_xk(X, xq, xd, xs)
     else:
         xd, xs = np.empty((n, k // QK), np.float32), np.empty((n, k // QK), np.float32)
-        quantize_x(X, xq, xd, xs)
+    quantize_x(X, xq, xd, xs, block_inputs(kind))
     return xq, xd, xs
 
 
