@@ -647,6 +647,63 @@ def test_quantized_logits_and_greedy_tokens_agree_with_llama_cpp(llama_files, na
         assert got == want
 
 
+def k_type_file(name, path):
+    """A llama-arch GGUF (gguf_fixtures' 256-wide model) whose matrices are random K blocks of type `name`
+    (k_model's scaling), and the model of those blocks: (path, QuantizedModel.from_blocks of them)."""
+    from gguf_fixtures import chatml_model, chatml_tokenizer, write_gguf
+
+    from nanoeuler.interop.gguf_export import layer_tensor
+    tok = chatml_tokenizer()
+    m = chatml_model(tok)
+    cfg, t = m.config, quant.WTYPES[name]
+    rng = np.random.default_rng(21)
+    P, file_blocks = {}, {}
+    for n, p in m.params.items():
+        if p.ndim == 1:
+            P[n] = p
+            continue
+        B = k_blocks(name, rng, *p.shape)
+        blocks = B.reshape(-1, t.nbytes)
+        f = np.float32(0.05) / quant.dequantize(B, name, p.shape[1]).std()
+        for at in ((208,) if name == "q6_k" else (0, 2)):
+            blocks[:, at:at + 2] = (blocks[:, at:at + 2].copy().view(np.float16) * f).astype(np.float16).view(np.uint8)
+        P[n] = B.view(f"V{t.nbytes}")
+        m.params[n] = quant.dequantize(B, name, p.shape[1])
+        gname = {"embed.weight": "token_embd.weight", "heads.0.weight": "output.weight"}.get(n)
+        gname, rows = (gname, B) if gname else layer_tensor(cfg, n, B)
+        file_blocks[gname] = rows
+    return write_gguf(path, m, tok, name.upper(), blocks=file_blocks), QuantizedModel.from_blocks(cfg, P)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", K_TYPES)
+def test_k_type_logits_and_greedy_tokens_agree_with_llama_cpp(name, tmp_path):
+    """A file of random K blocks (k_type_file): our decoding of its blocks, activations rounded to Q8_K as
+    llama.cpp does, gives llama.cpp's teacher-forced logits to float32 rounding at almost every position
+    (measured: median 6e-8 relative L2 per row; a few rows, where an activation lies on an 8-bit rounding
+    boundary and float32 noise upstream sends it to the other side, differ by up to ~1e-2: Q4_K 5 rows of
+    128, Q5_K 1, Q6_K none), where float activations are 2-3e-2 off; and its greedy tokens."""
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.interop.gguf_import import load_gguf
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    path, qm = k_type_file(name, tmp_path / f"{name}.gguf")
+    cfg, P, tok, source = load_gguf(path)
+    assert set(source["tensor_types"].values()) == {name.upper(), "F32"}
+    for n, p in qm.params.items():  # the file holds our blocks
+        np.testing.assert_array_equal(P[n], p if p.ndim == 1 else quant.dequantize(p.view(np.uint8), name,
+                                                                                  P[n].shape[1]))
+    window = tok.encode(bundled_works()["othello"][5000:20000])[:cfg.ctx_len]
+    W = fuse_weights(cfg, qm.params)
+    hidden = forward_hidden(cfg, W, np.array([window]), new_cache(cfg))[0]
+    ours = kernels.matvec(W["head.0"][2], hidden, cfg.vocab_size)
+    theirs = LlamaCpp(path, n_ctx=cfg.ctx_len, logits_all=True).logits(window)
+    rows = np.linalg.norm(ours - theirs, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert np.median(rows) <= 1e-6 and np.sum(rows > 1e-5) <= len(rows) // 16 and rows.max() <= 3e-2
+    got = generate(qm, window[:32], 32, temperature=0, mode="cache").ids
+    assert got == LlamaCpp(path, n_ctx=cfg.ctx_len).greedy(window[:32], 32)[0]
+
+
 @needs_vnni
 @pytest.mark.parametrize("name", ALL)
 def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
