@@ -8,15 +8,15 @@ integers q. Every one of them reads back as
 
 with sc_j, mn_j the integer scale and minimum of the sub-block j the weight lies in (1, 0 where a type has none):
 
-    type   weights  bytes  sub-blocks                       q       offset   quantize here
-    Q8_0   32       34     d                                int8    0        yes (q8_0 as q + 128, offset 128)
-    Q4_0   32       18     d                                4-bit   8        yes
-    Q4_1   32       20     d, m                             4-bit   0        yes
-    Q5_0   32       22     d                                5-bit   16       yes
-    Q5_1   32       24     d, m                             5-bit   0        yes
-    Q4_K   256      144    d, dmin; 8 × (6-bit sc, 6-bit mn)  4-bit   0        no: read from files
-    Q5_K   256      176    d, dmin; 8 × (6-bit sc, 6-bit mn)  5-bit   0        no
-    Q6_K   256      210    d; 16 × 8-bit signed sc            6-bit   32       no
+    type   weights  bytes  scales                               q                    offset  quantize here
+    Q8_0   32       34     d                                    int8, kept as q+128  128     yes
+    Q4_0   32       18     d                                    4-bit                8       yes
+    Q4_1   32       20     d, m                                 4-bit                0       yes
+    Q5_0   32       22     d                                    5-bit                16      yes
+    Q5_1   32       24     d, m                                 5-bit                0       yes
+    Q4_K   256      144    d, dmin; 8 × (6-bit sc, 6-bit mn)    4-bit                0       no: from files
+    Q5_K   256      176    d, dmin; 8 × (6-bit sc, 6-bit mn)    5-bit                0       no
+    Q6_K   256      210    d; 16 × 8-bit signed sc              6-bit                32      no
 
 `quantize` rounds exactly as `gguf.quants.quantize` (ggml's reference C), so the bytes equal a GGUF file's
 bit for bit; `dequantize` reads them back as float32 as gguf does (the same float32 operations in the same
@@ -52,6 +52,7 @@ class WType(NamedTuple):
     nbytes: int          # bytes per block
     quantize: Callable | None  # float32 [..., n] -> the stored form ([..., n / block · nbytes] uint8); None: cannot
     dequantize: Callable  # the stored form, n -> float32 [..., n]
+    unpack: Callable | None = None  # a block type's blocks [N, nbytes] -> their Fields
 
     @property
     def bytes_per_weight(self) -> float:
@@ -251,7 +252,8 @@ def _blockwise(quantize_blocks: Callable | None, unpack_blocks: Callable, block:
 
 def _block_type(name: str, ggml: int, block: int, nbytes: int, quantize_blocks: Callable | None,
                 unpack_blocks: Callable, scales: tuple[int, ...] = (0,)) -> WType:
-    return WType(name, ggml, block, nbytes, *_blockwise(quantize_blocks, unpack_blocks, block, nbytes, scales))
+    return WType(name, ggml, block, nbytes, *_blockwise(quantize_blocks, unpack_blocks, block, nbytes, scales),
+                 unpack_blocks)
 
 
 WTYPES: dict[str, WType] = {
@@ -268,9 +270,7 @@ WTYPES: dict[str, WType] = {
     "q5_k": _block_type("q5_k", 13, QK_K, 176, None, _u5_k),
     "q6_k": _block_type("q6_k", 14, QK_K, 210, None, _u6_k),
 }
-UNPACK = {"q8_0": _u8_0, "q4_0": _u4_0, "q4_1": _u4_1, "q5_0": _u5_0, "q5_1": _u5_1, "q4_k": _u4_k, "q5_k": _u5_k,
-          "q6_k": _u6_k}
-BLOCK_TYPES = tuple(UNPACK)  # the block types the decoding kernels multiply (qkernels.KINDS)
+BLOCK_TYPES = tuple(n for n, t in WTYPES.items() if t.unpack)  # the block types the kernels multiply (qkernels.KINDS)
 QUANTIZABLE = tuple(n for n in BLOCK_TYPES if WTYPES[n].quantize)  # those we can also make from float weights
 
 
@@ -298,8 +298,8 @@ def dequantize(B: np.ndarray, name: str, n: int) -> np.ndarray:
 def unpack(B: np.ndarray, name: str) -> Fields:
     """The numbers of the blocks of B [..., bytes] of block type `name`, as Fields of its blocks [N, ...] in order.
     unpack(quantize(np.ones((1, 32)), "q4_0"), "q4_0").q -> [[0, 0, ..]] (d = -1/8: w = d·(0 - 8) = 1)"""
-    B = np.ascontiguousarray(B, np.uint8)
-    return UNPACK[name](B.reshape(-1, WTYPES[name].nbytes))
+    t = WTYPES[name]
+    return t.unpack(np.ascontiguousarray(B, np.uint8).reshape(-1, t.nbytes))
 
 
 # ---- activations, as llama.cpp's x86 quantize_row_q8_0 / q8_1 / q8_K ------------------------------------
