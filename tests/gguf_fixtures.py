@@ -41,11 +41,13 @@ def train_briefly(m: Model, tok: Tokenizer, steps: int, lr: float, length: int) 
 
 
 def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str | None = CHATML,
-               tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None, pre: str | None = "gpt-2"):
+               tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None, pre: str | None = "gpt-2",
+               blocks: dict | None = None):
     """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
     pre: tokenizer.ggml.pre (None: no such key); tokens: replace the token list; meta: extra/overriding
     key -> value; drop: tensor names left out;
-    shapes: tensor name -> a different array (to write a wrong shape)."""
+    shapes: tensor name -> a different array (to write a wrong shape);
+    blocks: tensor name -> its bytes in qtype [rows, bytes], written as they are (instead of quantizing m's)."""
     import gguf
     from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, token_metadata
     q = getattr(gguf.GGMLQuantizationType, qtype)
@@ -72,7 +74,9 @@ def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str
         if name in drop:
             continue
         a = (shapes or {}).get(name, a)
-        if a.ndim == 1 or q == gguf.GGMLQuantizationType.F32:
+        if name in (blocks or {}):
+            w.add_tensor(name, blocks[name], raw_dtype=q)
+        elif a.ndim == 1 or q == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         else:
             w.add_tensor(name, quantize(a, q), raw_dtype=q)

@@ -26,7 +26,7 @@ def register(sub) -> None:
                         "base's gguf export")
     e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1; peft and gguf-lora write float32 adapters and take none")
+                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1, q5_0, q5_1; peft and gguf-lora write float32 adapters and take none")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")

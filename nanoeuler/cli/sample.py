@@ -31,14 +31,17 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
                    help="the weights while decoding (default float32; a checkpoint imported from a GGUF file: the "
                         "type most of its matrices had there). float16 rounds them to half precision and computes "
                         "in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token. q8_0, q4_0, "
-                        "q4_1: GGUF's blocks of 32 weights (8 or 4 bits + a float16 scale), quantized at load as "
-                        "`export --format gguf` writes them and multiplied in integers with 8-bit activations, as "
-                        "llama.cpp runs such a file (needs AVX512-VNNI): 1.06 / 0.56 / 0.62 bytes per weight. "
+                        "q4_1, q5_0, q5_1: GGUF's blocks of 32 weights (8, 4 or 5 bits + a float16 scale), "
+                        "quantized at load as gguf rounds them and multiplied in integers with 8-bit activations, "
+                        "as llama.cpp runs such a file (needs AVX512-VNNI): 1.06 / 0.56 / 0.62 / 0.69 / 0.75 bytes "
+                        "per weight. q4_k, q5_k, q6_k (256-weight super-blocks) are decoded only as read from a "
+                        "file: a float model is refused (we do not reproduce llama.cpp's search that makes them). "
                         "Logits move (float16 ~1e-3 relative, q8_0 ~1e-2), so a text can differ")
 
 
-DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1")
-SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
+                 "Q5_1": "q5_1"}  # the file types a float32 import is quantized back to (no K types: see --dtype)
 
 
 def source_dtype(ckpt) -> str:

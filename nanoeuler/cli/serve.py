@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's directory name)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
-                        "q8_0, q4_0, q4_1 (see `sample --help`)")
+                        "q8_0, q4_0, q4_1, q5_0, q5_1 (see `sample --help`)")
     p.add_argument("--max-batch", type=int, default=32, help="rows of the KV cache decoded together, shared fairly between requests (default 32)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")

@@ -357,10 +357,10 @@ def _kind(W):
 
 @overload(_kind, inline="always")
 def _kind_impl(W):
-    """0: float32 panels, 1: float16 bits (uint16), 3 | 4 | 5: Q8_0 | Q4_0 | Q4_1 (uint8, told apart by the
-    bytes of a panel's block: qkernels.STRIDES)."""
+    """0: float32 panels, 1: float16 bits (uint16), from 3: a block type (uint8, told apart by the bytes of a
+    panel's block: qkernels.KINDS, STRIDES)."""
     if W.dtype == types.uint8:
-        return lambda W: 3 if W.shape[-1] == qkernels.STRIDES[3] else 4 if W.shape[-1] == qkernels.STRIDES[4] else 5
+        return lambda W: qkernels.kind_of(W.shape[-1])
     half = isinstance(W.dtype, types.Integer)
     return (lambda W: 1) if half else (lambda W: 0)
 
@@ -371,8 +371,9 @@ def _row_in(W):
 
 @overload(_row_in, inline="always")
 def _row_in_impl(W):
-    """Inputs per entry of a kernel form's third-last axis: 32 for a block type (blocks), else 1 (inputs)."""
-    return (lambda W: qkernels.QK) if W.dtype == types.uint8 else (lambda W: 1)
+    """Inputs per entry of a kernel form's second-last axis: a block type's block (32, K types 256), else 1."""
+    return (lambda W: qkernels.block_inputs(qkernels.kind_of(W.shape[-1]))) if W.dtype == types.uint8 else \
+        (lambda W: 1)
 
 
 # The control block shared by the threads (int64): the claim word and the done count sit on their own
@@ -438,13 +439,11 @@ def _gemv(ctl, pooled, W, X, Y, add):
 
 @njit(**OPTS)
 def _qgemv(ctl, pooled, kind, W, X, Y, add):
-    """Y (+)= X @ Wᵀ for W of a block type (qkernels.pack): X's rows quantized to 8 bits per block once
-    (qkernels.quantize_x), then the panels claimed as in _gemv."""
+    """Y (+)= X @ Wᵀ for W of a block type (qkernels.pack): X's rows quantized to 8 bits per block once, as the
+    type's products read them (qkernels.quantize_rows), then the panels claimed as in _gemv."""
     n, I = X.shape
     nb = W.shape[0]
-    xq, xd, xs = np.empty((n, I), np.int8), np.empty((n, I // qkernels.QK), np.float32), \
-        np.empty((n, I // qkernels.QK), np.float32)
-    qkernels.quantize_x(X, xq, xd, xs)
+    xq, xd, xs = qkernels.quantize_rows(kind, X)
     if not pooled or nb < 2 or nb > 0xFFFF:
         qkernels.panels(kind, W, xq, xd, xs, Y, add, 0, nb)
         return

@@ -1,23 +1,36 @@
-"""Weight types for inference: float32, float16 and GGUF's block formats Q8_0, Q4_0 and Q4_1, one table entry
-each (`WTYPES`), in NumPy. The library needs no `gguf` for them; tests check them against `gguf.quants`.
+"""Weight types for inference: float32, float16 and GGUF's block formats, one table entry each (`WTYPES`), in
+NumPy. The library needs no `gguf` for them; tests check them against `gguf.quants`.
 
-A block format cuts each row of a weight matrix into blocks of 32 weights and keeps per block a float16
-scale d (Q4_1: and a float16 minimum m) and 32 small integers q:
+A block format cuts each row of a weight matrix into blocks and keeps per block float16 scales and small
+integers q. Every one of them reads back as
 
-    Q8_0   34 bytes: d, q int8 [32]                 w = d·q            q = round(w / d),  d = max|w| / 127
-    Q4_0   18 bytes: d, q 4-bit [32] (16 bytes)     w = d·(q - 8)      d = w_max / -8 (w_max: largest |w|, signed)
-    Q4_1   20 bytes: d, m, q 4-bit [32]             w = d·q + m        d = (max - min) / 15,  m = min
+    w = d·sc_j·(q - offset) + m          (m: Q4_1 / Q5_1's float16 minimum; K types: -dmin·mn_j)
+
+with sc_j, mn_j the integer scale and minimum of the sub-block j the weight lies in (1, 0 where a type has none):
+
+    type   weights  bytes  scales                               q                    offset  quantize here
+    Q8_0   32       34     d                                    int8, kept as q+128  128     yes
+    Q4_0   32       18     d                                    4-bit                8       yes
+    Q4_1   32       20     d, m                                 4-bit                0       yes
+    Q5_0   32       22     d                                    5-bit                16      yes
+    Q5_1   32       24     d, m                                 5-bit                0       yes
+    Q4_K   256      144    d, dmin; 8 × (6-bit sc, 6-bit mn)    4-bit                0       no: from files
+    Q5_K   256      176    d, dmin; 8 × (6-bit sc, 6-bit mn)    5-bit                0       no
+    Q6_K   256      210    d; 16 × 8-bit signed sc              6-bit                32      no
 
 `quantize` rounds exactly as `gguf.quants.quantize` (ggml's reference C), so the bytes equal a GGUF file's
-bit for bit; `dequantize` reads them back as float32 as gguf does. The bytes of a matrix [out, in] are
-[out, in / 32 · bytes per block], row by row, as in the file:
+bit for bit; `dequantize` reads them back as float32 as gguf does (the same float32 operations in the same
+order). gguf (and so this module) cannot quantize the K types: llama.cpp makes them with an iterative search
+(`quantize_row_q4_K_ref`), and their blocks come from files. The bytes of a matrix [out, in] are
+[out, in / block · bytes per block], row by row, as in the file:
 
     b = quantize(np.ones((2, 32), np.float32), "q8_0")      # uint8 [2, 34]
     dequantize(b, "q8_0", 32)                                # [2, 32] of 1.0
 
-The decoding kernels (qkernels.py) read another arrangement of the same integers (`pack` there); activations
-are quantized to 8 bits per block at run time (`quantize_x8`, llama.cpp's x86 rounding), and the kernels
-compute the dot products in integers.
+`unpack` gives a block's numbers (`Fields`), which the decoding kernels rearrange (qkernels.pack). The
+activations are quantized to 8 bits per block at run time as llama.cpp does for the weight type they meet:
+`quantize_x8` (32-wide blocks, float16 scale: Q8_0 / Q8_1, for the 32-weight types) and `quantize_xk`
+(256-wide blocks, float32 scale, sums per 16: Q8_K, for the K types); the kernels compute in integers.
 """
 from __future__ import annotations
 
@@ -27,7 +40,8 @@ import numpy as np
 
 from ..errors import UserError
 
-QK = 32  # weights per block
+QK = 32     # weights per block of the 32-weight types
+QK_K = 256  # weights per super-block of the K types
 
 
 class WType(NamedTuple):
@@ -36,12 +50,25 @@ class WType(NamedTuple):
     ggml: int            # its GGMLQuantizationType number in a GGUF file
     block: int           # weights per block (1: a plain float type)
     nbytes: int          # bytes per block
-    quantize: Callable   # float32 [..., n] -> the stored form ([..., n / block · nbytes] uint8 for a block type)
+    quantize: Callable | None  # float32 [..., n] -> the stored form ([..., n / block · nbytes] uint8); None: cannot
     dequantize: Callable  # the stored form, n -> float32 [..., n]
+    unpack: Callable | None = None  # a block type's blocks [N, nbytes] -> their Fields
 
     @property
     def bytes_per_weight(self) -> float:
         return self.nbytes / self.block
+
+
+class Fields(NamedTuple):
+    """The numbers of blocks [n] of one type (see the module docstring): w = d·sc_j·(q - offset) + m, or
+    - dmin·mn_j for the K types; sub-block j holds block / subs consecutive weights."""
+    q: np.ndarray                    # uint8 [n, block]: each weight's integer, unsigned
+    offset: int
+    d: np.ndarray                    # float16 [n, 1]
+    sc: np.ndarray | None = None     # [n, subs] integer scales (uint8; Q6_K int8), or none
+    m: np.ndarray | None = None      # float16 [n, 1]: Q4_1 / Q5_1's minimum
+    dmin: np.ndarray | None = None   # float16 [n, 1]: the K types' scale of their minimums
+    mn: np.ndarray | None = None     # uint8 [n, subs]: the K types' integer minimums
 
 
 # ---- rounding as ggml's reference C (gguf.quants) -----------------------------------------------------
@@ -63,13 +90,24 @@ def _half_bytes(v: np.ndarray) -> np.ndarray:
 
 
 def _nibbles(q: np.ndarray) -> np.ndarray:
-    """q uint8 [n, 32] in 0..15 -> [n, 16] bytes, byte i = q[i] | q[i + 16] << 4 (ggml's order)."""
+    """q uint8 [n, 32] (low 4 bits used) -> [n, 16] bytes, byte i = q[i] | q[i + 16] << 4 (ggml's order)."""
+    q = q & np.uint8(15)
     return q[:, :QK // 2] | (q[:, QK // 2:] << np.uint8(4))
 
 
 def _unnibble(b: np.ndarray) -> np.ndarray:
-    """The inverse of _nibbles: [n, 16] bytes -> q uint8 [n, 32]."""
-    return np.concatenate([b & np.uint8(15), b >> np.uint8(4)], axis=1)
+    """[..., k] bytes -> [..., 2k]: the k low nibbles, then the k high ones."""
+    return np.concatenate([b & np.uint8(15), b >> np.uint8(4)], axis=-1)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """[..., k] bytes -> [..., 8k] of 0 / 1, bit i of byte j at 8j + i (little-endian, as ggml's qh)."""
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _top(x: np.ndarray) -> np.ndarray:
+    """Per block [n, k] the entry of largest |x|, signed, the first of ties (ggml's `amax < fabsf(v)`)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
 
 
 def _q8_0(x: np.ndarray) -> np.ndarray:
@@ -81,8 +119,7 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
 
 def _q4_0(x: np.ndarray) -> np.ndarray:
     """Blocks float32 [n, 32] -> Q4_0 bytes [n, 18]."""
-    top = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
-    d = top / np.float32(-8)
+    d = _top(x) / np.float32(-8)
     q = np.trunc(x * _inverse(d) + np.float32(8.5)).astype(np.uint8).clip(0, 15)
     return np.concatenate([_half_bytes(d), _nibbles(q)], axis=1)
 
@@ -95,44 +132,128 @@ def _q4_1(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_half_bytes(d), _half_bytes(lo), _nibbles(q)], axis=1)
 
 
-def _scale(b: np.ndarray, at: int) -> np.ndarray:
-    """The float16 at bytes at, at + 1 of each block [n, bytes] as float32 [n, 1]."""
-    return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16).astype(np.float32)
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """q uint8 [n, 32] in 0..31 -> qh [n, 4]: bit j = bit 4 of q[j]."""
+    return np.packbits(q >> np.uint8(4), axis=1, bitorder="little")
 
 
-def _dq8_0(b: np.ndarray) -> np.ndarray:
-    return b[:, 2:].view(np.int8).astype(np.float32) * _scale(b, 0)
+def _q5_0(x: np.ndarray) -> np.ndarray:
+    """Blocks float32 [n, 32] -> Q5_0 bytes [n, 22]: d, qh, 16 nibble bytes."""
+    d = _top(x) / np.float32(-16)
+    q = np.trunc(x * _inverse(d) + np.float32(16.5)).astype(np.uint8).clip(0, 31)
+    return np.concatenate([_half_bytes(d), _fifth_bits(q), _nibbles(q)], axis=1)
 
 
-def _dq4_0(b: np.ndarray) -> np.ndarray:
-    return _scale(b, 0) * (_unnibble(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32)
+def _q5_1(x: np.ndarray) -> np.ndarray:
+    """Blocks float32 [n, 32] -> Q5_1 bytes [n, 24]: d, m, qh, 16 nibble bytes."""
+    hi, lo = x.max(axis=1, keepdims=True), x.min(axis=1, keepdims=True)
+    d = (hi - lo) / np.float32(31)
+    q = np.trunc((x - lo) * _inverse(d) + np.float32(0.5)).astype(np.uint8).clip(0, 31)
+    return np.concatenate([_half_bytes(d), _half_bytes(lo), _fifth_bits(q), _nibbles(q)], axis=1)
 
 
-def _dq4_1(b: np.ndarray) -> np.ndarray:
-    return _scale(b, 0) * _unnibble(b[:, 4:]).astype(np.float32) + _scale(b, 2)
+# ---- unpacking: bytes [n, nbytes] -> Fields ------------------------------------------------------------
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at bytes at, at + 1 of each block [n, bytes], as [n, 1]."""
+    return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16)
 
 
-def _blockwise(quantize_blocks: Callable, dequantize_blocks: Callable, nbytes: int,
-               scales: int) -> tuple[Callable, Callable]:
-    """quantize and dequantize of a block type from its per-block functions; the first `scales` float16 of a
-    block are its scale (and minimum), which must come out finite."""
+def _u8_0(b):
+    return Fields(b[:, 2:] ^ np.uint8(128), 128, _half(b, 0))
+
+
+def _u4_0(b):
+    return Fields(_unnibble(b[:, 2:]), 8, _half(b, 0))
+
+
+def _u4_1(b):
+    return Fields(_unnibble(b[:, 4:]), 0, _half(b, 0), m=_half(b, 2))
+
+
+def _u5_0(b):
+    return Fields(_unnibble(b[:, 6:]) | (_bits(b[:, 2:6]) << np.uint8(4)), 16, _half(b, 0))
+
+
+def _u5_1(b):
+    return Fields(_unnibble(b[:, 8:]) | (_bits(b[:, 4:8]) << np.uint8(4)), 0, _half(b, 0), m=_half(b, 2))
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of a Q4_K / Q5_K block [n, 12] -> (sc, mn) uint8 [n, 8], 6 bits each (ggml's
+    get_scale_min_k4): j < 4: sc = s[j] & 63, mn = s[j + 4] & 63; j >= 4: the low 4 bits in s[j + 4]'s
+    nibbles, the high 2 in the top bits of s[j - 4] (sc) and s[j] (mn)."""
+    lo, mid, top = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (top & 15) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _k_quants(ql: np.ndarray) -> np.ndarray:
+    """The 128 nibble bytes of a Q4_K / Q5_K block [n, 128] -> the low 4 bits of its 256 q: chunk c of 32
+    bytes holds sub-block 2c in its low nibbles and 2c + 1 in its high ones."""
+    return _unnibble(ql.reshape(len(ql), 4, 32)).reshape(len(ql), QK_K)
+
+
+def _u4_k(b):
+    sc, mn = _k_scales(b[:, 4:16])
+    return Fields(_k_quants(b[:, 16:]), 0, _half(b, 0), sc, dmin=_half(b, 2), mn=mn)
+
+
+def _u5_k(b):
+    sc, mn = _k_scales(b[:, 4:16])
+    high = _bits(b[:, 16:48]).reshape(len(b), 32, 8).transpose(0, 2, 1).reshape(len(b), QK_K)  # bit j of qh[l]
+    return Fields(_k_quants(b[:, 48:]) | (high << np.uint8(4)), 0, _half(b, 0), sc, dmin=_half(b, 2), mn=mn)
+
+
+def _u6_k(b):
+    """Q6_K [n, 210]: ql [128], qh [64], sc int8 [16], d. Half h (128 weights) of ql: its 64 bytes' low nibbles
+    are weights 0..63, the high ones 64..127; qh[32h + l] holds weight 32g + l's top 2 bits at bits 2g, 2g + 1."""
+    n = len(b)
+    low = _unnibble(b[:, :128].reshape(n, 2, 64)).reshape(n, QK_K)
+    top = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.uint8([0, 2, 4, 6])[:, None]) & np.uint8(3)  # [n, h, g, l]
+    return Fields(low | (top.reshape(n, QK_K) << np.uint8(4)), 32, _half(b, 208), b[:, 192:208].view(np.int8))
+
+
+def _dequantize_fields(f: Fields) -> np.ndarray:
+    """w [n, block] float32 from the fields, in gguf's operations: (d·sc)·(q - offset) (+ m | - dmin·mn)."""
+    n, block = f.q.shape
+    s = f.d.astype(np.float32) if f.sc is None else f.d.astype(np.float32) * f.sc.astype(np.float32)  # [n, subs]
+    q = (f.q.astype(np.int16) - np.int16(f.offset)).astype(np.float32).reshape(n, s.shape[1], -1)
+    w = s[..., None] * q
+    if f.m is not None:
+        w = w + f.m.astype(np.float32)[..., None]
+    if f.mn is not None:
+        w = w - (f.dmin.astype(np.float32) * f.mn.astype(np.float32))[..., None]
+    return w.reshape(n, block)
+
+
+def _blockwise(quantize_blocks: Callable | None, unpack_blocks: Callable, block: int, nbytes: int,
+               scales: tuple[int, ...]) -> tuple[Callable | None, Callable]:
+    """quantize and dequantize of a block type from its per-block functions; `scales`: the byte offsets of the
+    float16 scales a block's quantization makes, which must come out finite."""
     def quantize(W: np.ndarray) -> np.ndarray:
         W = np.asarray(W, np.float32)
-        if W.ndim == 0 or W.shape[-1] % QK:
-            raise UserError(f"a block-quantized matrix needs rows of a multiple of {QK} weights, not {W.shape}")
+        if W.ndim == 0 or W.shape[-1] % block:
+            raise UserError(f"a block-quantized matrix needs rows of a multiple of {block} weights, not {W.shape}")
         if not np.isfinite(W).all():
             raise UserError("cannot quantize weights that are not finite (inf or nan)")
         with np.errstate(over="ignore", invalid="ignore"):
-            B = quantize_blocks(W.reshape(-1, QK))
-        if not np.isfinite(B[:, :2 * scales].copy().view(np.float16)).all():
+            B = quantize_blocks(W.reshape(-1, block))
+        if not all(np.isfinite(_half(B, at)).all() for at in scales):
             raise UserError("weights too large for the float16 scales of a block type; keep float32 or float16")
-        return B.reshape(*W.shape[:-1], W.shape[-1] // QK * nbytes)
+        return B.reshape(*W.shape[:-1], W.shape[-1] // block * nbytes)
 
     def dequantize(B: np.ndarray, n: int) -> np.ndarray:
         B = np.ascontiguousarray(B, np.uint8)
-        return dequantize_blocks(B.reshape(-1, nbytes)).reshape(*B.shape[:-1], n)
+        return _dequantize_fields(unpack_blocks(B.reshape(-1, nbytes))).reshape(*B.shape[:-1], n)
 
-    return quantize, dequantize
+    return (quantize if quantize_blocks else None), dequantize
+
+
+def _block_type(name: str, ggml: int, block: int, nbytes: int, quantize_blocks: Callable | None,
+                unpack_blocks: Callable, scales: tuple[int, ...] = (0,)) -> WType:
+    return WType(name, ggml, block, nbytes, *_blockwise(quantize_blocks, unpack_blocks, block, nbytes, scales),
+                 unpack_blocks)
 
 
 WTYPES: dict[str, WType] = {
@@ -140,11 +261,17 @@ WTYPES: dict[str, WType] = {
                      lambda B, n: np.asarray(B, np.float32)),
     "float16": WType("float16", 1, 1, 2, lambda W: np.asarray(W, np.float32).astype(np.float16),
                      lambda B, n: np.asarray(B, np.float16).astype(np.float32)),
-    "q8_0": WType("q8_0", 8, QK, 34, *_blockwise(_q8_0, _dq8_0, 34, 1)),
-    "q4_0": WType("q4_0", 2, QK, 18, *_blockwise(_q4_0, _dq4_0, 18, 1)),
-    "q4_1": WType("q4_1", 3, QK, 20, *_blockwise(_q4_1, _dq4_1, 20, 2)),
+    "q8_0": _block_type("q8_0", 8, QK, 34, _q8_0, _u8_0),
+    "q4_0": _block_type("q4_0", 2, QK, 18, _q4_0, _u4_0),
+    "q4_1": _block_type("q4_1", 3, QK, 20, _q4_1, _u4_1, (0, 2)),
+    "q5_0": _block_type("q5_0", 6, QK, 22, _q5_0, _u5_0),
+    "q5_1": _block_type("q5_1", 7, QK, 24, _q5_1, _u5_1, (0, 2)),
+    "q4_k": _block_type("q4_k", 12, QK_K, 144, None, _u4_k),
+    "q5_k": _block_type("q5_k", 13, QK_K, 176, None, _u5_k),
+    "q6_k": _block_type("q6_k", 14, QK_K, 210, None, _u6_k),
 }
-BLOCK_TYPES = ("q8_0", "q4_0", "q4_1")
+BLOCK_TYPES = tuple(n for n, t in WTYPES.items() if t.unpack)  # the block types the kernels multiply (qkernels.KINDS)
+QUANTIZABLE = tuple(n for n in BLOCK_TYPES if WTYPES[n].quantize)  # those we can also make from float weights
 
 
 def wtype(name: str) -> WType:
@@ -156,7 +283,11 @@ def wtype(name: str) -> WType:
 
 def quantize(W: np.ndarray, name: str) -> np.ndarray:
     """W float [..., n] in weight type `name` (see the module docstring)."""
-    return wtype(name).quantize(W)
+    t = wtype(name)
+    if t.quantize is None:
+        raise UserError(f"cannot quantize to {name}: K-quant blocks are read from GGUF files (llama.cpp makes them "
+                        f"with an iterative search this library does not reproduce); one of {', '.join(QUANTIZABLE)}")
+    return t.quantize(W)
 
 
 def dequantize(B: np.ndarray, name: str, n: int) -> np.ndarray:
@@ -164,11 +295,18 @@ def dequantize(B: np.ndarray, name: str, n: int) -> np.ndarray:
     return wtype(name).dequantize(B, n)
 
 
-# ---- activations: 8 bits per block, as llama.cpp's x86 quantize_row_q8_0 / q8_1 ------------------------
+def unpack(B: np.ndarray, name: str) -> Fields:
+    """The numbers of the blocks of B [..., bytes] of block type `name`, as Fields of its blocks [N, ...] in order.
+    unpack(quantize(np.ones((1, 32)), "q4_0"), "q4_0").q -> [[0, 0, ..]] (d = -1/8: w = d·(0 - 8) = 1)"""
+    t = WTYPES[name]
+    return t.unpack(np.ascontiguousarray(B, np.uint8).reshape(-1, t.nbytes))
+
+
+# ---- activations, as llama.cpp's x86 quantize_row_q8_0 / q8_1 / q8_K ------------------------------------
 def quantize_x8(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows X float32 [n, k] (k a multiple of 32) -> (q int8 [n, k], d float32 [n, k/32], s float32 [n, k/32]):
-    per block d = max|x| / 127 rounded to float16, q = x · 127 / max|x| rounded to nearest even, s = Σ q (the
-    block sum Q4_1's minimum and the unsigned weight offsets need). The kernels do the same in numba; this is
+    per block d = max|x| / 127 rounded to float16, q = x · (127 / max|x|) rounded to nearest even, s = Σ q (the
+    block sum the minimums and the unsigned weight offsets need). The kernels do the same in numba; this is
     their reference.  x ≈ d·q:  quantize_x8(np.float32([[127] * 32]))[1] -> [[1.0]]"""
     n, k = X.shape
     x = np.asarray(X, np.float32).reshape(n, k // QK, QK)
@@ -177,3 +315,20 @@ def quantize_x8(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.rint(x * inv[..., None]).astype(np.int8)
     d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
     return q.reshape(n, k), d, q.sum(axis=2, dtype=np.int32).astype(np.float32)
+
+
+def quantize_xk(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows X float32 [n, k] (k a multiple of 256) -> Q8_K (quantize_row_q8_K_ref): (q int8 [n, k],
+    d float32 [n, k/256], bsums float32 [n, k/16]): per block of 256, with `top` its entry of largest |x|
+    (signed, the first of ties), iscale = -127 / top and d = 1 / iscale in float32 (not rounded to float16),
+    q = min(127, x · iscale rounded to nearest even); bsums: Σ q per 16. An all-zero block: d = 0, q = 0.
+        quantize_xk(np.full((1, 256), 2, np.float32))[:2] -> q all -127, d [[-2/127]]"""
+    n, k = X.shape
+    x = np.asarray(X, np.float32).reshape(n * k // QK_K, QK_K)
+    top = _top(x)                                                  # [blocks, 1]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(top == 0, np.float32(0), np.float32(-127) / top)
+        d = np.where(top == 0, np.float32(0), np.float32(1) / iscale)
+    q = np.minimum(np.rint(x * iscale), np.float32(127)).astype(np.int8)
+    sums = q.reshape(-1, QK_K // 16, 16).sum(axis=2, dtype=np.int32).astype(np.float32)
+    return q.reshape(n, k), d.reshape(n, k // QK_K), sums.reshape(n, k // 16)

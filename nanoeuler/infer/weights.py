@@ -6,7 +6,8 @@ A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's pa
     f32   float32      the float32 values                   the float32 values
     f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
-    q4_0, q4_1         (the parameters: void records of one block's bytes, [out, in / 32], dtype V34 | V18 | V20)
+    q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k   (the parameters: void records of one block's bytes,
+                       [out, in / block], dtype V34 | V18 | V20 | V22 | V24 | V144 | V176 | V210)
 
 A new type is a new entry (its values, its pack) and, in kernels.py, a kernel kind that reads its form.
 
@@ -43,7 +44,7 @@ class WType:
 
 
 def _block_type(name: str) -> WType:
-    """A GGUF block type: parameters [..., out, in / 32] of records of one block's bytes (quant.py)."""
+    """A GGUF block type: parameters [..., out, in / block] of records of one block's bytes (quant.py)."""
     t = quant.WTYPES[name]
 
     def values(a: np.ndarray) -> np.ndarray:  # (the norms stay float32)
@@ -193,35 +194,60 @@ class Float16Model:
 
 
 class QuantizedModel:
-    """A model's matrices quantized to a GGUF block type (q8_0, q4_0, q4_1), for decoding, as the model's
-    GGUF export at that type holds them, bit for bit (quant.py rounds as gguf does); norms stay float32. The
-    fused step multiplies in integers (qkernels.py: activations quantized per block of 32 to 8 bits, as
-    llama.cpp does), the NumPy path with the dequantized values. Like Float16Model it has what generation
-    needs (config, params, dtype); `sample` / `chat` / `serve --dtype q8_0` use it.
+    """A model's matrices in a GGUF block type, for decoding; norms stay float32. QuantizedModel(model, t)
+    quantizes a float model's matrices (q8_0, q4_0, q4_1, q5_0, q5_1: quant.QUANTIZABLE) as its GGUF export at
+    that type holds them, bit for bit (quant.py rounds as gguf does); `from_blocks` takes matrices that are
+    already blocks of one type (any of quant.BLOCK_TYPES: the K types come only so, as read from a file). The
+    fused step multiplies in integers (qkernels.py: activations quantized per block to 8 bits, as llama.cpp does
+    for the type), the NumPy path with the dequantized values. Like Float16Model it has what generation needs
+    (config, params, dtype); `sample` / `chat` / `serve --dtype q8_0` use it.
 
         QuantizedModel(model, "q8_0").params["embed.weight"].dtype == np.dtype("V34")
     """
 
     def __init__(self, model, name: str):
-        if name not in quant.BLOCK_TYPES:
-            raise UserError(f"unknown block type {name!r}; one of {', '.join(quant.BLOCK_TYPES)}")
-        qkernels.require()
+        if name not in quant.QUANTIZABLE:
+            raise UserError(_not_quantizable(name))
         t = quant.WTYPES[name]
         for n, p in model.params.items():
             if p.ndim == 2 and p.shape[1] % t.block:
                 raise UserError(f"{name} needs rows of a multiple of {t.block} weights; {n} has {p.shape[1]}")
+        qkernels.require()
         self.config = model.config
         self.params = {n: t.quantize(p).view(f"V{t.nbytes}") if p.ndim == 2 else np.asarray(p, np.float32)
                        for n, p in model.params.items()}
         self.dtype = np.dtype(np.float32)
 
+    @classmethod
+    def from_blocks(cls, config, params: dict) -> "QuantizedModel":
+        """A model whose matrices are blocks of one block type already (void records [out, in / block], as
+        QuantizedModel's own), the other parameters float32."""
+        types_ = {p.dtype for p in params.values() if p.ndim == 2}
+        wt = of_dtype(next(iter(types_))) if len(types_) == 1 else None
+        if wt is None or wt.name not in quant.BLOCK_TYPES:
+            raise UserError(f"a quantized model's matrices are blocks of one type; got {sorted(map(str, types_))}")
+        qkernels.require()
+        m = cls.__new__(cls)
+        m.config, m.dtype = config, np.dtype(np.float32)
+        m.params = {n: p if p.ndim == 2 else np.asarray(p, np.float32) for n, p in params.items()}
+        return m
+
     def n_params(self) -> int:
-        return sum(p.size * (quant.QK if p.dtype.kind == "V" else 1) for p in self.params.values())
+        return sum(p.size * (quant.WTYPES[of_dtype(p.dtype).name].block if p.dtype.kind == "V" else 1)
+                   for p in self.params.values())
+
+
+def _not_quantizable(name: str) -> str:
+    if name in quant.BLOCK_TYPES:
+        return (f"cannot quantize a float model to {name}: K-quant blocks are read from GGUF files (llama.cpp makes "
+                f"them with an iterative search this library does not reproduce); use one of "
+                f"{', '.join(quant.QUANTIZABLE)}")
+    return f"unknown block type {name!r}; one of {', '.join(quant.QUANTIZABLE)}"
 
 
 def for_dtype(model, dtype: str):
     """model as decoded in `dtype` (sample / chat / serve --dtype): itself (float32), Float16Model (float16) or
-    QuantizedModel (q8_0, q4_0, q4_1)."""
+    QuantizedModel (q8_0, q4_0, q4_1, q5_0, q5_1; a K type is refused: we cannot make its blocks)."""
     if dtype == "float16":
         return Float16Model(model)
     if dtype in quant.BLOCK_TYPES:
@@ -229,4 +255,3 @@ def for_dtype(model, dtype: str):
     if dtype != "float32":
         raise UserError(f"unknown dtype {dtype!r}; one of float32, float16, {', '.join(quant.BLOCK_TYPES)}")
     return model
-

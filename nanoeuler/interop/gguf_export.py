@@ -1,7 +1,7 @@
 """Export a checkpoint as a GGUF file for llama.cpp (its architecture's GGUF name: `llama` for ours), written
 with the `gguf` package.
 
-    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1
+    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q5_1
 
 Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`,
 ..., `output_norm`, `output`; `output` is left out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import UserError
 
-GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
