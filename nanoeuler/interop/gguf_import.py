@@ -36,6 +36,14 @@ import numpy as np
 from ..errors import UserError
 
 CONTROL, USER_DEFINED, UNUSED, UNKNOWN = 3, 4, 5, 2  # gguf.TokenType values
+TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}   # tokenizer.ggml.model
+OTHER_MODELS = {"bert": "WordPiece, llama.cpp's WPM", "t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
+                "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
+# the tokens llama.cpp ends generation at by their text (llama_vocab::load), besides the eos / eot / eom ids
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
 
 # tokenizer.ggml.pre -> (pattern name in hf_tokenizer / tokenizer, ignore_merges, add_bos by default);
 # the families are llama.cpp's (src/llama-vocab.cpp): names that share one pre-tokenizer
@@ -69,30 +77,15 @@ def pre_pattern(pre: str | None) -> tuple[str | tuple[str, ...], bool, bool]:
 # ------------------------------------------------------------------------------------------- reading
 
 def open_gguf(path: Path):
-    """A gguf.GGUFReader over path; any defect of the header is a one-line UserError."""
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("GGUF import needs the gguf package: pip install 'nanoeuler[interop]'") from None
-    if not path.is_file():
-        raise UserError(f"{path} is not a file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, IndexError, KeyError, struct errors... on bad bytes
-        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})") from None
+    """The parsed header of path (gguf_file.GGUFFile: metadata, tensor table); any defect is a one-line
+    UserError."""
+    from .gguf_file import GGUFFile
+    return GGUFFile(path)
 
 
 def metadata(reader, path: Path) -> dict:
     """Key -> value of every metadata field (token arrays included)."""
-    out = {}
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            out[name] = f.contents()
-        except Exception as e:
-            raise UserError(f"{path}: metadata field {name} is unreadable ({type(e).__name__})") from None
-    return out
+    return dict(reader.meta)
 
 
 def field(meta: dict, key: str, kind=int, default=None):
@@ -130,12 +123,9 @@ def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np
 # ----------------------------------------------------------------------------------------- tokenizer
 
 def hf_dict(meta: dict) -> tuple[dict, int | None]:
-    """The tokenizer.ggml.* fields -> (the equivalent Hugging Face tokenizer.json dict, eos id), so that one
-    code path (hf_tokenizer.from_hf_json) builds both importers' Tokenizers."""
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        what = " (SentencePiece)" if model == "llama" else ""
-        raise UserError(f"tokenizer.ggml.model {model!r}{what} is not supported; only byte-level BPE (gpt2)")
+    """The tokenizer.ggml.* fields of a byte-level BPE (model gpt2) -> (the equivalent Hugging Face
+    tokenizer.json dict, eos id), so that one code path (hf_tokenizer.from_hf_json) builds both importers'
+    Tokenizers."""
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or [])
     if not isinstance(tokens, list) or not isinstance(merges, list) or not all(isinstance(s, str) for s in tokens):
@@ -166,15 +156,59 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
     return d, meta.get("tokenizer.ggml.eos_token_id")
 
 
+def spm_tokenizer(meta: dict, vocab_size: int):
+    """The tokenizer.ggml.* fields of a SentencePiece BPE (model llama) -> our SentencePieceTokenizer, read as
+    llama.cpp's llama_vocab::load reads them (scores 0 and NORMAL types when absent, add_space_prefix and
+    add_bos_token true unless the file says false, bos 1 and eos 2 unless it names others)."""
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens)
+    scores, types = meta.get("tokenizer.ggml.scores", [0.0] * n), meta.get("tokenizer.ggml.token_type", [NORMAL] * n)
+    for key, values, kind in (("scores", scores, (int, float)), ("token_type", types, int)):
+        if not isinstance(values, list) or len(values) != n or not all(isinstance(v, kind) for v in values):
+            raise UserError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]   # as llama.cpp names an empty token
+    for i in range(n, vocab_size):         # embedding rows no token names: reserved, never produced by merges
+        tokens.append(f"<|reserved_{i}|>")
+        scores.append(0.0)
+        types.append(UNUSED)
+    ids = {}
+    for key, default in (("bos", 1), ("eos", 2)):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+        ids[key] = i if isinstance(i, int) and 0 <= i < n else None
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
+    prefix = "every" if meta.get("tokenizer.ggml.add_space_prefix", True) else "none"
+    names = {k: tokens[i] if i is not None else None for k, i in ids.items()}
+    return SentencePieceTokenizer(tokens, types, scores, prefix=prefix, eos=names["eos"],
+                                  bos=names["bos"] if add_bos else None)
+
+
 def gguf_tokenizer(meta: dict, vocab_size: int):
-    """Our Tokenizer with the file's ids, chat template and every end-of-turn id the metadata names."""
+    """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
+    (eos, eot, eom, and the tokens it recognises by text: EOG_TEXTS)."""
     from .hf_tokenizer import from_hf_json
+    from ..config import LIMITS
     from ..tokenizer import Tokenizer
-    d, eos = hf_dict(meta)
+    model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+    if model not in TOKENIZER_MODELS:
+        what = f" ({OTHER_MODELS[model]})" if model in OTHER_MODELS else ""
+        raise UserError(f"GGUF tokenizer.ggml.model {model!r:.40}{what} is not supported; supported: "
+                        f"{', '.join(f'{k} ({v})' for k, v in TOKENIZER_MODELS.items())}")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    if n > min(vocab_size, LIMITS["vocab_size"]):
+        raise UserError(f"GGUF tokenizer: {n:,} tokens, more than the model's {vocab_size:,} embedding rows"
+                        if n > vocab_size else f"GGUF tokenizer: {n:,} tokens, more than the "
+                        f"{LIMITS['vocab_size']:,} a vocabulary may have")
     try:
-        tok = from_hf_json(d, vocab_size, eos)
+        if model == "llama":
+            tok = spm_tokenizer(meta, vocab_size)
+        else:
+            d, eos = hf_dict(meta)
+            tok = from_hf_json(d, vocab_size, eos)
     except UserError as e:
-        raise UserError(f"GGUF tokenizer: {str(e).removeprefix('tokenizer.json: ')}") from None
+        raise UserError(f"GGUF tokenizer: {str(e).removeprefix('tokenizer.json: ').removeprefix('tokenizer: ')}") from None
     inverse = {i: s for s, i in tok.special_tokens.items()}
     stops = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -183,6 +217,7 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
             if i not in inverse:
                 raise UserError(f"GGUF metadata {key} = {i!r:.40} is not a special token of the vocabulary")
             stops.append(inverse[i])
+    stops += [t for t in EOG_TEXTS if t in tok.special_tokens]
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise UserError("GGUF metadata tokenizer.chat_template is not a string")

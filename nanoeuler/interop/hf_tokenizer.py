@@ -30,6 +30,8 @@ from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
 from ..tokenizer.tokenizer import check_pattern
 
+MIN_BYTES = 128  # byte tokens a byte-level vocabulary must have (SmolLM2's lacks 21 bytes that text rarely holds)
+
 # GPT-2's pattern run on the pieces left after splitting off every digit (`Digits(individual_digits)`)
 # is this one pattern: a digit alone, and whitespace may also end just before a digit (the piece's end).
 SMOLLM_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+""")
@@ -175,13 +177,15 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
 
     alphabet = bytes_to_unicode()
     ours: dict[str, int] = {}     # HF token string -> our id
-    hf_ids: list[int] = []        # the engine's number -> HF id
+    hf_ids: list[int] = []        # the engine's number -> HF id (-1: a byte the vocabulary lacks)
     for b in range(256):
         s = alphabet[b]
-        if s not in vocab:
-            _bad(f"the byte token {s!r} (byte {b}) is missing from model.vocab: not a byte-level BPE")
-        ours[s] = b
-        hf_ids.append(vocab[s])
+        if s in vocab:
+            ours[s] = b
+        hf_ids.append(vocab.get(s, -1))
+    if len(ours) < MIN_BYTES:
+        _bad(f"model.vocab has only {len(ours)} of the 256 byte tokens ('Ā' for byte 0, 'Ġ' for a space, ...): "
+             "not a byte-level BPE")
     pairs = []
     for i, mg in enumerate(merges):
         if isinstance(mg, str) and mg.count(" ") == 1:
@@ -200,7 +204,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         ours[s] = 256 + i
         hf_ids.append(vocab[s])
         pairs.append((ours[a], ours[b]))
-    built = set(hf_ids)
+    built = set(hf_ids) - {-1}
     for s, i in vocab.items():
         if i not in built and i not in added:
             _bad(f"vocab token {s!r} (id {i}) is neither a byte, a merge result nor an added token")
@@ -210,8 +214,8 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     vocab_size = n_ids if vocab_size is None else vocab_size
     if n_ids > vocab_size:
         _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
-    used = set(hf_ids) | set(special_ids)
-    if len(used) != len(hf_ids) + len(special_ids):
+    used = built | set(special_ids)
+    if len(used) != len(built) + len(special_ids) or len(built) != len(hf_ids) - hf_ids.count(-1):
         _bad("two tokens share one id")
     for i in range(vocab_size):
         if i not in used:  # an embedding row no token names: keep it, as a reserved special
