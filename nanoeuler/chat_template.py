@@ -76,8 +76,7 @@ def with_template_file(tok, path: str | Path | None):
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--chat-template {path}: cannot read it ({e.strerror or e})") from None
     compiled(text)  # a syntax error is reported now, naming the file
-    from .tokenizer import Tokenizer
-    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": text})
+    return tok.replace(chat_template=text)
 
 
 # ------------------------------------------------------------------------------------------- rendering

@@ -165,15 +165,13 @@ def spm_tokenizer(meta: dict, vocab_size: int):
     if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
         raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
     n = len(tokens)
-    scores, types = meta.get("tokenizer.ggml.scores", [0.0] * n), meta.get("tokenizer.ggml.token_type", [NORMAL] * n)
-    for key, values, kind in (("scores", scores, (int, float)), ("token_type", types, int)):
-        if not isinstance(values, list) or len(values) != n or not all(isinstance(v, kind) for v in values):
-            raise UserError(f"GGUF metadata tokenizer.ggml.{key} must be {n} numbers, one per token")
+    scores = per_token(meta, "tokenizer.ggml.scores", n, "iuf", 0.0)
+    types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]   # as llama.cpp names an empty token
-    for i in range(n, vocab_size):         # embedding rows no token names: reserved, never produced by merges
-        tokens.append(f"<|reserved_{i}|>")
-        scores.append(0.0)
-        types.append(UNUSED)
+    # embedding rows no token names: reserved tokens (UNUSED: never cut out of text; no merge makes them)
+    tokens += [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    scores = np.concatenate([scores, np.zeros(vocab_size - n)])
+    types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
     ids = {}
     for key, default in (("bos", 1), ("eos", 2)):
         i = meta.get(f"tokenizer.ggml.{key}_token_id", default)
@@ -185,12 +183,22 @@ def spm_tokenizer(meta: dict, vocab_size: int):
                                   bos=names["bos"] if add_bos else None)
 
 
+def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
+    """meta[key] as an array of n numbers of a dtype kind in kinds (default everywhere when absent)."""
+    values = meta.get(key)
+    if values is None:
+        return np.full(n, default)
+    arr = np.array(values) if isinstance(values, list) else np.zeros(0)
+    if arr.shape != (n,) or n and arr.dtype.kind not in kinds:
+        raise UserError(f"GGUF metadata {key} must be {n} numbers, one per token")
+    return arr
+
+
 def gguf_tokenizer(meta: dict, vocab_size: int):
     """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
     (eos, eot, eom, and the tokens it recognises by text: EOG_TEXTS)."""
     from .hf_tokenizer import from_hf_json
     from ..config import LIMITS
-    from ..tokenizer import Tokenizer
     model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if model not in TOKENIZER_MODELS:
         what = f" ({OTHER_MODELS[model]})" if model in OTHER_MODELS else ""
@@ -222,8 +230,7 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
     if template is not None and not isinstance(template, str):
         raise UserError("GGUF metadata tokenizer.chat_template is not a string")
     stops = [s for s in dict.fromkeys(stops) if s != tok.eos_token]
-    return Tokenizer.from_dict(tok.to_dict() | ({"chat_template": template} if template is not None else {})
-                               | ({"stops": stops} if stops else {}))
+    return tok.replace(chat_template=template, stops=stops)
 
 
 # -------------------------------------------------------------------------------------- architectures

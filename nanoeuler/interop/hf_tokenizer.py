@@ -137,8 +137,9 @@ def bos_of(post, added: dict[int, str]) -> int | None:
     return ids[0]
 
 
-def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None) -> Tokenizer:
-    """A parsed Hugging Face tokenizer.json -> our Tokenizer with the same token ids (`tok.ids`).
+def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None):
+    """A parsed Hugging Face tokenizer.json -> our Tokenizer with the same token ids (`tok.ids`); a BPE with
+    byte_fallback (Llama-2, Gemma) -> a SentencePieceTokenizer (spm_from_hf_json).
 
     vocab_size: the model's embedding rows (>= the tokenizer's ids; extra rows become reserved specials).
     eos_id: the HF id of the end-of-text token (from config.json), which becomes our Tokenizer's eos.
@@ -149,7 +150,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if m.get("type") != "BPE":
         _bad(f"model.type {m.get('type')} is not supported (only byte-level BPE; SentencePiece/Unigram/WordPiece are not)")
     if m.get("byte_fallback"):
-        _bad("model.byte_fallback=true (a SentencePiece-style BPE) is not supported; only byte-level BPE")
+        return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
             _bad(f"model.{field}={m.get(field)!r} is not supported")
@@ -261,3 +262,111 @@ def check_ignore_merges(tok: Tokenizer) -> None:
         if tok.pre_tokens(s) == [s]:
             _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
                  f"token {s!r} from its bytes")
+
+
+# ------------------------------------------------------------------------- SentencePiece-style BPE
+
+def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
+    """(prefix, split, Unicode normal form) of a SentencePiece-style tokenizer.json: its normalizer, one or a
+    Sequence of [NFC|NFD|NFKC|NFKD] [Prepend "▁"] [Replace " " -> "▁"] in that order, and its pre-tokenizer,
+    none or Metaspace ("▁", prepend_scheme always / first / never, split). Spaces must become "▁" somewhere."""
+    from ..tokenizer.sentencepiece import METASPACE
+    norm, pre = d.get("normalizer"), d.get("pre_tokenizer")
+    steps = (norm.get("normalizers") if isinstance(norm, dict) and norm.get("type") == "Sequence"
+             else [norm] if norm is not None else [])
+    if not isinstance(steps, list) or not all(isinstance(x, dict) for x in steps):
+        _bad("normalizer: a Sequence needs a list of normalizers")
+    kinds, i = [x.get("type") for x in steps], 0
+    form = kinds[i] if i < len(kinds) and kinds[i] in ("NFC", "NFD", "NFKC", "NFKD") else None
+    i += form is not None
+    prepend = i < len(kinds) and kinds[i] == "Prepend"
+    if prepend and steps[i].get("prepend") != METASPACE:
+        _bad("normalizer Prepend of something other than \"▁\" is not supported")
+    i += prepend
+    escaped = i < len(kinds) and kinds[i] == "Replace"
+    if escaped and (steps[i].get("pattern") != {"String": " "} or steps[i].get("content") != METASPACE):
+        _bad(f"normalizer Replace {steps[i].get('pattern')} -> {steps[i].get('content')!r:.20} is not supported "
+             "(only \" \" -> \"▁\")")
+    i += escaped
+    if i < len(kinds):
+        _bad(f"normalizer {'+'.join(map(str, kinds))} is not supported for a SentencePiece-style BPE "
+             "(a normal form, Prepend \"▁\", Replace \" \" -> \"▁\", in that order)")
+    prefix, split = "every" if prepend else "none", False
+    if pre is not None:
+        if not isinstance(pre, dict) or pre.get("type") != "Metaspace" or pre.get("replacement", METASPACE) != METASPACE:
+            _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre} is not supported for a "
+                 "SentencePiece-style BPE (none, or Metaspace with \"▁\")")
+        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+        if scheme not in ("always", "first", "never"):
+            _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
+        if not prepend and scheme != "never":
+            prefix = "every-unless-space" if scheme == "always" else "first-unless-space"
+        split, escaped = bool(pre.get("split", True)), True
+    if not escaped:
+        _bad("the normalizer and pre_tokenizer leave spaces as they are; a SentencePiece-style BPE needs them as "
+             "\"▁\" (a Replace normalizer or a Metaspace pre-tokenizer)")
+    return prefix, split, form
+
+
+def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
+    """A Hugging Face BPE with byte_fallback -> our SentencePieceTokenizer with the same ids: model.vocab
+    tokens are NORMAL (BYTE for <0x00>..<0xFF>), added tokens CONTROL when "special", else USER_DEFINED (both
+    cut out of text before BPE, as Hugging Face does); the merges keep their order; ids no token names
+    become UNUSED reserved tokens."""
+    from ..tokenizer.sentencepiece import BYTE, BYTE_PIECES, CONTROL, NORMAL, UNUSED, USER_DEFINED, SentencePieceTokenizer
+    m = d["model"]
+    for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if m.get(field) not in (None, ""):
+            _bad(f"model.{field}={m.get(field)!r:.40} is not supported")
+    if m.get("ignore_merges"):
+        _bad("model.ignore_merges=true is not supported for a byte_fallback BPE")
+    prefix, split, form = spm_prefix(d)
+    dec = d.get("decoder")
+    parts = dec.get("decoders") if isinstance(dec, dict) and dec.get("type") == "Sequence" else [dec]
+    kinds = {p.get("type") if isinstance(p, dict) else p for p in parts or []}
+    if dec is not None and not kinds <= {"Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}:
+        _bad(f"decoder {sorted(map(str, kinds))} is not supported (Metaspace, or Replace/ByteFallback/Fuse/Strip)")
+    vocab, merges = m.get("vocab"), m.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        _bad("model.vocab must be an object and model.merges a list")
+    n_ids = 0
+    types: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for s, i in vocab.items():
+        if type(i) is not int or not 0 <= i < (1 << 31):
+            _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers")
+        if i in names:
+            _bad(f"vocab tokens {names[i]!r:.30} and {s!r:.30} share id {i}")
+        names[i], types[i] = s, BYTE if s in BYTE_PIECES else NORMAL
+    for t in d.get("added_tokens") or []:
+        if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
+                and isinstance(t.get("content"), str) and t["content"]):
+            _bad(f"malformed added token {t!r:.80}")
+        if any(t.get(k) for k in ("single_word", "lstrip", "rstrip")):
+            _bad(f"added token {t['content']!r:.40} with single_word / lstrip / rstrip is not supported")
+        i = t["id"]
+        if names.get(i, t["content"]) != t["content"]:
+            _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
+        names[i], types[i] = t["content"], CONTROL if t.get("special") else USER_DEFINED
+    n_ids = max(names, default=-1) + 1
+    vocab_size = n_ids if vocab_size is None else vocab_size
+    if n_ids > vocab_size:
+        _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
+    tokens = [names.get(i, f"<|reserved_{i}|>") for i in range(vocab_size)]
+    type_list = [types.get(i, UNUSED) for i in range(vocab_size)]
+    pairs = []
+    for i, mg in enumerate(merges):
+        ab = mg.split(" ") if isinstance(mg, str) else mg
+        if not (isinstance(ab, list) and len(ab) == 2 and all(isinstance(x, str) for x in ab)) or \
+                ab[0] not in vocab or ab[1] not in vocab:
+            _bad(f"merge {i} {mg!r:.60} is not a pair of vocab tokens")
+        pairs.append((vocab[ab[0]], vocab[ab[1]]))
+    special_ids = {i for i, ty in types.items() if ty == CONTROL}
+    eos = None
+    if eos_id is not None:
+        if eos_id not in special_ids:
+            _bad(f"the eos token id {eos_id} is not a special (added) token")
+        eos = names[eos_id]
+    bos_id = bos_of(d.get("post_processor"), {i: names[i] for i in special_ids})
+    return SentencePieceTokenizer(tokens, type_list, merges=pairs, prefix=prefix, split=split, normalizer=form,
+                                  eos=eos, bos=None if bos_id is None else names[bos_id])

@@ -8,10 +8,12 @@ ARCH_ALIASES); each supported architecture is one function
 `fn(folder, hf_config, n_mtp, progress=False) -> (Config, params, Tokenizer)` registered in ARCHITECTURES
 as "module:function" (imported lazily; a new architecture adds one line there and, if its config names
 it differently, one in ARCH_ALIASES). The helpers every architecture shares are in hf_folder.py;
-`read_tokenizer` here reads a byte-level BPE tokenizer.json into our Tokenizer, keeping the folder's ids.
+`read_tokenizer` here reads the folder's tokenizer.json (byte-level BPE, or SentencePiece-style BPE with byte
+fallback) into our tokenizer, keeping the folder's ids.
 
 Anything that would make the imported model compute something else (rope_scaling, biases, sliding
-window, head_dim != hidden/heads, another activation, a SentencePiece tokenizer) is refused by name.
+window, head_dim != hidden/heads, another activation, a tokenizer.model without its tokenizer.json) is refused
+by name.
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def read_tokenizer(folder: Path, vocab_size: int, eos_id):
     path = folder / "tokenizer.json"
     if not path.is_file():
         if (folder / "tokenizer.model").is_file():
-            raise UserError(f"{folder} has a SentencePiece tokenizer (tokenizer.model); only byte-level BPE "
-                            "tokenizer.json is supported")
+            raise UserError(f"{folder} has a SentencePiece model file (tokenizer.model) but no tokenizer.json, "
+                            "which import reads (transformers writes it: AutoTokenizer.from_pretrained(folder)"
+                            ".save_pretrained(folder))")
         raise UserError(f"{folder} has no tokenizer.json")
     return from_hf_json(read_json_file(path, "tokenizer"), vocab_size, eos_id)
 
@@ -67,7 +70,6 @@ def read_tokenizer(folder: Path, vocab_size: int, eos_id):
 def with_chat_extras(folder: Path, c: dict, tok):
     """tok with the folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template)
     and, as stops, every other eos id config.json / generation_config.json name (Llama-3's <|eot_id|>)."""
-    from ..tokenizer import Tokenizer
     template = None
     if (folder / "chat_template.jinja").is_file():
         try:
@@ -89,7 +91,7 @@ def with_chat_extras(folder: Path, c: dict, tok):
         ends += e if isinstance(e, list) else [e]
     names = {i: s for s, i in tok.special_tokens.items()}
     stops = [names[i] for i in dict.fromkeys(ends) if isinstance(i, int) and i in names and names[i] != tok.eos_token]
-    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template, "stops": stops})
+    return tok.replace(chat_template=template, stops=stops)
 
 
 def require(c: dict, field: str, default=None):

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import UserError
 
+KEEP = object()   # replace(): leave this field as it is
 KINDS = {"sentencepiece": ("sentencepiece", "SentencePieceTokenizer")}   # kind -> (module, class); none: byte-level
 
 
@@ -64,6 +65,22 @@ class BaseTokenizer:
         """Every id that ends a reply: eos (when the vocabulary has it) and the stops."""
         ends = ([self.eos_token] if self.eos_token in self.special_tokens else []) + list(self.stops)
         return list(dict.fromkeys(self.special_tokens[t] for t in ends))
+
+    def replace(self, chat_template=KEEP, stops=KEEP) -> BaseTokenizer:
+        """This tokenizer with another chat template and / or stop tokens; the vocabulary and its tables are
+        shared, nothing is rebuilt (a 262,144-token vocabulary takes a second to build)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        if chat_template is not KEEP:
+            if chat_template is not None and not isinstance(chat_template, str):
+                raise UserError("a chat template must be a string (a Jinja template)")
+            new.chat_template = chat_template
+        if stops is not KEEP:
+            new.stops = tuple(stops)
+            for t in new.stops:
+                if t not in self.special_tokens:
+                    raise UserError(f"the stop token {t!r:.40} is not one of the special tokens")
+        return new
 
     # -- text <-> ids ----------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False, add_bos: bool = False) -> list[int]:

@@ -128,7 +128,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r:.40}; choose one of NFC, NFD, NFKC, NFKD or none")
         self.tokens = list(tokens)
-        self.types = np.asarray(list(types) if not isinstance(types, np.ndarray) else types, np.int8)
+        self.types = np.asarray(types, np.int64)
         self.scores = None if scores is None else np.asarray(scores, np.float32)
         self.given_merges = None if merges is None else np.asarray(merges, np.int64).reshape(-1, 2)
         self.prefix, self.split, self.normalizer = prefix, bool(split), normalizer
@@ -150,8 +150,8 @@ class SentencePieceTokenizer(BaseTokenizer):
         if n == 0 or len(self.types) != n or (self.scores is not None and len(self.scores) != n):
             raise UserError(f"tokenizer: {n} tokens but {len(self.types)} types"
                             + ("" if self.scores is None else f" and {len(self.scores)} scores"))
-        if not set(np.unique(self.types).tolist()) <= set(TYPE_NAMES):
-            bad = next(t for t in self.types.tolist() if t not in TYPE_NAMES)
+        if not np.isin(self.types, list(TYPE_NAMES)).all():
+            bad = self.types[~np.isin(self.types, list(TYPE_NAMES))][0]
             raise UserError(f"tokenizer: token type {bad} is not one of {sorted(TYPE_NAMES)}")
         raw = [t.encode("utf-8", "surrogateescape") for t in self.tokens]
         if not all(raw):
@@ -178,14 +178,14 @@ class SentencePieceTokenizer(BaseTokenizer):
             # rank: 0 for the highest score; equal scores share a rank (llama.cpp then takes the leftmost)
             self._rank = np.unique(-self.scores.astype(np.float64), return_inverse=True)[1].astype(np.int64)
             state = np.array([0, n, MAX_VIRTUAL], np.int64)
-            args = (self._blob, self._starts, self._ends, self._rank, self._t_keys, self._t_vals, self._c_keys,
-                    self._c_vals)
-            n_pairs = sf.score_pairs(*args, *sf.table(0), state, False)
+            pairs = np.empty((int(lengths.sum()), 3), np.int32)        # a row per cut, at most
+            n_pairs = sf.score_pairs(self._blob, self._starts, self._ends, self._t_keys, self._t_vals,
+                                     self._c_keys, self._c_vals, state, pairs)
             if n_pairs < 0:
                 raise UserError(f"tokenizer: more than {MAX_VIRTUAL} characters inside tokens are not tokens "
                                 "themselves")
             self._p_keys, self._p_vals = sf.table(n_pairs)
-            sf.score_pairs(*args, self._p_keys, self._p_vals, state, True)
+            sf.fill_pairs(pairs[:n_pairs], self._rank, self._p_keys, self._p_vals)
             self._n_virtual = int(state[0])
         else:
             m = self.given_merges
@@ -264,8 +264,11 @@ class SentencePieceTokenizer(BaseTokenizer):
             data, f_start, f_end = self._normalized(data, f_start, f_end, f_token)
         text = f_token < 0
         first = text & (f_start == 0)
-        starts_space = np.zeros(len(f_start), np.bool_)
-        starts_space[text] = np.frombuffer(data, np.uint8)[f_start[text]] == sf.SPACE
+        padded = np.frombuffer(data + b"\0\0", np.uint8)
+        at = f_start[text]
+        starts_space = np.zeros(len(f_start), np.bool_)   # a space or "▁": Metaspace adds no "▁" before it
+        starts_space[text] = (padded[at] == sf.SPACE) | (
+            (padded[at] == 0xE2) & (padded[at + 1] == 0x96) & (padded[at + 2] == 0x81))
         prefix = {"none": np.zeros_like(text), "every": text, "every-unless-space": text & ~starts_space,
                   "first-unless-space": first & ~starts_space}[self.prefix]
         buf = np.frombuffer(data, np.uint8)
@@ -339,8 +342,9 @@ class SentencePieceTokenizer(BaseTokenizer):
             if self.normalizer:
                 s = unicodedata.normalize(self.normalizer, s)
             first = i == 0
-            if self.prefix == "every" or (self.prefix == "every-unless-space" and not s.startswith(" ")) or (
-                    self.prefix == "first-unless-space" and first and not s.startswith(" ")):
+            spaced = s.startswith((" ", METASPACE))
+            if self.prefix == "every" or (self.prefix == "every-unless-space" and not spaced) or (
+                    self.prefix == "first-unless-space" and first and not spaced):
                 s = " " + s
             s = s.replace(" ", METASPACE)
             pieces = [s] if not self.split else split_before_metaspace(s)
@@ -411,18 +415,19 @@ class SentencePieceTokenizer(BaseTokenizer):
             raise UserError(f"not a nanoeuler SentencePiece tokenizer (\"kind\": \"{KIND}\")")
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise UserError(f"not a nanoeuler tokenizer (expected \"format\": \"{FORMAT}\", \"version\": {VERSION})")
-        tokens, types = d.get("tokens"), d.get("types")
+        tokens = d.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
             raise UserError("tokenizer.json: \"tokens\" must be a list of non-empty strings")
-        if not isinstance(types, list) or not all(type(t) is int for t in types):
-            raise UserError("tokenizer.json: \"types\" must be a list of integer token types")
+        types = numbers(d.get("types"), "iu", "\"types\" must be a list of integer token types")
         scores, merges = d.get("scores"), d.get("merges")
-        if scores is not None and not (isinstance(scores, list) and all(
-                type(s) in (int, float) and abs(s) <= 3.4e38 for s in scores)):
-            raise UserError("tokenizer.json: \"scores\" must be a list of finite numbers")
-        if merges is not None and not (isinstance(merges, list) and all(
-                isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m) for m in merges)):
-            raise UserError("tokenizer.json: \"merges\" must be a list of [left id, right id] pairs")
+        if scores is not None:
+            scores = numbers(scores, "iuf", "\"scores\" must be a list of finite numbers")
+            if not np.isfinite(scores).all() or np.abs(scores).max(initial=0) > 3.4e38:
+                raise UserError("tokenizer.json: \"scores\" must be a list of finite numbers")
+        if merges is not None:
+            merges = numbers(merges, "iu", "\"merges\" must be a list of [left id, right id] pairs")
+            if merges.size and (merges.ndim != 2 or merges.shape[1] != 2):
+                raise UserError("tokenizer.json: \"merges\" must be a list of [left id, right id] pairs")
         for key, kind in (("prefix", str), ("split", bool), ("normalizer", str), ("eos", str), ("bos", str),
                           ("chat_template", str)):
             if d.get(key) is not None and not isinstance(d[key], kind):
@@ -430,7 +435,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         stops = d.get("stops", [])
         if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
             raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
-        tok = cls(tokens, types, scores, merges and [tuple(m) for m in merges], d.get("prefix", "none"),
+        tok = cls(tokens, types, scores, merges, d.get("prefix", "none"),
                   d.get("split", False), d.get("normalizer"), d.get("eos"), d.get("bos"), d.get("chat_template"),
                   stops)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
@@ -486,6 +491,18 @@ class SentencePieceTokenizer(BaseTokenizer):
                        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True,
                        "ignore_merges": False, "vocab": vocab, "merges": merges}}
         return json.dumps(d, ensure_ascii=False)
+
+
+def numbers(values, kinds: str, what: str) -> np.ndarray:
+    """values (a JSON list) as a numpy array whose dtype kind is one of kinds ("iu": integers), else
+    UserError(what).  numbers([1, 2], "iu", ...) -> array([1, 2]);  numbers([1, "a"], "iu", ...) -> UserError"""
+    try:
+        arr = np.array(values) if isinstance(values, list) else None
+    except (ValueError, OverflowError, TypeError):
+        arr = None
+    if arr is None or arr.size and arr.dtype.kind not in kinds:
+        raise UserError(f"tokenizer.json: {what}")
+    return arr
 
 
 def split_before_metaspace(s: str) -> list[str]:

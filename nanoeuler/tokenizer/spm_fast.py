@@ -84,9 +84,9 @@ def _put(keys, vals, key, value):
 
 
 def table(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """An empty table with room for n keys (at most a quarter full)."""
+    """An empty table with room for n keys (at most half full)."""
     cap = 16
-    while cap < 4 * max(n, 1):
+    while cap < 2 * max(n, 1):
         cap *= 2
     return np.full(cap, -1, np.int64), np.full(cap, -1, np.int64)
 
@@ -167,29 +167,36 @@ def _unit(blob, s, e, t_keys, t_vals, starts, ends, c_keys, c_vals, state):
 
 
 @njit(cache=True)
-def score_pairs(blob, starts, ends, rank, t_keys, t_vals, c_keys, c_vals, p_keys, p_vals, state, fill):
+def score_pairs(blob, starts, ends, t_keys, t_vals, c_keys, c_vals, state, pairs):
     """llama.cpp's pairs: (a, b) merges into token c when text(a) + text(b) == text(c), cut between two
-    characters of c; rank[c] orders the merges. Counts them (fill=False: the caller then sizes the pair
-    table) or fills the pair table; either way gives the characters inside tokens that are not tokens
-    their virtual ids. Returns the number of pairs, -1 if there are more such characters than state[2].
+    characters of c. Writes the rows (a, b, c) into pairs (room for every cut); gives the characters inside
+    tokens that are not tokens their virtual ids. Returns the number of rows, -1 if there are more such
+    characters than state[2].
 
         tokens 'a', 'b', 'ab', 'abc' ('c' not a token): ('a', 'b') -> 'ab'; ('ab', c*) -> 'abc' with c* = V + 0
     """
-    n_pairs = 0
+    n = 0
     for c in range(starts.shape[0]):
         s, e = starts[c], ends[c]
         cut = s + min(utf8_len(blob[s]), e - s)
         while cut < e:
             a = _unit(blob, s, cut, t_keys, t_vals, starts, ends, c_keys, c_vals, state)
-            b = _unit(blob, cut, e, t_keys, t_vals, starts, ends, c_keys, c_vals, state)
+            b = _unit(blob, cut, e, t_keys, t_vals, starts, ends, c_keys, c_vals, state) if a >= 0 else -1
             if a == -2 or b == -2:
                 return -1
             if a >= 0 and b >= 0:
-                n_pairs += 1
-                if fill:
-                    _put(p_keys, p_vals, (np.int64(a) << 32) | b, (np.int64(rank[c]) << 32) | c)
+                pairs[n, 0], pairs[n, 1], pairs[n, 2] = a, b, c
+                n += 1
             cut += min(utf8_len(blob[cut]), e - cut)
-    return n_pairs
+    return n
+
+
+@njit(cache=True)
+def fill_pairs(pairs, rank, p_keys, p_vals):
+    """The pair table of rows (a, b, c): a << 32 | b -> rank[c] << 32 | c."""
+    for i in range(pairs.shape[0]):
+        a, b, c = pairs[i, 0], pairs[i, 1], pairs[i, 2]
+        _put(p_keys, p_vals, (np.int64(a) << 32) | b, (np.int64(rank[c]) << 32) | c)
 
 
 @njit(cache=True)
