@@ -140,7 +140,7 @@ def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
     else:
         raise UserError(f"{folder} has neither vocab.json + merges.txt nor tokenizer.json")
     tok = from_hf_json(d, None, eos_id)
-    named = sum(1 for s in tok.special_tokens if not s.startswith("<|reserved_")) + 256 + len(tok.merges)
+    named = tok.vocab_size - sum(1 for s in tok.special_tokens if s.startswith("<|reserved_"))
     if named != vocab_rows or tok.vocab_size != vocab_rows:  # an id no token names is a hole, not a token
         raise UserError(f"{what} names {named} tokens but the embedding (wte) has {vocab_rows} rows")
     return tok
@@ -252,7 +252,7 @@ def export_gpt2_folder(model, tok, out: str | Path, dtype: str = "float32", forc
         raise UserError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)} for --format hf")
     if tok.vocab_size != cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    if tok.pattern != GPT2_PATTERN:
+    if tok.kind != "byte-level" or tok.pattern != GPT2_PATTERN:
         raise UserError("a GPT-2 folder needs the GPT-2 pre-tokenizer pattern; this tokenizer has another one")
     tensors, qkv = {}, {}
     for ours, (theirs, how) in tqdm(hf_names(cfg.n_layers).items(), desc="export", disable=not progress):

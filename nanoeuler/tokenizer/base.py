@@ -42,6 +42,7 @@ def from_dict(d) -> BaseTokenizer:
 class BaseTokenizer:
     """The interface shared by the tokenizer kinds (see the module docstring)."""
 
+    kind: str                       # "byte-level" or "sentencepiece"
     special_tokens: dict[str, int]
     eos_token: str | None
     bos_token: str | None

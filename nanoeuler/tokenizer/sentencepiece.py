@@ -81,7 +81,8 @@ def merge_symbols(symbols: list, rank) -> list:
     """BPE: merge the adjacent pair that ranks first (the leftmost among equal ranks) until no pair merges.
     rank(a, b) -> (rank, merged) or None.
 
-        merge_symbols(list("abc"), {("a", "b"): (1, "ab"), ("b", "c"): (0, "bc")}.get) -> ['a', 'bc']
+        ranks = {("a", "b"): (1, "ab"), ("b", "c"): (0, "bc")}
+        merge_symbols(list("abc"), lambda a, b: ranks.get((a, b))) -> ['a', 'bc']
     """
     symbols = list(symbols)
     while True:
@@ -112,6 +113,8 @@ def utf8_chars(data: bytes) -> list[bytes]:
 
 class SentencePieceTokenizer(BaseTokenizer):
     """A SentencePiece-style BPE vocabulary (see the module docstring); ids are the vocabulary's order."""
+
+    kind = KIND
 
     def __init__(self, tokens: list[str], types: Iterable[int], scores: Iterable[float] | None = None,
                  merges: Iterable[tuple[int, int]] | None = None, prefix: str = "none", split: bool = False,
@@ -164,7 +167,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         dup = sf.text_table(self._blob, self._starts, self._ends, self._t_keys, self._t_vals)
         if dup >= 0:
             raise UserError(f"tokenizer: token {dup} {self.tokens[dup]!r:.40} repeats an earlier token's text")
-        self._byte_token = np.array([self._find(p) for p in BYTE_PIECES], np.int64)
+        self._byte_token = np.array([self.find(p) for p in BYTE_PIECES], np.int64)
         if (self._byte_token < 0).any():
             missing = BYTE_PIECES[int(np.argmax(self._byte_token < 0))]
             raise UserError(f"tokenizer: the byte token {missing} is missing: byte fallback needs all 256 "
@@ -200,7 +203,7 @@ class SentencePieceTokenizer(BaseTokenizer):
                                 "not make a token of the vocabulary, or repeats an earlier merge")
             self._n_virtual = 0
 
-    def _find(self, piece: str) -> int:
+    def find(self, piece: str) -> int:
         """The id of the token whose text is piece, -1 if none."""
         q = np.frombuffer(piece.encode("utf-8", "surrogateescape"), np.uint8)
         return int(sf._find_text(self._t_keys, self._t_vals, self._blob, self._starts, self._ends, q, 0, len(q)))
@@ -378,7 +381,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         return out
 
     def _find_bytes(self, b: bytes) -> int:
-        return self._find(b.decode("utf-8", "surrogateescape"))
+        return self.find(b.decode("utf-8", "surrogateescape"))
 
     # -- decoding -----------------------------------------------------------------------------------
     def decode_bytes(self, ids) -> bytes:

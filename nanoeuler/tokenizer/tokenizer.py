@@ -256,6 +256,8 @@ class Tokenizer(BaseTokenizer):
     which `ids` (None: the same numbering) maps to the model's.
     """
 
+    kind = "byte-level"
+
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
                  pattern: str | Iterable[str] = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
                  ids: Iterable[int] | None = None, bos: str | None = None, chat_template: str | None = None,
