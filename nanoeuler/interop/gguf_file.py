@@ -20,7 +20,8 @@ vocabulary costs a few tens of milliseconds. Layout (little-endian; versions 2 a
 data: a read-only view of the file, rows of bytes for block types), so `gguf.quants.dequantize(t.data,
 t.tensor_type)` reads them. Every defect (bad magic, a count or length past the end of the file, an unknown
 type, a tensor whose data lies outside the file) is a one-line UserError; an array longer than MAX_ARRAY
-entries is refused before it is read.
+entries, or a tokenizer array (tokenizer.ggml.*) longer than config.LIMITS["vocab_size"], is refused before
+it is read.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from ..config import LIMITS
 from ..errors import UserError
 from ..numba_cache import install
 
@@ -158,8 +160,10 @@ class GGUFFile:
         if vtype != ARRAY:
             raise self.bad(f"metadata {key!r:.60} has the unknown value type {vtype}")
         etype, n = self.scalar(4), self.scalar(10)
-        if n > MAX_ARRAY:
-            raise UserError(f"{self.path}: metadata {key} has {n:,} entries; at most {MAX_ARRAY:,} are read")
+        limit = LIMITS["vocab_size"] if key.startswith("tokenizer.ggml.") else MAX_ARRAY
+        if n > limit:
+            what = "a vocabulary may have" if limit != MAX_ARRAY else "are read"
+            raise UserError(f"{self.path}: metadata {key} has {n:,} entries; at most {limit:,} {what}")
         if etype in SCALARS:
             dtype = np.dtype(SCALARS[etype][1]).newbyteorder("<")
             at = self.take(n * dtype.itemsize)

@@ -194,6 +194,14 @@ def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
     return arr
 
 
+def check_vocabulary(meta: dict, tensors) -> None:
+    """Refuse, before any tensor is read, a vocabulary with more tokens than the embedding has rows."""
+    n = len(meta.get("tokenizer.ggml.tokens") or [])
+    rows = next((int(t.shape[1]) for t in tensors if t.name == "token_embd.weight" and len(t.shape) == 2), None)
+    if rows is not None and n > rows:
+        raise UserError(f"GGUF tokenizer: {n:,} tokens, more than the model's {rows:,} embedding rows")
+
+
 def gguf_tokenizer(meta: dict, vocab_size: int):
     """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
     (eos, eot, eom, and the tokens it recognises by text: EOG_TEXTS)."""
@@ -356,6 +364,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UserError(f"GGUF general.architecture {arch!r:.60} is not supported; importable: {', '.join(ARCHS)}")
+    check_vocabulary(meta, reader.tensors)
     T, types, nbytes = tensors_of(reader, path, progress)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
