@@ -39,7 +39,11 @@ CONTROL, USER_DEFINED, UNUSED, UNKNOWN = 3, 4, 5, 2  # gguf.TokenType values
 TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}   # tokenizer.ggml.model
 OTHER_MODELS = {"bert": "WordPiece, llama.cpp's WPM", "t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
                 "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
-# the tokens llama.cpp ends generation at by their text (llama_vocab::load), besides the eos / eot / eom ids
+# llama.cpp's end-of-generation tokens (llama_vocab::load): the eos / eot / eom ids, the fill-in-the-middle pad,
+# repository and file-separator tokens (their id in the metadata, else found by text), and these by their text
+FIM_EOG = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+           "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+           "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
@@ -204,7 +208,7 @@ def check_vocabulary(meta: dict, tensors) -> None:
 
 def gguf_tokenizer(meta: dict, vocab_size: int):
     """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
-    (eos, eot, eom, and the tokens it recognises by text: EOG_TEXTS)."""
+    (eos, eot, eom, FIM_EOG, EOG_TEXTS; where llama.cpp keeps one of several FIM texts, all are kept)."""
     from .hf_tokenizer import from_hf_json
     from ..config import LIMITS
     model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
@@ -233,6 +237,9 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
             if i not in inverse:
                 raise UserError(f"GGUF metadata {key} = {i!r:.40} is not a special token of the vocabulary")
             stops.append(inverse[i])
+    for key, texts in FIM_EOG.items():
+        i = meta.get(key)
+        stops += [inverse[i]] if i in inverse else [t for t in texts if t in tok.special_tokens]
     stops += [t for t in EOG_TEXTS if t in tok.special_tokens]
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
