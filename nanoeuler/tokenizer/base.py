@@ -31,7 +31,7 @@ def from_dict(d) -> BaseTokenizer:
     kind = d.get("kind") if isinstance(d, dict) else None
     if kind is None:
         module, name = "tokenizer", "Tokenizer"
-    elif kind in KINDS:
+    elif isinstance(kind, str) and kind in KINDS:
         module, name = KINDS[kind]
     else:
         raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (known: {', '.join(KINDS)}, or none for "

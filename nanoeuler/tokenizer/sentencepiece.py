@@ -172,6 +172,12 @@ class SentencePieceTokenizer(BaseTokenizer):
             missing = BYTE_PIECES[int(np.argmax(self._byte_token < 0))]
             raise UserError(f"tokenizer: the byte token {missing} is missing: byte fallback needs all 256 "
                             "(<0x00> ... <0xFF>)")
+        is_byte = np.zeros(n, np.bool_)
+        is_byte[self._byte_token] = True
+        if not np.array_equal(is_byte, self.types == BYTE):        # decoding reads a BYTE token as its byte
+            i = int(np.argmax(is_byte != (self.types == BYTE)))
+            raise UserError(f"tokenizer: token {i} {self.tokens[i]!r:.20} has type {TYPE_NAMES.get(int(self.types[i]))}"
+                            f"; the 256 tokens <0x00> ... <0xFF>, and only they, are BYTE tokens")
         first = self._blob[self._starts]
         lead = np.select([first < 0xC0, first < 0xE0, first < 0xF0, first < 0xF8], [1, 2, 3, 4], 1)
         chars = int((lengths == lead).sum())          # tokens that are one character
