@@ -148,12 +148,12 @@ def char_table(blob, starts, ends, c_keys, c_vals):
 @njit(inline="always")
 def _unit(blob, s, e, t_keys, t_vals, starts, ends, c_keys, c_vals, state):
     """The unit of the text blob[s:e] as a symbol: a token id, or, if it is one character that is not a token,
-    a virtual id (made on first sight: state = [virtual ids made, V, the most allowed]); -1 if neither, -2
-    when the char table is out of room."""
+    a virtual id (made on first sight: state = [virtual ids made, V, the most allowed]); -1 if neither (a
+    space too: text reaches the merges with its spaces as "▁"), -2 when the char table is out of room."""
     t = _find_text(t_keys, t_vals, blob, starts, ends, blob, s, e)
     if t >= 0:
         return t
-    if min(utf8_len(blob[s]), e - s) != e - s:
+    if min(utf8_len(blob[s]), e - s) != e - s or blob[s] == SPACE:
         return -1
     key = _char_key(blob, s, e - s)
     u = _get(c_keys, c_vals, key)
