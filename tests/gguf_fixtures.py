@@ -49,22 +49,12 @@ def write_gguf(path, m: Model, tok, qtype: str = "F32", template: str | None = C
     the token list; meta: extra/overriding key -> value; drop: tensor names left out; shapes: tensor name ->
     a different array (to write a wrong shape); add_bos: tokenizer.ggml.add_bos_token (None: no such key)."""
     import gguf
-    from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, spm_metadata, token_metadata
+    from nanoeuler.interop.gguf_export import add_hparams, add_vocabulary, gguf_tensors
     q = getattr(gguf.GGMLQuantizationType, qtype)
     cfg = m.config
     w = gguf.GGUFWriter(str(path), "llama")
     add_hparams(w, cfg)
-    if tok.kind == "sentencepiece":
-        toks, types, scores = spm_metadata(tok, cfg.vocab_size)
-        w.add_tokenizer_model("llama")
-        w.add_token_scores(scores)
-        w.add_add_space_prefix(tok.prefix == "every")
-    else:
-        toks, types, merges = token_metadata(tok, cfg.vocab_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_token_merges(merges)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
+    toks, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
     if tokens is not None:  # extra tokens are control tokens
         toks, types = tokens, types[:len(tokens)] + [gguf.TokenType.CONTROL] * (len(tokens) - len(types))
     w.add_token_list(toks)

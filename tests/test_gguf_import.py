@@ -3,8 +3,8 @@ the tokenizer equals the Hugging Face import of the same vocabulary, bad files a
 from __future__ import annotations
 
 import json
-import os
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -258,23 +258,55 @@ def small(tmp_path_factory):
 
 
 def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
     header = small.index(b"blk.0.attn_norm") + 400  # the metadata and tensor infos: where a change matters most
+    fuzz_gguf(small, 0, header, tmp_path, lambda path: load_gguf(path))
 
-    @settings(max_examples=int(os.environ.get("NANOEULER_FUZZ_EXAMPLES", "120")), deadline=None,
-              derandomize=os.environ.get("NANOEULER_FUZZ_RANDOM") != "1",
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(edits=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), min_size=1, max_size=6),
-           cut=st.one_of(st.none(), st.integers(0, len(small))))
+
+@pytest.fixture(scope="module")
+def spm_file(tmp_path_factory):
+    """A small GGUF with a SentencePiece vocabulary (tokens, scores, types): the arrays the fuzz test edits."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
+    tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3]
+    tok = SentencePieceTokenizer(tokens, types, [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+                                 prefix="every", eos="</s>", bos="<s>")
+    return write_gguf(tmp_path_factory.mktemp("spm") / "s.gguf", chatml_model(tok), tok, "Q8_0", pre=None,
+                      add_bos=True, eos="</s>", bos="<s>").read_bytes()
+
+
+def test_fuzzed_vocabulary_loads_or_is_one_userror(tmp_path, spm_file):
+    """Bytes of the tokenizer arrays (lengths, counts, types, scores) changed or the file cut: a model and a
+    tokenizer that encodes, or one UserError line; never another exception, never a big allocation."""
+    def use(path):
+        tracemalloc.start()
+        try:
+            load_gguf(path)[2].encode("ab ba\n<start_of_turn>", allow_special=True)
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak < 256 << 20
+    fuzz_gguf(spm_file, spm_file.index(b"tokenizer.ggml.tokens"), spm_file.index(b"blk.0.attn_norm"), tmp_path, use)
+
+
+def fuzz_gguf(good: bytes, start: int, end: int, tmp_path, use) -> None:
+    """use(path) on copies of the file `good` with 1-6 bytes in [start, end] changed, maybe cut short: it
+    returns or raises a one-line UserError, nothing else."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+    from test_fuzz_loaders import FUZZ
+
+    @FUZZ
+    @given(edits=st.lists(st.tuples(st.integers(start, end), st.integers(0, 255)), min_size=1, max_size=6),
+           cut=st.one_of(st.none(), st.integers(start, len(good))))
     def check(edits, cut):
-        data = bytearray(small)
+        data = bytearray(good)
         for at, b in edits:
             data[at] = b
         path = tmp_path / "f.gguf"
         path.write_bytes(bytes(data[:cut]))
         try:
-            load_gguf(path)
+            use(path)
         except UserError as e:
             assert "\n" not in str(e)
 

@@ -116,6 +116,24 @@ def spm_metadata(tok, vocab_size: int):
             tok.types.tolist() + [int(TokenType.UNUSED)] * pad, scores.tolist() + [0.0] * pad)
 
 
+def add_vocabulary(w, tok, vocab_size: int, pre: str | None) -> tuple[list[str], list]:
+    """tokenizer.ggml.model and what that model needs besides the tokens (byte-level: merges and the pre-tokenizer
+    name pre; SentencePiece: scores and add_space_prefix) into a gguf.GGUFWriter; -> (tokens, token types),
+    for the caller to add."""
+    if tok.kind == "sentencepiece":
+        tokens, types, scores = spm_metadata(tok, vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_add_space_prefix(tok.prefix == "every")
+    else:
+        tokens, types, merges = token_metadata(tok, vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(merges)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    return tokens, types
+
+
 def _gguf():
     try:
         import gguf
@@ -144,8 +162,8 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     require_llama(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    pre = GGUF_PRE_NAMES.get(tok.pattern) if tok.kind == "byte-level" else "default"
-    if pre is None:  # llama.cpp picks its split by this name: any other would encode the text differently
+    pre = GGUF_PRE_NAMES.get(tok.pattern) if tok.kind == "byte-level" else None   # SentencePiece: none read
+    if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
         raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
                         f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
@@ -158,20 +176,9 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         w.add_name("nanoeuler")
         add_hparams(w, cfg)
         w.add_file_type(int(ftype))
-        if tok.kind == "sentencepiece":
-            tokens, types, scores = spm_metadata(tok, cfg.vocab_size)
-            w.add_tokenizer_model("llama")
-            w.add_token_list(tokens)
-            w.add_token_scores(scores)
-            w.add_token_types(types)
-            w.add_add_space_prefix(tok.prefix == "every")
-        else:
-            tokens, types, merges = token_metadata(tok, cfg.vocab_size)
-            w.add_tokenizer_model("gpt2")
-            w.add_tokenizer_pre(pre)
-            w.add_token_list(tokens)
-            w.add_token_types(types)
-            w.add_token_merges(merges)
+        tokens, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
         if tok.eos_token in tok.special_tokens:
             w.add_eos_token_id(tok.eos_id)
         if tok.bos_id is not None:  # an imported Llama-3's <|begin_of_text|>: llama.cpp puts it first, as HF does

@@ -8,8 +8,8 @@ sets `special_tokens` (string -> id), `eos_token`, `bos_token`, `stops` and `cha
 the rest the same way for all: encode, decode, eos_id, bos_id, stop_ids, save, load, fingerprint.
 
 `tokenizer.json` names its kind (`"kind": "sentencepiece"`); a file without the field is byte-level BPE, so
-every file written before kinds existed reads, and fingerprints, as before. `load` and `from_dict` return the
-file's kind whichever class they are called on.
+every file written before kinds existed reads, and fingerprints, as before. `Tokenizer.load` and
+`Tokenizer.from_dict` (tokenizer.py) return the kind the file names.
 """
 from __future__ import annotations
 
@@ -22,21 +22,6 @@ import numpy as np
 from ..errors import UserError
 
 KEEP = object()   # replace(): leave this field as it is
-KINDS = {"sentencepiece": ("sentencepiece", "SentencePieceTokenizer")}   # kind -> (module, class); none: byte-level
-
-
-def from_dict(d) -> BaseTokenizer:
-    """The tokenizer a to_dict() object describes, of the kind it names."""
-    import importlib
-    kind = d.get("kind") if isinstance(d, dict) else None
-    if kind is None:
-        module, name = "tokenizer", "Tokenizer"
-    elif isinstance(kind, str) and kind in KINDS:
-        module, name = KINDS[kind]
-    else:
-        raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (known: {', '.join(KINDS)}, or none for "
-                        "byte-level BPE)")
-    return getattr(importlib.import_module(f".{module}", __package__), name).from_dict(d)
 
 
 class BaseTokenizer:
@@ -118,10 +103,6 @@ class BaseTokenizer:
                 "special_tokens": {b: {"id": b, "ids": [self.bos_id], "tokens": [b]}}}
 
     # -- files -----------------------------------------------------------------------------------------
-    @classmethod
-    def from_dict(cls, d) -> BaseTokenizer:
-        return from_dict(d)
-
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json (atomically) and a readable tokenizer.vocab beside it."""
         from ..fileio import atomic_write_json, atomic_write_text
@@ -132,7 +113,7 @@ class BaseTokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> BaseTokenizer:
-        """A tokenizer.json (or a folder holding one) of any kind."""
+        """A tokenizer.json (or a folder holding one): cls.from_dict of its content."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -143,7 +124,7 @@ class BaseTokenizer:
         except (ValueError, RecursionError) as e:   # bad UTF-8 or JSON, or nested too deep
             raise UserError(f"{path} is not valid JSON ({e}); is it a tokenizer.json?") from None
         try:
-            return from_dict(d)
+            return cls.from_dict(d)
         except UserError as e:
             raise UserError(f"{path}: {e}") from None
 
@@ -156,4 +137,4 @@ class BaseTokenizer:
         return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
     def __reduce__(self):  # copy / multiprocessing: rebuild from the readable content, not the caches
-        return (from_dict, (self.to_dict(),))
+        return (type(self).from_dict, (self.to_dict(),))

@@ -263,52 +263,50 @@ def escape(buf, f_start, f_end, f_token, prefix, out):
 
 
 @njit(inline="always")
-def _heap_push(h_key, h_right, h_lu, h_ru, size, key, right, lu, ru):
+def _swap(heap, i, j):
+    for c in range(4):
+        heap[i, c], heap[j, c] = heap[j, c], heap[i, c]
+
+
+@njit(inline="always")
+def _heap_push(heap, size, key, right, lu, ru):
+    """Add the entry (key = rank << 31 | left, right, left unit, right unit); return the new size."""
     i = size
-    h_key[i], h_right[i], h_lu[i], h_ru[i] = key, right, lu, ru
-    while i > 0:
-        parent = (i - 1) >> 1
-        if h_key[i] >= h_key[parent]:
-            break
-        h_key[i], h_key[parent] = h_key[parent], h_key[i]
-        h_right[i], h_right[parent] = h_right[parent], h_right[i]
-        h_lu[i], h_lu[parent] = h_lu[parent], h_lu[i]
-        h_ru[i], h_ru[parent] = h_ru[parent], h_ru[i]
-        i = parent
+    heap[i, 0], heap[i, 1], heap[i, 2], heap[i, 3] = key, right, lu, ru
+    while i > 0 and heap[i, 0] < heap[(i - 1) >> 1, 0]:
+        _swap(heap, i, (i - 1) >> 1)
+        i = (i - 1) >> 1
     return size + 1
 
 
 @njit(inline="always")
-def _heap_pop(h_key, h_right, h_lu, h_ru, size):
-    """Remove the top (the caller read it at index 0); return the new size."""
+def _heap_pop(heap, size):
+    """Remove the top (the caller read it at row 0); return the new size."""
     last = size - 1
-    h_key[0], h_right[0], h_lu[0], h_ru[0] = h_key[last], h_right[last], h_lu[last], h_ru[last]
+    _swap(heap, 0, last)
     i = 0
     while True:
         child = 2 * i + 1
         if child >= last:
             break
-        if child + 1 < last and h_key[child + 1] < h_key[child]:
+        if child + 1 < last and heap[child + 1, 0] < heap[child, 0]:
             child += 1
-        if h_key[i] <= h_key[child]:
+        if heap[i, 0] <= heap[child, 0]:
             break
-        h_key[i], h_key[child] = h_key[child], h_key[i]
-        h_right[i], h_right[child] = h_right[child], h_right[i]
-        h_lu[i], h_lu[child] = h_lu[child], h_lu[i]
-        h_ru[i], h_ru[child] = h_ru[child], h_ru[i]
+        _swap(heap, i, child)
         i = child
     return last
 
 
 @njit(inline="always")
-def _try_pair(p_keys, p_vals, unit, h_key, h_right, h_lu, h_ru, size, left, right):
+def _try_pair(p_keys, p_vals, unit, heap, size, left, right):
     """Queue the pair (left, right) of symbols if the table merges it; return the heap size."""
     if left < 0 or right < 0 or unit[left] < 0 or unit[right] < 0:
         return size
     v = _get(p_keys, p_vals, (np.int64(unit[left]) << 32) | unit[right])
     if v < 0:
         return size
-    return _heap_push(h_key, h_right, h_lu, h_ru, size, ((v >> 32) << 31) | left, right, unit[left], unit[right])
+    return _heap_push(heap, size, ((v >> 32) << 31) | left, right, unit[left], unit[right])
 
 
 @njit(cache=True)
@@ -330,11 +328,7 @@ def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_
     sym_e = np.empty(longest, np.int64)
     nxt = np.empty(longest, np.int64)
     prv = np.empty(longest, np.int64)
-    cap = 3 * longest + 4
-    h_key = np.empty(cap, np.int64)
-    h_right = np.empty(cap, np.int64)
-    h_lu = np.empty(cap, np.int64)
-    h_ru = np.empty(cap, np.int64)
+    heap = np.empty((3 * longest + 4, 4), np.int64)     # [entries, (key, right, left unit, right unit)]
     k = 0
     for f in range(f_start.shape[0]):
         if f_token[f] >= 0:
@@ -349,14 +343,14 @@ def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_
                 while q < end and not (buf[q] == 0xE2 and q + 2 < end and buf[q + 1] == 0x96 and buf[q + 2] == 0x81):
                     q += min(utf8_len(buf[q]), end - q)
             k = _merge_piece(buf, p, q, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_vals, byte_token, out, k,
-                             unit, sym_s, sym_e, nxt, prv, h_key, h_right, h_lu, h_ru)
+                             unit, sym_s, sym_e, nxt, prv, heap)
             p = q
     return k
 
 
 @njit(inline="always")
 def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_vals, byte_token, out, k,
-                 unit, sym_s, sym_e, nxt, prv, h_key, h_right, h_lu, h_ru):
+                 unit, sym_s, sym_e, nxt, prv, heap):
     """BPE of the bytes buf[p:end] appended to out[k:]; returns the new k."""
     n = 0
     while p < end:                                       # characters -> units
@@ -375,11 +369,11 @@ def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_v
         nxt[i] = i + 1 if i + 1 < n else -1
     size = 0
     for i in range(n - 1):
-        size = _try_pair(p_keys, p_vals, unit, h_key, h_right, h_lu, h_ru, size, i, i + 1)
+        size = _try_pair(p_keys, p_vals, unit, heap, size, i, i + 1)
     while size > 0:
-        left = h_key[0] & 0x7FFFFFFF
-        right, lu, ru = h_right[0], h_lu[0], h_ru[0]
-        size = _heap_pop(h_key, h_right, h_lu, h_ru, size)
+        left = heap[0, 0] & 0x7FFFFFFF
+        right, lu, ru = heap[0, 1], heap[0, 2], heap[0, 3]
+        size = _heap_pop(heap, size)
         if unit[left] != lu or unit[right] != ru or nxt[left] != right:
             continue                                     # stale: a side has merged since it was queued
         v = _get(p_keys, p_vals, (np.int64(lu) << 32) | ru)
@@ -389,8 +383,8 @@ def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_v
         nxt[left] = nxt[right]
         if nxt[right] >= 0:
             prv[nxt[right]] = left
-        size = _try_pair(p_keys, p_vals, unit, h_key, h_right, h_lu, h_ru, size, prv[left], left)
-        size = _try_pair(p_keys, p_vals, unit, h_key, h_right, h_lu, h_ru, size, left, nxt[left])
+        size = _try_pair(p_keys, p_vals, unit, heap, size, prv[left], left)
+        size = _try_pair(p_keys, p_vals, unit, heap, size, left, nxt[left])
     i = 0 if n else -1
     while i >= 0:                                        # symbols -> ids (byte tokens for what is no token)
         u = unit[i]

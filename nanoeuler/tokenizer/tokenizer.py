@@ -587,8 +587,12 @@ class Tokenizer(BaseTokenizer):
         another kind (see base.py) gives that kind."""
         if not isinstance(d, dict):
             raise UserError("tokenizer data must be a JSON object")
-        if d.get("kind") is not None:
-            return super().from_dict(d)
+        kind = d.get("kind")
+        if kind == "sentencepiece":
+            from .sentencepiece import SentencePieceTokenizer
+            return SentencePieceTokenizer.from_dict(d)
+        if kind is not None:
+            raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (sentencepiece, or none for byte-level BPE)")
         if d.get("format") != FORMAT:
             if "model" in d and "pre_tokenizer" in d:
                 raise UserError("this is a Hugging Face tokenizers file, not a nanoeuler tokenizer.json "
