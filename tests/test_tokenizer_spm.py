@@ -253,3 +253,45 @@ def test_pieces_and_token_bytes(scored_vocab):
     assert np.array_equal(tok.encode_array("a b", add_bos=True), [tok.bos_id] + tok.encode("a b"))
     with pytest.raises(UserError, match="out of range"):
         tok.decode([tok.vocab_size])
+
+
+def test_callers_take_either_kind(vocabularies, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose tokenizer is SentencePiece-style: `tokenizer encode/decode`, `sample`, chat-template
+    rendering with its SFT mask, streamed decoding and the parallel encoder work as with a byte-level one."""
+    import io
+    import sys
+
+    from conftest import tiny_config
+
+    from nanoeuler import Model
+    from nanoeuler.chat_template import example
+    from nanoeuler.cli import main
+    from nanoeuler.infer.session import StreamDecoder
+    from nanoeuler.tokenizer import encode_parallel
+    template = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}")
+    d = vocabularies["gemma"][0]
+    d["added_tokens"].append({"id": len(d["model"]["vocab"]) + len(d["added_tokens"]), "content": "<end_of_turn>",
+                              "special": True})
+    tok = from_hf_json(json.loads(json.dumps(d)), eos_id=2).replace(chat_template=template, stops=["<end_of_turn>"])
+    Model.init(tiny_config(vocab_size=tok.vocab_size), seed=0).save(tmp_path / "run", tokenizer=tok)
+    text = "Ünïcode 日本 😀 and\n\nnew  lines <start_of_turn>"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert main(["tokenizer", "encode", "--tokenizer", str(tmp_path / "run"), "--allow-special"]) == 0
+    ids = [int(x) for x in capsys.readouterr().out.split()]
+    assert ids == tok.encode(text, allow_special=True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" ".join(map(str, ids))))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    assert main(["tokenizer", "decode", "--tokenizer", str(tmp_path / "run")]) == 0
+    sys.stdout.flush()
+    assert sys.stdout.buffer.getvalue().decode() == text
+    monkeypatch.undo()
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "hello", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    ids, mask = example(tok, [{"role": "user", "content": "hi"}], "Paris")
+    reply = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(reply) == "Paris<end_of_turn>" and reply[-1] == tok.special_tokens["<end_of_turn>"]
+    dec = StreamDecoder(tok)
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == tok.decode(ids)
+    texts = [p for p in probes(6, seed=1200)]
+    assert [a.tolist() for a in encode_parallel(tok, texts, processes=2, batch_bytes=500)] == [tok.encode(t) for t in texts]

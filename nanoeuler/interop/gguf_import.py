@@ -3,7 +3,7 @@
     nanoeuler import --from SmolLM2-135M-Instruct-Q8_0.gguf --out runs/smol
 
 `general.architecture` `llama` (Llama, SmolLM, Qwen2 without biases, Mistral without sliding window) or
-`gpt2`. Every tensor is read with the `gguf` package (`GGUFReader`) and made float32 by
+`gpt2`. The header is parsed from the mapped file (gguf_file.py); every tensor is made float32 by
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K, ...); the type each tensor
 had in the file is kept in the checkpoint's `source.json`:
 
@@ -17,14 +17,18 @@ llama: the q and k rows come back from llama.cpp's interleaved RoPE order (`gguf
 inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bit at f32. gpt2: the fused
 `attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already).
 
-The tokenizer comes from `tokenizer.ggml.*` (model `gpt2`: byte-level BPE): tokens, merges, token types
-(CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids reserved rows), bos / eos / end-of-turn ids,
-`add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
-llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE). The ids stay the file's (the Tokenizer's
-id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not compute the same
-(rope scaling, sliding window, biases on llama, experts, another architecture, a SentencePiece vocabulary) is
-refused by name, and so is any defect of the file (truncated, absurd counts, data past the end, shapes that
-disagree with the metadata): one line, nothing written.
+The tokenizer comes from `tokenizer.ggml.*`, read as llama.cpp's llama_vocab::load reads it. Model `gpt2`
+(byte-level BPE): tokens, merges, token types (CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids
+reserved rows), and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
+llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE); the ids stay the file's (the
+Tokenizer's id map), bytes the vocabulary lacks are left out. Model `llama` (SentencePiece-style BPE):
+tokens, scores, token types and add_space_prefix as they are (tokenizer/sentencepiece.py). Both: bos
+(`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
+knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
+Everything the model could not compute the same (rope scaling, sliding window, biases on llama, experts,
+another architecture, another tokenizer model) is refused by name, and so is any defect of the file
+(truncated, absurd counts, data past the end, shapes that disagree with the metadata, a vocabulary larger
+than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 

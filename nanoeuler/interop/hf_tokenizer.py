@@ -1,4 +1,6 @@
-"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer, keeping its token ids exactly.
+"""Hugging Face `tokenizer.json` -> our tokenizer, keeping its token ids exactly: a byte-level BPE as our
+Tokenizer, a BPE with byte_fallback (Llama-2, Gemma) as our SentencePieceTokenizer (`spm_from_hf_json`, at
+the end of this file).
 
 Our BPE engine numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
 vocabulary numbers them as it likes, so `from_hf_json` gives the Tokenizer the HF id of every token in
@@ -21,8 +23,10 @@ Pre-tokenizers understood (any other is a one-line error naming it):
 - `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export)
 - `Sequence[Split(P1), Split(P2), ..., ByteLevel(use_regex=false)]` -> the cascade (P1, P2, ...): each Split
   cuts the pieces the previous ones left (llama.cpp's `default`, our export of a cascade)
-A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
 - `Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)]` -> SMOLLM_PATTERN (SmolLM)
+A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
+A vocabulary may lack some of the 256 byte tokens (SmolLM2's lacks 21: their id is -1 in `tok.ids`), not more
+than half of them.
 """
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ def pattern_of(pre) -> str | tuple[str, ...]:
             _bad(f"pre_tokenizer ByteLevel.use_regex={str(not use_regex).lower()} is not supported here")
 
     if not isinstance(pre, dict):
-        _bad("pre_tokenizer is missing (only byte-level BPE tokenizers are supported)")
+        _bad("pre_tokenizer is missing (a byte-level BPE needs one; a SentencePiece-style BPE needs "
+             "model.byte_fallback=true)")
     kind = pre.get("type")
     if kind == "ByteLevel":
         byte_level(pre, True)
@@ -94,7 +99,7 @@ def pattern_of(pre) -> str | tuple[str, ...]:
             byte_level(parts[1], True)
             return SMOLLM_PATTERN
         _bad(f"pre_tokenizer Sequence[{', '.join(map(str, kinds))}] is not supported")
-    _bad(f"pre_tokenizer {kind} is not supported (only byte-level BPE: ByteLevel, Split+ByteLevel, Digits+ByteLevel)")
+    _bad(f"pre_tokenizer {kind} is not supported for a byte-level BPE (ByteLevel, Split+ByteLevel, Digits+ByteLevel)")
 
 
 def bos_of(post, added: dict[int, str]) -> int | None:
@@ -148,7 +153,8 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         _bad("not a Hugging Face tokenizers file (no \"model\")")
     m = d["model"]
     if m.get("type") != "BPE":
-        _bad(f"model.type {m.get('type')} is not supported (only byte-level BPE; SentencePiece/Unigram/WordPiece are not)")
+        _bad(f"model.type {m.get('type')} is not supported (BPE only: byte-level, or SentencePiece-style with "
+             "byte_fallback; Unigram and WordPiece are not)")
     if m.get("byte_fallback"):
         return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
