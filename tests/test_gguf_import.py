@@ -403,3 +403,21 @@ def test_add_bos_token_or_the_familys_default(tmp_path, tok, pre, default, add_b
     expect = default if add_bos is None else add_bos
     assert (g_tok.encode("a", add_bos=True) == [g_tok.special_tokens["<s>" if spm else "<|endoftext|>"],
                                                 *g_tok.encode("a")]) == expect
+
+
+def test_export_of_a_sentencepiece_tokenizer_imports_back(tmp_path):
+    """export --format gguf of a checkpoint with a SentencePiece vocabulary writes tokenizer.ggml.model llama
+    (tokens, scores, types, add_space_prefix, bos / eos): importing it gives the same tokenizer."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
+    tok = SentencePieceTokenizer(["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces],
+                                 [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3],
+                                 [0.0] * 259 + [-float(i) for i in range(len(pieces))], prefix="every", eos="</s>",
+                                 bos="<s>")
+    m = chatml_model(tok)
+    path = export_gguf(m, tok.replace(chat_template=CHATML), tmp_path / "s.gguf", "f32", progress=False)
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    _, _, back, _ = load_gguf(path)
+    assert back.kind == "sentencepiece" and back.fingerprint() == tok.fingerprint()
+    assert back.encode("ab ba\nab", add_bos=True) == tok.encode("ab ba\nab", add_bos=True)

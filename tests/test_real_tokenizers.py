@@ -75,3 +75,17 @@ def test_stops_are_llama_cpps_end_of_generation_tokens(pair):
     eog = [i for i in range(lc.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
     assert sorted(tok.stop_ids) == eog, name
     assert tok.bos_id == (lc.token_bos() if name == "gemma3" else None)   # add_bos_token: Gemma yes, SmolLM2 no
+
+
+def test_the_hf_export_of_gemma_encodes_as_llama_cpp(pair):
+    """Our Hugging Face export of Gemma 3's vocabulary (the merges derived from its scores, the user-defined
+    and control tokens as added tokens) in `tokenizers`: llama.cpp's ids (allow_special: HF always cuts added
+    tokens out)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    name, lc, tok = pair
+    if name != "gemma3":
+        pytest.skip("the SentencePiece vocabulary")
+    hf = tokenizers.Tokenizer.from_str(tok.to_hf_json())
+    for text in TEXTS:
+        assert hf.encode(text, add_special_tokens=False).ids == lc.tokenize(text.encode(), add_bos=False,
+                                                                             special=True), text
