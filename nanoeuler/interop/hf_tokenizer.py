@@ -301,7 +301,7 @@ def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
     if pre is not None:
         if not isinstance(pre, dict) or pre.get("type") != "Metaspace" or pre.get("replacement", METASPACE) != METASPACE:
             _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre} is not supported for a "
-                 "SentencePiece-style BPE (none, or Metaspace with \"▁\")")
+                 "SentencePiece-style BPE (model.byte_fallback=true; its pre_tokenizer: none, or Metaspace with \"▁\")")
         scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
         if scheme not in ("always", "first", "never"):
             _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
