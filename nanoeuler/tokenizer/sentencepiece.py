@@ -138,9 +138,8 @@ class SentencePieceTokenizer(BaseTokenizer):
         self.eos_token, self.bos_token, self.chat_template = eos, bos, chat_template
         self.stops = tuple(stops)
         self._build()
-        specials = self.types != NORMAL
-        specials &= (self.types != BYTE)
-        self.special_tokens = {self.tokens[i]: i for i in np.flatnonzero(specials).tolist()}
+        specials = np.flatnonzero(~np.isin(self.types, (NORMAL, BYTE))).tolist()   # control, user-defined, ...
+        self.special_tokens = {self.tokens[i]: i for i in specials}
         for what, t in (("bos", bos), ("eos", eos), *(("stop", s) for s in self.stops)):
             if t is not None and t not in self.special_tokens:
                 raise UserError(f"the {what} token {t!r:.40} is not a special token of the vocabulary")
@@ -178,9 +177,7 @@ class SentencePieceTokenizer(BaseTokenizer):
             i = int(np.argmax(is_byte != (self.types == BYTE)))
             raise UserError(f"tokenizer: token {i} {self.tokens[i]!r:.20} has type {TYPE_NAMES.get(int(self.types[i]))}"
                             f"; the 256 tokens <0x00> ... <0xFF>, and only they, are BYTE tokens")
-        first = self._blob[self._starts]
-        lead = np.select([first < 0xC0, first < 0xE0, first < 0xF0, first < 0xF8], [1, 2, 3, 4], 1)
-        chars = int((lengths == lead).sum())          # tokens that are one character
+        chars = sf.count_chars(self._blob, self._starts, self._ends)      # tokens that are one character
         self._c_keys, self._c_vals = sf.table(chars + (MAX_VIRTUAL if self.scores is not None else 0))
         sf.char_table(self._blob, self._starts, self._ends, self._c_keys, self._c_vals)
         if self.scores is not None:
@@ -240,8 +237,8 @@ class SentencePieceTokenizer(BaseTokenizer):
         if self._pieces is None:
             out = []
             for t, ty in zip(self.tokens, self.types.tolist()):
-                if ty == BYTE:
-                    out.append(bytes([int(t[3:5], 16)]) if t in BYTE_PIECES else t.encode("utf-8", "surrogateescape"))
+                if ty == BYTE:                            # "<0xE4>" (_build checked the BYTE tokens are these)
+                    out.append(bytes([int(t[3:5], 16)]))
                 elif ty == NORMAL or ty == UNUSED:
                     out.append(t.replace(METASPACE, " ").encode("utf-8", "surrogateescape"))
                 else:

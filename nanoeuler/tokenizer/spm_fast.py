@@ -136,13 +136,26 @@ def text_table(blob, starts, ends, t_keys, t_vals):
     return -1
 
 
+@njit(inline="always")
+def _one_char(blob, s, e):
+    return e > s and min(utf8_len(blob[s]), e - s) == e - s
+
+
+@njit(cache=True)
+def count_chars(blob, starts, ends):
+    """How many tokens are one character."""
+    n = 0
+    for t in range(starts.shape[0]):
+        n += _one_char(blob, starts[t], ends[t])
+    return n
+
+
 @njit(cache=True)
 def char_table(blob, starts, ends, c_keys, c_vals):
     """Put every token that is one character in the char table (key -> its id)."""
     for t in range(starts.shape[0]):
-        s, e = starts[t], ends[t]
-        if e > s and min(utf8_len(blob[s]), e - s) == e - s:
-            _put(c_keys, c_vals, _char_key(blob, s, e - s), t)
+        if _one_char(blob, starts[t], ends[t]):
+            _put(c_keys, c_vals, _char_key(blob, starts[t], ends[t] - starts[t]), t)
 
 
 @njit(inline="always")
@@ -153,7 +166,7 @@ def _unit(blob, s, e, t_keys, t_vals, starts, ends, c_keys, c_vals, state):
     t = _find_text(t_keys, t_vals, blob, starts, ends, blob, s, e)
     if t >= 0:
         return t
-    if min(utf8_len(blob[s]), e - s) != e - s or blob[s] == SPACE:
+    if not _one_char(blob, s, e) or blob[s] == SPACE:
         return -1
     key = _char_key(blob, s, e - s)
     u = _get(c_keys, c_vals, key)
