@@ -84,8 +84,7 @@ def with_template_file(tok, path: str | Path | None):
         template_worker.render(text, [], bos="", eos="")  # a syntax error is reported now, before any work
     except UserError as e:
         raise UserError(f"{e} in --chat-template {path}") from None
-    from .tokenizer import Tokenizer
-    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": text})
+    return tok.replace(chat_template=text)
 
 
 # ------------------------------------------------------------------------------------------- rendering

@@ -40,32 +40,31 @@ def train_briefly(m: Model, tok: Tokenizer, steps: int, lr: float, length: int) 
     return m
 
 
-def write_gguf(path, m: Model, tok: Tokenizer, qtype: str = "F32", template: str | None = CHATML,
+def write_gguf(path, m: Model, tok, qtype: str = "F32", template: str | None = CHATML,
                tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None, pre: str | None = "gpt-2",
+               add_bos: bool | None = False, eos: str = "<|im_end|>", bos: str = "<|endoftext|>",
                blocks: dict | None = None):
     """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
-    pre: tokenizer.ggml.pre (None: no such key); tokens: replace the token list; meta: extra/overriding
-    key -> value; drop: tensor names left out;
-    shapes: tensor name -> a different array (to write a wrong shape);
+    tok: a byte-level tokenizer (tokenizer.ggml.model gpt2), or a SentencePiece one (llama: tokens, scores,
+    types, add_space_prefix as its prefix says); pre: tokenizer.ggml.pre (None: no such key); tokens: replace
+    the token list; meta: extra/overriding key -> value; drop: tensor names left out; shapes: tensor name ->
+    a different array (to write a wrong shape); add_bos: tokenizer.ggml.add_bos_token (None: no such key);
     blocks: tensor name -> its bytes in qtype [rows, bytes], written as they are (instead of quantizing m's)."""
     import gguf
-    from nanoeuler.interop.gguf_export import add_hparams, gguf_tensors, token_metadata
+    from nanoeuler.interop.gguf_export import add_hparams, add_vocabulary, gguf_tensors
     q = getattr(gguf.GGMLQuantizationType, qtype)
     cfg = m.config
     w = gguf.GGUFWriter(str(path), "llama")
     add_hparams(w, cfg)
-    toks, types, merges = token_metadata(tok, cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
+    toks, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
     if tokens is not None:  # extra tokens are control tokens
         toks, types = tokens, types[:len(tokens)] + [gguf.TokenType.CONTROL] * (len(tokens) - len(types))
     w.add_token_list(toks)
     w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(tok.special_tokens["<|im_end|>"])
-    w.add_bos_token_id(tok.special_tokens["<|endoftext|>"])
-    w.add_add_bos_token(False)
+    w.add_eos_token_id(tok.special_tokens[eos])
+    w.add_bos_token_id(tok.special_tokens[bos])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if template is not None:
         w.add_chat_template(template)
     for k, v in (meta or {}).items():

@@ -166,6 +166,24 @@ def test_fuzz_tokenizer_json_with_a_cascade(tok, tmp_path_factory, data):
     fuzz_tokenizer(tok.to_dict() | {"pattern": list(DEFAULT_CASCADE)}, tmp_path_factory, data)
 
 
+@FUZZ
+@given(data=st.data(), ranking=st.sampled_from(["scores", "merges"]))
+def test_fuzz_sentencepiece_tokenizer_json(tmp_path_factory, data, ranking):
+    """The SentencePiece kind's file: tokens, types, scores or merges, prefix, split, specials."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "T", "o", "b", "e", "▁b", "▁be", "To", "▁o", "r", "▁or", "\n", "<start_of_turn>"]
+    tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * 11 + [4, 3]
+    if ranking == "scores":
+        tok = SentencePieceTokenizer(tokens, types, [0.0] * 259 + [-float(i) for i in range(13)], prefix="every",
+                                     eos="</s>", bos="<s>")
+    else:
+        ids = {t: i for i, t in enumerate(tokens)}
+        merges = [(ids[a], ids[b]) for a, b in (("▁", "b"), ("▁b", "e"), ("T", "o"), ("▁", "o"), ("▁o", "r"))]
+        tok = SentencePieceTokenizer(tokens, types, merges=merges, prefix="first-unless-space", split=True, eos="</s>")
+    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data)
+
+
 def fuzz_tokenizer(base: dict, tmp_path_factory, data):
     """A mutation of base (a tokenizer.json) loads and encodes/decodes exactly, or raises UserError."""
     path = tmp_path_factory.mktemp("k") / "tokenizer.json"

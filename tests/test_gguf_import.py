@@ -3,8 +3,8 @@ the tokenizer equals the Hugging Face import of the same vocabulary, bad files a
 from __future__ import annotations
 
 import json
-import os
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -84,7 +84,8 @@ def test_tokenizer_equals_the_hf_import_of_the_same_vocabulary(tmp_path, model, 
         assert g_tok.encode(t, allow_special=True) == hf_tok.encode(t, allow_special=True)
         assert g_tok.encode(t) == hf_tok.encode(t)
     assert g_tok.special_tokens == hf_tok.special_tokens
-    assert g_tok.chat_template == CHATML and g_tok.stop_ids == [tok.special_tokens["<|im_end|>"]]
+    # a reply ends at eos and, as llama.cpp ends generation there by its text, at <|endoftext|>
+    assert g_tok.chat_template == CHATML and g_tok.stop_ids == [tok.special_tokens[t] for t in ("<|im_end|>", "<|endoftext|>")]
 
 
 def test_the_files_ids_are_kept(tmp_path, model, tok):
@@ -187,12 +188,15 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
     from nanoeuler.interop.gguf_export import token_metadata
     toks, _, _ = token_metadata(tok, tok.vocab_size)
     path = write_gguf(tmp_path / "m.gguf", model, tok, tokens=toks + ["<|extra|>"])
-    refused(tmp_path, path, f"token id {tok.vocab_size} does not fit the model's vocab_size {tok.vocab_size}")
+    refused(tmp_path, path, f"{tok.vocab_size + 1:,} tokens, more than the model's {tok.vocab_size:,} embedding rows")
 
 
 @pytest.mark.parametrize("meta, match", [
     ({"general.architecture": "qwen3"}, "architecture 'qwen3' is not supported"),
-    ({"tokenizer.ggml.model": "llama"}, r"'llama' \(SentencePiece\) is not supported"),
+    ({"tokenizer.ggml.model": "bert"}, r"'bert' \(WordPiece, llama.cpp's WPM\) is not supported"),
+    ({"tokenizer.ggml.model": "t5"}, r"'t5' \(Unigram, llama.cpp's UGM\) is not supported"),
+    ({"tokenizer.ggml.model": "rwkv"}, r"'rwkv' \(RWKV's trie\) is not supported"),
+    ({"tokenizer.ggml.model": "mystery"}, r"'mystery' is not supported; supported: gpt2 \(byte-level BPE\), llama"),
     ({"tokenizer.ggml.pre": "starcoder"}, "tokenizer.ggml.pre 'starcoder' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type = 'yarn' is not supported"),
     ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),
@@ -327,23 +331,55 @@ def small(tmp_path_factory):
 
 
 def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
     header = small.index(b"blk.0.attn_norm") + 400  # the metadata and tensor infos: where a change matters most
+    fuzz_gguf(small, 0, header, tmp_path, lambda path: load_gguf(path))
 
-    @settings(max_examples=int(os.environ.get("NANOEULER_FUZZ_EXAMPLES", "120")), deadline=None,
-              derandomize=os.environ.get("NANOEULER_FUZZ_RANDOM") != "1",
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(edits=st.lists(st.tuples(st.integers(0, header), st.integers(0, 255)), min_size=1, max_size=6),
-           cut=st.one_of(st.none(), st.integers(0, len(small))))
+
+@pytest.fixture(scope="module")
+def spm_file(tmp_path_factory):
+    """A small GGUF with a SentencePiece vocabulary (tokens, scores, types): the arrays the fuzz test edits."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
+    tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3]
+    tok = SentencePieceTokenizer(tokens, types, [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+                                 prefix="every", eos="</s>", bos="<s>")
+    return write_gguf(tmp_path_factory.mktemp("spm") / "s.gguf", chatml_model(tok), tok, "Q8_0", pre=None,
+                      add_bos=True, eos="</s>", bos="<s>").read_bytes()
+
+
+def test_fuzzed_vocabulary_loads_or_is_one_userror(tmp_path, spm_file):
+    """Bytes of the tokenizer arrays (lengths, counts, types, scores) changed or the file cut: a model and a
+    tokenizer that encodes, or one UserError line; never another exception, never a big allocation."""
+    def use(path):
+        tracemalloc.start()
+        try:
+            load_gguf(path)[2].encode("ab ba\n<start_of_turn>", allow_special=True)
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak < 256 << 20
+    fuzz_gguf(spm_file, spm_file.index(b"tokenizer.ggml.tokens"), spm_file.index(b"blk.0.attn_norm"), tmp_path, use)
+
+
+def fuzz_gguf(good: bytes, start: int, end: int, tmp_path, use) -> None:
+    """use(path) on copies of the file `good` with 1-6 bytes in [start, end] changed, maybe cut short: it
+    returns or raises a one-line UserError, nothing else."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+    from test_fuzz_loaders import FUZZ
+
+    @FUZZ
+    @given(edits=st.lists(st.tuples(st.integers(start, end), st.integers(0, 255)), min_size=1, max_size=6),
+           cut=st.one_of(st.none(), st.integers(start, len(good))))
     def check(edits, cut):
-        data = bytearray(small)
+        data = bytearray(good)
         for at, b in edits:
             data[at] = b
         path = tmp_path / "f.gguf"
         path.write_bytes(bytes(data[:cut]))
         try:
-            load_gguf(path)
+            use(path)
         except UserError as e:
             assert "\n" not in str(e)
 
@@ -388,3 +424,73 @@ def test_gpt2_architecture_file_imports_to_the_same_parameters(tmp_path, tok):
     cfg2, P2, _, _ = load_gguf(tmp_path / "g.gguf")
     assert cfg2 == cfg
     assert set(P2) == set(P) and all(np.array_equal(P2[n], P[n]) for n in P)
+
+
+# ---------------------------------------------------------------------- tokenizer.ggml.pre and add_bos
+
+def hf_pre_tokenizer(family: str):
+    """The Hugging Face pre-tokenizer each llama.cpp family stands for, as those models' tokenizer.json files
+    write it (the regexes copied from Llama-3's and Qwen2's)."""
+    from tokenizers import Regex, pre_tokenizers as pt
+    llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+    qwen2 = llama3.replace(r"\p{N}{1,3}", r"\p{N}")
+    return {"gpt-2": pt.ByteLevel(add_prefix_space=False),
+            "smollm": pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)]),
+            "llama-bpe": pt.Sequence([pt.Split(Regex(llama3), "isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)]),
+            "qwen2": pt.Sequence([pt.Split(Regex(qwen2), "isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)]),
+            }[family]
+
+
+@pytest.mark.parametrize("family", ["gpt-2", "smollm", "llama-bpe", "qwen2"])
+def test_each_pre_family_splits_as_its_hf_pre_tokenizer(family):
+    """tokenizer.ggml.pre names a split: every name of a family cuts text as that family's Hugging Face
+    pre-tokenizer does (smollm: each digit alone; llama-bpe: digits by threes; gpt-2: digit runs whole)."""
+    pytest.importorskip("tokenizers")
+    from nanoeuler.interop.gguf_import import PRE_FAMILIES, pre_pattern
+    from nanoeuler.tokenizer.tokenizer import pretokenize
+    oracle = hf_pre_tokenizer(family)
+    text = ("In 1599, 12345 men  spent $3.50 (or 1,000,000!) in   2 days\t\n 7 it's WE'LL don't\r\n\r\n"
+            "ÀÉ 日本語 😀 x1y22z333 ...!? \u00a0nbsp")
+    want = [text[a:b] for _, (a, b) in oracle.pre_tokenize_str(text)]
+    names = next(names for names, _, _ in PRE_FAMILIES.values() if family in names)
+    for name in names:
+        assert pretokenize(text, pre_pattern(name)[0]) == want, name
+
+
+@pytest.mark.parametrize("pre, default", [("gpt-2", False), ("smollm", False), ("qwen2", False), ("default", False),
+                                          ("llama-bpe", True), ("sentencepiece", True)])
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_add_bos_token_or_the_familys_default(tmp_path, tok, pre, default, add_bos):
+    """tokenizer.ggml.add_bos_token decides whether encode(add_bos=True) puts the bos first; absent, llama.cpp's
+    default for the family does (llama_vocab::load: llama-bpe and SentencePiece files yes, the others no)."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    if pre == "sentencepiece":
+        tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, "▁", "a", "▁a"]
+        tok = SentencePieceTokenizer(tokens, [2, 3, 3] + [6] * 256 + [1] * 3, [0.0] * 259 + [-1.0, -2.0, -3.0])
+    m = chatml_model(tok)
+    spm = pre == "sentencepiece"
+    path = write_gguf(tmp_path / "b.gguf", m, tok, pre=None if spm else pre, add_bos=add_bos,
+                      eos="</s>" if spm else "<|im_end|>", bos="<s>" if spm else "<|endoftext|>")
+    _, _, g_tok, _ = load_gguf(path)
+    expect = default if add_bos is None else add_bos
+    assert (g_tok.encode("a", add_bos=True) == [g_tok.special_tokens["<s>" if spm else "<|endoftext|>"],
+                                                *g_tok.encode("a")]) == expect
+
+
+def test_export_of_a_sentencepiece_tokenizer_imports_back(tmp_path):
+    """export --format gguf of a checkpoint with a SentencePiece vocabulary writes tokenizer.ggml.model llama
+    (tokens, scores, types, add_space_prefix, bos / eos): importing it gives the same tokenizer."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
+    tok = SentencePieceTokenizer(["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces],
+                                 [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3],
+                                 [0.0] * 259 + [-float(i) for i in range(len(pieces))], prefix="every", eos="</s>",
+                                 bos="<s>")
+    m = chatml_model(tok)
+    path = export_gguf(m, tok.replace(chat_template=CHATML), tmp_path / "s.gguf", "f32", progress=False)
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    _, _, back, _ = load_gguf(path)
+    assert back.kind == "sentencepiece" and back.fingerprint() == tok.fingerprint()
+    assert back.encode("ab ba\nab", add_bos=True) == tok.encode("ab ba\nab", add_bos=True)

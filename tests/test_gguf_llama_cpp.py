@@ -1,5 +1,6 @@
-"""Our import of a GGUF against llama.cpp (llama-cpp-python) running the same file: tokenization (with the
-`gpt-2` and the `default` pre-tokenizers), teacher-forced logits, greedy tokens, and the chat prompt. Skipped
+"""Our import of a GGUF against llama.cpp (llama-cpp-python) running the same file: tokenization (every
+pre-tokenizer name, add_bos_token set or not, a SentencePiece vocabulary), teacher-forced logits, greedy
+tokens, and the chat prompt. Skipped
 without llama_cpp (it compiles llama.cpp: `pip install 'nanoeuler[llama]'`; not in `make test`'s install).
 
 The files are written here (tests/gguf_fixtures.py): a llama-arch model (d 256, 2 layers, a 320-token
@@ -25,7 +26,7 @@ from nanoeuler import Model, Tokenizer  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
 from nanoeuler.data.corpus import bundled_works  # noqa: E402
 from nanoeuler.infer.session import generate# noqa: E402
-from nanoeuler.interop.gguf_import import load_gguf  # noqa: E402
+from nanoeuler.interop.gguf_import import PRE_FAMILIES, load_gguf  # noqa: E402
 from nanoeuler.interop.llamacpp import LlamaCpp  # noqa: E402
 
 TOLERANCE = {"F32": 1e-5, "F16": 1e-3, "Q8_0": 2e-2, "Q4_0": 2e-2, "Q4_1": 2e-2}
@@ -57,20 +58,89 @@ CASCADE_TEXTS = [*TEXTS, "it's JOHN'S 'quoted' we're they'll", "x = 1234567 + 89
                  "nbsp\u00a0ideographic\u3000space", "e\u0301 👩‍💻 €"]
 
 
-@pytest.mark.parametrize("pre", ["default", None])
-def test_default_pre_tokenizer_equals_llama_cpp(tmp_path, pre):
-    """tokenizer.ggml.pre "default" (or none: llama.cpp falls back to it) splits with a cascade of 4 regexes."""
-    import llama_cpp
+@pytest.fixture(scope="module")
+def cascade_model():
     tok = Tokenizer.train([bundled_works()["hamlet"][:20000] + " it's 2024, 1999 ... $100 += 42; 'tis" * 40], 600,
                           specials=SPECIALS, progress=False)  # merges across the cascade's cuts: "'s", " 2", " ..."
-    m = chatml_model(tok)
+    return chatml_model(tok), tok
+
+
+# every tokenizer.ggml.pre name we read ("gpt2" is no llama.cpp name: it refuses such a file), and none
+PRE_NAMES = [n for names, _, _ in PRE_FAMILIES.values() for n in names if n != "gpt2"] + [None]
+
+
+@pytest.mark.parametrize("pre", PRE_NAMES)
+def test_every_pre_tokenizer_name_equals_llama_cpp(tmp_path, cascade_model, pre):
+    """Each name splits text as llama.cpp splits it for that name (smollm: each digit alone; llama-bpe: digits
+    by threes; default, or no name, as llama.cpp falls back to it: a cascade of 4 regexes)."""
+    import llama_cpp
+    m, tok = cascade_model
     path = write_gguf(tmp_path / "d.gguf", m, tok, "F32", pre=pre)
     _, _, ours, _ = load_gguf(path)
     lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in CASCADE_TEXTS:
         assert ours.encode(text, allow_special=True) == lc.tokenize(text.encode(), add_bos=False, special=True), text
-    _, _, gpt2, _ = load_gguf(write_gguf(tmp_path / "g.gguf", m, tok, "F32"))
-    assert sum(ours.encode(t) != gpt2.encode(t) for t in CASCADE_TEXTS) >= 5  # the cascade is not GPT-2's split
+    if pre in ("default", None):
+        _, _, gpt2, _ = load_gguf(write_gguf(tmp_path / "g.gguf", m, tok, "F32"))
+        assert sum(ours.encode(t) != gpt2.encode(t) for t in CASCADE_TEXTS) >= 5  # the cascade is not GPT-2's
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm", "llama-bpe", "qwen2", "default", "sentencepiece"])
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_add_bos_token_true_false_or_absent_as_llama_cpp(tmp_path, cascade_model, spm_model, pre, add_bos):
+    """encode(add_bos=True) puts the bos first exactly when llama.cpp does: tokenizer.ggml.add_bos_token when
+    the file has it, else the family's default (llama-bpe and SentencePiece files: yes; the others: no)."""
+    import llama_cpp
+    m, tok = spm_model if pre == "sentencepiece" else cascade_model
+    bos = "<s>" if pre == "sentencepiece" else "<|endoftext|>"
+    path = write_gguf(tmp_path / "b.gguf", m, tok, "F32", pre=None if pre == "sentencepiece" else pre,
+                      add_bos=add_bos, eos="</s>" if pre == "sentencepiece" else "<|im_end|>", bos=bos)
+    _, _, ours, _ = load_gguf(path)
+    lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in ["Hello there", "x", ""]:
+        assert ours.encode(text, add_bos=True) == lc.tokenize(text.encode(), add_bos=True, special=False), text
+
+
+@pytest.fixture(scope="module")
+def spm_model():
+    """A small SentencePiece-style vocabulary with llama.cpp scores (random, ties included) and a model for it."""
+    from spm_fixtures import corpus, hf_spm_json, scored, tokens_and_types, with_inner_characters
+    from nanoeuler.tokenizer.sentencepiece import SentencePieceTokenizer
+    tokens, types = tokens_and_types(hf_spm_json("llama2", corpus()))
+    tokens, types, scores = with_inner_characters(tokens, types, scored(tokens, seed=5))
+    tok = SentencePieceTokenizer(tokens, types, scores, prefix="every", eos="</s>", bos="<s>")
+    return chatml_model(tok), tok
+
+
+@pytest.mark.parametrize("prefix", ["every", "none"])
+def test_sentencepiece_scores_equal_llama_cpp(tmp_path, spm_model, prefix):
+    """llama.cpp's SPM tokenizer on a vocabulary ranked by random scores with many ties, with tokens that hold
+    characters which are not tokens, USER_DEFINED runs and CONTROL tokens: the same ids, the same text back."""
+    import llama_cpp
+    from spm_fixtures import probes
+    m, tok = spm_model
+    tok = type(tok).from_dict(tok.to_dict() | {"prefix": prefix})
+    path = write_gguf(tmp_path / "s.gguf", m, tok, "F32", pre=None, add_bos=True, eos="</s>", bos="<s>")
+    _, _, ours, _ = load_gguf(path)
+    assert ours.kind == "sentencepiece" and ours.prefix == prefix
+    lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in probes(20, seed=11) + ["xѯy xѯ ѯ", "<start_of_turn>", "  lead", "a\n\n\nb", " "]:
+        for special in (False, True):
+            want = lc.tokenize(text.encode(), add_bos=False, special=special)
+            assert ours.encode(text, allow_special=special) == want, text
+            assert ours.decode_bytes(want) == detokenize(lc, want)
+
+
+def detokenize(lc, ids: list[int]) -> bytes:
+    """llama.cpp's own llama_detokenize (special tokens as their text; with add_space_prefix the first
+    piece's leading space dropped), which Llama.detokenize, joining pieces, does not do."""
+    import ctypes
+
+    import llama_cpp
+    arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    buf = ctypes.create_string_buffer(64 * len(ids) + 64)
+    n = llama_cpp.llama_detokenize(lc._model.vocab, arr, len(ids), buf, len(buf), False, True)
+    return buf.raw[:n]
 
 
 def test_tokenization_equals_llama_cpp(files):

@@ -534,7 +534,8 @@ def edit_config(d, **changes):
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(sliding_window=128), "sliding_window"),
-    (dict(head_dim=16), "head_dim"),
+    (dict(head_dim=16), "q_proj.weight has shape [32, 32], expected [64, 32]"),  # a head width of its own is
+                                                      # read, and the weights must have it
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(model_type="bert", architectures=["BertModel"]), "model_type"),
     (dict(intermediate_size=50), "shape"),

@@ -549,3 +549,29 @@ def test_fuzz_a_mapped_tokenizer_json(tok, tmp_path, data):
         ids = t.encode("To be, or not to be: 42 \u00e9\U0001f600\n")
         assert t.decode(ids) == "To be, or not to be: 42 \u00e9\U0001f600\n"
     _bounded(load)
+
+
+def test_a_vocabulary_without_some_bytes_drops_them_after_merging():
+    """A byte-level vocabulary may lack bytes (SmolLM2's lacks 21): such a byte is a symbol no merge crosses,
+    then left out of the ids, as llama.cpp does (tests/test_real_tokenizers.py holds SmolLM2 to llama.cpp);
+    Hugging Face leaves it out before merging, so the letters around it may merge there."""
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    from nanoeuler.tokenizer import bytes_to_unicode
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = Tokenizer.train(["abab.. ab.. cd abcd!! " * 50], 264, progress=False)
+    d = json.loads(tok.to_hf_json())
+    vocab = d["model"]["vocab"]
+    lacking = "".join(bytes_to_unicode()[b] for b in (4, 0xFF))
+    for ch in lacking:
+        vocab.pop(ch)
+    vocab.update({s: i for i, s in enumerate(sorted(vocab, key=vocab.get))})    # ids 0.. again
+    d["added_tokens"] = [dict(a, id=vocab[a["content"]]) for a in d["added_tokens"]]
+    ours = from_hf_json(d)
+    assert ours.vocab_size == tok.vocab_size - 2 and int((ours.ids < 0).sum()) == 2
+    text = "ab\x04ab cd .\x04."          # ".\x04." is one pre-token (a run of punctuation)
+    assert ours.decode(ours.encode(text)) == "abab cd .."
+    assert ours.decode_bytes(ours.encode_bytes(b"ab \xff cd")) == b"ab  cd"
+    assert ours.encode(".\x04.") == ours.encode(".") * 2
+    hf = tokenizers.Tokenizer.from_str(json.dumps(d))
+    assert hf.encode(".\x04.").ids == ours.encode("..") != ours.encode(".\x04.")
+    assert Tokenizer.from_dict(ours.to_dict()).encode(text) == ours.encode(text)

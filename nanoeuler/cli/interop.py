@@ -35,13 +35,14 @@ def register(sub) -> None:
     i = sub.add_parser(
         "import", help="import a Hugging Face folder or a GGUF file (quantized included) as a checkpoint",
         description="Import a Hugging Face model folder (config.json of a LlamaForCausalLM or GPT2LMHeadModel, "
-                    "model.safetensors or shards with model.safetensors.index.json, a byte-level BPE tokenizer) "
+                    "model.safetensors or shards with model.safetensors.index.json, a tokenizer.json: byte-level BPE, or "
+                    "SentencePiece-style BPE with byte fallback) "
                     "or a GGUF file (architecture llama or gpt2; any tensor type the gguf package dequantizes: "
                     "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K; the type of each tensor is kept in the "
                     "checkpoint's source.json) as a nanoeuler checkpoint that sample, chat, serve, sft, dpo and "
                     "eval use unchanged. The model's token ids and chat template are kept. Unsupported features "
-                    "(rope scaling, biases, sliding window, head_dim != hidden/heads, SentencePiece) are refused "
-                    "by name. An existing --out is refused unless --force.")
+                    "(rope scaling, biases, sliding window, head_dim != hidden/heads, a WordPiece / Unigram / RWKV "
+                    "vocabulary) are refused by name. An existing --out is refused unless --force.")
     i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder or .gguf file")
     i.add_argument("--out", required=True, help="checkpoint directory to create")
     i.add_argument("--mtp", type=int, default=None,
@@ -102,7 +103,7 @@ def run_import(args) -> int:
     cfg, params, tok = import_model(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),
-                          "tokenizer": {"vocab_size": tok.vocab_size, "merges": len(tok.merges),
+                          "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size, "merges": len(tok.merges),
                                         "eos": tok.eos_token}}))
     else:
         print(f"imported {args.src} -> {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, heads {cfg.n_heads}/"

@@ -1,4 +1,5 @@
-"""`nanoeuler tokenizer train|encode|decode|export`: the byte-level BPE tokenizer from the command line.
+"""`nanoeuler tokenizer train|encode|decode|export`: tokenizers from the command line (train: byte-level BPE;
+encode, decode, export: any tokenizer.json, an imported SentencePiece-style one included).
 
     nanoeuler tokenizer train books.txt web.txt --vocab-size 4096 --out tokenizer.json
     nanoeuler tokenizer train --vocab-size 512 --out tok.json         # no FILES: the bundled corpus
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 def register(subparsers) -> None:
     from .args import existing_path, int_range, output_file
-    p = subparsers.add_parser("tokenizer", help="train, use and export the byte-level BPE tokenizer",
-                              description="Train a byte-level BPE tokenizer, encode/decode with it, export it.")
+    p = subparsers.add_parser("tokenizer", help="train, use and export tokenizers",
+                              description="Train a byte-level BPE tokenizer; encode, decode and export with any "
+                                          "tokenizer.json (ours, or an imported model's: byte-level or "
+                                          "SentencePiece-style BPE).")
     sub = p.add_subparsers(dest="tokenizer_command", metavar="<action>")
 
     t = sub.add_parser("train", help="learn a vocabulary from text files",

@@ -14,7 +14,8 @@ directions are exact; only the names differ (SPEC "Interop names"), plus three d
 
 Modules: `safetensors_io` (read/write f32/f16/bf16 without torch), `hf_tokenizer` (HF tokenizer.json ->
 our Tokenizer with the same ids), `hf` (export), `importer` (import of HF folders, one function per
-architecture), `gguf_export`, `gguf_import` (GGUF files, quantized included, through the gguf package),
+architecture), `gguf_export`, `gguf_import` (GGUF files, quantized included), `gguf_file` (a GGUF header and its vocabulary read
+straight from the mapped file),
 `outputs` (refuse-or-replace output paths atomically). Chat templates travel with the tokenizer
 (nanoeuler/chat_template.py).
 """

@@ -3,12 +3,15 @@ with the `gguf` package.
 
     nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q5_1
 
-Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`,
-..., `output_norm`, `output`; `output` is left out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
-in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata as a GPT-2-style BPE: tokens in
-the byte-level alphabet, merges as "left right", token types (specials are CONTROL), the pre-tokenizer
-name, eos, and the checkpoint's chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported
-(llama.cpp uses head 0).
+Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
+out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
+in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata: a byte-level BPE as `gpt2`
+(tokens in the byte-level alphabet, merges as "left right", token types: specials are CONTROL, the
+pre-tokenizer name), a SentencePiece-style one as `llama` (tokens, scores, token types, add_space_prefix;
+a vocabulary ranked by Hugging Face merges gets scores from the merge ranks, which llama.cpp reads as
+"any two pieces whose join is a token merge, the higher score first": the same merges when the list holds
+every such pair, as SentencePiece's own lists do); then bos, eos, add_bos_token and the checkpoint's chat
+template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
 `permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row
@@ -117,6 +120,42 @@ def token_metadata(tok, vocab_size: int):
     return tokens, types, merges
 
 
+def spm_metadata(tok, vocab_size: int):
+    """(tokens, token types, scores) of a SentencePiece-style tokenizer for llama.cpp's `llama` model, padded to
+    the model's vocab_size; refused when llama.cpp cannot prepare text as the tokenizer does."""
+    from gguf import TokenType
+    if tok.prefix not in ("none", "every") or tok.split or tok.normalizer:
+        raise UserError(f"cannot export to GGUF: llama.cpp's SentencePiece tokenizer puts a \"▁\" before every "
+                        f"text fragment or none, without a normal form or a split at spaces (this one: prefix "
+                        f"{tok.prefix}, split {tok.split}, normalizer {tok.normalizer})")
+    scores = tok.scores
+    if scores is None:       # Hugging Face merges: the first merge that makes a token ranks it
+        scores = np.full(tok.vocab_size, -1e9, np.float32)
+        for rank, (a, b) in reversed(list(enumerate(tok.merges))):
+            scores[tok.find(tok.tokens[a] + tok.tokens[b])] = -rank
+    pad = vocab_size - tok.vocab_size
+    return (tok.tokens + [f"[PAD{i}]" for i in range(tok.vocab_size, vocab_size)],
+            tok.types.tolist() + [int(TokenType.UNUSED)] * pad, scores.tolist() + [0.0] * pad)
+
+
+def add_vocabulary(w, tok, vocab_size: int, pre: str | None) -> tuple[list[str], list]:
+    """tokenizer.ggml.model and what that model needs besides the tokens (byte-level: merges and the pre-tokenizer
+    name pre; SentencePiece: scores and add_space_prefix) into a gguf.GGUFWriter; -> (tokens, token types),
+    for the caller to add."""
+    if tok.kind == "sentencepiece":
+        tokens, types, scores = spm_metadata(tok, vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_add_space_prefix(tok.prefix == "every")
+    else:
+        tokens, types, merges = token_metadata(tok, vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(merges)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    return tokens, types
+
+
 def _gguf():
     try:
         import gguf
@@ -144,8 +183,8 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     check_expressible(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    pre = GGUF_PRE_NAMES.get(tok.pattern)
-    if pre is None:  # llama.cpp picks its split by this name: any other would encode the text differently
+    pre = GGUF_PRE_NAMES.get(tok.pattern) if tok.kind == "byte-level" else None   # SentencePiece: none read
+    if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
         raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
                         f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
     qtype = gguf.GGMLQuantizationType[dtype.upper()]
@@ -158,12 +197,9 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         w.add_name("nanoeuler")
         add_hparams(w, cfg)
         w.add_file_type(int(ftype))
-        tokens, types, merges = token_metadata(tok, cfg.vocab_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
+        tokens, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
-        w.add_token_merges(merges)
         if tok.eos_token in tok.special_tokens:
             w.add_eos_token_id(tok.eos_id)
         if tok.bos_id is not None:  # an imported Llama-3's <|begin_of_text|>: llama.cpp puts it first, as HF does

@@ -3,7 +3,8 @@
     nanoeuler import --from SmolLM2-135M-Instruct-Q8_0.gguf --out runs/smol
 
 `general.architecture` names one of arch.py's entries by its GGUF name (`llama`: Llama, SmolLM2, Mistral
-without a window; `qwen2`; `gemma3`; `gpt2`), whose `gguf` table names every tensor. Every tensor is read with the `gguf` package (`GGUFReader`) and made float32 by
+without a window; `qwen2`; `gemma3`; `gpt2`), whose `gguf` table names every tensor. The header is parsed from
+the mapped file (gguf_file.py); every tensor is made float32 by
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K, ...); the type each tensor
 had in the file is kept in the checkpoint's `source.json`:
 
@@ -18,13 +19,18 @@ inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bi
 `attn_qkv` [3d, d] is cut into wq | wk | wv (GGUF stores GPT-2's matrices [out, in] already). gemma3: the
 norms are stored as their effective scale, as ours (llama.cpp's converter adds Gemma's 1).
 
-The tokenizer comes from `tokenizer.ggml.*` (model `gpt2`: byte-level BPE): tokens, merges, token types
-(CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids reserved rows), bos / eos / end-of-turn ids,
-`add_bos_token`, and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
-llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE). The ids stay the file's (the Tokenizer's
-id map); `tokenizer.chat_template` travels with the tokenizer. Everything the model could not compute the same
-(rope scaling, soft-capping, experts, another architecture) is refused by name, and so is any defect of the file (truncated, absurd counts, data past the end, shapes that
-disagree with the metadata): one line, nothing written.
+The tokenizer comes from `tokenizer.ggml.*`, read as llama.cpp's llama_vocab::load reads it. Model `gpt2`
+(byte-level BPE): tokens, merges, token types (CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids
+reserved rows), and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
+llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE); the ids stay the file's (the
+Tokenizer's id map), bytes the vocabulary lacks are left out. Model `llama` (SentencePiece-style BPE):
+tokens, scores, token types and add_space_prefix as they are (tokenizer/sentencepiece.py). Both: bos
+(`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
+knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
+Everything the model could not compute the same (rope scaling, a window where the architecture has none,
+soft-capping, experts, another architecture, another tokenizer model) is refused by name, and so is any defect of the file
+(truncated, absurd counts, data past the end, shapes that disagree with the metadata, a vocabulary larger
+than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 
@@ -36,6 +42,18 @@ import numpy as np
 from ..errors import UserError
 
 CONTROL, USER_DEFINED, UNUSED, UNKNOWN = 3, 4, 5, 2  # gguf.TokenType values
+TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}   # tokenizer.ggml.model
+OTHER_MODELS = {"bert": "WordPiece, llama.cpp's WPM", "t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
+                "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
+# llama.cpp's end-of-generation tokens (llama_vocab::load): the eos / eot / eom ids, the fill-in-the-middle pad,
+# repository and file-separator tokens (their id in the metadata, else found by text), and these by their text
+FIM_EOG = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+           "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+           "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
 
 # tokenizer.ggml.pre -> (pattern name in hf_tokenizer / tokenizer, ignore_merges, add_bos by default);
 # the families are llama.cpp's (src/llama-vocab.cpp): names that share one pre-tokenizer
@@ -69,30 +87,15 @@ def pre_pattern(pre: str | None) -> tuple[str | tuple[str, ...], bool, bool]:
 # ------------------------------------------------------------------------------------------- reading
 
 def open_gguf(path: Path):
-    """A gguf.GGUFReader over path; any defect of the header is a one-line UserError."""
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("GGUF import needs the gguf package: pip install 'nanoeuler[interop]'") from None
-    if not path.is_file():
-        raise UserError(f"{path} is not a file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, IndexError, KeyError, struct errors... on bad bytes
-        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e)[:120]})") from None
+    """The parsed header of path (gguf_file.GGUFFile: metadata, tensor table); any defect is a one-line
+    UserError."""
+    from .gguf_file import GGUFFile
+    return GGUFFile(path)
 
 
 def metadata(reader, path: Path) -> dict:
     """Key -> value of every metadata field (token arrays included)."""
-    out = {}
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            out[name] = f.contents()
-        except Exception as e:
-            raise UserError(f"{path}: metadata field {name} is unreadable ({type(e).__name__})") from None
-    return out
+    return dict(reader.meta)
 
 
 def field(meta: dict, key: str, kind=int, default=None):
@@ -175,12 +178,9 @@ def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np
 # ----------------------------------------------------------------------------------------- tokenizer
 
 def hf_dict(meta: dict) -> tuple[dict, int | None]:
-    """The tokenizer.ggml.* fields -> (the equivalent Hugging Face tokenizer.json dict, eos id), so that one
-    code path (hf_tokenizer.from_hf_json) builds both importers' Tokenizers."""
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        what = " (SentencePiece)" if model == "llama" else ""
-        raise UserError(f"tokenizer.ggml.model {model!r}{what} is not supported; only byte-level BPE (gpt2)")
+    """The tokenizer.ggml.* fields of a byte-level BPE (model gpt2) -> (the equivalent Hugging Face
+    tokenizer.json dict, eos id), so that one code path (hf_tokenizer.from_hf_json) builds both importers'
+    Tokenizers."""
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or [])
     if not isinstance(tokens, list) or not isinstance(merges, list) or not all(isinstance(s, str) for s in tokens):
@@ -211,15 +211,75 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
     return d, meta.get("tokenizer.ggml.eos_token_id")
 
 
+def spm_tokenizer(meta: dict, vocab_size: int):
+    """The tokenizer.ggml.* fields of a SentencePiece BPE (model llama) -> our SentencePieceTokenizer, read as
+    llama.cpp's llama_vocab::load reads them (scores 0 and NORMAL types when absent, add_space_prefix and
+    add_bos_token true unless the file says false, bos 1 and eos 2 unless it names others)."""
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens)
+    scores = per_token(meta, "tokenizer.ggml.scores", n, "iuf", 0.0)
+    types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]   # as llama.cpp names an empty token
+    # embedding rows no token names: reserved tokens (UNUSED: never cut out of text; no merge makes them)
+    tokens += [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    scores = np.concatenate([scores, np.zeros(vocab_size - n)])
+    types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
+    ids = {}
+    for key, default in (("bos", 1), ("eos", 2)):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+        ids[key] = i if isinstance(i, int) and 0 <= i < n else None
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
+    prefix = "every" if meta.get("tokenizer.ggml.add_space_prefix", True) else "none"
+    names = {k: tokens[i] if i is not None else None for k, i in ids.items()}
+    return SentencePieceTokenizer(tokens, types, scores, prefix=prefix, eos=names["eos"],
+                                  bos=names["bos"] if add_bos else None)
+
+
+def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
+    """meta[key] as an array of n numbers of a dtype kind in kinds (default everywhere when absent)."""
+    values = meta.get(key)
+    if values is None:
+        return np.full(n, default)
+    arr = np.array(values) if isinstance(values, list) else np.zeros(0)
+    if arr.shape != (n,) or n and arr.dtype.kind not in kinds:
+        raise UserError(f"GGUF metadata {key} must be {n} numbers, one per token")
+    return arr
+
+
+def check_vocabulary(meta: dict, tensors) -> None:
+    """Refuse, before any tensor is read, a vocabulary with more tokens than the embedding has rows."""
+    n = len(meta.get("tokenizer.ggml.tokens") or [])
+    rows = next((int(t.shape[1]) for t in tensors if t.name == "token_embd.weight" and len(t.shape) == 2), None)
+    if rows is not None and n > rows:
+        raise UserError(f"GGUF tokenizer: {n:,} tokens, more than the model's {rows:,} embedding rows")
+
+
 def gguf_tokenizer(meta: dict, vocab_size: int):
-    """Our Tokenizer with the file's ids, chat template and every end-of-turn id the metadata names."""
+    """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
+    (eos, eot, eom, FIM_EOG, EOG_TEXTS; where llama.cpp keeps one of several FIM texts, all are kept)."""
     from .hf_tokenizer import from_hf_json
-    from ..tokenizer import Tokenizer
-    d, eos = hf_dict(meta)
+    from ..config import LIMITS
+    model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
+    if model not in TOKENIZER_MODELS:
+        what = f" ({OTHER_MODELS[model]})" if model in OTHER_MODELS else ""
+        raise UserError(f"GGUF tokenizer.ggml.model {model!r:.40}{what} is not supported; supported: "
+                        f"{', '.join(f'{k} ({v})' for k, v in TOKENIZER_MODELS.items())}")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    if n > min(vocab_size, LIMITS["vocab_size"]):
+        raise UserError(f"GGUF tokenizer: {n:,} tokens, more than the model's {vocab_size:,} embedding rows"
+                        if n > vocab_size else f"GGUF tokenizer: {n:,} tokens, more than the "
+                        f"{LIMITS['vocab_size']:,} a vocabulary may have")
     try:
-        tok = from_hf_json(d, vocab_size, eos)
+        if model == "llama":
+            tok = spm_tokenizer(meta, vocab_size)
+        else:
+            d, eos = hf_dict(meta)
+            tok = from_hf_json(d, vocab_size, eos)
     except UserError as e:
-        raise UserError(f"GGUF tokenizer: {str(e).removeprefix('tokenizer.json: ')}") from None
+        raise UserError(f"GGUF tokenizer: {str(e).removeprefix('tokenizer.json: ').removeprefix('tokenizer: ')}") from None
     inverse = {i: s for s, i in tok.special_tokens.items()}
     stops = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -228,12 +288,15 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
             if i not in inverse:
                 raise UserError(f"GGUF metadata {key} = {i!r:.40} is not a special token of the vocabulary")
             stops.append(inverse[i])
+    for key, texts in FIM_EOG.items():
+        i = meta.get(key)
+        stops += [inverse[i]] if i in inverse else [t for t in texts if t in tok.special_tokens]
+    stops += [t for t in EOG_TEXTS if t in tok.special_tokens]
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise UserError("GGUF metadata tokenizer.chat_template is not a string")
     stops = [s for s in dict.fromkeys(stops) if s != tok.eos_token]
-    return Tokenizer.from_dict(tok.to_dict() | ({"chat_template": template} if template is not None else {})
-                               | ({"stops": stops} if stops else {}))
+    return tok.replace(chat_template=template, stops=stops)
 
 
 # -------------------------------------------------------------------------------------- architectures
@@ -362,6 +425,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     if arch is None:
         raise UserError(f"GGUF general.architecture {name!r:.60} is not supported; importable: "
                         f"{', '.join(a.gguf.name for a in ARCHS.values())}")
+    check_vocabulary(meta, reader.tensors)
     T, types, nbytes = tensors_of(reader, path, progress)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")

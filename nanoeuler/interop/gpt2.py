@@ -61,7 +61,7 @@ def read_gpt2_tokenizer(folder: Path, vocab_rows: int, eos_id):
     else:
         raise UserError(f"{folder} has neither vocab.json + merges.txt nor tokenizer.json")
     tok = from_hf_json(d, None, eos_id)
-    named = sum(1 for s in tok.special_tokens if not s.startswith("<|reserved_")) + 256 + len(tok.merges)
+    named = tok.vocab_size - sum(1 for s in tok.special_tokens if s.startswith("<|reserved_"))
     if named != vocab_rows or tok.vocab_size != vocab_rows:  # an id no token names is a hole, not a token
         raise UserError(f"{what} names {named} tokens but the embedding (wte) has {vocab_rows} rows")
     return tok
@@ -84,7 +84,7 @@ def write_gpt2_tokenizer(folder: Path, tok, ctx_len: int) -> None:
     """vocab.json, merges.txt, tokenizer.json and tokenizer_config.json of a GPT2Tokenizer (GPT-2's
     pre-tokenizer: the tokenizer must have its pattern)."""
     from ..tokenizer import GPT2_PATTERN
-    if tok.pattern != GPT2_PATTERN:
+    if tok.kind != "byte-level" or tok.pattern != GPT2_PATTERN:
         raise UserError("a GPT-2 folder needs the GPT-2 pre-tokenizer pattern; this tokenizer has another one")
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     vocab, merges, added = tokenizer_files(tok)

@@ -14,7 +14,8 @@ config.json: CONFIG_KEYS names each Config field in Llama-style folders (llama, 
 GPT-2's; `REFUSED` lists the settings that would make the imported model compute something else than ours
 (rope scaling, soft-capping, other activations, ...): each is refused by name.
 
-The folder's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
+The folder's tokenizer (tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte fallback; or
+GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
 template (chat_template.jinja or tokenizer_config.json) and extra end-of-turn ids come along.
 """
 from __future__ import annotations
@@ -270,8 +271,9 @@ def read_tokenizer(folder: Path, vocab_size: int, eos_id):
             from .gpt2 import read_gpt2_tokenizer
             return read_gpt2_tokenizer(folder, vocab_size, eos_id)
         if (folder / "tokenizer.model").is_file():
-            raise UserError(f"{folder} has a SentencePiece tokenizer.model and no tokenizer.json; convert it with "
-                            "transformers (AutoTokenizer.from_pretrained(...).save_pretrained(...)) first")
+            raise UserError(f"{folder} has a SentencePiece model file (tokenizer.model) but no tokenizer.json, "
+                            "which import reads (transformers writes it: AutoTokenizer.from_pretrained(folder)"
+                            ".save_pretrained(folder))")
         raise UserError(f"{folder} has no tokenizer.json")
     return from_hf_json(read_json_file(path, "tokenizer"), vocab_size, eos_id)
 
@@ -279,7 +281,6 @@ def read_tokenizer(folder: Path, vocab_size: int, eos_id):
 def with_chat_extras(folder: Path, c: dict, tok):
     """tok with the folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template)
     and, as stops, every other eos id config.json / generation_config.json name (Llama-3's <|eot_id|>)."""
-    from ..tokenizer import Tokenizer
     template = None
     if (folder / "chat_template.jinja").is_file():
         try:
@@ -301,7 +302,7 @@ def with_chat_extras(folder: Path, c: dict, tok):
         ends += e if isinstance(e, list) else [e]
     names = {i: s for s, i in tok.special_tokens.items()}
     stops = [names[i] for i in dict.fromkeys(ends) if isinstance(i, int) and i in names and names[i] != tok.eos_token]
-    return Tokenizer.from_dict(tok.to_dict() | {"chat_template": template, "stops": stops})
+    return tok.replace(chat_template=template, stops=stops)
 
 
 def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = False):

@@ -1,4 +1,6 @@
-"""Hugging Face `tokenizer.json` (byte-level BPE) -> our Tokenizer, keeping its token ids exactly.
+"""Hugging Face `tokenizer.json` -> our tokenizer, keeping its token ids exactly: a byte-level BPE as our
+Tokenizer, a BPE with byte_fallback (Llama-2, Gemma) as our SentencePieceTokenizer (`spm_from_hf_json`, at
+the end of this file).
 
 Our BPE engine numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
 vocabulary numbers them as it likes, so `from_hf_json` gives the Tokenizer the HF id of every token in
@@ -21,14 +23,18 @@ Pre-tokenizers understood (any other is a one-line error naming it):
 - `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export)
 - `Sequence[Split(P1), Split(P2), ..., ByteLevel(use_regex=false)]` -> the cascade (P1, P2, ...): each Split
   cuts the pieces the previous ones left (llama.cpp's `default`, our export of a cascade)
-A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
 - `Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)]` -> SMOLLM_PATTERN (SmolLM)
+A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
+A vocabulary may lack some of the 256 byte tokens (SmolLM2's lacks 21: their id is -1 in `tok.ids`), not more
+than half of them.
 """
 from __future__ import annotations
 
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
 from ..tokenizer.tokenizer import check_pattern
+
+MIN_BYTES = 128  # byte tokens a byte-level vocabulary must have (SmolLM2's lacks 21 bytes that text rarely holds)
 
 # GPT-2's pattern run on the pieces left after splitting off every digit (`Digits(individual_digits)`)
 # is this one pattern: a digit alone, and whitespace may also end just before a digit (the piece's end).
@@ -71,7 +77,8 @@ def pattern_of(pre) -> str | tuple[str, ...]:
             _bad(f"pre_tokenizer ByteLevel.use_regex={str(not use_regex).lower()} is not supported here")
 
     if not isinstance(pre, dict):
-        _bad("pre_tokenizer is missing (only byte-level BPE tokenizers are supported)")
+        _bad("pre_tokenizer is missing (a byte-level BPE needs one; a SentencePiece-style BPE needs "
+             "model.byte_fallback=true)")
     kind = pre.get("type")
     if kind == "ByteLevel":
         byte_level(pre, True)
@@ -92,7 +99,7 @@ def pattern_of(pre) -> str | tuple[str, ...]:
             byte_level(parts[1], True)
             return SMOLLM_PATTERN
         _bad(f"pre_tokenizer Sequence[{', '.join(map(str, kinds))}] is not supported")
-    _bad(f"pre_tokenizer {kind} is not supported (only byte-level BPE: ByteLevel, Split+ByteLevel, Digits+ByteLevel)")
+    _bad(f"pre_tokenizer {kind} is not supported for a byte-level BPE (ByteLevel, Split+ByteLevel, Digits+ByteLevel)")
 
 
 def bos_of(post, added: dict[int, str]) -> int | None:
@@ -135,8 +142,9 @@ def bos_of(post, added: dict[int, str]) -> int | None:
     return ids[0]
 
 
-def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None) -> Tokenizer:
-    """A parsed Hugging Face tokenizer.json -> our Tokenizer with the same token ids (`tok.ids`).
+def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = None):
+    """A parsed Hugging Face tokenizer.json -> our Tokenizer with the same token ids (`tok.ids`); a BPE with
+    byte_fallback (Llama-2, Gemma) -> a SentencePieceTokenizer (spm_from_hf_json).
 
     vocab_size: the model's embedding rows (>= the tokenizer's ids; extra rows become reserved specials).
     eos_id: the HF id of the end-of-text token (from config.json), which becomes our Tokenizer's eos.
@@ -145,9 +153,10 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         _bad("not a Hugging Face tokenizers file (no \"model\")")
     m = d["model"]
     if m.get("type") != "BPE":
-        _bad(f"model.type {m.get('type')} is not supported (only byte-level BPE; SentencePiece/Unigram/WordPiece are not)")
+        _bad(f"model.type {m.get('type')} is not supported (BPE only: byte-level, or SentencePiece-style with "
+             "byte_fallback; Unigram and WordPiece are not)")
     if m.get("byte_fallback"):
-        _bad("model.byte_fallback=true (a SentencePiece-style BPE) is not supported; only byte-level BPE")
+        return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
             _bad(f"model.{field}={m.get(field)!r} is not supported")
@@ -175,13 +184,15 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
 
     alphabet = bytes_to_unicode()
     ours: dict[str, int] = {}     # HF token string -> our id
-    hf_ids: list[int] = []        # the engine's number -> HF id
+    hf_ids: list[int] = []        # the engine's number -> HF id (-1: a byte the vocabulary lacks)
     for b in range(256):
         s = alphabet[b]
-        if s not in vocab:
-            _bad(f"the byte token {s!r} (byte {b}) is missing from model.vocab: not a byte-level BPE")
-        ours[s] = b
-        hf_ids.append(vocab[s])
+        if s in vocab:
+            ours[s] = b
+        hf_ids.append(vocab.get(s, -1))
+    if len(ours) < MIN_BYTES:
+        _bad(f"model.vocab has only {len(ours)} of the 256 byte tokens ('Ā' for byte 0, 'Ġ' for a space, ...): "
+             "not a byte-level BPE")
     pairs = []
     for i, mg in enumerate(merges):
         if isinstance(mg, str) and mg.count(" ") == 1:
@@ -200,7 +211,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         ours[s] = 256 + i
         hf_ids.append(vocab[s])
         pairs.append((ours[a], ours[b]))
-    built = set(hf_ids)
+    built = set(hf_ids) - {-1}
     for s, i in vocab.items():
         if i not in built and i not in added:
             _bad(f"vocab token {s!r} (id {i}) is neither a byte, a merge result nor an added token")
@@ -210,8 +221,8 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     vocab_size = n_ids if vocab_size is None else vocab_size
     if n_ids > vocab_size:
         _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
-    used = set(hf_ids) | set(special_ids)
-    if len(used) != len(hf_ids) + len(special_ids):
+    used = built | set(special_ids)
+    if len(used) != len(built) + len(special_ids) or len(built) != len(hf_ids) - hf_ids.count(-1):
         _bad("two tokens share one id")
     for i in range(vocab_size):
         if i not in used:  # an embedding row no token names: keep it, as a reserved special
@@ -257,3 +268,111 @@ def check_ignore_merges(tok: Tokenizer) -> None:
         if tok.pre_tokens(s) == [s]:
             _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
                  f"token {s!r} from its bytes")
+
+
+# ------------------------------------------------------------------------- SentencePiece-style BPE
+
+def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
+    """(prefix, split, Unicode normal form) of a SentencePiece-style tokenizer.json: its normalizer, one or a
+    Sequence of [NFC|NFD|NFKC|NFKD] [Prepend "▁"] [Replace " " -> "▁"] in that order, and its pre-tokenizer,
+    none or Metaspace ("▁", prepend_scheme always / first / never, split). Spaces must become "▁" somewhere."""
+    from ..tokenizer.sentencepiece import METASPACE
+    norm, pre = d.get("normalizer"), d.get("pre_tokenizer")
+    steps = (norm.get("normalizers") if isinstance(norm, dict) and norm.get("type") == "Sequence"
+             else [norm] if norm is not None else [])
+    if not isinstance(steps, list) or not all(isinstance(x, dict) for x in steps):
+        _bad("normalizer: a Sequence needs a list of normalizers")
+    kinds, i = [x.get("type") for x in steps], 0
+    form = kinds[i] if i < len(kinds) and kinds[i] in ("NFC", "NFD", "NFKC", "NFKD") else None
+    i += form is not None
+    prepend = i < len(kinds) and kinds[i] == "Prepend"
+    if prepend and steps[i].get("prepend") != METASPACE:
+        _bad("normalizer Prepend of something other than \"▁\" is not supported")
+    i += prepend
+    escaped = i < len(kinds) and kinds[i] == "Replace"
+    if escaped and (steps[i].get("pattern") != {"String": " "} or steps[i].get("content") != METASPACE):
+        _bad(f"normalizer Replace {steps[i].get('pattern')} -> {steps[i].get('content')!r:.20} is not supported "
+             "(only \" \" -> \"▁\")")
+    i += escaped
+    if i < len(kinds):
+        _bad(f"normalizer {'+'.join(map(str, kinds))} is not supported for a SentencePiece-style BPE "
+             "(a normal form, Prepend \"▁\", Replace \" \" -> \"▁\", in that order)")
+    prefix, split = "every" if prepend else "none", False
+    if pre is not None:
+        if not isinstance(pre, dict) or pre.get("type") != "Metaspace" or pre.get("replacement", METASPACE) != METASPACE:
+            _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre} is not supported for a "
+                 "SentencePiece-style BPE (model.byte_fallback=true; its pre_tokenizer: none, or Metaspace with \"▁\")")
+        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+        if scheme not in ("always", "first", "never"):
+            _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
+        if not prepend and scheme != "never":
+            prefix = "every-unless-space" if scheme == "always" else "first-unless-space"
+        split, escaped = bool(pre.get("split", True)), True
+    if not escaped:
+        _bad("the normalizer and pre_tokenizer leave spaces as they are; a SentencePiece-style BPE needs them as "
+             "\"▁\" (a Replace normalizer or a Metaspace pre-tokenizer)")
+    return prefix, split, form
+
+
+def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
+    """A Hugging Face BPE with byte_fallback -> our SentencePieceTokenizer with the same ids: model.vocab
+    tokens are NORMAL (BYTE for <0x00>..<0xFF>), added tokens CONTROL when "special", else USER_DEFINED (both
+    cut out of text before BPE, as Hugging Face does); the merges keep their order; ids no token names
+    become UNUSED reserved tokens."""
+    from ..tokenizer.sentencepiece import BYTE, BYTE_PIECES, CONTROL, NORMAL, UNUSED, USER_DEFINED, SentencePieceTokenizer
+    m = d["model"]
+    for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if m.get(field) not in (None, ""):
+            _bad(f"model.{field}={m.get(field)!r:.40} is not supported")
+    if m.get("ignore_merges"):
+        _bad("model.ignore_merges=true is not supported for a byte_fallback BPE")
+    prefix, split, form = spm_prefix(d)
+    dec = d.get("decoder")
+    parts = dec.get("decoders") if isinstance(dec, dict) and dec.get("type") == "Sequence" else [dec]
+    kinds = {p.get("type") if isinstance(p, dict) else p for p in parts or []}
+    if dec is not None and not kinds <= {"Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}:
+        _bad(f"decoder {sorted(map(str, kinds))} is not supported (Metaspace, or Replace/ByteFallback/Fuse/Strip)")
+    vocab, merges = m.get("vocab"), m.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        _bad("model.vocab must be an object and model.merges a list")
+    n_ids = 0
+    types: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for s, i in vocab.items():
+        if type(i) is not int or not 0 <= i < (1 << 31):
+            _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers")
+        if i in names:
+            _bad(f"vocab tokens {names[i]!r:.30} and {s!r:.30} share id {i}")
+        names[i], types[i] = s, BYTE if s in BYTE_PIECES else NORMAL
+    for t in d.get("added_tokens") or []:
+        if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
+                and isinstance(t.get("content"), str) and t["content"]):
+            _bad(f"malformed added token {t!r:.80}")
+        if any(t.get(k) for k in ("single_word", "lstrip", "rstrip")):
+            _bad(f"added token {t['content']!r:.40} with single_word / lstrip / rstrip is not supported")
+        i = t["id"]
+        if names.get(i, t["content"]) != t["content"]:
+            _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
+        names[i], types[i] = t["content"], CONTROL if t.get("special") else USER_DEFINED
+    n_ids = max(names, default=-1) + 1
+    vocab_size = n_ids if vocab_size is None else vocab_size
+    if n_ids > vocab_size:
+        _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
+    tokens = [names.get(i, f"<|reserved_{i}|>") for i in range(vocab_size)]
+    type_list = [types.get(i, UNUSED) for i in range(vocab_size)]
+    pairs = []
+    for i, mg in enumerate(merges):
+        ab = mg.split(" ") if isinstance(mg, str) else mg
+        if not (isinstance(ab, list) and len(ab) == 2 and all(isinstance(x, str) for x in ab)) or \
+                ab[0] not in vocab or ab[1] not in vocab:
+            _bad(f"merge {i} {mg!r:.60} is not a pair of vocab tokens")
+        pairs.append((vocab[ab[0]], vocab[ab[1]]))
+    special_ids = {i for i, ty in types.items() if ty == CONTROL}
+    eos = None
+    if eos_id is not None:
+        if eos_id not in special_ids:
+            _bad(f"the eos token id {eos_id} is not a special (added) token")
+        eos = names[eos_id]
+    bos_id = bos_of(d.get("post_processor"), {i: names[i] for i in special_ids})
+    return SentencePieceTokenizer(tokens, type_list, merges=pairs, prefix=prefix, split=split, normalizer=form,
+                                  eos=eos, bos=None if bos_id is None else names[bos_id])

@@ -31,13 +31,19 @@ tokenizer trained here) the two numberings are one and nothing is mapped:
     tok.encode("hi!")            # -> [0, 34]: 'hi', '!' (byte 33 has id 34)
     tok.decode([0, 34])          # -> 'hi!'
 
+A vocabulary may also lack some bytes (SmolLM2's has no token for 21 of them: bytes 4, 6, 0xC0, 0xF5, ...):
+their entry in `ids` is -1. BPE still sees such a byte, so it sits between its neighbours and no merge
+crosses it, and then it is left out of the ids, as llama.cpp does (`llm_tokenizer_bpe_session` emits
+nothing for a symbol the vocabulary lacks). Hugging Face `tokenizers` leaves the character out *before*
+merging instead, so its neighbours may merge across the gap: "a\x04b" can give 'ab' there and 'a', 'b' here.
+We follow llama.cpp, the runtime these vocabularies ship for.
+
 `bos` names a special token that `encode(..., add_bos=True)` puts first (an imported Llama-3's
 `<|begin_of_text|>`, from its tokenizer.json post_processor), so that
 `encode(text, allow_special=True, add_bos=True)` gives what `AutoTokenizer(text)` gives.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -51,6 +57,7 @@ import numpy as np
 import regex
 
 from ..errors import UserError
+from .base import BaseTokenizer
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 FORMAT = "nanoeuler-bpe"
@@ -241,13 +248,15 @@ def train_reference(texts: Iterable[str], vocab_size: int, specials=("</s>",)) -
 
 # ------------------------------------------------------------------------------------ tokenizer
 
-class Tokenizer:
+class Tokenizer(BaseTokenizer):
     """A trained byte-level BPE tokenizer (immutable once built).
 
     The ids it takes and gives are the model's (`special_tokens`, `eos_id`, `bos_id`, encode*, decode*,
     token_bytes); `merges` and the saved "specials" are in the engine's numbering (bytes, merges, specials),
     which `ids` (None: the same numbering) maps to the model's.
     """
+
+    kind = "byte-level"
 
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
                  pattern: str | Iterable[str] = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
@@ -276,13 +285,16 @@ class Tokenizer:
         self.ids = None if ids is None else check_ids(ids, len(self._vocab))
         if self.ids is not None and np.array_equal(self.ids, np.arange(len(self._vocab))):
             self.ids = None  # the identity is no map: same file, same fingerprint as without one
+        # the bytes the vocabulary lacks (id -1): encode drops them (see the module docstring)
+        self._absent = None if self.ids is None or self.ids.min() >= 0 else self.ids < 0
         if self.ids is None:
             self._ids32, self._vocab_ext = None, self._vocab
         else:
             self._ids32 = self.ids.astype(np.int32)
-            self._vocab_ext = [b""] * len(self._vocab)
+            self._vocab_ext = [b""] * int(self.ids.max() + 1)
             for i, e in enumerate(self.ids.tolist()):
-                self._vocab_ext[e] = self._vocab[i]
+                if e >= 0:
+                    self._vocab_ext[e] = self._vocab[i]
         self.special_tokens = {s: self._external(i) for s, i in self._specials.items()}
         if bos is not None and bos not in self._specials:
             raise UserError(f"the bos token {bos!r} is not one of the special tokens {list(self._specials)}")
@@ -307,24 +319,7 @@ class Tokenizer:
     # -- basic facts -------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def eos_id(self) -> int:
-        if self.eos_token not in self.special_tokens:
-            raise UserError(f"this tokenizer has no {self.eos_token or 'end-of-text'} special token")
-        return self.special_tokens[self.eos_token]
-
-    @property
-    def bos_id(self) -> int | None:
-        """The id encode(..., add_bos=True) puts first; None when the tokenizer has no bos."""
-        return None if self.bos_token is None else self.special_tokens[self.bos_token]
-
-    @property
-    def stop_ids(self) -> list[int]:
-        """Every id that ends a reply: eos (when the vocabulary has it) and the stops."""
-        ends = ([self.eos_token] if self.eos_token in self.special_tokens else []) + list(self.stops)
-        return list(dict.fromkeys(self.special_tokens[t] for t in ends))
+        return len(self._vocab_ext)
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of token i.  token_bytes(104) -> b'h'"""
@@ -345,13 +340,18 @@ class Tokenizer:
         strings = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(n)] + list(self._specials)
         merges = [f"{strings[a]} {strings[b]}" for a, b in self.merges]
         special = [i >= n for i in range(len(strings))]
-        if self.ids is not None:
-            order = np.argsort(self.ids).tolist()   # id -> the engine's number
+        order = self._engine_order()
+        if order is not None:
             strings, special = [strings[i] for i in order], [special[i] for i in order]
         return strings, special, merges
 
-    def __reduce__(self):  # copy / multiprocessing: rebuild from the readable content, not the caches
-        return (Tokenizer.from_dict, (self.to_dict(),))
+    def _engine_order(self) -> list[int] | None:
+        """The engine's number of each id, in id order (None: the identity).  ids [1, 0, 2] -> [1, 0, 2];
+        with absent bytes, [-1, 1, 0] -> [2, 1]"""
+        if self.ids is None:
+            return None
+        order = np.argsort(self.ids)
+        return order[int((self.ids < 0).sum()):].tolist()
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
@@ -465,7 +465,7 @@ class Tokenizer:
 
     def _engine_ids(self, text: str, allow_special: bool, add_bos: bool) -> np.ndarray:
         """encode's ids in the engine's numbering (the map not applied yet), the bos first if asked and any."""
-        out = self._encode_text(text, allow_special)
+        out = self._present(self._encode_text(text, allow_special))
         if add_bos and self.bos_token is not None:
             out = np.concatenate([np.array([self._specials[self.bos_token]], np.int32), out])
         return out
@@ -490,7 +490,11 @@ class Tokenizer:
 
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (invalid UTF-8 included); decode_bytes(encode_bytes(b)) == b exactly."""
-        return self._int_objects.take(self._encode_utf8(bytes(data), None)).tolist()
+        return self._int_objects.take(self._present(self._encode_utf8(bytes(data), None))).tolist()
+
+    def _present(self, out: np.ndarray) -> np.ndarray:
+        """out without the bytes the vocabulary lacks (in the engine's numbering)."""
+        return out if self._absent is None else out[~self._absent[out]]
 
     def _encode_utf8(self, data: bytes, text: str | None) -> np.ndarray:
         if self.pattern == GPT2_PATTERN:
@@ -551,21 +555,8 @@ class Tokenizer:
     # -- decoding -----------------------------------------------------------------------------------
     def decode_bytes(self, ids) -> bytes:
         """ids -> the exact bytes (no replacement characters).  decode_bytes([104, 105]) -> b'hi'"""
-        ids = np.asarray(ids)
-        if ids.size == 0:
-            return b""
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise UserError("decode takes a flat sequence of integer token ids")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise UserError(f"token id {bad} is out of range (vocabulary size {self.vocab_size})")
         vocab = self._vocab_ext
-        return b"".join([vocab[i] for i in ids.tolist()])
-
-    def decode(self, ids) -> str:
-        """ids -> text. Bytes that do not form UTF-8 (say ids that split a character) become U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", "replace")
+        return b"".join([vocab[i] for i in self.check_ids(ids).tolist()])
 
     # -- persistence --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -591,10 +582,17 @@ class Tokenizer:
         return d
 
     @classmethod
-    def from_dict(cls, d) -> Tokenizer:
-        """Rebuild from to_dict() output, checking every field (a corrupt file gives a UserError)."""
+    def from_dict(cls, d) -> BaseTokenizer:
+        """Rebuild from to_dict() output, checking every field (a corrupt file gives a UserError); a file of
+        another kind (see base.py) gives that kind."""
         if not isinstance(d, dict):
             raise UserError("tokenizer data must be a JSON object")
+        kind = d.get("kind")
+        if kind == "sentencepiece":
+            from .sentencepiece import SentencePieceTokenizer
+            return SentencePieceTokenizer.from_dict(d)
+        if kind is not None:
+            raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (sentencepiece, or none for byte-level BPE)")
         if d.get("format") != FORMAT:
             if "model" in d and "pre_tokenizer" in d:
                 raise UserError("this is a Hugging Face tokenizers file, not a nanoeuler tokenizer.json "
@@ -636,44 +634,13 @@ class Tokenizer:
                             f"specials ({tok.vocab_size})")
         return tok
 
-    def save(self, path: str | Path) -> None:
-        """Write tokenizer.json (atomically) and a readable tokenizer.vocab beside it."""
-        from ..fileio import atomic_write_json, atomic_write_text
-
-        path = Path(path)
-        atomic_write_json(path, self.to_dict())
-        atomic_write_text(path.with_suffix(".vocab"), self.vocab_text())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"tokenizer file not found: {path}") from None
-        except (ValueError, RecursionError) as e:   # bad UTF-8 or JSON, or nested too deep
-            raise UserError(f"{path} is not valid JSON ({e}); is it a tokenizer.json?") from None
-        try:
-            return cls.from_dict(d)
-        except UserError as e:
-            raise UserError(f"{path}: {e}") from None
-
-    def fingerprint(self) -> str:
-        """sha256 (hex) of the canonical content (pattern, merges, specials): equal tokenizers, equal prints."""
-        content = {k: v for k, v in self.to_dict().items()
-                   if k not in ("format", "version", "vocab_size", "chat_template", "stops")}
-        canon = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return hashlib.sha256(canon.encode("ascii")).hexdigest()
-
     def vocab_text(self) -> str:
         """One line per token, in id order: id, the token shown readably, and for merges the two parts.
 
             256  ' t'  = ' ' + 't'
         """
         lines = [f"# nanoeuler byte-level BPE: {self.vocab_size} tokens; fingerprint {self.fingerprint()[:16]}"]
-        order = range(self.vocab_size) if self.ids is None else np.argsort(self.ids).tolist()
+        order = self._engine_order() or range(self.vocab_size)
         for e, i in enumerate(order):  # e: the id, i: the engine's number of that token
             line = f"{e}\t{_show(self._vocab[i])}"
             if 256 <= i < 256 + len(self.merges):
@@ -719,18 +686,6 @@ class Tokenizer:
         }
         return json.dumps(d, ensure_ascii=False)
 
-    def hf_post_processor(self) -> dict | None:
-        """The bos as Hugging Face writes it (Llama-3): a TemplateProcessing that puts it before each text."""
-        if self.bos_token is None:
-            return None
-        b = self.bos_token
-        tok = {"SpecialToken": {"id": b, "type_id": 0}}
-        return {"type": "TemplateProcessing",
-                "single": [tok, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [tok, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": b, "type_id": 1}},
-                         {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {b: {"id": b, "ids": [self.bos_id], "tokens": [b]}}}
-
 
 def hf_splits(pattern: str | tuple[str, ...]) -> list[dict]:
     """A pattern as Hugging Face `Split` pre-tokenizers: one per regex. A Split isolates its matches and keeps
@@ -740,7 +695,8 @@ def hf_splits(pattern: str | tuple[str, ...]) -> list[dict]:
 
 
 def check_ids(ids, n: int) -> np.ndarray:
-    """A token id map must be a permutation of range(n) (n = 256 + merges + specials); as an int64 array,
+    """A token id map gives each of the n tokens (256 bytes + merges + specials) its own id in [0, m), m the
+    number of tokens with an id: a byte may have none (-1, a byte the vocabulary lacks). As an int64 array,
     else UserError.  check_ids([1, 0, 2], 3) -> array([1, 0, 2]);  check_ids([0, 0, 2], 3) -> UserError"""
     if isinstance(ids, np.ndarray):
         if not np.issubdtype(ids.dtype, np.integer):
@@ -755,10 +711,14 @@ def check_ids(ids, n: int) -> np.ndarray:
     if len(arr) != n:
         raise UserError(f"tokenizer.json: \"ids\" has {len(arr)} entries but the tokenizer has {n} tokens "
                         f"(256 bytes + merges + specials)")
-    if n and (arr.min() < 0 or arr.max() >= n or len(np.unique(arr)) != n):
-        bad = next((int(x) for x in arr if not 0 <= x < n), None)
-        why = f"id {bad} is out of range" if bad is not None else "two tokens share an id"
-        raise UserError(f"tokenizer.json: \"ids\" must give each of the {n} tokens its own id in [0, {n}): {why}")
+    absent = int((arr[:256] == -1).sum())
+    m = n - absent
+    if absent == 256 or n and (arr[256:].min(initial=0) < 0 or arr.max() >= m or len(np.unique(arr)) != m + (absent > 0)):
+        bad = next((int(x) for i, x in enumerate(arr) if not (0 <= x < m or x == -1 and i < 256)), None)
+        why = (f"id {bad} is out of range" if bad is not None else "no byte has an id" if absent == 256
+               else "two tokens share an id")
+        raise UserError(f"tokenizer.json: \"ids\" must give each of the {n} tokens its own id in [0, {m}) "
+                        f"(or -1: a byte the vocabulary lacks): {why}")
     return arr
 
 

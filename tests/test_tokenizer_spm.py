@@ -1,0 +1,297 @@
+"""The SentencePiece-style BPE kind: equal to Hugging Face `tokenizers` on vocabularies it trains (each normalizer
+/ pre-tokenizer shape real files use), the compiled kernels equal to the readable definitions, special tokens
+cut out in llama.cpp's order, files and exports round-trip, bad input is one line."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+from spm_fixtures import (PROBE_TAIL, STYLES, corpus, hf_spm_json, probes, scored, tokens_and_types,  # noqa: E402
+                          with_inner_characters)
+
+from nanoeuler.errors import UserError  # noqa: E402
+from nanoeuler.interop.hf_tokenizer import from_hf_json  # noqa: E402
+from nanoeuler.tokenizer import Tokenizer  # noqa: E402
+from nanoeuler.tokenizer.sentencepiece import (SentencePieceTokenizer, leftmost_longest_is_exact,  # noqa: E402
+                                               merge_symbols, split_specials)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return corpus()
+
+
+@pytest.fixture(scope="module")
+def vocabularies(texts):
+    """style -> (the tokenizer.json dict, the `tokenizers` Tokenizer, ours)."""
+    out = {}
+    for style in STYLES:
+        d = hf_spm_json(style, texts)
+        out[style] = d, tokenizers.Tokenizer.from_str(json.dumps(d)), from_hf_json(d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scored_vocab(vocabularies):
+    """Gemma-style pieces ranked by random scores with many ties, plus tokens holding characters that are not
+    tokens (llama.cpp's ranking, as a GGUF file carries it)."""
+    d = vocabularies["gemma"][0]
+    tokens, types = tokens_and_types(d)
+    tokens, types, scores = with_inner_characters(tokens, types, scored(tokens, seed=3))
+    return SentencePieceTokenizer(tokens, types, scores, prefix="every", eos="</s>", bos="<s>")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_encodes_like_hf_tokenizers(vocabularies, style):
+    d, hf, ours = vocabularies[style]
+    for text in probes(25):
+        assert ours.encode(text, allow_special=True) == hf.encode(text, add_special_tokens=False).ids, text
+    assert ours.kind == "sentencepiece" and ours.prefix == {
+        "llama2": "every", "gemma": "none", "metaspace-always-split": "every-unless-space", "metaspace-always":
+        "every-unless-space", "metaspace-first": "first-unless-space", "metaspace-never-split": "none"}[style]
+
+
+@pytest.mark.parametrize("style", ["llama2", "gemma"])
+def test_decodes_like_hf_tokenizers(vocabularies, style):
+    """Byte-fallback pieces join into UTF-8, "▁" is a space, Llama-2's added first space is dropped."""
+    _, hf, ours = vocabularies[style]
+    for text in probes(10):
+        ids = hf.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+        if style == "gemma":     # Llama-2's prefix also puts a space after each "\n" (a user-defined token);
+            text = text.replace("▁", "")       # a "▁" in the text is a space to SentencePiece
+            assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_round_trip_and_export(vocabularies, style):
+    """decode(encode(text)) == text for text without special or user-defined tokens, not starting with a space
+    (each prefix scheme adds a "▁" that decode drops); the Hugging Face export of the import encodes as the
+    original; our file reloads identically."""
+    _, hf, ours = vocabularies[style]
+    for text in probes(8, seed=300, size=200):
+        plain = " ".join(text.split("<start_of_turn>")[0].replace("▁", "").split())    # no "\n", no "  "
+        assert ours.decode(ours.encode(plain)) == plain
+    back = tokenizers.Tokenizer.from_str(ours.to_hf_json())
+    for text in probes(8, seed=400):
+        assert back.encode(text, add_special_tokens=False).ids == hf.encode(text, add_special_tokens=False).ids
+    again = Tokenizer.from_dict(json.loads(json.dumps(ours.to_dict())))
+    assert type(again) is SentencePieceTokenizer and again.fingerprint() == ours.fingerprint()
+    assert [again.encode(t, allow_special=True) for t in probes(3)] == [ours.encode(t, allow_special=True)
+                                                                       for t in probes(3)]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_fast_encode_equals_the_readable_definition(vocabularies, style):
+    ours = vocabularies[style][2]
+    for text in probes(15, seed=500):
+        for special in (False, True):
+            assert ours.encode(text, allow_special=special) == ours.encode_reference(text, allow_special=special)
+
+
+def test_scores_fast_equals_readable_with_ties_and_inner_characters(scored_vocab):
+    """llama.cpp's ranking: any two symbols whose join is a token merge, higher score first, the leftmost
+    among equal scores; a character outside the vocabulary stays a symbol (it may still merge into 'xѯy')
+    and becomes byte tokens at the end."""
+    tok = scored_vocab
+    for text in probes(25, seed=700) + ["xѯy ѯѯѯ xѯ", "▁xѯ", "aaaaaaa bbbbbbbb"]:
+        for special in (False, True):
+            assert tok.encode(text, allow_special=special) == tok.encode_reference(text, allow_special=special)
+    assert [tok.tokens[i] for i in tok.encode("xѯ")] == ["▁xѯ"]         # prefix "every": "▁" first, then
+    assert tok.decode(tok.encode("xѯ")) == "xѯ" and tok.decode(tok.encode("ѯ")) == "ѯ"   # dropped on decode
+    assert all(tok.types[i] == 6 for i in tok.encode("ѯ")[1:])           # BYTE tokens
+    assert tok.decode(tok.encode("a b")) == "a b" and tok.decode(tok.encode("a  b")) == "a   b"  # "  " is user-defined
+
+
+def test_merge_symbols_picks_the_lowest_rank_then_the_leftmost():
+    ranks = {("a", "b"): (1, "ab"), ("b", "c"): (0, "bc"), ("a", "a"): (2, "aa")}
+    def rank(a, b):
+        return ranks.get((a, b))
+    assert merge_symbols(list("abc"), rank) == ["a", "bc"]
+    assert merge_symbols(list("aaa"), rank) == ["aa", "a"]
+    assert merge_symbols(list("aab"), rank) == ["a", "ab"]
+
+
+def llama_cpp_partition(data: bytes, specials: list[bytes]) -> list:
+    """llama.cpp's tokenizer_st_partition written again, as its C++ loop reads (find from an offset)."""
+    frags = [(data, 0, len(data))] if data else []
+    for tid, text in sorted(enumerate(specials), key=lambda x: (-len(x[1]), x[0])):
+        out = []
+        for f in frags:
+            if isinstance(f, int):
+                out.append(f)
+                continue
+            raw, off, length = f
+            while True:
+                match = raw.find(text, off, off + length)
+                if match < 0:
+                    out.append((raw, off, length))
+                    break
+                if match > off:
+                    out.append((raw, off, match - off))
+                out.append(tid)
+                end = match + len(text)
+                length -= end - off
+                off = end
+                if length == 0:
+                    break
+        frags = out
+    return [f if isinstance(f, int) else f[0][f[1]:f[1] + f[2]] for f in frags]
+
+
+def test_special_tokens_are_cut_out_in_llama_cpps_order():
+    """Random special sets over a small alphabet (overlaps, runs, containment), random texts: the compiled
+    scan (leftmost-longest, used when leftmost_longest_is_exact says it may be) and the reference both equal
+    llama.cpp's partition."""
+    rnd = random.Random(0)
+    alphabet = "ab\n<>"
+    for trial in range(300):
+        specials = list(dict.fromkeys("".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 4)))
+                                      for _ in range(rnd.randint(1, 5))))
+        if trial % 3 == 0:
+            specials += ["\n" * k for k in range(1, 5) if "\n" * k not in specials]
+        tokens = specials + [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in specials]
+        types = [4] * len(specials) + [6] * (len(tokens) - len(specials))
+        tok = SentencePieceTokenizer(tokens, types, [0.0] * len(tokens))
+        raw = [s.encode() for s in specials]
+        for _ in range(5):
+            text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 30))).encode()
+            want = llama_cpp_partition(text, raw)
+            assert split_specials(text, sorted(((t, i) for i, t in enumerate(raw)), key=lambda x: (-len(x[0]), x[1]))) == want
+            f_start, f_end, f_token = tok._fragments(text, allow_special=False)
+            got = [t if t >= 0 else text[s:e] for s, e, t in zip(f_start.tolist(), f_end.tolist(), f_token.tolist())]
+            assert got == want, (specials, text)
+    assert not leftmost_longest_is_exact([b"ab", b"bcd"])
+    assert leftmost_longest_is_exact([b"\n" * k for k in range(1, 32)] + [b"<b>", b"</b>", b"<start_of_turn>"])
+
+
+def test_user_defined_always_cut_control_only_with_allow_special(vocabularies):
+    _, _, ours = vocabularies["gemma"]
+    turn, newline = ours.special_tokens["<start_of_turn>"], ours.special_tokens["\n"]
+    assert turn not in ours.encode("a<start_of_turn>b") and newline in ours.encode("a\nb")
+    assert turn in ours.encode("a<start_of_turn>b", allow_special=True)
+    assert ours.encode("hi", add_bos=True) == ours.encode("hi")            # no post_processor: no bos
+
+
+def test_hf_folder_import_and_autotokenizer_of_the_export(vocabularies, tmp_path):
+    """A transformers Llama folder with such a tokenizer.json imports (ids and bos as AutoTokenizer gives
+    them); `export --format hf` of it loads in AutoTokenizer and encodes identically."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from test_interop import make_hf_llama
+
+    from nanoeuler import Model
+    from nanoeuler.cli import main
+    from nanoeuler.interop.importer import import_folder
+    d = vocabularies["llama2"][0]
+    d["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                                    {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    make_hf_llama(tmp_path / "hf", json.dumps(d), tied=True, shards=1, eos=2, bos=1)
+    import_folder(tmp_path / "hf", tmp_path / "run", progress=False)
+    tok = Tokenizer.load(tmp_path / "run")
+    at = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.kind == "sentencepiece" and tok.bos_token == "<s>" and tok.eos_token == "</s>"
+    for text in probes(6, seed=900):
+        assert tok.encode(text, allow_special=True, add_bos=True) == at(text)["input_ids"]
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in probes(6, seed=950):
+        ids = back(text)["input_ids"]
+        assert ids == at(text)["input_ids"] and back.decode(ids) == tok.decode(ids)
+    assert Model.load(tmp_path / "run").config.vocab_size == tok.vocab_size
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["model"]["vocab"].pop("<0x41>"), "byte token <0x41> is missing"),
+    (lambda d: d.update(normalizer={"type": "Lowercase"}), "normalizer Lowercase is not supported"),
+    (lambda d: d.update(normalizer=None), "leave spaces as they are"),
+    (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre_tokenizer Whitespace is not supported"),
+    (lambda d: d["model"]["merges"].insert(0, ["<0x41>", "<0x42>"]), "does not make a token"),
+    (lambda d: d["model"].update(ignore_merges=True), "ignore_merges"),
+    (lambda d: d["added_tokens"][0].update(lstrip=True), "lstrip"),
+])
+def test_unsupported_hf_files_are_one_line(vocabularies, change, message):
+    d = json.loads(json.dumps(vocabularies["gemma"][0]))
+    change(d)
+    with pytest.raises(UserError, match=message) as e:
+        from_hf_json(d)
+    assert "\n" not in str(e.value)
+
+
+def test_file_keeps_byte_level_files_as_they_were(vocabularies):
+    """A byte-level tokenizer.json has no "kind" (its fingerprint is what it was); ours names its kind and an
+    unknown kind is refused."""
+    bl = Tokenizer.train(["hello world"] * 3, 270, progress=False)
+    assert "kind" not in bl.to_dict() and Tokenizer.from_dict(bl.to_dict()).fingerprint() == bl.fingerprint()
+    d = vocabularies["gemma"][2].to_dict()
+    assert d["kind"] == "sentencepiece" and "merges" in d and "scores" not in d
+    with pytest.raises(UserError, match="unknown \"kind\""):
+        Tokenizer.from_dict(d | {"kind": "wordpiece"})
+
+
+def test_replace_shares_the_vocabulary(vocabularies):
+    ours = vocabularies["gemma"][2]
+    other = ours.replace(chat_template="{{ messages }}", stops=["<start_of_turn>"])
+    assert other.chat_template == "{{ messages }}" and other.stop_ids == [ours.special_tokens["<start_of_turn>"]]
+    assert ours.chat_template is None and other.encode(PROBE_TAIL) == ours.encode(PROBE_TAIL)
+    with pytest.raises(UserError, match="not one of the special tokens"):
+        ours.replace(stops=["hello"])
+
+
+def test_pieces_and_token_bytes(scored_vocab):
+    tok = scored_vocab
+    space = tok.find("▁")
+    assert tok.token_bytes(space) == b" " and tok.token_bytes(tok.find("<0xE4>")) == b"\xe4"
+    assert tok.token_bytes(tok.special_tokens["<start_of_turn>"]) == b"<start_of_turn>"
+    assert np.array_equal(tok.encode_array("a b", add_bos=True), [tok.bos_id] + tok.encode("a b"))
+    with pytest.raises(UserError, match="out of range"):
+        tok.decode([tok.vocab_size])
+
+
+def test_callers_take_either_kind(vocabularies, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose tokenizer is SentencePiece-style: `tokenizer encode/decode`, `sample`, chat-template
+    rendering with its SFT mask, streamed decoding and the parallel encoder work as with a byte-level one."""
+    import io
+    import sys
+
+    from conftest import tiny_config
+
+    from nanoeuler import Model
+    from nanoeuler.chat_template import example
+    from nanoeuler.cli import main
+    from nanoeuler.infer.session import StreamDecoder
+    from nanoeuler.tokenizer import encode_parallel
+    template = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}")
+    d = vocabularies["gemma"][0]
+    d["added_tokens"].append({"id": len(d["model"]["vocab"]) + len(d["added_tokens"]), "content": "<end_of_turn>",
+                              "special": True})
+    tok = from_hf_json(json.loads(json.dumps(d)), eos_id=2).replace(chat_template=template, stops=["<end_of_turn>"])
+    Model.init(tiny_config(vocab_size=tok.vocab_size), seed=0).save(tmp_path / "run", tokenizer=tok)
+    text = "Ünïcode 日本 😀 and\n\nnew  lines <start_of_turn>"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert main(["tokenizer", "encode", "--tokenizer", str(tmp_path / "run"), "--allow-special"]) == 0
+    ids = [int(x) for x in capsys.readouterr().out.split()]
+    assert ids == tok.encode(text, allow_special=True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" ".join(map(str, ids))))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    assert main(["tokenizer", "decode", "--tokenizer", str(tmp_path / "run")]) == 0
+    sys.stdout.flush()
+    assert sys.stdout.buffer.getvalue().decode() == text
+    monkeypatch.undo()
+    assert main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "hello", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    ids, mask = example(tok, [{"role": "user", "content": "hi"}], "Paris")
+    reply = [i for i, m in zip(ids, mask) if m]
+    assert tok.decode(reply) == "Paris<end_of_turn>" and reply[-1] == tok.special_tokens["<end_of_turn>"]
+    dec = StreamDecoder(tok)
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == tok.decode(ids)
+    texts = [p for p in probes(6, seed=1200)]
+    assert [a.tolist() for a in encode_parallel(tok, texts, processes=2, batch_bytes=500)] == [tok.encode(t) for t in texts]
