@@ -122,11 +122,11 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
     for key, fine in REFUSED.items():
         if key in c and c[key] not in fine:
             raise UserError(f"config.json: {key}={json.dumps(c[key])[:60]} is not supported")
-    act = next((c[k] for k in ("hidden_act", "hidden_activation", "activation_function") if c.get(k) is not None),
-               ACTIVATIONS[arch.mlp][0])
-    if act not in ACTIVATIONS[arch.mlp]:
-        raise UserError(f"config.json: activation {act!r:.40} is not supported for {arch.hf.name} "
-                        f"({' or '.join(ACTIVATIONS[arch.mlp])})")
+    for key in ("hidden_act", "hidden_activation", "activation_function"):
+        act = c.get(key)
+        if act is not None and act not in ACTIVATIONS[arch.mlp]:
+            raise UserError(f"config.json: {key}={act!r:.40} is not supported for {arch.hf.name} "
+                            f"({' or '.join(ACTIVATIONS[arch.mlp])})")
     gpt2 = arch.hf.dialect == "gpt2"
     fields = {}
     for ours, keys in CONFIG_KEYS.items():
