@@ -199,6 +199,7 @@ class GGUFFile:
         if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1):
             raise self.bad(f"general.alignment {align!r:.40} is not a power of two")
         start = -(-self.at // align) * align
+        self.alignment, self.data_offset = align, start   # (as GGUFReader names them)
         tensors, names = [], set()
         for name, dims, code, offset in raw:
             if name in names:
