@@ -31,8 +31,9 @@ CONFIGS = {
 }
 
 
-def model(arch: str, seed: int = 0) -> Model:
-    """Random weights a few times the init's size, norms and biases away from 1 and 0."""
+def model(arch: str, seed: int = 0, tied_embed: float = 0.5) -> Model:
+    """Random weights a few times the init's size, norms and biases away from 1 and 0 (a tied embedding scaled
+    by tied_embed: a large tied head repeats the last token, and greedy decoding gets stuck)."""
     m = Model.init(CONFIGS[arch], seed=seed)
     rng = np.random.default_rng(seed)
     for name, p in m.params.items():
@@ -40,6 +41,8 @@ def model(arch: str, seed: int = 0) -> Model:
             p[...] = 1 + 0.3 * rng.standard_normal(p.shape)
         elif name.endswith(".bias"):
             p[...] = 0.3 * rng.standard_normal(p.shape)
+        elif name == "embed.weight" and "heads.0.weight" not in m.params:
+            p *= tied_embed
         else:
             p *= 4.0
     return m
@@ -56,14 +59,14 @@ def laid_out(m, fused: bool, monkeypatch) -> dict:
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_cached_reference_equals_the_training_forward(arch, monkeypatch):
     """The prompt in pieces through the KV cache (9, then 1, then the rest) gives every position the logits of
-    one full forward pass: the cache, the window and the positions are right."""
-    m = model(arch)
+    one full forward pass: the cache, the window and the positions are right (float64: to round-off)."""
+    m = model(arch).astype(np.float64)
     cfg = m.config
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, cfg.ctx_len))
     full = m.logits(ids)  # [K, 1, T, V]
-    W, cache = laid_out(m, False, monkeypatch), new_cache(cfg)
+    W, cache = laid_out(m, False, monkeypatch), new_cache(cfg, dtype=np.float64)
     parts = [forward_cached(cfg, None, ids[:, a:b], cache, fused=W) for a, b in ((0, 9), (9, 10), (10, cfg.ctx_len))]
-    assert rel_err(np.concatenate(parts, axis=2), full) <= 1e-5
+    assert rel_err(np.concatenate(parts, axis=2), full) <= 1e-10
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
@@ -83,8 +86,8 @@ def test_fused_step_equals_reference(arch, half, monkeypatch):
         got = forward_cached(cfg, None, ids[:, a:b], cf, fused=Wf)
         want = forward_cached(cfg, None, ids[:, a:b], cr, fused=Wr)
         assert rel_err(got, want) <= tol, (a, b)
-    for x, y in zip(cf.k + cf.v, cr.k + cr.v):
-        assert rel_err(x, y) <= tol
+    for x, y in zip(cf.k + cf.v, cr.k + cr.v):  # (the last layers' keys carry every earlier layer's rounding)
+        assert rel_err(x, y) <= 2 * tol
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
@@ -103,17 +106,20 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
     assert rel_err(got, want) <= 5e-5
 
 
+GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0)}  # seeds whose greedy text varies
+
+
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_greedy_generation_is_the_same_fused_or_not(arch, monkeypatch):
     """64 greedy tokens through window jumps (ctx 40): fused and reference decode the same ids, and a full
     recompute at each step (mode "full") agrees."""
-    m = model(arch, seed=6)
+    m = model(arch, *GREEDY[arch])
     prompt = [5, 17, 2, 40, 33]
     got = generate(m, prompt, 64, temperature=0, mode="cache")
     monkeypatch.setattr(kernels, "ENABLED", False)
     want = generate(m, prompt, 64, temperature=0, mode="cache")
     full = generate(m, prompt, 20, temperature=0, mode="full")
-    assert got.ids == want.ids and got.ids[:20] == full.ids and len(set(got.ids)) > 2
+    assert got.ids == want.ids and got.ids[:20] == full.ids and len(set(got.ids)) > 4
 
 
 def test_a_windowed_layer_forgets_what_left_its_window(monkeypatch):

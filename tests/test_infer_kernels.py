@@ -232,7 +232,8 @@ def test_positions_and_rows_outside_the_cache_raise_before_anything_is_written(m
     k, v = c.store[0], c.store[1]
     for pos, slot in (([0, CFG.ctx_len], [0, 0]), ([0, -1], [0, 0]), ([0, 1], [0, 1]), ([0, 1], [0, -1])):
         with pytest.raises(IndexError):
-            kernels.forward_rows(CFG, W, np.array([1, 2]), np.array(pos), np.array(slot), k, v, c.cos, c.sin)
+            kernels.forward_rows(CFG, W, np.ones((2, CFG.dim), np.float32), np.array(pos), np.array(slot), k, v,
+                                 c.cos, c.sin)
     assert not k.any() and not v.any()
 
 
@@ -268,7 +269,8 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     k2, v2 = k.copy(), v.copy()
     cache = new_cache(CFG)
     tokens, pos = np.array([7, 0, 52]), np.array([5, 0, CFG.ctx_len - 1])
-    got = kernels.forward_rows(CFG, W["decode"], tokens, pos, np.arange(3), k, v, cache.cos, cache.sin)
+    got = kernels.forward_rows(CFG, W["decode"], reference.embed(CFG, W, tokens, pos), pos, np.arange(3), k, v,
+                               cache.cos, cache.sin)
     want = reference.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.cos, cache.sin, cache.kind), tokens, pos)
     assert rel_err(got, want) <= 5e-5
     assert rel_err(k, k2) <= 5e-5 and rel_err(v, v2) <= 5e-5  # the new keys and values where the reference put them
@@ -294,7 +296,8 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
         kernels.set_threads(threads)
         kk, vv = k.copy(), v.copy()
         g0 = ctl[kernels.GEN]
-        h = kernels.forward_rows(cfg, W["decode"], tokens[rows], pos[rows], np.arange(n)[rows], kk, vv, cos, sin)
+        h = kernels.forward_rows(cfg, W["decode"], reference.embed(cfg, W, tokens[rows], pos[rows]), pos[rows],
+                                 np.arange(n)[rows], kk, vv, cos, sin)
         return h, kk, vv, ctl[kernels.GEN] - g0
     old = kernels.get_threads()
     try:
@@ -325,12 +328,13 @@ cfg = tiny_config(vocab_size=11, dim=8, n_heads=1, n_kv_heads=1, n_layers=1, ctx
 W = fuse_weights(cfg, Model.init(cfg, seed=0).params)["decode"]
 n = 70000
 assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
-cos, sin = ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32)
+cos, sin = (t[None] for t in ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32))
+x = np.random.default_rng(0).standard_normal((n, cfg.dim)).astype(np.float32)
 out = []
 for threads in (2, 1):
     kernels.set_threads(threads)
     k = np.zeros((1, n, 1, cfg.ctx_len, cfg.head_dim), np.float32)
-    out.append(kernels.forward_rows(cfg, W, np.arange(n) % 11, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
+    out.append(kernels.forward_rows(cfg, W, x, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
 assert np.array_equal(out[0], out[1])
 print("ok")
 """

@@ -26,42 +26,43 @@ from .. import ops
 from ..config import Config, head_weight
 from . import kernels
 from .cache import KVCache, attend_rows
-from .weights import Forms, batched_linear, linear
+from .weights import Forms, batched_linear, linear, of_dtype
 
 MATRICES = ("qkv", "wo", "mlp_in", "mlp_out")  # the per-layer matrices of the layout, in a step's order
 
 
 def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     """The inference layout of P: each matrix a forms.pair triple (see weights.py), biases stacked like their
-    matrices (None where the architecture has none), norms as (weight, bias or None) of the NumPy path's values.
-    With kernels, W["decode"] holds the fused step's weights (kernels.Weights)."""
+    matrices (None where the architecture has none), norms as (weight, bias or None) of the NumPy path's values,
+    the embedding as it is (its rows are widened or dequantized when looked up: `embed`). With kernels,
+    W["decode"] holds the fused step's weights (kernels.Weights) and W["kernel forms"] the arrays they point to."""
     f32, kernel_form, pair = forms.values, forms.kernel_form, forms.pair
     K, V = cfg.n_mtp, cfg.vocab_size
     a = cfg.spec
     parts = [head_weight(P, k) for k in range(K)]
     heads32 = None if forms.kernels else f32(np.concatenate(parts))  # [K·V, d] (tied: head 0 is the embedding)
-    head0 = kernel_form(parts[0])  # [panels, d, PANEL]: decoding reads head 0 only
-    W = {"embed": f32(P["embed.weight"]), "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
+    head0 = kernel_form(parts[0])  # [panels, d, PANEL]: decoding reads head 0 only (a tied head: the embedding's blocks)
+    W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
          "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),
          "heads": pair(tuple(parts) if forms.kernels else heads32, head0 if K == 1 else kernel_form(np.concatenate(parts))),
          "head.0": pair((parts[0],) if forms.kernels else heads32[:V], head0)}
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     names = [a.layer_products(i) for i in range(cfg.n_layers)]
-    mats = {m: [[P[n] for n in names[i][m]] for i in range(cfg.n_layers)] for m in MATRICES}
-    if forms.kernels:
-        packed = _stack(mats, forms)
-        mats = {m: [(tuple(mats[m][i]), packed[m][i]) for i in range(cfg.n_layers)] for m in MATRICES}
-    else:
-        mats = {m: [(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]), None) for ps in mats[m]] for m in MATRICES}
+    segments = _segments(cfg, P, names, forms, W) if forms.kernels else None
     for i, p in enumerate(layers):
-        for m in MATRICES:
-            W[p + m] = pair(*mats[m][i])
+        for j, m in enumerate(MATRICES):
+            ps = [P[n] for n in names[i][m]]
+            if forms.kernels:  # the parameters themselves, and the kernel form where it is one array
+                W[p + m] = pair(tuple(ps), segments[i][j][0][1] if len(segments[i][j]) == 1 else None)
+            else:
+                W[p + m] = pair(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]))
             biases = [n.removesuffix("weight") + "bias" for n in names[i][m]]
             W[p + m + ".bias"] = f32(np.concatenate([P[b] for b in biases])) if biases[0] in P else None
         for norm in a.layer_norms:
             W[p + norm] = norm_pair(P, p + norm, f32)
     if forms.kernels:
-        W["decode"] = kernels.weights(cfg, W, packed)
+        W["decode"] = kernels.weights(cfg, W, [[[kernels.segment(kind, Wk, out) for kind, Wk, out in segs]
+                                                for segs in layer] for layer in segments])
     return W
 
 
@@ -70,23 +71,40 @@ def norm_pair(P: dict, name: str, f32) -> tuple:
     return f32(P[name + ".weight"]), f32(P[name + ".bias"]) if name + ".bias" in P else None
 
 
-def _stack(mats: dict, forms: Forms) -> dict:
-    """mats {kind: per layer [parts [out_j, in]]} -> {kind: the kernel form of its [layers, Σ out_j, in] stack
-    [layers, panels, in, PANEL]}, every kernel form in one buffer (one allocation of > 4 MB: NumPy asks the
-    kernel for huge pages, fewer TLB misses per token)."""
-    stacked = {}
-    for name, parts in mats.items():
-        stacked[name] = S = np.empty((len(parts), sum(p.shape[0] for p in parts[0]), parts[0][0].shape[1]),
-                                     parts[0][0].dtype)
-        for i, ps in enumerate(parts):
-            np.concatenate(ps, out=S[i])
-    shapes = {name: forms.wt.packed(S.shape)[0] for name, S in stacked.items()}
-    buf = np.empty(sum(np.prod(sh) for sh in shapes.values()), forms.wt.packed(stacked["qkv"].shape)[1])
-    packed, off = {}, 0
-    for name, sh in shapes.items():
-        packed[name] = forms.kernel_form(stacked[name], buf[off:off + np.prod(sh)].reshape(sh))
-        off += np.prod(sh)
-    return packed
+def _segments(cfg: Config, P: dict, names: list, forms: Forms, W: dict) -> list:
+    """Per layer, per matrix of MATRICES: its segments [(kind, kernel form, outputs)], consecutive parameters of
+    one weight type stacked into one (a file's Q5_0 q and k beside a Q8_0 v: two). Every kernel form is a view
+    into one buffer (one allocation of > 4 MB: NumPy asks the kernel for huge pages, fewer TLB misses per
+    token), kept alive in W["kernel forms"]."""
+    plan = []   # per layer, per matrix: [(weight type, the stacked parameters)]
+    for i in range(cfg.n_layers):
+        layer = []
+        for m in MATRICES:
+            groups = []
+            for n in names[i][m]:
+                t = of_dtype(P[n].dtype)
+                if groups and groups[-1][0] is t:
+                    groups[-1][1].append(P[n])
+                else:
+                    groups.append((t, [P[n]]))
+            layer.append([(t, np.concatenate(ps) if len(ps) > 1 else ps[0]) for t, ps in groups])
+        plan.append(layer)
+    shapes = [t.packed(S.shape) for layer in plan for segs in layer for t, S in segs]
+    sizes = [-(-int(np.prod(sh)) * dt.itemsize // 64) * 64 for sh, dt in shapes]
+    buf = np.empty(sum(sizes) + 64, np.uint8)
+    off = -buf.ctypes.data % 64   # every kernel form 64-byte aligned
+    W["kernel forms"] = buf
+    out, k = [], 0
+    for layer in plan:
+        out.append([])
+        for segs in layer:
+            out[-1].append([])
+            for t, S in segs:
+                (sh, dt), size = shapes[k], sizes[k]
+                Wk = forms.kernel_form(S, buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh))
+                out[-1][-1].append((t.kind, Wk, S.shape[0]))
+                off, k = off + size, k + 1
+    return out
 
 
 # ---- the pieces of a block -------------------------------------------------------------------------------
@@ -107,7 +125,10 @@ def affine(x: np.ndarray, W: dict, name: str, product=None) -> np.ndarray:
 def embed(cfg: Config, W: dict, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """Token ids (any shape) at positions pos (same shape) -> x [..., d]: the looked-up rows, scaled (Gemma)
     and with their learned position rows added (GPT-2)."""
-    x = W["embed"][tokens]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= W["embed"].shape[0]):
+        raise IndexError("token id out of range")
+    t = of_dtype(W["embed"].dtype)
+    x = W["embed"][tokens] if t is None else t.values(W["embed"][tokens])  # float16 widened, blocks dequantized
     if W["embed_scale"] is not None:
         x = x * x.dtype.type(W["embed_scale"])
     if W["pos"] is not None:

@@ -412,8 +412,17 @@ def _run_claimed(ctl, w):
 
 @njit(**OPTS)
 def _gemv(ctl, pooled, W, X, Y, add):
-    """Y (+)= X @ Wᵀ: W in kernel form (`pack`: [panels, in, PANEL]), X [n, in], Y [n, out] float32
-    C-contiguous, out <= panels·PANEL; by the calling thread and whichever helpers are awake.
+    """Y (+)= X @ Wᵀ: W in kernel form (`pack`: [panels, in, PANEL], or a block type's: qkernels.pack), X [n, in],
+    Y [n, out] float32 C-contiguous, out <= panels·PANEL; by the calling thread and whichever helpers are awake
+    (`_gemv_at`)."""
+    _gemv_at(ctl, pooled, _kind(W), W.ctypes.data, W.shape[0], X, Y, add)
+
+
+@njit(**OPTS)
+def _gemv_at(ctl, pooled, kind, Wa, nb, X, Y, add):
+    """Y (+)= X @ Wᵀ for the kernel form of `kind` (0 float32, 1 float16 bits, from QUANT a block type) at address
+    Wa, nb panels; X [n, in], Y [n, out] float32 C-contiguous. A block type quantizes X's rows to 8 bits per
+    block once, as the type's products read them (qkernels.quantize_rows).
 
     The job is cut into panels. The caller publishes it (descriptor, done = 0, then the claim word
     g << 32 | panels << 16 | next panel, g a new job number), then claims panels itself like any helper; a
@@ -421,36 +430,53 @@ def _gemv(ctl, pooled, W, X, Y, add):
     descriptor fails its swap. The caller returns when `done` counts every panel. It never waits for a
     helper to arrive: a helper that is descheduled (a busy machine) leaves its share to the caller, where a
     fork-join pool (OpenMP) would stall every job until the helper runs again."""
-    nb, I = W.shape[0], W.shape[1]
-    n, O = Y.shape
-    half = _kind(W)
-    if half >= QUANT:
-        _qgemv(ctl, pooled, half, W, X, Y, add)
+    n, I = X.shape
+    O = Y.shape[1]
+    alone = not pooled or nb < 2 or nb > 0xFFFF  # (the claim word counts panels in 16 bits)
+    T = np.empty((MAX_R, PANEL), np.float32)
+    if kind >= QUANT:
+        xq, xd, xs = qkernels.quantize_rows(kind, X)
+        if alone:
+            for b in range(nb):
+                qkernels.gemv_panel(kind, Wa, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, Y.ctypes.data, n, O,
+                                    I, add, b, T)
+            return
+        ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, Wa, O, I
+        ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = xq.ctypes.data, n, Y.ctypes.data, add
+        ctl[DESC + 8], ctl[DESC + 9] = xd.ctypes.data, xs.ctypes.data
+        _run_pooled(ctl, nb)
         return
-    if not pooled or nb < 2 or nb > 0xFFFF:  # (the claim word counts panels in 16 bits)
-        T = np.empty((MAX_R, PANEL), np.float32)
+    if alone:
         for b in range(nb):
-            _gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, n, O, I, add, b, T)
+            _gemv_panel(kind, Wa, X.ctypes.data, Y.ctypes.data, n, O, I, add, b, T)
         return
-    ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = half, W.ctypes.data, O, I
+    ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, Wa, O, I
     ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = X.ctypes.data, n, Y.ctypes.data, add
     _run_pooled(ctl, nb)
 
 
+# A matrix of the fused step, as rows of a table [segments, SEG] int64: its rows stacked in segments, each in
+# a weight type of its own (a file's q and k in Q5_0 beside v in Q8_0), by address: the segment's kind, the
+# address of its kernel form, its outputs, its panels. The arrays stay alive in the layout (forward.py).
+SEG = 4
+
+
 @njit(**OPTS)
-def _qgemv(ctl, pooled, kind, W, X, Y, add):
-    """Y (+)= X @ Wᵀ for W of a block type (qkernels.pack): X's rows quantized to 8 bits per block once, as the
-    type's products read them (qkernels.quantize_rows), then the panels claimed as in _gemv."""
-    n, I = X.shape
-    nb = W.shape[0]
-    xq, xd, xs = qkernels.quantize_rows(kind, X)
-    if not pooled or nb < 2 or nb > 0xFFFF:
-        qkernels.panels(kind, W, xq, xd, xs, Y, add, 0, nb)
+def _product(ctl, pooled, M, X, Y, add):
+    """Y (+)= X @ Wᵀ for the segmented matrix M [segments, SEG] (see SEG): one segment straight into Y, several
+    each into a temporary then into its columns of Y."""
+    if M.shape[0] == 1:
+        _gemv_at(ctl, pooled, M[0, 0], M[0, 1], M[0, 3], X, Y, add)
         return
-    ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, W.ctypes.data, Y.shape[1], I
-    ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = xq.ctypes.data, n, Y.ctypes.data, add
-    ctl[DESC + 8], ctl[DESC + 9] = xd.ctypes.data, xs.ctypes.data
-    _run_pooled(ctl, nb)
+    n, o = X.shape[0], 0
+    for s in range(M.shape[0]):
+        m = M[s, 2]
+        T = np.empty((n, m), np.float32)
+        _gemv_at(ctl, pooled, M[s, 0], M[s, 1], M[s, 3], X, T, False)
+        for r in range(n):
+            for j in range(m):
+                Y[r, o + j] = Y[r, o + j] + T[r, j] if add else T[r, j]
+        o += m
 
 
 @njit(**OPTS)
@@ -807,12 +833,13 @@ def _add_bias(y, b):
 
 @njit(**OPTS)
 def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h):
-    """x += post(inp @ Wᵀ + b): a sub-block's output projection added to the residual stream x [n, d], with the
+    """x += post(inp @ Wᵀ + b) (W a segmented matrix, see SEG): a sub-block's output projection added to the
+    residual stream x [n, d], with the
     architecture's post norm (post: its weight; nb its bias) when it has one (o, h [n, d] scratch)."""
     if post.shape[0] == 0 and b.shape[0] == 0:
-        _gemv(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
+        _product(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
         return
-    _gemv(ctl, pooled, W, inp, o, False)
+    _product(ctl, pooled, W, inp, o, False)
     _add_bias(o, b)
     if post.shape[0]:
         _norm(o, post, nb, eps, h)
@@ -822,28 +849,23 @@ def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h):
 
 
 @njit(**OPTS)
-def step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_only):
-    """The forward of tokens int [n], row r at position pos[r] of cache row slot[r] -> final normed hidden
-    states [n|1, d], for every architecture (D: `Weights`, what the model's record in arch.py chose). One
-    sequence: slot all 0, pos = L0, L0+1, ..; a batch of sequences: one row each.
+def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_only):
+    """The forward of rows x0 [n, d] (the new tokens' looked-up embeddings, forward.embed), row r at position
+    pos[r] of cache row slot[r] -> final normed hidden states [n|1, d], for every architecture (D: `Weights`,
+    what the model's record in arch.py chose). One sequence: slot all 0, pos = L0, L0+1, ..; a batch of
+    sequences: one row each.
 
     kc, vc [layers, B, Hkv, max_len, hd]: row r writes its key and value at (slot[r], pos[r]) and attends
     to positions 0 .. pos[r] of its slot (a windowed layer: the last D.window[l] of them; all rows write
     before any attends). cos, sin [kinds, max_len, hd/2]: the RoPE tables, layer l's at D.rope[l] (-1: none)."""
-    n, d = tokens.shape[0], D.embed.shape[1]
+    n, d = x0.shape
     n_layers, _, Hkv, _, hd = kc.shape
-    H, F = n_heads, D.mlp_out.shape[2] * _row_in(D.mlp_out)
+    H, F = n_heads, D.ffn
     Hhd = n_heads * hd
-    x = np.empty((n, d), np.float32)
     for r in range(n):
-        if tokens[r] < 0 or tokens[r] >= D.embed.shape[0]:
-            raise IndexError("token id out of range")
         if pos[r] < 0 or pos[r] >= kc.shape[3] or slot[r] < 0 or slot[r] >= kc.shape[1]:
             raise IndexError("cache position or row out of range")
-        for j in range(d):
-            x[r, j] = D.embed[tokens[r], j] * D.embed_scale
-        if D.pos.shape[0]:
-            x[r] += D.pos[pos[r]]
+    x = x0.copy()
     h = np.empty((n, d), np.float32)
     o = np.empty((n, d), np.float32)                # a sub-block's output before its post norm
     t = np.empty((n, (H + 2 * Hkv) * hd), np.float32)  # q, k, v of the new rows
@@ -854,7 +876,7 @@ def step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last
     rot = np.empty(hd, np.float32)
     for l in range(n_layers):
         _norm(x, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
-        _gemv(ctl, pooled, D.qkv[l], h, t, False)
+        _product(ctl, pooled, D.mats[l, 0, :D.segments[l, 0]], h, t, False)
         _add_bias(t, D.qkv_bias[l])
         k_ = D.rope[l]
         for r in range(n):  # q/k norms, RoPE; the new keys and values go into the cache
@@ -872,10 +894,10 @@ def step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last
         # row alone goes on (a prompt's or a window refill's other rows skip ~1/layers of their work).
         f = n - 1 if last_only and l == n_layers - 1 else 0
         _attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, D.window[l], p)
-        _residual(ctl, pooled, D.wo[l], D.wo_bias[l], a[f:], x[f:], o[f:], D.norms[l, 2, :D.post],
-                  D.norm_biases[l, 2], eps, h[f:])
+        _residual(ctl, pooled, D.mats[l, 1, :D.segments[l, 1]], D.wo_bias[l], a[f:], x[f:], o[f:],
+                  D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:])
         _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
-        _gemv(ctl, pooled, D.mlp_in[l], h[f:], gu[f:], False)
+        _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], h[f:], gu[f:], False)
         _add_bias(gu[f:], D.mlp_in_bias[l])
         for r in range(f, n):  # the activation: SwiGLU silu(g)·u, GeGLU gelu(g)·u, or GELU
             for j in range(F):
@@ -886,8 +908,8 @@ def step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last
                     s[r, j] = _gelu(g_) * gu[r, F + j]
                 else:
                     s[r, j] = _gelu(g_)
-        _residual(ctl, pooled, D.mlp_out[l], D.mlp_out_bias[l], s[f:], x[f:], o[f:], D.norms[l, 3, :D.post],
-                  D.norm_biases[l, 3], eps, h[f:])
+        _residual(ctl, pooled, D.mats[l, 3, :D.segments[l, 3]], D.mlp_out_bias[l], s[f:], x[f:], o[f:],
+                  D.norms[l, 3, :D.post], D.norm_biases[l, 3], eps, h[f:])
     first = n - 1 if last_only else 0
     out = np.empty((n - first, d), np.float32)
     _norm(x[first:], D.norm, D.norm_bias, eps, out)
@@ -968,16 +990,13 @@ def get_threads() -> int:
 
 # ---- the Python side -----------------------------------------------------------------------------
 class Weights(NamedTuple):
-    """What `step` reads, stacked over layers; matrices in kernel form (`pack` of [layers, out, in]:
-    [layers, panels, in, PANEL]), float32, float16 bits (uint16) or blocks (uint8). What an architecture
-    lacks is an empty array (a bias [layers, 0], LayerNorm biases [layers, 4, 0], q/k norms [layers, 2, 0])."""
-    embed: np.ndarray         # [V, d] float32
-    embed_scale: np.float32   # the lookup's factor (Gemma: √d; else 1)
-    pos: np.ndarray           # [ctx, d] learned positions, or [0, d]
-    qkv: np.ndarray           # pack of [layers, (H + 2·Hkv)·hd, d]
-    wo: np.ndarray            # pack of [layers, d, H·hd]
-    mlp_in: np.ndarray        # pack of [layers, 2F, d] ([gate; up]) or [layers, F, d] (GPT-2's fc)
-    mlp_out: np.ndarray       # pack of [layers, d, F]
+    """What `step` reads: every layer's four matrices segmented (see SEG; each segment's kernel form is `pack` of
+    float32, float16 bits (uint16) or a block type's (qkernels.pack), kept alive by the layout), and its vectors
+    stacked over the layers. What an architecture lacks is an empty array (a bias [layers, 0], LayerNorm biases
+    [layers, 4, 0], q/k norms [layers, 2, 0])."""
+    mats: np.ndarray          # [layers, 4, 3, SEG] int64: qkv, wo, mlp_in, mlp_out, each of up to 3 segments
+    segments: np.ndarray      # [layers, 4] int64: how many segments each has
+    ffn: int                  # F, the activation's width
     qkv_bias: np.ndarray      # [layers, (H + 2·Hkv)·hd] or [layers, 0]
     wo_bias: np.ndarray       # [layers, d] or [layers, 0]
     mlp_in_bias: np.ndarray   # [layers, 2F | F] or [layers, 0]
@@ -997,11 +1016,22 @@ class Weights(NamedTuple):
 MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
 
 
-def weights(cfg, W: dict, packed: dict) -> Weights:
-    """The fused step's weights from the inference layout W (forward.fuse_weights) and the packed matrices."""
+def segment(kind: int, Wk: np.ndarray, out: int) -> list[int]:
+    """The SEG row of a kernel form Wk of `kind` with `out` outputs (Wk must stay alive while it is used)."""
+    return [kind, Wk.ctypes.data, out, Wk.shape[0]]
+
+
+def weights(cfg, W: dict, segments: list) -> Weights:
+    """The fused step's weights from the inference layout W (forward.fuse_weights) and, per layer, the four
+    matrices' segments (lists of `segment` rows)."""
     from .cache import new_cache
     L, d, f32 = cfg.n_layers, cfg.dim, np.float32
     p = [f"layers.{i}." for i in range(L)]
+    mats, counts = np.zeros((L, 4, 3, SEG), np.int64), np.zeros((L, 4), np.int64)
+    for i, layer in enumerate(segments):
+        for m, segs in enumerate(layer):
+            counts[i, m] = len(segs)
+            mats[i, m, :len(segs)] = segs
 
     def biases(m):
         return np.array([W[q + m + ".bias"] for q in p], f32) if W[p[0] + m + ".bias"] is not None else np.zeros((L, 0), f32)
@@ -1019,29 +1049,26 @@ def weights(cfg, W: dict, packed: dict) -> Weights:
     qk = np.array([[W[q + "attn.q_norm"][0], W[q + "attn.k_norm"][0]] for q in p], f32) if a.qk_norm \
         else np.zeros((L, 2, 0), f32)
     nw, nb = W["norm"]
-    return Weights(W["embed"], f32(W["embed_scale"] or 1.0),
-                   W["pos"] if W["pos"] is not None else np.zeros((0, d), f32),
-                   packed["qkv"], packed["wo"], packed["mlp_in"], packed["mlp_out"],
-                   biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"), norms, norm_biases, qk,
-                   nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0, MLP_KINDS[a.mlp],
-                   cfg.ffn_hidden * (2 if a.gated else 1), np.array([cfg.window(i) for i in range(L)], np.int64),
-                   new_cache(cfg, 1, 1).kind)
+    return Weights(mats, counts, cfg.ffn_hidden, biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"),
+                   norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
+                   MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1),
+                   np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind)
 
 
-def forward(cfg, D: Weights, tokens: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
+def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
             sin: np.ndarray, last_only: bool, slot: int = 0) -> np.ndarray:
-    """tokens int [n] at positions L0.. of one sequence, cache row `slot` of k, v [layers, B, Hkv, max_len, hd]
-    -> final normed hidden states [n|1, d]."""
-    n = len(tokens)
-    return forward_rows(cfg, D, tokens, np.arange(L0, L0 + n), np.full(n, slot, np.int64), k, v, cos, sin,
-                        last_only)
+    """Rows x [n, d] (embedded tokens) at positions L0.. of one sequence, cache row `slot` of k, v
+    [layers, B, Hkv, max_len, hd] -> final normed hidden states [n|1, d]."""
+    n = len(x)
+    return forward_rows(cfg, D, x, np.arange(L0, L0 + n), np.full(n, slot, np.int64), k, v, cos, sin, last_only)
 
 
-def forward_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray,
+def forward_rows(cfg, D: Weights, x: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray,
                  v: np.ndarray, cos: np.ndarray, sin: np.ndarray, last_only: bool = False) -> np.ndarray:
-    """tokens int [n], row r at position pos[r] of cache row slot[r] of k, v [layers, B, Hkv, max_len, hd]
-    (one sequence, or one row per sequence as the batcher steps) -> final normed hidden states [n|1, d]."""
-    return on_pool(step, np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(pos, dtype=np.int64),
+    """Rows x [n, d] (embedded tokens), row r at position pos[r] of cache row slot[r] of k, v
+    [layers, B, Hkv, max_len, hd] (one sequence, or one row per sequence as the batcher steps) -> final normed
+    hidden states [n|1, d]."""
+    return on_pool(step, np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(pos, dtype=np.int64),
                    np.ascontiguousarray(slot, dtype=np.int64), D, np.float32(cfg.norm_eps), cfg.n_heads, k, v,
                    cos, sin, last_only)
 
@@ -1052,11 +1079,12 @@ def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
     return on_pool(gemv, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
 
 
-def round_rows(cfg, D: Weights, tokens: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray, v: np.ndarray,
+def round_rows(cfg, D: Weights, x: np.ndarray, pos: np.ndarray, slot: np.ndarray, k: np.ndarray, v: np.ndarray,
                cos: np.ndarray, sin: np.ndarray, head0: np.ndarray) -> tuple:
-    """A speculative round's model work in one compiled call (`_round`): tokens [n] of one sequence
-    -> (h [n, d], head-0 logits [n, V], their argmax [n])."""
-    return on_pool(_round, tokens, pos, slot, D, np.float32(cfg.norm_eps), cfg.n_heads, k, v, cos, sin, head0)
+    """A speculative round's model work in one compiled call (`_round`): rows x [n, d] (embedded tokens) of one
+    sequence -> (h [n, d], head-0 logits [n, V], their argmax [n])."""
+    return on_pool(_round, np.ascontiguousarray(x, dtype=np.float32), pos, slot, D, np.float32(cfg.norm_eps),
+                   cfg.n_heads, k, v, cos, sin, head0, cfg.vocab_size)
 
 
 def on_pool(kernel, *args):
@@ -1072,12 +1100,12 @@ def on_pool(kernel, *args):
 
 
 @njit(**OPTS)
-def _round(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0):
+def _round(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0, V):
     """A speculative round's model work in one compiled call: `step` over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
     forward + matvec + argmax, so the same numbers) -> (h, logits, best)."""
-    h = step(ctl, pooled, tokens, pos, slot, D, eps, n_heads, kc, vc, cos, sin, False)
-    n, V = h.shape[0], D.embed.shape[0]
+    h = step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, False)
+    n = h.shape[0]
     logits = np.empty((n, V), np.float32)
     _gemv(ctl, pooled, head0, h, logits, False)
     best = np.empty(n, np.int64)

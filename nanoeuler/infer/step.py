@@ -45,7 +45,8 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
     if B > 1 or not runs_fused(W, cache):
         return forward.forward_hidden(cfg, W, inputs, cache, last_only)
     k, v, b0 = cache.store
-    hs = [kernels.forward(cfg, W["decode"], inputs[0, a:a + kernels.CHUNK], k, v, L + a, cache.cos, cache.sin,
+    x = forward.embed(cfg, W, inputs[0], np.arange(L, L + Tn))  # [Tn, d]
+    hs = [kernels.forward(cfg, W["decode"], x[a:a + kernels.CHUNK], k, v, L + a, cache.cos, cache.sin,
                           last_only, b0) for a in range(0, Tn, kernels.CHUNK)]
     cache.length = L + Tn
     return (hs[-1] if last_only else np.concatenate(hs))[None]  # [1, Tn|1, d]
@@ -72,8 +73,9 @@ def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
         logits = linear(h, W["head.0"])  # [n, V]
         return h, logits, [int(i) for i in np.argmax(logits, axis=-1)]
     k, v, b0 = cache.store
-    h, logits, best = kernels.round_rows(cfg, W["decode"], np.array(block, np.int64), np.arange(L, L + n),
-                                         np.full(n, b0, np.int64), k, v, cache.cos, cache.sin, W["head.0"][2])
+    x = forward.embed(cfg, W, np.array(block, np.int64), np.arange(L, L + n))  # [n, d]
+    h, logits, best = kernels.round_rows(cfg, W["decode"], x, np.arange(L, L + n), np.full(n, b0, np.int64), k, v,
+                                         cache.cos, cache.sin, W["head.0"][2])
     cache.length = L + n
     return h, logits, best.tolist()
 
@@ -86,8 +88,8 @@ def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: n
     (Switching OpenBLAS's thread count, ~2 µs each way, is not paid by the fused step: `small`'s is ~80 µs.)"""
     if runs_fused(W, cache):
         k, v, b0 = cache.store
-        h = kernels.forward_rows(cfg, W["decode"], tokens, pos, b0 + np.arange(len(tokens)), k, v, cache.cos,
-                                 cache.sin)  # [n, d]
+        h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + np.arange(len(tokens)),
+                                 k, v, cache.cos, cache.sin)  # [n, d]
         return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
     with blas_threads(PARTS if len(tokens) >= WIDE_STEP else 1):
         return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos), W["head.0"])

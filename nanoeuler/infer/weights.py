@@ -34,13 +34,15 @@ from . import kernels, qkernels, quant
 @dataclass(frozen=True)
 class WType:
     """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
-    form's shape, dtype), so that stacked matrices can share one buffer (forward.fuse_weights)."""
+    computes with, and its kernel form: `pack(W [..., out, in], out=None)`, `packed(shape)` -> (the kernel
+    form's shape, dtype), so that all of a model's matrices can share one buffer (forward.fuse_weights), and
+    `kind`, the kernels' number for it (kernels._gemv_at)."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]
     pack: Callable[..., np.ndarray]
     packed: Callable[[tuple], tuple]
+    kind: int
 
 
 def _block_type(name: str) -> WType:
@@ -61,21 +63,16 @@ def _block_type(name: str) -> WType:
         return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),
                 np.dtype(np.uint8))
 
-    return WType(name, np.dtype(f"V{t.nbytes}"), values, pack, packed)
+    return WType(name, np.dtype(f"V{t.nbytes}"), values, pack, packed, qkernels.KINDS[name])
 
 
 WTYPES = {
     "f32": WType("f32", np.dtype(np.float32), lambda a: a, kernels.pack,
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32))),
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32)), 0),
     "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a, out=None: kernels.pack(a.view(np.uint16), out),
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16))),
+                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16)), 1),
     **{name: _block_type(name) for name in quant.BLOCK_TYPES},
 }
-
-
-def wtype(P: dict) -> WType | None:
-    """The weight type of a model's parameters (the embedding's dtype), or None (no kernel form)."""
-    return of_dtype(P["embed.weight"].dtype)
 
 
 def of_dtype(dtype: np.dtype) -> WType | None:
@@ -103,22 +100,22 @@ NARROW = 1024  # output width up to which a [in, out] copy of W is kept for few-
 
 
 class Forms:
-    """How one model's matrices are held: its weight type, whether the fused kernels run it (kernels.ENABLED
-    and a weight type), and whether [in, out] copies are kept for many rows too (`batched`: the batcher
-    reads more rows than the kernels take)."""
+    """How one model's matrices are held: each in its own weight type (by its dtype: a file's may mix them),
+    whether the fused kernels run the model (kernels.ENABLED and a weight type for every matrix), and whether
+    [in, out] copies are kept for many rows too (`batched`: the batcher reads more rows than the kernels take)."""
 
     def __init__(self, P: dict, batched: bool = False):
-        self.wt = wtype(P)
-        self.kernels = kernels.ENABLED and self.wt is not None
+        self.kernels = kernels.ENABLED and all(of_dtype(p.dtype) is not None for p in P.values() if p.ndim == 2)
         self.batched = batched
 
     def values(self, a: np.ndarray) -> np.ndarray:
-        """The values the NumPy path computes with (float16 widened to float32)."""
-        return a if self.wt is None else self.wt.values(a)
+        """The values the NumPy path computes with (float16 widened to float32, blocks dequantized)."""
+        t = of_dtype(a.dtype)
+        return a if t is None else t.values(a)
 
     def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """a as the fused kernels read it (its weight type's pack), or None without kernels."""
-        return self.wt.pack(a, out) if self.kernels else None
+        return of_dtype(a.dtype).pack(a, out) if self.kernels else None
 
     def pair(self, W, Wk: np.ndarray | None = None) -> tuple:
         """(W, W.T contiguous or None, kernel form or None) of W (values); Wk: its kernel form when the caller
@@ -220,12 +217,12 @@ class QuantizedModel:
 
     @classmethod
     def from_blocks(cls, config, params: dict) -> "QuantizedModel":
-        """A model whose matrices are blocks of one block type already (void records [out, in / block], as
-        QuantizedModel's own), the other parameters float32."""
-        types_ = {p.dtype for p in params.values() if p.ndim == 2}
-        wt = of_dtype(next(iter(types_))) if len(types_) == 1 else None
-        if wt is None or wt.name not in quant.BLOCK_TYPES:
-            raise UserError(f"a quantized model's matrices are blocks of one type; got {sorted(map(str, types_))}")
+        """A model whose matrices are blocks already (void records [out, in / block], as QuantizedModel's own),
+        each in its own type as a file holds them (float32 or float16 matrices may be among them), the other
+        parameters float32."""
+        bad = sorted({str(p.dtype) for p in params.values() if p.ndim == 2 and of_dtype(p.dtype) is None})
+        if bad:
+            raise UserError(f"a quantized model's matrices are blocks, float32 or float16; got {', '.join(bad)}")
         qkernels.require()
         m = cls.__new__(cls)
         m.config, m.dtype = config, np.dtype(np.float32)
