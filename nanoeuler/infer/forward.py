@@ -48,7 +48,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
          "head.0": pair((parts[0],) if forms.kernels else heads32[:V], head0)}
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
     names = [a.layer_products(i) for i in range(cfg.n_layers)]
-    segments = _segments(cfg, P, names, forms, W) if forms.kernels else None
+    segments, buf = _segments(cfg, P, names, forms) if forms.kernels else (None, None)
     for i, p in enumerate(layers):
         for j, m in enumerate(MATRICES):
             ps = [P[n] for n in names[i][m]]
@@ -62,7 +62,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
             W[p + norm] = norm_pair(P, p + norm, f32)
     if forms.kernels:
         W["decode"] = kernels.weights(cfg, W, [[[kernels.segment(kind, Wk, out) for kind, Wk, out in segs]
-                                                for segs in layer] for layer in segments])
+                                                for segs in layer] for layer in segments], buf)
     return W
 
 
@@ -71,11 +71,11 @@ def norm_pair(P: dict, name: str, f32) -> tuple:
     return f32(P[name + ".weight"]), f32(P[name + ".bias"]) if name + ".bias" in P else None
 
 
-def _segments(cfg: Config, P: dict, names: list, forms: Forms, W: dict) -> list:
-    """Per layer, per matrix of MATRICES: its segments [(kind, kernel form, outputs)], consecutive parameters of
-    one weight type stacked into one (a file's Q5_0 q and k beside a Q8_0 v: two). Every kernel form is a view
-    into one buffer (one allocation of > 4 MB: NumPy asks the kernel for huge pages, fewer TLB misses per
-    token), kept alive in W["kernel forms"]."""
+def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np.ndarray]:
+    """(per layer, per matrix of MATRICES: its segments [(kind, kernel form, outputs)], the buffer they are views
+    of): consecutive parameters of one weight type stacked into one segment (a file's Q5_0 q and k beside a Q8_0
+    v: two); one buffer for every kernel form (one allocation of > 4 MB: NumPy asks the kernel for huge pages,
+    fewer TLB misses per token)."""
     plan = []   # per layer, per matrix: [(weight type, the stacked parameters)]
     for i in range(cfg.n_layers):
         layer = []
@@ -93,7 +93,6 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms, W: dict) -> list:
     sizes = [-(-int(np.prod(sh)) * dt.itemsize // 64) * 64 for sh, dt in shapes]
     buf = np.empty(sum(sizes) + 64, np.uint8)
     off = -buf.ctypes.data % 64   # every kernel form 64-byte aligned
-    W["kernel forms"] = buf
     out, k = [], 0
     for layer in plan:
         out.append([])
@@ -104,7 +103,7 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms, W: dict) -> list:
                 Wk = forms.kernel_form(S, buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh))
                 out[-1][-1].append((t.kind, Wk, S.shape[0]))
                 off, k = off + size, k + 1
-    return out
+    return out, buf
 
 
 # ---- the pieces of a block -------------------------------------------------------------------------------

@@ -457,7 +457,7 @@ def _gemv_at(ctl, pooled, kind, Wa, nb, X, Y, add):
 
 # A matrix of the fused step, as rows of a table [segments, SEG] int64: its rows stacked in segments, each in
 # a weight type of its own (a file's q and k in Q5_0 beside v in Q8_0), by address: the segment's kind, the
-# address of its kernel form, its outputs, its panels. The arrays stay alive in the layout (forward.py).
+# address of its kernel form, its outputs, its panels. The kernel forms live in one buffer, Weights.forms.
 SEG = 4
 
 
@@ -1011,6 +1011,7 @@ class Weights(NamedTuple):
     mlp_in_width: int         # 2F (gated) or F
     window: np.ndarray        # [layers] int64: each layer's window (0: none)
     rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
+    forms: np.ndarray         # uint8: the buffer the segments point into (held here: alive as long as these are)
 
 
 MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
@@ -1021,9 +1022,9 @@ def segment(kind: int, Wk: np.ndarray, out: int) -> list[int]:
     return [kind, Wk.ctypes.data, out, Wk.shape[0]]
 
 
-def weights(cfg, W: dict, segments: list) -> Weights:
-    """The fused step's weights from the inference layout W (forward.fuse_weights) and, per layer, the four
-    matrices' segments (lists of `segment` rows)."""
+def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
+    """The fused step's weights from the inference layout W (forward.fuse_weights), per layer the four
+    matrices' segments (lists of `segment` rows), and the buffer of their kernel forms."""
     from .cache import new_cache
     L, d, f32 = cfg.n_layers, cfg.dim, np.float32
     p = [f"layers.{i}." for i in range(L)]
@@ -1052,7 +1053,7 @@ def weights(cfg, W: dict, segments: list) -> Weights:
     return Weights(mats, counts, cfg.ffn_hidden, biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"),
                    norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
                    MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1),
-                   np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind)
+                   np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms)
 
 
 def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,
