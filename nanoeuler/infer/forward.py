@@ -55,7 +55,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
             if forms.kernels:  # the parameters themselves, and the kernel form where it is one array
                 W[p + m] = pair(tuple(ps), segments[i][j][0][1] if len(segments[i][j]) == 1 else None)
             else:
-                W[p + m] = pair(f32(np.concatenate(ps)) if len(ps) > 1 else f32(ps[0]))
+                W[p + m] = pair(np.concatenate([f32(x) for x in ps]) if len(ps) > 1 else f32(ps[0]))
             biases = [n.removesuffix("weight") + "bias" for n in names[i][m]]
             W[p + m + ".bias"] = f32(np.concatenate([P[b] for b in biases])) if biases[0] in P else None
         for norm in a.layer_norms:
