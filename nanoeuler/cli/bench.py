@@ -118,20 +118,20 @@ def run_training(args) -> int:
 
 
 def load_decoding(args):
-    """(the model decoding runs, its name) of args.ckpt, a checkpoint directory or a .gguf file (imported in
-    memory, nothing written), at args.dtype; without one (set here) as `sample` decodes it: an import (and a
-    .gguf file) in the type of its matrices in the file, anything else in float32."""
+    """(the model decoding runs, its name) of args.ckpt, a checkpoint directory or a .gguf file, as `sample`
+    decodes it (sample.load_for_decoding)."""
     from pathlib import Path
 
-    from ..model import Model
-    from .sample import decoding_model, dtype_of_source, source_dtype
-    if Path(args.ckpt).suffix.lower() == ".gguf":
-        from ..interop.gguf_import import load_gguf
-        cfg, params, _, source = load_gguf(args.ckpt)
-        model, args.dtype = Model(cfg, params), args.dtype or dtype_of_source(source)
-    else:
-        model, args.dtype = Model.load(args.ckpt, read_only=True), args.dtype or source_dtype(args.ckpt)
-    return decoding_model(model, args), Path(args.ckpt).name
+    from collections import Counter
+
+    from ..infer.weights import of_dtype
+    from .sample import load_for_decoding
+    model = load_for_decoding(args)[0]
+    if args.dtype is None:  # what it decodes in: the matrices' types, most common first ("q5_0+q8_0+q4_k+...")
+        kinds = Counter(of_dtype(p.dtype).name if of_dtype(p.dtype) else str(p.dtype)
+                        for p in model.params.values() if p.ndim == 2)
+        args.dtype = "+".join(k for k, _ in kinds.most_common())
+    return model, Path(args.ckpt).name
 
 
 def decoded_weights(model) -> tuple[int, int]:

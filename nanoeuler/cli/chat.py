@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from .args import add_template_arg, escape_control
-from .sample import add_sampling_args, check_sampling_args, check_temperature, decoding_model
+from .sample import add_sampling_args, check_sampling_args, check_temperature, load_for_decoding
 
 HELP = """commands:
   /reset     forget the conversation so far
@@ -32,7 +32,7 @@ def register(sub) -> None:
                                    "imported instruct model, else the SPEC Alpaca template) and the reply streams "
                                    "until an end-of-turn token. Earlier turns are kept while they fit the context. "
                                    "Type /help for the commands; Ctrl-D exits.")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (an SFT run or an imported instruct model)")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or .gguf file (decoded as the file holds it, each matrix in its type; read only): an SFT run or an instruct model")
     add_template_arg(p)
     add_sampling_args(p, temperature=0.7, max_new=128)
     p.set_defaults(run=run)
@@ -100,17 +100,12 @@ class Repl:
 
 
 def run(args) -> int:
-    from ..checkpoint import check_vocab, load_tokenizer
-    from ..model import Model
     check_sampling_args(args)
     from ..chat_template import with_template_file
-    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
-    check_vocab(model.config, tok)
+    model, tok = load_for_decoding(args)
     tok = with_template_file(tok, args.chat_template)
-    from ..memory import check_inference_fits
-    check_inference_fits(model.config)
     from ..infer.chat import Chat
-    chat = Repl(Chat(decoding_model(model, args), tok, args.temperature, args.top_k, args.top_p, args.seed,
+    chat = Repl(Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed,
                      args.max_new_tokens, speculative=not args.no_speculative))
     interactive = sys.stdin.isatty()
     if interactive:

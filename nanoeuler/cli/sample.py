@@ -62,9 +62,47 @@ def dtype_of_source(src: dict | None) -> str:
 
 
 def decoding_model(model, args):
-    """The model generation runs, in --dtype (default: source_dtype of --ckpt; infer/weights.py)."""
+    """The model generation runs, in --dtype (default: source_dtype of --ckpt; infer/weights.py). A default
+    block type this CPU cannot decode in integers falls back to float32, with a note; an asked one is refused."""
+    from ..infer import qkernels
     from ..infer.weights import for_dtype
-    return for_dtype(model, getattr(args, "dtype", None) or source_dtype(getattr(args, "ckpt", None)))
+    dtype = getattr(args, "dtype", None)
+    if dtype is None:
+        dtype = source_dtype(getattr(args, "ckpt", None))
+        if dtype not in ("float32", "float16") and not qkernels.AVAILABLE:
+            print(f"note: this CPU cannot decode {dtype} in integers (`sample --help`); decoding in float32",
+                  file=sys.stderr)
+            dtype = "float32"
+    return for_dtype(model, dtype)
+
+
+def load_for_decoding(args):
+    """(the model generation runs, the tokenizer) of --ckpt: a checkpoint directory, decoded in --dtype (see
+    decoding_model), or a .gguf file, read in memory (nothing written) and by default decoded as the file holds
+    it, each matrix in its own type, its blocks going from the mapped file to the kernels without a float32
+    copy (weights.QuantizedModel.from_blocks); with --dtype, dequantized and decoded in that type."""
+    from pathlib import Path
+
+    from ..checkpoint import check_vocab, load_tokenizer
+    from ..memory import check_inference_fits
+    from ..model import Model
+    if Path(args.ckpt).suffix.lower() == ".gguf":
+        from ..infer import qkernels
+        from ..infer.weights import QuantizedModel, for_dtype
+        from ..interop.gguf_import import load_gguf
+        dtype = getattr(args, "dtype", None)
+        as_file = dtype is None and qkernels.AVAILABLE
+        if dtype is None and not as_file:
+            print("note: this CPU cannot decode the file's block types in integers (`sample --help`); decoding in "
+                  "float32", file=sys.stderr)
+        cfg, params, tok, _ = load_gguf(args.ckpt, blocks=as_file)
+        check_inference_fits(cfg)
+        model = QuantizedModel.from_blocks(cfg, params) if as_file else for_dtype(Model(cfg, params), dtype or "float32")
+        return model, tok
+    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    check_vocab(model.config, tok)
+    check_inference_fits(model.config)
+    return decoding_model(model, args), tok
 
 
 def check_temperature(name: str, value) -> float:
@@ -124,7 +162,7 @@ def register(sub) -> None:
                                    "Generation uses a KV cache and stops at </s> or --max-new-tokens. A prompt "
                                    "longer than the context keeps its last ctx_len tokens (with a notice). Control "
                                    "characters the model writes are shown escaped (\\x1b); --json gives the exact text.")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (read only: nothing in it is changed)")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or .gguf file (decoded as the file holds it, each matrix in its type; read only)")
     p.add_argument("--prompt", required=True, help="the text to continue ('-' reads it from stdin)")
     add_sampling_args(p, temperature=0.8, max_new=200)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -137,11 +175,8 @@ def run(args) -> int:
     from ..infer.session import generate, truncate_left
     from ..model import Model
     check_sampling_args(args)
-    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
-    check_vocab(model.config, tok)
-    from ..memory import check_inference_fits
-    check_inference_fits(model.config)
-    decoder = decoding_model(model, args)  # (refuses a --dtype the model cannot take: before anything is printed)
+    decoder, tok = load_for_decoding(args)  # (refuses a --dtype the model cannot take: before anything is printed)
+    model = decoder
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     text_ids = tok.encode(prompt)
     if not text_ids:

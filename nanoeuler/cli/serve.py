@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .sample import DTYPES, decoding_model
+from .sample import DTYPES, load_for_decoding
 
 
 def register(sub) -> None:
@@ -24,7 +24,7 @@ def register(sub) -> None:
                                    "/v1/completions and /v1/chat/completions (stream or not), as the OpenAI API. "
                                    "Concurrent requests share forward passes (continuous batching). Listens on "
                                    "127.0.0.1 unless --host says otherwise. SIGINT/SIGTERM end open streams and exit 0.")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (any: pretrained, SFT, DPO, imported)")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or .gguf file (decoded as the file holds it, each matrix in its type; read only): any model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("NANOEULER_API_KEY"),
@@ -74,11 +74,8 @@ def prepare(args):
     from pathlib import Path
 
     from ..chat_template import with_template_file
-    from ..checkpoint import load_tokenizer
-    from ..model import Model
     from ..serve.app import bind, create_app
-    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
-    model = decoding_model(model, args)
+    model, tok = load_for_decoding(args)
     tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,

@@ -154,25 +154,49 @@ def layout_mismatch(prev, t, given: int, align: int) -> str:
     return f"{given - int(prev.n_bytes)} bytes lie between the data of tensors {prev.name} and {t.name}"
 
 
-def tensors_of(reader, path: Path, progress: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
-    """(GGUF name -> float32 array in numpy order ([out, in] for matrices), GGUF name -> source type, the
-    bytes all tensors take in the file). A NaN or Inf weight is refused here, naming its tensor."""
+def tensors_of(reader, path: Path, progress: bool = False, blocks: bool = False
+               ) -> tuple[dict[str, np.ndarray], dict[str, str], int]:
+    """(GGUF name -> array in numpy order ([out, in] for matrices), GGUF name -> source type, the bytes all
+    tensors take in the file). Every tensor float32 (dequantized); with `blocks`, a matrix of a block type
+    decoding reads (infer/quant.py: Q8_0 ... Q6_K) stays its blocks, void records [out, in / block] viewing
+    the mapped file, and an F16 one float16 (a model to decode as the file is, never expanded). A NaN or Inf
+    weight is refused where it is dequantized, naming its tensor."""
     import gguf
     from tqdm import tqdm
+
+    from ..infer.quant import BLOCK_TYPES, WTYPES
     out, types = {}, {}
     for t in tqdm(reader.tensors, desc="dequantize", disable=not progress):
         shape = tuple(reversed([int(n) for n in t.shape]))
+        kind = t.tensor_type.name.lower()
+        types[t.name] = t.tensor_type.name
+        if blocks and len(shape) == 2 and kind in BLOCK_TYPES:
+            w = WTYPES[kind]
+            out[t.name] = t.data.reshape(shape[0], -1).view(f"V{w.nbytes}")  # [out, in / block] (mapped)
+            continue
+        if blocks and len(shape) == 2 and kind == "f16":
+            out[t.name] = np.asarray(t.data, np.float16).reshape(shape)
+            continue
         try:
             a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         except (NotImplementedError, ValueError) as e:
             raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be read ({str(e)[:100]})") from None
         out[t.name] = np.ascontiguousarray(a, dtype=np.float32)
-        types[t.name] = t.tensor_type.name
         bad = out[t.name].size - np.count_nonzero(np.isfinite(out[t.name]))
         if bad:
             raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) holds {bad} NaN/Inf value(s); the "
                             f"file's weights are damaged")
     return out, types, sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def logical_shape(a: np.ndarray) -> tuple[int, ...]:
+    """The shape of the weights an array holds: a matrix of blocks (void records) holds block weights a record.
+    logical_shape(np.zeros((3, 2), "V34")) -> (3, 64)"""
+    if a.dtype.kind != "V":
+        return a.shape
+    from ..infer.quant import WTYPES
+    block = next(w.block for w in WTYPES.values() if w.nbytes == a.dtype.itemsize and w.block > 1)
+    return (*a.shape[:-1], a.shape[-1] * block)
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
@@ -398,8 +422,9 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise UserError(f"tensor {e.name} is missing from the GGUF file")
         a = T.pop(e.name)
         want = (sum(shapes[n][0] for n in ours), *shapes[ours[0]][1:])
-        if tuple(a.shape) != want:
-            raise UserError(f"tensor {e.name} has shape {list(a.shape)}, expected {list(want)} from the metadata")
+        if logical_shape(a) != want:
+            raise UserError(f"tensor {e.name} has shape {list(logical_shape(a))}, expected {list(want)} from the "
+                            "metadata")
         for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
             if fmt.permute_qk and n.endswith(("attn.wq.weight", "attn.wk.weight")):
                 part = unpermute_qk(part, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
@@ -409,9 +434,11 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 # ---------------------------------------------------------------------------------------------- import
 
-def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False):
+def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False, blocks: bool = False):
     """A GGUF file -> (Config, params, Tokenizer, source) without writing anything; source is source.json's
-    dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0."""
+    dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0. params are float32 (a model to train, save,
+    export), or with `blocks` each matrix as the file holds it where decoding reads its type (tensors_of: a
+    model to decode, weights.QuantizedModel.from_blocks)."""
     from ..arch import ARCHS, by_format
     from ..config import check_params, head_weight
     if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
@@ -426,7 +453,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
         raise UserError(f"GGUF general.architecture {name!r:.60} is not supported; importable: "
                         f"{', '.join(a.gguf.name for a in ARCHS.values())}")
     check_vocabulary(meta, reader.tensors)
-    T, types, nbytes = tensors_of(reader, path, progress)
+    T, types, nbytes = tensors_of(reader, path, progress, blocks)
     if "token_embd.weight" not in T:
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
     check_vocab_size(meta, arch.gguf.name, T["token_embd.weight"].shape[0])
@@ -439,7 +466,8 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False)
     cfg = cfg.replace(n_mtp=n_mtp or 1)
     tok = gguf_tokenizer(meta, cfg.vocab_size)
     params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}
-    check_params(cfg, params)
+    if not blocks:
+        check_params(cfg, params)
     source = {"format": "gguf", "file": path.name, "file_tensor_bytes": nbytes,
               "tensor_types": {n: types[g] for n, g in src_names.items() if n in params}}
     return cfg, params, tok, source
