@@ -144,10 +144,29 @@ def test_gguf_round_trip_is_exact(folders, kind, tmp_path):
     from nanoeuler.interop.hf import load_hf_folder
     _, d = folders[kind]
     cfg, params, tok = load_hf_folder(d)
-    if kind == "gemma3":  # llama.cpp fixes these for gemma3 (every 6th layer global, local base 10,000)
-        cfg = cfg.replace(global_every=6, rope_local_theta=10000.0)
     path = export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
     cfg2, params2, _, source = load_gguf(path)
     assert cfg2 == cfg and source["format"] == "gguf"
     for n in params:
         assert np.array_equal(params[n], params2[n]), n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_runs_our_gguf_export(folders, kind, tmp_path):
+    """llama.cpp loads our F32 export of each architecture and computes our logits (relative L2; GELU through
+    its float16 table: gemma3, gpt2 ~3e-4) and our greedy tokens."""
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.infer.session import generate
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.hf import load_hf_folder
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    _, d = folders[kind]
+    cfg, params, tok = load_hf_folder(d)
+    m = Model(cfg, params)
+    path = export_gguf(m, tok, tmp_path / "m.gguf", progress=False)
+    lc = LlamaCpp(path, n_ctx=cfg.ctx_len, logits_all=True)
+    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, T))
+    theirs, mine = lc.logits(ids), m.logits(np.array([ids]))[0, 0]
+    l2 = np.linalg.norm(theirs - mine) / np.linalg.norm(mine)  # windows included (T 24 > window 5)
+    assert l2 <= (1e-3 if cfg.spec.mlp != "swiglu" else 1e-5)
+    assert lc.greedy(ids[:5], 16)[0] == generate(m, ids[:5], 16, temperature=0, stop_ids=[]).ids

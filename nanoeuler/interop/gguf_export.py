@@ -93,17 +93,15 @@ def add_hparams(w, cfg) -> None:
         w.add_value_length(cfg.head_dim)
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern(cfg.global_every)   # llama.cpp: layer i global iff i % n == n - 1 (0: none)
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
     w.add_vocab_size(cfg.vocab_size)
 
 
 def check_expressible(cfg) -> None:
-    """Refuse what llama.cpp would read differently from our config: it fixes some numbers per architecture
-    instead of reading them (Gemma 3: every 6th layer global, windowed layers at RoPE base 10,000)."""
+    """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
+    has none."""
     a = cfg.spec
-    for name in ("global_every", "rope_local_theta"):
-        if name in a.defaults and getattr(cfg, name) != a.defaults[name] and cfg.sliding_window:
-            raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} takes {name} = {a.defaults[name]}, "
-                            f"this model has {getattr(cfg, name)}")
     if cfg.sliding_window and "sliding_window" not in a.defaults:
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
 

@@ -390,8 +390,10 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   tie_embeddings="output.weight" not in tensors)
     if arch.positions == "rope":
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, arch.defaults.get("rope_theta", 10000.0))
-    if window:
+    if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
         fields["sliding_window"] = window
+        fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
+        fields["rope_local_theta"] = field(meta, f"{a}.rope.freq_base_swa", float, arch.defaults["rope_local_theta"])
     try:
         return Config(**fields)
     except UserError as e:
