@@ -376,6 +376,35 @@ def read_source(run_dir) -> dict | None:
     return src
 
 
+SOURCE_BLOCKS = "source.safetensors"  # beside source.json: the file's matrices in their block types (or F16) as it
+                                      # held them, our names, the rows of bytes (U8) or float16 values (F16)
+
+
+def source_blocks(run_dir) -> dict[str, np.ndarray] | None:
+    """The matrices of an imported checkpoint as the GGUF file held them — blocks as void records [out,
+    in / block] (infer/quant.py), F16 as float16 — mapped read-only; None when the checkpoint has none, or when
+    its weights are no longer the ones they were imported with (source.json's `weights` records the
+    model.safetensors they belong to: its size and modification time; any save replaces that file)."""
+    from .infer.quant import BLOCK_TYPES, WTYPES
+    src = read_source(run_dir)
+    path = Path(run_dir)
+    if src is None or not (path / SOURCE_BLOCKS).is_file():
+        return None
+    st = (path / "model.safetensors").stat()
+    if src.get("weights") != [st.st_size, st.st_mtime_ns]:
+        return None
+    out = {}
+    for name, a in map_tensors(path / SOURCE_BLOCKS, "checkpoint source blocks").items():
+        kind = str(src["tensor_types"].get(name, "")).lower()
+        if kind == "f16" and a.dtype == np.float16:
+            out[name] = a
+        elif kind in BLOCK_TYPES and a.dtype == np.uint8 and a.ndim == 2 and a.shape[1] % WTYPES[kind].nbytes == 0:
+            out[name] = a.view(f"V{WTYPES[kind].nbytes}")
+        else:
+            raise UserError(f"{path / SOURCE_BLOCKS}: tensor {name!r:.60} is not what source.json says ({kind or 'no type'})")
+    return out
+
+
 def load_tokenizer(run_dir, read_only: bool = False):
     from .tokenizer import Tokenizer
     run_dir = check_run_dir(run_dir, read_only)

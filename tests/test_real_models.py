@@ -105,3 +105,26 @@ def test_an_f32_reexport_gives_llama_cpps_logits(name, tmp_path):
     l2 = float(np.linalg.norm(mine - theirs) / np.linalg.norm(theirs))
     print(f"{name} f32 re-export: relative L2 {l2:.2e}")
     assert l2 <= (1e-3 if cfg.spec.mlp == "geglu" else 1e-5) and (mine.argmax(-1) == theirs.argmax(-1)).mean() >= 0.99
+
+
+def test_an_import_decodes_and_exports_its_files_blocks(tmp_path):
+    """import keeps the file's blocks beside the float32 weights: `export --format gguf` writes every tensor of the
+    file back byte for byte, and a training step's save (new weights) retires them."""
+    import gguf
+
+    from nanoeuler.checkpoint import source_blocks
+    from nanoeuler.cli import main
+    path = real_model("smollm2")
+    assert main(["import", "--from", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    blocks = source_blocks(tmp_path / "run")
+    assert blocks["layers.0.attn.wq.weight"].dtype == np.dtype("V20") and blocks["embed.weight"].dtype == np.dtype("V34")
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--format", "gguf", "--out", str(tmp_path / "again.gguf"),
+                 "--no-progress"]) == 0
+    a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(tmp_path / "again.gguf"))
+    theirs = {t.name: (t.tensor_type, bytes(t.data)) for t in a.tensors}
+    ours = {t.name: (t.tensor_type, bytes(t.data)) for t in b.tensors}
+    assert ours == theirs
+    from nanoeuler import Model
+    m = Model.load(tmp_path / "run")
+    m.save(tmp_path / "run")       # new weights (here: the same values, saved again) retire the blocks
+    assert source_blocks(tmp_path / "run") is None

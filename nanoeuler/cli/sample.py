@@ -78,17 +78,18 @@ def decoding_model(model, args):
 
 def load_for_decoding(args):
     """(the model generation runs, the tokenizer) of --ckpt: a checkpoint directory, decoded in --dtype (see
-    decoding_model), or a .gguf file, read in memory (nothing written) and by default decoded as the file holds
-    it, each matrix in its own type, its blocks going from the mapped file to the kernels without a float32
-    copy (weights.QuantizedModel.from_blocks); with --dtype, dequantized and decoded in that type."""
+    decoding_model), or a .gguf file, read in memory (nothing written). A .gguf file, and by default a checkpoint
+    imported from one (its checkpoint.source_blocks), decode as the file holds them, each matrix in its own
+    type, the blocks going from the mapped file to the kernels without a float32 copy
+    (weights.QuantizedModel.from_blocks); with --dtype, dequantized and decoded in that type."""
     from pathlib import Path
 
-    from ..checkpoint import check_vocab, load_tokenizer
+    from ..checkpoint import check_vocab, load_model, load_tokenizer, source_blocks
+    from ..infer import qkernels
+    from ..infer.weights import QuantizedModel, for_dtype
     from ..memory import check_inference_fits
     from ..model import Model
     if Path(args.ckpt).suffix.lower() == ".gguf":
-        from ..infer import qkernels
-        from ..infer.weights import QuantizedModel, for_dtype
         from ..interop.gguf_import import load_gguf
         dtype = getattr(args, "dtype", None)
         as_file = dtype is None and qkernels.AVAILABLE
@@ -99,7 +100,14 @@ def load_for_decoding(args):
         check_inference_fits(cfg)
         model = QuantizedModel.from_blocks(cfg, params) if as_file else for_dtype(Model(cfg, params), dtype or "float32")
         return model, tok
-    model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    tok = load_tokenizer(args.ckpt, read_only=True)
+    blocks = source_blocks(args.ckpt) if getattr(args, "dtype", None) is None else None
+    if blocks and qkernels.AVAILABLE:  # an import, as its file held it: its blocks, the rest of its weights mapped
+        cfg, params = load_model(args.ckpt, read_only=True, mapped=True)
+        check_vocab(cfg, tok)
+        check_inference_fits(cfg)
+        return QuantizedModel.from_blocks(cfg, params | blocks), tok
+    model = Model.load(args.ckpt, read_only=True)
     check_vocab(model.config, tok)
     check_inference_fits(model.config)
     return decoding_model(model, args), tok

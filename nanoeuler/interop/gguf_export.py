@@ -72,6 +72,27 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
+def gguf_blocks(cfg, blocks: dict) -> dict:
+    """llama.cpp name -> (its data as a source file held it, its GGMLQuantizationType), for the tensors whose
+    every part is among `blocks` in one type (void records of a block type: rows of bytes; or float16), q and k
+    permuted as gguf_tensors does."""
+    import gguf
+
+    from ..infer.quant import WTYPES
+    types = {w.nbytes: name for name, w in WTYPES.items() if w.block > 1}
+    out = {}
+    for e in cfg.spec.gguf.tensors(cfg.n_layers):
+        parts = [blocks.get(n) for n in e.ours]
+        if any(p is None for p in parts) or len({p.dtype for p in parts}) != 1:
+            continue
+        a = np.concatenate([layer_tensor(cfg, n, p)[1] for n, p in zip(e.ours, parts)])
+        if a.dtype == np.float16:
+            out[e.name] = (np.ascontiguousarray(a), gguf.GGMLQuantizationType.F16)
+        else:
+            out[e.name] = (np.ascontiguousarray(a).view(np.uint8), gguf.GGMLQuantizationType[types[a.dtype.itemsize].upper()])
+    return out
+
+
 def add_hparams(w, cfg) -> None:
     """The `{arch}.*` hyperparameters of cfg into a gguf.GGUFWriter (made for cfg's GGUF architecture)."""
     a = cfg.spec
@@ -162,8 +183,11 @@ def _gguf():
     return gguf
 
 
-def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True) -> Path:
-    """Write the GGUF file `out` atomically (a temporary name renamed at the end)."""
+def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True,
+                blocks: dict | None = None) -> Path:
+    """Write the GGUF file `out` atomically (a temporary name renamed at the end). blocks: an import's matrices
+    as its file held them (checkpoint.source_blocks), written back byte for byte where they hold a whole tensor;
+    the other tensors in `dtype`."""
     gguf = _gguf()
     from tqdm import tqdm
 
@@ -190,6 +214,11 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     if dtype[0] == "q" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
         raise UserError(f"{dtype} needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
     tensors = gguf_tensors(model)
+    raw = gguf_blocks(cfg, blocks or {})
+    if raw:  # the file type: the most common one among the matrices
+        from collections import Counter
+        common = Counter(q.name for _, q in raw.values()).most_common(1)[0][0]
+        ftype = gguf.LlamaFileType.MOSTLY_F16 if common == "F16" else gguf.LlamaFileType[f"MOSTLY_{common}"]
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), cfg.spec.gguf.name)
         w.add_name("nanoeuler")
@@ -207,7 +236,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
         w.add_add_bos_token(tok.bos_id is not None)
         w.add_chat_template(template_of(tok))
         for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
-            if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            if name in raw:
+                data, q = raw[name]
+                w.add_tensor(name, data, raw_dtype=None if q == gguf.GGMLQuantizationType.F16 else q)
+            elif a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(name, a)
             else:
                 w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)

@@ -477,11 +477,17 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
 
 def import_gguf(src: str | Path, out: str | Path, n_mtp: int | None = None, force: bool = False,
                 progress: bool = True):
-    """Import the GGUF file src into the checkpoint directory out (whole or not at all)."""
-    from ..checkpoint import SOURCE_FILE, json_writer, model_writers, save_files
+    """Import the GGUF file src into the checkpoint directory out (whole or not at all): the weights in float32
+    (to train, export, ...), and beside them the file's matrices as it held them (checkpoint.SOURCE_BLOCKS:
+    decoding reads them without a float32 copy, `export --format gguf` writes them back byte for byte)."""
+    from ..checkpoint import SOURCE_BLOCKS, SOURCE_FILE, json_writer, model_writers, save_files, tensors_writer
     from .outputs import check_free, output_dir
     check_free(out, force, inputs=[src])
     cfg, params, tok, source = load_gguf(src, n_mtp, progress)
+    blocks = {n: a.view(np.uint8) if a.dtype.kind == "V" else a for n, a in load_gguf(src, n_mtp, blocks=True)[1].items()
+              if n in source["tensor_types"] and (a.dtype.kind == "V" or a.dtype == np.float16)}
     with output_dir(out, force, inputs=[src]) as tmp:
-        save_files(tmp, {**model_writers(cfg, params, tok), SOURCE_FILE: json_writer(source)})
+        save_files(tmp, model_writers(cfg, params, tok) | ({SOURCE_BLOCKS: tensors_writer(blocks)} if blocks else {}))
+        st = (tmp / "model.safetensors").stat()   # the weights the blocks belong to (checkpoint.source_blocks)
+        save_files(tmp, {SOURCE_FILE: json_writer(source | {"weights": [st.st_size, st.st_mtime_ns]})})
     return cfg, params, tok
