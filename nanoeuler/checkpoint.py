@@ -308,8 +308,8 @@ def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
 
 
 def drop_pages(arrays) -> int:
-    """Let this process's memory drop every page of the files that arrays of `map_tensors` view (other arrays
-    are left alone): the pages are read back from the files, the same bytes, when next read. -> bytes dropped."""
+    """Let this process's memory drop every page of the files that arrays of `map_tensors` or of a np.memmap
+    view (other arrays are left alone): the pages are read back from the files, the same bytes, when next read. -> bytes dropped."""
     import mmap
     maps = {id(m): m for m in map(file_map, arrays) if m is not None}
     for m in maps.values():
@@ -318,9 +318,11 @@ def drop_pages(arrays) -> int:
 
 
 def file_map(a: np.ndarray):
-    """The mmap an array of `map_tensors` views, else None."""
+    """The mmap an array of `map_tensors` (or of a np.memmap, as a GGUF file's tensors) views, else None."""
     import mmap
     while isinstance(a, np.ndarray):
+        if isinstance(a, np.memmap) and isinstance(getattr(a, "_mmap", None), mmap.mmap):
+            return a._mmap
         a = a.base
     return a.obj if isinstance(a, memoryview) and isinstance(a.obj, mmap.mmap) else None
 

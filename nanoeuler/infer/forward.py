@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..checkpoint import drop_pages
 from ..config import Config, head_weight
 from . import kernels
 from .cache import KVCache, attend_rows
@@ -87,9 +88,9 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
                     groups[-1][1].append(P[n])
                 else:
                     groups.append((t, [P[n]]))
-            layer.append([(t, np.concatenate(ps) if len(ps) > 1 else ps[0]) for t, ps in groups])
+            layer.append([(t, np.concatenate(ps) if len(ps) > 1 else ps[0], ps) for t, ps in groups])
         plan.append(layer)
-    shapes = [t.packed(S.shape) for layer in plan for segs in layer for t, S in segs]
+    shapes = [t.packed(S.shape) for layer in plan for segs in layer for t, S, _ in segs]
     sizes = [-(-int(np.prod(sh)) * dt.itemsize // 64) * 64 for sh, dt in shapes]
     buf = np.empty(sum(sizes) + 64, np.uint8)
     off = -buf.ctypes.data % 64   # every kernel form 64-byte aligned
@@ -98,9 +99,10 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
         out.append([])
         for segs in layer:
             out[-1].append([])
-            for t, S in segs:
+            for t, S, parts in segs:
                 (sh, dt), size = shapes[k], sizes[k]
                 Wk = forms.kernel_form(S, buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh))
+                drop_pages(parts)  # a mapped file's matrices (a GGUF's blocks): read, packed, let go of at once
                 out[-1][-1].append((t.kind, Wk, S.shape[0]))
                 off, k = off + size, k + 1
     return out, buf
