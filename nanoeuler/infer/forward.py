@@ -43,6 +43,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     parts = [head_weight(P, k) for k in range(K)]
     heads32 = None if forms.kernels else f32(np.concatenate(parts))  # [K·V, d] (tied: head 0 is the embedding)
     head0 = kernel_form(parts[0])  # [panels, d, PANEL]: decoding reads head 0 only (a tied head: the embedding's blocks)
+    drop_pages(parts)              # (a mapped file's: packed; a lookup reads back the rows it needs)
     W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
          "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),
          "heads": pair(tuple(parts) if forms.kernels else heads32, head0 if K == 1 else kernel_form(np.concatenate(parts))),
