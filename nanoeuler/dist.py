@@ -338,7 +338,7 @@ class DataParallel(Trainer):
         self.params = obj.params
         # the flat layout in the config's order (a loaded checkpoint's dict is in file order), then LoRA
         # adapters (none of the config's names: a LoRA run's config names are its saved modules) sorted
-        shapes = obj.model.config.param_shapes() if hasattr(obj, "model") else {}
+        shapes = obj.model.config.param_shapes()
         order = [n for n in shapes if n in self.params] + sorted(n for n in self.params if n not in shapes)
         self.red = Reducer(comm, {n: self.params[n] for n in order}, comm.bucket_mb)
         self.zero = comm.zero

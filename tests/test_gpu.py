@@ -20,6 +20,7 @@ import pytest
 
 from nanoeuler.check import Row
 from nanoeuler.config import Config
+from nanoeuler.errors import UserError
 from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, gpu_extra, kernel_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +239,7 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     from train_fixtures import TINY, SyntheticSource
     tcfg = TrainConfig(steps=2, batch_size=2, lr=1e-2, warmup=1, eval_every=2, eval_batches=0, ckpt_every=1, seed=0)
     gm = GpuModel(Model.init(TINY, seed=0))
-    assert isinstance(gm.optimizer(lr=1e-3), GpuAdamW)
+    assert isinstance(gm.optimizer(gm.params, lr=1e-3), GpuAdamW)
     summary = run_training(gm, None, SyntheticSource(batch_size=2), tmp_path, tcfg, stop_after=1, progress=False)
     assert summary["step"] == 1
     cpu = Model.load(tmp_path)  # an ordinary checkpoint
@@ -247,6 +248,21 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     summary = run_training(GpuModel(cpu), None, SyntheticSource(batch_size=2), tmp_path, tcfg, resume=True,
                            progress=False)
     assert summary["finished"] and summary["step"] == 2 and np.isfinite(summary["val_loss"])
+
+
+@needs_gxx
+def test_emulated_gpu_model_is_trainable_without_dropout(emu):
+    """GpuModel has every member of the training loop's interface; residual dropout is refused up front."""
+    from nanoeuler import Model
+    from nanoeuler.gpu.engine import GpuModel
+    from nanoeuler.trainable import Trainable
+    from nanoeuler.train import LMObjective, TrainConfig
+    from train_fixtures import TINY
+    gm = GpuModel(Model.init(TINY, seed=0))
+    assert isinstance(gm, Trainable) and gm.device == "gpu" and gm.adapter_dropout == 0.0
+    LMObjective(gm, None, TrainConfig(dropout=0.0))
+    with pytest.raises(UserError, match="--dropout is not implemented on the GPU engine"):
+        LMObjective(gm, None, TrainConfig(dropout=0.1))
 
 
 def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):
