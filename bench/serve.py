@@ -327,7 +327,7 @@ def engine_server(argv: list[str]) -> int:
                 stamps["end"] = now
                 loop.call_soon_threadsafe(ended.set_result, kind)
         t0 = time.perf_counter()
-        app.state.batcher.submit(Job(ids=body["ids"], max_tokens=body["max_tokens"], on_event=on_event))
+        app.state.service.batcher.submit(Job(ids=body["ids"], max_tokens=body["max_tokens"], on_event=on_event))
         ok = await ended == "done"
         return {"ok": ok, "wall_s": stamps["end"] - t0, "ttft_s": stamps.get("first", stamps["end"]) - t0,
                 "pid": os.getpid()}
