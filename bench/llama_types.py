@@ -1,4 +1,4 @@
-"""Ours against llama.cpp at each weight type, on the same GGUF file: decode and prompt tokens/s (issue 26 §5).
+"""Ours against llama.cpp at each weight type, on the same GGUF file: decode and prompt tokens/s.
 
 For each model, random-init (speed does not depend on the weights) — `big`, and `smol135`, a llama of
 SmolLM-135M's shape (30 layers, d 576, 9 heads / 3 kv heads, ffn 1536, vocab 49152, tied head: 134.5 M

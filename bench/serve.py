@@ -18,15 +18,15 @@ adds the engine alone at each served dtype (no HTTP, jobs stepped in this proces
 time, which a shared machine does not distort as much; and, for every server, one stream through a minimal
 client (`raw_stream`: the request in one socket write, the reply read to its [DONE], no HTTP library: the
 median of --raw-repeat requests), so the server's own HTTP path is told apart from the client's (httpx's
-per-request cost, ~25 ms here, is part of every level's figures, ours and llama-server's alike).
+per-request cost is part of every level's figures, ours and llama-server's alike).
 --http-cost measures instead what the HTTP path costs one stream: the server runs with one route more
 (engine_server), through which the same greedy job goes straight to the server's own engine (same
 process, engine thread, decoding threads); pairs alternate engine alone, then HTTP (raw_stream), and the
 median of HTTP wall / engine wall - 1 is "HTTP cost of one stream" (TTFT is inside both walls).
 --fairness measures instead how a short request fares beside a long one (the engine shares rows and prompt
 work fairly between requests): one short greedy stream at a time, --pairs alone, then --pairs while one
-long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: the shape that made a
-40-token request wait 48.5 s when requests were served first come, first served); TTFT and the time to the
+long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: more jobs than rows,
+which served first come, first served would hold every row until its end); TTFT and the time to the
 end, alone and beside, and whether the long request was still running when each short one ended.
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server

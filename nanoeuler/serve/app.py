@@ -142,9 +142,9 @@ class EventStream(StreamingResponse):
 class OneSendPerPass:
     """A transport that sends, in one system call, everything written to it during one pass of the event
     loop (the first write schedules the send for the end of the pass): a stream's headers and first events,
-    its last events and the chunked encoding's end, go out together. On 2 shared cores a send to a local
-    client cost ~0.2 ms and woke the client, both taken from the decoding threads (a stream over HTTP wrote
-    7 times for 128 tokens). Everything else is the wrapped transport's."""
+    its last events and the chunked encoding's end, go out together. Each send is a system call and wakes
+    the client, time taken from the decoding threads where cores are few. Everything else is the wrapped
+    transport's."""
 
     def __init__(self, transport):
         self._transport, self._pending = transport, []
@@ -168,9 +168,8 @@ class OneSendPerPass:
 
 
 def http_protocol(read_timeout: float = READ_TIMEOUT):
-    """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), whose parsing and
-    framing took a stream 0.2 ms less than h11's pure Python (`big` q8_0, 60 interleaved pairs: 6.1 % over
-    the engine alone against 8.6 %). Two rules of its own:
+    """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), which parses and
+    frames a stream in less time than h11's pure Python (docs/benchmarks.md, Serving). Two rules of its own:
 
     - a request llhttp cannot parse (a bad request line, a negative or 20-digit Content-Length, Content-Length
       with Transfer-Encoding, bytes after a body that begin no request) is answered 400 with an OpenAI error
@@ -356,12 +355,10 @@ class Dispatcher:
     (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token. A job's
     first token and its last event (done, error) wake the loop at once too: neither a reply's start (its
     prompt event opens a window just before the first token) nor its end waits for the window.
-    Without it one stream over HTTP ran at 0.4-0.6x the engine alone on `big` (2 shared cores).
 
     WINDOW is 50 ms: text reaches a reader 20 times a second, and a stream pays one pass of the HTTP path
-    (~0.5 ms of the event loop's time, which the scheduler takes from a decoding thread on 2 cores: the
-    decoding step waits ~0.8 ms) per 50 ms. One stream of 128 tokens on `big` q8_0 over HTTP, against the
-    engine alone (interleaved pairs): 14.3 % more time with 10 ms windows, 10.5 % with 30, 8.2 % with 50."""
+    per window: event-loop time that, where cores are few, a decoding thread waits out. Shorter windows
+    cost a stream more (docs/benchmarks.md, Serving: 10, 30 and 50 ms measured)."""
 
     WINDOW = 0.05  # seconds: at most this late does a token reach its request while a stream flows
 
@@ -483,10 +480,9 @@ class Run:
 
 async def on_loop_if_short(size: int, fn, *args):
     """fn(*args), which reads `size` characters, token ids or logprob values of a request: on the event loop
-    when they are at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back
-    cost every request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, the JSON of
-    64 choices with 20 top logprobs a token took the loop 5 s, and the loop must go on serving every other
-    client meanwhile)."""
+    when they are at most INLINE_CHARS (such work takes about what the hop to a worker thread and back would
+    add to the request), else on a worker thread (a megabyte of text, or the JSON of many choices' top
+    logprobs, takes the loop seconds, and it must go on serving every other client meanwhile)."""
     return fn(*args) if size <= INLINE_CHARS else await run_in_threadpool(fn, *args)
 
 
@@ -963,8 +959,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 def bind(host: str, port: int):
     """A listening socket on host:port (port 0: any free one); a port in use is a UserError. Its protocol
     is named (IPPROTO_TCP): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of such
-    sockets, and with it on, a stream's later chunk waited for the client's delayed acknowledgement of the
-    one before (a keep-alive client got a 128-token reply's end ~20-40 ms late)."""
+    sockets, and with it on, a stream's later chunk waits for the client's delayed acknowledgement of the
+    one before (a keep-alive client gets a reply's end tens of ms late)."""
     import socket
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -992,8 +988,8 @@ def run_server(app: FastAPI, sock, log_level: str = "warning", on_ready=None) ->
 
     # The engine thread gives the GIL up in every compiled step and large NumPy call, and takes it back
     # only when the event loop's thread yields it: by default after 5 ms of Python. With many streams the
-    # loop always has Python to run, so each step could lose ms waiting; 0.5 ms bounds that wait (`big`,
-    # 16 streams, 3 alternating pairs: 2411-3016 tokens/s against 2201-2492; one stream unchanged).
+    # loop always has Python to run, so each step could lose ms waiting; 0.5 ms bounds that wait
+    # (docs/benchmarks.md, Serving).
     sys.setswitchinterval(0.0005)
 
     class Server(uvicorn.Server):
@@ -1007,8 +1003,7 @@ def run_server(app: FastAPI, sock, log_level: str = "warning", on_ready=None) ->
                 return
             await warm_up(app)
             # What the server holds now lives as long as it does: out of the garbage collector's generations,
-            # whose oldest one a collection walks whole, holding the GIL (160k objects: ~80 ms a collection,
-            # every stream stalled; frozen, 0.3 ms).
+            # whose oldest one a collection walks whole, holding the GIL and stalling every stream.
             gc.collect()
             gc.freeze()
             if on_ready is not None:
