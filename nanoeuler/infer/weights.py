@@ -1,10 +1,11 @@
 """Weight forms: the weight types a decoding step reads, and the matrix products of its few rows.
 
-A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's parameters:
+How the decoding step reads each weight type (quant.WTYPES names the types and their storage) is a table
+entry (`KERNEL_FORMS`, under the same names), chosen by the dtype of the model's parameters:
 
-    name  parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
-    f32   float32      the float32 values                   the float32 values
-    f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
+    name     parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
+    float32  float32      the float32 values                   the float32 values
+    float16  float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
     q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k   (the parameters: void records of one block's bytes,
                        [out, in / block], dtype V34 | V18 | V20 | V22 | V24 | V144 | V176 | V210)
@@ -32,9 +33,9 @@ from . import kernels, qkernels, quant
 
 
 @dataclass(frozen=True)
-class WType:
-    """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
+class KernelForm:
+    """How decoding reads one weight type: the parameters' dtype that selects it, the float32 values the NumPy
+    reference computes with, and its kernel form: `pack(W [..., out, in], out=None)` and `packed(shape)` -> (the kernel
     form's shape, dtype), so that stacked matrices can share one buffer (forward.fuse_weights)."""
     name: str
     dtype: np.dtype
@@ -43,7 +44,7 @@ class WType:
     packed: Callable[[tuple], tuple]
 
 
-def _block_type(name: str) -> WType:
+def _block_form(name: str) -> KernelForm:
     """A GGUF block type: parameters [..., out, in / block] of records of one block's bytes (quant.py)."""
     t = quant.WTYPES[name]
 
@@ -61,25 +62,26 @@ def _block_type(name: str) -> WType:
         return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),
                 np.dtype(np.uint8))
 
-    return WType(name, np.dtype(f"V{t.nbytes}"), values, pack, packed)
+    return KernelForm(name, np.dtype(f"V{t.nbytes}"), values, pack, packed)
 
 
-WTYPES = {
-    "f32": WType("f32", np.dtype(np.float32), lambda a: a, kernels.pack,
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32))),
-    "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a, out=None: kernels.pack(a.view(np.uint16), out),
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16))),
-    **{name: _block_type(name) for name in quant.BLOCK_TYPES},
+KERNEL_FORMS = {
+    "float32": KernelForm("float32", np.dtype(np.float32), lambda a: a, kernels.pack,
+                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32))),
+    "float16": KernelForm("float16", np.dtype(np.float16), kernels.widen,
+                          lambda a, out=None: kernels.pack(a.view(np.uint16), out),
+                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16))),
+    **{name: _block_form(name) for name in quant.BLOCK_TYPES},
 }
 
 
-def wtype(P: dict) -> WType | None:
+def kernel_form(P: dict) -> KernelForm | None:
     """The weight type of a model's parameters (the embedding's dtype), or None (no kernel form)."""
     return of_dtype(P["embed.weight"].dtype)
 
 
-def of_dtype(dtype: np.dtype) -> WType | None:
-    return next((t for t in WTYPES.values() if t.dtype == dtype), None)
+def of_dtype(dtype: np.dtype) -> KernelForm | None:
+    return next((t for t in KERNEL_FORMS.values() if t.dtype == dtype), None)
 
 
 def values(W) -> np.ndarray:
@@ -108,7 +110,7 @@ class Forms:
     reads more rows than the kernels take)."""
 
     def __init__(self, P: dict, batched: bool = False):
-        self.wt = wtype(P)
+        self.wt = kernel_form(P)
         self.kernels = kernels.ENABLED and self.wt is not None
         self.batched = batched
 
