@@ -139,15 +139,13 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     kernel form or None), arranged for the 1..4 rows of a decoding or verification step.
 
     Up to kernels.ROWS float32 rows go to the kernels' matrix-vector product when W has a kernel form
-    (both cores, float32 or float16 weights; on `big`'s [4096, 384] head 3-4x faster than OpenBLAS's one row).
-    Otherwise, OpenBLAS (0.3.31, measured here, one thread) is uneven on such shapes: a 2-row x @ W.T can
-    cost 3-10x a 1-row one; 2-3 rows against a contiguous [in, out] copy cost 1.0-1.7x one row while
-    out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide outputs ([2048, 384]: 339 µs vs 46), where
-    row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the [in, out] copy
-    where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative verification
-    then read the same matrices, so alternating between them does not pull the other copy of every weight
-    back into the CPU cache (that made a verification after plain steps cost 2x a plain step instead of
-    1.2x, measured here on `small`)."""
+    (both cores, float32 or float16 weights; several times faster than OpenBLAS's one row).
+    Otherwise, OpenBLAS (one thread) is uneven on such shapes: a 2-row x @ W.T can cost several 1-row ones;
+    2-3 rows against a contiguous [in, out] copy cost about one row while out <= 1024, but far more for wide
+    outputs, where row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the
+    [in, out] copy where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative
+    verification then read the same matrices, so alternating between them does not pull the other copy of
+    every weight back into the CPU cache."""
     W, Wt, Wk = W
     rows, out = x.reshape(-1, x.shape[-1]), n_out(W)
     if Wk is not None and len(rows) <= kernels.ROWS and rows.dtype == np.float32:
@@ -166,9 +164,8 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
 
 def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
     """x [n, in] @ W[out, in].T for the n rows of a batched decoding step (W = Forms.pair's triple).
-    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T: OpenBLAS (one thread, measured here) takes
-    322 µs for W [2048, 384] and 16 rows that way against 577 µs as x @ W.T, and 690 against 1168 µs for a
-    [4096, 384] head; narrow ones read the [in, out] copy (at 4 rows 20 µs against 60)."""
+    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T, which OpenBLAS (one thread) runs in about
+    half the time of x @ W.T there; narrow ones read the [in, out] copy, faster at a few rows."""
     W0 = values(W[0])  # (raw parts: dequantized for this use)
     if len(x) == 1:
         return (W0 @ x[0])[None]
