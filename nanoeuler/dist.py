@@ -332,9 +332,9 @@ class DataParallel(Trainer):
         if micro % self.size:
             error = (f"a micro-batch of {micro} (--batch-size {tcfg.batch_size} / --grad-accum {tcfg.grad_accum}) "
                      f"cannot be split evenly over {self.size} ranks; make it a multiple of {self.size}")
-        elif not isinstance(opt, _adamw_type()):
+        elif obj.model.device != "cpu":
             error = "data-parallel training runs the CPU engine (--device cpu)"
-        comm.agree(error, fingerprint(obj, opt, tcfg, state, rng, comm))
+        comm.agree(error, None if error else fingerprint(obj, opt, tcfg, state, rng, comm))
         self.params = obj.params
         # the flat layout in the config's order (a loaded checkpoint's dict is in file order), then LoRA
         # adapters (none of the config's names: a LoRA run's config names are its saved modules) sorted
@@ -454,11 +454,6 @@ def sum_of_squares(x: np.ndarray) -> float:
 
 
 _sumsq = None
-
-
-def _adamw_type():
-    from .optim import AdamW
-    return AdamW
 
 
 def fingerprint(obj, opt, tcfg, state, rng, comm) -> dict:

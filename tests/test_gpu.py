@@ -265,6 +265,30 @@ def test_emulated_gpu_model_is_trainable_without_dropout(emu):
         LMObjective(gm, None, TrainConfig(dropout=0.1))
 
 
+@needs_gxx
+def test_emulated_gpu_model_is_refused_by_data_parallel_training(emu):
+    """Data parallelism runs the CPU engine: a GpuModel under MPI is one error, before its device arrays are
+    read (GpuAdamW is an AdamW, so the optimizer's type does not tell)."""
+    from nanoeuler import Model, dist
+    from nanoeuler.gpu.engine import GpuModel
+    from nanoeuler.train import LMObjective, TrainConfig
+    from train_fixtures import TINY, SyntheticSource
+
+    class RankOfTwo(dist.Local):   # rank 0 of 2, whose agree() raises what the ranks would all raise
+        size = 2
+
+        def agree(self, error, fingerprint=None):
+            if error:
+                raise UserError(error)
+
+    gm = GpuModel(Model.init(TINY, seed=0))
+    tcfg = TrainConfig(steps=1, batch_size=2, seed=0)
+    obj = LMObjective(gm, SyntheticSource(batch_size=2), tcfg)
+    state = {"step": 0, "kind": "pretrain"}
+    with pytest.raises(UserError, match=r"data-parallel training runs the CPU engine \(--device cpu\)"):
+        dist.Trainer(RankOfTwo(), obj, gm.optimizer(obj.params), tcfg, state, np.random.default_rng(0))
+
+
 def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):
     code = ("import sys; sys.modules['cupy'] = None\n"
             "from nanoeuler.cli import main\n"
