@@ -9,7 +9,7 @@ GGUF export at that type (`export --format gguf --dtype T`: gguf.quants' roundin
     greedy     of --tokens greedy tokens after each of --prompts held-out prompts (32 tokens), how many
                positions equal f32's (and the first that differs)
     llama.cpp  (llama-cpp-python installed) the same bpb on the same file, and its greedy tokens against
-               ours for 32 tokens at each type (q8_0 is the figure the README cites); its KV cache in float32, as ours
+               ours for 32 tokens at each type (q8_0 is the figure docs/inference.md cites); its KV cache in float32, as ours
 
 `step` says how ours ran: `engine` = our decoding engine at that --dtype (the weights kept in the type);
 `dequantized` = the file's weights dequantized to float32 and run by the float32 step (dequantize(quantize(W)):

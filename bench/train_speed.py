@@ -28,7 +28,7 @@ that fails (torch.compile may not build on this machine) is reported with its re
     python bench/train_speed.py --presets big --steps 20 --json
     python bench/train_speed.py --presets gpt2 --steps 3 --warmup 1   # GPT-2 124M (arch gpt2), B=4 T=256
     python bench/train_speed.py --presets big gpt gpt2 --engines ours eager ours-bf16 eager-bf16 compile-bf16 \
-        --steps 5 --warmup 1                            # the README's table (~15 min on a quiet 2-core machine)
+        --steps 5 --warmup 1                            # docs/training.md's table (~15 min on a quiet 2-core machine)
     python bench/train_speed.py --quick                 # smoke run: small, 2 timed steps, every engine
 """
 from __future__ import annotations
