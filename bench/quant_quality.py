@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.heldout import held_out_windows  # noqa: E402
 from nanoeuler.infer.sampling import nll_sum  # noqa: E402
+from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402  (our --dtype of f32, f16)
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
 
 
 def form(model, path: Path, gguf_type: str):

@@ -59,9 +59,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402  (our --dtype of f32, f16)
+
 TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
-OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
-GGUF = {v: k for k, v in OURS.items()}  # the GGUF type of our --dtype
 ENGINE_SERVER = "--engine-server"  # argv[1] of this script run as engine_server (by --http-cost)
 REST = 0.1  # seconds --http-cost leaves the server idle before each timed run (see http_cost)
 
@@ -395,7 +395,7 @@ def llama_server_stream(ckpt: Path, dtype: str, args, prompt: str, tmp: Path) ->
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.interop.gguf_export import export_gguf
     model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
-    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{dtype}.gguf", GGUF.get(dtype, dtype), force=True,
+    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{dtype}.gguf", dtype, force=True,
                        progress=False)
     try:
         proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)

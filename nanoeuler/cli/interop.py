@@ -26,7 +26,9 @@ def register(sub) -> None:
                         "base's gguf export")
     e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: f32 (default), f16, q8_0, q4_0, q4_1, q5_0, q5_1; peft and gguf-lora write float32 adapters and take none")
+                   help="hf: float32 (default), bfloat16, float16; gguf: float32 (default), float16, q8_0, q4_0, q4_1, "
+                        "q5_0, q5_1 (f32 and f16, llama.cpp's names, too); peft and gguf-lora write float32 adapters "
+                        "and take none")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")
@@ -81,8 +83,8 @@ def run_export(args) -> int:
         dtype = "float32" if args.dtype is None else args.dtype
         out = export_hf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
     else:
-        from ..interop.gguf_export import export_gguf
-        dtype = "f32" if args.dtype is None else args.dtype
+        from ..interop.gguf_export import LLAMA_CPP_NAMES, export_gguf
+        dtype = "float32" if args.dtype is None else LLAMA_CPP_NAMES.get(args.dtype, args.dtype)
         out = export_gguf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"ckpt": args.ckpt, "format": args.format, "dtype": dtype, "out": str(out),
