@@ -12,8 +12,8 @@ token (`same`). `drafts` is the share of rounds that verified drafts (the rest w
 lookup); `accept` the share of verified drafts accepted. A random-init model's text rarely repeats:
 pass a trained one with --ckpt (its preset is read from the checkpoint). --full adds the slow
 full-recomputation reference. `jumps` counts the window refills of one run: a generation longer than the
-context recomputes the last ctx/2 tokens every ctx/2 tokens (small: 64 tokens, ~1.4 ms at 1 thread, ~20
-plain steps), the same in both modes, so they dilute the speed-up; `--new-tokens 58` keeps the default
+context recomputes the last ctx/2 tokens every ctx/2 tokens (small: 64 tokens, the time of many plain
+steps), the same in both modes, so they dilute the speed-up; `--new-tokens 58` keeps the default
 prompt (70 tokens on small) inside the window.
 
     .venv/bin/python bench/generate.py --ckpt runs/demo                     # trained + random small and big

@@ -1,4 +1,4 @@
-"""Ours against llama.cpp at each weight type, on the same GGUF file: decode and prompt tokens/s (issue 26 §5).
+"""Ours against llama.cpp at each weight type, on the same GGUF file: decode and prompt tokens/s.
 
 For each model, random-init (speed does not depend on the weights) — `big`, and `smol135`, a llama of
 SmolLM-135M's shape (30 layers, d 576, 9 heads / 3 kv heads, ffn 1536, vocab 49152, tied head: 134.5 M
@@ -38,8 +38,9 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402  (our --dtype of f32, f16)
+
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
 PROMPT, DEPTH, GEN = 256, 32, 64
 
 

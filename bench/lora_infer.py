@@ -6,7 +6,7 @@ An adapter run (lora.json + adapter.safetensors, pointing to its base) can be ru
                 decode with the plain model: every token costs exactly what the base's costs
     on the fly  keep the base's weights and add s·(x·Aᵀ)·Bᵀ after each product of an adapted weight, every
                 step: two thin products per adapted weight per token, and the fused decoding kernels
-                (infer/kernels.py) could no longer run the layers as one call
+                (infer/kernels.py) cannot run the layers as one call
 
 This measures, on random weights of the model's shape with random adapters (B ≠ 0):
     load s      best of 3: Model.load of the base, and of the adapter run (base + sha256 check + merge), and

@@ -13,18 +13,10 @@ process, and the largest encoding worker.
 
     .venv/bin/python bench/prepare.py --sizes 100M,1G --processes 2
 
-Measured 2026-11-29 on the 2-core development VM while other jobs were training (load average 6-8, so
-throughput is pessimistic), 4096-token tokenizer, --processes 2:
-
-      size   text MB       tokens  seconds   MB/s  tree PSS MB  main RSS MB  worker RSS MB
-      100M      99.4   28,667,110     10.2   9.70        222.0        197.8          145.4
-        1G     999.4  284,546,330     86.0  11.62        332.5        197.8          200.4
-
-The prepare process (reading, batching, writing shards) peaks at exactly the same 197.8 MB for both
-sizes: fixed costs (interpreter, NumPy, numba, tqdm) plus at most 2 x processes 1 MB batches in flight.
-Each worker's growth (+55 MB) is the tokenizer's encode
-cache of distinct pre-tokens, which doubles as new words appear and is capped (2^21 entries), so it
-depends on the vocabulary of the text, not on its size.
+The prepare process (reading, batching, writing shards) holds fixed costs (interpreter, NumPy, the kernels,
+tqdm) plus at most 2 x processes 1 MB batches in flight, whatever the corpus's size. A worker grows with
+the tokenizer's encode cache of distinct pre-tokens, which doubles as new words appear and is capped
+(2^21 entries), so it depends on the vocabulary of the text, not on its size. Figures: docs/benchmarks.md.
 """
 from __future__ import annotations
 

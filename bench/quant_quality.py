@@ -1,20 +1,19 @@
-"""Quality of each weight type, measured (issue 26 §4): bits/byte on held-out text and greedy agreement.
+"""Quality of each weight type, measured bits/byte on held-out text and greedy agreement.
 
 For each checkpoint given and each type (f32, f16, q8_0, q4_0, q4_1), the model's weights are those of our
 GGUF export at that type (`export --format gguf --dtype T`: gguf.quants' rounding; norms stay f32):
 
     bpb        bits per byte on windows of the held-out works (every window of ctx_len tokens fed as ids),
                through our decoding step (the KV-cache forward over the window, logits at every position);
-               `Δ` relative to f32 (the issue asks q8_0 within 0.5 %, q4_x within 5 %)
+               `Δ` relative to f32 (the bounds: q8_0 within 0.5 %, q4_x within 5 %)
     greedy     of --tokens greedy tokens after each of --prompts held-out prompts (32 tokens), how many
                positions equal f32's (and the first that differs)
     llama.cpp  (llama-cpp-python installed) the same bpb on the same file, and its greedy tokens against
-               ours for 32 tokens at each type (q8_0 is the issue's figure); its KV cache in float32, as ours
+               ours for 32 tokens at each type (q8_0 is the figure docs/inference.md cites); its KV cache in float32, as ours
 
-`step` says how ours ran: `engine` = our decoding engine at that --dtype (the weights kept in the type:
-float16 today, the block types once the engine has them); `dequantized` = the file's weights dequantized to
-float32 and run by the float32 step (dequantize(quantize(W)): the same weights, float arithmetic; used for a
-type the engine cannot decode yet). Bounded: the demo model takes well under a minute.
+`step` says how ours ran: `engine` = our decoding engine at that --dtype (the weights kept in the type);
+`dequantized` = the file's weights dequantized to float32 and run by the float32 step (dequantize(quantize(W)):
+the same weights, float arithmetic; for a type the engine does not decode). Bounded: the demo model takes well under a minute.
 
     .venv/bin/python bench/quant_quality.py runs/demo            # add --json for one JSON object
 """
@@ -33,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.heldout import held_out_windows  # noqa: E402
 from nanoeuler.infer.sampling import nll_sum  # noqa: E402
+from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402  (our --dtype of f32, f16)
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
-OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
 
 
 def form(model, path: Path, gguf_type: str):

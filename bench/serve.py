@@ -18,15 +18,15 @@ adds the engine alone at each served dtype (no HTTP, jobs stepped in this proces
 time, which a shared machine does not distort as much; and, for every server, one stream through a minimal
 client (`raw_stream`: the request in one socket write, the reply read to its [DONE], no HTTP library: the
 median of --raw-repeat requests), so the server's own HTTP path is told apart from the client's (httpx's
-per-request cost, ~25 ms here, is part of every level's figures, ours and llama-server's alike).
+per-request cost is part of every level's figures, ours and llama-server's alike).
 --http-cost measures instead what the HTTP path costs one stream: the server runs with one route more
 (engine_server), through which the same greedy job goes straight to the server's own engine (same
 process, engine thread, decoding threads); pairs alternate engine alone, then HTTP (raw_stream), and the
 median of HTTP wall / engine wall - 1 is "HTTP cost of one stream" (TTFT is inside both walls).
 --fairness measures instead how a short request fares beside a long one (the engine shares rows and prompt
 work fairly between requests): one short greedy stream at a time, --pairs alone, then --pairs while one
-long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: the shape that made a
-40-token request wait 48.5 s when requests were served first come, first served); TTFT and the time to the
+long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: more jobs than rows,
+which served first come, first served would hold every row until its end); TTFT and the time to the
 end, alone and beside, and whether the long request was still running when each short one ended.
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
@@ -59,9 +59,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402  (our --dtype of f32, f16)
+
 TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
-OURS = {"f32": "float32", "f16": "float16"}  # our --dtype of a GGUF type (the block types keep their names)
-GGUF = {v: k for k, v in OURS.items()}  # the GGUF type of our --dtype
 ENGINE_SERVER = "--engine-server"  # argv[1] of this script run as engine_server (by --http-cost)
 REST = 0.1  # seconds --http-cost leaves the server idle before each timed run (see http_cost)
 
@@ -327,7 +327,7 @@ def engine_server(argv: list[str]) -> int:
                 stamps["end"] = now
                 loop.call_soon_threadsafe(ended.set_result, kind)
         t0 = time.perf_counter()
-        app.state.batcher.submit(Job(ids=body["ids"], max_tokens=body["max_tokens"], on_event=on_event))
+        app.state.service.batcher.submit(Job(ids=body["ids"], max_tokens=body["max_tokens"], on_event=on_event))
         ok = await ended == "done"
         return {"ok": ok, "wall_s": stamps["end"] - t0, "ttft_s": stamps.get("first", stamps["end"]) - t0,
                 "pid": os.getpid()}
@@ -395,7 +395,7 @@ def llama_server_stream(ckpt: Path, dtype: str, args, prompt: str, tmp: Path) ->
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.interop.gguf_export import export_gguf
     model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
-    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{dtype}.gguf", GGUF.get(dtype, dtype), force=True,
+    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{dtype}.gguf", dtype, force=True,
                        progress=False)
     try:
         proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)

@@ -13,12 +13,8 @@ where almost every word is new, so caching does not help.
     .venv/bin/python bench/tokenizer.py            # ~1-2 minutes on a laptop core
     .venv/bin/python bench/tokenizer.py --mb 5 --json
 
-Measured 2026-11-29 on the shared 2-core dev box (load average 6-9 from other jobs, so wall times are
-inflated; CPU times are the steadier comparison), 20.08 MB, vocab 4096, best of 3:
-    train:  ours 0.81 s wall / 0.37 s CPU;  HF 9.59 / 4.93 (1 thread: 12.11 / 4.61)  -> 0.08x HF's time
-    encode: ours 17.9 MB/s wall / 57.0 CPU (int32 arrays 23.3 / 76.9); HF 0.72 / 1.69; tiktoken 4.66 / 11.5
-            -> 25x HF (34x CPU), 3.9x tiktoken (4.9x CPU); identical ids on all 20 MB; 3.06 bytes/token
-            (2.99 on held-out works)
+On a shared machine wall times are inflated; CPU times are the steadier comparison. Figures:
+docs/benchmarks.md (Tokenizer and data).
 
 The helpers `hf_tokenizer(tok)`, `tiktoken_encoding(tok)` and `varied_text(n, seed)` are also used by
 tests/test_tokenizer.py (tiktoken and tokenizers are test/bench dependencies, never library ones).

@@ -1,6 +1,6 @@
 """What the token id map costs: encode/decode speed of one tokenizer without a map, with the identity (our
 own tokenizers: no map at all) and with a shuffled map (an imported vocabulary, e.g. GPT-2's), side by side,
-and, with --before REV, the tokenizer code of that git revision (before id maps existed).
+and, with --before REV, the tokenizer code of that git revision (one without id maps: df31053~1).
 
 Same text as bench/tokenizer.py (the bundled Shakespeare works, shuffled passes, --mb of it), vocab 4096.
 Every variant encodes with a fresh tokenizer (cold cache, as a new process), runs are interleaved

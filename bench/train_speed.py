@@ -7,7 +7,7 @@ from the same weights and the same batch, then the parent runs them *alternately
 step at a time (forward, backward, AdamW), so load from anything else on the machine hits all engines
 alike. Between two steps the parent waits --pause seconds (default 0.3): PyTorch's OpenMP threads keep
 spinning for a while after a step, and without the pause they would steal the cores from whichever
-engine runs next (measured: our small step 247 ms right after PyTorch's, 216 ms alone). Warm-up steps
+engine runs next. Warm-up steps
 (numba cache load, torch.compile compilation) are excluded. Each step is timed twice inside the worker:
 forward+backward (up to the gradients) and the full step (AdamW too). All engines use 2 threads. An engine
 that fails (torch.compile may not build on this machine) is reported with its reason; the others go on.
@@ -28,7 +28,7 @@ that fails (torch.compile may not build on this machine) is reported with its re
     python bench/train_speed.py --presets big --steps 20 --json
     python bench/train_speed.py --presets gpt2 --steps 3 --warmup 1   # GPT-2 124M (arch gpt2), B=4 T=256
     python bench/train_speed.py --presets big gpt gpt2 --engines ours eager ours-bf16 eager-bf16 compile-bf16 \
-        --steps 5 --warmup 1                            # issue 27's comparison (~15 min on a quiet 2-core machine)
+        --steps 5 --warmup 1                            # docs/training.md's table (~15 min on a quiet 2-core machine)
     python bench/train_speed.py --quick                 # smoke run: small, 2 timed steps, every engine
 """
 from __future__ import annotations

@@ -332,13 +332,13 @@ class DataParallel(Trainer):
         if micro % self.size:
             error = (f"a micro-batch of {micro} (--batch-size {tcfg.batch_size} / --grad-accum {tcfg.grad_accum}) "
                      f"cannot be split evenly over {self.size} ranks; make it a multiple of {self.size}")
-        elif not isinstance(opt, _adamw_type()):
+        elif obj.model.device != "cpu":
             error = "data-parallel training runs the CPU engine (--device cpu)"
-        comm.agree(error, fingerprint(obj, opt, tcfg, state, rng, comm))
+        comm.agree(error, None if error else fingerprint(obj, opt, tcfg, state, rng, comm))
         self.params = obj.params
         # the flat layout in the config's order (a loaded checkpoint's dict is in file order), then LoRA
         # adapters (none of the config's names: a LoRA run's config names are its saved modules) sorted
-        shapes = obj.model.config.param_shapes() if hasattr(obj, "model") else {}
+        shapes = obj.model.config.param_shapes()
         order = [n for n in shapes if n in self.params] + sorted(n for n in self.params if n not in shapes)
         self.red = Reducer(comm, {n: self.params[n] for n in order}, comm.bucket_mb)
         self.zero = comm.zero
@@ -454,11 +454,6 @@ def sum_of_squares(x: np.ndarray) -> float:
 
 
 _sumsq = None
-
-
-def _adamw_type():
-    from .optim import AdamW
-    return AdamW
 
 
 def fingerprint(obj, opt, tcfg, state, rng, comm) -> dict:

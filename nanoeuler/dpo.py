@@ -39,6 +39,7 @@ import numpy as np
 from .dpo_data import (PairBatch, TokenizedPairs, load_pairs, make_batch, model_negatives,  # noqa: F401
                        offline_pairs, pair_problem, pair_records, split_pairs, tokenize_pairs, tokenize_response)
 from .errors import UserError
+from .lora import LoraModel
 
 
 # ---- the loss: an ops-style forward/backward pair ------------------------------------------------
@@ -320,16 +321,16 @@ class DPOObjective:
         if self.micro > len(train):
             raise UserError(f"a micro-batch of {self.micro} pairs is more than the {len(train)} training pairs")
         self.model, self.cfg, self.reference_model = model, model.config, reference_model
-        self.lora = hasattr(model, "engine_adapters")  # a LoraModel (lora.py): the adapters are trained
+        self.lora = isinstance(model, LoraModel)  # the adapters are trained, applied on the fly
         if self.lora and "mtp_heads" in model.lcfg.modules_to_save:
             raise UserError("--lora-modules-to-save mtp_heads: dpo trains head 0 only (the MTP heads stay as they are)")
         self.params = model.params if self.lora else trained_params(self.cfg, model.params)
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
-        precision = getattr(model, "precision", "f32")  # the reference's log-probs in the run's precision too
-        self.workspaces = Workspaces(self.cfg, model.dtype, precision,   # the fast engine's buffers, reused
+        self.workspaces = Workspaces(self.cfg, model.dtype, model.precision,   # the fast engine's buffers, reused
                                      model.engine_adapters if self.lora else None)
-        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision)
+        # the reference's log-probs in the run's precision too
+        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, model.precision)
         self.ref_id = fingerprint(reference_model.params)
         self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
                           "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}

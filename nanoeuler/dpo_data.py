@@ -237,8 +237,8 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
     """Greedy answers to many prompts at once -> [(new ids without the stop id, stopped?)], in order.
 
     The prompts share forward passes through the serving engine's continuous batching (infer/engine.py:
-    a request's greedy tokens there equal `generate`'s), ~20x faster than one prompt after another on
-    a small model. Each prompt keeps its last ctx_len tokens."""
+    a request's greedy tokens there equal `generate`'s), many times faster than one prompt after another
+    on a small model. Each prompt keeps its last ctx_len tokens."""
     from tqdm import tqdm
 
     from .infer.engine import Batcher, Job

@@ -31,6 +31,7 @@ from . import adapters as ad
 from . import ops
 from .errors import UserError
 from .model import Model, backward, check_tokens, forward
+from .optim import AdamW
 
 
 @dataclass
@@ -70,7 +71,11 @@ LORA_OPS = SimpleNamespace(**({n: getattr(ops, n) for n in ops.__all__}
 
 
 class LoraModel:
-    """A frozen base model and its adapters; `params` are the adapters (what the optimizer trains)."""
+    """A frozen base model and its adapters; `params` are the adapters (what the optimizer trains).
+    What the training loop uses of it is `trainable.Trainable`."""
+
+    precision = "f32"
+    device = "cpu"
 
     def __init__(self, base: Model, lcfg: ad.LoraConfig, adapters: dict[str, np.ndarray], base_ref: dict):
         self.base, self.lcfg, self.params, self.base_ref = base, lcfg.check(base.config), adapters, base_ref
@@ -101,8 +106,6 @@ class LoraModel:
         lcfg, ref, adapters, cfg, params = ad.load_adapter_run(run_dir, mapped=True)
         return cls(Model(cfg, params), lcfg, adapters, ref)
 
-    precision = "f32"
-
     def set_precision(self, precision: str) -> "LoraModel":
         """The precision of the fast engine's products from now on: the frozen weights' and the adapters'."""
         self.base.set_precision(precision)
@@ -120,6 +123,13 @@ class LoraModel:
     def n_params(self) -> int:
         """The parameters a step computes with (the base's): what MFU counts."""
         return self.base.n_params()
+
+    @property
+    def adapter_dropout(self) -> float:
+        return self.lcfg.dropout
+
+    def optimizer(self, params: dict, **settings):
+        return AdamW(params, **settings)
 
     def checkpoint_writers(self, tokenizer=None) -> dict:
         return ad.adapter_writers(self.lcfg, self.base_ref, self.params, tokenizer)

@@ -26,9 +26,13 @@ from .errors import UserError
 
 class Model:
     """Parameters (SPEC names -> arrays) plus the config; forward, backward, save and load.
-    precision: of the fast engine's matrix products, "f32" or "bf16" (`set_precision`; fast/bf16.py)."""
+    precision: of the fast engine's matrix products, "f32" or "bf16" (`set_precision`; fast/bf16.py).
+    What the training loop uses of it is `trainable.Trainable`."""
 
     precision = "f32"
+    device = "cpu"
+    adapter_dropout = 0.0
+    _fast_ws = None     # the fast engine's buffers of the last batch shape (_workspace)
 
     def __init__(self, config: Config, params: dict[str, np.ndarray]):
         check_params(config, params)
@@ -80,6 +84,14 @@ class Model:
     def save(self, run_dir: str | Path, tokenizer=None) -> None:
         from .checkpoint import save_model
         save_model(run_dir, self.config, self.params, tokenizer)
+
+    def checkpoint_writers(self, tokenizer=None) -> dict:
+        from .checkpoint import model_writers
+        return model_writers(self.config, self.params, tokenizer)
+
+    def optimizer(self, params: dict, **settings):
+        from .optim import AdamW
+        return AdamW(params, **settings)
 
     def astype(self, dtype) -> "Model":
         return Model(self.config, {n: p.astype(dtype) for n, p in self.params.items()})
@@ -154,7 +166,7 @@ class Model:
     def _workspace(self, B: int, T: int):
         """The fast engine's buffers for this batch shape and precision, kept between calls (one at a time)."""
         from . import fast
-        ws = getattr(self, "_fast_ws", None)
+        ws = self._fast_ws
         if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
             self._fast_ws = None  # free the old buffers before allocating new ones
             ws = self._fast_ws = fast.Workspace(self.config, B, T, self.dtype, self.precision)

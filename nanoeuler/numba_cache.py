@@ -3,9 +3,8 @@
 numba (`cache=True`) keys a cached function on the content of the file that defines it. A kernel compiled
 with code from another file keeps that code frozen in: `infer/kernels.py` inlines `fast/vmath.vexp`,
 `fast/engine.py` calls `fast/kernels.py`, kernels read constants of `ops/`. Edit vmath.py alone and the next
-run loads kernels with the old exp in them (seen, when the speculative round's kernel lived in another file
-than the step it inlines: a stale round ran a superseded step; after a change of weight layout it would read
-the weights wrongly, without an error). So every function defined in this
+run would load kernels with the old exp in them (a stale kernel runs superseded code; after a change of
+weight layout it would read the weights wrongly, without an error). So every function defined in this
 package is stamped with its own file's hash and a digest of all the package's sources that numba compiles
 from (`kernel_sources`); change any of them and every cached kernel of the package is compiled afresh once.
 

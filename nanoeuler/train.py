@@ -8,8 +8,11 @@ step (and what the objective adds, e.g. DPO's reference log-probs), so `--resume
 as if never stopped. Under MPI (`mpiexec -n N`, see dist.py) every rank runs this same loop on its
 share of each batch; rank 0 alone logs and writes.
 
+The model is any `trainable.Trainable` (`Model`, `lora.LoraModel`, `gpu.engine.GpuModel`): the loop asks it
+for its optimizer, its checkpoint files, its precision, never what kind of model it is.
 What is trained is an *objective* (`LMObjective` here for pretraining and SFT, `dpo.DPOObjective`):
 
+    model                           the Trainable it trains
     params                          the arrays AdamW updates (same objects as the model's)
     draw(rng) -> batch              one micro-batch, drawn with the run's rng (every rank draws the same)
     skip(batch) -> bool             nothing to learn from it (counted, no gradient)
@@ -46,7 +49,8 @@ from . import checkpoint as ckpt
 from .errors import UserError
 from .fileio import atomic_path, atomic_write_text, check_real_dir, open_append, own_file
 from .ops import Dropout
-from .optim import AdamW, clip_grad_norm, lr_schedule
+from .optim import clip_grad_norm, lr_schedule
+from .trainable import Trainable
 
 
 @dataclass(frozen=True)
@@ -182,11 +186,11 @@ class LMObjective:
     metric_names = ("loss", "objective")
     loss_label = "loss"
 
-    def __init__(self, model, source, tcfg: TrainConfig):
+    def __init__(self, model: Trainable, source, tcfg: TrainConfig):
         self.model, self.source, self.dropout = model, source, tcfg.dropout
-        self.adapter_dropout = model.lcfg.dropout if hasattr(model, "lcfg") else 0.0  # a LoraModel's (lora.py)
+        self.adapter_dropout = model.adapter_dropout
         self.params = model.params
-        if tcfg.dropout and hasattr(model, "host_params"):
+        if tcfg.dropout and model.device != "cpu":
             raise UserError("--dropout is not implemented on the GPU engine; train there with --dropout 0")
 
     def describe(self) -> dict:
@@ -203,8 +207,7 @@ class LMObjective:
 
     def draw(self, rng):
         """-> (tokens [B, T+K], mask | None, dropout seed | None). With dropout (residual or adapter) the seed
-        is drawn from rng after the batch (so a run without dropout draws exactly what it did before dropout
-        existed)."""
+        is drawn from rng after the batch, so the batches are the same with dropout and without."""
         tokens, mask = self.source.next_batch(rng)
         return tokens, mask, (int(rng.integers(1 << 63)) if self.dropout or self.adapter_dropout else None)
 
@@ -265,15 +268,11 @@ class LMObjective:
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
-def save_training_checkpoint(out_dir: Path, model, tokenizer, opt, state: dict, extra: dict | None = None) -> None:
+def save_training_checkpoint(out_dir: Path, model: Trainable, tokenizer, opt, state: dict, extra: dict | None = None) -> None:
     """model + config + tokenizer + AdamW moments + trainer state (+ extra {file: tensors}), one atomic unit.
     Extra files may hold NaN as a marker (DPO's not-yet-drawn log-probs); weights and moments may not."""
     opt_tensors, opt_scalars = opt.state_dict()
-    params = model.host_params() if hasattr(model, "host_params") else model.params  # device models: host copies
-    if hasattr(model, "checkpoint_writers"):   # a LoraModel: the adapters and a pointer to the base (adapters.py)
-        writers = model.checkpoint_writers(tokenizer)
-    else:
-        writers = ckpt.model_writers(model.config, params, tokenizer)
+    writers = model.checkpoint_writers(tokenizer)
     writers["optimizer.safetensors"] = ckpt.optimizer_writer(opt_tensors)
     for name, tensors in (extra or {}).items():
         writers[name] = ckpt.tensors_writer(tensors, allow_nonfinite=True)
@@ -318,7 +317,7 @@ def evaluate(model, source, max_batches: int = 0, score=None) -> dict:
 
 
 # ---- the loop ----------------------------------------------------------------------------------
-def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: bool = False,
+def run_training(model: Trainable, tokenizer, source, out_dir, tcfg: TrainConfig, resume: bool = False,
                  stop_after: int | None = None, progress: bool = True, kind: str = "pretrain",
                  objective=None) -> dict:
     """Train model in place on `objective` (default: `LMObjective` on batches from source); checkpoints go
@@ -331,9 +330,7 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     log_path = out_dir / "log.jsonl"
     if tcfg.batch_size % tcfg.grad_accum:
         raise UserError(f"--batch-size {tcfg.batch_size} is not divisible by --grad-accum {tcfg.grad_accum}")
-    # a device model (nanoeuler.gpu.engine.GpuModel) brings its own AdamW, with the moments on the device
-    make_opt = getattr(model, "optimizer", None) or (lambda **kw: AdamW(obj.params, **kw))
-    opt = make_opt(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    opt = model.optimizer(obj.params, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     rng = np.random.default_rng(tcfg.seed)
     check_real_dir(out_dir)
     if not resume:
@@ -341,7 +338,7 @@ def run_training(model, tokenizer, source, out_dir, tcfg: TrainConfig, resume: b
     with contextlib.ExitStack() as stack:
         if lead:
             stack.enter_context(ckpt.run_lock(out_dir))
-        precision = getattr(model, "precision", "f32")
+        precision = model.precision
         if resume:
             state = resume_state(out_dir, obj, opt, tcfg, kind)
             if state.setdefault("precision", precision) != precision:   # it would not resume bit for bit

@@ -35,7 +35,7 @@ from conftest import rel_err
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")  # the `test` extra installs it; see pyproject
 
-# The README's figures (measured: `python tests/test_gpt2_torch.py`) with a margin of about 1.5: errors are
+# docs/gpt2.md's figures (measured: `python tests/test_gpt2_torch.py`) with a margin of about 1.5: errors are
 # per entry (conftest.rel_err), the losses relative.
 LOGITS_TOL = 1.5e-5                                 # float32, measured 9.4e-6
 LOGITS_124M_TOL = 1e-4                              # float32, the full 124 M shape: measured 6.5e-5

@@ -20,6 +20,7 @@ import pytest
 
 from nanoeuler.check import Row
 from nanoeuler.config import Config
+from nanoeuler.errors import UserError
 from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, gpu_extra, kernel_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +239,7 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     from train_fixtures import TINY, SyntheticSource
     tcfg = TrainConfig(steps=2, batch_size=2, lr=1e-2, warmup=1, eval_every=2, eval_batches=0, ckpt_every=1, seed=0)
     gm = GpuModel(Model.init(TINY, seed=0))
-    assert isinstance(gm.optimizer(lr=1e-3), GpuAdamW)
+    assert isinstance(gm.optimizer(gm.params, lr=1e-3), GpuAdamW)
     summary = run_training(gm, None, SyntheticSource(batch_size=2), tmp_path, tcfg, stop_after=1, progress=False)
     assert summary["step"] == 1
     cpu = Model.load(tmp_path)  # an ordinary checkpoint
@@ -247,6 +248,45 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     summary = run_training(GpuModel(cpu), None, SyntheticSource(batch_size=2), tmp_path, tcfg, resume=True,
                            progress=False)
     assert summary["finished"] and summary["step"] == 2 and np.isfinite(summary["val_loss"])
+
+
+@needs_gxx
+def test_emulated_gpu_model_is_trainable_without_dropout(emu):
+    """GpuModel has every member of the training loop's interface; residual dropout is refused up front."""
+    from nanoeuler import Model
+    from nanoeuler.gpu.engine import GpuModel
+    from nanoeuler.trainable import Trainable
+    from nanoeuler.train import LMObjective, TrainConfig
+    from train_fixtures import TINY
+    gm = GpuModel(Model.init(TINY, seed=0))
+    assert isinstance(gm, Trainable) and gm.device == "gpu" and gm.adapter_dropout == 0.0
+    LMObjective(gm, None, TrainConfig(dropout=0.0))
+    with pytest.raises(UserError, match="--dropout is not implemented on the GPU engine"):
+        LMObjective(gm, None, TrainConfig(dropout=0.1))
+
+
+@needs_gxx
+def test_emulated_gpu_model_is_refused_by_data_parallel_training(emu):
+    """Data parallelism runs the CPU engine: a GpuModel under MPI is one error, before its device arrays are
+    read (GpuAdamW is an AdamW, so the optimizer's type does not tell)."""
+    from nanoeuler import Model, dist
+    from nanoeuler.gpu.engine import GpuModel
+    from nanoeuler.train import LMObjective, TrainConfig
+    from train_fixtures import TINY, SyntheticSource
+
+    class RankOfTwo(dist.Local):   # rank 0 of 2, whose agree() raises what the ranks would all raise
+        size = 2
+
+        def agree(self, error, fingerprint=None):
+            if error:
+                raise UserError(error)
+
+    gm = GpuModel(Model.init(TINY, seed=0))
+    tcfg = TrainConfig(steps=1, batch_size=2, seed=0)
+    obj = LMObjective(gm, SyntheticSource(batch_size=2), tcfg)
+    state = {"step": 0, "kind": "pretrain"}
+    with pytest.raises(UserError, match=r"data-parallel training runs the CPU engine \(--device cpu\)"):
+        dist.Trainer(RankOfTwo(), obj, gm.optimizer(obj.params), tcfg, state, np.random.default_rng(0))
 
 
 def test_train_device_gpu_without_cupy_is_one_line_error(tmp_path):

@@ -98,12 +98,16 @@ def test_the_reader_sees_lazy_and_relative_imports(tmp_path):
     assert find_cycle(graph) == ["pkg.high", "pkg.sub.low", "pkg.high"]
 
 
-def readme_layers(readme: Path = ROOT.parent / "README.md") -> list[list[str]]:
-    """The rows of README's import picture (Layout), top row first; a continuation line (8 spaces) joins
-    the row above. Names as the README writes them: 'fast/engine', 'fast' (fast/__init__.py), '__init__'."""
-    text = readme.read_text(encoding="utf-8")
+LAYOUT = ROOT.parent / "docs" / "layout.md"
+
+
+def picture_layers(page: Path = LAYOUT) -> list[list[str]]:
+    """The rows of the import picture in docs/layout.md, top row first; a continuation line (8 spaces) joins
+    the row above. Names as the page writes them: 'fast/engine', 'fast' (fast/__init__.py), '__init__'."""
+    text = page.read_text(encoding="utf-8")
     start = text.index("Imports go one way, down:")
-    block = text[text.index("\n\n    ", start) + 2:text.index("\n## ", start)]
+    end = text.find("\n## ", start)
+    block = text[text.index("\n\n    ", start) + 2:end if end >= 0 else len(text)]
     rows = []
     for line in block.rstrip("\n").split("\n"):
         if line.startswith("        "):
@@ -113,21 +117,54 @@ def readme_layers(readme: Path = ROOT.parent / "README.md") -> list[list[str]]:
     return rows
 
 
-def readme_name(module: str) -> str:
+def picture_name(module: str) -> str:
     """'nanoeuler.fast.engine' -> 'fast/engine'; the package itself -> '__init__'."""
     return "__init__" if module == "nanoeuler" else module.removeprefix("nanoeuler.").replace(".", "/")
 
 
-def test_the_readme_picture_is_the_import_graph():
+def picture(graph: dict[str, set[str]], width: int = 112) -> str:
+    """The picture of a circle-free graph: each module on the row of its longest chain of imports (modules
+    importing nothing of the package on the last row), names sorted, rows wrapped at width."""
+    height: dict[str, int] = {}
+
+    def h(m):
+        if m not in height:
+            height[m] = 1 + max((h(t) for t in graph[m]), default=-1)
+        return height[m]
+    top = max(h(m) for m in graph)
+    rows = [sorted(picture_name(m) for m in graph if h(m) == r) for r in range(top, -1, -1)]
+    lines = []
+    for row in rows:
+        line = "    " + row[0]
+        for name in row[1:]:
+            if len(line) + 2 + len(name) > width:
+                lines.append(line)
+                line = "        " + name
+            else:
+                line += "  " + name
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_the_layout_picture_is_the_import_graph():
     graph = import_graph()
-    rows = readme_layers()
+    rows = picture_layers()
     row_of = {name: r for r, row in enumerate(rows) for name in row}
-    assert sum(map(len, rows)) == len(row_of), "a module stands twice in the README's picture"
-    assert set(row_of) == {readme_name(m) for m in graph}, "the README's picture and the package differ"
+    assert sum(map(len, rows)) == len(row_of), "a module stands twice in docs/layout.md's picture"
+    assert set(row_of) == {picture_name(m) for m in graph}, \
+        "docs/layout.md's picture and the package differ (python tests/test_imports.py prints the package's)"
     for module, targets in graph.items():
         for t in targets:
-            assert row_of[readme_name(module)] < row_of[readme_name(t)], f"{module} imports {t}, not below it"
+            assert row_of[picture_name(module)] < row_of[picture_name(t)], f"{module} imports {t}, not below it"
 
+
+def test_the_printed_picture_passes_the_check(tmp_path):
+    page = tmp_path / "layout.md"
+    page.write_text("Imports go one way, down: ...\n\n" + picture(import_graph()) + "\n")
+    rows, graph = picture_layers(page), import_graph()
+    row_of = {name: r for r, row in enumerate(rows) for name in row}
+    assert set(row_of) == {picture_name(m) for m in graph}
+    assert all(row_of[picture_name(m)] < row_of[picture_name(t)] for m, ts in graph.items() for t in ts)
 
 
 def test_no_benchmark_script_takes_the_name_of_a_module():
@@ -144,3 +181,7 @@ def test_no_benchmark_script_takes_the_name_of_a_module():
     taken = [p.stem for p in bench.glob("*.py") if p.stem in optional | set(sys.stdlib_module_names)
              or PathFinder.find_spec(p.stem, path) is not None]
     assert not taken, f"bench scripts named as modules: {taken}"
+
+
+if __name__ == "__main__":
+    print(picture(import_graph()))

@@ -172,6 +172,21 @@ def test_gguf_reads_back_every_tensor_bit_exact(exported, tok, tmp_path):
     assert int(f["tokenizer.ggml.eos_token_id"].parts[-1][0]) == tok.eos_id
 
 
+@pytest.mark.parametrize("ours, llama_cpp, ggml, ftype", [("float32", "f32", "F32", "ALL_F32"),
+                                                        ("float16", "f16", "F16", "MOSTLY_F16")])
+def test_gguf_dtype_takes_our_name_and_llama_cpp_s(exported, tok, tmp_path, ours, llama_cpp, ggml, ftype):
+    """`export --format gguf --dtype` names a type as every other --dtype does (float16), and llama.cpp's
+    name of it (f16) writes the same file."""
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import export_gguf
+    m, _ = exported["trained"]
+    files = [export_gguf(m, tok, tmp_path / f"{name}.gguf", name, progress=False) for name in (ours, llama_cpp)]
+    assert files[0].read_bytes() == files[1].read_bytes()
+    r = gguf.GGUFReader(str(files[0]))
+    assert int(r.fields["general.file_type"].parts[-1][0]) == int(gguf.LlamaFileType[ftype])
+    assert r.get_tensor(0).tensor_type == gguf.GGMLQuantizationType[ggml] or r.get_tensor(0).data.ndim == 1
+
+
 def test_permute_qk_matches_llama_cpp_convention():
     """Head of 4 rows (hd = 4): rotate-half pairs (0, 2), (1, 3) become adjacent rows."""
     from nanoeuler.interop.gguf_export import permute_qk, unpermute_qk

@@ -70,7 +70,7 @@ def test_llama_cpp_reduced_precision_stays_close(run, tmp_path, dtype):
     window = heldout_ids(tok, m.config.ctx_len)
     lc = LlamaCpp(path, n_ctx=m.config.ctx_len, logits_all=True)
     # rounded weights (and llama.cpp's 8-bit activations at q8_0) move every logit by a share of the logits'
-    # scale, not of its own size: measured against the largest logit (floor 1), as the README states it
+    # scale, not of its own size: measured against the largest logit (floor 1)
     assert rel_err(lc.logits(window), m.logits(np.array([window]))[0, 0], floor=1.0) <= 5e-2
 
 

@@ -548,7 +548,7 @@ def test_the_warm_up_goes_through_the_whole_app(ckpt):
     from nanoeuler.serve.app import WARM_UP, create_app, warm_up
     d, model, tok = ckpt
     app = create_app(model, tok, "tiny", api_key=KEY)
-    batcher = app.state.batcher.start()
+    batcher = app.state.service.batcher.start()
     try:
         statuses = asyncio.run(asyncio.wait_for(warm_up(app), 120))
     finally:

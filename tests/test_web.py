@@ -32,7 +32,7 @@ def test_chat_page_streams_stops_and_keeps_the_conversation():
     from nanoeuler.serve.app import create_app
     d, model, tok = shared_checkpoint()
     app = create_app(model, tok, "tiny", max_batch=4)
-    batcher = app.state.batcher
+    batcher = app.state.service.batcher
     step = batcher.step
 
     def slow_step():  # a visible pace: tokens arrive one by one (slower than serve's 10 ms hand-over window, which

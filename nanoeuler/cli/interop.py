@@ -26,9 +26,10 @@ def register(sub) -> None:
                         "base's gguf export")
     e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1 (default: f32, "
-                        "or for a checkpoint imported from a GGUF file its matrices as that file held them, byte for "
-                        "byte); peft and gguf-lora write float32 adapters and take none")
+                   help="hf: float32 (default), bfloat16, float16; gguf: float32, float16, q8_0, q4_0, q4_1, q5_0, "
+                        "q5_1 (f32 and f16, llama.cpp's names, too; default: float32, or for a checkpoint imported from "
+                        "a GGUF file its matrices as that file held them, byte for byte); peft and gguf-lora write "
+                        "float32 adapters and take none")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")
@@ -84,9 +85,9 @@ def run_export(args) -> int:
         out = export_hf(model, tok, args.out, dtype, args.force, progress=not args.no_progress)
     else:
         from ..checkpoint import source_blocks
-        from ..interop.gguf_export import export_gguf
+        from ..interop.gguf_export import LLAMA_CPP_NAMES, export_gguf
         blocks = source_blocks(args.ckpt) if args.dtype is None else None   # an import: its file's blocks again
-        dtype = "f32" if args.dtype is None else args.dtype
+        dtype = "float32" if args.dtype is None else LLAMA_CPP_NAMES.get(args.dtype, args.dtype)
         out = export_gguf(model, tok, args.out, dtype, args.force, progress=not args.no_progress, blocks=blocks)
         if blocks:
             dtype = "as imported"

@@ -9,9 +9,8 @@ import json
 
 LORA_HELP = ("LoRA: train rank-R adapters W + (alpha/R)·B·A on the targets, the base frozen; the run holds the "
              "adapters and points to the base (path + sha256, refused if the base changed). R=8 is usual on wide "
-             "models; on a narrow one the frozen heads cost most (the 128-wide demo model: task accuracy 1.9%% at "
-             "R=8, 7.8%% at R=64, full SFT 15.9%%; 400 steps: validation loss 2.545 at R=8, 2.206 at R=8 with "
-             "--lora-modules-to-save lm_head,mtp_heads,norm, as full SFT's)")
+             "models; on a narrow one the frozen heads cost most: train them too (--lora-modules-to-save) or "
+             "raise R (docs/lora.md)")
 
 SAVE_HELP = ("train these modules whole beside the adapters, as PEFT's modules_to_save does (arch euler; AdamW "
              "moments for them too; the run holds them, merge and export --format peft carry them): lm_head (head "

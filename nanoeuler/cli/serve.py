@@ -86,7 +86,7 @@ def prepare(args):
     if warning:
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
-    cache_mb = sum(a.nbytes for a in app.state.batcher.cache.store[:2]) / 2**20
+    cache_mb = sum(a.nbytes for a in app.state.service.batcher.cache.store[:2]) / 2**20
     banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
               f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)\n"
               f"  {args.max_batch} rows decoded together (shared fairly between requests), KV cache up to "

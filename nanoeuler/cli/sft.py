@@ -15,8 +15,7 @@ from pathlib import Path
 from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, report,
                     resolve_precision, saved_state, train_config_from_args)
 
-# Measured on `small` (1,015 pretraining steps): 1500 steps take ~10 min on one core and reach 100% answers
-# in format and 16.6% held-out task accuracy (400 steps at lr 1e-3: 2.8%).
+# The recipe of the SFT figures in docs/benchmarks.md (Instruction and preference tuning).
 SFT_DEFAULTS = dict(steps=1500, batch_size=16, lr=2e-3, warmup=50, weight_decay=0.0, eval_every=250, eval_batches=0,
                     ckpt_every=250)
 

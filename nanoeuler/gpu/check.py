@@ -332,7 +332,7 @@ def check_train_roundtrip(steps: int = 30, seed: int = 0, out_dir=None, min_drop
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, (8, cfg.ctx_len + cfg.n_mtp))
     gm = GpuModel(Model.init(cfg, seed=seed), precision="f32")
-    opt = gm.optimizer(lr=3e-3)
+    opt = gm.optimizer(gm.params, lr=3e-3)
     losses = []
     for _ in range(steps):
         head0, _, grads = gm.loss_and_grads(tokens)

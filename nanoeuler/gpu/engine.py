@@ -101,14 +101,16 @@ def loss(model: Model, tokens, loss_mask=None, precision: str = "f32") -> tuple[
 
 
 class GpuModel:
-    """A Model on the GPU that the CPU training loop can drive: same attributes and methods that
-    `train.run_training` uses (config, params, loss_and_grads, loss, n_params), plus the two things a
-    device model must supply to it — its optimizer (`optimizer(...)`, the fused GpuAdamW) and host copies
-    of its weights for checkpoints (`host_params()`), so a GPU run writes an ordinary checkpoint.
+    """A Model on the GPU that the CPU training loop drives (`trainable.Trainable`): its optimizer is the
+    fused GpuAdamW with the moments on the device, and its checkpoint holds host copies of the weights, so
+    a GPU run writes an ordinary checkpoint.
 
         gm = GpuModel(Model.from_preset("gpt"), precision="bf16")
         head0, objective, grads = gm.loss_and_grads(tokens)     # grads: cupy, keyed like params
     """
+
+    device = "gpu"
+    adapter_dropout = 0.0
 
     def __init__(self, model: Model, precision: str = "f32"):
         gpu_ops(precision)  # validates the precision
@@ -134,8 +136,12 @@ class GpuModel:
     def dtype(self):
         return np.dtype(np.float32)
 
-    def optimizer(self, **kwargs) -> "GpuAdamW":
-        return GpuAdamW(self.params, **kwargs)
+    def optimizer(self, params: dict, **settings) -> "GpuAdamW":
+        return GpuAdamW(params, **settings)
+
+    def checkpoint_writers(self, tokenizer=None) -> dict:
+        from ..checkpoint import model_writers
+        return model_writers(self.config, self.host_params(), tokenizer)
 
     def host_params(self) -> dict[str, np.ndarray]:
         cp = require_cupy()

@@ -4,7 +4,8 @@ Modules, each importing only the ones above it in this list:
 
     kernels.py      the fused numba/LLVM-IR decoding step, panel GEMV over f32/f16 weights, the thread pool
     cache.py        the KV cache (rows per sequence, positions per row) and attention over per-row positions
-    weights.py      weight forms: the weight-type table (f32, f16) and `linear` for a decoding step's few rows
+    weights.py      weight forms: how decoding reads each weight type (float32, float16, the GGUF block types:
+                    KERNEL_FORMS) and `linear` for a decoding step's few rows
     forward.py      the inference layout of the weights, the readable NumPy forward (any rows, any architecture)
     step.py         the one step every caller runs: fused-or-reference chosen
                     once (in `fuse_weights`); `forward_hidden` for one sequence, `advance` for a speculative

@@ -35,8 +35,8 @@ class Chat:
         leave no room for a reply (min(max_new_tokens, ctx/4) tokens) the oldest exchange (a user message
         and what follows it up to the next one; system messages stay) is removed from messages. A prompt that
         alone leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs).
-        How many exchanges go is found by bisection (a few renders, not one per exchange: a conversation of
-        1000 short messages took 27 s), starting from the last budget ones (each renders to a token at least)."""
+        How many exchanges go is found by bisection (a few renders, not one per exchange: each render is a trip
+        to the template worker), starting from the last budget ones (each renders to a token at least)."""
         ctx = self.model.config.ctx_len
         limit, budget = ctx - min(self.max_new, 8), ctx - min(self.max_new, ctx // 4)
         turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]

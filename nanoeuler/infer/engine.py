@@ -459,11 +459,10 @@ class Batcher:
 
     def _loop(self) -> None:
         """Steps until close(). BLAS runs on one thread here: OpenBLAS's helper threads spin while they wait,
-        and would take the core the HTTP event loop needs (measured on 2 shared cores: 16 streams went from
-        40 to 600 tokens/s); see fast/parallel.py. On the BLAS path (models without the fused step) only
-        decoding steps of step.WIDE_STEP rows or more, whose matrix products are long enough to pay, use every
-        core (`big`, quiet machine: 16 streams 1307-1403 -> 1372-1519 tokens/s, 64 streams 1716 ->
-        1832-1912). The fused step's helpers claim work only while a step runs (kernels.py)."""
+        and would take the core the HTTP event loop needs; see fast/parallel.py. On the BLAS path (models
+        without the fused step) only decoding steps of step.WIDE_STEP rows or more, whose matrix products are
+        long enough to pay, use every core. The fused step's helpers claim work only while a step runs
+        (kernels.py)."""
         from ..fast.parallel import single_threaded_blas
         with single_threaded_blas():
             self._run()

@@ -3,7 +3,7 @@ serve's batch) in one numba call, for every architecture of arch.py.
 
 forward.py's `forward_hidden` (the readable NumPy reference) makes ~16 matrix products and ~100 small NumPy
 calls per token; at one token a step each of them is too short for BLAS or NumPy to pay for its own
-overhead (big preset: 2.2 ms a token, of which the matrix-vector products are < 1 ms). `step` here is
+overhead (most of a token's time goes to the calls, not to the matrix-vector products). `step` here is
 the same mathematics in one compiled call, layer after layer on preallocated rows, with what the model's
 record chose read from `Weights` (empty arrays where an architecture has no such part):
 
@@ -28,9 +28,8 @@ it for up to 4 rows of x at once with the 4·4 accumulator vectors of 16 floats 
 
     for i in range(in):      acc[r, :] += panel[i, :] · x[r, i]      (r < 4: 4 vector FMAs per row)
 
-so there is no horizontal sum at all, and a weight is read once for 4 rows. On `small`'s [768, 128]
-(float32, 1 thread): 4.2 µs for 1 row (a dot product per output compiled by numba: 7.7, OpenBLAS 4.6),
-5.6 for 3 rows (10.9; OpenBLAS 8.4), 56 for 32 (130; OpenBLAS 71). Each output sums over `in` in order
+so there is no horizontal sum at all, and a weight is read once for 4 rows (faster, from 1 to 32 rows, than
+a dot product per output compiled by numba, and than OpenBLAS). Each output sums over `in` in order
 with fused multiply-adds, not in NumPy's order, so results equal the reference to rounding
 (tests/test_infer_kernels.py checks ≤ 1e-5 relative on the logits); a row's result is the same whichever rows
 share its pass. At one row a step is bound by memory traffic: 31 MB of float32 weights per token on `big`.
@@ -47,11 +46,11 @@ Threads: the products are cut into panels, and the calling thread and `threads -
 (`set_threads`; default the cores, at most 8) claim panels from a shared counter (a compare-and-swap, so
 each panel runs once; see `_gemv`). The caller never waits for a helper to *arrive*: on a machine busier
 than its cores a descheduled helper simply does fewer panels, where a fork-join pool (OpenMP, numba's
-`prange`) stalls at every product until its last thread is scheduled again (measured here: 7 tokens/s
-instead of 420 on `big` at load 4.6 on 2 cores). Every output is computed whole by one thread with the
+`prange`) stalls at every product until its last thread is scheduled again (on a loaded machine, a
+collapse of the decoding speed). Every output is computed whole by one thread with the
 same code, so the result does not depend on the number of threads, bit for bit. A step of many rows at
 long positions (serve's streams) shares its attention the same way, a row and a key/value head per unit
-(`_attention`; `big`, 16 rows at position 120, 2 threads: the step 1.85 -> 1.49 ms).
+(`_attention`).
 
 Shapes: n new rows; L0 tokens already cached; d width; H / Hkv heads; hd head width; F SwiGLU width.
 """
@@ -724,7 +723,7 @@ def _scores(nv, k, q, s, scale):
 def _attend(q, K, V, Tk, scale, p, out):
     """out [hd] = softmax(K[:Tk] q · scale) V[:Tk] (ops/attention.py for one query); p [>= Tk] scratch.
     Where hd is LANES x 1, 2, 4 or 8 scores go LANES positions at a time (`_scores`) and the output a few
-    (`_mix`) in vector registers, else one by one (on `small`, hd 32 at 100 positions: 0.27 µs, was 0.70)."""
+    (`_mix`) in vector registers, else one by one."""
     hd = q.shape[0]
     nv = hd // LANES
     vector = hd % LANES == 0 and (nv == 1 or nv == 2 or nv == 4 or nv == 8)
@@ -1090,7 +1089,7 @@ def round_rows(cfg, D: Weights, x: np.ndarray, pos: np.ndarray, slot: np.ndarray
 
 def on_pool(kernel, *args):
     """kernel(ctl, pooled, *args) on the pool: its helper threads share the work where no other call holds it.
-    (A plain function: a contextlib context manager here cost 7.6 µs a call against 0.35, timed at load 19.)"""
+    (A plain function: a contextlib context manager would cost many times more a call.)"""
     pool = _POOL
     held = pool.acquire()
     try:

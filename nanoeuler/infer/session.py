@@ -144,7 +144,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int = 128, temper
     called for each new token as soon as it is known (streaming). spec_depth: the most drafts a speculative
     round verifies (default speculative.DEPTH, at most speculative.MOST; for tests and benchmarks).
     fused: step.fuse_weights(model.config, model.params), when the caller keeps it across calls of an
-    unchanged model (a chat session, an evaluation over many prompts: on `gpt` fusing costs ~0.4 s a call).
+    unchanged model (a chat session, an evaluation over many prompts: fusing reads and lays out every weight).
     """
     if mode not in MODES:
         raise UserError(f"unknown generation mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -201,7 +201,7 @@ def greedy_answers(model, prompts: Iterable[Sequence[int]], max_new_tokens: int,
                    stop_ids: Sequence[int]) -> Iterator[Generation]:
     """Greedy answers to prompts, one after another (speculative: the tokens of plain greedy decoding, in
     fewer forwards), each prompt cut to its last ctx_len tokens; the model's inference layout is made once
-    (SFT and DPO answer checks: on `gpt` fusing costs ~0.4 s a call)."""
+    (SFT and DPO answer checks: fusing reads and lays out every weight)."""
     W, ctx = step.fuse_weights(model.config, model.params), model.config.ctx_len
     for ids in prompts:
         yield generate(model, list(ids)[-ctx:], max_new_tokens=max_new_tokens, temperature=0, stop_ids=stop_ids,

@@ -18,34 +18,23 @@ copy runs on into the round's own tokens, so that a loop of period P drafts a wh
 
     seq ... 5 7 3 8 0 2 7 3,  t1 = 8:  (7, 3, 8) occurred 5 back  ->  drafts 0 2 7 3 8 0 2
 
-What it gains (`OPENBLAS_NUM_THREADS=1 bench/generate.py --ckpt RUN --presets '' --parts --repeat 7
---decode-threads 1`: 256 greedy tokens, speculative ÷ plain back to back, wall (CPU time); make demo's
-model, three runs on a machine shared with other jobs, load 7.3-7.5):
-
-    up to 3 drafts a round (DEPTH)    1.51-1.66x (1.52-1.60x)   82 % of drafts accepted, 2.35 tokens a forward
-    up to 7                           1.41-1.49x (1.39-1.51x)   67 %, 2.98: more tokens a forward, but a step
-                                                                 of 8 rows costs ~3.3 of 1 row (4 rows ~1.8)
-    up to 1                           1.24-1.35x (1.32-1.41x)   90 %, 1.62
-
-A cost-and-acceptance planner (speculate or not, and how deep, from timed rounds) was measured on the same
-model in the same window at 1.18-1.45x (1.20-1.38x) with these lookup drafts: a fixed depth is as fast or
-faster, and where no lookup is found a round is a plain step already (the planner's off switch and depth
-choice paid nothing measurable on top). Drafts
-from the MTP heads 1..K-1 added nothing to the lookup's gain (quiet: 1.39x with them, 1.41x without) and
-cost CPU time, so generation reads head 0 only.
+Up to 3 drafts a round (DEPTH): more tokens a forward with 7, but a step of 8 rows costs much more than one
+of 4, and with 1 fewer drafts are made. A fixed depth is as fast as a planner that chose whether and how
+deep to speculate from timed rounds (where no lookup is found a round is a plain step already), and drafts
+from the MTP heads 1..K-1 add nothing to the lookup's gain, so generation reads head 0 only. The speed-ups
+of each depth, and the measurements behind these choices: docs/benchmarks.md (Generation;
+`bench/generate.py --parts`).
 
 Sampling (temperature > 0) does not speculate: under the exact rule of speculative sampling a lookup draft
-x (one certain token) is accepted with probability p(x); at T 0.8 on make demo's model a lookup is found at
-4.5 % of the positions and its first draft accepted with probability 0.18, so at most 0.9 % of the forwards
-would be saved, less than the verifications cost (bench/lookup_sampling.py). Drafts from the MTP heads
-measured 0.75-0.90x of plain sampling.
+x (one certain token) is accepted with probability p(x), on a trained model too rarely to pay for its
+verification (bench/lookup_sampling.py).
 """
 from __future__ import annotations
 
 from . import kernels
 
 DEPTH = 3                 # drafts a round verifies at most, by default: t1 + 3 drafts are 4 rows, one pass
-#                           of kernels.py's 4-row panels over the weights (measured: see the module docstring)
+#                           of kernels.py's 4-row panels over the weights (see the module docstring)
 MOST = kernels.ROWS - 1   # .. and at all (spec_depth): t1 + 7 drafts fill one call's rows
 NGRAM = 3                 # tokens (t1 included) whose earlier occurrence gives the drafts
 

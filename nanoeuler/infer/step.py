@@ -36,8 +36,8 @@ def runs_fused(W: dict, cache: KVCache) -> bool:
 def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
     """The KV-cache forward up to the final norm: inputs int [B, Tn] at positions cache.length .. +Tn-1
     -> h [B, Tn|1, d]; the cache grows by Tn. One sequence on the fused path goes in blocks of kernels.CHUNK
-    tokens (OpenBLAS's threads, once woken by a prompt's matmuls, spin for a while and took a core from the
-    decoding steps after it: 1.37 ms a token instead of 0.91 on `big`)."""
+    tokens (OpenBLAS's threads, once woken by a prompt's matmuls, spin for a while and would take a core from
+    the decoding steps after it)."""
     B, Tn = inputs.shape
     L = cache.length
     if L + Tn > cache.max_len:
@@ -85,7 +85,7 @@ def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: n
     0..pos[r]-1) -> head 0's logits [n, V]; writes each row's key/value at pos[r]. Fused: every row attends
     to its own cache row in one compiled call (no BLAS); else the NumPy `forward.forward_rows` on BLAS,
     every core's threads from WIDE_STEP rows up (fewer rows: one thread, their products too short to pay).
-    (Switching OpenBLAS's thread count, ~2 µs each way, is not paid by the fused step: `small`'s is ~80 µs.)"""
+    (The fused step does not pay for switching OpenBLAS's thread count, a few µs each way.)"""
     if runs_fused(W, cache):
         k, v, b0 = cache.store
         h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + np.arange(len(tokens)),

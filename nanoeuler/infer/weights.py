@@ -1,10 +1,11 @@
 """Weight forms: the weight types a decoding step reads, and the matrix products of its few rows.
 
-A weight type is a table entry (`WTYPES`), chosen by the dtype of the model's parameters:
+How the decoding step reads each weight type (quant.WTYPES names the types and their storage) is a table
+entry (`KERNEL_FORMS`, under the same names), chosen by the dtype of the model's parameters:
 
-    name  parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
-    f32   float32      the float32 values                   the float32 values
-    f16   float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
+    name     parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
+    float32  float32      the float32 values                   the float32 values
+    float16  float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
     q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k   (the parameters: void records of one block's bytes,
                        [out, in / block], dtype V34 | V18 | V20 | V22 | V24 | V144 | V176 | V210)
@@ -32,9 +33,9 @@ from . import kernels, qkernels, quant
 
 
 @dataclass(frozen=True)
-class WType:
-    """One weight type: the parameters' dtype that selects it, the float32 values the NumPy reference
-    computes with, and its kernel form: `pack(W [..., out, in], out=None)`, `packed(shape)` -> (the kernel
+class KernelForm:
+    """How decoding reads one weight type: the parameters' dtype that selects it, the float32 values the NumPy
+    reference computes with, its kernel form: `pack(W [..., out, in], out=None)`, `packed(shape)` -> (the kernel
     form's shape, dtype), so that all of a model's matrices can share one buffer (forward.fuse_weights), and
     `kind`, the kernels' number for it (kernels._gemv_at)."""
     name: str
@@ -45,7 +46,7 @@ class WType:
     kind: int
 
 
-def _block_type(name: str) -> WType:
+def _block_form(name: str) -> KernelForm:
     """A GGUF block type: parameters [..., out, in / block] of records of one block's bytes (quant.py)."""
     t = quant.WTYPES[name]
 
@@ -63,20 +64,21 @@ def _block_type(name: str) -> WType:
         return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),
                 np.dtype(np.uint8))
 
-    return WType(name, np.dtype(f"V{t.nbytes}"), values, pack, packed, qkernels.KINDS[name])
+    return KernelForm(name, np.dtype(f"V{t.nbytes}"), values, pack, packed, qkernels.KINDS[name])
 
 
-WTYPES = {
-    "f32": WType("f32", np.dtype(np.float32), lambda a: a, kernels.pack,
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32)), 0),
-    "f16": WType("f16", np.dtype(np.float16), kernels.widen, lambda a, out=None: kernels.pack(a.view(np.uint16), out),
-                 lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16)), 1),
-    **{name: _block_type(name) for name in quant.BLOCK_TYPES},
+KERNEL_FORMS = {
+    "float32": KernelForm("float32", np.dtype(np.float32), lambda a: a, kernels.pack,
+                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32)), 0),
+    "float16": KernelForm("float16", np.dtype(np.float16), kernels.widen,
+                          lambda a, out=None: kernels.pack(a.view(np.uint16), out),
+                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16)), 1),
+    **{name: _block_form(name) for name in quant.BLOCK_TYPES},
 }
 
 
-def of_dtype(dtype: np.dtype) -> WType | None:
-    return next((t for t in WTYPES.values() if t.dtype == dtype), None)
+def of_dtype(dtype: np.dtype) -> KernelForm | None:
+    return next((t for t in KERNEL_FORMS.values() if t.dtype == dtype), None)
 
 
 def values(W) -> np.ndarray:
@@ -134,15 +136,13 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     kernel form or None), arranged for the 1..4 rows of a decoding or verification step.
 
     Up to kernels.ROWS float32 rows go to the kernels' matrix-vector product when W has a kernel form
-    (both cores, float32 or float16 weights; on `big`'s [4096, 384] head 3-4x faster than OpenBLAS's one row).
-    Otherwise, OpenBLAS (0.3.31, measured here, one thread) is uneven on such shapes: a 2-row x @ W.T can
-    cost 3-10x a 1-row one; 2-3 rows against a contiguous [in, out] copy cost 1.0-1.7x one row while
-    out <= 1024 (e.g. [768, 128]: 6.4 µs vs 6.3), but 7x for wide outputs ([2048, 384]: 339 µs vs 46), where
-    row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the [in, out] copy
-    where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative verification
-    then read the same matrices, so alternating between them does not pull the other copy of every weight
-    back into the CPU cache (that made a verification after plain steps cost 2x a plain step instead of
-    1.2x, measured here on `small`)."""
+    (both cores, float32 or float16 weights; several times faster than OpenBLAS's one row).
+    Otherwise, OpenBLAS (one thread) is uneven on such shapes: a 2-row x @ W.T can cost several 1-row ones;
+    2-3 rows against a contiguous [in, out] copy cost about one row while out <= 1024, but far more for wide
+    outputs, where row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the
+    [in, out] copy where there is one (x @ Wt is as fast as W @ x): a plain decoding step and a speculative
+    verification then read the same matrices, so alternating between them does not pull the other copy of
+    every weight back into the CPU cache."""
     W, Wt, Wk = W
     rows, out = x.reshape(-1, x.shape[-1]), n_out(W)
     if Wk is not None and len(rows) <= kernels.ROWS and rows.dtype == np.float32:
@@ -161,9 +161,8 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
 
 def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
     """x [n, in] @ W[out, in].T for the n rows of a batched decoding step (W = Forms.pair's triple).
-    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T: OpenBLAS (one thread, measured here) takes
-    322 µs for W [2048, 384] and 16 rows that way against 577 µs as x @ W.T, and 690 against 1168 µs for a
-    [4096, 384] head; narrow ones read the [in, out] copy (at 4 rows 20 µs against 60)."""
+    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T, which OpenBLAS (one thread) runs in about
+    half the time of x @ W.T there; narrow ones read the [in, out] copy, faster at a few rows."""
     W0 = values(W[0])  # (raw parts: dequantized for this use)
     if len(x) == 1:
         return (W0 @ x[0])[None]

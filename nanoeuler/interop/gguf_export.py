@@ -1,7 +1,10 @@
 """Export a checkpoint as a GGUF file for llama.cpp (its architecture's GGUF name: `llama` for ours), written
 with the `gguf` package.
 
-    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype f32|f16|q8_0|q4_0|q4_1|q5_0|q5_1
+    nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype float32|float16|q8_0|q4_0|q4_1|q5_0|q5_1
+
+The types are named as everywhere in nanoeuler (infer/quant.py's WTYPES, `sample --dtype`); `f32` and
+`f16`, llama.cpp's tools' names for the two float types, are accepted too (`LLAMA_CPP_NAMES`).
 
 Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
@@ -25,7 +28,8 @@ import numpy as np
 
 from ..errors import UserError
 
-GGUF_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+GGUF_DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # what export writes
+LLAMA_CPP_NAMES = {"f32": "float32", "f16": "float16"}  # llama.cpp's names of the float types -> ours
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -183,11 +187,11 @@ def _gguf():
     return gguf
 
 
-def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = False, progress: bool = True,
+def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool = False, progress: bool = True,
                 blocks: dict | None = None) -> Path:
-    """Write the GGUF file `out` atomically (a temporary name renamed at the end). blocks: an import's matrices
-    as its file held them (checkpoint.source_blocks), written back byte for byte where they hold a whole tensor;
-    the other tensors in `dtype`."""
+    """Write the GGUF file `out` atomically (a temporary name renamed at the end), its matrices of weight type
+    dtype (GGUF_DTYPES, or llama.cpp's name of a float type). blocks: an import's matrices as its file held them
+    (checkpoint.source_blocks), written back byte for byte where they hold a whole tensor."""
     gguf = _gguf()
     from tqdm import tqdm
 
@@ -196,8 +200,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     from .hf_tokenizer import GGUF_PRE_NAMES
     from .outputs import check_free
 
+    dtype = LLAMA_CPP_NAMES.get(dtype, dtype)
     if dtype not in GGUF_DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
+    from ..infer.quant import WTYPES
     out = check_free(out, force)
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF output is one file")
@@ -209,9 +215,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "f32", force: bool = F
     if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
         raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
                         f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
-    qtype = gguf.GGMLQuantizationType[dtype.upper()]
-    ftype = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType[f"MOSTLY_{dtype.upper()}"]
-    if dtype[0] == "q" and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
+    wtype = WTYPES[dtype]
+    qtype = gguf.GGMLQuantizationType(wtype.ggml)
+    ftype = gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType[f"MOSTLY_{qtype.name}"]
+    if wtype.block > 1 and (cfg.dim % 32 or cfg.ffn_hidden % 32 or (cfg.n_heads * cfg.head_dim) % 32):
         raise UserError(f"{dtype} needs every matrix row length (dim, ffn_hidden) to be a multiple of 32")
     tensors = gguf_tensors(model)
     raw = gguf_blocks(cfg, blocks or {})

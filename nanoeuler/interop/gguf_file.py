@@ -1,7 +1,7 @@
 """Read a GGUF file's metadata and tensor table straight from the memory-mapped bytes, in bounded time.
 
 The `gguf` package's `GGUFReader` builds several numpy objects per array element when it opens a file:
-a 262,144-token vocabulary (three arrays of that length) takes it over 10 s, two million entries minutes.
+a 262,144-token vocabulary (three arrays of that length) takes it many seconds (docs/benchmarks.md).
 Here each array is one slice of the file: numbers are `np.frombuffer` views, and a string array is walked
 once by a compiled loop (each string is a uint64 length, then its bytes) and decoded in one pass, so a
 vocabulary costs a few tens of milliseconds. Layout (little-endian; versions 2 and 3):

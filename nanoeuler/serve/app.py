@@ -28,7 +28,7 @@ from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -142,9 +142,9 @@ class EventStream(StreamingResponse):
 class OneSendPerPass:
     """A transport that sends, in one system call, everything written to it during one pass of the event
     loop (the first write schedules the send for the end of the pass): a stream's headers and first events,
-    its last events and the chunked encoding's end, go out together. On 2 shared cores a send to a local
-    client cost ~0.2 ms and woke the client, both taken from the decoding threads (a stream over HTTP wrote
-    7 times for 128 tokens). Everything else is the wrapped transport's."""
+    its last events and the chunked encoding's end, go out together. Each send is a system call and wakes
+    the client, time taken from the decoding threads where cores are few. Everything else is the wrapped
+    transport's."""
 
     def __init__(self, transport):
         self._transport, self._pending = transport, []
@@ -168,9 +168,8 @@ class OneSendPerPass:
 
 
 def http_protocol(read_timeout: float = READ_TIMEOUT):
-    """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), whose parsing and
-    framing took a stream 0.2 ms less than h11's pure Python (`big` q8_0, 60 interleaved pairs: 6.1 % over
-    the engine alone against 8.6 %). Two rules of its own:
+    """uvicorn's HTTP/1.1 protocol over OneSendPerPass transports: httptools' (llhttp, C), which parses and
+    frames a stream in less time than h11's pure Python (docs/benchmarks.md, Serving). Two rules of its own:
 
     - a request llhttp cannot parse (a bad request line, a negative or 20-digit Content-Length, Content-Length
       with Transfer-Encoding, bytes after a body that begin no request) is answered 400 with an OpenAI error
@@ -356,12 +355,10 @@ class Dispatcher:
     (detokenizing, one SSE chunk, one socket write) runs once per batch instead of once per token. A job's
     first token and its last event (done, error) wake the loop at once too: neither a reply's start (its
     prompt event opens a window just before the first token) nor its end waits for the window.
-    Without it one stream over HTTP ran at 0.4-0.6x the engine alone on `big` (2 shared cores).
 
     WINDOW is 50 ms: text reaches a reader 20 times a second, and a stream pays one pass of the HTTP path
-    (~0.5 ms of the event loop's time, which the scheduler takes from a decoding thread on 2 cores: the
-    decoding step waits ~0.8 ms) per 50 ms. One stream of 128 tokens on `big` q8_0 over HTTP, against the
-    engine alone (interleaved pairs): 14.3 % more time with 10 ms windows, 10.5 % with 30, 8.2 % with 50."""
+    per window: event-loop time that, where cores are few, a decoding thread waits out. Shorter windows
+    cost a stream more (docs/benchmarks.md, Serving: 10, 30 and 50 ms measured)."""
 
     WINDOW = 0.05  # seconds: at most this late does a token reach its request while a stream flows
 
@@ -403,15 +400,6 @@ class Dispatcher:
         for queue, batch in batches.items():
             queue.put_nowait(batch)
         self.timer = self.loop.call_later(self.WINDOW, self._drain)
-
-    @staticmethod
-    def of(app) -> "Dispatcher":
-        """The dispatcher of the running event loop (one per loop, kept on app.state)."""
-        loop = asyncio.get_running_loop()
-        d = getattr(app.state, "dispatcher", None)
-        if d is None or d.loop is not loop:
-            d = app.state.dispatcher = Dispatcher(loop)
-        return d
 
 
 class Run:
@@ -492,10 +480,9 @@ class Run:
 
 async def on_loop_if_short(size: int, fn, *args):
     """fn(*args), which reads `size` characters, token ids or logprob values of a request: on the event loop
-    when they are at most INLINE_CHARS (tokenizing 4 KB takes ~0.3 ms; the hop to a worker thread and back
-    cost every request's start 0.3-0.5 ms), else on a worker thread (a 1 MB text takes a second, the JSON of
-    64 choices with 20 top logprobs a token took the loop 5 s, and the loop must go on serving every other
-    client meanwhile)."""
+    when they are at most INLINE_CHARS (such work takes about what the hop to a worker thread and back would
+    add to the request), else on a worker thread (a megabyte of text, or the JSON of many choices' top
+    logprobs, takes the loop seconds, and it must go on serving every other client meanwhile)."""
     return fn(*args) if size <= INLINE_CHARS else await run_in_threadpool(fn, *args)
 
 
@@ -525,10 +512,11 @@ async def warm_up(app) -> list[int]:
 async def asgi_request(app, method: str, path: str, body: dict | None = None) -> int:
     """One request through the ASGI app in this process (a JSON body gets the app's model name, and the API
     key when there is one), its reply read to the end -> its status."""
-    data = b"" if body is None else json.dumps({"model": app.state.model_name, **body}).encode()
+    s = app.state.service
+    data = b"" if body is None else json.dumps({"model": s.model_name, **body}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    if app.state.api_key:
-        headers.append((b"authorization", f"Bearer {app.state.api_key}".encode()))
+    if s.api_key:
+        headers.append((b"authorization", f"Bearer {s.api_key}".encode()))
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
@@ -571,324 +559,399 @@ def is_loopback(host: str) -> bool:
 
 
 # ---- the application -----------------------------------------------------------------------------
-def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_batch: int = 32,
-               max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
-               chat_max_tokens: int = 256) -> FastAPI:
-    """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
-    from ..checkpoint import check_vocab
-    cfg = model.config
-    check_vocab(cfg, tok)
-    batcher = Batcher(model, max_batch, max_queue)
-    eos_name = end_token(tok)
+class Service:
+    """What the routes serve, one per app (`app.state.service`): the model, its tokenizer, the Batcher that
+    decodes for every request, the limits, and the shutdown signal. The routes below read it from their
+    request; they hold no state of their own."""
 
-    def stop_ids(body) -> set:
-        """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids), unless ignore_eos."""
-        return set() if body.ignore_eos else set(tok.stop_ids)
-    created = int(time.time())
-    page = (STATIC / "index.html").read_text(encoding="utf-8")
+    def __init__(self, model, tok, model_name: str, api_key: str | None, max_batch: int, max_queue: int,
+                 max_tokens_cap: int, max_n: int, chat_max_tokens: int):
+        from ..checkpoint import check_vocab
+        check_vocab(model.config, tok)
+        self.model, self.tok, self.cfg = model, tok, model.config
+        self.model_name, self.api_key = model_name, api_key
+        self.batcher = Batcher(model, max_batch, max_queue)
+        self.max_queue, self.max_tokens_cap, self.max_n = max_queue, max_tokens_cap, max_n
+        self.chat_max_tokens = chat_max_tokens
+        self.eos_name = end_token(tok)
+        self.created = int(time.time())
+        self.page = (STATIC / "index.html").read_text(encoding="utf-8")
+        self.closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once started
+        self.dispatcher: Dispatcher | None = None
 
-    closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
-    running = {}  # "loop": the event loop serving the app
-
-    def begin_shutdown() -> None:
+    def begin_shutdown(self) -> None:
         """End the streams now (the lifespan shutdown joins the engine thread) and answer the bodies still
         arriving (BodyLimit); safe to call from a signal handler."""
-        with batcher.cond:
-            batcher.closed = True
-            batcher.cond.notify_all()
+        with self.batcher.cond:
+            self.batcher.closed = True
+            self.batcher.cond.notify_all()
         try:
-            running["loop"].call_soon_threadsafe(closing.set)
-        except (KeyError, RuntimeError):  # not started, or its loop is gone: no body is arriving
+            self.loop.call_soon_threadsafe(self.closing.set)
+        except (AttributeError, RuntimeError):  # not started, or its loop is gone: no body is arriving
             pass
 
-    @asynccontextmanager
-    async def lifespan(app):
-        running["loop"] = asyncio.get_running_loop()
-        batcher.start()
-        yield
-        batcher.close()
+    def dispatch(self) -> Dispatcher:
+        """The dispatcher of the running event loop (one per loop)."""
+        loop = asyncio.get_running_loop()
+        if self.dispatcher is None or self.dispatcher.loop is not loop:
+            self.dispatcher = Dispatcher(loop)
+        return self.dispatcher
 
-    app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="An OpenAI-compatible API over a nanoeuler checkpoint.")
-    app.state.batcher, app.state.begin_shutdown = batcher, begin_shutdown
-    app.state.model_name, app.state.api_key = model_name, api_key
-    app.add_middleware(BodyLimit, limit=body_limit, closing=closing)
-
-    # ---- errors ----
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return error_json(e.status, e.message, e.type, e.param, e.code)
-
-    @app.exception_handler(UserError)
-    async def _user_error(request, e: UserError):
-        return error_json(400, str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return error_json(400, "the request body is not valid JSON: " + str(first.get("msg")), code="invalid_json")
-        where = ".".join(loc)
-        return error_json(400, f"{where + ': ' if where else ''}{first.get('msg')}"
-                               + (f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""),
-                          param=loc[0] if loc else None, code="invalid_value")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, e: StarletteHTTPException):
-        return error_json(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):
-        return error_json(500, f"internal error ({type(e).__name__})", "server_error")
-
-    async def auth(request: Request):
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
+    # ---- a request's fields, checked before anything reaches the engine ----
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_limits(max_tokens: int, n: int, seed: int | None, n_prompts: int = 1) -> None:
-        if max_tokens > max_tokens_cap:
-            raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {max_tokens_cap}",
+    def check_limits(self, max_tokens: int, n: int, seed: int | None, n_prompts: int = 1) -> None:
+        if max_tokens > self.max_tokens_cap:
+            raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of {self.max_tokens_cap}",
                            param="max_tokens", code="invalid_value")
-        if n > max_n:
-            raise APIError(400, f"n {n} is over this server's limit of {max_n}", param="n", code="invalid_value")
-        if n * n_prompts > max_queue:
-            raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {max_queue}",
+        if n > self.max_n:
+            raise APIError(400, f"n {n} is over this server's limit of {self.max_n}", param="n", code="invalid_value")
+        if n * n_prompts > self.max_queue:
+            raise APIError(400, f"{n * n_prompts} choices in one request; the limit is {self.max_queue}",
                            param="prompt", code="invalid_value")
         if seed is not None and seed + n > SEED_LIMIT:  # choice i samples with seed + i
             raise APIError(400, f"seed must be an integer in [0, 2**64 - n] (choice i of n samples with seed + i), "
                                 f"got {seed}"[:300], param="seed", code="invalid_value")
 
-    def job_args(body, ids, max_tokens, logprobs, echo=False, i=0):
+    def check_ids(self, ids, param) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
+            raise APIError(400, f"token ids must lie in [0, {self.cfg.vocab_size})", param=param, code="invalid_value")
+
+    def prompt_ids(self, raw: list) -> tuple[list[list[int]], list[int]]:
+        """The prompts (texts or id lists) as ids kept to the context -> (ids, tokens dropped) per prompt."""
+        prompts, truncated = [], []
+        for item in raw:
+            ids = self.tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+            self.check_ids(ids, "prompt")
+            ids, dropped = truncate_left(ids, self.cfg.ctx_len)
+            prompts.append(ids)
+            truncated.append(dropped)
+        return prompts, truncated
+
+    def stop_ids(self, body) -> set:
+        """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids), unless ignore_eos."""
+        return set() if body.ignore_eos else set(self.tok.stop_ids)
+
+    def job_args(self, body, ids, max_tokens, logprobs, echo=False, i=0) -> dict:
         seed = None if body.seed is None else body.seed + i
         # below MIN_TEMPERATURE, logits / T overflow: such a temperature is greedy (`sample` refuses it)
         t = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
         return dict(ids=ids, max_tokens=max_tokens, temperature=t,
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
-                    stop_ids=tuple(stop_ids(body)), logprobs=logprobs, echo=echo)
+                    stop_ids=tuple(self.stop_ids(body)), logprobs=logprobs, echo=echo)
 
-    def usage(prompts, choices) -> dict:
-        p = sum(len(ids) for ids in prompts)
-        c = sum(ch.n_tokens for ch in choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def sse(obj) -> str:
-        return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-
-    def stream_response(gen, run: Run, usage_chunk=None):
-        """The SSE reply: gen yields one list of events per batch of engine events, written at once; the list
-        that ends the run takes usage_chunk() (the usage, when asked) and [DONE] with it: the reply's end is
-        one socket write (each write wakes the client, a process on the same cores)."""
-        async def body():
-            try:
-                ended = False
-                try:
-                    async for events in gen:
-                        if run.finished():
-                            events += ([usage_chunk()] if usage_chunk else []) + [DONE]
-                            ended = True
-                        if events:
-                            yield "".join(events)
-                except APIError as e:  # the engine failed on a choice: the stream says so and ends
-                    yield sse(error_body(e.message, e.type, e.param, e.code)) + DONE
-                    ended = True
-                if not ended:
-                    yield DONE
-            finally:
-                run.cancel()  # the client went away or we are done: free the rows now
-        return EventStream(body(), media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # ---- routes ----
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def index():
-        return HTMLResponse(page)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, **batcher.stats()}
-
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "nanoeuler", "context_length": cfg.ctx_len}]}
-
-    @app.get("/v1/models/{name}", dependencies=[Depends(auth)])
-    async def one_model(name: str):
-        check_model(name)
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "nanoeuler",
-                "context_length": cfg.ctx_len}
-
-    @app.get("/tokenizer_info", dependencies=[Depends(auth)])
-    async def tokenizer_info():
-        return {"eos_token": eos_name, "bos_token": getattr(tok, "bos_token", None), "pad_token": eos_name,
-                "model_max_length": cfg.ctx_len, "vocab_size": tok.vocab_size}
-
-    @app.post("/tokenize", dependencies=[Depends(auth)])
-    async def tokenize(body: TokenizeRequest):
-        # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it.
-        # A long text goes off the event loop, as the routes' prompts do (on_loop_if_short).
-        def answer():  # (the JSON of a million ids too)
-            ids = tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
-            return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": cfg.ctx_len})
-        return await on_loop_if_short(len(body.prompt), answer)
-
-    @app.post("/detokenize", dependencies=[Depends(auth)])
-    async def detokenize(body: DetokenizeRequest):
-        def answer():
-            check_ids(body.tokens, "tokens")
-            return {"prompt": tok.decode(body.tokens)}
-        return await on_loop_if_short(len(body.tokens), answer)
-
-    def prompt_ids(raw: list) -> tuple[list[list[int]], list[int]]:
-        """The prompts (texts or id lists) as ids kept to the context -> (ids, tokens dropped) per prompt."""
-        prompts, truncated = [], []
-        for item in raw:
-            ids = tok.encode(item, add_bos=True) if isinstance(item, str) else list(item)  # bos as vLLM does
-            if not ids:
-                raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-            check_ids(ids, "prompt")
-            ids, dropped = truncate_left(ids, cfg.ctx_len)
-            prompts.append(ids)
-            truncated.append(dropped)
-        return prompts, truncated
-
-    def check_ids(ids, param) -> None:
-        if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
-            raise APIError(400, f"token ids must lie in [0, {cfg.vocab_size})", param=param, code="invalid_value")
-
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        stops = stop_list(body.stop)
-        max_tokens = min(16, max_tokens_cap) if body.max_tokens is None else body.max_tokens
-        p = body.prompt
-        raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        if not raw:
-            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        check_limits(max_tokens, body.n, body.seed, len(raw))
-        size = sum(len(item) for item in raw)  # characters or ids
-        prompts, truncated = await on_loop_if_short(size, prompt_ids, raw)
-        run = Run(batcher, Dispatcher.of(app))
-        for pi, ids in enumerate(prompts):
+    def run(self, body, prompts: list[list[int]], max_tokens: int, logprobs, echo: bool, chat: bool) -> Run:
+        """A request's choices (n per prompt), submitted to the batcher."""
+        run, stops = Run(self.batcher, self.dispatch()), stop_list(body.stop)
+        for ids in prompts:
             for j in range(body.n):
-                c = Choice(len(run.choices), tok, ids, stops, stop_ids(body), chat=False)
-                run.add(c, **job_args(body, ids, max_tokens, body.logprobs, body.echo, j))
+                c = Choice(len(run.choices), self.tok, ids, stops, self.stop_ids(body), chat=chat)
+                run.add(c, **self.job_args(body, ids, max_tokens, logprobs, echo, j))
         run.submit()
-        rid, now = "cmpl-" + request_id(), int(time.time())
-        notes = {"prompt_truncated_tokens": truncated} if any(truncated) else {}
+        return run
 
-        def chunk(choices, **extra):
-            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                    "choices": choices, **extra}
 
-        def echo_text(c):
-            return tok.decode(c.prompt_ids) if body.echo else ""
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def usage(prompts, choices) -> dict:
+    p = sum(len(ids) for ids in prompts)
+    c = sum(ch.n_tokens for ch in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+def stream_response(gen, run: Run, usage_chunk=None) -> EventStream:
+    """The SSE reply: gen yields one list of events per batch of engine events, written at once; the list
+    that ends the run takes usage_chunk() (the usage, when asked) and [DONE] with it: the reply's end is
+    one socket write (each write wakes the client, a process on the same cores)."""
+    async def body():
+        try:
+            ended = False
+            try:
+                async for events in gen:
+                    if run.finished():
+                        events += ([usage_chunk()] if usage_chunk else []) + [DONE]
+                        ended = True
+                    if events:
+                        yield "".join(events)
+            except APIError as e:  # the engine failed on a choice: the stream says so and ends
+                yield sse(error_body(e.message, e.type, e.param, e.code)) + DONE
+                ended = True
+            if not ended:
+                yield DONE
+        finally:
+            run.cancel()  # the client went away or we are done: free the rows now
+    return EventStream(body(), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- errors: every one an OpenAI error object ----
+async def api_error(request, e: APIError):
+    return error_json(e.status, e.message, e.type, e.param, e.code)
+
+
+async def user_error(request, e: UserError):
+    return error_json(400, str(e))
+
+
+async def invalid_request(request, e: RequestValidationError):
+    errs = e.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return error_json(400, "the request body is not valid JSON: " + str(first.get("msg")), code="invalid_json")
+    where = ".".join(loc)
+    return error_json(400, f"{where + ': ' if where else ''}{first.get('msg')}"
+                           + (f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""),
+                      param=loc[0] if loc else None, code="invalid_value")
+
+
+async def http_error(request, e: StarletteHTTPException):
+    return error_json(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+
+async def internal_error(request, e: Exception):
+    return error_json(500, f"internal error ({type(e).__name__})", "server_error")
+
+
+async def auth(request: Request) -> None:
+    api_key = service(request).api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+# ---- routes ----
+routes = APIRouter()
+KEYED = [Depends(auth)]  # routes that need the API key, when the server has one
+
+
+@routes.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def index(request: Request):
+    return HTMLResponse(service(request).page)
+
+
+@routes.get("/health")
+async def health(request: Request):
+    s = service(request)
+    return {"status": "ok", "model": s.model_name, **s.batcher.stats()}
+
+
+def model_card(s: Service) -> dict:
+    return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "nanoeuler",
+            "context_length": s.cfg.ctx_len}
+
+
+@routes.get("/v1/models", dependencies=KEYED)
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(service(request))]}
+
+
+@routes.get("/v1/models/{name}", dependencies=KEYED)
+async def one_model(name: str, request: Request):
+    s = service(request)
+    s.check_model(name)
+    return model_card(s)
+
+
+@routes.get("/tokenizer_info", dependencies=KEYED)
+async def tokenizer_info(request: Request):
+    s = service(request)
+    return {"eos_token": s.eos_name, "bos_token": s.tok.bos_token, "pad_token": s.eos_name,
+            "model_max_length": s.cfg.ctx_len, "vocab_size": s.tok.vocab_size}
+
+
+@routes.post("/tokenize", dependencies=KEYED)
+async def tokenize(body: TokenizeRequest, request: Request):
+    s = service(request)
+
+    # add_special_tokens: the bos an imported Llama-3 tokenizer carries, as Hugging Face adds it.
+    # A long text goes off the event loop, as the routes' prompts do (on_loop_if_short).
+    def answer():  # (the JSON of a million ids too)
+        ids = s.tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": s.cfg.ctx_len})
+    return await on_loop_if_short(len(body.prompt), answer)
+
+
+@routes.post("/detokenize", dependencies=KEYED)
+async def detokenize(body: DetokenizeRequest, request: Request):
+    s = service(request)
+
+    def answer():
+        s.check_ids(body.tokens, "tokens")
+        return {"prompt": s.tok.decode(body.tokens)}
+    return await on_loop_if_short(len(body.tokens), answer)
+
+
+@routes.post("/v1/completions", dependencies=KEYED)
+async def completions(body: CompletionRequest, request: Request):
+    s = service(request)
+    s.check_model(body.model)
+    max_tokens = min(16, s.max_tokens_cap) if body.max_tokens is None else body.max_tokens
+    p = body.prompt
+    raw = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not raw:
+        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    s.check_limits(max_tokens, body.n, body.seed, len(raw))
+    size = sum(len(item) for item in raw)  # characters or ids
+    prompts, truncated = await on_loop_if_short(size, s.prompt_ids, raw)
+    run = s.run(body, prompts, max_tokens, body.logprobs, body.echo, chat=False)
+    reply = CompletionReply(s, body, run, prompts, truncated)
+    if body.stream:
+        with_usage = body.stream_options and body.stream_options.include_usage
+        return stream_response(reply.events(), run, reply.usage_event if with_usage else None)
+    await run.finish(request)
+    return await on_loop_if_short(logprob_values(run.choices, body.logprobs), reply.whole)
+
+
+@routes.post("/v1/chat/completions", dependencies=KEYED)
+async def chat_completions(body: ChatRequest, request: Request):
+    s = service(request)
+    s.check_model(body.model)
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                      min(s.chat_max_tokens, s.max_tokens_cap))
+    s.check_limits(max_tokens, body.n, body.seed)
+    # a chat template renders in a worker process that may take its whole time limit (chat_template.py):
+    # never on the event loop, where it would stall every other client
+    ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    run = s.run(body, [ids], max_tokens, logprobs, False, chat=True)
+    reply = ChatReply(s, run, ids, notes, logprobs)
+    if body.stream:
+        with_usage = body.stream_options and body.stream_options.include_usage
+        return stream_response(reply.events(), run, reply.usage_event if with_usage else None)
+    await run.finish(request)
+    return await on_loop_if_short(logprob_values(run.choices, logprobs), reply.whole)
+
+
+class CompletionReply:
+    """The reply to /v1/completions, streamed (`events`) or whole (`whole`); with echo, each choice's text
+    begins with its prompt."""
+
+    def __init__(self, s: Service, body: CompletionRequest, run: Run, prompts: list, truncated: list[int]):
+        self.s, self.body, self.run, self.prompts = s, body, run, prompts
+        self.id, self.created = "cmpl-" + request_id(), int(time.time())
+        self.notes = {"nanoeuler": {"prompt_truncated_tokens": truncated}} if any(truncated) else {}
         for c in run.choices:
-            c.base = len(echo_text(c))
+            c.base = len(self.echo_text(c))
 
-        if body.stream:
-            async def gen():
-                first, ended = set(), set()
-                async for batch in run.updates():
-                    events = []
-                    for c, (text, n_lp) in batch.items():
-                        if c.index in ended:
-                            continue
-                        if c.finish_reason:
-                            ended.add(c.index)
-                        if c.index not in first and (text or n_lp or c.finish_reason):
-                            first.add(c.index)
-                            text = echo_text(c) + text
-                        if not (text or n_lp or c.finish_reason):
-                            continue
-                        lp = c.completion_logprobs(len(c.logprobs) - n_lp) if body.logprobs is not None else None
-                        events.append(sse(chunk([{"index": c.index, "text": text, "logprobs": lp,
-                                                  "finish_reason": c.finish_reason}],
-                                                **({"nanoeuler": notes} if notes else {}))))
-                    yield events
-            with_usage = body.stream_options and body.stream_options.include_usage
-            return stream_response(gen(), run, (lambda: sse(chunk([], usage=usage(prompts, run.choices))))
-                                   if with_usage else None)
+    def chunk(self, choices, **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.s.model_name,
+                "choices": choices, **extra}
 
-        await run.finish(request)
+    def echo_text(self, c: Choice) -> str:
+        return self.s.tok.decode(c.prompt_ids) if self.body.echo else ""
 
-        def reply() -> JSONResponse:
-            choices = [{"index": c.index, "text": echo_text(c) + c.text,
-                        "logprobs": c.completion_logprobs() if body.logprobs is not None else None,
-                        "finish_reason": c.finish_reason} for c in run.choices]
-            return JSONResponse(chunk(choices, usage=usage(prompts, run.choices),
-                                      **({"nanoeuler": notes} if notes else {})))
-        return await on_loop_if_short(logprob_values(run.choices, body.logprobs), reply)
+    def usage_event(self) -> str:
+        return sse(self.chunk([], usage=usage(self.prompts, self.run.choices)))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body.model)
-        stops = stop_list(body.stop)
-        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                          min(chat_max_tokens, max_tokens_cap))
-        check_limits(max_tokens, body.n, body.seed)
-        # a chat template renders in a worker process that may take its whole time limit (chat_template.py):
-        # never on the event loop, where it would stall every other client
-        ids, notes = await run_in_threadpool(render_chat, model, tok, body.messages, max_tokens)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        run = Run(batcher, Dispatcher.of(app))
-        for j in range(body.n):
-            c = Choice(j, tok, ids, stops, stop_ids(body), chat=True)
-            run.add(c, **job_args(body, ids, max_tokens, logprobs, False, j))
-        run.submit()
-        rid, now = "chatcmpl-" + request_id(), int(time.time())
-        extra = {"nanoeuler": notes} if notes else {}
+    async def events(self):
+        first, ended = set(), set()
+        async for batch in self.run.updates():
+            events = []
+            for c, (text, n_lp) in batch.items():
+                if c.index in ended:
+                    continue
+                if c.finish_reason:
+                    ended.add(c.index)
+                if c.index not in first and (text or n_lp or c.finish_reason):
+                    first.add(c.index)
+                    text = self.echo_text(c) + text
+                if not (text or n_lp or c.finish_reason):
+                    continue
+                lp = c.completion_logprobs(len(c.logprobs) - n_lp) if self.body.logprobs is not None else None
+                events.append(sse(self.chunk([{"index": c.index, "text": text, "logprobs": lp,
+                                               "finish_reason": c.finish_reason}], **self.notes)))
+            yield events
 
-        def chunk(choices, **more):
-            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                    "system_fingerprint": None, "choices": choices, **extra, **more}
+    def whole(self) -> JSONResponse:
+        choices = [{"index": c.index, "text": self.echo_text(c) + c.text,
+                    "logprobs": c.completion_logprobs() if self.body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason} for c in self.run.choices]
+        return JSONResponse(self.chunk(choices, usage=usage(self.prompts, self.run.choices), **self.notes))
 
-        if body.stream:
-            async def gen():
-                yield [sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}])) for c in run.choices]
-                ended = set()
-                async for batch in run.updates():
-                    events = []
-                    for c, (piece, n_lp) in batch.items():
-                        if c.index in ended:
-                            continue
-                        lp = c.chat_logprobs(len(c.logprobs) - n_lp) if logprobs is not None and n_lp else None
-                        if piece or lp:
-                            events.append(sse(chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
-                                                      "finish_reason": None}])))
-                        if c.finish_reason:
-                            ended.add(c.index)
-                            events.append(sse(chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                                      "finish_reason": c.finish_reason}])))
-                    yield events
-            with_usage = body.stream_options and body.stream_options.include_usage
-            return stream_response(gen(), run, (lambda: sse(chunk([], usage=usage([ids], run.choices))))
-                                   if with_usage else None)
 
-        await run.finish(request)
+class ChatReply:
+    """The reply to /v1/chat/completions, streamed (`events`: a role delta first, a finish delta last) or
+    whole (`whole`)."""
 
-        def reply() -> JSONResponse:
-            return JSONResponse({
-                "id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                "system_fingerprint": None,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": c.chat_logprobs() if logprobs is not None else None,
-                             "finish_reason": c.finish_reason} for c in run.choices],
-                "usage": usage([ids], run.choices), **extra})
-        return await on_loop_if_short(logprob_values(run.choices, logprobs), reply)
+    def __init__(self, s: Service, run: Run, ids: list[int], notes: dict, logprobs: int | None):
+        self.s, self.run, self.ids, self.logprobs = s, run, ids, logprobs
+        self.id, self.created = "chatcmpl-" + request_id(), int(time.time())
+        self.extra = {"nanoeuler": notes} if notes else {}
 
+    def chunk(self, choices, **more) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.s.model_name, "system_fingerprint": None, "choices": choices, **self.extra, **more}
+
+    def usage_event(self) -> str:
+        return sse(self.chunk([], usage=usage([self.ids], self.run.choices)))
+
+    async def events(self):
+        yield [sse(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])) for c in self.run.choices]
+        ended = set()
+        async for batch in self.run.updates():
+            events = []
+            for c, (piece, n_lp) in batch.items():
+                if c.index in ended:
+                    continue
+                lp = c.chat_logprobs(len(c.logprobs) - n_lp) if self.logprobs is not None and n_lp else None
+                if piece or lp:
+                    events.append(sse(self.chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
+                                                   "finish_reason": None}])))
+                if c.finish_reason:
+                    ended.add(c.index)
+                    events.append(sse(self.chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                                   "finish_reason": c.finish_reason}])))
+            yield events
+
+    def whole(self) -> JSONResponse:
+        return JSONResponse({
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.s.model_name,
+            "system_fingerprint": None,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.chat_logprobs() if self.logprobs is not None else None,
+                         "finish_reason": c.finish_reason} for c in self.run.choices],
+            "usage": usage([self.ids], self.run.choices), **self.extra})
+
+
+@asynccontextmanager
+async def lifespan(app):
+    s = app.state.service
+    s.loop = asyncio.get_running_loop()
+    s.batcher.start()
+    yield
+    s.batcher.close()
+
+
+def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_batch: int = 32,
+               max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
+               chat_max_tokens: int = 256) -> FastAPI:
+    """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
+    s = Service(model, tok, model_name, api_key, max_batch, max_queue, max_tokens_cap, max_n, chat_max_tokens)
+    app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="An OpenAI-compatible API over a nanoeuler checkpoint.")
+    app.state.service = s
+    app.add_middleware(BodyLimit, limit=body_limit, closing=s.closing)
+    for kind, handler in ((APIError, api_error), (UserError, user_error), (RequestValidationError, invalid_request),
+                          (StarletteHTTPException, http_error), (Exception, internal_error)):
+        app.add_exception_handler(kind, handler)
+    app.include_router(routes)
     return app
 
 
@@ -896,8 +959,8 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
 def bind(host: str, port: int):
     """A listening socket on host:port (port 0: any free one); a port in use is a UserError. Its protocol
     is named (IPPROTO_TCP): asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of such
-    sockets, and with it on, a stream's later chunk waited for the client's delayed acknowledgement of the
-    one before (a keep-alive client got a 128-token reply's end ~20-40 ms late)."""
+    sockets, and with it on, a stream's later chunk waits for the client's delayed acknowledgement of the
+    one before (a keep-alive client gets a reply's end tens of ms late)."""
     import socket
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -925,13 +988,13 @@ def run_server(app: FastAPI, sock, log_level: str = "warning", on_ready=None) ->
 
     # The engine thread gives the GIL up in every compiled step and large NumPy call, and takes it back
     # only when the event loop's thread yields it: by default after 5 ms of Python. With many streams the
-    # loop always has Python to run, so each step could lose ms waiting; 0.5 ms bounds that wait (`big`,
-    # 16 streams, 3 alternating pairs: 2411-3016 tokens/s against 2201-2492; one stream unchanged).
+    # loop always has Python to run, so each step could lose ms waiting; 0.5 ms bounds that wait
+    # (docs/benchmarks.md, Serving).
     sys.setswitchinterval(0.0005)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            app.state.begin_shutdown()
+            app.state.service.begin_shutdown()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -940,8 +1003,7 @@ def run_server(app: FastAPI, sock, log_level: str = "warning", on_ready=None) ->
                 return
             await warm_up(app)
             # What the server holds now lives as long as it does: out of the garbage collector's generations,
-            # whose oldest one a collection walks whole, holding the GIL (160k objects: ~80 ms a collection,
-            # every stream stalled; frozen, 0.3 ms).
+            # whose oldest one a collection walks whole, holding the GIL and stalling every stream.
             gc.collect()
             gc.freeze()
             if on_ready is not None:

@@ -7,8 +7,8 @@ A kind implements `vocab_size`, `token_bytes(i)`, `encode_array(text, allow_spec
 sets `special_tokens` (string -> id), `eos_token`, `bos_token`, `stops` and `chat_template`; this class gives
 the rest the same way for all: encode, decode, eos_id, bos_id, stop_ids, save, load, fingerprint.
 
-`tokenizer.json` names its kind (`"kind": "sentencepiece"`); a file without the field is byte-level BPE, so
-every file written before kinds existed reads, and fingerprints, as before. `Tokenizer.load` and
+`tokenizer.json` names its kind (`"kind": "sentencepiece"`); a file without the field is byte-level BPE, and
+a byte-level tokenizer's file and fingerprint carry no kind. `Tokenizer.load` and
 `Tokenizer.from_dict` (tokenizer.py) return the kind the file names.
 """
 from __future__ import annotations

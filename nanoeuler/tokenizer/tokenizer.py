@@ -454,7 +454,7 @@ class Tokenizer(BaseTokenizer):
         """text -> ids. Special-token strings in text are ordinary text unless allow_special=True;
         add_bos=True puts the bos token first (if the tokenizer has one)."""
         out = self._engine_ids(text, allow_special, add_bos)
-        # one shared Python int per id, the map folded in (the list is built from them: ~2.5x faster than
+        # one shared Python int per id, the map folded in (the list is built from them: faster than
         # array.tolist(), and the map costs nothing here)
         return self._int_objects.take(out).tolist()
 
