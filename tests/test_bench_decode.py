@@ -39,7 +39,7 @@ def test_decode_bench_fields(run_dir, capsys, dtype):
     if dtype.startswith("q"):
         from nanoeuler.infer import qkernels
         if not qkernels.AVAILABLE:
-            pytest.skip("this CPU has no AVX512-VNNI")
+            pytest.skip("this CPU has neither AVX2 nor AVX512-VNNI")
     r = bench_json(["--ckpt", run_dir, "--dtype", dtype, "--threads", "1"], capsys)
     m = Model.load(run_dir)
     head1 = m.params["heads.1.weight"].size
@@ -77,7 +77,7 @@ def test_a_quantized_gguf_decodes_in_its_own_type(run_dir, tmp_path, capsys):
     from nanoeuler.infer import qkernels
     from nanoeuler.interop.gguf_export import export_gguf
     if not qkernels.AVAILABLE:
-        pytest.skip("this CPU has no AVX512-VNNI")
+        pytest.skip("this CPU has neither AVX2 nor AVX512-VNNI")
     m = Model.load(run_dir)
     path = export_gguf(m, load_tokenizer(run_dir), tmp_path / "m.gguf", "q4_1", progress=False)
     r = bench_json(["--ckpt", path, "--n-prompt", "8", "--n-gen", "4"], capsys)

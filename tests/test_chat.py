@@ -227,7 +227,7 @@ def test_a_tokenizer_that_does_not_match_the_model_is_one_line_at_load(tmp_path,
 
 @pytest.mark.parametrize("command", ["sample", "chat", "serve"])
 def test_a_dtype_the_model_cannot_take_is_one_line_before_anything_is_printed(tmp_path, monkeypatch, capsys, command):
-    """q8_0 needs widths that are multiples of 32 (and a CPU with AVX512-VNNI): a 48-wide model is refused in
+    """q8_0 needs widths that are multiples of 32 (and a CPU with AVX2 or AVX512-VNNI): a 48-wide model is refused in
     one line, and nothing is printed before it (`sample` used to echo the prompt first)."""
     from nanoeuler.cli import main
     tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 270, progress=False)

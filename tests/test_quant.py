@@ -28,7 +28,8 @@ from nanoeuler.infer.weights import QuantizedModel, for_dtype
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-needs_vnni = pytest.mark.skipif(not qk.AVAILABLE, reason="this CPU has no AVX512-VNNI")
+needs_qkernels = pytest.mark.skipif(not qk.AVAILABLE, reason="this CPU has neither AVX2 nor AVX512-VNNI")
+RUNNABLE = qk.ISAS[qk.ISAS.index(qk.ISA):]  # the kernels' instruction sets this CPU runs: its own and those below
 TYPES = quant.QUANTIZABLE            # q8_0, q4_0, q4_1, q5_0, q5_1: quantized here as gguf does
 K_TYPES = ("q4_k", "q5_k", "q6_k")   # read from files only
 ALL = quant.BLOCK_TYPES
@@ -66,12 +67,19 @@ def test_table_bytes_per_weight_and_file_type_numbers():
         assert (t.block, t.nbytes) == gguf_quants.GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml)]
 
 
-def k_blocks(name, rng, rows, n):
-    """Blocks [rows, n / 256 · bytes] of a K type as a file could hold them: random bytes (every integer, scale and
-    minimum possible), the float16 super-block scales set to small finite values of either sign."""
+SCALES_AT = {"q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # else (0,): d
+EXTREMES = (0x00, 0xFF, 0x80, 0x7F)  # bytes of extreme integers: nibbles 0 / 15 / 8 / 7, Q8_0's q 0, -1, -128, 127
+
+
+def raw_blocks(name, rng, rows, n, byte_values=None):
+    """Blocks [rows, n / block · bytes] of a type as a file could hold them: random bytes (every integer, scale and
+    minimum possible; or drawn from byte_values), the float16 scales (d; m, dmin) set to small finite values of
+    either sign (byte offsets: SCALES_AT)."""
     t = quant.WTYPES[name]
-    B = rng.integers(0, 256, (rows * n // t.block, t.nbytes), dtype=np.uint8)
-    for at in ((208,) if name == "q6_k" else (0, 2)):
+    shape = (rows * n // t.block, t.nbytes)
+    B = rng.integers(0, 256, shape, dtype=np.uint8) if byte_values is None else \
+        rng.choice(np.uint8(byte_values), shape)
+    for at in SCALES_AT.get(name, (0,)):
         B[:, at:at + 2] = rng.uniform(-0.02, 0.02, (len(B), 1)).astype(np.float16).view(np.uint8)
     return B.reshape(rows, -1)
 
@@ -79,13 +87,13 @@ def k_blocks(name, rng, rows, n):
 def blocks_of(name, rng, rows, n):
     """A matrix [rows, n] in block type `name`: random weights quantized, or random K blocks."""
     if name in K_TYPES:
-        return k_blocks(name, rng, rows, n)
+        return raw_blocks(name, rng, rows, n)
     return quant.quantize(rng.standard_normal((rows, n)).astype(np.float32) * np.float32(0.05), name)
 
 
 @pytest.mark.parametrize("name", K_TYPES)
 def test_k_dequantize_equals_gguf_and_quantize_is_refused(name):
-    B = k_blocks(name, np.random.default_rng(12), 6, 512)
+    B = raw_blocks(name, np.random.default_rng(12), 6, 512)
     gtype = GGMLQuantizationType[name.upper()]
     np.testing.assert_array_equal(quant.dequantize(B, name, 512), gguf_quants.dequantize(B, gtype))
     with pytest.raises(UserError, match=f"cannot quantize to {name}: K-quant blocks are read from GGUF files"):
@@ -246,26 +254,45 @@ def test_pack_holds_the_integers_and_scales(name):
             assert not b[len(a):].astype(np.float32).any()
 
 
-@needs_vnni
-@pytest.mark.parametrize("name", ALL)
-def test_the_portable_panel_equals_vnni(name):
-    """Without AVX512-VNNI the kernels compile `vpdpbusd` and `vpdpwssd` as portable IR (every decoding kernel
-    compiles the quantized branch, float models too): the same integers, so the same bits."""
-    rng = np.random.default_rng(9)
-    kind, I = qk.KINDS[name], 512
-    panel = qk._panel_intrinsic(kind, vnni=False)
+def panel_for(kind, isa):
+    """One panel of `kind` compiled for instruction set `isa`: (k, Wk, xq, xd, xs) -> t [k, PANEL] (k <= MAX_R rows)."""
+    panel = qk._panel_intrinsic(kind, isa)
 
     @njit
-    def portable(k, w, xq, xd, xs, t, nb, n_in):
+    def run(k, w, xq, xd, xs, t, nb, n_in):
         panel(k, w, xq, xd, xs, t, nb, n_in)
-    Wk = qk.pack(blocks_of(name, rng, qk.PANEL, I), name, I)
-    X = rng.standard_normal((3, I)).astype(np.float32)
-    xq, xd, xs = qk.quantize_rows(kind, X)
-    for k in (1, 3):  # (one row: 4-bit high nibbles are multiplied in place, 16 q, and shifted back)
+
+    def product(k, Wk, xq, xd, xs):
         T = np.zeros((qk.MAX_R, qk.PANEL), np.float32)
-        portable(k, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, T.ctypes.data,
-                 I // quant.WTYPES[name].block, I)
-        np.testing.assert_array_equal(T[:k], kernels.matvec(Wk, X[:k], qk.PANEL))
+        run(k, Wk.ctypes.data, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, T.ctypes.data, Wk.shape[1],
+            xq.shape[1])
+        return T[:k]
+    return product
+
+
+def extreme_activations(rng, n, k):
+    """Rows [n, k] of ±1: every activation rounds to ±127 (the largest pair sums against extreme weights)."""
+    return rng.choice(np.float32([-1, 1]), (n, k))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_instruction_set_gives_the_same_bits(name):
+    """The panel compiled for each instruction set this CPU runs (qkernels.ISAS from its own down: AVX512-VNNI,
+    AVX2, and the portable IR that a CPU with neither compiles, as every decoding kernel compiles the quantized
+    branch) multiplies the same integers, so gives the engine's bits at 1..4 rows, on random blocks and on
+    extreme ones against ±127 activations; the portable IR, which every CPU runs, ties the sets together."""
+    rng = np.random.default_rng(9)
+    kind, I = qk.KINDS[name], 512
+    cases = [(blocks_of(name, rng, qk.PANEL, I), rng.standard_normal((qk.MAX_R, I)).astype(np.float32)),
+             (raw_blocks(name, rng, qk.PANEL, I, EXTREMES), extreme_activations(rng, qk.MAX_R, I))]
+    for isa in RUNNABLE:
+        product = panel_for(kind, isa)
+        for B, X in cases:
+            Wk = qk.pack(B, name, I)
+            xq, xd, xs = qk.quantize_rows(kind, X)
+            for k in range(1, qk.MAX_R + 1):  # (one row: 4-bit high nibbles multiplied in place where the set can)
+                np.testing.assert_array_equal(product(k, Wk, xq, xd, xs), kernels.matvec(Wk, X[:k], qk.PANEL),
+                                              err_msg=f"{isa}, {k} rows")
 
 
 def activation_rounding(name, X):
@@ -290,7 +317,7 @@ def test_quantized_product_equals_dequantized_float_product(name):
     rng = np.random.default_rng(4)
     O, I = 150, 512
     if name in K_TYPES:
-        B = k_blocks(name, rng, O, I)
+        B = raw_blocks(name, rng, O, I)
         W = quant.dequantize(B, name, I)
     else:
         W = rng.standard_normal((O, I)).astype(np.float32) * np.float32(0.05)
@@ -313,6 +340,22 @@ def test_quantized_product_equals_dequantized_float_product(name):
     step = np.abs(X.reshape(20, -1, width)).max(-1).astype(np.float64) / 127                   # [20, I / width]
     predicted = (step[:, None, :] ** 2 / 12 * (Wd.reshape(O, -1, width) ** 2).sum(-1)[None]).sum()
     assert 0.5 <= ((Y - X.astype(np.float64) @ Wd.T) ** 2).sum() / predicted <= 1.25
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_extreme_integers_multiply_exactly(name):
+    """Blocks of extreme integers (bytes 0x00, 0xFF, 0x80, 0x7F: nibbles 0 and 15, Q8_0's q -128 and 127,
+    6-bit scales 63) against activations that all round to ±127: the largest sums of pairs, which AVX2's
+    `vpmaddubsw` (int16, saturating) would clip were its operands not kept in range; at 1..5 rows (one row
+    takes other code), the float64 product of the dequantized values to float32 rounding."""
+    rng = np.random.default_rng(14)
+    O, I = 70, 512
+    B = raw_blocks(name, rng, O, I, EXTREMES)
+    X = extreme_activations(rng, 5, I)
+    Wk = qk.pack(B, name, I)
+    for n in (1, 5):
+        Y, ref = kernels.matvec(Wk, X[:n], O), quantized_reference(B, name, X[:n])
+        assert np.abs(Y - ref).max() <= 1e-6 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -407,7 +450,7 @@ KCFG = tiny_config(vocab_size=53, dim=256, n_heads=4, n_kv_heads=2, n_layers=2, 
 
 
 def k_model(name, seed=0):
-    """A model of KCFG whose matrices are random K blocks (k_blocks) with their super-block scales set so that the
+    """A model of KCFG whose matrices are random K blocks (raw_blocks) with their super-block scales set so that the
     weights' spread is 0.1, and norm weights spread around 1 (QuantizedModel.from_blocks)."""
     rng = np.random.default_rng(seed)
     t = quant.WTYPES[name]
@@ -416,7 +459,7 @@ def k_model(name, seed=0):
         if p.ndim == 1:
             P[n] = rng.uniform(0.5, 1.5, p.shape).astype(np.float32)
             continue
-        B = k_blocks(name, rng, *p.shape)
+        B = raw_blocks(name, rng, *p.shape)
         f = np.float32(0.1) / quant.dequantize(B, name, p.shape[1]).std()
         blocks = B.reshape(-1, t.nbytes)
         for at in ((208,) if name == "q6_k" else (0, 2)):
@@ -447,7 +490,7 @@ def quantized_activations(linear, name):
     return wrapped
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", ALL)
 def test_quantized_step_equals_dequantized_float_step(name, monkeypatch):
     """The fused step on the quantized weights = the NumPy reference on their dequantized values with the
@@ -473,7 +516,7 @@ def batch_logits(cfg, W, cache, tokens, pos):
     return decode_rows(cfg, W, c, tokens, pos)
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", ALL)
 def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(name, monkeypatch):
     """serve's batched step (one token per cache row, each at its own position) on quantized weights at
@@ -523,7 +566,7 @@ def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(nam
     assert np.median(plain_errs) > 1000 * np.median(errs) and errs.max() < 2 * plain_errs.max()
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", TYPES)
 def test_quantized_model_holds_the_gguf_export_bytes(name, tmp_path):
     """QuantizedModel(m, t)'s matrices are the bytes `export --format gguf --dtype t` writes for m."""
@@ -548,7 +591,7 @@ def test_quantized_model_holds_the_gguf_export_bytes(name, tmp_path):
     assert set(gguf_tensors(m)) == set(file_bytes)
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", ALL)
 def test_quantized_greedy_cache_speculative_and_threads_agree(name):
     """Greedy decoding of a quantized model: the KV-cache steps and speculative rounds give the same tokens,
@@ -578,11 +621,11 @@ def test_quantized_model_refusals(monkeypatch):
     with pytest.raises(UserError, match="matrices are blocks of one type"):
         QuantizedModel.from_blocks(QCFG, qmodel().params)
     monkeypatch.setattr(qk, "AVAILABLE", False)
-    with pytest.raises(UserError, match="AVX512-VNNI"):
+    with pytest.raises(UserError, match="needs a CPU with AVX2 or AVX512-VNNI"):
         QuantizedModel(qmodel(), "q4_0")
 
 
-@needs_vnni
+@needs_qkernels
 def test_sample_dtype_and_an_imported_gguf_decodes_in_its_own_type(tmp_path, capsys):
     """`sample --dtype q4_1` decodes QuantizedModel(m, "q4_1"); a checkpoint imported from a Q8_0 GGUF decodes
     at q8_0 unless --dtype says otherwise."""
@@ -627,7 +670,7 @@ def llama_files(tmp_path_factory):
     return {q: write_gguf(d / f"m-{q}.gguf", m, tok, q.upper()) for q in TYPES}
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", TYPES)
 def test_quantized_logits_and_greedy_tokens_agree_with_llama_cpp(llama_files, name):
     """The imported Q8_0 / Q4_x / Q5_x file decoded in its own type: llama.cpp rounds the activations to 8 bits
@@ -669,7 +712,7 @@ def k_type_file(name, path):
         if p.ndim == 1:
             P[n] = p
             continue
-        B = k_blocks(name, rng, *p.shape)
+        B = raw_blocks(name, rng, *p.shape)
         blocks = B.reshape(-1, t.nbytes)
         f = np.float32(0.05) / quant.dequantize(B, name, p.shape[1]).std()
         for at in ((208,) if name == "q6_k" else (0, 2)):
@@ -682,7 +725,7 @@ def k_type_file(name, path):
     return write_gguf(path, m, tok, name.upper(), blocks=file_blocks), QuantizedModel.from_blocks(cfg, P)
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", K_TYPES)
 def test_k_type_logits_and_greedy_tokens_agree_with_llama_cpp(name, tmp_path):
     """A file of random K blocks (k_type_file): our decoding of its blocks, activations rounded to Q8_K as
@@ -711,7 +754,7 @@ def test_k_type_logits_and_greedy_tokens_agree_with_llama_cpp(name, tmp_path):
     assert got == LlamaCpp(path, n_ctx=cfg.ctx_len).greedy(window[:32], 32)[0]
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", ALL)
 def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
     """serve's continuous batching (infer/engine.py) runs the same quantized step: 10 streams that join at
@@ -735,7 +778,7 @@ def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
         assert out == generate(qm, p, 30, temperature=0, mode="cache").ids
 
 
-@needs_vnni
+@needs_qkernels
 @pytest.mark.parametrize("name", ("float16",) + TYPES)
 def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
     """A model decoded at float16 or a block type (the batcher's layout, the widest) holds its own weights and
@@ -780,7 +823,7 @@ def test_the_cli_dtypes_are_the_engines_weight_types(monkeypatch):
             assert for_dtype(m, dtype) is not None
 
 
-@needs_vnni
+@needs_qkernels
 def test_eval_dtype_scores_the_decoded_model(tmp_path, capsys):
     """`eval --dtype`: at float32 the decoding step gives the training forward's loss (to rounding); at q8_0
     the quantized weights' loss, a little off it; q4_0 further (4 bits of 32-weight blocks against 8)."""

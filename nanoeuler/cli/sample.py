@@ -33,7 +33,7 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
                         "in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token. q8_0, q4_0, "
                         "q4_1, q5_0, q5_1: GGUF's blocks of 32 weights (8, 4 or 5 bits + a float16 scale), "
                         "quantized at load as gguf rounds them and multiplied in integers with 8-bit activations, "
-                        "as llama.cpp runs such a file (needs AVX512-VNNI): 1.06 / 0.56 / 0.62 / 0.69 / 0.75 bytes "
+                        "as llama.cpp runs such a file (needs AVX2 or AVX512-VNNI): 1.06 / 0.56 / 0.62 / 0.69 / 0.75 bytes "
                         "per weight. q4_k, q5_k, q6_k (256-weight super-blocks) are decoded only as read from a "
                         "file: a float model is refused (we do not reproduce llama.cpp's search that makes them). "
                         "Logits move (float16 ~1e-3 relative, q8_0 ~1e-2), so a text can differ")

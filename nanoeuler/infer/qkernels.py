@@ -66,21 +66,24 @@ K_KINDS = 8
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
-def cpu_has_vnni() -> bool:
-    """Whether the CPU numba compiles for has AVX512-VNNI (`vpdpbusd`) and AVX512BW."""
+def cpu_isa() -> str:
+    """The integer products the CPU numba compiles for offers: "vnni" (AVX512-VNNI with AVX512BW: `vpdpbusd`),
+    "avx2" (`vpmaddubsw`, `vpmaddwd`), or "portable" (neither: plain IR, slow, compiled but never run by choice)."""
     import llvmlite.binding as ll
     f = ll.get_host_cpu_features()
-    return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+    if f.get("avx512vnni", False) and f.get("avx512bw", False):
+        return "vnni"
+    return "avx2" if f.get("avx2", False) else "portable"
 
 
-VNNI = cpu_has_vnni()  # what the kernels are compiled for (without it: portable IR, slow, never run by choice)
-AVAILABLE = VNNI       # whether quantized decoding is offered (tests set it False to see the refusal)
+ISA = cpu_isa()                # what the kernels are compiled for
+AVAILABLE = ISA != "portable"  # whether quantized decoding is offered (tests set it False to see the refusal)
 
 
 def require() -> None:
-    """Refuse quantized decoding on a CPU without AVX512-VNNI (one line; no silent slow path)."""
+    """Refuse quantized decoding on a CPU with neither AVX2 nor AVX512-VNNI (one line; no silent slow path)."""
     if not AVAILABLE:
-        raise UserError("block-quantized decoding (q8_0, q4_0, ...) needs a CPU with AVX512-VNNI (vpdpbusd), which "
+        raise UserError("block-quantized decoding (q8_0, q4_0, ...) needs a CPU with AVX2 or AVX512-VNNI, which "
                         "this one lacks; use --dtype float16 or float32")
 
 
@@ -238,6 +241,39 @@ def ir_opaque(builder, a, zero, i: int):
     return builder.add(a, builder.lshr(zero, ir.Constant(I64, 56 + i)))
 
 
+# ---- the integer products of each instruction set ----------------------------------------------------------
+# The loops below are written once; what differs between instruction sets is in these few blocks:
+#
+#   vnni      a group row's dot (ir_row_dot): chains of `vpdpbusd` (per int32 lane += 4 unsigned x 4 signed
+#             bytes); the K minimums' pairs (ir_dot2): `vpdpwssd`
+#   portable  the same two as plain IR (a CPU with neither set: compiled there, never run by choice)
+#   avx2      the dot: `vpmaddubsw` (per int16 lane: 2 unsigned x 2 signed bytes, saturating) summed in int16
+#             as long as no sum can overflow, then `vpmaddwd` against ones into int32 (_row_dot_avx2);
+#             ir_dot2: `vpmaddwd` and an add. Each on the two 256-bit halves of the loops' 512-bit values.
+#             Its int16 pairs limit the unsigned operand: 8-bit weights are held signed (`signed_weights`,
+#             the sign moved onto x as llama.cpp does), and one row's 4-bit high nibbles are not held x 16.
+ISAS = ("vnni", "avx2", "portable")
+I8X64 = ir.VectorType(I8, 4 * LANES)
+I16X32 = ir.VectorType(I16, 2 * LANES)
+
+
+def signed_weights(bits: int, isa: str) -> bool:
+    """Whether a group's weights are held as signed q = u - offset (8-bit weights on AVX2: `vpmaddubsw` takes
+    |q| <= 128 unsigned, where u <= 255 could saturate a pair) rather than unsigned u (ir_group)."""
+    return isa == "avx2" and bits == 8
+
+
+def dot_offset(g: Geometry, isa: str) -> int:
+    """The offset the loops subtract after the dot (as offset·Σx): 0 where the weights are held signed."""
+    return 0 if signed_weights(g.bits, isa) else g.offset
+
+
+def high_nibbles_in_place(rows: int, bits: int, isa: str) -> bool:
+    """One row of 4-bit weights: their high nibbles are multiplied in place (16 q, one op less per 64 bytes)
+    and the dot shifted back; not on AVX2, where 16 q (up to 240) would saturate `vpmaddubsw`'s pairs."""
+    return rows == 1 and bits == 4 and isa != "avx2"
+
+
 def ir_portable(builder, name: str, body):
     """A call-once helper (acc, a, b) -> <16 x i32> defined in the module (internal, never inlined) by
     body(builder, acc, a, b): where the CPU lacks VNNI its instructions are written out once per module instead
@@ -267,51 +303,106 @@ def _dot2_portable(builder, acc, a, b):
     return builder.add(acc, builder.add(builder.mul(*lo), builder.mul(*hi)))
 
 
-def ir_dot4(builder, acc, u, x, vnni: bool):
+def ir_avx2(builder, name: str, a, b, ty, out):
+    """The 256-bit AVX2 intrinsic llvm.x86.avx2.`name` (two arguments of vector type `ty`, result `out`) on each
+    half of a and b (512-bit values of any vector type), the halves of its results joined: a 512-bit vector."""
+    n, wide = ty.count, ir.VectorType(ty.element, 2 * ty.count)
+    fn = ir_function(builder, f"llvm.x86.avx2.{name}", out, [ty, ty])
+    a, b = builder.bitcast(a, wide), builder.bitcast(b, wide)
+    half = [builder.call(fn, [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(h * n, h * n + n))))
+                              for v in (a, b)]) for h in range(2)]
+    return builder.shuffle_vector(*half, ir.Constant(ir.VectorType(I32, 2 * out.count), list(range(2 * out.count))))
+
+
+def ir_pairs_avx2(builder, a, b):
+    """Per int16 lane: 2 unsigned bytes of a times 2 signed bytes of b, summed (`vpmaddubsw`, saturating)."""
+    return ir_avx2(builder, "pmadd.ub.sw", a, b, ir.VectorType(I8, 2 * LANES), HVEC)
+
+
+def ir_widen_avx2(builder, acc, a, b):
+    """acc + per int32 lane the dot product of 2 int16 of a and 2 of b (`vpmaddwd`; exact but for -32768²·2)."""
+    return builder.add(acc, builder.bitcast(ir_avx2(builder, "pmadd.wd", a, b, HVEC, ir.VectorType(I32, LANES // 2)),
+                                            IVEC))
+
+
+def ir_dot4(builder, acc, u, x, isa: str):
     """acc + per lane the dot product of 4 unsigned bytes of u and 4 signed bytes of x (<16 x i32> each):
     one `vpdpbusd`, or where the CPU lacks it the same in portable IR (ir_portable), so that the float kernels,
     which compile this path too, still compile there."""
-    if vnni:
+    if isa == "vnni":
         return builder.call(ir_function(builder, "llvm.x86.avx512.vpdpbusd.512", IVEC, [IVEC] * 3), [acc, u, x])
     return builder.call(ir_portable(builder, "nanoeuler.dot4", _dot4_portable), [acc, u, x])
 
 
-def ir_dot2(builder, acc, a, b, vnni: bool):
-    """acc + per lane the dot product of 2 signed int16 of a and 2 of b: one `vpdpwssd` (or portable IR)."""
-    if vnni:
+def ir_dot2(builder, acc, a, b, isa: str):
+    """acc + per lane the dot product of 2 signed int16 of a and 2 of b: one `vpdpwssd`, `vpmaddwd` and an add
+    (AVX2), or portable IR."""
+    if isa == "vnni":
         return builder.call(ir_function(builder, "llvm.x86.avx512.vpdpwssd.512", IVEC, [IVEC] * 3), [acc, a, b])
+    if isa == "avx2":
+        return ir_widen_avx2(builder, acc, a, b)
     return builder.call(ir_portable(builder, "nanoeuler.dot2", _dot2_portable), [acc, a, b])
 
 
-def ir_group(builder, bp, at, bits: int, hi16: bool = False) -> list:
+def ir_group(builder, bp, at, bits: int, isa: str, hi16: bool = False) -> list:
     """The group at byte `at` of bp as 8 <16 x i32>, [u]: 16 outputs x the 4 unsigned bytes of inputs 4u .. 4u + 3
     (4 bits and more: each 64 nibble bytes split into low and high nibbles, one and / shift + and each; hi16: the
-    high nibbles left in place, 16 q, one and; 5, 6 bits: each bit plane's word u OR-ed in by one masked move)."""
+    high nibbles left in place, 16 q, one and; 5, 6 bits: each bit plane's word u OR-ed in by one masked move).
+    Signed where `signed_weights`: q = u - 128, the bytes' top bit flipped."""
     if bits == 8:
-        return [builder.load(ir_at(builder, bp, ir_off(builder, at, 64 * u), IVEC), align=1) for u in range(8)]
+        wv = [builder.load(ir_at(builder, bp, ir_off(builder, at, 64 * u), IVEC), align=1) for u in range(8)]
+        top = ir.Constant(IVEC, [-0x7F7F7F80] * LANES)  # 0x80808080
+        return [builder.xor(w, top) for w in wv] if signed_weights(bits, isa) else wv
     lo4, hi4, wv = ir.Constant(IVEC, [0x0F0F0F0F] * LANES), ir.Constant(IVEC, [-0x0F0F0F10] * LANES), []
     for s in range(4):
         raw = builder.load(ir_at(builder, bp, ir_off(builder, at, 64 * s), IVEC), align=1)
         hi = builder.and_(raw, hi4) if hi16 else builder.and_(builder.lshr(raw, ir.Constant(IVEC, [4] * LANES)), lo4)
         wv += [builder.and_(raw, lo4), hi]
-    bytes_ = ir.VectorType(I8, 4 * LANES)
     for plane in range(bits - 4):
-        one = ir.Constant(bytes_, [16 << plane] * (4 * LANES))
+        one = ir.Constant(I8X64, [16 << plane] * (4 * LANES))
         for u in range(8):
             word = builder.load(ir_at(builder, bp, ir_off(builder, at, 256 + 64 * plane + 8 * u), I64), align=1)
-            add = builder.select(builder.bitcast(word, ir.VectorType(I1, 4 * LANES)), one, ir.Constant(bytes_, None))
+            add = builder.select(builder.bitcast(word, ir.VectorType(I1, 4 * LANES)), one, ir.Constant(I8X64, None))
             wv[u] = builder.or_(wv[u], builder.bitcast(add, IVEC))
     return wv
 
 
-def ir_row_dot(builder, start, wv, xp, at, chains: int, vnni: bool, hi16: bool = False):
-    """start + Σ_u wv[u]·(x's 4 bytes at byte at + 4u of xp, broadcast): len(wv) `vpdpbusd` in `chains`
-    independent chains (1 row: 2, even and odd u, to hide their latency), the x bytes loaded where used
-    (vpdpbusd's memory operand). hi16: the odd u hold 16 q (ir_group), their chain is exactly 16 times its sum."""
+def _row_dot_avx2(builder, start, wv, x_at, bits: int):
+    """start + Σ_u wv[u]·x_at(u) (ir_row_dot) by `vpmaddubsw`, its int16 pair sums added in int16 over `per` u at a
+    time, then widened into int32 by `vpmaddwd` against ones. Exact: the activations are -127 .. 127 (never
+    -128), so a pair is at most 2·127·top in size, top the largest unsigned operand (2^bits - 1; 8-bit weights,
+    held signed: |q| <= 128, their signs moved onto x by `vpsignb`), and per = 32767 // (2·127·top) of them
+    (4 bits: 8, 5: 4, 6: 2, 8: 1) cannot leave int16 in any order of the adds."""
+    signed = bits == 8
+    top = 128 if signed else 2 ** bits - 1
+    per = 32767 // (2 * 127 * top)
+    ones, acc = ir.Constant(I16X32, [1] * (2 * LANES)), start
+    for c in range(0, len(wv), per):
+        pairs = []
+        for u in range(c, min(c + per, len(wv))):
+            w, x = wv[u], x_at(u)
+            if signed:  # |q|, and x negated where q < 0 (zeroed where q = 0)
+                w, x = builder.bitcast(w, I8X64), builder.bitcast(x, I8X64)
+                x = ir_avx2(builder, "psign.b", x, w, ir.VectorType(I8, 2 * LANES), ir.VectorType(I8, 2 * LANES))
+                w = builder.call(ir_function(builder, f"llvm.abs.v{4 * LANES}i8", I8X64, [I8X64, I1]),
+                                 [w, ir.Constant(I1, 0)])
+            pairs.append(ir_pairs_avx2(builder, w, x))
+        acc = ir_widen_avx2(builder, acc, functools.reduce(builder.add, pairs), ones)
+    return acc
+
+
+def ir_row_dot(builder, start, wv, xp, at, chains: int, isa: str, bits: int, hi16: bool = False):
+    """start + Σ_u wv[u]·(x's 4 bytes at byte at + 4u of xp, broadcast) (wv: ir_group's). VNNI: len(wv)
+    `vpdpbusd` in `chains` independent chains (1 row: 2, even and odd u, to hide their latency), the x bytes
+    loaded where used (vpdpbusd's memory operand); hi16: the odd u hold 16 q (ir_group), their chain is exactly
+    16 times its sum. AVX2: _row_dot_avx2."""
+    def x_at(u):
+        return ir_splat(builder, builder.load(ir_at(builder, xp, ir_off(builder, at, 4 * u), I32), align=1), IVEC)
+    if isa == "avx2":
+        return _row_dot_avx2(builder, start, wv, x_at, bits)
     ia = [start] + [ir.Constant(IVEC, [0] * LANES)] * (chains - 1)
     for u, w in enumerate(wv):
-        xi = builder.load(ir_at(builder, xp, ir_off(builder, at, 4 * u), I32), align=1)
-        ia[u % chains] = ir_dot4(builder, ia[u % chains], w, ir_splat(builder, xi, IVEC), vnni)
+        ia[u % chains] = ir_dot4(builder, ia[u % chains], w, x_at(u), isa)
     if hi16:
         ia[1] = builder.ashr(ia[1], ir.Constant(IVEC, [4] * LANES))
     return functools.reduce(builder.add, ia)
@@ -327,7 +418,7 @@ def ir_store_rows(builder, t, new, at: int | None = None, v=None):
 
 
 # ---- one panel ----------------------------------------------------------------------------------------------
-def _block_loop(g: Geometry, vnni: bool):
+def _block_loop(g: Geometry, isa: str):
     """The loop of a 32-weight kind over a panel's blocks for `rows` rows (see _panel_intrinsic):
 
         t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw·xd·xs)
@@ -349,21 +440,21 @@ def _block_loop(g: Geometry, vnni: bool):
         blk = builder.mul(b, ir.Constant(I64, g.stride))
         dw = ir_halves(builder, bp, blk)
         mw = ir_halves(builder, bp, ir_off(builder, blk, 2 * PANEL)) if g.minimum else None
-        xat, start, dx, dxs = [], [], [], []
+        xat, start, dx, dxs, offset = [], [], [], [], dot_offset(g, isa)
         for r in range(rows):
             xat.append(builder.add(builder.mul(ir.Constant(I64, r), n_in), builder.mul(b, ir.Constant(I64, QK))))
             rb = builder.add(builder.mul(ir.Constant(I64, r), nb), b)
             d, s = builder.load(builder.gep(xdp, [rb])), builder.load(builder.gep(xsp, [rb]))
             dx.append(ir_splat(builder, d, FVEC))
             dxs.append(ir_splat(builder, builder.fmul(d, s), FVEC) if g.minimum else None)
-            start.append(ir_splat(builder, builder.mul(builder.fptosi(s, I32), ir.Constant(I32, -g.offset)), IVEC))
+            start.append(ir_splat(builder, builder.mul(builder.fptosi(s, I32), ir.Constant(I32, -offset)), IVEC))
         new = [None] * (rows * VECS)
-        hi16 = rows == 1 and g.bits == 4  # one row: 2 ops per 64 nibble bytes, not 3
+        hi16 = high_nibbles_in_place(rows, g.bits, isa)
         for v in range(VECS):
-            wv = ir_group(builder, bp, ir_off(builder, blk, g.head + v * g.group), g.bits, hi16)
+            wv = ir_group(builder, bp, ir_off(builder, blk, g.head + v * g.group), g.bits, isa, hi16)
             xp = builder.inttoptr(ir_opaque(builder, xq, xd, v), I8.as_pointer())
             for r in range(rows):
-                ia = ir_row_dot(builder, start[r], wv, xp, xat[r], 2 if rows == 1 else 1, vnni, hi16)
+                ia = ir_row_dot(builder, start[r], wv, xp, xat[r], 2 if rows == 1 else 1, isa, g.bits, hi16)
                 a = builder.call(fma, [builder.sitofp(ia, FVEC), builder.fmul(dw[v], dx[r]), acc[r * VECS + v]])
                 new[r * VECS + v] = builder.call(fma, [mw[v], dxs[r], a]) if g.minimum else a
         ir_close_loop(builder, b, acc, new, entry, nb, body_, builder.append_basic_block(f"qpanel{rows}.out"))
@@ -379,7 +470,7 @@ def ir_lin(builder, const: int, *terms):
     return out
 
 
-def _super_block_loop(g: Geometry, vnni: bool):
+def _super_block_loop(g: Geometry, isa: str):
     """The loops of a K kind for `rows` rows: per vector v of 16 outputs (its stream, see `pack`), over the
     super-blocks B, for each row
 
@@ -414,9 +505,9 @@ def _super_block_loop(g: Geometry, vnni: bool):
             return builder.fptosi(functools.reduce(builder.fadd, parts), I32)
         dx = [ir_splat(builder, builder.load(builder.gep(xdp, [ir_lin(builder, 0, (nb, r), (b, 1))])), FVEC)
               for r in range(rows)]
-        new = _k_minimums(builder, g, sp, blk, acc, dx, sub_sum, fma, vnni) if g.minimum else list(acc)
+        new = _k_minimums(builder, g, sp, blk, acc, dx, sub_sum, fma, isa) if g.minimum else list(acc)
         S = _k_groups(builder, g, sp, blk, rows, [ir_lin(builder, 0, (n_in, r), (b, QK_K)) for r in range(rows)],
-                      builder.inttoptr(xq, I8.as_pointer()), sub_sum, vnni)
+                      builder.inttoptr(xq, I8.as_pointer()), sub_sum, isa)
         dw = ir_halves(builder, sp, blk, 1)[0]
         new = [builder.call(fma, [builder.sitofp(S[r], FVEC), builder.fmul(dw, dx[r]), new[r]]) for r in range(rows)]
         ir_close_loop(builder, b, acc, new, vhead, nb, bbody, bdone)
@@ -429,7 +520,7 @@ def _super_block_loop(g: Geometry, vnni: bool):
     return loop
 
 
-def _k_minimums(builder, g: Geometry, sp, blk, acc, dx, sub_sum, fma, vnni: bool) -> list:
+def _k_minimums(builder, g: Geometry, sp, blk, acc, dx, sub_sum, fma, isa: str) -> list:
     """acc[r] - dmin·dx[r]·M[r] for each row (see _super_block_loop): M by 4 `vpdpwssd` of the strip's mn pairs
     (zero-extended to int16) against the row's (xs_2k, xs_2k+1) as two int16 in one int32, broadcast."""
     at_mn = 4 * LANES + g.subs * LANES  # after d, dmin and sc
@@ -443,24 +534,25 @@ def _k_minimums(builder, g: Geometry, sp, blk, acc, dx, sub_sum, fma, vnni: bool
         for k in range(4):
             lo, hi = (sub_sum(r, ir.Constant(I64, 2 * k + h)) for h in range(2))
             pair = builder.or_(builder.and_(lo, ir.Constant(I32, 0xFFFF)), builder.shl(hi, ir.Constant(I32, 16)))
-            m = ir_dot2(builder, m, pairs[k], ir_splat(builder, pair, IVEC), vnni)
+            m = ir_dot2(builder, m, pairs[k], ir_splat(builder, pair, IVEC), isa)
         out.append(builder.call(fma, [builder.fneg(builder.sitofp(m, FVEC)), builder.fmul(dmin, dx[r]), a]))
     return out
 
 
-def _k_groups(builder, g: Geometry, sp, blk, rows: int, xat, xqp, sub_sum, vnni: bool) -> list:
+def _k_groups(builder, g: Geometry, sp, blk, rows: int, xat, xqp, sub_sum, isa: str) -> list:
     """Per row S = Σ_j sc_j·(Σ_i∈j u_i·xq_i - offset·xs_j) over a super-block's 8 groups of 32 inputs (a loop,
     the rows' int32 sums carried): each group's weights loaded once (ir_group), its 1 or 2 sub-blocks' scales
     widened from bytes, per row and sub-block a `vpdpbusd` chain times the scale. xat: each row's first input."""
     per = g.subs * QK // g.block                  # sub-blocks per group: 1, or 2 (Q6_K)
+    offset = dot_offset(g, isa)
     at_sc = 2 * LANES * (2 if g.minimum else 1)   # after d, [dmin]
     into, body, done = builder.block, builder.append_basic_block("kg"), builder.append_basic_block("kg.out")
     builder.branch(body)
     builder.position_at_end(body)
     grp = builder.phi(I64)
     S = [builder.phi(IVEC) for _ in range(rows)]
-    hi16 = rows == 1 and g.bits == 4
-    wv = ir_group(builder, sp, ir_lin(builder, g.head, (blk, 1), (grp, g.group)), g.bits, hi16)
+    hi16 = high_nibbles_in_place(rows, g.bits, isa)
+    wv = ir_group(builder, sp, ir_lin(builder, g.head, (blk, 1), (grp, g.group)), g.bits, isa, hi16)
     sub = builder.mul(grp, ir.Constant(I64, per))  # the group's first sub-block
     sc = [ir_bytes(builder, sp, ir_lin(builder, at_sc + h * LANES, (blk, 1), (sub, LANES)), g.signed)
           for h in range(per)]
@@ -468,23 +560,24 @@ def _k_groups(builder, g: Geometry, sp, blk, rows: int, xat, xqp, sub_sum, vnni:
     for r in range(rows):
         s = S[r]
         for h in range(per):
-            start = ir.Constant(IVEC, None) if not g.offset else \
-                ir_splat(builder, builder.mul(sub_sum(r, ir_off(builder, sub, h)), ir.Constant(I32, -g.offset)), IVEC)
+            start = ir.Constant(IVEC, None) if not offset else \
+                ir_splat(builder, builder.mul(sub_sum(r, ir_off(builder, sub, h)), ir.Constant(I32, -offset)), IVEC)
             dot = ir_row_dot(builder, start, wv[h * 8 // per:(h + 1) * 8 // per], xqp,
-                             ir_lin(builder, QK // per * h, (xat[r], 1), (grp, QK)), 2 if rows == 1 else 1, vnni, hi16)
+                             ir_lin(builder, QK // per * h, (xat[r], 1), (grp, QK)), 2 if rows == 1 else 1, isa,
+                             g.bits, hi16)
             s = builder.add(s, builder.mul(dot, sc[h]))
         S1.append(s)
     ir_close_loop(builder, grp, S, S1, into, ir.Constant(I64, g.block // QK), body, done)
     return S1
 
 
-def _panel_intrinsic(kind: int, vnni: bool = VNNI):
+def _panel_intrinsic(kind: int, isa: str = ISA):
     """An intrinsic (k, w, xq, xd, xs, t, nb, n_in) running one panel of `kind` for k <= MAX_R rows, all
     addresses: the panel at w (nb blocks or super-blocks, see `pack`), xq int8 [k, n_in], xd, xs float32 (the
     activations' scales and sums: [k, nb] each, K kinds [k, nb] and [k, 16·nb]), t [k, PANEL] float32.
     One loop per row count (_block_loop, _super_block_loop), chosen by a switch on k."""
     g = GEOMETRY[next(n for n, k in KINDS.items() if k == kind)]
-    loop = (_block_loop if g.block == QK else _super_block_loop)(g, vnni)
+    loop = (_block_loop if g.block == QK else _super_block_loop)(g, isa)
 
     def codegen(context, builder, sig, args):
         k, rest = args[0], args[1:]
@@ -501,7 +594,7 @@ def _panel_intrinsic(kind: int, vnni: bool = VNNI):
 
     def typer(typingctx, k, w, xq, xd, xs, t, nb, n_in):
         return types.void(*[types.int64] * 8), codegen
-    typer.__name__ = f"_qpanel{kind}{'' if vnni else '_portable'}"
+    typer.__name__ = f"_qpanel{kind}_{isa}"
     return intrinsic(typer)
 
 
