@@ -103,17 +103,28 @@ def trained_params(cfg, P: dict) -> dict:
 
 class Workspaces:
     """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps.
-    precision: of the matrix products ("f32" or "bf16", see fast/bf16.py)."""
+    precision: of the matrix products ("f32" or "bf16", see fast/bf16.py). lora: a LoRA policy (lora.LoraModel),
+    whose workspaces apply its adapters on the fly and form only their gradients. lean: keep less for backward
+    (fast.Workspace; a LoRA policy's always are): free for the reference's and evaluation's, which run forward
+    only. fixed: the weights never change (the reference's): stacked or packed once for every shape."""
 
-    def __init__(self, cfg, dtype=np.float32, precision: str = "f32", adapters=None):
+    def __init__(self, cfg, dtype=np.float32, precision: str = "f32", lora=None, lean: bool = False,
+                 fixed: bool = False):
         self.cfg, self.dtype, self.precision, self.by_shape = cfg, np.dtype(dtype), precision, {}
-        self.adapters = adapters  # a LoRA policy's (lora.Adapters): applied on the fly, only their gradients formed
+        self.lora, self.lean, self.fixed = lora, lean, fixed
 
     def get(self, B: int, T: int):
-        from .fast import Workspace
+        from .fast import Workspace, engine
         if (B, T) not in self.by_shape:
-            ws = Workspace(self.cfg, B, T, self.dtype, self.precision, lean=self.adapters is not None)
-            self.by_shape[(B, T)] = self.adapters.attach(ws) if self.adapters else ws
+            like = next(iter(self.by_shape.values()), None)
+            if self.lora is not None:
+                ws = self.lora.new_workspace(B, T, like)
+            else:
+                ws = Workspace(self.cfg, B, T, self.dtype, self.precision, lean=self.lean)
+                ws.fixed_weights = self.fixed
+                if self.fixed and like is not None:
+                    engine.share_fixed(ws, like)
+            self.by_shape[(B, T)] = ws
         return self.by_shape[(B, T)]
 
 
@@ -210,7 +221,7 @@ def pair_logprobs(cfg, P: dict, pairs: TokenizedPairs, batch_size: int = 16, pad
                   workspaces: Workspaces | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed head-0 response log-probs of every pair -> (chosen [N], rejected [N]) (forward only, fast engine)."""
     from .train import make_bar
-    workspaces = workspaces or Workspaces(cfg, P["embed.weight"].dtype)
+    workspaces = workspaces or Workspaces(cfg, P["embed.weight"].dtype, lean=True, fixed=True)
     chosen, rejected = np.zeros(len(pairs)), np.zeros(len(pairs))
     bar = make_bar(progress and len(pairs) > batch_size, 0, len(pairs), desc)
     for start in range(0, len(pairs), batch_size):
@@ -324,8 +335,8 @@ class DPOObjective:
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
         precision = getattr(model, "precision", "f32")  # the reference's log-probs in the run's precision too
         self.workspaces = Workspaces(self.cfg, model.dtype, precision,   # the fast engine's buffers, reused
-                                     model.engine_adapters if self.lora else None)
-        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision)
+                                     model if self.lora else None)
+        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, precision, lean=True, fixed=True)
         self.ref_id = fingerprint(reference_model.params)
         self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
                           "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}

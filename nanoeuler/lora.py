@@ -200,22 +200,29 @@ class LoraModel:
         return head0, objective, self.engine_adapters.step_grads(ws)
 
     def _workspace(self, B: int, T: int):
-        """The fast engine's buffers for this batch shape and precision (kept from step to step, lean: see
-        fast.Workspace), the adapters applied on the fly (`Adapters.attach`). A new one packs (bf16) or stacks
-        (float32: q|k|v, gate|up) the frozen weights at once, and a base mapped from its checkpoint (`new`,
-        `load`) lets the pages of those weights go before the first step (the rest of the map, which the steps
-        read, stays as it is: no copy of it is made). Their float32 is read back from the checkpoint file only
-        by what reads it later (merge, the reference path, a workspace of another batch shape or precision).
-        GPT-2 124 M in bf16: ~324 MiB less."""
-        from . import fast
-        from .checkpoint import drop_pages
+        """The fast engine's buffers for this batch shape and precision, kept from step to step (`new_workspace`)."""
         ws = self._ws
         if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision, True):
             self._ws = None
-            ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision, lean=True))
+            self._ws = self.new_workspace(B, T)
+        return self._ws
+
+    def new_workspace(self, B: int, T: int, like=None):
+        """A lean fast.Workspace (see there) that applies the adapters on the fly (`Adapters.attach`). It packs
+        (bf16) or stacks (float32: q|k|v, gate|up) the frozen weights at once, or shares those of `like` (a
+        workspace of this model for another batch shape: DPO's), and a base mapped from its checkpoint (`new`,
+        `load`) lets the pages of those weights go before the first step (the rest of the map, which the steps
+        read, stays as it is: no copy of it is made). Their float32 is read back from the checkpoint file only
+        by what reads it later (merge, the reference path, a workspace of another precision).
+        GPT-2 124 M in bf16: ~324 MiB less."""
+        from . import fast
+        from .checkpoint import drop_pages
+        ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision, lean=True))
+        if like is not None:
+            fast.engine.share_fixed(ws, like)
+        else:
             fast.engine.stack_fixed(self.config, self.policy.params, ws)
             drop_pages(self.base.params[n] for n in fast.engine.copied_weights(ws))
-            self._ws = ws
         return ws
 
 

@@ -128,6 +128,24 @@ def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_to
         assert rel_err(g2[name], g1[name]) <= entry_tol, name
 
 
+def test_workspaces_of_fixed_weights_share_one_stack_over_batch_shapes():
+    """The reference's (and evaluation's) workspaces: lean, and one set of stacked weights for every batch
+    shape; their log-probs are still the reference path's."""
+    from nanoeuler.dpo import Workspaces
+    model = Model.init(TINY, seed=3).astype(np.float64)
+    rng = np.random.default_rng(5)
+    workspaces = Workspaces(TINY, np.float64, lean=True, fixed=True)
+    for n in (9, 23):
+        seqs = [rng.integers(0, 257, n) for _ in range(2)]
+        masks = [np.arange(n) >= 3 for _ in range(2)]
+        b = make_batch(seqs[:1], masks[:1], seqs[1:], masks[1:])
+        want, _ = sequence_logprobs_forward(TINY, model.params, b.inputs, b.targets, b.mask)
+        got, _ = sequence_logprobs_forward(TINY, model.params, b.inputs, b.targets, b.mask, workspaces)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    first, second = workspaces.by_shape.values()
+    assert first.lean and second.stacks is first.stacks and len(first.stacks) == 2 * TINY.n_layers
+
+
 def test_long_pairs_lose_the_start_of_the_prompt(tok):
     pairs = [{"prompt": "x" * 40, "chosen": "abc", "rejected": "de"}, {"prompt": "p", "chosen": "y" * 40, "rejected": "n"}]
     tp = tokenize_pairs(tok, pairs, ctx_len=32)

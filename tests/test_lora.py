@@ -230,7 +230,7 @@ def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, sav
     pairs = PairBatch(inputs, np.roll(inputs, -1, axis=1), rng.random(inputs.shape) > 0.3, 2)
     ref_c, ref_r = np.array([-20.0, -15.0]), np.array([-18.0, -21.0])
     loss1, _, g = dpo_loss_and_grads(cfg, m.policy.params, pairs, ref_c, ref_r, 0.1,
-                                     Workspaces(cfg, np.float64, adapters=m.engine_adapters))
+                                     Workspaces(cfg, np.float64, lora=m))
     loss2, _, G = dpo_loss_and_grads(cfg, m.merged().params, pairs, ref_c, ref_r, 0.1, Workspaces(cfg, np.float64))
     assert loss1 == pytest.approx(loss2, abs=1e-12) and set(g) == set(m.params)
     for module, (bases, _) in m.modules.items():

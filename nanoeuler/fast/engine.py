@@ -653,6 +653,12 @@ def stack_fixed(cfg: Config, params: dict, ws: Workspace) -> None:
         _stack_weights(cfg, params, ws)
 
 
+def share_fixed(ws: Workspace, other: Workspace) -> None:
+    """ws (fixed_weights) reads the stacked (float32) or packed (bf16) unchanging weights of other, a workspace
+    of the same model and precision for another batch shape: one copy of them, whatever the shapes."""
+    ws.stacks, ws.packs, ws.bqkv, ws.stacked = other.stacks, other.packs, other.bqkv, True
+
+
 def restack(ws) -> bool:
     """Whether this forward stacks (and, bf16, packs) the weights: every step, or only the first with
     ws.fixed_weights."""
