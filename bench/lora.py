@@ -18,12 +18,17 @@ for every engine. Engines:
 
 Models: gpt2 (124 M, LoRA on c_attn, c_proj, c_fc) and smollm (a SmolLM-135M-shaped llama: d 576, 30 layers,
 9 heads / 3 kv heads, F 1536, vocab 49152, LoRA on q,k,v,o,gate,up,down; our head is untied: +28 M), and
-tiny (a 2-layer gpt2-shaped model for a quick smoke run).
+tiny (a 2-layer gpt2-shaped model for a quick smoke run), all with random weights; or a checkpoint directory
+(a real model imported with `nanoeuler import`: SmolLM2-135M-Instruct, Gemma 3 270M), LoRA on its
+architecture's default targets: ours loads it as `sft --lora` does (mapped), PyTorch + PEFT loads its
+`nanoeuler export --format hf` (written once into a temporary folder) with AutoModelForCausalLM in float32.
 
     step s      median seconds per step;   x peft / x full   how many times faster ours-lora(-bf16) is
     peak MiB    the worker's peak resident memory over the timed steps (VmHWM, reset after warm-up)
+    first MiB   the worker's peak before that reset: loading, warm-up and the first step included
     bound s     the step's matrix FLOPs at the matmul peak measured in the worker (2048³ sgemm, or bf16):
-                full = 3 products per weight (y, dx, dW), LoRA = 2 (y, dx) + the adapters', both + attention
+                full = 3 products per weight (y, dx, dW), LoRA = 2 (y, dx) + the adapters', both + attention;
+                of bound   bound s / step s: the fraction of the FLOP bound the step reaches
 
 --profile prints, per worker of ours, the CPU seconds (summed over the parts' threads) of each kind of work
 in one step, beside its FLOPs and rate: where the time goes beyond the bound.
@@ -32,6 +37,8 @@ in one step, beside its FLOPs and rate: where the time goes beyond the bound.
     python bench/lora.py --models gpt2 --engines ours-lora,ours-full,peft-lora,ours-lora-bf16,peft-lora-bf16
     python bench/lora.py --models gpt2 --engines ours-lora,ours-full --profile --steps 1
     python bench/lora.py --models tiny --steps 2 --warmup 1     # smoke run (seconds)
+    nanoeuler import --from gemma-3-270m-q4_k_m.gguf --out /tmp/gemma3     # (make models fetches the file)
+    python bench/lora.py --models /tmp/gemma3 --engines ours-lora,peft-lora --steps 2   # real checkpoints
 """
 from __future__ import annotations
 
@@ -66,14 +73,30 @@ MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
 
 
 # ---------------------------------------------------------------------------------- worker side
+def is_checkpoint(model_name: str) -> bool:
+    return (Path(model_name) / "config.json").is_file()
+
+
+def model_config(model_name: str):
+    """(our Config, our LoRA targets, PEFT's target module names) of a MODELS entry or a checkpoint."""
+    from nanoeuler import adapters as ad
+    from nanoeuler.config import Config
+    if not is_checkpoint(model_name):
+        fields, ours, theirs = MODELS[model_name]
+        return Config(**fields), ours, theirs
+    from nanoeuler.checkpoint import read_json
+    cfg = Config.from_dict(read_json(Path(model_name) / "config.json", "config"))
+    lcfg = ad.LoraConfig(8, 16.0).check(cfg)
+    return cfg, lcfg.targets, sorted({hf.rsplit(".", 1)[1] for _, hf in ad.modules(cfg, lcfg).values()})
+
+
 def flops(model_name: str, B: int, T: int, rank: int) -> dict:
     """Matrix FLOPs of one step: per pass over the weights (2·N·Σ in·out, heads included), the adapters'
     products (y: x·Aᵀ, ·Bᵀ; dx: dy·B, ·A; grads: x·Aᵀ, dy·B, dB, dA: 8 of 2·N·r·in or out), attention
     (QKᵀ and PV forward, 4 products backward, the full T×T square)."""
     from nanoeuler import adapters as ad
-    from nanoeuler.config import Config
-    fields, targets, _ = MODELS[model_name]
-    cfg, N = Config(**fields), B * T
+    cfg, targets, _ = model_config(model_name)
+    N = B * T
     shapes = cfg.param_shapes()
     weights = [n for n, s in shapes.items() if len(s) == 2 and n.startswith("layers.")]
     heads = cfg.n_mtp * cfg.vocab_size * cfg.dim
@@ -84,18 +107,23 @@ def flops(model_name: str, B: int, T: int, rank: int) -> dict:
             "attention": 6 * 2.0 * B * cfg.n_heads * T * T * cfg.head_dim * cfg.n_layers}
 
 
+def full_model(model_name: str):
+    """The model ours-full trains: the checkpoint, or random weights of a MODELS shape."""
+    from nanoeuler.model import Model
+    return Model.load(model_name) if is_checkpoint(model_name) else random_base(model_name)
+
+
 def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     import numpy as np
 
     from nanoeuler.adapters import LoraConfig
-    from nanoeuler.config import Config
     from nanoeuler.lora import LoraModel
     from nanoeuler.optim import AdamW
-    cfg = Config(**MODELS[model_name][0])
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
+    cfg, targets, _ = model_config(model_name)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
     precision = "bf16" if engine.endswith("-bf16") else "f32"
     if engine.startswith("ours-full"):
-        model = random_base(model_name).set_precision(precision)
+        model = full_model(model_name).set_precision(precision)
         grads = model.grad_buffers()
         opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
@@ -103,10 +131,12 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
             model.loss_and_grads(tokens, out=grads)
             opt.step(model.params, grads)
         return step
-    base_dir = Path(tempfile.mkdtemp(prefix="lora-base-"))   # as `sft --lora` does: the base from its checkpoint,
-    atexit.register(shutil.rmtree, base_dir, True)           # saved by another process (none of it held here)
-    subprocess.run([sys.executable, __file__, "--save-base", model_name, str(base_dir)], check=True)
-    model = LoraModel.new(base_dir, LoraConfig(rank, 2.0 * rank, MODELS[model_name][1])).set_precision(precision)
+    base_dir = Path(model_name)
+    if not is_checkpoint(model_name):   # as `sft --lora` does: the base from its checkpoint, saved by another
+        base_dir = Path(tempfile.mkdtemp(prefix="lora-base-"))   # process (none of it held here)
+        atexit.register(shutil.rmtree, base_dir, True)
+        subprocess.run([sys.executable, __file__, "--save-base", model_name, str(base_dir)], check=True)
+    model = LoraModel.new(base_dir, LoraConfig(rank, 2.0 * rank, targets)).set_precision(precision)
     opt = AdamW(model.params, lr=1e-4, weight_decay=0.0)
 
     def step():
@@ -122,15 +152,18 @@ def random_base(model_name: str):
     return Model.init(Config(**MODELS[model_name][0]), seed=0)
 
 
-def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool):
+def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool, hf_dir: str | None):
     import contextlib
 
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
     torch.set_num_threads(THREADS)
-    fields, _, targets = MODELS[model_name]
-    if fields.get("arch") == "gpt2":
+    cfg, _, targets = model_config(model_name)
+    fields = MODELS.get(model_name, (dict(vocab_size=cfg.vocab_size),))[0]
+    if hf_dir is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    elif fields.get("arch") == "gpt2":
         hcfg = transformers.GPT2Config(vocab_size=fields["vocab_size"], n_positions=fields["ctx_len"],
                                        n_embd=fields["dim"], n_layer=fields["n_layers"], n_head=fields["n_heads"],
                                        n_inner=fields["ffn_hidden"], attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
@@ -145,7 +178,7 @@ def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool):
                                              task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
-    ids = torch.randint(0, fields["vocab_size"], (B, T))
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -156,14 +189,16 @@ def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool):
     return step
 
 
-def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int, profile: bool) -> dict:
+def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int, profile: bool,
+           hf_dir: str | None = None) -> dict:
     from train_speed import sgemm_gflops
     if engine.startswith("peft-lora"):
-        step = peft_step(model_name, B, T, rank, engine.endswith("-bf16"))
+        step = peft_step(model_name, B, T, rank, engine.endswith("-bf16"), hf_dir)
     else:
         step = ours_step(model_name, engine, B, T, rank)
     for _ in range(warmup):
         step()
+    first = rss_mib("VmHWM")
     reset_peak_rss()
     times = []
     for _ in range(steps):
@@ -171,7 +206,7 @@ def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int,
         step()
         times.append(time.perf_counter() - t)
     row = {"model": model_name, "engine": engine, "step_s": statistics.median(times), "peak_mib": rss_mib("VmHWM"),
-           "peak_gflops": sgemm_gflops("ours-bf16" if engine.endswith("-bf16") else "ours")}
+           "first_mib": first, "peak_gflops": sgemm_gflops("ours-bf16" if engine.endswith("-bf16") else "ours")}
     if profile and engine.startswith("ours"):
         row["profile"] = profile_step(step)
     return row
@@ -187,7 +222,6 @@ def profile_step(step) -> dict:
 
     from nanoeuler import lora
     from nanoeuler.fast import engine as E
-    from nanoeuler.fast import gpt2 as G
     from nanoeuler.optim import AdamW
     stats = collections.defaultdict(float)
 
@@ -206,10 +240,9 @@ def profile_step(step) -> dict:
     timed(lora.Adapters, "forward", "  adapters' share of y")
     timed(lora.Adapters, "dx", "  adapters' share of dx")
     timed(AdamW, "step", "AdamW")
-    for mod in (E.kernels, G):
-        for name, fn in list(vars(mod).items()):
-            if isinstance(fn, CPUDispatcher) and not name.startswith(("_", "row_", "adamw")):
-                timed(mod, name, "fused kernels")
+    for name, fn in list(vars(E.kernels).items()):
+        if isinstance(fn, CPUDispatcher) and not name.startswith(("_", "row_", "adamw")):
+            timed(E.kernels, name, "fused kernels")
     c = time.process_time()
     step()
     stats["step (CPU)"] = time.process_time() - c
@@ -217,13 +250,28 @@ def profile_step(step) -> dict:
 
 
 # ---------------------------------------------------------------------------------- parent side
+def hf_export(model_name: str, args) -> str | None:
+    """A checkpoint's `export --format hf`, written once per run into a temporary folder (for PEFT)."""
+    if not is_checkpoint(model_name):
+        return None
+    if model_name not in args.hf_dirs:
+        out = Path(tempfile.mkdtemp(prefix="lora-hf-")) / "hf"
+        atexit.register(shutil.rmtree, out.parent, True)
+        subprocess.run([sys.executable, "-m", "nanoeuler", "export", "--ckpt", model_name, "--format", "hf", "--out",
+                        str(out), "--no-progress"], check=True, capture_output=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        args.hf_dirs[model_name] = str(out)
+    return args.hf_dirs[model_name]
+
+
 def run_worker(model_name, engine, args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS),
                MKL_NUM_THREADS=str(THREADS), NUMBA_NUM_THREADS=str(THREADS),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--worker", model_name, engine, "--batch", str(args.batch), "--seq",
            str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
-        (["--profile"] if args.profile else [])
+        (["--profile"] if args.profile else []) + \
+        (["--hf-dir", hf_export(model_name, args)] if engine.startswith("peft") and is_checkpoint(model_name) else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -235,7 +283,8 @@ def run_worker(model_name, engine, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gpt2,smollm", help="comma-separated: gpt2, smollm, tiny")
+    ap.add_argument("--models", default="gpt2,smollm",
+                    help="comma-separated: gpt2, smollm, tiny (random weights), or checkpoint directories")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
@@ -247,22 +296,27 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also where one step of ours spends its CPU time")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     ap.add_argument("--save-base", nargs=2, metavar=("MODEL", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--hf-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.save_base:
         random_base(args.save_base[0]).save(args.save_base[1])
         return
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps, args.profile)))
+        print(json.dumps(worker(*args.worker, args.batch, args.seq, args.rank, args.warmup, args.steps, args.profile,
+                                args.hf_dir)))
         return
+    args.hf_dirs = {}
     rows = [run_worker(m, e, args) for m in args.models.split(",") for e in args.engines.split(",")]
     if args.json:
         print(json.dumps({"batch": args.batch, "seq": args.seq, "rank": args.rank, "rows": rows}))
         return
     print(f"B={args.batch} T={args.seq} r={args.rank}, {THREADS} threads, median of {args.steps} steps")
-    print(f"{'model':<8} {'engine':<15} {'step s':>8} {'bound s':>8} {'peak MiB':>9}  ours-lora of the same precision is")
+    print(f"{'model':<8} {'engine':<15} {'step s':>8} {'bound s':>8} {'of bound':>8} {'peak MiB':>9} {'first MiB':>9}"
+          f"  ours-lora of the same precision is")
     for r in rows:
+        name = Path(r["model"]).name
         if "error" in r:
-            print(f"{r['model']:<8} {r['engine']:<15} error: {r['error']}")
+            print(f"{name:<8} {r['engine']:<15} error: {r['error']}")
             continue
         f = flops(r["model"], args.batch, args.seq, args.rank)
         work = (2 * f["pass"] + f["adapters"] if "lora" in r["engine"] else 3 * f["pass"]) + f["attention"]
@@ -271,10 +325,11 @@ def main() -> None:
         mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == mine_name and "step_s" in x), None)
         ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
                  if mine and r is not mine else "")
-        print(f"{r['model']:<8} {r['engine']:<15} {r['step_s']:>8.3f} {bound:>8.3f} {r['peak_mib']:>9.0f}  {ratio}")
+        print(f"{name:<8} {r['engine']:<15} {r['step_s']:>8.3f} {bound:>8.3f} {bound / r['step_s']:>8.2f} "
+              f"{r['peak_mib']:>9.0f} {r['first_mib']:>9.0f}  {ratio}")
     for r in rows:
         if "profile" in r:
-            print(f"\n{r['model']} {r['engine']}: CPU seconds of one step (2 threads), and the matrix FLOPs behind them")
+            print(f"\n{Path(r['model']).name} {r['engine']}: CPU seconds of one step (2 threads), and the matrix FLOPs behind them")
             f = flops(r["model"], args.batch, args.seq, args.rank)
             lora = "lora" in r["engine"]
             work = {"y = x·Wᵀ": f["pass"] + (f["adapters"] / 4 if lora else 0),

@@ -58,22 +58,35 @@ def alpaca_template() -> str:
             "{% endfor %}")
 
 
+BUNDLED = Path(__file__).resolve().parent / "assets" / "chat_templates"   # name.jinja: `--chat-template name`
+
+
+def bundled_templates() -> dict[str, Path]:
+    """The chat templates shipped with nanoeuler, by name: {"gemma": .../gemma.jinja} (Gemma's turn format,
+    for a Gemma base model, whose file carries no template)."""
+    return {p.stem: p for p in sorted(BUNDLED.glob("*.jinja"))}
+
+
 def template_of(tok) -> str:
     """The template the tokenizer's model speaks: its own, else ours."""
     return tok.chat_template if tok.chat_template is not None else alpaca_template()
 
 
 def with_template_file(tok, path: str | Path | None):
-    """tok with the Jinja template of file `path` (the `--chat-template FILE` option); tok itself when None.
+    """tok with the Jinja template of file `path` (the `--chat-template FILE` option), or of the bundled
+    template of that name when no such file exists (`bundled_templates`: "gemma"); tok itself when None.
     The file must be UTF-8 and compile (each refused in one line naming it)."""
     if path is None:
         return tok
     path = Path(path)
+    if not path.exists() and str(path) in bundled_templates():
+        path = bundled_templates()[str(path)]
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_TEMPLATE + 1)
     except OSError as e:
-        raise UserError(f"--chat-template {path}: cannot read it ({e.strerror or e})") from None
+        raise UserError(f"--chat-template {path}: cannot read it ({e.strerror or e}); a file, or a bundled template: "
+                        f"{', '.join(bundled_templates())}") from None
     if len(data) > MAX_TEMPLATE:
         raise UserError(f"--chat-template {path}: larger than {MAX_TEMPLATE >> 20} MiB, not a chat template")
     try:

@@ -294,6 +294,8 @@ def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
         raise UserError(f"{what}: {e}") from None
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # the map outlives the descriptor
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):   # mapped by 4 KiB pages: drop_pages of one tensor lets go of its pages
+        m.madvise(mmap.MADV_NOHUGEPAGE)    # only (a 2 MiB mapping goes all at once, its neighbours' bytes too)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -308,13 +310,21 @@ def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
 
 
 def drop_pages(arrays) -> int:
-    """Let this process's memory drop every page of the files that arrays of `map_tensors` or of a np.memmap
-    view (other arrays are left alone): the pages are read back from the files, the same bytes, when next read. -> bytes dropped."""
+    """Let this process's memory drop the pages that arrays of `map_tensors` or of a np.memmap view (other
+    arrays are left alone): each array's whole pages (a page it shares with a neighbouring tensor stays); they
+    are read back from the file, the same bytes, when next read. -> bytes dropped."""
     import mmap
-    maps = {id(m): m for m in map(file_map, arrays) if m is not None}
-    for m in maps.values():
-        m.madvise(mmap.MADV_DONTNEED)
-    return sum(len(m) for m in maps.values())
+    dropped = 0
+    for a in arrays:
+        m = file_map(a)
+        if m is None:
+            continue
+        start = a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 0).__array_interface__["data"][0]
+        lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            dropped += hi - lo
+    return dropped
 
 
 def file_map(a: np.ndarray):

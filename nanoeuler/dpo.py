@@ -104,17 +104,28 @@ def trained_params(cfg, P: dict) -> dict:
 
 class Workspaces:
     """The fast engine's buffers (`fast.Workspace`), one set per batch shape (B, T), kept between steps.
-    precision: of the matrix products ("f32" or "bf16", see fast/bf16.py)."""
+    precision: of the matrix products ("f32" or "bf16", see fast/bf16.py). lora: a LoRA policy (lora.LoraModel),
+    whose workspaces apply its adapters on the fly and form only their gradients. lean: keep less for backward
+    (fast.Workspace; a LoRA policy's always are): free for the reference's and evaluation's, which run forward
+    only. fixed: the weights never change (the reference's): stacked or packed once for every shape."""
 
-    def __init__(self, cfg, dtype=np.float32, precision: str = "f32", adapters=None):
+    def __init__(self, cfg, dtype=np.float32, precision: str = "f32", lora=None, lean: bool = False,
+                 fixed: bool = False):
         self.cfg, self.dtype, self.precision, self.by_shape = cfg, np.dtype(dtype), precision, {}
-        self.adapters = adapters  # a LoRA policy's (lora.Adapters): applied on the fly, only their gradients formed
+        self.lora, self.lean, self.fixed = lora, lean, fixed
 
     def get(self, B: int, T: int):
-        from .fast import Workspace
+        from .fast import Workspace, engine
         if (B, T) not in self.by_shape:
-            ws = Workspace(self.cfg, B, T, self.dtype, self.precision)
-            self.by_shape[(B, T)] = self.adapters.attach(ws) if self.adapters else ws
+            like = next(iter(self.by_shape.values()), None)
+            if self.lora is not None:
+                ws = self.lora.new_workspace(B, T, like)
+            else:
+                ws = Workspace(self.cfg, B, T, self.dtype, self.precision, lean=self.lean)
+                ws.fixed_weights = self.fixed
+                if self.fixed and like is not None:
+                    engine.share_fixed(ws, like)
+            self.by_shape[(B, T)] = ws
         return self.by_shape[(B, T)]
 
 
@@ -123,7 +134,8 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
 
     Without workspaces: the reference `model.forward`, run with only head 0 (a K=1 view of the same
     weights, so no work goes to heads 1..K-1). With workspaces: the fast engine's trunk (`fast.forward`,
-    same mathematics, fused and preallocated), then head 0 and `response_logprobs_forward` as above."""
+    same mathematics, fused and preallocated), then head 0 a chunk of rows at a time (`fast.engine.head_rows`:
+    a row's log-prob is minus its cross-entropy; the B·T·V logits are never held at once)."""
     if workspaces is None:
         from .model import forward
         cfg1 = dataclasses.replace(cfg, n_mtp=1)
@@ -132,17 +144,13 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
         logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
         return logps, ("reference", cfg1, P1, model_cache, lp_cache)
     from . import fast
-    from .config import head_name, head_weight
     B, T = inputs.shape
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
     fast.forward(cfg, P, inputs, ws)                                     # ws.hf: final normed state [B·T, d]
-    W0 = head_weight(P, 0)                                               # [V, d] (gpt2: the tied embedding)
-    logits = np.empty((ws.N, W0.shape[0]), ws.hf.dtype)
-    fast.engine.linear(ws, ws.hf, W0, head_name(P, 0), logits)
-    logits = logits.reshape(B, T, -1)                                    # [B, T, V]
-    logps, lp_cache = response_logprobs_forward(logits, targets, mask)
-    return logps, ("fast", cfg, P, inputs, ws, lp_cache)
+    flat = np.where(np.asarray(mask, dtype=bool), targets, -1).reshape(-1).astype(np.int64)  # [B·T], −1: no loss
+    logps = -fast.engine.head_rows(cfg, P, ws, flat).reshape(B, T).sum(axis=1)   # [B]
+    return logps, ("fast", cfg, P, inputs, ws, flat)
 
 
 def sequence_logprobs_backward(dlogps, cache) -> dict:
@@ -153,16 +161,15 @@ def sequence_logprobs_backward(dlogps, cache) -> dict:
         dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
         return backward(cfg1, P1, dlogits[None], model_cache)
     from . import fast
-    from .config import head_name, head_weight
-    _, cfg, P, inputs, ws, lp_cache = cache
-    dlogits = response_logprobs_backward(dlogps, lp_cache).reshape(ws.N, -1).astype(ws.hf.dtype)  # [B·T, V]
+    from .config import head_name
+    _, cfg, P, inputs, ws, flat = cache
     lora = ws.adapters is not None   # a LoRA policy: the adapters' gradients only (lora.LoraGrads)
     grads = ws.adapters.new_step(ws) if lora else fast.grad_buffers(cfg, ws.hf.dtype)
-    W0, head0 = head_weight(P, 0), head_name(P, 0)
-    fast.engine.weight_grad(grads, [head0], dlogits, ws.hf, ws.mm)  # [V, d]
-    if head0 == "heads.0.weight":
-        fast.engine.announce([head0], grads)                  # final: a data-parallel run may send it now
-    fast.engine.linear_dx(ws, dlogits, W0, head0, ws.dh)      # gradient of the final normed state [B·T, d]
+    # dlogits = dlogp · (onehot − softmax) = −dlogp · (softmax − onehot): the head's logits formed again,
+    # a chunk at a time, then its gradient into grads and hf's into ws.dh
+    fast.engine.head_rows(cfg, P, ws, flat, np.repeat(-np.asarray(dlogps, np.float64), inputs.shape[1]), grads)
+    if head_name(P, 0) == "heads.0.weight":
+        fast.engine.announce(["heads.0.weight"], grads)       # final: a data-parallel run may send it now
     fast.backward(cfg, P, inputs.reshape(-1), ws, grads)
     return ws.adapters.step_grads(ws) if lora else {n: grads[n] for n in trained_params(cfg, P)}
 
@@ -215,7 +222,7 @@ def pair_logprobs(cfg, P: dict, pairs: TokenizedPairs, batch_size: int = 16, pad
                   workspaces: Workspaces | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed head-0 response log-probs of every pair -> (chosen [N], rejected [N]) (forward only, fast engine)."""
     from .train import make_bar
-    workspaces = workspaces or Workspaces(cfg, P["embed.weight"].dtype)
+    workspaces = workspaces or Workspaces(cfg, P["embed.weight"].dtype, lean=True, fixed=True)
     chosen, rejected = np.zeros(len(pairs)), np.zeros(len(pairs))
     bar = make_bar(progress and len(pairs) > batch_size, 0, len(pairs), desc)
     for start in range(0, len(pairs), batch_size):
@@ -328,9 +335,9 @@ class DPOObjective:
         self.train, self.val, self.beta, self.nll_weight = train, val, beta, nll_weight
         self.sft, self.progress, self.pad_id = sft, progress, tokenizer.eos_id
         self.workspaces = Workspaces(self.cfg, model.dtype, model.precision,   # the fast engine's buffers, reused
-                                     model.engine_adapters if self.lora else None)
+                                     model if self.lora else None)
         # the reference's log-probs in the run's precision too
-        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, model.precision)
+        self.ref_ws = Workspaces(self.cfg, reference_model.dtype, model.precision, lean=True, fixed=True)
         self.ref_id = fingerprint(reference_model.params)
         self._describe = {"data": data_id, "train_pairs": len(train), "val_pairs": len(val),
                           "truncated": train.truncated + val.truncated, "dropped": train.dropped + val.dropped}

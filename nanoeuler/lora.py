@@ -14,7 +14,8 @@ Two ways to a step, the same mathematics (tests/test_lora.py compares them):
 
 The base of `new` / `load` is a read-only map of its checkpoint (checkpoint.map_tensors): once the first step
 has packed (bf16) or stacked (float32 q|k|v, gate|up) the frozen matrices, their float32 pages leave memory
-(`_drop_copied`) and only merge or the reference path read them back from the file.
+(`_workspace`) and only merge or the reference path read them back from the file; what the steps read in
+place (the embedding and tied head, norms, float32 wo and down) stays mapped, never copied.
 
     model = LoraModel.new("runs/small", LoraConfig(rank=8, alpha=16, targets=("q", "v")))
     head0, objective, grads = model.loss_and_grads(tokens, mask)   # grads: "layers.0.attn.wq.lora_A", ...
@@ -87,7 +88,6 @@ class LoraModel:
         self.policy = Model(base.config, base.params | {n: adapters[n] for n in self.whole})
         self.engine_adapters = Adapters(base.config, self.lcfg, adapters)   # how the fast engine applies them
         self._ws = None
-        self._dropped = None    # the workspace whose own copies replaced the base's pages (_drop_copied)
 
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
@@ -163,9 +163,7 @@ class LoraModel:
         from . import fast
         check_tokens(self.config, tokens, extra=self.config.n_mtp)
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
-        out = fast.loss(self.config, self.policy.params, tokens, loss_mask, ws, dropout)
-        self._drop_copied(ws)
-        return out
+        return fast.loss(self.config, self.policy.params, tokens, loss_mask, ws, dropout)
 
     def reference_objective(self, tokens, loss_mask=None, dropout=None, adapter_dropout=None):
         """The reference forward with adapters applied op by op: (head losses, objective, caches)."""
@@ -209,38 +207,32 @@ class LoraModel:
                                                           self.engine_adapters.new_step(ws), dropout, counts)
         finally:
             self.engine_adapters.drop = None
-        self._drop_copied(ws)
         return head0, objective, self.engine_adapters.step_grads(ws)
 
-    def _drop_copied(self, ws) -> None:
-        """After ws's first step, which packed (bf16) or stacked (float32: q|k|v, gate|up) the frozen weights
-        into ws: a base mapped from its checkpoint (`new`, `load`) keeps in memory only what the steps still
-        read (copied out of the map: the embedding, norms, biases; float32: the other matrices), and the map's
-        pages go. Its float32 of the packed or stacked weights is read back from the checkpoint file only by
-        what reads it later (merge, the reference path, a workspace of another batch shape or precision).
-        GPT-2 124 M in bf16: ~324 MiB less."""
-        from .checkpoint import drop_pages, file_map
-        from .fast.engine import copied_weights
-        if self._dropped is ws:
-            return
-        P, copied = self.base.params, set(copied_weights(ws))
-        mapped = [n for n, a in P.items() if file_map(a) is not None]
-        for n in mapped:
-            if n not in copied:
-                P[n] = np.array(P[n])
-                if n not in self.whole:     # the policy reads the base's tensors but its saved modules'
-                    self.policy.params[n] = P[n]
-        drop_pages(P[n] for n in mapped)
-        self._dropped = ws
-
     def _workspace(self, B: int, T: int):
-        """The fast engine's buffers for this batch shape and precision (kept from step to step), the adapters
-        applied on the fly (`Adapters.attach`)."""
-        from . import fast
+        """The fast engine's buffers for this batch shape and precision, kept from step to step (`new_workspace`)."""
         ws = self._ws
-        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision, True):
             self._ws = None
-            self._ws = ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision))
+            self._ws = self.new_workspace(B, T)
+        return self._ws
+
+    def new_workspace(self, B: int, T: int, like=None):
+        """A lean fast.Workspace (see there) that applies the adapters on the fly (`Adapters.attach`). It packs
+        (bf16) or stacks (float32: q|k|v, gate|up) the frozen weights at once, or shares those of `like` (a
+        workspace of this model for another batch shape: DPO's), and a base mapped from its checkpoint (`new`,
+        `load`) lets the pages of those weights go before the first step (the rest of the map, which the steps
+        read, stays as it is: no copy of it is made). Their float32 is read back from the checkpoint file only
+        by what reads it later (merge, the reference path, a workspace of another precision).
+        GPT-2 124 M in bf16: ~324 MiB less."""
+        from . import fast
+        from .checkpoint import drop_pages
+        ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision, lean=True))
+        if like is not None:
+            fast.engine.share_fixed(ws, like)
+        else:
+            fast.engine.stack_fixed(self.config, self.policy.params, ws)
+            drop_pages(self.base.params[n] for n in fast.engine.copied_weights(ws))
         return ws
 
 
@@ -394,9 +386,13 @@ class LoraGrads(dict):
                           if len(s) == 1 or n == "pos_embed.weight" or n in self.whole})
         self.out = {n: np.zeros_like(a) for n, a in adapters.adapters.items() if n not in self.whole}
 
-    def weight_grad(self, names, dy, x, mm) -> None:
+    def weight_grad(self, names, dy, x, mm, accumulate: bool = False) -> None:
         if names[0] in self.whole:                                          # a saved head: dyᵀ·x [V, d]
-            mm(dy.T, x, self[names[0]])
+            from .fast.engine import add_product
+            if accumulate:                                                  # (its rows' later chunks)
+                add_product(dy.T, x, self[names[0]], mm)
+            else:
+                mm(dy.T, x, self[names[0]])
             return
         ad, s, n = self.adapters, dy.dtype.type(self.adapters.scale), dy.shape[0]
         runs = ad.runs(tuple(names))

@@ -167,7 +167,7 @@ class Model:
         """The fast engine's buffers for this batch shape and precision, kept between calls (one at a time)."""
         from . import fast
         ws = self._fast_ws
-        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision):
+        if ws is None or ws.key != (self.config, B, T, np.dtype(self.dtype), self.precision, False):
             self._fast_ws = None  # free the old buffers before allocating new ones
             ws = self._fast_ws = fast.Workspace(self.config, B, T, self.dtype, self.precision)
         return ws

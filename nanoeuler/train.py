@@ -296,7 +296,8 @@ def load_training_state(out_dir: Path, model, opt) -> dict:
 
 # ---- evaluation --------------------------------------------------------------------------------
 def evaluate(model, source, max_batches: int = 0, score=None) -> dict:
-    """Mean head-0 loss over the validation batches (all of them if max_batches is 0), and bits per byte.
+    """Mean head-0 loss over the validation batches (all of them if max_batches is 0), bits per byte, and
+    the number of targets scored.
     score(tokens [B, T+1], mask or None) -> the summed head-0 loss of the batch's targets (eval --dtype: the
     decoding step's, infer/session.head0_loss_sum); None: the training forward's."""
     total, count = 0.0, 0
@@ -310,7 +311,7 @@ def evaluate(model, source, max_batches: int = 0, score=None) -> dict:
     if count == 0:
         raise UserError("the validation set has no scored tokens")
     loss = total / count
-    out = {"val_loss": loss}
+    out = {"val_loss": loss, "val_tokens": count}
     if getattr(source, "bytes_per_token", None):
         out["val_bpb"] = loss / math.log(2) / source.bytes_per_token
     return out

@@ -303,7 +303,7 @@ def _far_lora(arch, dropout=0.0):
     from nanoeuler import adapters as ad
     from nanoeuler.lora import LoraModel
     m, tokens, mask = _far_model(arch)
-    lcfg = ad.LoraConfig(4, 8.0, ad.DEFAULT_TARGETS[arch], dropout)
+    lcfg = ad.LoraConfig(4, 8.0, (), dropout)
     adapters = ad.init_adapters(m.config, lcfg, 1)
     for a in adapters.values():
         a += np.random.default_rng(2).standard_normal(a.shape).astype(np.float32) * 0.2

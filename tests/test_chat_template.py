@@ -288,3 +288,34 @@ def test_a_worker_whose_caller_died_stops(tmp_path):
             os.kill(pid, 9)
             pytest.fail(f"the orphaned worker has used {cpu:.0f} s of CPU and runs on")
         time.sleep(0.2)
+
+
+def test_the_bundled_gemma_template_writes_gemma_turns_and_masks_the_reply(tmp_path):
+    """`--chat-template gemma` (a Gemma base model's file has no template): the turn format of Gemma's own
+    tokenizer_config.json (system message before the first user turn, contents trimmed, the assistant as
+    "model"), rendered as transformers renders it; SFT's mask covers the reply and its <end_of_turn> only;
+    a name that is neither a file nor a bundled template is one line naming the bundled ones."""
+    from nanoeuler.chat_template import bundled_templates, with_template_file
+    from nanoeuler.data.corpus import bundled_works
+    specials = ("<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+    t = Tokenizer.train([bundled_works()["hamlet"][:20000]], 320, specials=specials, progress=False)
+    t = Tokenizer.from_dict(t.to_dict() | {"bos": "<bos>", "eos": "<eos>"}).replace(stops=["<end_of_turn>"])
+    gemma = with_template_file(t, "gemma")
+    assert gemma.chat_template == bundled_templates()["gemma"].read_text(encoding="utf-8")
+    conversation = CONVERSATIONS[1]
+    text = render(gemma.chat_template, conversation, gemma, add_generation_prompt=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4"
+                    "<end_of_turn>\n<start_of_turn>user\nAnd  3+3?<end_of_turn>\n<start_of_turn>model\n")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(t.to_hf_json()),
+                                              bos_token="<bos>", eos_token="<eos>")
+    assert hf.apply_chat_template(conversation, chat_template=gemma.chat_template, tokenize=False,
+                                  add_generation_prompt=True) == text
+    ids, mask = sft_render(gemma, "Name a play.", "", "Hamlet")
+    on = [i for i, m in zip(ids, mask) if m]
+    assert gemma.decode(ids[:mask.index(True)]) == "<bos><start_of_turn>user\nName a play.<end_of_turn>\n" \
+                                                   "<start_of_turn>model\n"
+    assert gemma.decode(on) == "Hamlet<end_of_turn>" and gemma.decode(ids[len(ids) - mask[::-1].index(True):]) == "\n"
+    with pytest.raises(UserError, match="a file, or a bundled template: gemma"):
+        with_template_file(t, tmp_path / "nope")

@@ -110,6 +110,21 @@ def test_eval_changes_nothing(data, tmp_path, capsys):
     assert snapshot(tmp_path) == before
 
 
+def test_eval_seq_len_scores_windows_of_that_length(data, tmp_path, capsys):
+    """eval --seq-len T: validation windows of T tokens (a real model's whole context is too long a window for
+    a CPU); --max-batches 1 then scores B·T targets; a T longer than the context is one line."""
+    run = tmp_path / "run"
+    assert main(["train", "small", "--data", str(data), "--out", str(run), "--steps", "1", "--batch-size", "2",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    for T in (128, 32):
+        assert main(["eval", "--ckpt", str(run), "--data", str(data), "--max-batches", "1", "--batch-size", "2",
+                     "--seq-len", str(T), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["val_tokens"] == 2 * T
+    assert main(["eval", "--ckpt", str(run), "--data", str(data), "--seq-len", "129"]) == 2
+    assert "--seq-len 129 is longer than the model's context (128)" in capsys.readouterr().err
+
+
 def test_dpo_eval_refuses_a_mismatched_reference(tmp_path, capsys):
     tok = Tokenizer.train([bundled_works()["hamlet"][:30000]], 300, progress=False)
     cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=128)

@@ -102,9 +102,15 @@ def test_padding_does_not_change_a_sequence_log_prob():
     assert a[0] == pytest.approx(b[0], rel=1e-12)
 
 
-@pytest.mark.parametrize("dtype,tol,entry_tol", [(np.float64, 1e-12, 5e-11), (np.float32, 1e-5, 3e-4)])
-def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_tol):
+@pytest.mark.parametrize("dtype,tol,entry_tol,rows", [(np.float64, 1e-12, 5e-11, 0), (np.float32, 1e-5, 3e-4, 0),
+                                                      (np.float64, 1e-12, 5e-11, 7), (np.float32, 1e-5, 3e-4, 7)])
+def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_tol, rows, monkeypatch):
+    """rows: the head's logits formed 7 rows at a time (forward, and again in backward), in 2 parts."""
     from nanoeuler.dpo import Workspaces
+    from nanoeuler.fast import engine, parallel
+    if rows:
+        monkeypatch.setattr(engine, "LOGITS_BYTES", rows * TINY.vocab_size * np.dtype(dtype).itemsize)
+        monkeypatch.setattr(parallel, "PARTS", 2)
     model = Model.init(TINY, seed=3).astype(dtype)
     rng = np.random.default_rng(0)
     for p in model.params.values():
@@ -114,10 +120,30 @@ def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_to
     batch = make_batch(seqs[:3], masks[:3], seqs[3:], masks[3:], length=24)
     rc, rr = rng.normal(-30, 5, 3), rng.normal(-30, 5, 3)
     l1, m1, g1 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1)
-    l2, m2, g2 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1, Workspaces(TINY, dtype))
+    workspaces = Workspaces(TINY, dtype)
+    l2, m2, g2 = dpo_loss_and_grads(TINY, model.params, batch, rc, rr, 0.1, workspaces)
+    assert [ws.logits_rows for ws in workspaces.by_shape.values()] == [rows or 3 * 24]
     assert l2 == pytest.approx(l1, rel=tol) and g1.keys() == g2.keys()
     for name in g1:
         assert rel_err(g2[name], g1[name]) <= entry_tol, name
+
+
+def test_workspaces_of_fixed_weights_share_one_stack_over_batch_shapes():
+    """The reference's (and evaluation's) workspaces: lean, and one set of stacked weights for every batch
+    shape; their log-probs are still the reference path's."""
+    from nanoeuler.dpo import Workspaces
+    model = Model.init(TINY, seed=3).astype(np.float64)
+    rng = np.random.default_rng(5)
+    workspaces = Workspaces(TINY, np.float64, lean=True, fixed=True)
+    for n in (9, 23):
+        seqs = [rng.integers(0, 257, n) for _ in range(2)]
+        masks = [np.arange(n) >= 3 for _ in range(2)]
+        b = make_batch(seqs[:1], masks[:1], seqs[1:], masks[1:])
+        want, _ = sequence_logprobs_forward(TINY, model.params, b.inputs, b.targets, b.mask)
+        got, _ = sequence_logprobs_forward(TINY, model.params, b.inputs, b.targets, b.mask, workspaces)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    first, second = workspaces.by_shape.values()
+    assert first.lean and second.stacks is first.stacks and len(first.stacks) == 2 * TINY.n_layers
 
 
 def test_long_pairs_lose_the_start_of_the_prompt(tok):

@@ -59,6 +59,65 @@ def test_fast_equals_reference(name, dtype):
         assert m.loss(tokens, mask) == pytest.approx((l0, obj), rel=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["gqa", "qwen2", "gemma3", "gpt2"])
+def test_heads_a_chunk_of_rows_at_a_time_equal_the_reference(name, dtype, monkeypatch):
+    """With a logits buffer of 5 rows per part (LOGITS_BYTES), each head's rows go in chunks of at most 5: the
+    losses and every gradient are still the reference's (the head weights' summed over the chunks, a tied
+    head's into the embedding's), bit-identical run to run, and equal to rounding to one chunk per part."""
+    cfg = CONFIGS[name]
+    m = far_from_init(cfg, dtype)
+    tokens, mask = batch(cfg, 3, cfg.ctx_len)
+    monkeypatch.setattr(parallel, "PARTS", 2)
+    whole = m.loss_and_grads(tokens, mask, out=m.grad_buffers())
+    monkeypatch.setattr(engine, "LOGITS_BYTES", 5 * cfg.vocab_size * np.dtype(dtype).itemsize)
+    ws = Workspace(cfg, 3, cfg.ctx_len, dtype)
+    assert ws.logits_rows == 5 and ws.logits.shape == (2, 5, cfg.vocab_size)
+    l0, obj, grads = loss_and_grads(cfg, m.params, tokens, mask, ws)
+    again = loss_and_grads(cfg, m.params, tokens, mask, ws)
+    assert again[:2] == (l0, obj) and all(np.array_equal(again[2][n], grads[n]) for n in grads)
+    r0, robj, rgrads = m.loss_and_grads(tokens, mask, reference=True)
+    assert abs(l0 - r0) <= TOL[dtype] * abs(r0) and abs(obj - robj) <= TOL[dtype] * abs(robj)
+    for n in rgrads:
+        if n.endswith("attn.wk.bias") and cfg.spec.positions != "rope":   # exactly 0: see above
+            continue
+        assert rel_err(grads[n], rgrads[n]) <= ENTRY_TOL[dtype], (n, rel_err(grads[n], rgrads[n]))
+        assert rel_err(grads[n], whole[2][n]) <= ENTRY_TOL[dtype], n
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lean_workspace_gives_the_same_bits(name, monkeypatch):
+    """A lean workspace (LoRA's: the MLP's pre-activations, the attention probabilities and output formed again in
+    backward, not kept per layer) holds one layer's of them instead of L, and its losses and gradients are bit
+    for bit the full workspace's."""
+    cfg = CONFIGS[name]
+    m = far_from_init(cfg, np.float32)
+    tokens, mask = batch(cfg, 3, cfg.ctx_len)
+    monkeypatch.setattr(parallel, "PARTS", 2)
+    full, lean = (Workspace(cfg, 3, cfg.ctx_len, np.float32, lean=x) for x in (False, True))
+    assert lean.GU.shape[0] == lean.P.shape[0] == lean.A.shape[0] == 1 and full.GU.shape[0] == cfg.n_layers
+    want, got = (loss_and_grads(cfg, m.params, tokens, mask, ws) for ws in (full, lean))
+    assert got[:2] == want[:2] and all(np.array_equal(got[2][n], want[2][n]) for n in want[2])
+
+
+def test_matmul_add_accumulates_in_place_for_any_layout():
+    """blas.matmul_add(a, b, out): out += a @ b, for transposed and row-view operands (one gemm with β = 1),
+    and through a temporary for what gemm cannot read (a strided operand, mixed dtypes)."""
+    from nanoeuler.fast.blas import matmul_add
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        z, h = rng.standard_normal((7, 11)).astype(dtype), rng.standard_normal((9, 5)).astype(dtype)
+        cases = [(z.T, h[2:9]), (z[1:4].T, h[::3]), (z[:, :5], h[:5].T.copy()), (z[:, 1:6], h[4:9]),
+                 (z[:, ::2][:, :5], h[:5])]
+        for a, b in cases:
+            out = rng.standard_normal((a.shape[0], b.shape[1])).astype(dtype)
+            expected = out.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+            matmul_add(a, b, out)
+            assert out.dtype == dtype and rel_err(out, expected) < (1e-5 if dtype == np.float32 else 1e-13)
+    with pytest.raises(ValueError, match="matmul_add"):
+        matmul_add(z.T, h, np.zeros((11, 5)))
+
+
 def test_fully_masked_head_has_zero_loss_and_gradient():
     cfg = CONFIGS["gqa"]
     m = far_from_init(cfg, np.float64)

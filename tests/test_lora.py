@@ -20,7 +20,7 @@ SAVE_ALL = ("lm_head", "mtp_heads", "norm")
 def lora_model(arch="euler", dtype=np.float64, seed=0, rank=4, targets=None, trained=True, dropout=0.0, save=()):
     cfg = tiny_config(arch=arch)
     base = Model.init(cfg, seed=seed, dtype=dtype)
-    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets or ad.DEFAULT_TARGETS[arch], dropout, save)
+    lcfg = ad.LoraConfig(rank, 2.0 * rank, targets or cfg.spec.lora_defaults, dropout, save)
     adapters = ad.init_adapters(cfg, lcfg, seed, dtype, base.params)
     if trained:
         rng = np.random.default_rng(seed + 1)
@@ -57,21 +57,25 @@ def test_adapter_gradients_match_finite_differences(config, dropout, save):
     assert max(r.max_rel_error for r in rows) < TOLERANCE, max(rows, key=lambda r: r.max_rel_error)
 
 
-@pytest.mark.parametrize("arch,parts,p,save", [("euler", 1, 0.0, ()), ("euler", 3, 0.0, ()), ("gpt2", 1, 0.0, ()),
-                                               ("gpt2", 3, 0.0, ()), ("euler", 3, 0.3, ()), ("gpt2", 2, 0.3, ()),
-                                               ("euler", 1, 0.0, SAVE_ALL), ("euler", 3, 0.3, SAVE_ALL)])
-def test_fast_step_equals_reference_step(arch, parts, p, save, monkeypatch):
+@pytest.mark.parametrize("arch,parts,p,save,rows", [
+    ("euler", 1, 0.0, (), 0), ("euler", 3, 0.0, (), 0), ("gpt2", 1, 0.0, (), 0), ("gpt2", 3, 0.0, (), 0),
+    ("euler", 3, 0.3, (), 0), ("gpt2", 2, 0.3, (), 0), ("euler", 1, 0.0, SAVE_ALL, 0), ("euler", 3, 0.3, SAVE_ALL, 0),
+    ("euler", 2, 0.3, SAVE_ALL, 3), ("gpt2", 2, 0.0, (), 5)])
+def test_fast_step_equals_reference_step(arch, parts, p, save, rows, monkeypatch):
     """The fused step (adapters applied on the fly, their gradients from each linear's dy and x, no dW) in
     1..3 parts = the reference, adapter dropout included (the same masks by batch row in every part), and
-    the gradients of the modules trained whole (save: heads and norms, summed over the parts)."""
-    from nanoeuler.fast import parallel
+    the gradients of the modules trained whole (save: heads and norms, summed over the parts). rows: the
+    heads' logits formed that many rows at a time (the saved heads' gradients summed over the chunks)."""
+    from nanoeuler.fast import engine, parallel
     monkeypatch.setattr(parallel, "PARTS", parts)
     m = lora_model(arch, dropout=p, save=save)
+    if rows:
+        monkeypatch.setattr(engine, "LOGITS_BYTES", rows * m.config.vocab_size * 8)
     tokens, mask = batch(m.config)
     adrop = ops.Dropout(p, seed=11) if p else None
     h1, o1, g1 = m.loss_and_grads(tokens, mask, reference=True, adapter_dropout=adrop)
     h2, o2, g2 = m.loss_and_grads(tokens, mask, adapter_dropout=adrop)
-    assert len(m._ws.parts) == parts
+    assert len(m._ws.parts) == parts and m._ws.logits_rows == (rows or m.config.ctx_len * -(-3 // parts))
     assert abs(o1 - o2) < 1e-12 and abs(h1 - h2) < 1e-12
     assert set(g1) == set(g2) == set(m.params)
     for name in g1:
@@ -97,10 +101,10 @@ def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers(arch, monkeyp
     """One workspace from step to step (it held the precision in its key, and every step rebuilt it), the
     frozen weights stacked once (not every step), no merged weight copies, no gradient buffer of the frozen
     embedding in any part."""
-    from nanoeuler import fast
-    stack = fast.arch(tiny_config(arch=arch))._stack_weights
+    from nanoeuler.fast import engine
+    stack = engine._stack_weights
     calls = []
-    monkeypatch.setattr(fast.arch(tiny_config(arch=arch)), "_stack_weights", lambda *a: calls.append(stack(*a)))
+    monkeypatch.setattr(engine, "_stack_weights", lambda *a: calls.append(stack(*a)))
     m = lora_model(arch)
     tokens, mask = batch(m.config)
     m.loss_and_grads(tokens, mask)
@@ -116,7 +120,8 @@ def test_fast_step_keeps_its_workspace_and_no_weight_sized_buffers(arch, monkeyp
 @pytest.mark.parametrize("arch,parts,p", [("euler", 1, 0.0), ("gpt2", 2, 0.0), ("euler", 2, 0.3)])
 def test_fast_step_forms_six_adapter_products_per_module(arch, parts, p, monkeypatch):
     """u = s·x̃·Aᵀ (forward) is reused by the adapter gradients and du = s·dy·B (gradients) by dx: a step
-    makes 6 products per module and part (it made 8), and its gradients are still the reference's."""
+    makes 6 products per module and part (it made 8), plus the 2 of the forward again for the modules of the
+    MLP's input product, which backward forms again (a lean workspace); its gradients are still the reference's."""
     import sys
     from nanoeuler.fast import parallel
     monkeypatch.setattr(parallel, "PARTS", parts)
@@ -132,7 +137,9 @@ def test_fast_step_forms_six_adapter_products_per_module(arch, parts, p, monkeyp
         return mm(a, b, out)
     ws.mm = counted
     _, o, g = m.loss_and_grads(tokens, mask, adapter_dropout=adrop)
-    assert sum(calls) == 6 * len(m.modules) * parts
+    mlp_in = [mod for mod, (bases, _) in m.modules.items() if any(".ffn.gate" in b or ".ffn.up" in b or ".ffn.fc" in b
+                                                                for b in bases)]
+    assert ws.lean and sum(calls) == (6 * len(m.modules) + 2 * len(mlp_in)) * parts
     _, o_ref, g_ref = m.loss_and_grads(tokens, mask, reference=True, adapter_dropout=adrop)
     assert abs(o - o_ref) < 1e-12
     assert all(rel_err(g[n], g_ref[n]) < 1e-10 for n in g_ref)
@@ -205,21 +212,25 @@ def test_merged_model_computes_what_the_adapters_compute():
     assert all(merged[n] is m.base.params[n] for n in frozen)          # unadapted weights shared, not copied
 
 
-@pytest.mark.parametrize("arch,save", [("euler", ()), ("gpt2", ()), ("euler", ("lm_head", "norm"))])
-def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, save):
+@pytest.mark.parametrize("arch,save,rows", [("euler", (), 0), ("gpt2", (), 0), ("euler", ("lm_head", "norm"), 0),
+                                            ("euler", ("lm_head", "norm"), 3)])
+def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, save, rows, monkeypatch):
     """DPO's LoRA step (adapters on the fly, no weight gradient formed) gives what the merged model's weight
     gradients G give through W' = W + s·B·A: dB = s·G·Aᵀ, dA = s·Bᵀ·G (a stacked module: G stacked), and
-    a saved module's tensors their G."""
+    a saved module's tensors their G (rows: the head's logits 3 rows at a time, its gradient summed)."""
     from nanoeuler.dpo import Workspaces, dpo_loss_and_grads
     from nanoeuler.dpo_data import PairBatch
+    from nanoeuler.fast import engine
     m = lora_model(arch, save=save)
+    if rows:
+        monkeypatch.setattr(engine, "LOGITS_BYTES", rows * m.config.vocab_size * 8)
     cfg, s = m.config, m.lcfg.scale
     rng = np.random.default_rng(4)
     inputs = rng.integers(0, cfg.vocab_size, (4, cfg.ctx_len))
     pairs = PairBatch(inputs, np.roll(inputs, -1, axis=1), rng.random(inputs.shape) > 0.3, 2)
     ref_c, ref_r = np.array([-20.0, -15.0]), np.array([-18.0, -21.0])
     loss1, _, g = dpo_loss_and_grads(cfg, m.policy.params, pairs, ref_c, ref_r, 0.1,
-                                     Workspaces(cfg, np.float64, adapters=m.engine_adapters))
+                                     Workspaces(cfg, np.float64, lora=m))
     loss2, _, G = dpo_loss_and_grads(cfg, m.merged().params, pairs, ref_c, ref_r, 0.1, Workspaces(cfg, np.float64))
     assert loss1 == pytest.approx(loss2, abs=1e-12) and set(g) == set(m.params)
     for module, (bases, _) in m.modules.items():
@@ -334,20 +345,18 @@ def test_adapter_run_refuses_a_changed_base_and_mismatched_resume(tmp_path, tok,
 
 
 def test_lora_modules_to_save_refusals(tmp_path, tok, capsys):
-    """What cannot be saved is refused in one line: a head tied to the embedding, gpt2 (tied), an unknown
-    module, MTP heads on a K = 1 model or in dpo, the flag without --lora; gguf-lora cannot carry them."""
+    """What cannot be saved is refused in one line: a head tied to the embedding, an unknown module, MTP heads
+    on a K = 1 model or in dpo, the flag without --lora; gguf-lora cannot carry them."""
     import dataclasses
 
     from nanoeuler.cli import main
     cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=160)
-    for name, c in (("tied", dataclasses.replace(cfg, tie_embeddings=True)), ("k1", dataclasses.replace(cfg, n_mtp=1)),
-                    ("gpt2", dataclasses.replace(cfg, arch="gpt2"))):
+    for name, c in (("tied", dataclasses.replace(cfg, tie_embeddings=True)), ("k1", dataclasses.replace(cfg, n_mtp=1))):
         Model.init(c, seed=0).save(tmp_path / name, tokenizer=tok)
     common = sft_setup(tmp_path, tok)
     for base, saved, needle in (("tied", "lm_head", "output head is its embedding (tied)"),
                                 ("tied", "norm,norm", "a module given twice"),
                                 ("k1", "mtp_heads", "no multi-token heads"),
-                                ("gpt2", "norm", "arch gpt2 has none"),
                                 ("base", "head", "head: choose from lm_head,mtp_heads,norm")):
         args = common + ["--base", str(tmp_path / base), "--lora", "2", "--lora-modules-to-save", saved]
         assert main(args + ["--out", str(tmp_path / "x")]) == 2, saved

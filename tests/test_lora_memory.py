@@ -39,7 +39,7 @@ def base_run(tmp_path, arch):
 
 
 def lora_run(base_dir, arch, precision):
-    lcfg = ad.LoraConfig(4, 8.0, ad.DEFAULT_TARGETS[arch])
+    lcfg = ad.LoraConfig(4, 8.0)
     return LoraModel.new(base_dir, lcfg, seed=1).set_precision(precision)
 
 
@@ -114,7 +114,8 @@ def test_mapped_tensors_are_the_files_read_only_and_come_back_after_a_drop(tmp_p
     assert all(np.array_equal(mapped[n], params[n]) for n in params)
     w = mapped["layers.0.ffn.up.weight"]
     assert not w.flags.writeable and resident(w) > 0                     # read just now
-    assert drop_pages([w]) == (base_dir / "model.safetensors").stat().st_size and resident(w) == 0
-    assert not any(resident(a) for a in mapped.values())                 # the whole file's pages went
+    others = {n: resident(a) for n, a in mapped.items() if a is not w}
+    assert w.nbytes - 2 * mmap.PAGESIZE < drop_pages([w]) <= w.nbytes and resident(w) == 0   # its whole pages
+    assert {n: resident(a) for n, a in mapped.items() if a is not w} == others   # only w's pages went
     assert np.array_equal(w, params["layers.0.ffn.up.weight"]) and resident(w) > 0   # read back, the same
     assert drop_pages([params["layers.0.ffn.up.weight"]]) == 0           # an array in memory: left alone

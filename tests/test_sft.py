@@ -295,6 +295,31 @@ def test_sft_cli_trains_and_resumes(tmp_path, tok, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_sft_seq_len_sets_the_rows_and_a_resume_keeps_it(tmp_path, tok, capsys):
+    """--seq-len T: rows of T + K tokens (a model's whole context is too long a row for a CPU step: the
+    default is at most 1024); a resumed run keeps the run's T without being told, bit for bit; a T longer than
+    the context is one line."""
+    from nanoeuler.cli import main
+    cfg = Config(vocab_size=tok.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=160,
+                 ffn_hidden=32, n_mtp=2)
+    Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
+    train, held = offline_instructions(n_train=40, n_heldout=10)
+    (tmp_path / "sft.json").write_text(json.dumps(train))
+    (tmp_path / "val.json").write_text(json.dumps(held))
+    common = ["sft", "--base", str(tmp_path / "base"), "--data", str(tmp_path / "sft.json"), "--val",
+              str(tmp_path / "val.json"), "--steps", "3", "--batch-size", "2", "--no-progress", "--json"]
+    assert main(common + ["--seq-len", "140", "--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--seq-len", "140", "--out", str(tmp_path / "b"), "--stop-after", "1"]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--resume"]) == 0
+    capsys.readouterr()
+    for run in ("a", "b"):
+        assert json.loads((tmp_path / run / "trainer.json").read_text())["data"]["length"] == 140 + 2
+    a, b = Model.load(tmp_path / "a"), Model.load(tmp_path / "b")
+    assert all(np.array_equal(a.params[n], b.params[n]) for n in a.params)
+    assert main(common + ["--seq-len", "161", "--out", str(tmp_path / "c")]) == 2
+    assert "--seq-len 161 is longer than the model's context (160)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["sft", "--base"], ["dpo", "--sft"]])
 def test_a_context_no_offline_example_fits_is_one_line_not_a_hang(tmp_path, tok, command):
     """`sft --base` a 48-wide model with a 64-token context sat at step 0 forever: the offline set drew

@@ -139,7 +139,8 @@ def add_template_arg(p) -> None:
     """--chat-template FILE (chat, serve, sft, dpo): a Jinja chat template instead of the checkpoint's."""
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (transformers' format, UTF-8) to use instead of the "
-                        "checkpoint's own (default: the checkpoint's, else the SPEC Alpaca template)")
+                        "checkpoint's own, or the name of a bundled one: gemma (Gemma's <start_of_turn> turns, for "
+                        "a Gemma base model) (default: the checkpoint's, else the SPEC Alpaca template)")
 
 
 def escape_control(text: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from .train import (add_dist_arguments, add_hyperparameters, add_precision_argument, data_parallel, report,
                     resolve_precision, saved_state, train_config_from_args)
 
+DEFAULT_SEQ_LEN = 1024   # rows of a real model's whole context (8,192, 32,768) are more than a CPU step holds
 # The recipe of the SFT figures in docs/benchmarks.md (Instruction and preference tuning).
 SFT_DEFAULTS = dict(steps=1500, batch_size=16, lr=2e-3, warmup=50, weight_decay=0.0, eval_every=250, eval_batches=0,
                     ckpt_every=250)
@@ -42,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N steps")
     p.add_argument("--no-pack", action="store_true", help="one example per row instead of packing")
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
+                   help=f"tokens per training row (default: the model's context, at most {DEFAULT_SEQ_LEN}; a "
+                        "resumed run keeps its own): an example longer than T+1 tokens is truncated or dropped")
     from .args import add_template_arg
     add_template_arg(p)
     add_hyperparameters(p)
@@ -62,6 +66,8 @@ def register(sub) -> None:
     e.add_argument("--limit", type=int, default=0, help="score only the first N records (0 = all)")
     e.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--show", type=int, default=0, metavar="N", help="print the first N answers")
+    from .args import add_template_arg
+    add_template_arg(e)
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(run=run_eval)
@@ -132,8 +138,9 @@ def run_sft(args) -> int:
         model = start_or_resume(args, args.base, out, tcfg.seed) if lora else Model.load(args.base, read_only=True)
     model.set_precision(resolve_precision(args, state if args.resume else None))
     cfg = model.config
-    train, held, data_id, _ = sft_records(args.data, args.val, tok, cfg.ctx_len)
-    source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp,
+    T = sequence_length(args, cfg, state if args.resume else {})
+    train, held, data_id, _ = sft_records(args.data, args.val, tok, T)
+    source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, T, cfg.n_mtp,
                        pack=not args.no_pack, data_id=data_id)
     d = source.describe()
     print(f"{'resuming' if args.resume else 'fine-tuning'} {args.base or out} -> {out}: {d['train_examples']} train / "
@@ -155,12 +162,27 @@ def run_sft(args) -> int:
     return 130 if summary["interrupted"] else 0
 
 
+def sequence_length(args, cfg, state: dict) -> int:
+    """Inputs per row: --seq-len (at most the model's context), else a resumed run's, else the model's
+    context up to DEFAULT_SEQ_LEN."""
+    from ..errors import UserError
+    if args.seq_len is not None:
+        if args.seq_len > cfg.ctx_len:
+            raise UserError(f"--seq-len {args.seq_len} is longer than the model's context ({cfg.ctx_len})")
+        return args.seq_len
+    if "length" in state.get("data", {}):
+        return state["data"]["length"] - cfg.n_mtp
+    return min(cfg.ctx_len, DEFAULT_SEQ_LEN)
+
+
 def run_eval(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
     from ..model import Model
+    from ..chat_template import with_template_file
     from ..sft import load_examples, score_answers
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
+    tok = with_template_file(tok, args.chat_template)
     if args.limit < 0 or args.max_new_tokens < 1:
         raise UserError("--limit must be >= 0 and --max-new-tokens >= 1")
     records = offline_records(tok, model.config.ctx_len)[1] if args.data == "offline" else load_examples(args.data)[0]

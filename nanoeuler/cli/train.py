@@ -53,6 +53,8 @@ def register(sub) -> None:
     e.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
     e.add_argument("--batch-size", type=positive_int, default=16)
     e.add_argument("--max-batches", type=nonneg_int, default=0, help="evaluate only this many batches (0 = all)")
+    e.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
+                   help="tokens per validation window (default: the model's context)")
     e.add_argument("--dtype", choices=DTYPES, default=None,
                    help="score the model as decoding holds it at this weight type (float32, float16, q8_0, q4_0, "
                         "q4_1, q5_0, q5_1; `sample --help`): each validation row through the KV-cache decoding "
@@ -299,7 +301,9 @@ def run_eval(args) -> int:
         raise UserError(f"no token shards in {data}; run `nanoeuler prepare` (or `nanoeuler train` for the bundled corpus)")
     if args.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    source = PretrainSource(data, args.batch_size, model.config.ctx_len, model.config.n_mtp)
+    if args.seq_len is not None and args.seq_len > model.config.ctx_len:
+        raise UserError(f"--seq-len {args.seq_len} is longer than the model's context ({model.config.ctx_len})")
+    source = PretrainSource(data, args.batch_size, args.seq_len or model.config.ctx_len, model.config.n_mtp)
     source.val.check_tokenizer(load_tokenizer(args.ckpt, read_only=True).fingerprint())
     score = None
     if args.dtype is not None:  # the model as decoding holds it at that type

@@ -16,11 +16,16 @@ organised for speed:
   products are batched BLAS matmuls over the full T×T square (the G query heads of a kv head stacked, so
   GQA needs no copies of k and v), and one kernel each does the causal softmax and its backward;
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
-  gate/up matmuls (from the residual stream and the saved 1/rms);
+  gate/up matmuls (from the residual stream and the saved 1/rms), the MLP activation's output (from the
+  kept pre-activations); a `lean` workspace (LoRA's) keeps not even those, nor the attention probabilities
+  and output: backward forms them again (the MLP's input product, scores, softmax and P·v of each layer),
+  which keeps [1, ...] of them instead of [L, ...] (Gemma 3 270M at B=4, T=256: 408 MiB less);
 - dropout (training only) is fused into the residual adds, its mask recomputed in backward from
   (seed, site, element) instead of stored (ops/dropout.py);
-- the K output heads are done one at a time: logits [N, V] of head k, its loss and dlogits in place,
-  then its two backward matmuls; only one [N, V] buffer exists;
+- the K output heads are done one at a time, and each a chunk of rows at a time (`head_rows`): the chunk's
+  logits [rows, V], its losses and dlogits in place, then its two backward matmuls, the head weight's
+  gradient summed over the chunks (blas.matmul_add). A part's logits buffer holds one chunk, at most
+  LOGITS_BYTES: Gemma 3's 262,144-token head never holds a batch's B·T·V logits (1 GiB at B=4, T=256);
 - precision "bf16": every matrix product (`linear`, `linear_dx`, `ws.mm`) takes bfloat16 operands with
   float32 accumulation (fast/bf16.py); the weights are rounded and packed once per step by `pack_weights`
   (the parts a share each). Everything else is unchanged float32;
@@ -46,14 +51,16 @@ from ..config import PRECISIONS, Config, head_name, head_weight
 from ..errors import UserError
 from . import bf16, kernels
 from . import parallel
+from .blas import matmul_add
 from .parallel import run_parts, single_threaded_blas
 
 # Activation arrays of a Workspace, by how a part's rows are cut out of them.
-PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "S", "mu1", "mu2", "QK", "rqk", "O1", "O2", "rp1", "rp2")
+PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "mu1", "mu2", "QK", "rqk", "O1", "O2", "rp1", "rp2")
                                                                    # [L, N, ...]: a[:, n0:n1]
-ROWS = ("rf", "muf", "hf", "h", "qkv", "dqkv", "ds", "logits", "t", "o", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
+ROWS = ("rf", "muf", "hf", "h", "S", "qkv", "dqkv", "ds", "t", "o", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
+LOGITS_BYTES = 64 << 20      # a part's logits buffer: the rows of one chunk of a head's rows (see head_rows)
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
 
@@ -61,8 +68,8 @@ EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient
 class Workspace:
     """Every buffer one training step needs, for a fixed (config, B, T, dtype). Reused step after step."""
 
-    def __init__(self, cfg: Config, B: int, T: int, dtype, precision: str = "f32"):
-        self.key = (cfg, B, T, np.dtype(dtype), precision)
+    def __init__(self, cfg: Config, B: int, T: int, dtype, precision: str = "f32", lean: bool = False):
+        self.key = (cfg, B, T, np.dtype(dtype), precision, lean)
         dt = np.dtype(dtype)
         self.precision = check_precision(precision, dt)
         self.bf16 = bf16.products(dt) if precision == "bf16" else None  # kernels (float32) or the float64 twin
@@ -87,20 +94,21 @@ class Workspace:
         self.mu1, self.mu2, self.muf = (e(L, N), e(L, N), e(N)) if layer else (e(L, 0), e(L, 0), e(0))  # LayerNorm means
         self.q = e(L, B * Hkv, G * T, hd)  # RoPE(q)/√hd per kv head: its G query heads stacked
         self.k, self.v = e(L, B * Hkv, T, hd), e(L, B * Hkv, T, hd)  # RoPE(k), v per kv head
-        self.P = e(L, B * Hkv, G * T, T)   # attention probabilities per kv head (0 where a query sees no key)
+        self.lean = lean                   # kept for one layer only (formed again in backward): GU, P, A
+        Lk = 1 if lean else L
+        self.P = e(Lk, B * Hkv, G * T, T)  # attention probabilities per kv head (0 where a query sees no key)
         self.QK = e(L, N, (H + Hkv) * hd) if a.qk_norm else e(L, 0, 0)  # q|k before their norms
         self.rqk = e(L, N, H + Hkv) if a.qk_norm else e(L, 0, 0)      # 1/rms of each q and k head
-        self.A = e(L, N, H * hd)           # attention output, input of wo
+        self.A = e(Lk, N, H * hd)          # attention output, input of wo
         self.O1, self.O2 = (e(L, N, d), e(L, N, d)) if a.post_norms else (e(L, 0, 0), e(L, 0, 0))  # post norms' inputs
         self.rp1, self.rp2 = (e(L, N), e(L, N)) if a.post_norms else (e(L, 0), e(L, 0))
-        self.GU = e(L, N, F_in)            # the MLP's pre-activations ([gate | up] or fc + b); backward: their gradients
-        self.S = e(L, N, F)                # the activation's output, input of the MLP's output matrix
+        self.GU = e(Lk, N, F_in)           # the MLP's pre-activations ([gate | up] or fc + b); backward: their gradients
         self.hf = e(N, d)                  # final normed hidden state, input of the heads
         # scratch, shared by layers
         self.h = e(N, d)                   # a normed input (recomputed in backward)
+        self.S = e(N, F)                   # the activation's output, input of the MLP's output matrix (recomputed)
         self.qkv, self.dqkv = e(N, (H + 2 * Hkv) * hd), e(N, (H + 2 * Hkv) * hd)  # q, k, v projections
         self.ds = e(N, F)                  # gradient of the activation's output
-        self.logits = e(N, V)
         self.t, self.o = e(N, d), e(N, d)  # matmul results about to be added somewhere
         self.dx, self.dh = e(N, d), e(N, d)
         self.losses = np.empty(N, dtype=np.float64)
@@ -127,7 +135,10 @@ class Workspace:
         self.embed_scale = dt.type(np.sqrt(d)) if a.embed_scale else None
         self.qscale = dt.type(1.0 / np.sqrt(hd))
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
-        self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(parallel.chunks(B, n_parts))]
+        cuts = parallel.chunks(B, n_parts)
+        self.logits_rows = max(1, min(max(b1 - b0 for b0, b1 in cuts) * T, LOGITS_BYTES // (V * dt.itemsize)))
+        self.logits = e(n_parts, self.logits_rows, V)   # each part's: one chunk of its rows' logits
+        self.parts = [self._part(cfg, b0, b1, k) for k, (b0, b1) in enumerate(cuts)]
         self.parts[0].single = len(self.parts) == 1
 
     def _part(self, cfg: Config, b0: int, b1: int, k: int) -> SimpleNamespace:
@@ -143,6 +154,7 @@ class Workspace:
             setattr(w, name, getattr(self, name)[:, b0 * Hkv:b1 * Hkv])
         for name in HEAD_ITEMS:
             setattr(w, name, getattr(self, name)[b0 * Hkv:b1 * Hkv])
+        w.logits = self.logits[k]                                      # [logits_rows, V]
         w.dw, w.db = np.empty(cfg.dim, np.float64), np.empty(cfg.dim, np.float64)  # a norm's or d-wide bias's
         w.dbqkv = np.empty(self.qkv.shape[1], np.float64)              # q|k|v biases' gradients
         w.dbin = np.empty(self.GU.shape[2], np.float64)                # the MLP input's biases'
@@ -270,29 +282,44 @@ def _stack(W):
     return np.concatenate(W) if isinstance(W, list) else W
 
 
-def _matmul_into(a, b, outs, mm=_blas_mm):
-    """a @ b written into the row blocks `outs` (adjacent arrays: directly; otherwise through a temporary)."""
+def add_product(a, b, out, mm=_blas_mm) -> None:
+    """out += a @ b, the product by mm (the workspace's: BLAS, with β = 1; else through a temporary)."""
+    if mm is _blas_mm:
+        matmul_add(a, b, out)
+        return
+    tmp = np.empty_like(out)
+    mm(a, b, tmp)
+    out += tmp
+
+
+def _matmul_into(a, b, outs, mm=_blas_mm, accumulate: bool = False):
+    """a @ b written into the row blocks `outs` (adjacent arrays: directly; otherwise through a temporary);
+    accumulate: added to them instead."""
     view = _stacked(outs)
     if view is not None:
-        mm(a, b, view)
+        (add_product if accumulate else mm)(a, b, view, *((mm,) if accumulate else ()))
         return
     tmp = np.empty((a.shape[0], b.shape[1]), outs[0].dtype)
     mm(a, b, tmp)
     off = 0
     for o in outs:
-        o[...] = tmp[off:off + o.shape[0]]
+        if accumulate:
+            o += tmp[off:off + o.shape[0]]
+        else:
+            o[...] = tmp[off:off + o.shape[0]]
         off += o.shape[0]
 
 
-def weight_grad(grads, names, dy, x, mm=_blas_mm) -> None:
+def weight_grad(grads, names, dy, x, mm=_blas_mm, accumulate: bool = False) -> None:
     """The weight gradient of y = x·Wᵀ, dyᵀ·x [out, in], into grads[names] (weights stacked by rows,
-    dy [n, Σ out], x [n, in]). A gradient mapping with a `weight_grad` method (lora.LoraGrads) takes the same
-    dy and x instead: adapter gradients, and nothing at all for a frozen weight (no [out, in] product)."""
+    dy [n, Σ out], x [n, in]); accumulate: added to what they hold (a head's chunks of rows). A gradient
+    mapping with a `weight_grad` method (lora.LoraGrads) takes the same dy and x instead: adapter gradients,
+    and nothing at all for a frozen weight (no [out, in] product)."""
     own = getattr(grads, "weight_grad", None)
     if own is not None:
-        own(names, dy, x, mm)
+        own(names, dy, x, mm, accumulate)
     else:
-        _matmul_into(dy.T, x, [grads[n] for n in names], mm)
+        _matmul_into(dy.T, x, [grads[n] for n in names], mm, accumulate)
 
 
 def _in_parts(fn, cfg: Config, params: dict, ws: Workspace, grads: dict | None, *args) -> None:
@@ -320,6 +347,12 @@ def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_
     window: each query sees its last `window` keys (0: all earlier ones)."""
     cos, sin = rope
     kernels.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
+    attention_probs(q, k, v, P, y, A, n_kv_heads, mm, window)
+
+
+def attention_probs(q, k, v, P, y, A, n_kv_heads, mm=_blas_mm, window=0) -> None:
+    """From the heads q [b·Hkv, G·T, hd], k, v [b·Hkv, T, hd]: P (the attention probabilities) and A [n, H·hd]
+    (the attention output, in rows); y (like q) is scratch."""
     mm(q, k.transpose(0, 2, 1), P)                                          # scores
     kernels.causal_softmax(P, k.shape[1], window)
     mm(P, v, y)                                                             # [b·Hkv, G·T, hd]
@@ -431,22 +464,33 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         if a.qk_norm:
             kernels.qk_norm_forward(w.qkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
                                     params[p + "attn.k_norm.weight"], H, eps, w.QK[i], w.rqk[i])
-        attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i], w.dq, w.A[i], ws.mm,
+        j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
+        attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[j], w.dq, w.A[j], ws.mm,
                           ws.windows[i])
-        _output(cfg, ws, params, pr["wo"], w.A[i], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
+        _output(cfg, ws, params, pr["wo"], w.A[j], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
         _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
-        linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.GU[i])  # [n, 2F | F]
-        if a.mlp == "gelu":
-            b = _bias(params, pr["mlp_in"])
-            kernels.bias_gelu_forward(w.GU[i], np.zeros(w.GU.shape[2], w.GU.dtype) if b is None else b, w.S[i])
-        else:
-            _add_bias(params, pr["mlp_in"], w.GU[i])
-            (kernels.swiglu_forward if a.mlp == "swiglu" else kernels.geglu_forward)(w.GU[i], w.S[i])  # [n, F]
-        _output(cfg, ws, params, pr["mlp_out"], w.S[i], p + "ffn_post_norm", w.O2, w.rp2, i, w, eps)
+        GU = w.GU[j]
+        linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)  # [n, 2F | F]
+        _activation(cfg, params, pr["mlp_in"], GU, w.S, first=True)          # [n, F]
+        _output(cfg, ws, params, pr["mlp_out"], w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w, eps)
         _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
     _norm_forward(cfg, params, "norm", w.X[cfg.n_layers], eps, w.hf, w.rf, w.muf)
+
+
+def _activation(cfg: Config, params: dict, key: str, GU, S, first: bool) -> None:
+    """S [n, F] = the MLP's activation of its pre-activations GU [n, 2F] ([gate | up]) or [n, F] (GPT-2's fc).
+    first (forward): the biases of the product `key` are added to GU first, and kept there: backward calls
+    this again on the same GU to recompute S (not kept per layer)."""
+    a = cfg.spec
+    if a.mlp == "gelu":
+        b = _bias(params, key) if first else None
+        kernels.bias_gelu_forward(GU, np.zeros(GU.shape[1], GU.dtype) if b is None else b, S)   # GU := GU + b
+        return
+    if first:
+        _add_bias(params, key, GU)
+    (kernels.swiglu_forward if a.mlp == "swiglu" else kernels.geglu_forward)(GU, S)
 
 
 def _output(cfg: Config, ws: Workspace, params: dict, key: str, inp, post: str, O, rp, i: int, w, eps) -> None:
@@ -463,17 +507,27 @@ def _output(cfg: Config, ws: Workspace, params: dict, key: str, inp, post: str, 
 
 def _heads_part(cfg: Config, params: dict, ws: Workspace, w, grads, targets, scales, sums) -> None:
     for k in range(cfg.n_mtp):
-        name = head_name(params, k)   # tied head 0: embed's first share of the gradient (the lookup's is added)
-        W = head_weight(params, k)                                          # [V, d]
-        linear(ws, w.hf, W, name, w.logits)                                 # [n, V]
-        # logits := dlogits
-        kernels.cross_entropy(w.logits, targets[k, w.n0:w.n1], scales[k], w.losses, grads is not None)
+        _head_part(cfg, params, ws, w, grads, k, targets[k], np.full(ws.N, scales[k]))
         sums[k, w.index] = w.losses.sum()
+        if grads is not None and k:
+            w.dh += w.t
+
+
+def _head_part(cfg: Config, params: dict, ws: Workspace, w, grads, k: int, targets, scales) -> None:
+    """Head k over part w's rows, a chunk of at most ws.logits_rows rows at a time (see head_rows): w.losses,
+    and with grads the head's gradient and hf's (into w.dh for head 0, w.t for the others)."""
+    name = head_name(params, k)   # tied head 0: embed's first share of the gradient (the lookup's is added)
+    W = head_weight(params, k)                                              # [V, d]
+    dh = w.dh if k == 0 else w.t
+    n = w.n1 - w.n0
+    for c, (r0, r1) in enumerate(parallel.chunks(n, -(-n // ws.logits_rows))):
+        z, h = w.logits[:r1 - r0], w.hf[r0:r1]
+        linear(ws, h, W, name, z)                                           # [rows, V]
+        kernels.cross_entropy(z, targets[w.n0 + r0:w.n0 + r1], scales[w.n0 + r0:w.n0 + r1].astype(z.dtype),
+                              w.losses[r0:r1], grads is not None)          # z := dlogits
         if grads is not None:
-            weight_grad(grads, [name], w.logits, w.hf, ws.mm)               # [V, d]
-            linear_dx(ws, w.logits, W, name, w.dh if k == 0 else w.t)       # [n, d]
-            if k:
-                w.dh += w.t
+            weight_grad(grads, [name], z, h, ws.mm, accumulate=c > 0)     # [V, d]
+            linear_dx(ws, z, W, name, dh[r0:r1])                            # [rows, d]
 
 
 def _output_backward(cfg: Config, ws: Workspace, params: dict, key: str, g, inp, post: str, O, rp, i: int, w,
@@ -499,10 +553,15 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
     _announce_part(w, [n for n in grads if n.startswith("norm.")], grads)
     for i in reversed(range(cfg.n_layers)):
         p, pr = f"layers.{i}.", ws.products[i]
-        x, mid, GU = w.X[i], w.M[i], w.GU[i]
+        j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
+        x, mid, GU, P, A = w.X[i], w.M[i], w.GU[j], w.P[j], w.A[j]
         # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid))))))
         df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
-        _output_backward(cfg, ws, params, pr["mlp_out"], df, w.S[i], p + "ffn_post_norm", w.O2, w.rp2, i, w,
+        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
+        if ws.lean:                                                         # and the pre-activations (lean)
+            linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)
+        _activation(cfg, params, pr["mlp_in"], GU, w.S, first=ws.lean)     # and the activation's output
+        _output_backward(cfg, ws, params, pr["mlp_out"], df, w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w,
                          grads, w.ds)                                       # ds [n, F]
         if a.mlp == "gelu":
             kernels.gelu_backward(w.ds, GU)                                 # ds := d(fc output)
@@ -510,16 +569,17 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         else:
             (kernels.swiglu_backward if a.mlp == "swiglu" else kernels.geglu_backward)(w.ds, GU)  # GU := [dg | du]
             dU = GU
-        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
         weight_grad(grads, product_weights(pr["mlp_in"]), dU, w.h, ws.mm)
         _bias_grads(grads, product_weights(pr["mlp_in"]), dU, w.dbin)
         linear_dx(ws, dU, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.dh)  # [n, d]
         _norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
         # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
-        _output_backward(cfg, ws, params, pr["wo"], do, w.A[i], p + "attn_post_norm", w.O1, w.rp1, i, w, grads,
-                         w.A[i])                                            # dA [n, H·hd] (A is spent)
-        attention_backward(w.A[i], ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[i],
+        if ws.lean:                                                         # P and A formed again from q, k, v
+            attention_probs(w.q[i], w.k[i], w.v[i], P, w.dy, A, Hkv, ws.mm, ws.windows[i])
+        _output_backward(cfg, ws, params, pr["wo"], do, A, p + "attn_post_norm", w.O1, w.rp1, i, w, grads,
+                         A)                                                 # dA [n, H·hd] (A is spent)
+        attention_backward(A, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], P,
                            w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm, ws.windows[i])  # [n, (H+2Hkv)·hd]
         if a.qk_norm:
             kernels.qk_norm_backward(w.dqkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
@@ -585,6 +645,20 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
     _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
+def stack_fixed(cfg: Config, params: dict, ws: Workspace) -> None:
+    """A workspace with fixed_weights: stack (float32) or pack (bf16) the unchanging weights now rather than in
+    the first forward, so that what they were copied from can go before the step's buffers fill
+    (lora.LoraModel._workspace, `copied_weights`)."""
+    if restack(ws):
+        _stack_weights(cfg, params, ws)
+
+
+def share_fixed(ws: Workspace, other: Workspace) -> None:
+    """ws (fixed_weights) reads the stacked (float32) or packed (bf16) unchanging weights of other, a workspace
+    of the same model and precision for another batch shape: one copy of them, whatever the shapes."""
+    ws.stacks, ws.packs, ws.bqkv, ws.stacked = other.stacks, other.packs, other.bqkv, True
+
+
 def restack(ws) -> bool:
     """Whether this forward stacks (and, bf16, packs) the weights: every step, or only the first with
     ws.fixed_weights."""
@@ -628,6 +702,23 @@ def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: 
         announce([n for n in names if n.startswith("heads.")], grads)
     losses = [float(sums[k].sum() / n) if n else 0.0 for k, n in enumerate(counts)]
     return losses, sum(losses) / Kh
+
+
+def head_rows(cfg: Config, params: dict, ws: Workspace, targets: np.ndarray, scales=None, grads: dict | None = None,
+              k: int = 0) -> np.ndarray:
+    """Head k on every row of ws.hf (after `forward`), a chunk of rows at a time in each part: the logits of
+    a chunk [≤ ws.logits_rows, V], their cross-entropy against targets int [N] (−1: none) and, with grads,
+    dlogits = scales[n]·(softmax − onehot(target)) in place of them (scales float [N]), then the head weight's
+    gradient (added up over the chunks, into grads) and the gradient of hf (into ws.dh). -> the rows' losses
+    float64 [N] (0 where no target): −log p(target).
+
+        losses = head_rows(cfg, P, ws, targets)                  # forward only: DPO's log-probs are −losses
+        head_rows(cfg, P, ws, targets, -dlogp_of_row, grads)     # then `backward` from ws.dh"""
+    scales = np.zeros(ws.N) if scales is None else np.asarray(scales, np.float64)
+    _in_parts(_head_part, cfg, params, ws, grads, k, targets, scales)
+    if grads is not None:
+        _sum_part_grads(ws, grads, [head_name(params, k)])
+    return ws.losses.copy()
 
 
 def backward(cfg: Config, params: dict, ids: np.ndarray, ws: Workspace, grads: dict, dropout=None) -> None:

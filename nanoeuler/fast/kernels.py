@@ -478,9 +478,9 @@ def dropout_scale(g, base, threshold, scale, out):
 
 # ---- cross-entropy (ops/cross_entropy.py) ---------------------------------------------------------------
 @njit(**OPTS)
-def cross_entropy(z, targets, scale, losses, grad):
+def cross_entropy(z, targets, scales, losses, grad):
     """z [N, V] logits, targets int [N] (−1 = no loss) -> losses [N] (float64, 0 on ignored rows); if grad,
-    z is overwritten in place by dz = scale·(softmax(z) − onehot(target)) (0 on ignored rows)."""
+    z is overwritten in place by dz = scales[i]·(softmax(z) − onehot(target)) on row i (0 on ignored rows)."""
     N, V = z.shape
     for i in range(N):
         row = z[i]
@@ -497,6 +497,7 @@ def cross_entropy(z, targets, scale, losses, grad):
         tot = row_sum(row, V)
         losses[i] = math.log(tot) - zt
         if grad:
+            scale = scales[i]
             c = z.dtype.type(scale / tot)
             for j in range(V):
                 row[j] = row[j] * c

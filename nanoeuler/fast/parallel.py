@@ -17,32 +17,12 @@ to rounding). If NumPy's BLAS is not an OpenBLAS we can set to one thread, PARTS
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
+from .blas import get_threads as _get_threads
+from .blas import set_threads as _set_threads
 
-
-def _find_openblas():
-    """(set_num_threads, get_num_threads) of NumPy's bundled OpenBLAS, or (None, None)."""
-    libdir = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libdir, "lib*openblas*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for set_name, get_name in (("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
-                                   ("openblas_set_num_threads", "openblas_get_num_threads")):
-            if hasattr(lib, set_name) and hasattr(lib, get_name):
-                setter, getter = getattr(lib, set_name), getattr(lib, get_name)
-                setter.argtypes, setter.restype, getter.restype = [ctypes.c_int], None, ctypes.c_int
-                return setter, getter
-    return None, None
-
-
-_set_threads, _get_threads = _find_openblas()
 PARTS = len(os.sched_getaffinity(0)) if _set_threads is not None and hasattr(os, "sched_getaffinity") else 1
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0

@@ -15,6 +15,7 @@ vocabulary costs a few tens of milliseconds. Layout (little-endian; versions 2 a
     f.meta["tokenizer.ggml.tokens"][:3]       # -> ['<pad>', '<eos>', '<bos>'] (str; bytes that are not UTF-8
                                               #    kept through surrogateescape)
     f.tensors[0].name, f.tensors[0].shape     # 'token_embd.weight', array([640, 262144]) (GGUF order: ne0 first)
+    f.alignment, f.data_offset                # 32, where the tensor data begins (data_offset: absolute, in bytes)
 
 `tensors` hold what `gguf.GGUFReader.tensors` hold (name, tensor_type, shape, n_elements, n_bytes, data_offset,
 data: a read-only view of the file, rows of bytes for block types), so `gguf.quants.dequantize(t.data,
