@@ -350,7 +350,7 @@ def test_bad_gpt2_folders_are_one_line_errors(folder, tmp_path):
         load_gpt2_folder(bad)
     c["n_positions"], c["activation_function"] = 32, "relu"
     (bad / "config.json").write_text(json.dumps(c))
-    with pytest.raises(UserError, match="activation_function=relu"):
+    with pytest.raises(UserError, match="activation_function='relu' is not supported for gpt2"):
         load_gpt2_folder(bad)
 
 

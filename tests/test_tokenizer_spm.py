@@ -186,7 +186,7 @@ def test_hf_folder_import_and_autotokenizer_of_the_export(vocabularies, tmp_path
 
     from nanoeuler import Model
     from nanoeuler.cli import main
-    from nanoeuler.interop.importer import import_folder
+    from nanoeuler.interop.hf import import_folder
     d = vocabularies["llama2"][0]
     d["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
                                                                     {"Sequence": {"id": "A", "type_id": 0}}],

@@ -280,7 +280,10 @@ class Tokenizer(BaseTokenizer):
         n = len(self._vocab)
         self._specials = {s: n + i for i, s in enumerate(specials)}  # in the engine's numbering
         for s in self._specials:
-            self._vocab.append(s.encode("utf-8"))
+            try:
+                self._vocab.append(s.encode("utf-8"))
+            except UnicodeEncodeError:  # a file's string that was not UTF-8 (read with surrogateescape)
+                raise UserError(f"the special token {s!r} is not valid UTF-8") from None
         # the id map (None: the identity), its inverse, and the vocabulary in the model's id order
         self.ids = None if ids is None else check_ids(ids, len(self._vocab))
         if self.ids is not None and np.array_equal(self.ids, np.arange(len(self._vocab))):
