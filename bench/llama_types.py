@@ -20,6 +20,9 @@ A type our engine cannot decode is measured on llama.cpp's side alone (ours: "-"
 
     .venv/bin/python bench/llama_types.py --llama-bench path/to/llama-bench         # ~10 min
     .venv/bin/python bench/llama_types.py --quick                                           # big, 1 repeat: ~2 min
+    .venv/bin/python bench/llama_types.py --llama-bench B --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+With --files, each published file is measured as it is, its matrices in their own types (type "file").
 """
 from __future__ import annotations
 
@@ -77,13 +80,24 @@ def ours_types() -> set[str]:
 
 
 class Ours:
-    """Our engine on one model at one type: decode_rate as `nanoeuler bench --decode` times it."""
+    """Our engine on one decoding model (infer/weights.py): decode_rate as `nanoeuler bench --decode` times it."""
 
-    def __init__(self, model, gguf_type: str):
-        from nanoeuler.cli.sample import decoding_model
+    def __init__(self, model):
         from nanoeuler.infer.step import fuse_weights
-        self.model = decoding_model(model, SimpleNamespace(dtype=OURS.get(gguf_type, gguf_type)))
-        self.fused = fuse_weights(self.model.config, self.model.params)
+        self.model = model
+        self.fused = fuse_weights(model.config, model.params)
+
+    @classmethod
+    def at_type(cls, model, gguf_type: str):
+        """A float model decoded at a GGUF type (`--dtype`)."""
+        from nanoeuler.cli.sample import decoding_model
+        return cls(decoding_model(model, SimpleNamespace(dtype=OURS.get(gguf_type, gguf_type))))
+
+    @classmethod
+    def of_file(cls, path: Path):
+        """A GGUF file decoded as `nanoeuler sample --ckpt FILE` decodes it: each matrix in the file's own type."""
+        from nanoeuler.cli.sample import load_for_decoding
+        return cls(load_for_decoding(SimpleNamespace(ckpt=str(path), dtype=None))[0])
 
     def rate(self, test: str, ids: list[int], threads: int) -> float:
         from nanoeuler.cli.bench import decode_rate
@@ -140,32 +154,47 @@ def measure(name: str, model, tok, tmp: Path, args, binary: str | None) -> list[
     for t in args.types:
         path = export_gguf(model, tok, tmp / f"{name}-{t}.gguf", t, force=True, progress=False)
         theirs = LlamaBench(binary, path) if binary else LlamaCppPython(path)
-        ours = Ours(model, t) if t in runnable else None
-        sides = {"ours": ours, "llama.cpp": theirs} if ours else {"llama.cpp": theirs}
-        for side in sides.values():  # warm-up: numba's kernels, the page cache, llama.cpp's first load
-            side.rate("tg", ids, args.threads[0])
-        samples = {}
-        for _ in range(args.repeat):
-            for th in args.threads:
-                for test in ("tg", "pp"):
-                    for who, side in sides.items():
-                        samples.setdefault((th, test, who), []).append(side.rate(test, ids, th))
-        nbytes = bytes_per_token(path)
-        for th in args.threads:
-            row = {"model": name, "type": t, "threads": th, "file_mb": path.stat().st_size / 2**20,
-                   "bytes_per_token": nbytes}
-            for (th2, test, who), s in samples.items():
-                if th2 == th:
-                    row[f"{who} {test}"] = {"median": statistics.median(s), "min": min(s), "max": max(s)}
-            for test in ("tg", "pp"):
-                if ours:
-                    row[f"ours/llama.cpp {test}"] = row[f"ours {test}"]["median"] / row[f"llama.cpp {test}"]["median"]
-            row["ours tg GB/s"] = nbytes * row["ours tg"]["median"] / 1e9 if ours else None
-            row["llama.cpp tg GB/s"] = nbytes * row["llama.cpp tg"]["median"] / 1e9
-            rows.append(row)
-        print(f"  {name} {t} done", file=sys.stderr, flush=True)
-        del ours, sides
+        ours = Ours.at_type(model, t) if t in runnable else None
+        rows += compare(name, t, path, ours, theirs, ids, args)
+        del ours
         path.unlink()
+    return rows
+
+
+def measure_file(path: Path, args, binary: str | None) -> list[dict]:
+    """A published GGUF as it is (a mix of block types): ours decoding it as `sample` does, against llama.cpp."""
+    import numpy as np
+    ours = Ours.of_file(path)
+    ids = np.random.default_rng(0).integers(0, ours.model.config.vocab_size, PROMPT).tolist()
+    theirs = LlamaBench(binary, path) if binary else LlamaCppPython(path)
+    return compare(path.stem, "file", path, ours, theirs, ids, args)
+
+
+def compare(name: str, t: str, path: Path, ours, theirs, ids: list[int], args) -> list[dict]:
+    """Both sides on one file, interleaved --repeat times at each thread count -> one row per thread count."""
+    sides = {"ours": ours, "llama.cpp": theirs} if ours else {"llama.cpp": theirs}
+    for side in sides.values():  # warm-up: numba's kernels, the page cache, llama.cpp's first load
+        side.rate("tg", ids, args.threads[0])
+    samples = {}
+    for _ in range(args.repeat):
+        for th in args.threads:
+            for test in ("tg", "pp"):
+                for who, side in sides.items():
+                    samples.setdefault((th, test, who), []).append(side.rate(test, ids, th))
+    nbytes, rows = bytes_per_token(path), []
+    for th in args.threads:
+        row = {"model": name, "type": t, "threads": th, "file_mb": path.stat().st_size / 2**20,
+               "bytes_per_token": nbytes}
+        for (th2, test, who), s in samples.items():
+            if th2 == th:
+                row[f"{who} {test}"] = {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        for test in ("tg", "pp"):
+            if ours:
+                row[f"ours/llama.cpp {test}"] = row[f"ours {test}"]["median"] / row[f"llama.cpp {test}"]["median"]
+        row["ours tg GB/s"] = nbytes * row["ours tg"]["median"] / 1e9 if ours else None
+        row["llama.cpp tg GB/s"] = nbytes * row["llama.cpp tg"]["median"] / 1e9
+        rows.append(row)
+    print(f"  {name} {t} done", file=sys.stderr, flush=True)
     return rows
 
 
@@ -182,6 +211,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats (default 3)")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"),
                     help="llama.cpp's llama-bench binary (default $LLAMA_BENCH, else on PATH, else llama-cpp-python)")
+    ap.add_argument("--files", default="", help="comma-separated GGUF files measured as they are, instead of "
+                    "--models (e.g. the published ones `make models` fetches into .cache/models/)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: big only, 1 repeat")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
@@ -193,6 +224,9 @@ def main() -> None:
     report = {"load_before": os.getloadavg(), "llama.cpp": args.llama_bench or "llama-cpp-python",
               "repeat": args.repeat, "rows": []}
     tok = tokenizer()
+    for path in filter(None, args.files.split(",")):
+        report["rows"] += measure_file(Path(path), args, args.llama_bench)
+    models = [] if args.files else models
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             report["rows"] += measure(name, make_model(name), tok, Path(tmp), args, args.llama_bench)

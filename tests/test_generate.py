@@ -55,6 +55,29 @@ def test_cache_overflow_is_an_error():
         forward_cached(TINY, model.params, np.zeros((1, 5), dtype=np.int64), cache)
 
 
+def rss_kib() -> int:
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1])
+
+
+def test_a_new_cache_takes_memory_as_positions_are_written():
+    """A cache for a long context costs what its written positions hold: decoding a 3-token prompt into a cache
+    of 8,192 positions (32 MiB of keys and values here) makes a few of its pages resident, not all (np.zeros'
+    huge pages made all of SmolLM2's 360 MiB resident at the first token)."""
+    cfg = Config(vocab_size=64, dim=64, n_heads=2, n_kv_heads=2, n_layers=8, ctx_len=8192, ffn_hidden=128, n_mtp=1)
+    model = Model.init(cfg, seed=0)
+    W = step.fuse_weights(cfg, model.params)
+    for _ in range(2):  # the kernels loaded and their threads started
+        step.forward_hidden(cfg, W, np.array([[1, 2, 3]]), new_cache(cfg, 1))
+    grew = []
+    for _ in range(2):  # the smaller of two growths: a page the allocator takes meanwhile is not the cache's
+        cache = new_cache(cfg, 1)
+        store = sum(a.nbytes for a in cache.store[:2]) // 1024
+        before = rss_kib()
+        step.forward_hidden(cfg, W, np.array([[1, 2, 3]]), cache)
+        grew.append(rss_kib() - before)
+    assert cache.length == 3 and min(grew) < store // 8, (grew, store)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cache_generation_matches_full_recomputation(seed):
     """Same tokens and the same logits, through a window jump (prompt 10 + 40 new > ctx 32)."""

@@ -147,7 +147,8 @@ def run_dpo(args) -> int:
           f"beta {beta}")
     if lora:
         from .lora import print_lora
-        print_lora(model, 2 * tcfg.batch_size // tcfg.grad_accum, ctx)   # a pair: two sequences
+        longest = max((len(ids) - 1 for ids, _ in train_t.chosen + train_t.rejected), default=1)
+        print_lora(model, 2 * tcfg.batch_size // tcfg.grad_accum, min(ctx, longest))   # a pair: two sequences
     summary = train_dpo(model, tok, train_t, held_t, reference, out, tcfg, beta=beta, resume=args.resume,
                         stop_after=args.stop_after, progress=not args.no_progress, data_id=data_id, sft=sft,
                         nll_weight=nll_weight)

@@ -148,7 +148,7 @@ def run_sft(args) -> int:
           f"(longer than {d['max_example']} tokens)")
     if lora:
         from .lora import print_lora
-        print_lora(model, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len)
+        print_lora(model, tcfg.batch_size // tcfg.grad_accum, T)
     summary = run_training(model, tok, source, out, tcfg, resume=args.resume, stop_after=args.stop_after,
                            progress=not args.no_progress, kind="sft")
     summary |= {"truncated": d["truncated"], "dropped": d["dropped"]}

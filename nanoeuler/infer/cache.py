@@ -3,10 +3,12 @@
 A cache of `batch` rows holds, per layer, keys and values [batch, Hkv, max_len, hd]. One sequence
 (`session.generate`) uses row 0 and its `length`; the batcher (`engine.py`) gives each request a row with
 its own length and reads rows 0..n-1 as views (`rows`). Rolling back (a rejected speculative draft) is
-setting `length` back: positions past it are overwritten by the next step.
+setting `length` back: positions past it are overwritten by the next step. A new cache takes memory as
+positions are written, not for its whole max_len at once (`zeros_as_written`).
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +50,21 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     cos = np.array([c for c, _ in tables], dtype).reshape(len(thetas), max_len, cfg.head_dim // 2)
     sin = np.array([s for _, s in tables], dtype).reshape(cos.shape)
     kind = np.array([thetas.index(cfg.layer_theta(i)) if thetas else -1 for i in range(cfg.n_layers)], np.int64)
-    k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    k, v = zeros_as_written(shape, dtype), zeros_as_written(shape, dtype)
     return KVCache(list(k), list(v), cos, sin, kind, store=(k, v, 0))
+
+
+def zeros_as_written(shape: tuple, dtype) -> np.ndarray:
+    """Zeros whose memory pages are taken only where written: an anonymous map in small pages. (np.zeros asks
+    the kernel for 2 MiB pages for a large array, and a cache's first position, written in every layer and
+    head's [max_len, hd] block, would make the whole cache resident: SmolLM2's 8,192 positions, 360 MiB.)"""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    m = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype).reshape(shape)
 
 
 def rows(cache: KVCache, b0: int, n: int) -> KVCache:

@@ -1,0 +1,141 @@
+"""Published GGUF files (`make models` fetches SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M) run by ours
+and by llama.cpp: what a process costs, and how well each predicts. Speed: bench/llama_types.py --files.
+
+load     process start to the first generated token, and the process's peak RSS: `nanoeuler sample --ckpt FILE
+         --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE -n 1` (its own binary, built from
+         llama-cpp-python's source distribution), a fresh process each, alternating, --repeat times (median);
+         beside them the file's tensor bytes and the KV cache each side allocates is not separated out.
+quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
+         model's BOS first where its tokenizer adds one) from ours decoding the file in its own types and from
+         llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference.
+
+    .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
+    .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.heldout import held_out_windows  # noqa: E402
+
+MODELS = ROOT / ".cache" / "models"
+DEFAULT_FILES = [MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf", MODELS / "gemma-3-270m-q4_k_m.gguf"]
+PROMPT = "The capital of France is"
+
+
+def run_measured(argv: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MiB) of one child process run to its end; a failure stops the bench."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    err = proc.stderr.read().decode(errors="replace")
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{argv[0]} failed: {err.strip()[-400:]}")
+    return seconds, usage.ru_maxrss / 1024
+
+
+def tensor_mib(path: Path) -> float:
+    import gguf
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) / 2**20
+
+
+def load_rows(path: Path, binary: str, repeat: int) -> dict:
+    ours = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(path), "--prompt", PROMPT,
+            "--max-new-tokens", "1", "--temperature", "0"]
+    theirs = [binary, "-m", str(path), "-p", PROMPT, "-n", "1", "--temp", "0", "-no-cnv", "-t", str(os.cpu_count())]
+    samples = {"ours": [], "llama.cpp": []}
+    run_measured(ours), run_measured(theirs)  # warm-up: the page cache, numba's on-disk cache
+    for _ in range(repeat):
+        samples["ours"].append(run_measured(ours))
+        samples["llama.cpp"].append(run_measured(theirs))
+    row = {"tensor_mib": tensor_mib(path)}
+    for who, s in samples.items():
+        row[f"{who} seconds"] = statistics.median(t for t, _ in s)
+        row[f"{who} peak_mib"] = statistics.median(m for _, m in s)
+    row["peak ours/llama.cpp"] = row["ours peak_mib"] / row["llama.cpp peak_mib"]
+    row["peak ours/tensors"] = row["ours peak_mib"] / row["tensor_mib"]
+    row["seconds ours-llama.cpp"] = row["ours seconds"] - row["llama.cpp seconds"]
+    return row
+
+
+def quality_row(path: Path, window: int, per_work: int) -> dict:
+    import numpy as np
+
+    from nanoeuler.cli.sample import load_for_decoding
+    from nanoeuler.infer.cache import new_cache
+    from nanoeuler.infer.sampling import nll_sum
+    from nanoeuler.infer.step import forward_cached, fuse_weights
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    from types import SimpleNamespace
+    model, tok = load_for_decoding(SimpleNamespace(ckpt=str(path), dtype=None))
+    cfg, fused = model.config, fuse_weights(model.config, model.params)
+    bos = [tok.bos_id] if tok.bos_id is not None else []
+    lm = LlamaCpp(path, n_ctx=window + 1 + len(bos), logits_all=True)
+    nll = {"ours": 0.0, "llama.cpp": 0.0}
+    n_bytes = 0
+    for ids, b in held_out_windows(tok, window, per_work):
+        ids = bos + list(ids)
+        targets = np.array(ids[len(bos) + 1:])
+        skip = len(bos)  # the logits before the window's first token predict it, not a scored target
+        mine = forward_cached(cfg, None, np.array([ids[:-1]]), new_cache(cfg, 1, len(ids)), fused=fused)[0, 0]
+        theirs = lm.logits(ids[:-1])
+        nll["ours"] += nll_sum(mine[skip:], targets)
+        nll["llama.cpp"] += nll_sum(theirs[skip:], targets)
+        n_bytes += b
+    row = {f"{who} bits/byte": v / math.log(2) / n_bytes for who, v in nll.items()}
+    row["relative difference"] = row["ours bits/byte"] / row["llama.cpp bits/byte"] - 1
+    row["bytes scored"] = n_bytes
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", default=",".join(map(str, DEFAULT_FILES)), help="comma-separated GGUF files")
+    ap.add_argument("--llama-completion", default=os.environ.get("LLAMA_COMPLETION") or shutil.which("llama-completion"),
+                    help="llama.cpp's llama-completion binary (default $LLAMA_COMPLETION, else on PATH)")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh processes of each side (default 3)")
+    ap.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
+    ap.add_argument("--per-work", type=int, default=4, help="windows from each held-out work (default 4)")
+    ap.add_argument("--skip-load", action="store_true", help="quality only")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args()
+    if not args.skip_load and not args.llama_completion:
+        raise SystemExit("no llama-completion binary: --llama-completion PATH (or --skip-load)")
+    report = {"load_before": os.getloadavg(), "rows": []}
+    for f in filter(None, args.files.split(",")):
+        path = Path(f)
+        if not path.is_file():
+            raise SystemExit(f"{path} not found; run `make models`")
+        row = {"file": path.name}
+        if not args.skip_load:
+            row |= load_rows(path, args.llama_completion, args.repeat)
+        row |= quality_row(path, args.window, args.per_work)
+        report["rows"].append(row)
+        print(f"  {path.name} done", file=sys.stderr, flush=True)
+    report["load_after"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(report))
+        return
+    for r in report["rows"]:
+        print(r["file"])
+        for k, v in r.items():
+            if k != "file":
+                print(f"  {k:>24}: {v:.6g}" if isinstance(v, float) else f"  {k:>24}: {v}")
+
+
+if __name__ == "__main__":
+    main()
