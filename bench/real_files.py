@@ -4,7 +4,8 @@ and by llama.cpp: what a process costs, and how well each predicts. Speed: bench
 load     process start to the first generated token, and the process's peak RSS: `nanoeuler sample --ckpt FILE
          --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE -n 1` (its own binary, built from
          llama-cpp-python's source distribution), a fresh process each, alternating, --repeat times (median);
-         beside them the file's tensor bytes and the KV cache each side allocates is not separated out.
+         beside them the file's tensor bytes. Each side's peak includes its runtime and its KV cache (llama.cpp
+         clears a float16 cache of the model's whole context; ours is float32 and takes pages as it fills).
 quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
          model's BOS first where its tokenizer adds one) from ours decoding the file in its own types and from
          llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference.
