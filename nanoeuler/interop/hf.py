@@ -145,6 +145,8 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         fields.update(_window_pattern(c))
     if not arch.gated:
         fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
+    if not isinstance(fields.get("tie_embeddings", False), bool):   # a string "false" is not false
+        raise UserError(f"config.json: tie_word_embeddings must be true or false, got {fields['tie_embeddings']!r:.60}")
     if vocab_rows is not None and fields.get("vocab_size") != vocab_rows:
         raise UserError(f"config.json: vocab_size {fields.get('vocab_size')} but the embedding has {vocab_rows} rows")
     missing = [CONFIG_KEYS[f][1 if gpt2 else 0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden")
@@ -242,10 +244,7 @@ def import_weights(folder: Path, c: dict, arch: Arch, n_mtp: int | None, progres
     if embed not in W:
         raise UserError(f"tensor {embed} is missing from the weights")
     cfg = config_from_hf(c, arch, W[embed].shape[0])
-    tied = cfg.tie_embeddings
-    if not isinstance(tied, bool):
-        raise UserError(f"config.json: tie_word_embeddings must be true or false, got {tied!r:.60}")
-    if tied:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
+    if cfg.tie_embeddings:  # transformers ties lm_head to the embedding; a stored lm_head is ignored as it does
         W.pop("lm_head.weight", None)
     if "wpe.weight" in W and W["wpe.weight"].shape[0] != cfg.ctx_len:
         raise UserError(f"tensor wpe.weight has {W['wpe.weight'].shape[0]} positions but config.json says "
