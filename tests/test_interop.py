@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
 
@@ -488,7 +489,11 @@ def test_import_export_import_is_the_identity(hf_folders, tmp_path):
     a.save(tmp_path / "a")
     assert main(["export", "--ckpt", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "hf"),
                  "--no-progress"]) == 0
-    assert main(["import", "--from", str(tmp_path / "hf"), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    # an output in folders not made yet gets them (`--out runs/x` on a fresh checkout); a file in the way is one line
+    assert main(["import", "--from", str(tmp_path / "hf"), "--out", str(tmp_path / "runs/new/b"), "--no-progress"]) == 0
+    (tmp_path / "file").write_text("x")
+    assert main(["import", "--from", str(tmp_path / "hf"), "--out", str(tmp_path / "file/b"), "--no-progress"]) == 2
+    os.replace(tmp_path / "runs/new/b", tmp_path / "b")
     a, b = Model.load(tmp_path / "a"), Model.load(tmp_path / "b")
     assert a.config == b.config
     for n in a.params:

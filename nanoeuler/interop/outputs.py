@@ -18,11 +18,16 @@ from ..errors import UserError
 
 def check_free(path: str | Path, force: bool, inputs=()) -> Path:
     """path, after the rules of every output (fileio.check_output: no link, an existing one only with
-    force, apart from the inputs and the base an input adapter run reads); its parent must exist."""
+    force, apart from the inputs and the base an input adapter run reads); its missing parent folders are
+    made (`--out runs/smol` with no runs/ yet), as training's run directories are."""
     from ..fileio import check_output
     path = check_output(path, force, inputs)
-    if not path.parent.exists():
-        raise UserError(f"the folder {path.parent} does not exist")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"cannot make the folder {path.parent}: a file is in the way") from None
+    except PermissionError:
+        raise UserError(f"cannot make the folder {path.parent}: permission denied") from None
     return path
 
 
