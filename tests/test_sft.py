@@ -319,8 +319,8 @@ def test_sft_seq_len_sets_the_rows_and_a_resume_keeps_it(tmp_path, tok, capsys):
     assert main(common + ["--seq-len", "161", "--out", str(tmp_path / "c")]) == 2
     assert "--seq-len 161 is longer than the model's context (160)" in capsys.readouterr().err
     # a LoRA run's printout sizes the step it runs: rows of T tokens, not of the whole context
-    assert main(common[:-1] + ["--seq-len", "96", "--lora", "2", "--stop-after", "1", "--out", str(tmp_path / "d")]) == 0
-    assert "a step of 2 x 96 tokens" in capsys.readouterr().out
+    assert main(common[:-1] + ["--seq-len", "140", "--lora", "2", "--stop-after", "1", "--out", str(tmp_path / "d")]) == 0
+    assert "a step of 2 x 140 tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", [["sft", "--base"], ["dpo", "--sft"]])
