@@ -205,10 +205,13 @@ def llama_server_rows(ckpt: Path, label: str, gguf_type: str, levels: list[int],
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.checkpoint import source_blocks
     model, tok = Model.load(ckpt, read_only=True), load_tokenizer(ckpt, read_only=True)
-    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{gguf_type}.gguf", gguf_type, force=True, progress=False)
+    as_file = gguf_type == "file"   # an import's matrices as its GGUF file held them, written back byte for byte
+    path = export_gguf(model, tok, tmp / f"{ckpt.name}-{gguf_type}.gguf", "float32" if as_file else gguf_type,
+                       force=True, progress=False, blocks=source_blocks(ckpt) if as_file else None)
     try:
-        proc, url = start_llama_server(args.llama_server, path, args.np, model.config.ctx_len, args.threads)
+        proc, url = start_llama_server(args.llama_server, path, args.np, min(model.config.ctx_len, 2048), args.threads)
         return serve_levels(proc, url, label, levels, args, prompts)
     finally:
         path.unlink()
@@ -530,7 +533,8 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=1024, help="with --fairness: its tokens a prompt (1024)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
-    ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0)")
+    ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0; 'file': a "
+                    "checkpoint imported from a GGUF served as its file holds it, by both)")
     ap.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2)")
     ap.add_argument("--np", type=int, default=16, help="llama-server's parallel sequences, -np (default 16)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: big only, 1 and 16 clients")
@@ -564,7 +568,9 @@ def main() -> int:
                     report.setdefault("http_cost", {})[f"{name} {dtype}"] = r
                 continue
             # with llama-server: ours at each --gguf type's dtype, each followed by llama-server on that file
-            pairs = [(OURS.get(t, t), t) for t in args.gguf.split(",")] if args.llama_server else [(args.dtype, None)]
+            # "file": an imported GGUF served as its file holds it, by us (no --dtype) and by llama-server
+            pairs = [(({"file": "float32"} | OURS).get(t, t), t) for t in args.gguf.split(",")] if args.llama_server \
+                else [(args.dtype, None)]
             for dtype, gguf_type in pairs:
                 ours = name if dtype == "float32" else f"{name} {dtype}"
                 proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), dtype)
