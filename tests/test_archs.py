@@ -87,6 +87,8 @@ OURS = {"llama": "euler", "qwen2": "qwen2", "gemma3": "gemma3", "gpt2": "gpt2"}
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_logits_and_gradients_equal_torch(folders, kind):
+    from test_interop import torch_loss_backward
+
     from nanoeuler.interop.hf import load_hf_folder
     hf, d = folders[kind]
     cfg, params, tok = load_hf_folder(d)
@@ -99,12 +101,8 @@ def test_import_logits_and_gradients_equal_torch(folders, kind):
     ours = m.logits(ids[:, :T])[0]
     assert rel_err(ours, torch_logits(hf, ids[:, :T])) <= LOGITS_TOL
     loss, _, grads = m.loss_and_grads(ids)
-    hf.zero_grad()
-    t_in = torch.tensor(ids)
-    logits = hf(t_in[:, :-1]).logits
-    t_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
-    t_loss.backward()
-    assert abs(loss - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    t_loss = torch_loss_backward(hf, ids)
+    assert abs(loss - t_loss) <= 1e-5 * abs(t_loss)
     from nanoeuler.interop.hf import to_hf
     theirs = {n.removeprefix("transformer."): p.grad.numpy() for n, p in hf.named_parameters()}
     mine = to_hf(cfg, grads)   # named and laid out as theirs

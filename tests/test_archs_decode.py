@@ -10,12 +10,13 @@ every bias), euler (the SPEC's model, MTP heads).
 import numpy as np
 import pytest
 from conftest import rel_err, tiny_config
+from test_infer_kernels import weights  # the model laid out for the fused step or the NumPy one
 
 from nanoeuler import Model
 from nanoeuler.infer import kernels
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.session import generate
-from nanoeuler.infer.step import decode_rows, forward_cached, forward_hidden, fuse_weights
+from nanoeuler.infer.step import decode_rows, forward_cached, forward_hidden
 from nanoeuler.infer.weights import Float16Model
 
 CONFIGS = {
@@ -48,14 +49,6 @@ def model(arch: str, seed: int = 0, tied_embed: float = 0.5) -> Model:
     return m
 
 
-def laid_out(m, fused: bool, monkeypatch) -> dict:
-    monkeypatch.setattr(kernels, "ENABLED", fused)
-    W = fuse_weights(m.config, m.params)
-    monkeypatch.setattr(kernels, "ENABLED", True)
-    assert ("decode" in W) == fused
-    return W
-
-
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_cached_reference_equals_the_training_forward(arch, monkeypatch):
     """The prompt in pieces through the KV cache (9, then 1, then the rest) gives every position the logits of
@@ -64,7 +57,7 @@ def test_cached_reference_equals_the_training_forward(arch, monkeypatch):
     cfg = m.config
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, cfg.ctx_len))
     full = m.logits(ids)  # [K, 1, T, V]
-    W, cache = laid_out(m, False, monkeypatch), new_cache(cfg, dtype=np.float64)
+    W, cache = weights(m, False, monkeypatch), new_cache(cfg, dtype=np.float64)
     parts = [forward_cached(cfg, None, ids[:, a:b], cache, fused=W) for a, b in ((0, 9), (9, 10), (10, cfg.ctx_len))]
     assert rel_err(np.concatenate(parts, axis=2), full) <= 1e-10
 
@@ -79,7 +72,7 @@ def test_fused_step_equals_reference(arch, half, monkeypatch):
         m = Float16Model(m)
     cfg = m.config
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, cfg.ctx_len))
-    Wf, Wr = laid_out(m, True, monkeypatch), laid_out(m, False, monkeypatch)
+    Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
     cf, cr = new_cache(cfg, dtype=m.dtype), new_cache(cfg, dtype=m.dtype)
     tol = 1e-4 if half else 5e-5
     for a, b in ((0, 17), (17, 18), (18, cfg.ctx_len)):
@@ -97,7 +90,7 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
     m = model(arch, seed=4)
     cfg = m.config
     rng = np.random.default_rng(5)
-    Wf, Wr = laid_out(m, True, monkeypatch), laid_out(m, False, monkeypatch)
+    Wf, Wr = weights(m, True, monkeypatch), weights(m, False, monkeypatch)
     cf, cr = new_cache(cfg, 3), new_cache(cfg, 3)
     for x, y in zip(cf.k + cf.v, cr.k + cr.v):
         x[...] = y[...] = rng.standard_normal(x.shape)
@@ -131,7 +124,7 @@ def test_a_windowed_layer_forgets_what_left_its_window(monkeypatch):
     other = ids.copy()
     other[0, 2] = (ids[0, 2] + 1) % cfg.vocab_size
     for fused in (False, True):
-        W = laid_out(m, fused, monkeypatch)
+        W = weights(m, fused, monkeypatch)
         a = forward_hidden(cfg, W, ids, new_cache(cfg))[0, -1]
         b = forward_hidden(cfg, W, other, new_cache(cfg))[0, -1]
         assert np.array_equal(a, b)

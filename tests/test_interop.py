@@ -66,6 +66,16 @@ def hf_logits(hf_model, ids):
         return hf_model(torch.tensor([ids])).logits[0].numpy()
 
 
+def torch_loss_backward(hf_model, batch) -> float:
+    """transformers' mean next-token loss of batch int [B, T+1], its gradients left in the parameters' .grad."""
+    hf_model.zero_grad()
+    t_in = torch.tensor(batch)
+    logits = hf_model(t_in[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.item()
+
+
 @pytest.fixture(scope="module")
 def exported(tok, tmp_path_factory):
     """(our model, folder) for a random and a briefly trained model, exported as hf float32."""
@@ -323,12 +333,8 @@ def test_import_logits_and_loss_gradients_equal_torch_autograd(hf_folders, tied,
     # loss gradients: ours by hand vs torch autograd
     batch = np.array([ids, ours_ids[70:135]])
     loss, _, grads = m.loss_and_grads(batch)
-    hf.zero_grad()
-    t_in = torch.tensor(batch)
-    logits = hf(t_in[:, :-1]).logits
-    t_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_in[:, 1:].reshape(-1))
-    t_loss.backward()
-    assert abs(loss - t_loss.item()) <= 1e-5 * abs(t_loss.item())
+    t_loss = torch_loss_backward(hf, batch)
+    assert abs(loss - t_loss) <= 1e-5 * abs(t_loss)
     g = {n: p.grad.numpy() for n, p in hf.named_parameters()}
     from nanoeuler.interop.hf import hf_names
     for ours_name, theirs_name in hf_names(cfg).items():
