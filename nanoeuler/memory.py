@@ -68,10 +68,14 @@ def check_fits(cfg: Config, B: int, T: int, what: str = "a training step", limit
     return need
 
 
+def kv_cache_bytes(cfg: Config, batch: int = 1, positions: int | None = None, bytes_per_float: int = 4) -> int:
+    """Bytes of a KV cache of `batch` rows x `positions` (default ctx_len): keys and values of every layer."""
+    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * (positions or cfg.ctx_len) * cfg.head_dim * bytes_per_float
+
+
 def inference_memory(cfg: Config, batch: int = 1, bytes_per_float: int = 4) -> int:
     """Bytes generation holds: the weights and a KV cache of ctx_len positions (keys and values per layer)."""
-    kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim
-    return (cfg.n_params() + kv) * bytes_per_float
+    return cfg.n_params() * bytes_per_float + kv_cache_bytes(cfg, batch, bytes_per_float=bytes_per_float)
 
 
 def check_inference_fits(cfg: Config, batch: int = 1, limit: int | None = None) -> int:

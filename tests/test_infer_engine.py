@@ -114,6 +114,19 @@ def test_greedy_alone_equals_batched_equals_generate(trained, which):
         assert out.reason == "length"
 
 
+def test_a_window_shorter_than_the_models_context_is_generate_at_that_context(trained):
+    """Batcher(ctx_len=12) on a ctx-24 model: its rows hold 12 positions, prompts keep their last 12 tokens and
+    replies slide their window as `generate` does for a model whose context is 12."""
+    short = Model(CFG.replace(ctx_len=12), trained.params)
+    ps = prompts(4)
+    outs, b = run_jobs(trained, [dict(ids=p, max_tokens=30) for p in ps], max_batch=2, ctx_len=12)
+    assert b.cache.max_len == 12
+    for p, out in zip(ps, outs):
+        assert out.tokens == generate(short, p, 30, temperature=0, mode="cache").ids
+    with pytest.raises(ValueError, match="ctx_len"):
+        Batcher(trained, ctx_len=CFG.ctx_len + 1)
+
+
 def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
     """More streams than kernels.ROWS still decode in the fused step, one prompt at a time prefilled through it:
     a request's logprobs are the same bits alone as among 12 others that join at different steps."""

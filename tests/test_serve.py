@@ -178,6 +178,17 @@ def test_long_prompt_is_truncated_from_the_left_and_says_so(ckpt, client):
     assert chat.model_extra["nanoeuler"]["prompt_truncated_tokens"] > 0
 
 
+def test_a_shorter_window_keeps_the_last_ctx_tokens_of_a_prompt_and_says_its_context(ckpt):
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    with ServerThread(create_app(model, tok, "tiny", ctx_len=16)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert client.models.retrieve("tiny").model_extra["context_length"] == 16
+        n = len(tok.encode(PROMPT * 3, add_bos=True))
+        r = client.completions.create(model="tiny", prompt=PROMPT * 3, max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == 16 and r.model_extra["nanoeuler"]["prompt_truncated_tokens"] == [n - 16]
+
+
 def test_models_health_and_the_api_key(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"

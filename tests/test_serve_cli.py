@@ -17,7 +17,8 @@ from conftest import snapshot  # noqa: E402
 from serve_fixtures import shared_checkpoint  # noqa: E402
 
 from nanoeuler.cli import main  # noqa: E402
-from nanoeuler.cli.serve import exposure_warning  # noqa: E402
+from nanoeuler.cli.serve import DEFAULT_CTX, check_cache_fits, exposure_warning  # noqa: E402
+from nanoeuler.errors import UserError  # noqa: E402
 
 
 def run_main(args, capsys):
@@ -61,6 +62,25 @@ def test_a_port_in_use_is_one_line(capsys):
 def test_bad_flags(flags, capsys):
     code, out = run_main(["serve", "--ckpt", "x", *flags], capsys)
     assert code == 2 and out.err.startswith("error:")
+
+
+def test_the_cache_is_sized_by_ctx_and_refused_when_full_rows_would_not_fit_in_ram():
+    """Gemma 3's shape (18 layers, 1 KV head of 256, a 32,768 context): its full context in 64 rows is 72 GiB of
+    cache, which a 24 GiB machine cannot map; serve's window defaults to DEFAULT_CTX and the rest is refused
+    in one line naming the flags."""
+    from nanoeuler import Config
+    gemma = Config(vocab_size=64, dim=640, n_heads=4, n_kv_heads=1, n_layers=18, ctx_len=32768, ffn_hidden=2048, n_mtp=1,
+                   head_dim=256)
+    ram = 24 << 30
+    assert check_cache_fits(gemma, 64, None, limit=ram) == DEFAULT_CTX < gemma.ctx_len
+    assert check_cache_fits(gemma, 8, 32768, limit=ram) == 32768  # 18 GiB: fits
+    with pytest.raises(UserError, match=r"--max-batch 64 rows of --ctx 32768 positions are 72\.0 GiB .* lower --ctx"):
+        check_cache_fits(gemma, 64, 32768, limit=ram)
+    for bad in (0, 32769):
+        with pytest.raises(UserError, match=r"--ctx must be in \[1, 32768\]"):
+            check_cache_fits(gemma, 1, bad, limit=ram)
+    small = gemma.replace(ctx_len=256)
+    assert check_cache_fits(small, 64, None, limit=ram) == 256
 
 
 def test_exposure_warning():

@@ -17,6 +17,8 @@ import sys
 
 from .sample import DTYPES, load_for_decoding
 
+DEFAULT_CTX = 8192  # serve's default window: Gemma 3's 32,768 positions x 32 rows would be 36 GiB of cache
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API + web chat (continuous batching)",
@@ -34,6 +36,11 @@ def register(sub) -> None:
                    help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
                         "q8_0, q4_0, q4_1, q5_0, q5_1 (see `sample --help`)")
     p.add_argument("--max-batch", type=int, default=32, help="rows of the KV cache decoded together, shared fairly between requests (default 32)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help=f"positions of KV cache a request's row holds: a prompt keeps its last CTX tokens and a reply "
+                        f"past them slides its window, as `sample` does at the model's context (default: the model's "
+                        f"context, at most {DEFAULT_CTX}; the cache takes memory as rows fill, up to --max-batch x "
+                        f"CTX positions, which must fit in RAM)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request; default 8)")
@@ -78,8 +85,9 @@ def prepare(args):
     model, tok = load_for_decoding(args)
     tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
+    ctx = check_cache_fits(model.config, args.max_batch, args.ctx)
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                     max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body)
+                     max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body, ctx_len=ctx)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     warning = exposure_warning(args.host, args.api_key)
@@ -87,12 +95,28 @@ def prepare(args):
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     cache_mb = sum(a.nbytes for a in app.state.service.batcher.cache.store[:2]) / 2**20
-    banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {model.config.ctx_len}) "
+    of_model = f" of the model's {model.config.ctx_len}" if ctx < model.config.ctx_len else ""
+    banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {ctx}{of_model}) "
               f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)\n"
               f"  {args.max_batch} rows decoded together (shared fairly between requests), KV cache up to "
               f"{cache_mb:,.0f} MiB; up to {args.max_queue} requests wait, more get 429"
               f"{'; API key required' if args.api_key else ''}")
     return app, sock, banner
+
+
+def check_cache_fits(cfg, max_batch: int, ctx: int | None, limit: int | None = None) -> int:
+    """The positions each row holds (--ctx, default the model's context up to DEFAULT_CTX), refused in one line
+    when out of range or when max_batch full rows would not fit in `limit` bytes (default: RAM)."""
+    from ..errors import UserError
+    from ..memory import kv_cache_bytes, physical_memory
+    ctx = min(cfg.ctx_len, DEFAULT_CTX) if ctx is None else ctx
+    if not 1 <= ctx <= cfg.ctx_len:
+        raise UserError(f"--ctx must be in [1, {cfg.ctx_len}] (the model's context), got {ctx}")
+    need, limit = kv_cache_bytes(cfg, max_batch, ctx), physical_memory() if limit is None else limit
+    if limit and need > limit:
+        raise UserError(f"--max-batch {max_batch} rows of --ctx {ctx} positions are {need / 2**30:.1f} GiB of KV "
+                        f"cache when full, more than this machine's {limit / 2**30:.1f} GiB: lower --ctx or --max-batch")
+    return ctx
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

@@ -1,6 +1,7 @@
 """Continuous batching: many generation requests share each forward pass over one batched KV cache, fairly.
 
-The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd]. A running job has a row of it
+The cache holds, per layer, keys and values [max_batch, Hkv, ctx_len, hd] (ctx_len: the model's context, or
+fewer positions where the server says so: `Batcher(ctx_len=)`). A running job has a row of it
 with its own length (the positions it has filled). Jobs belong to requests (Job.group: the prompts and
 choices of one HTTP request), and rows and prompt work are shared between requests, not jobs, so that no
 request waits for another's many jobs. One engine step:
@@ -193,12 +194,16 @@ class Batcher:
     or b.start() to run steps on a background thread until b.close().
     """
 
-    def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 64):
+    def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 64,
+                 ctx_len: int | None = None):
         cfg = self.cfg = model.config
+        self.ctx_len = int(ctx_len or cfg.ctx_len)  # positions a row holds: its window (module docstring)
+        if not 1 <= self.ctx_len <= cfg.ctx_len:
+            raise ValueError(f"ctx_len must be in [1, {cfg.ctx_len}], got {self.ctx_len}")
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)  # max_queue: requests waiting
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens a request prefills a step (module docstring)
         self.W = step.fuse_weights(cfg, model.params, batched=True)
-        self.cache = new_cache(cfg, self.max_batch, dtype=model.dtype)  # (a float16 model's cache is float32)
+        self.cache = new_cache(cfg, self.max_batch, self.ctx_len, dtype=model.dtype)  # (a float16 model's cache is float32)
         self.slots: list[_Seq | None] = [None] * self.max_batch
         self.n_dec = 0  # slots 0 .. n_dec-1 decode
         self.groups: dict[object, _Group] = {}  # requests with a waiting job or a row, in arrival order
@@ -216,7 +221,7 @@ class Batcher:
         more than max_queue requests wait (jobs of a request that already waits always join it), Closed after
         close()."""
         check_job(job, self.cfg.vocab_size)
-        s = _Seq(job, self.cfg.ctx_len, next(self.counter))
+        s = _Seq(job, self.ctx_len, next(self.counter))
         key = job if job.group is None else job.group
         with self.cond:
             if self.closed:
@@ -422,7 +427,7 @@ class Batcher:
     def _decode(self) -> None:
         """Feed every decoding row's token in one forward. A row whose window is full jumps first (session.py's
         rule: it keeps its last ctx // 2 tokens, the new one included) and refills its cache as a filling row."""
-        ctx = self.cfg.ctx_len
+        ctx = self.ctx_len
         for r in reversed(range(self.n_dec)):
             s = self.slots[r]
             if len(s.seq) + 1 > ctx:

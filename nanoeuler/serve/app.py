@@ -565,12 +565,13 @@ class Service:
     request; they hold no state of their own."""
 
     def __init__(self, model, tok, model_name: str, api_key: str | None, max_batch: int, max_queue: int,
-                 max_tokens_cap: int, max_n: int, chat_max_tokens: int):
+                 max_tokens_cap: int, max_n: int, chat_max_tokens: int, ctx_len: int | None = None):
         from ..checkpoint import check_vocab
         check_vocab(model.config, tok)
         self.model, self.tok, self.cfg = model, tok, model.config
         self.model_name, self.api_key = model_name, api_key
-        self.batcher = Batcher(model, max_batch, max_queue)
+        self.batcher = Batcher(model, max_batch, max_queue, ctx_len=ctx_len)
+        self.ctx_len = self.batcher.ctx_len  # a request's window: its prompt keeps its last ctx_len tokens
         self.max_queue, self.max_tokens_cap, self.max_n = max_queue, max_tokens_cap, max_n
         self.chat_max_tokens = chat_max_tokens
         self.eos_name = end_token(tok)
@@ -629,7 +630,7 @@ class Service:
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
             self.check_ids(ids, "prompt")
-            ids, dropped = truncate_left(ids, self.cfg.ctx_len)
+            ids, dropped = truncate_left(ids, self.ctx_len)
             prompts.append(ids)
             truncated.append(dropped)
         return prompts, truncated
@@ -753,7 +754,7 @@ async def health(request: Request):
 
 def model_card(s: Service) -> dict:
     return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "nanoeuler",
-            "context_length": s.cfg.ctx_len}
+            "context_length": s.ctx_len}
 
 
 @routes.get("/v1/models", dependencies=KEYED)
@@ -772,7 +773,7 @@ async def one_model(name: str, request: Request):
 async def tokenizer_info(request: Request):
     s = service(request)
     return {"eos_token": s.eos_name, "bos_token": s.tok.bos_token, "pad_token": s.eos_name,
-            "model_max_length": s.cfg.ctx_len, "vocab_size": s.tok.vocab_size}
+            "model_max_length": s.ctx_len, "vocab_size": s.tok.vocab_size}
 
 
 @routes.post("/tokenize", dependencies=KEYED)
@@ -783,7 +784,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     # A long text goes off the event loop, as the routes' prompts do (on_loop_if_short).
     def answer():  # (the JSON of a million ids too)
         ids = s.tok.encode(body.prompt, allow_special=True, add_bos=body.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": s.cfg.ctx_len})
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": s.ctx_len})
     return await on_loop_if_short(len(body.prompt), answer)
 
 
@@ -941,9 +942,11 @@ async def lifespan(app):
 
 def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_batch: int = 32,
                max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
-               chat_max_tokens: int = 256) -> FastAPI:
-    """The FastAPI app serving `model` (its Batcher starts with the app and stops with it)."""
-    s = Service(model, tok, model_name, api_key, max_batch, max_queue, max_tokens_cap, max_n, chat_max_tokens)
+               chat_max_tokens: int = 256, ctx_len: int | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (its Batcher starts with the app and stops with it); ctx_len: the positions
+    a request's row holds (default: the model's context)."""
+    s = Service(model, tok, model_name, api_key, max_batch, max_queue, max_tokens_cap, max_n, chat_max_tokens,
+                ctx_len)
     app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="An OpenAI-compatible API over a nanoeuler checkpoint.")
     app.state.service = s
