@@ -264,6 +264,36 @@ def test_a_short_request_beside_a_big_one_starts_at_once_and_ends_first(trained)
         assert out.scores == alone(trained, spec).scores and out.reason == "length"
 
 
+def test_the_largest_request_feeds_its_share_of_rows_a_step_while_another_holds_one(trained):
+    """A request of 11 jobs holds 11 of 12 rows; while a short request holds the 12th, each step feeds at most
+    engine.ROWS_BESIDE of the big request's rows (the short one's every step), round robin: every big row is fed
+    within ceil(11 / ROWS_BESIDE) steps. Alone again, the big request feeds every row. Every job's greedy
+    tokens equal generate's (rows fed out of slot order write and read their own cache rows)."""
+    ps = prompts(12, seed=7)
+    b = Batcher(trained, max_batch=12)
+    outs = [Collect() for _ in ps]
+    for p, out in zip(ps[:11], outs):
+        b.submit(Job(ids=p, max_tokens=60, group="big", on_event=out))
+    while b.n_dec < 11:
+        b.step()
+    b.submit(Job(ids=ps[11], max_tokens=20, group="short", on_event=outs[11]))
+    share = engine.ROWS_BESIDE
+    while outs[11].reason is None:
+        b.step()
+        if outs[11].tokens:
+            assert b.batch_sizes[-1] <= share + 1
+            for s in b.slots[:b.n_dec]:
+                assert b.steps - 1 - s.decoded_at < -(-11 // share)  # fed within the last ceil(11/share) steps
+    assert outs[11].tokens and all(o.reason is None for o in outs[:11])
+    b.step()
+    b.step()
+    assert b.batch_sizes[-1] == 11
+    while b.step():
+        pass
+    for p, out in zip(ps, outs):
+        assert out.tokens == generate(trained, p, 60 if out is not outs[11] else 20, temperature=0, mode="cache").ids
+
+
 def test_rows_are_shared_max_min_between_requests(trained):
     """Requests hold rows within one of each other (a request that needs fewer leaves the rest to the others);
     parked rows never exceed max_batch; a parked job that is cancelled ends at the next step. Every job's

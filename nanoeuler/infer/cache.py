@@ -76,10 +76,11 @@ def rows(cache: KVCache, b0: int, n: int) -> KVCache:
 
 
 def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
-                window: int = 0) -> np.ndarray:
+                window: int = 0, slots: np.ndarray | None = None) -> np.ndarray:
     """Layer i's attention for n rows, one new token each: q [n, H, hd], k and v [n, Hkv, hd] of row r at
-    position pos[r] (written into cache row r) -> [n, H·hd]. Row r reads keys 0..pos[r] (a window W > 0:
-    pos[r] − W + 1 .. pos[r]); the rest of the [0, max(pos)] block gets -inf scores (probability exactly 0):
+    position pos[r] (written into cache row slots[r], default r) -> [n, H·hd]. Row r reads keys 0..pos[r] (a
+    window W > 0: pos[r] − W + 1 .. pos[r]); the rest of the [0, max(pos)] block gets -inf scores
+    (probability exactly 0):
 
         pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf       (window 2: row 0: -inf -inf s s)
     """
@@ -89,10 +90,13 @@ def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndar
     j = np.arange(Lk)[None, :]
     masked = (j > pos[:, None]) | ((j <= pos[:, None] - window) if window else False)  # [n, Lk]
     bias = np.where(masked, -np.inf, 0.0).astype(kc.dtype)[:, None, None, :]  # [n, 1, 1, Lk]
-    at = np.arange(n)
+    at = np.arange(n) if slots is None else slots
     kc[at, :, pos] = k
     vc[at, :, pos] = v
-    K, V = kc[:n, :, :Lk], vc[:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
+    if slots is None:
+        K, V = kc[:n, :, :Lk], vc[:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
+    else:
+        K, V = kc[slots, :, :Lk], vc[slots, :, :Lk]  # (copies of the rows)
     S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc.dtype.type(1.0 / np.sqrt(hd)) + bias
     S -= S.max(axis=-1, keepdims=True)  # [n, Hkv, G, Lk]
     P = np.exp(S)

@@ -12,16 +12,22 @@ request waits for another's many jobs. One engine step:
                  copied aside, bit for bit; at most max_batch parked at once) and the row handed over. A
                  parked job resumes where it stopped, before its request's jobs not yet started.
     2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance: each request
-                 by up to prefill_tokens tokens a step, its jobs in order. A long prompt goes in over several
+                 by up to prefill_tokens tokens a step (the largest request, below: its share), its jobs in order. A long prompt goes in over several
                  steps and no step stalls the running streams for long on one request's prompts, while many
                  requests arriving together all go in at once. A row whose cache is full joins the
                  decoding rows.
     3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
                  with the job's own random generator): a stop id or max_tokens ends the job, frees its row
-    4. decode    one forward over all decoding rows at once: row r feeds its new token at position length_r;
+    4. decode    one forward over the decoding rows at once: row r feeds its new token at position length_r;
                  attention masks every key past length_r, so rows of different lengths share the step
                  (step.decode_rows: the fused step, each row attending to its own cache row, and the head in
                  its kernel; models it does not run: the architecture's NumPy forward_rows, on BLAS)
+
+    The largest request: while other requests hold rows too, the request that holds the most rows does at
+    most max(ROWS_BESIDE, the next holder's rows) rows of work a step: that many of its decoding rows are fed
+    (those fed longest ago first, the others keep their token for a later step), and as many prompt tokens
+    prefilled. A step's cost is what every request pays per token, so a short request beside one of 64 jobs
+    pays for a step of a few rows, not of max_batch; alone, a request feeds all its rows.
 
     slots:  0 .. n-1             decoding rows (a view of the cache's first n rows, never a gather)
             n .. max_batch-1     rows filling their cache, and free slots
@@ -67,6 +73,7 @@ from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
 from .weights import linear
 
 SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64)
+ROWS_BESIDE = 4  # rows of work a step does for the largest request while others hold rows (Batcher._largest)
 MAX_TEMPERATURE = 100.0
 
 
@@ -170,6 +177,7 @@ class _Seq:
         self.logits: np.ndarray | None = None  # [V]
         self.n_new = 0
         self.slot: int | None = None
+        self.decoded_at = -1  # the engine step that last fed it a token
         self.saved: tuple | None = None  # parked: (k, v) [layers, Hkv, filled, hd]
         scored = job.echo and job.logprobs is not None  # the prompt's own scores, filled chunk by chunk
         self.scored: list | None = [(self.seq[0], None, None)] if scored else None
@@ -213,6 +221,7 @@ class Batcher:
         self.closed = False
         self.thread: threading.Thread | None = None
         self.steps = self.tokens = 0
+        self.largest: tuple = (None, 0)  # this step's (request held to a share, its rows of work): _largest
         self.batch_sizes: list[int] = []  # rows in each decoding step (tests read it; kept short)
 
     # ---- the queue -------------------------------------------------------------------------------
@@ -251,6 +260,7 @@ class Batcher:
         other rows go on."""
         with self.cond:
             self._schedule()
+            self.largest = self._largest()
         if not any(self.slots):
             return False
         self._prefill()
@@ -284,6 +294,14 @@ class Batcher:
             self._start(g.waiting.popleft(), slot)
         for key in [k for k, g in self.groups.items() if not g.held and not g.waiting]:
             del self.groups[key]
+
+    def _largest(self) -> tuple:
+        """(the request holding more rows than any other while others hold rows too, the rows of work it gets
+        a step: max(ROWS_BESIDE, the next holder's rows)), or (None, 0). Called with the lock held."""
+        holders = sorted((g for g in self.groups.values() if g.held), key=lambda g: g.held)
+        if len(holders) < 2 or holders[-1].held == holders[-2].held:
+            return None, 0
+        return holders[-1], max(ROWS_BESIDE, holders[-2].held)
 
     def _start(self, s: _Seq, slot: int) -> None:
         """Give a waiting job a free slot (>= n_dec); a parked one gets its cache back."""
@@ -350,8 +368,9 @@ class Batcher:
         by_group: dict[_Group, list[_Seq]] = {}
         for s in sorted((s for s in self.slots[self.n_dec:] if s is not None), key=lambda s: s.order):
             by_group.setdefault(s.group, []).append(s)
-        for seqs in by_group.values():
-            share = self.prefill_tokens
+        big, cap = self.largest
+        for group, seqs in by_group.items():
+            share = min(self.prefill_tokens, cap) if group is big else self.prefill_tokens
             for s in seqs:
                 n = min(share, len(s.seq) - s.filled)
                 if n <= 0:
@@ -441,20 +460,33 @@ class Batcher:
         dec = self.slots[:self.n_dec]
         if not dec:
             return
-        tokens = np.array([s.pending for s in dec], dtype=np.int64)  # [n]
-        pos = np.array([len(s.seq) for s in dec], dtype=np.int64)  # [n]
+        run = self._turn(dec)
+        tokens = np.array([s.pending for s in run], dtype=np.int64)  # [n]
+        pos = np.array([len(s.seq) for s in run], dtype=np.int64)  # [n]
+        slots = None if len(run) == len(dec) else np.array([s.slot for s in run], dtype=np.int64)
         try:
-            logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos)  # [n, V], row r in cache row r
+            logits = step.decode_rows(self.cfg, self.W, self.cache, tokens, pos, slots)  # [n, V]
         except Exception as e:
-            for s in reversed(dec):
+            for s in sorted(run, key=lambda s: -s.slot):
                 self._free(s)
-            return _fail([s.job for s in dec], e)
-        for s, lg in zip(dec, logits):
+            return _fail([s.job for s in run], e)
+        for s, lg in zip(run, logits):
             s.seq.append(s.pending)
             s.filled += 1
             s.pending, s.logits = None, lg
+            s.decoded_at = self.steps
         self.steps += 1
-        self.batch_sizes = (self.batch_sizes + [len(dec)])[-1000:]
+        self.batch_sizes = (self.batch_sizes + [len(run)])[-1000:]
+
+    def _turn(self, dec: list[_Seq]) -> list[_Seq]:
+        """The decoding rows this step feeds, in slot order: all of them but the largest request's beyond its
+        share (self.largest), those fed longest ago first."""
+        big, cap = self.largest
+        mine = [s for s in dec if s.group is big]
+        if len(mine) <= cap:
+            return dec
+        fed = set(map(id, sorted(mine, key=lambda s: (s.decoded_at, s.order))[:cap]))
+        return [s for s in dec if s.group is not big or id(s) in fed]
 
     # ---- the background thread -------------------------------------------------------------------
     def start(self) -> "Batcher":

@@ -204,15 +204,16 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
     return norm(cfg, W["norm"], x)
 
 
-def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """One token for each of n rows: tokens int [n] at positions pos [n] (cache row r holds positions
-    0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r]."""
+def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray,
+                 slots: np.ndarray | None = None) -> np.ndarray:
+    """One token for each of n rows: tokens int [n] at positions pos [n] (cache row slots[r], default r, holds
+    positions 0..pos[r]-1) -> final normed hidden states [n, d]; writes each row's new key/value at pos[r]."""
     x = embed(cfg, W, tokens, pos)  # [n, d]
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         cos, sin = cache.tables(i, pos[:, None])  # [n, 1, hd/2] or None
         q, k, v = heads_qkv(cfg, W, p, norm(cfg, W[p + "attn_norm"], x), cos, sin, batched_linear)
-        a = attend_rows(cache, i, q, k, v, pos, cfg.window(i))  # [n, H·hd]
+        a = attend_rows(cache, i, q, k, v, pos, cfg.window(i), slots)  # [n, H·hd]
         x = residual_attention(cfg, W, p, x, a, batched_linear)
         x = residual_mlp(cfg, W, p, x, batched_linear)
     return norm(cfg, W["norm"], x)

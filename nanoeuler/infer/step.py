@@ -80,19 +80,22 @@ def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
     return h, logits, best.tolist()
 
 
-def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """One token for each of rows 0..n-1 of cache: tokens int [n] at positions pos [n] (row r holds positions
-    0..pos[r]-1) -> head 0's logits [n, V]; writes each row's key/value at pos[r]. Fused: every row attends
-    to its own cache row in one compiled call (no BLAS); else the NumPy `forward.forward_rows` on BLAS,
-    every core's threads from WIDE_STEP rows up (fewer rows: one thread, their products too short to pay).
+def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: np.ndarray,
+                slots: np.ndarray | None = None) -> np.ndarray:
+    """One token for each of n cache rows, slots [n] (default rows 0..n-1): tokens int [n] at positions pos [n]
+    (row slots[r] holds positions 0..pos[r]-1) -> head 0's logits [n, V]; writes each row's key/value at pos[r].
+    Fused: every row attends to its own cache row in one compiled call (no BLAS); else the NumPy
+    `forward.forward_rows` on BLAS, every core's threads from WIDE_STEP rows up (fewer rows: one thread, their
+    products too short to pay).
     (The fused step does not pay for switching OpenBLAS's thread count, a few µs each way.)"""
     if runs_fused(W, cache):
         k, v, b0 = cache.store
-        h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + np.arange(len(tokens)),
+        slots = np.arange(len(tokens)) if slots is None else slots
+        h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + slots,
                                  k, v, cache.cos, cache.sin)  # [n, d]
         return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
     with blas_threads(PARTS if len(tokens) >= WIDE_STEP else 1):
-        return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos), W["head.0"])
+        return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos, slots), W["head.0"])
 
 
 WIDE_STEP = 8  # BLAS decoding steps of at least this many rows use every core (see engine.Batcher._loop)
