@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from nanoeuler.cli.demo import DEMO_SETTINGS  # noqa: E402
 from nanoeuler.cli.train import BUNDLED_DATA  # noqa: E402
 from nanoeuler.model import Model  # noqa: E402
-from nanoeuler.train import PretrainSource  # noqa: E402
+from nanoeuler.training.train import PretrainSource  # noqa: E402
 
 
 def gradients(model: Model, tokens, precision: str) -> dict[str, np.ndarray]:

@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 def worker(preset: str, steps: int, warmup: int, zero: int, overlap: bool) -> None:
     import numpy as np
 
-    from nanoeuler import dist
+    from nanoeuler.training import dist
     if dist.under_mpi():
         dist.init(zero=zero, overlap=overlap)
     from nanoeuler.cli.train import PRESET_DEFAULTS
     from nanoeuler.config import PRESETS
     from nanoeuler.model import Model
     from nanoeuler.optim import AdamW, lr_schedule
-    from nanoeuler.train import LMObjective, TrainConfig, accumulate
+    from nanoeuler.training.train import LMObjective, TrainConfig, accumulate
 
     cfg = PRESETS[preset]
     d = PRESET_DEFAULTS[preset]
@@ -108,7 +108,7 @@ def run(preset: str, ranks: int, steps: int, warmup: int, zero: int = 0, overlap
     if ranks == 1:
         cmd = [py, *args]
     else:
-        from nanoeuler.dist import mpiexec_path
+        from nanoeuler.training.dist import mpiexec_path
         cmd = [mpiexec_path(), "-n", str(ranks), py, *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if p.returncode:

@@ -117,7 +117,7 @@ def ours_step(model_name: str, engine: str, B: int, T: int, rank: int):
     import numpy as np
 
     from nanoeuler.adapters import LoraConfig
-    from nanoeuler.lora import LoraModel
+    from nanoeuler.training.lora import LoraModel
     from nanoeuler.optim import AdamW
     cfg, targets, _ = model_config(model_name)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
@@ -220,7 +220,7 @@ def profile_step(step) -> dict:
 
     from numba.core.registry import CPUDispatcher
 
-    from nanoeuler import lora
+    from nanoeuler.training import lora
     from nanoeuler.fast import engine as E
     from nanoeuler.optim import AdamW
     stats = collections.defaultdict(float)

@@ -25,8 +25,8 @@ def main() -> None:
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.cli.sft import SFT_DEFAULTS, sft_records
     from nanoeuler.model import Model
-    from nanoeuler.sft import SFTSource
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.sft import SFTSource
+    from nanoeuler.training.train import TrainConfig, run_training
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="pretrained checkpoint")
     p.add_argument("--out", required=True, help="new run directory")

@@ -284,15 +284,6 @@ def load_merged(run_dir, read_only: bool = False) -> tuple[Config, dict]:
     return cfg, merge_params(cfg, params, lcfg, adapters)
 
 
-def step_memory(cfg: Config, lcfg: LoraConfig, B: int, T: int) -> dict[str, int]:
-    """memory.training_memory of a LoRA step: gradients and moments of what it trains, the saved modules'
-    tensors held twice (the base's, the trained copy)."""
-    from .memory import training_memory
-    shapes = trainable_shapes(cfg, lcfg)
-    copied = sum(int(np.prod(shapes[n])) for n in saved_names(cfg, lcfg))
-    return training_memory(cfg, B, T, trained=sum(int(np.prod(s)) for s in shapes.values()), copied=copied)
-
-
 def describe(lcfg: LoraConfig, cfg: Config) -> str:
     """'r=8 α=16 on q,v: 73,728 trainable parameters' (a one-line summary for the CLI), with the saved modules
     ('..., lm_head trained whole: 139,264 trainable parameters')."""

@@ -13,7 +13,7 @@ import time
 
 
 def install_fault(spec: str) -> None:
-    import nanoeuler.train as t
+    import nanoeuler.training.train as t
     rank_s, step_s, kind = spec.split(":")
     me = int(os.environ.get("PMI_RANK", "0"))
     if rank_s != "*" and int(rank_s) != me:

@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
     tok.save(d / "tok.json")
     assert main(["prepare", str(d / "corpus.txt"), "--tokenizer", str(d / "tok.json"), "--out", str(d / "data"),
                  "--no-progress"]) == 0
-    from nanoeuler.sft import offline_instructions
+    from nanoeuler.training.sft import offline_instructions
     train, held = offline_instructions(n_train=30, n_heldout=6)
     (d / "sft.json").write_text(json.dumps(train))
     (d / "val.json").write_text(json.dumps(held))

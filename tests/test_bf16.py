@@ -196,7 +196,7 @@ def test_refused_without_avx512_bf16(monkeypatch, capsys, tmp_path):
 def _train(out, steps, stop_after=None, resume=False, precision="bf16"):
     """The tiny model trained on synthetic batches into out (or resumed there)."""
     from train_fixtures import TINY, SyntheticSource
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     model = (Model.load(out) if resume else Model.init(TINY, seed=0)).set_precision(precision)
     tcfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
     return run_training(model, None, SyntheticSource(), out, tcfg, resume=resume, stop_after=stop_after,
@@ -226,7 +226,7 @@ def test_bf16_training_keeps_float32_master_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(bf16, "AVAILABLE", True)
     monkeypatch.setattr(bf16, "KERNELS", bf16.TWIN)
     from train_fixtures import TINY, SyntheticSource
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     model = Model.init(TINY, seed=0)
     before = {n: p.copy() for n, p in model.params.items()}
     tcfg = TrainConfig(steps=2, batch_size=4, lr=1e-6, warmup=0, eval_every=2, eval_batches=1, ckpt_every=2)
@@ -271,7 +271,7 @@ def test_precision_is_spelled_f32_and_a_run_recorded_as_fp32_resumes(tmp_path, c
 
 @needs_bf16
 def test_check_rows_hold_and_catch_a_backward_without_rounding(monkeypatch):
-    from nanoeuler.check import TOLERANCE, check_bf16
+    from nanoeuler.training.check import TOLERANCE, check_bf16
     rows = check_bf16(seed=1)
     assert len(rows) == 4 and all(r.max_rel_error < TOLERANCE for r in rows)
     monkeypatch.setattr(bf16, "matmul", lambda a, b, out: np.matmul(a, b, out=out))   # float32, unrounded
@@ -281,7 +281,7 @@ def test_check_rows_hold_and_catch_a_backward_without_rounding(monkeypatch):
 @needs_bf16
 def test_dpo_head_products_in_bf16():
     """DPO's own head-0 products (dpo.py, outside the engine's step) are bf16 products too."""
-    from nanoeuler import dpo
+    from nanoeuler.training import dpo
     cfg = tiny_config(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=12, ffn_hidden=40)
     P = Model.init(cfg, seed=2).params
     rng = np.random.default_rng(5)
@@ -301,7 +301,7 @@ def test_dpo_head_products_in_bf16():
 # ---- LoRA in bf16 ------------------------------------------------------------------------------------------
 def _far_lora(arch, dropout=0.0):
     from nanoeuler import adapters as ad
-    from nanoeuler.lora import LoraModel
+    from nanoeuler.training.lora import LoraModel
     m, tokens, mask = _far_model(arch)
     lcfg = ad.LoraConfig(4, 8.0, (), dropout)
     adapters = ad.init_adapters(m.config, lcfg, 1)

@@ -11,7 +11,7 @@ from nanoeuler.cli.chat import Repl
 from nanoeuler.infer.chat import Chat
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.infer.session import generate
-from nanoeuler.sft import render
+from nanoeuler.training.sft import render
 from nanoeuler.tokenizer import Tokenizer
 
 

@@ -17,8 +17,8 @@ from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf
 
 from nanoeuler.chat_template import alpaca_template, prompt_ids, render
 from nanoeuler.errors import UserError
-from nanoeuler.sft import prompt_text
-from nanoeuler.sft import render as sft_render
+from nanoeuler.training.sft import prompt_text
+from nanoeuler.training.sft import render as sft_render
 from nanoeuler.tokenizer import Tokenizer
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "

@@ -175,12 +175,12 @@ def test_sizes_checked_before_allocating(tmp_path, capsys):
     assert tracemalloc.get_traced_memory()[1] < 64 << 20
     tracemalloc.stop()
     assert "GiB" in line and "--batch-size" in line
-    from nanoeuler.memory import check_fits
+    from nanoeuler.training.memory import check_fits
     from nanoeuler.config import PRESETS
     assert check_fits(PRESETS["small"], 32, 128) < 1 << 30
     with pytest.raises(UserError, match="more than this machine's 1.0 GiB"):
         check_fits(PRESETS["big"], 64, 256, limit=1 << 30)
-    from nanoeuler.memory import check_inference_fits
+    from nanoeuler.training.memory import check_inference_fits
     check_inference_fits(PRESETS["gpt"])
     with pytest.raises(UserError, match="KV cache"):
         check_inference_fits(PRESETS["gpt"].replace(ctx_len=1 << 20), limit=8 << 30)
@@ -482,7 +482,7 @@ def test_no_command_writes_over_or_into_the_base_an_input_adapter_run_reads(run_
 
     from nanoeuler.adapters import LoraConfig
     from nanoeuler.checkpoint import load_tokenizer, save_files
-    from nanoeuler.lora import LoraModel
+    from nanoeuler.training.lora import LoraModel
     base, run = tmp_path / "base", tmp_path / "run"
     shutil.copytree(run_dir, base)
     save_files(run, LoraModel.new(base, LoraConfig(2, 4.0), seed=0).checkpoint_writers(load_tokenizer(base)))

@@ -140,7 +140,7 @@ def test_dpo_eval_refuses_a_mismatched_reference(tmp_path, capsys):
 
 def test_sft_jsonl_errors_name_the_line(tmp_path):
     from nanoeuler.errors import UserError
-    from nanoeuler.sft import load_examples
+    from nanoeuler.training.sft import load_examples
     rows = [json.dumps({"instruction": f"q{i}", "input": "", "output": "a"}) for i in range(130)]
     rows[120] = json.dumps({"instruction": "q", "input": "", "output": ""})      # line 121: empty output
     path = tmp_path / "sft.jsonl"

@@ -1,4 +1,4 @@
-"""Data-parallel training under `mpiexec -n 2` (nanoeuler/dist.py), run from pytest in subprocesses:
+"""Data-parallel training under `mpiexec -n 2` (nanoeuler/training/dist.py), run from pytest in subprocesses:
 2 ranks vs 1 process at the same global batch (equal to float32 rounding), 2-rank runs bitwise repeatable
 (also with --zero 1 and without overlap), the same for SFT and DPO, resume 2 -> 1 and 1 -> 2, a rank
 interrupted (SIGINT) or killed (SIGKILL) or failing, and bad input reported by every rank."""
@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 pytest.importorskip("mpi4py")
 from nanoeuler import Config, Model  # noqa: E402
 from conftest import rel_err, tiny_config  # noqa: E402
-from nanoeuler.dist import mpiexec_path  # noqa: E402
+from nanoeuler.training.dist import mpiexec_path  # noqa: E402
 
 MPIEXEC = mpiexec_path()
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'nanoeuler[dist]')")
@@ -156,7 +156,7 @@ def test_zero1_checkpoint_is_the_one_process_format_and_resumes(runs, work):
 
 # ---- SFT and DPO ----------------------------------------------------------------------------------------
 def test_sft_two_ranks(work, capsys):
-    from nanoeuler.sft import offline_instructions
+    from nanoeuler.training.sft import offline_instructions
     from nanoeuler.tokenizer import Tokenizer
     tok = Tokenizer.load(work / "tok.json")
     cfg = Config(vocab_size=257, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=256, ffn_hidden=32, n_mtp=2)

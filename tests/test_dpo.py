@@ -9,11 +9,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from nanoeuler import Model, UserError
-from nanoeuler.check import TOLERANCE, check_dpo
-from nanoeuler.dpo import (dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
+from nanoeuler.training.check import TOLERANCE, check_dpo
+from nanoeuler.training.dpo import (dpo_loss_and_grads, dpo_loss_backward, dpo_loss_forward, load_pairs,
                            make_batch, offline_pairs, response_logprobs_forward, run_dpo, sequence_logprobs_forward,
                            split_pairs, tokenize_pairs, tokenize_response, trained_params)
-from nanoeuler.train import TrainConfig
+from nanoeuler.training.train import TrainConfig
 from conftest import rel_err, tiny_config
 
 TINY = tiny_config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=48, n_mtp=2)
@@ -75,7 +75,7 @@ def test_policy_equal_to_reference_gives_exactly_log_2(dtype):
 
 
 def test_nll_term_adds_the_chosen_per_token_nll():
-    from nanoeuler.dpo import chosen_nll_backward, chosen_nll_forward
+    from nanoeuler.training.dpo import chosen_nll_backward, chosen_nll_forward
     nll, cache = chosen_nll_forward([-6.0, -2.0], [3, 1])
     assert nll == 2.0 and chosen_nll_backward(1.0, cache).tolist() == [-1 / 6, -1 / 2]
     model = Model.init(TINY, seed=3).astype(np.float64)
@@ -106,7 +106,7 @@ def test_padding_does_not_change_a_sequence_log_prob():
                                                       (np.float64, 1e-12, 5e-11, 7), (np.float32, 1e-5, 3e-4, 7)])
 def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_tol, rows, monkeypatch):
     """rows: the head's logits formed 7 rows at a time (forward, and again in backward), in 2 parts."""
-    from nanoeuler.dpo import Workspaces
+    from nanoeuler.training.dpo import Workspaces
     from nanoeuler.fast import engine, parallel
     if rows:
         monkeypatch.setattr(engine, "LOGITS_BYTES", rows * TINY.vocab_size * np.dtype(dtype).itemsize)
@@ -131,7 +131,7 @@ def test_fast_engine_gives_the_reference_loss_and_gradients(dtype, tol, entry_to
 def test_workspaces_of_fixed_weights_share_one_stack_over_batch_shapes():
     """The reference's (and evaluation's) workspaces: lean, and one set of stacked weights for every batch
     shape; their log-probs are still the reference path's."""
-    from nanoeuler.dpo import Workspaces
+    from nanoeuler.training.dpo import Workspaces
     model = Model.init(TINY, seed=3).astype(np.float64)
     rng = np.random.default_rng(5)
     workspaces = Workspaces(TINY, np.float64, lean=True, fixed=True)
@@ -165,7 +165,7 @@ def test_make_batch_layout():
 def test_pair_tokens_match_the_sft_rendering():
     """... for a prompt given as text and as messages (rendered by the chat template), with ours and ChatML."""
     from gguf_fixtures import CHATML
-    from nanoeuler.sft import prompt_text, render, user_message
+    from nanoeuler.training.sft import prompt_text, render, user_message
     from nanoeuler.tokenizer import Tokenizer
     tok = Tokenizer([(32, 116), (104, 101), (256, 257), (72, 97), (259, 109)])  # ' t', 'he', ' the', 'Ha', 'Ham'
     q, line = "Which character speaks this line?", "To be, or not to be, that is the question:"
@@ -181,7 +181,7 @@ def test_pair_tokens_match_the_sft_rendering():
 
 
 def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_prompts():
-    from nanoeuler.sft import TASKS, WORD_RE, normalize
+    from nanoeuler.training.sft import TASKS, WORD_RE, normalize
     train, held = offline_pairs()
     assert len(train) > 5000 and len(held) > 300
     assert not {p["prompt"] for p in train} & {p["prompt"] for p in held}
@@ -199,7 +199,7 @@ def test_offline_pairs_are_wrong_answers_of_the_same_kind_with_unseen_heldout_pr
 def test_offline_pairs_keep_only_questions_that_fit_the_context(tok):
     """dpo/dpo-eval build the offline pairs with `fits_context`: a held-out question the model cannot see
     whole (its start cut off) is unanswerable and only adds noise to the greedy task accuracy."""
-    from nanoeuler.sft import fits_context
+    from nanoeuler.training.sft import fits_context
     ctx = 230  # byte tokens: about half of the offline prompts are longer
     train, held = offline_pairs(n_train=50, n_heldout=40, fits=fits_context(tok, ctx))
     assert 40 <= len(train) <= 50 and 30 <= len(held) <= 40  # (a long rejected answer drops its pair)
@@ -304,8 +304,8 @@ def test_cli_dpo_on_a_pair_file_and_errors(tok, tmp_path, capsys):
 
 
 def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, monkeypatch):
-    import nanoeuler.dpo_data as dd
-    from nanoeuler.dpo import model_negatives
+    import nanoeuler.training.dpo_data as dd
+    from nanoeuler.training.dpo import model_negatives
     answers = {"q0=": (b"Hamlet", True), "q1=": (b"Lear", True), "q2=": (b"Lear", False), "q3=": (b"hamlet.", True)}
 
     def fake_answers(model, prompts, stop_id, max_new_tokens, progress):
@@ -323,7 +323,7 @@ def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, 
 def test_model_answers_in_a_batch_equal_generate_one_by_one():
     """The batched answers (continuous batching, 40 prompts > one batch of 32) are each prompt's greedy
     `generate` output, cut at the stop id, in the prompts' order."""
-    from nanoeuler.dpo_data import model_answers
+    from nanoeuler.training.dpo_data import model_answers
     from nanoeuler.infer.session import generate
     model = Model.init(TINY, seed=3)
     rng = np.random.default_rng(0)

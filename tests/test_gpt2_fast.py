@@ -87,7 +87,7 @@ def test_fast_loss_and_every_gradient_match_reference(dtype, dropout, monkeypatc
 
 def test_dpo_sequence_logprobs_fast_equals_reference_on_gpt2():
     """DPO's head-0 log-probs and their gradient run on the fast engine for arch gpt2 too (tied head)."""
-    from nanoeuler import dpo
+    from nanoeuler.training import dpo
     m = _model(np.float64, seed=3)
     rng = np.random.default_rng(5)
     inputs = rng.integers(0, CFG.vocab_size, (3, 10))

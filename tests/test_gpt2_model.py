@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model, UserError
-from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_model
+from nanoeuler.training.check import GPT2_CHECK_CONFIG, TOLERANCE, check_model
 
 
 def test_gpt2_preset_is_the_124m_shape():
@@ -71,7 +71,7 @@ def test_info_activation_count_matches_the_gpt2_caches():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_memory import _kept_floats
 
-    from nanoeuler.memory import activation_floats, training_memory
+    from nanoeuler.training.memory import activation_floats, training_memory
     from nanoeuler.model import forward
     cfg = GPT2_CHECK_CONFIG
     model = Model.init(cfg)

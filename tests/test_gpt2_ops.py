@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanoeuler import ops
-from nanoeuler.check import TOLERANCE, _check_op
+from nanoeuler.training.check import TOLERANCE, _check_op
 from nanoeuler.errors import UserError
 
 

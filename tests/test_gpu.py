@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoeuler.check import Row
+from nanoeuler.training.check import Row
 from nanoeuler.config import Config
 from nanoeuler.errors import UserError
 from nanoeuler.gpu.runtime import KERNEL_DIR, cuda_include_dir, gpu_available, gpu_extra, kernel_source
@@ -235,7 +235,7 @@ def test_emulated_run_training_on_gpu_model_then_resume(emu, tmp_path):
     """The ordinary training loop drives a GpuModel: it learns, checkpoints (host copies), and resumes."""
     from nanoeuler import Model
     from nanoeuler.gpu.engine import GpuAdamW, GpuModel
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     from train_fixtures import TINY, SyntheticSource
     tcfg = TrainConfig(steps=2, batch_size=2, lr=1e-2, warmup=1, eval_every=2, eval_batches=0, ckpt_every=1, seed=0)
     gm = GpuModel(Model.init(TINY, seed=0))
@@ -255,8 +255,8 @@ def test_emulated_gpu_model_is_trainable_without_dropout(emu):
     """GpuModel has every member of the training loop's interface; residual dropout is refused up front."""
     from nanoeuler import Model
     from nanoeuler.gpu.engine import GpuModel
-    from nanoeuler.trainable import Trainable
-    from nanoeuler.train import LMObjective, TrainConfig
+    from nanoeuler.training.trainable import Trainable
+    from nanoeuler.training.train import LMObjective, TrainConfig
     from train_fixtures import TINY
     gm = GpuModel(Model.init(TINY, seed=0))
     assert isinstance(gm, Trainable) and gm.device == "gpu" and gm.adapter_dropout == 0.0
@@ -269,9 +269,10 @@ def test_emulated_gpu_model_is_trainable_without_dropout(emu):
 def test_emulated_gpu_model_is_refused_by_data_parallel_training(emu):
     """Data parallelism runs the CPU engine: a GpuModel under MPI is one error, before its device arrays are
     read (GpuAdamW is an AdamW, so the optimizer's type does not tell)."""
-    from nanoeuler import Model, dist
+    from nanoeuler import Model
     from nanoeuler.gpu.engine import GpuModel
-    from nanoeuler.train import LMObjective, TrainConfig
+    from nanoeuler.training import dist
+    from nanoeuler.training.train import LMObjective, TrainConfig
     from train_fixtures import TINY, SyntheticSource
 
     class RankOfTwo(dist.Local):   # rank 0 of 2, whose agree() raises what the ranks would all raise

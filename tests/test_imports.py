@@ -167,6 +167,18 @@ def test_the_printed_picture_passes_the_check(tmp_path):
     assert all(row_of[picture_name(m)] < row_of[picture_name(t)] for m, ts in graph.items() for t in ts)
 
 
+def test_only_the_commands_import_training():
+    """training/ is the pipeline's stages, above the model, its engines, inference, serving and interop: of
+    the rest of the package only the commands (cli/) and the GPU check (gpu/check.py, on check.py's rows)
+    import it."""
+    above = ("nanoeuler.training", "nanoeuler.cli", "nanoeuler.gpu.check")
+    graph = import_graph()
+    assert "nanoeuler.training.train" in graph["nanoeuler.cli.train"]  # the graph was read
+    wrong = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
+                   if t.startswith("nanoeuler.training") and not m.startswith(above))
+    assert not wrong, wrong
+
+
 def test_no_benchmark_script_takes_the_name_of_a_module():
     """A test that puts bench/ on sys.path (to import a script's helper) must not shadow a module: a
     bench/llama_cpp.py once made `import llama_cpp` find the script, so the llama.cpp tests of a fresh venv

@@ -541,7 +541,7 @@ def test_fuzz_every_job_is_refused_up_front_or_served(trained):
 def test_dpo_data_model_answers_says_when_the_engine_failed(trained, monkeypatch):
     """model_answers (dpo-data's batch of greedy answers) turns an engine error into an exception naming it,
     rather than an answer missing from its list."""
-    from nanoeuler.dpo_data import model_answers
+    from nanoeuler.training.dpo_data import model_answers
     _raising_when(monkeypatch, step, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
     assert len(model_answers(trained, [[1, 2], [3, 4]], stop_id=0, max_new_tokens=3, progress=False)) == 2
     with pytest.raises(RuntimeError, match="injected"):

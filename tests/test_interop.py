@@ -18,7 +18,7 @@ from nanoeuler.cli import main
 from nanoeuler.config import Config
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.infer.session import generate
-from nanoeuler.sft import prompt_text, render
+from nanoeuler.training.sft import prompt_text, render
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -120,7 +120,7 @@ def test_hf_export_tokenizer_ids_identical_on_the_bundled_corpus(exported, tok, 
 
 
 def test_hf_chat_template_equals_sft_rendering(exported, tok):
-    from nanoeuler.sft import offline_instructions
+    from nanoeuler.training.sft import offline_instructions
     _, d = exported["random"]
     ht = transformers.AutoTokenizer.from_pretrained(d)
     train, held = offline_instructions(200, 20)

@@ -8,9 +8,9 @@ from conftest import rel_err, tiny_config
 from nanoeuler import adapters as ad
 from nanoeuler import ops
 from nanoeuler.fast import bf16
-from nanoeuler.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
+from nanoeuler.training.check import GPT2_CHECK_CONFIG, TOLERANCE, check_lora
 from nanoeuler.errors import UserError
-from nanoeuler.lora import LoraModel
+from nanoeuler.training.lora import LoraModel
 from nanoeuler.model import Model
 
 
@@ -41,7 +41,7 @@ def test_lora_op_equals_merged_linear_and_its_check_rows_pass():
         rng.standard_normal((6, 3))
     y, _ = ops.lora_forward(x, W, A, B, 1.5)
     assert rel_err(y, x @ ops.lora_merge(W, A, B, 1.5).T) < 1e-13
-    from nanoeuler.check import check_ops
+    from nanoeuler.training.check import check_ops
     rows = [r for r in check_ops(seed=3) if r.name.startswith("op lora")]
     assert len(rows) == 6 and max(r.max_rel_error for r in rows) < TOLERANCE
 
@@ -133,7 +133,7 @@ def test_fast_step_forms_six_adapter_products_per_module(arch, parts, p, monkeyp
     mm = ws.mm
 
     def counted(a, b, out):
-        calls.append(sys._getframe(1).f_globals["__name__"] == "nanoeuler.lora")
+        calls.append(sys._getframe(1).f_globals["__name__"] == "nanoeuler.training.lora")
         return mm(a, b, out)
     ws.mm = counted
     _, o, g = m.loss_and_grads(tokens, mask, adapter_dropout=adrop)
@@ -218,8 +218,8 @@ def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, sav
     """DPO's LoRA step (adapters on the fly, no weight gradient formed) gives what the merged model's weight
     gradients G give through W' = W + s·B·A: dB = s·G·Aᵀ, dA = s·Bᵀ·G (a stacked module: G stacked), and
     a saved module's tensors their G (rows: the head's logits 3 rows at a time, its gradient summed)."""
-    from nanoeuler.dpo import Workspaces, dpo_loss_and_grads
-    from nanoeuler.dpo_data import PairBatch
+    from nanoeuler.training.dpo import Workspaces, dpo_loss_and_grads
+    from nanoeuler.training.dpo_data import PairBatch
     from nanoeuler.fast import engine
     m = lora_model(arch, save=save)
     if rows:
@@ -245,7 +245,7 @@ def test_dpo_lora_step_forms_the_adapter_gradients_of_the_merged_model(arch, sav
 def test_rank_shares_sum_to_the_whole_batch(adapter_dropout):
     """Data parallel: each rank's rows with the whole batch's target counts give losses and gradients that
     sum to the whole batch's (the fast path, and the reference path that adapter dropout runs)."""
-    from nanoeuler.train import LMObjective, TrainConfig
+    from nanoeuler.training.train import LMObjective, TrainConfig
     m = lora_model(dropout=adapter_dropout or 0.0)
     obj = LMObjective(m, None, TrainConfig(dropout=0.0))
     tokens, mask = batch(m.config, B=4)
@@ -267,7 +267,7 @@ def tok():
 def sft_setup(tmp_path, tok, arch="euler"):
     import json
 
-    from nanoeuler.sft import offline_instructions
+    from nanoeuler.training.sft import offline_instructions
     cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=160, arch=arch)
     Model.init(cfg, seed=0).save(tmp_path / "base", tokenizer=tok)
     train, held = offline_instructions(n_train=40, n_heldout=8)

@@ -11,7 +11,7 @@ from nanoeuler import Model, Tokenizer
 from nanoeuler import adapters as ad
 from nanoeuler.cli import main
 from nanoeuler.data.corpus import bundled_works
-from nanoeuler.lora import LoraModel
+from nanoeuler.training.lora import LoraModel
 
 gguf = pytest.importorskip("gguf")
 

@@ -11,7 +11,7 @@ from nanoeuler import adapters as ad
 from nanoeuler.checkpoint import drop_pages, load_model, map_tensors, save_files
 from nanoeuler.fast import bf16
 from nanoeuler.fast.engine import copied_weights
-from nanoeuler.lora import LoraModel
+from nanoeuler.training.lora import LoraModel
 from nanoeuler.model import Model
 from nanoeuler.optim import AdamW
 

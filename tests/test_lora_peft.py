@@ -11,7 +11,7 @@ peft = pytest.importorskip("peft")
 from conftest import rel_err, tiny_config  # noqa: E402
 from nanoeuler import adapters as ad  # noqa: E402
 from nanoeuler.interop.peft import peft_names  # noqa: E402
-from nanoeuler.lora import LoraModel  # noqa: E402
+from nanoeuler.training.lora import LoraModel  # noqa: E402
 from nanoeuler.model import Model  # noqa: E402
 from nanoeuler.optim import AdamW  # noqa: E402
 from nanoeuler.tokenizer import Tokenizer  # noqa: E402
@@ -106,7 +106,7 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, save, tmp_path):
 @pytest.mark.parametrize("arch,save", CASES)
 def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, save, tmp_path):
     from nanoeuler.cli import main
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     m, _, _ = setup(arch, tmp_path, save)
 
     class Source:   # two fixed batches: enough to save an adapter run through the training loop

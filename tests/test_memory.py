@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from nanoeuler import Config, Model
-from nanoeuler.memory import activation_floats, training_memory
+from nanoeuler.training.memory import activation_floats, training_memory
 from nanoeuler.model import forward
 
 

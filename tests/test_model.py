@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nanoeuler import PRESETS, Config, Model, UserError
-from nanoeuler.check import TOLERANCE, check_model
+from nanoeuler.training.check import TOLERANCE, check_model
 from conftest import tiny_config
 
 SPEC_COUNTS = {"small": 1_049_728, "big": 11_013_504, "gpt": 116_417_280}
@@ -148,7 +148,7 @@ def test_checkpoint_defects_are_clear_errors(tmp_path):
 
 
 def test_the_gradient_check_takes_every_small_tensor_whole_and_the_extremes_of_a_large_one():
-    from nanoeuler.check import EXTREMES, sample_indices
+    from nanoeuler.training.check import EXTREMES, sample_indices
     rng = np.random.default_rng(0)
     assert sample_indices(rng, np.arange(20.0), 12).tolist() == list(range(20))      # 20 <= 12 + 2·4
     g = rng.standard_normal(1000)

@@ -1,9 +1,9 @@
-"""Every op: float64 finite differences (via nanoeuler.check), float32 agreeing with float64, dtypes kept."""
+"""Every op: float64 finite differences (via nanoeuler.training.check), float32 agreeing with float64, dtypes kept."""
 import numpy as np
 import pytest
 
 from nanoeuler import ops
-from nanoeuler.check import FLOOR, TOLERANCE, check_ops, numeric_grad, relative_error
+from nanoeuler.training.check import FLOOR, TOLERANCE, check_ops, numeric_grad, relative_error
 
 
 def test_every_op_gradient_matches_finite_differences():

@@ -17,7 +17,7 @@ from serve_fixtures import CTX, ServerThread, shared_checkpoint  # noqa: E402
 
 from nanoeuler.infer.session import generate  # noqa: E402
 from nanoeuler.infer.sampling import log_softmax  # noqa: E402
-from nanoeuler.sft import render  # noqa: E402
+from nanoeuler.training.sft import render  # noqa: E402
 
 KEY = "test-key"
 PROMPT = "To be, or not to be"  # the fixture model answers it with a few tokens and </s>

@@ -11,7 +11,7 @@ import pytest
 
 from nanoeuler import Config, Model, UserError, ops
 from nanoeuler.data.corpus import bundled_works
-from nanoeuler.sft import (HEADER, SFTSource, load_examples, offline_instructions, pack_rows, prompt_text, render,
+from nanoeuler.training.sft import (HEADER, SFTSource, load_examples, offline_instructions, pack_rows, prompt_text, render,
                            render_all, split_heldout)
 from nanoeuler.tokenizer import Tokenizer
 
@@ -103,7 +103,7 @@ def test_sft_refuses_a_template_it_cannot_mask_before_reading_anything(tmp_path,
 
 SIGTERM_SCRIPT = """
 import os, signal, sys
-import nanoeuler.train as t
+import nanoeuler.training.train as t
 real = t.truncate_log
 def terminated(*a):   # the run holds its lock and its loop has not begun: SIGTERM arrives now
     os.kill(os.getpid(), signal.SIGTERM)
@@ -179,7 +179,7 @@ def test_masked_positions_get_zero_gradient():
 
 
 def test_batch_without_trainable_position_is_skipped_not_nan():
-    from nanoeuler.train import LMObjective, TrainConfig, accumulate
+    from nanoeuler.training.train import LMObjective, TrainConfig, accumulate
     cfg = Config(vocab_size=30, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=24, n_mtp=2)
     model = Model.init(cfg, seed=0)
 
@@ -343,7 +343,7 @@ def test_a_context_no_offline_example_fits_is_one_line_not_a_hang(tmp_path, tok,
 
 def test_offline_set_keeps_a_filter_that_passes_rarely():
     """The bound on misses refuses only a context next to nothing fits: one in MAX_MISSES / 2 is enough."""
-    from nanoeuler.sft import MAX_MISSES
+    from nanoeuler.training.sft import MAX_MISSES
     seen = []
     rare = lambda r: seen.append(r) or len(seen) % (MAX_MISSES // 2) == 0     # noqa: E731
     assert len(offline_instructions(n_train=3, n_heldout=1, fits=rare)[0]) == 3
@@ -355,7 +355,7 @@ def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypa
     from types import SimpleNamespace
 
     from nanoeuler.infer import session, step
-    from nanoeuler.sft import score_answers
+    from nanoeuler.training.sft import score_answers
     answers = iter([(" Hamlet.", True), ("Hamlet", False), ("hamlet\nand more", False), ("Macbeth", True),
                     ("Hamlet\n### Instruction:", True), ("Hamlet", True)])
 
@@ -379,6 +379,6 @@ def test_score_answers_counts_format_accuracy_and_lenient_accuracy(tok, monkeypa
 
 
 def test_normalize_answers():
-    from nanoeuler.sft import normalize
+    from nanoeuler.training.sft import normalize
     assert normalize("  Hamlet. ") == normalize("hamlet") == "hamlet"
     assert normalize("King Lear") != normalize("Lear")

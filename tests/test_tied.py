@@ -106,7 +106,7 @@ def test_tied_gguf_and_hf_imports_stay_tied_and_export_tied(tmp_path):
 
 
 def test_dpo_fast_engine_gives_the_reference_gradients_on_a_tied_model():
-    from nanoeuler.dpo import Workspaces, dpo_loss_and_grads, make_batch
+    from nanoeuler.training.dpo import Workspaces, dpo_loss_and_grads, make_batch
     P, _ = tied_and_untied(np.float64)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 61, n) for n in (9, 12, 7, 11)]

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from nanoeuler import UserError
 from nanoeuler.optim import AdamW, clip_grad_norm, lr_schedule
-from nanoeuler.train import TrainingDiverged
+from nanoeuler.training.train import TrainingDiverged
 
 from train_fixtures import run
 
@@ -142,7 +142,7 @@ def test_a_run_saved_with_a_phase_resumes_without_it(tmp_path):
 
 
 def test_changed_settings_names_what_differs_and_fills_missing_with_defaults():
-    from nanoeuler.train import TrainConfig, changed_settings
+    from nanoeuler.training.train import TrainConfig, changed_settings
     import dataclasses
     old = dataclasses.asdict(TrainConfig(lr=3e-3))
     del old["dropout"]                                  # saved before dropout existed: it had none
@@ -153,7 +153,7 @@ def test_changed_settings_names_what_differs_and_fills_missing_with_defaults():
 SIGINT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
-import train_fixtures, nanoeuler.train as t
+import train_fixtures, nanoeuler.training.train as t
 real = t.accumulate
 def slow(*a, **k):
     time.sleep(0.05)
@@ -222,7 +222,7 @@ def test_resume_refuses_a_different_run(tmp_path):
 
 def _resume_with_lr(out):
     from nanoeuler import Model
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     from train_fixtures import SyntheticSource
     tcfg = TrainConfig(steps=10, batch_size=4, lr=5e-3, warmup=2, eval_every=4, eval_batches=0, ckpt_every=3)
     run_training(Model.load(out), None, SyntheticSource(), out, tcfg, resume=True, progress=False)

@@ -1,13 +1,13 @@
-"""The one interface the training loop drives (nanoeuler/trainable.py): Model, LoraModel and GpuModel each
+"""The one interface the training loop drives (nanoeuler/training/trainable.py): Model, LoraModel and GpuModel each
 have every member of it, so train.py, dpo.py and dist.py never ask which kind of model they hold."""
 import numpy as np
 import pytest
 from conftest import tiny_config
 
 from nanoeuler import adapters as ad
-from nanoeuler.lora import LoraModel
+from nanoeuler.training.lora import LoraModel
 from nanoeuler.model import Model
-from nanoeuler.trainable import Trainable
+from nanoeuler.training.trainable import Trainable
 
 MEMBERS = ("config", "params", "precision", "device", "adapter_dropout", "dtype", "n_params", "loss_and_grads",
            "loss", "optimizer", "checkpoint_writers")

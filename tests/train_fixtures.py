@@ -33,7 +33,7 @@ class SyntheticSource:
 
 def run(out_dir, steps, stop_after=None, resume=False, seed=0, ckpt_every=3, mask_fraction=0.0, **kw):
     from nanoeuler import Model
-    from nanoeuler.train import TrainConfig, run_training
+    from nanoeuler.training.train import TrainConfig, run_training
     model = Model.load(out_dir) if resume else Model.init(TINY, seed=seed)
     tcfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=4, eval_batches=0,
                        ckpt_every=ckpt_every, seed=seed, **kw)

@@ -82,7 +82,7 @@ def run_training(args) -> int:
     T = args.ctx if args.ctx is not None else cfg.ctx_len
     if B < 1 or not 1 <= T <= cfg.ctx_len or args.steps < 1 or args.warmup < 0:
         raise UserError(f"need --batch-size >= 1, --ctx in [1, {cfg.ctx_len}], --steps >= 1, --warmup >= 0")
-    from ..memory import check_fits
+    from ..training.memory import check_fits
     check_fits(cfg, B, T)            # before allocating: --batch-size 100000 is refused here, in one line
     model = Model.init(cfg, seed=0).set_precision(args.precision)   # bf16 on a CPU without it: refused here
     opt = AdamW(model.params, lr=1e-4)

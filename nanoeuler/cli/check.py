@@ -24,7 +24,7 @@ def bf16_rows(seed: int) -> list:
     """(d) where the CPU runs the bf16 kernels; elsewhere none (a note on stderr says so)."""
     import sys
 
-    from ..check import check_bf16
+    from ..training.check import check_bf16
     from ..fast import bf16
     if not bf16.AVAILABLE:
         print("note: no AVX512_BF16 on this CPU: the bf16 product rows are left out", file=sys.stderr)
@@ -33,7 +33,7 @@ def bf16_rows(seed: int) -> list:
 
 
 def run(args) -> int:
-    from ..check import ARCH_CHECK_CONFIGS, GPT2_CHECK_CONFIG, TOLERANCE, check_model, check_ops
+    from ..training.check import ARCH_CHECK_CONFIGS, GPT2_CHECK_CONFIG, TOLERANCE, check_model, check_ops
     from ..errors import UserError
     tolerance = TOLERANCE
     if args.device == "gpu":
@@ -43,7 +43,7 @@ def run(args) -> int:
     else:
         if args.samples < 1:
             raise UserError("--samples must be at least 1")
-        from ..check import check_dpo, check_lora
+        from ..training.check import check_dpo, check_lora
         rows = (check_ops(seed=args.seed) + check_model(seed=args.seed, n_samples=args.samples)
                 + check_model(seed=args.seed, n_samples=args.samples, dropout=0.25)
                 + [dataclasses.replace(r, name=f"{arch}: " + r.name)

@@ -41,7 +41,7 @@ def run(args) -> int:
     from ..infer.session import generate
     from ..model import Model
     from ..tokenizer import Tokenizer
-    from ..train import PretrainSource, TrainConfig, evaluate, run_training
+    from ..training.train import PretrainSource, TrainConfig, evaluate, run_training
     from .sample import StdoutStream
     from ..fileio import check_apart, check_real_dir
     from .train import BUNDLED_DATA, ensure_bundled_data, resolve_precision

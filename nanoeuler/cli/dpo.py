@@ -97,12 +97,12 @@ def register(sub) -> None:
 
 def run_dpo(args) -> int:
     from ..checkpoint import load_tokenizer
-    from ..dpo import run_dpo as train_dpo
-    from ..dpo_data import pair_records, tokenize_pairs
+    from ..training.dpo import run_dpo as train_dpo
+    from ..training.dpo_data import pair_records, tokenize_pairs
     from ..errors import UserError
     from ..fileio import check_apart, check_real_dir
     from ..model import Model
-    from ..sft import fits_context
+    from ..training.sft import fits_context
     from .lora import start_or_resume, wants_lora
 
     out = check_real_dir(args.out)
@@ -173,11 +173,11 @@ def run_eval(args) -> int:
     import numpy as np
 
     from ..checkpoint import load_tokenizer
-    from ..dpo import pair_logprobs, preference_metrics, score_greedy
-    from ..dpo_data import load_pairs, offline_pairs, tokenize_pairs
+    from ..training.dpo import pair_logprobs, preference_metrics, score_greedy
+    from ..training.dpo_data import load_pairs, offline_pairs, tokenize_pairs
     from ..errors import UserError
     from ..model import Model
-    from ..sft import fits_context
+    from ..training.sft import fits_context
     if args.limit < 0 or args.max_new_tokens < 1 or not args.beta > 0:
         raise UserError("--limit must be >= 0, --max-new-tokens >= 1 and --beta > 0")
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
@@ -226,7 +226,7 @@ def run_eval(args) -> int:
 
 
 def run_data(args) -> int:
-    from ..dpo_data import model_negatives, offline_pairs
+    from ..training.dpo_data import model_negatives, offline_pairs
     from ..errors import UserError
     from ..fileio import atomic_write_text, check_output_files
     if args.n_train < 0:
@@ -237,7 +237,7 @@ def run_data(args) -> int:
     if args.from_model:
         from ..checkpoint import load_tokenizer
         from ..model import Model
-        from ..sft import fits_context
+        from ..training.sft import fits_context
         model, tok = Model.load(args.from_model, read_only=True), load_tokenizer(args.from_model, read_only=True)
         train, held = offline_pairs(fits=fits_context(tok, model.config.ctx_len))
         if args.n_train:

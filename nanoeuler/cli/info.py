@@ -70,10 +70,10 @@ def lora_config(args, cfg):
 
 
 def run(args) -> int:
-    from ..adapters import step_memory, trainable_shapes
+    from ..adapters import trainable_shapes
     from ..checkpoint import read_source
     from ..errors import UserError
-    from ..memory import training_memory
+    from ..training.memory import lora_step_memory, training_memory
     cfg = resolve_config(args.target)
     src = read_source(args.target)
     T = args.ctx or cfg.ctx_len
@@ -81,7 +81,7 @@ def run(args) -> int:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
     lcfg = lora_config(args, cfg)
     trained = None if lcfg is None else sum(math.prod(s) for s in trainable_shapes(cfg, lcfg).values())
-    mem = training_memory(cfg, args.batch, T) if lcfg is None else step_memory(cfg, lcfg, args.batch, T)
+    mem = training_memory(cfg, args.batch, T) if lcfg is None else lora_step_memory(cfg, lcfg, args.batch, T)
     if args.json:
         extra = {} if lcfg is None else {"lora": lcfg.to_dict(), "trainable_params": trained}
         print(json.dumps({"config": cfg.to_dict(), "n_params": cfg.n_params(), "batch": args.batch, "ctx": T,

@@ -80,7 +80,7 @@ def start_or_resume(args, base_dir, out, seed: int):
     """The LoraModel of an `--lora` run: fresh adapters on base_dir, or (resume) the run in out, whose
     lora.json must agree with the --lora flags if any are given."""
     from ..errors import UserError
-    from ..lora import LoraModel
+    from ..training.lora import LoraModel
     wanted = lora_config(args)
     if not args.resume:
         return LoraModel.new(base_dir, wanted, seed)
@@ -96,10 +96,10 @@ def start_or_resume(args, base_dir, out, seed: int):
 def print_lora(model, rows: int, T: int) -> None:
     """The run's printout of a LoraModel: what it trains, and the memory of a step of `rows` sequences of T
     tokens beside full fine-tuning's."""
-    from ..adapters import describe, step_memory
-    from ..memory import training_memory
+    from ..adapters import describe
+    from ..training.memory import lora_step_memory, training_memory
     cfg = model.config
-    mib = step_memory(cfg, model.lcfg, rows, T)["total"] / 2**20
+    mib = lora_step_memory(cfg, model.lcfg, rows, T)["total"] / 2**20
     full = training_memory(cfg, rows, T)["total"] / 2**20
     print(f"{describe(model.lcfg, cfg)} (the base's {model.n_params():,} frozen); a step of {rows} x {T} "
           f"tokens: ~{mib:,.1f} MiB (full fine-tuning ~{full:,.1f} MiB)")

@@ -87,7 +87,7 @@ def load_for_decoding(args):
     from ..checkpoint import check_vocab, load_model, load_tokenizer, source_blocks
     from ..infer import qkernels
     from ..infer.weights import QuantizedModel, for_dtype
-    from ..memory import check_inference_fits
+    from ..training.memory import check_inference_fits
     from ..model import Model
     if Path(args.ckpt).suffix.lower() == ".gguf":
         from ..interop.gguf_import import load_gguf

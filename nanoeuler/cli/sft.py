@@ -86,13 +86,13 @@ def register(sub) -> None:
 
 def offline_records(tok, ctx: int):
     """The offline instruction set, keeping only examples that fit the model's context."""
-    from ..sft import fits_context, offline_instructions
+    from ..training.sft import fits_context, offline_instructions
     return offline_instructions(fits=fits_context(tok, ctx))
 
 
 def sft_records(data: str, val: str | None, tok, ctx: int):
     """(train records, validation records, data id, number of bad records skipped)."""
-    from ..sft import load_examples, split_heldout
+    from ..training.sft import load_examples, split_heldout
     if data == "offline":
         train, held = offline_records(tok, ctx)
         bad = 0
@@ -116,8 +116,8 @@ def run_sft(args) -> int:
     from ..errors import UserError
     from ..fileio import check_apart, check_real_dir
     from ..model import Model
-    from ..sft import SFTSource
-    from ..train import run_training
+    from ..training.sft import SFTSource
+    from ..training.train import run_training
     from .lora import start_or_resume, wants_lora
 
     out = check_real_dir(args.out)
@@ -180,7 +180,7 @@ def run_eval(args) -> int:
     from ..errors import UserError
     from ..model import Model
     from ..chat_template import with_template_file
-    from ..sft import load_examples, score_answers
+    from ..training.sft import load_examples, score_answers
     model, tok = Model.load(args.ckpt, read_only=True), load_tokenizer(args.ckpt, read_only=True)
     tok = with_template_file(tok, args.chat_template)
     if args.limit < 0 or args.max_new_tokens < 1:
@@ -207,7 +207,7 @@ def run_eval(args) -> int:
 
 def run_data(args) -> int:
     from ..fileio import atomic_write_text, check_output_files
-    from ..sft import offline_instructions
+    from ..training.sft import offline_instructions
     files = ("offline_train.json", "offline_heldout.json")
     out = check_output_files(args.out, files, args.force)
     train, held = offline_instructions(args.n_train, args.n_heldout)

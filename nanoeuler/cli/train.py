@@ -20,7 +20,7 @@ def register(sub) -> None:
         epilog="unset hyper-parameters take the preset's defaults: " + "; ".join(
             f"{name}: " + ", ".join(f"{k.replace('_', '-')} {v:g}" for k, v in d.items()
                                     if not k.startswith(("eval", "ckpt")))
-            for name, d in PRESET_DEFAULTS.items()) + "; a config.json: nanoeuler.train.TrainConfig's")
+            for name, d in PRESET_DEFAULTS.items()) + "; a config.json: nanoeuler.training.train.TrainConfig's")
     p.add_argument("config", nargs="?", default=None,
                    help="preset (small, big, gpt) or a config.json (default: small; on --resume: the run's)")
     p.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
@@ -67,7 +67,7 @@ def add_hyperparameters(p, dropout: bool = True) -> None:
     """The TrainConfig fields as flags; unset flags take the TrainConfig (or preset) default.
     dropout=False leaves out --dropout (for a loop that does not apply it: DPO)."""
     from .args import finite_float, nonneg_int, positive_int   # every value finite and in range (issue 14)
-    g = p.add_argument_group("hyper-parameters (defaults: nanoeuler.train.TrainConfig)")
+    g = p.add_argument_group("hyper-parameters (defaults: nanoeuler.training.train.TrainConfig)")
     g.add_argument("--steps", type=positive_int, help="planned total number of optimizer steps")
     g.add_argument("--batch-size", type=positive_int, help="sequences per optimizer step")
     g.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (batch-size must divide by it)")
@@ -111,16 +111,16 @@ def resolve_precision(args, state: dict | None) -> str:
 
 
 def add_dist_arguments(p) -> None:
-    from ..dist import add_arguments
+    from ..training.dist import add_arguments
     add_arguments(p)
 
 
 def data_parallel(fn, prepare=None):
-    """fn as a command that also runs under `mpiexec -n N` and with --nproc N (see nanoeuler/dist.py).
+    """fn as a command that also runs under `mpiexec -n N` and with --nproc N (see nanoeuler/training/dist.py).
     prepare(args): what must exist before the ranks start (--nproc only). SIGTERM stops it as Ctrl-C does."""
     def run(args):
-        from ..dist import check_launch, command
-        from ..train import sigterm_as_ctrl_c
+        from ..training.dist import check_launch, command
+        from ..training.train import sigterm_as_ctrl_c
         with sigterm_as_ctrl_c():
             if getattr(args, "nproc", 0):
                 check_launch(args.nproc)  # no MPI: one line, before anything is prepared
@@ -142,7 +142,7 @@ def prepare_before_launch(args) -> None:
 
 def train_config_from_args(args, defaults: dict | None = None):
     from ..errors import UserError
-    from ..train import TrainConfig
+    from ..training.train import TrainConfig
     values = dict(defaults or {})
     unknown = sorted(set(values) - set(TrainConfig.__dataclass_fields__))
     if unknown:
@@ -188,12 +188,12 @@ def ensure_bundled_data(vocab_size: int, data_dir: Path = BUNDLED_DATA, progress
 def run_train(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..config import PRESETS, Config
-    from ..dist import under_mpi
+    from ..training.dist import under_mpi
     from ..errors import UserError
     from ..fileio import check_apart, check_real_dir
     from ..model import Model
     from ..tokenizer import Tokenizer
-    from ..train import PretrainSource, run_training
+    from ..training.train import PretrainSource, run_training
     from .lora import start_or_resume, wants_lora
 
     preset = args.config if args.config in PRESETS else None
@@ -236,7 +236,7 @@ def run_train(args) -> int:
                 print(f"vocab_size {n_vocab} from the data's tokenizer ({preset or args.config} has "
                       f"{cfg.vocab_size}; its other dimensions unchanged)")
                 cfg = cfg.replace(vocab_size=n_vocab)
-        from ..memory import check_fits
+        from ..training.memory import check_fits
         check_fits(cfg, max(1, tcfg.batch_size // max(1, tcfg.grad_accum)), cfg.ctx_len)
         model = Model.init(cfg, seed=args.init_seed)
     precision = resolve_precision(args, state)
@@ -294,7 +294,7 @@ def run_eval(args) -> int:
     from ..checkpoint import load_tokenizer
     from ..errors import UserError
     from ..model import Model
-    from ..train import PretrainSource, evaluate
+    from ..training.train import PretrainSource, evaluate
     model = Model.load(args.ckpt, read_only=True)      # eval changes nothing in the checkpoint
     data = Path(args.data) if args.data else BUNDLED_DATA
     if not (data / "manifest.json").exists():

@@ -605,7 +605,7 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
     _announce_part(w, ["pos_embed.weight", "embed.weight"], grads)
 
 
-# ---- the gradient hook (data-parallel overlap, see nanoeuler/dist.py) ----------------------------------------
+# ---- the gradient hook (data-parallel overlap, see nanoeuler/training/dist.py) ----------------------------------------
 _GRAD_HOOK = None
 
 

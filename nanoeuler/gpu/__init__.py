@@ -17,7 +17,7 @@ one-line UserError when CuPy or a device is missing (naming the extra for this m
     (tests/gpu_emu runs these kernels on the CPU for the tests; scripts/gpu_check.sh is the device run)
 
     from nanoeuler.gpu import check_gpu, gpu_available
-    rows = check_gpu(seed=0)      # list[nanoeuler.check.Row]
+    rows = check_gpu(seed=0)      # list[nanoeuler.training.check.Row]
 """
 from .runtime import gpu_available, require_cupy
 

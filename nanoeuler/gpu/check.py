@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from .. import ops as ref
-from ..check import CHECK_CONFIG, Row
+from ..training.check import CHECK_CONFIG, Row
 from ..config import Config
 from ..errors import UserError
 from ..optim import AdamW

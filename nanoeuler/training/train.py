@@ -45,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint as ckpt
-from .errors import UserError
-from .fileio import atomic_path, atomic_write_text, check_real_dir, open_append, own_file
-from .ops import Dropout
-from .optim import clip_grad_norm, lr_schedule
+from .. import checkpoint as ckpt
+from ..errors import UserError
+from ..fileio import atomic_path, atomic_write_text, check_real_dir, open_append, own_file
+from ..ops import Dropout
+from ..optim import clip_grad_norm, lr_schedule
 from .trainable import Trainable
 
 
@@ -140,7 +140,7 @@ class PretrainSource:
     """Random windows of the train split; validation = sequential windows of the val split (token shards)."""
 
     def __init__(self, data_dir, batch_size: int, ctx: int, n_mtp: int, eval_batch_size: int | None = None):
-        from .data.shards import TokenShards
+        from ..data.shards import TokenShards
         self.train = TokenShards(data_dir, "train")
         self.val = TokenShards(data_dir, "val")
         self.batch_size, self.length = batch_size, ctx + n_mtp
@@ -226,7 +226,7 @@ class LMObjective:
         tokens, mask, seed = batch
         B, K = tokens.shape[0], self.model.config.n_mtp
         T = tokens.shape[1] - K
-        from .ops import mtp_targets
+        from ..ops import mtp_targets
         targets = mtp_targets(tokens, T, K, mask)                      # [K, B, T]
         counts = [int(np.count_nonzero(targets[k] >= 0)) for k in range(K)]
         lo, hi = B * rank // n, B * (rank + 1) // n
@@ -247,10 +247,10 @@ class LMObjective:
         return evaluate(self.model, self.source, max_batches)
 
     def rates(self, n: int, dt: float) -> dict:
-        from .perf import mfu
+        from ..perf import mfu
         tok_s = n / dt
         if not hasattr(self, "_peak"):
-            from .perf import matmul_peak_flops
+            from ..perf import matmul_peak_flops
             self._peak, self._n_params = matmul_peak_flops(), self.model.n_params()
         return {"tokens_per_s": tok_s, "mfu": mfu(self._n_params, tok_s, self._peak)}
 

@@ -27,8 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-from .chat_template import HEADER
-from .errors import UserError
+from ..chat_template import HEADER
+from ..errors import UserError
 
 
 # ---- the template: the one rendering function ----------------------------------------------------
@@ -44,7 +44,7 @@ def render(tok, instruction: str, input: str = "", output: str | None = None) ->
     """One example -> (ids, mask), through the tokenizer's chat template (chat_template.py; ours renders
     `prompt_text` + output + </s>). mask is True on the response tokens and its end-of-turn token, False on
     the prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model)."""
-    from .chat_template import example, prompt_ids
+    from ..chat_template import example, prompt_ids
     messages = [user_message(instruction, input)]
     if output is None:
         ids = prompt_ids(tok, messages)
@@ -63,7 +63,7 @@ def user_message(instruction: str, input: str = "") -> dict:
 def load_examples(path: str | Path) -> tuple[list[dict], list[str]]:
     """An Alpaca-format JSON list (or JSON Lines) of {instruction, input, output} -> (valid records, problems).
     Raises UserError when the file is unreadable or holds no valid record."""
-    from .data.sources import validate_alpaca
+    from ..data.sources import validate_alpaca
     path = Path(path)
     if not path.is_file():
         raise UserError(f"SFT data {path} not found")
@@ -111,7 +111,7 @@ def render_all(tok, records: list[dict], length: int) -> Rendered:
     """Render every record (as `render` does, many to a trip to the template worker); an example longer than
     `length` keeps its prompt and as much of the response as fits (counted as truncated), or is dropped when
     not even one response token fits."""
-    from .chat_template import examples
+    from ..chat_template import examples
     out = Rendered([])
     for ids, mask in examples(tok, [([user_message(r["instruction"], r["input"])], r["output"]) for r in records]):
         if len(ids) > length:
@@ -287,7 +287,7 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
         {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
          "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
     """
-    from .data.corpus import bundled_works
+    from ..data.corpus import bundled_works
     rng = np.random.default_rng(seed)
     pools: dict[bool, list[dict]] = {False: [], True: []}
     for work, text in bundled_works().items():
@@ -340,7 +340,7 @@ def score_answers(model, tok, records: list[dict], max_new_tokens: int = 32, pro
     when it is in format and (normalized) equals the record's output. *Lenient* ignores the format: the
     first non-empty line of the text equals the output (fairer to a base model that never says </s>).
     Accuracies are over the scored tasks."""
-    from .infer.session import greedy_answers
+    from ..infer.session import greedy_answers
     rows = []
     it = records
     if progress:

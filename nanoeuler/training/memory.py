@@ -12,7 +12,10 @@ engine's workspace is of the same order). With N = B·T:
 """
 from __future__ import annotations
 
-from .config import Config
+import numpy as np
+
+from ..adapters import LoraConfig, saved_names, trainable_shapes
+from ..config import Config
 
 
 MLP_FLOATS = {"swiglu": 4, "geglu": 5, "gelu": 3}  # the MLP's kept [N, F] arrays (see above)
@@ -43,6 +46,14 @@ def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4, train
     return mem
 
 
+def lora_step_memory(cfg: Config, lcfg: LoraConfig, B: int, T: int) -> dict[str, int]:
+    """training_memory of a LoRA step: gradients and moments of what it trains, the saved modules' tensors
+    held twice (the base's, the trained copy)."""
+    shapes = trainable_shapes(cfg, lcfg)
+    copied = sum(int(np.prod(shapes[n])) for n in saved_names(cfg, lcfg))
+    return training_memory(cfg, B, T, trained=sum(int(np.prod(s)) for s in shapes.values()), copied=copied)
+
+
 def physical_memory() -> int:
     """Bytes of RAM on this machine (0 if unknown)."""
     import os
@@ -59,7 +70,7 @@ def check_fits(cfg: Config, B: int, T: int, what: str = "a training step", limit
         check_fits(PRESETS["small"], 100000, 128)
         # UserError: a training step of batch 100000 x ctx 128 needs about 640.1 GiB ... (this machine: 7.8 GiB)
     """
-    from .errors import UserError
+    from ..errors import UserError
     need = training_memory(cfg, B, T)["total"]
     limit = physical_memory() if limit is None else limit
     if limit and need > limit:
@@ -80,7 +91,7 @@ def inference_memory(cfg: Config, batch: int = 1, bytes_per_float: int = 4) -> i
 
 def check_inference_fits(cfg: Config, batch: int = 1, limit: int | None = None) -> int:
     """Refuse (UserError) a model whose weights + full-context KV cache exceed `limit` (default: RAM)."""
-    from .errors import UserError
+    from ..errors import UserError
     need = inference_memory(cfg, batch)
     limit = physical_memory() if limit is None else limit
     if limit and need > limit:

@@ -38,7 +38,7 @@ import numpy as np
 
 from .dpo_data import (PairBatch, TokenizedPairs, load_pairs, make_batch, model_negatives,  # noqa: F401
                        offline_pairs, pair_problem, pair_records, split_pairs, tokenize_pairs, tokenize_response)
-from .errors import UserError
+from ..errors import UserError
 from .lora import LoraModel
 
 
@@ -115,7 +115,7 @@ class Workspaces:
         self.lora, self.lean, self.fixed = lora, lean, fixed
 
     def get(self, B: int, T: int):
-        from .fast import Workspace, engine
+        from ..fast import Workspace, engine
         if (B, T) not in self.by_shape:
             like = next(iter(self.by_shape.values()), None)
             if self.lora is not None:
@@ -137,13 +137,13 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
     same mathematics, fused and preallocated), then head 0 a chunk of rows at a time (`fast.engine.head_rows`:
     a row's log-prob is minus its cross-entropy; the B·T·V logits are never held at once)."""
     if workspaces is None:
-        from .model import forward
+        from ..model import forward
         cfg1 = dataclasses.replace(cfg, n_mtp=1)
         P1 = trained_params(cfg, P)
         logits, model_cache = forward(cfg1, P1, inputs)  # [1, B, T, V]
         logps, lp_cache = response_logprobs_forward(logits[0], targets, mask)
         return logps, ("reference", cfg1, P1, model_cache, lp_cache)
-    from . import fast
+    from .. import fast
     B, T = inputs.shape
     inputs = np.ascontiguousarray(inputs, dtype=np.int64)
     ws = workspaces.get(B, T)
@@ -156,12 +156,12 @@ def sequence_logprobs_forward(cfg, P: dict, inputs, targets, mask, workspaces: W
 def sequence_logprobs_backward(dlogps, cache) -> dict:
     """dlogps [B] -> gradient of every trained parameter (see `trained_params`)."""
     if cache[0] == "reference":
-        from .model import backward
+        from ..model import backward
         _, cfg1, P1, model_cache, lp_cache = cache
         dlogits = response_logprobs_backward(dlogps, lp_cache)  # [B, T, V]
         return backward(cfg1, P1, dlogits[None], model_cache)
-    from . import fast
-    from .config import head_name
+    from .. import fast
+    from ..config import head_name
     _, cfg, P, inputs, ws, flat = cache
     lora = ws.adapters is not None   # a LoRA policy: the adapters' gradients only (lora.LoraGrads)
     grads = ws.adapters.new_step(ws) if lora else fast.grad_buffers(cfg, ws.hf.dtype)
@@ -251,7 +251,7 @@ def score_greedy(model, tok, pairs: list[dict], max_new_tokens: int = 32, progre
     Only pairs whose task is scored in `sft.SCORED` (or that have no task) are answered — open-ended tasks
     are skipped. Also per task, and how often the answer is the pair's `rejected` response."""
     from .dpo_data import pair_prompt_ids
-    from .infer.session import greedy_answers
+    from ..infer.session import greedy_answers
     from .sft import SCORED, normalize
     rows = []
     todo = it = [p for p in pairs if p.get("task", "") in SCORED or not p.get("task")]
@@ -372,7 +372,7 @@ class DPOObjective:
         return diff
 
     def resume(self, state: dict, out_dir: Path) -> None:
-        from . import checkpoint as ckpt
+        from .. import checkpoint as ckpt
         if state.get("reference") != self.ref_id:
             raise UserError(f"cannot resume {out_dir}: the reference model is not the run's (weights differ from "
                             f"those of {state.get('sft')})")
@@ -474,7 +474,7 @@ def plot_dpo_curves(log_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .fileio import atomic_path
+    from ..fileio import atomic_path
     from .train import read_log
     rows = read_log(log_path)
     if not rows:

@@ -42,8 +42,8 @@ import time
 
 import numpy as np
 
-from .errors import UserError, say
-from .optim import clip_grad_norm
+from ..errors import UserError, say
+from ..optim import clip_grad_norm
 
 FAULT_TAG = 7001  # (and FAULT_TAG + 1: "I have stopped")
 ACK_WAIT_S = 10.0
@@ -80,7 +80,7 @@ def init(zero: int = 0, overlap: bool = True, bucket_mb: float = 4.0, threads: i
     except ImportError:
         raise UserError(INSTALL_HINT) from None
     _WORLD = World(MPI, zero, overlap, bucket_mb)
-    from .fast import parallel
+    from ..fast import parallel
     local = int(os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parallel.PARTS = max(1, threads or cores // local)
@@ -354,7 +354,7 @@ class DataParallel(Trainer):
         """Install the engine hook for the last micro-batch: buckets go out as backward finishes them."""
         if not self.comm.overlap:
             return None
-        from .fast import engine
+        from ..fast import engine
         self.red.reset(acc)
         return engine.grad_hook(self.red.ready)
 
@@ -390,7 +390,7 @@ class DataParallel(Trainer):
 
     def _zero_step(self, lr: float) -> None:
         """AdamW on this rank's pieces, exactly the arithmetic of AdamW.step (fast kernel, same scalars)."""
-        from .fast import kernels
+        from ..fast import kernels
         opt = self.opt
         b1, b2 = opt.betas
         opt.t += 1
@@ -418,7 +418,7 @@ class DataParallel(Trainer):
             return
         m, v = self.red.gather_state(self.m), self.red.gather_state(self.v)  # rank 0: full dicts
         if self.rank == 0:
-            from .optim import AdamW
+            from ..optim import AdamW
             full = AdamW.__new__(AdamW)
             full.__dict__.update(self.opt.__dict__)
             full.m, full.v = m, v
@@ -433,7 +433,7 @@ def sum_of_squares(x: np.ndarray) -> float:
     if _sumsq is None:
         import numba
 
-        from .numba_cache import install
+        from ..numba_cache import install
         install()
 
         @numba.njit(cache=True)

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning: a frozen base `Model` plus low-rank adapters (adapters.py), trained by the one loop.
+"""LoRA fine-tuning: a frozen base `Model` plus low-rank adapters (../adapters.py), trained by the one loop.
 
 `LoraModel` looks to `train.run_training` like a model whose `params` are the adapters only, so AdamW
 keeps moments for the adapters alone and data-parallel ranks reduce only their gradients.
@@ -28,11 +28,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import adapters as ad
-from . import ops
-from .errors import UserError
-from .model import Model, backward, check_tokens, forward
-from .optim import AdamW
+from .. import adapters as ad
+from .. import ops
+from ..errors import UserError
+from ..model import Model, backward, check_tokens, forward
+from ..optim import AdamW
 
 
 @dataclass
@@ -92,7 +92,7 @@ class LoraModel:
     @classmethod
     def new(cls, base_dir, lcfg: ad.LoraConfig, seed: int = 0) -> "LoraModel":
         """Fresh adapters (B = 0: the base's function) on the checkpoint in base_dir."""
-        from .checkpoint import load_model
+        from ..checkpoint import load_model
         if ad.is_adapter_run(base_dir):
             raise UserError(f"{base_dir} is an adapter run; merge it first (nanoeuler lora merge) to use it as a base")
         base = Model(*load_model(base_dir, read_only=True, mapped=True))
@@ -160,7 +160,7 @@ class LoraModel:
         """Forward only (no adapter dropout: evaluation): (head-0 loss, objective)."""
         if reference:
             return self.merged().loss(tokens, loss_mask, reference=True, dropout=dropout)
-        from . import fast
+        from .. import fast
         check_tokens(self.config, tokens, extra=self.config.n_mtp)
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
         return fast.loss(self.config, self.policy.params, tokens, loss_mask, ws, dropout)
@@ -197,8 +197,8 @@ class LoraModel:
         return head_losses[0], objective, grads | {n: g[n] for n in self.whole}
 
     def _fast_step(self, tokens, loss_mask, dropout, adapter_dropout, counts):
-        from . import fast
-        from .fast import engine
+        from .. import fast
+        from ..fast import engine
         ws = self._workspace(tokens.shape[0], tokens.shape[1] - self.config.n_mtp)
         self.engine_adapters.drop = adapter_dropout
         try:
@@ -225,8 +225,8 @@ class LoraModel:
         read, stays as it is: no copy of it is made). Their float32 is read back from the checkpoint file only
         by what reads it later (merge, the reference path, a workspace of another precision).
         GPT-2 124 M in bf16: ~324 MiB less."""
-        from . import fast
-        from .checkpoint import drop_pages
+        from .. import fast
+        from ..checkpoint import drop_pages
         ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision, lean=True))
         if like is not None:
             fast.engine.share_fixed(ws, like)
@@ -321,7 +321,7 @@ class Adapters:
         row (default: batch_row(x))."""
         if self.drop is None:
             return x
-        from .fast.kernels import dropout_scale
+        from ..fast.kernels import dropout_scale
         d = self.drop
         row0 = batch_row(x) if row0 is None else row0
         out = np.empty_like(x)
@@ -332,7 +332,7 @@ class Adapters:
     def _product_runs(self, key: str):
         """runs() of the weights behind the engine's product `key` (a weight, or weights stacked: fast.engine.product_key)."""
         if key not in self._runs:
-            from .fast.engine import product_weights
+            from ..fast.engine import product_weights
             self._runs[key] = self.runs(tuple(product_weights(key)))
         return self._runs[key]
 
@@ -388,7 +388,7 @@ class LoraGrads(dict):
 
     def weight_grad(self, names, dy, x, mm, accumulate: bool = False) -> None:
         if names[0] in self.whole:                                          # a saved head: dyᵀ·x [V, d]
-            from .fast.engine import add_product
+            from ..fast.engine import add_product
             if accumulate:                                                  # (its rows' later chunks)
                 add_product(dy.T, x, self[names[0]], mm)
             else:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops
-from .config import Config
+from .. import ops
+from ..config import Config
 
 H_STEP = 1e-3
 FLOOR = 1e-6
@@ -179,7 +179,7 @@ def check_model(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFI
                 dropout: float = 0.0) -> list[Row]:
     """Every parameter tensor of a float64 model: analytic grads vs finite differences of the objective
     (with dropout > 0: of the objective under one fixed set of dropout masks)."""
-    from .model import Model
+    from ..model import Model
     rng = np.random.default_rng(seed)
     model = Model.init(config, seed=seed, dtype=np.float64)
     # larger-than-init weights so every path carries a gradient well above round-off
@@ -205,7 +205,7 @@ def check_dpo(seed: int = 0, n_samples: int = 12) -> list:
     from .dpo import (chosen_nll_backward, chosen_nll_forward, dpo_loss_and_grads, dpo_loss_backward,
                       dpo_loss_forward, make_batch, response_logprobs_backward, response_logprobs_forward,
                       sequence_logprobs_forward)
-    from .model import Model
+    from ..model import Model
     rng = np.random.default_rng(seed)
     rows = []
     N, beta = 5, 0.1
@@ -276,9 +276,9 @@ def check_lora(seed: int = 0, n_samples: int = 12, config: Config = CHECK_CONFIG
     """Every adapter tensor (rank 3, every target of the arch) of a float64 model, and every tensor of the
     modules trained whole beside them (modules_to_save): the analytic gradients (base frozen) vs finite
     differences of the objective (with dropout > 0: under fixed masks)."""
-    from .adapters import LoraConfig, init_adapters
+    from ..adapters import LoraConfig, init_adapters
     from .lora import LoraModel
-    from .model import Model
+    from ..model import Model
     rng = np.random.default_rng(seed)
     base = Model.init(config, seed=seed, dtype=np.float64)
     for p in base.params.values():
@@ -316,7 +316,7 @@ def check_bf16(seed: int = 0, n_samples: int = 30) -> list[Row]:
     bf16 forward there, and smooth, so finite differences see its gradient. R (the loss Σ out ⊙ R) is drawn
     from small integers: bf16 values, so the backward's own rounding of its incoming gradient is exact, as
     are the kernels' float32 sums: a backward that multiplied by b instead of ρ(b) would be 2⁻⁹ off."""
-    from .fast import bf16
+    from ..fast import bf16
     rng = np.random.default_rng(seed)
     M, K, N = 5, 7, 6
     f32 = lambda x: x.astype(np.float32)  # noqa: E731  (exact: the values are float32)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 
 
 # ---- batches of pairs ----------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def tokenize_response(tok, p: dict, response: str) -> tuple[np.ndarray, np.ndarr
     """A pair's prompt + response -> (ids, mask): through the chat template when the pair has messages
     (the same ids and mask as `sft.render`), else prompt text + response + </s>."""
     if "messages" in p:
-        from .chat_template import example
+        from ..chat_template import example
         ids, mask = example(tok, p["messages"], response)
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
     prompt = pair_prompt_ids(tok, p)
@@ -162,7 +162,7 @@ def tokenize_response(tok, p: dict, response: str) -> tuple[np.ndarray, np.ndarr
 def pair_prompt_ids(tok, p: dict) -> list[int]:
     """What the model answers for pair p: its messages through the chat template, else its prompt text."""
     if "messages" in p:
-        from .chat_template import prompt_ids
+        from ..chat_template import prompt_ids
         return prompt_ids(tok, p["messages"])
     return tok.encode(p["prompt"], add_bos=True)
 
@@ -241,7 +241,7 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
     on a small model. Each prompt keeps its last ctx_len tokens."""
     from tqdm import tqdm
 
-    from .infer.engine import Batcher, Job
+    from ..infer.engine import Batcher, Job
     answers: list = [None] * len(prompts)
     engine = Batcher(model, max_batch=32, max_queue=max(1, len(prompts)))
     bar = tqdm(total=len(prompts), desc="model answers", unit="prompt", dynamic_ncols=True, disable=not progress)
