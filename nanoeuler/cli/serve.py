@@ -108,7 +108,7 @@ def check_cache_fits(cfg, max_batch: int, ctx: int | None, limit: int | None = N
     """The positions each row holds (--ctx, default the model's context up to DEFAULT_CTX), refused in one line
     when out of range or when max_batch full rows would not fit in `limit` bytes (default: RAM)."""
     from ..errors import UserError
-    from ..memory import kv_cache_bytes, physical_memory
+    from ..training.memory import kv_cache_bytes, physical_memory
     ctx = min(cfg.ctx_len, DEFAULT_CTX) if ctx is None else ctx
     if not 1 <= ctx <= cfg.ctx_len:
         raise UserError(f"--ctx must be in [1, {cfg.ctx_len}] (the model's context), got {ctx}")
