@@ -3,7 +3,8 @@ and by llama.cpp: what a process costs, and how well each predicts. Speed: bench
 
 load     process start to the first generated token, and the process's peak RSS: `nanoeuler sample --ckpt FILE
          --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE -n 1` (its own binary, built from
-         llama-cpp-python's source distribution), a fresh process each, alternating, --repeat times (median);
+         llama-cpp-python's source distribution), a fresh process each, alternating, --repeat times (median),
+         after one warm-up run of each (the page cache, numba's and Python's on-disk caches);
          beside them the file's tensor bytes. Each side's peak includes its runtime and its KV cache (llama.cpp
          clears a float16 cache of the model's whole context; ours is float32 and takes pages as it fills).
 quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
@@ -12,6 +13,7 @@ quality  bits per byte of the bundled held-out works (bench/heldout.py: windows 
 
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
     .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
+    .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion --skip-quality
 """
 from __future__ import annotations
 
@@ -37,9 +39,11 @@ PROMPT = "The capital of France is"
 
 
 def run_measured(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one child process run to its end; a failure stops the bench."""
+    """(wall seconds, peak RSS in MiB) of one child process run to its end; a failure stops the bench. Python
+    may cache bytecode (PYTHONDONTWRITEBYTECODE unset), as an installed package has it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     err = proc.stderr.read().decode(errors="replace")
@@ -112,6 +116,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
     ap.add_argument("--per-work", type=int, default=4, help="windows from each held-out work (default 4)")
     ap.add_argument("--skip-load", action="store_true", help="quality only")
+    ap.add_argument("--skip-quality", action="store_true", help="load only")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
     if not args.skip_load and not args.llama_completion:
@@ -124,7 +129,8 @@ def main() -> None:
         row = {"file": path.name}
         if not args.skip_load:
             row |= load_rows(path, args.llama_completion, args.repeat)
-        row |= quality_row(path, args.window, args.per_work)
+        if not args.skip_quality:
+            row |= quality_row(path, args.window, args.per_work)
         report["rows"].append(row)
         print(f"  {path.name} done", file=sys.stderr, flush=True)
     report["load_after"] = os.getloadavg()

@@ -250,8 +250,24 @@ def test_pack_holds_the_integers_and_scales(name):
             assert a == b
             continue
         np.testing.assert_array_equal(b[:len(a)], a, err_msg=field)
-        if field in ("d", "dmin"):
+        if field in ("d", "dmin", "q"):
             assert not b[len(a):].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_pack_writes_every_byte_of_its_out_array(name):
+    """pack into a given array (a slice of the model's one buffer) writes all of it, padding included: the same
+    bytes as a fresh kernel form whatever the array held, for stacked (per-layer) matrices too."""
+    O, I = 70, 512
+    rng = np.random.default_rng(4)
+    B = np.stack([blocks_of(name, rng, O, I) for _ in range(2)])          # [layers, O, bytes]
+    Wk = qk.pack(B, name, I)
+    assert Wk.shape == (2, 2, I // quant.WTYPES[name].block, qk.STRIDES[qk.KINDS[name]])
+    np.testing.assert_array_equal(Wk[1], qk.pack(B[1], name, I))
+    for fill in (0, 255):
+        out = np.full(Wk.shape, fill, np.uint8)
+        assert qk.pack(B, name, I, out) is out
+        np.testing.assert_array_equal(out, Wk)
 
 
 def panel_for(kind, isa):

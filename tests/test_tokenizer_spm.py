@@ -255,6 +255,22 @@ def test_pieces_and_token_bytes(scored_vocab):
         tok.decode([tok.vocab_size])
 
 
+def test_pieces_equal_their_definition_token_by_token():
+    """pieces() (every token's bytes at once) is token_bytes defined one token at a time: "▁" a space in NORMAL
+    and UNUSED tokens only, a BYTE token its byte, a "▁" whose bytes two tokens share left as it is."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE, BYTE_PIECES, CONTROL, NORMAL, UNUSED, USER_DEFINED
+    extra = {"▁": NORMAL, "▁a▁b": NORMAL, "<c▁>": CONTROL, "▁▁": USER_DEFINED, "r▁": UNUSED, "é": NORMAL,
+             "x\udce2": NORMAL, "\udc96\udc81y": NORMAL}      # b"x\xe2", b"\x96\x81y": a "▁" split between them
+    tokens, types = BYTE_PIECES + list(extra), [BYTE] * 256 + list(extra.values())
+
+    def one(t, kind):
+        if kind == BYTE:
+            return bytes([int(t[3:5], 16)])
+        return (t.replace("▁", " ") if kind in (NORMAL, UNUSED) else t).encode("utf-8", "surrogateescape")
+    tok = SentencePieceTokenizer(tokens, types, [0.0] * len(tokens))
+    assert tok.pieces() == [one(t, kind) for t, kind in zip(tokens, types)]
+
+
 def test_callers_take_either_kind(vocabularies, tmp_path, monkeypatch, capsys):
     """A checkpoint whose tokenizer is SentencePiece-style: `tokenizer encode/decode`, `sample`, chat-template
     rendering with its SFT mask, streamed decoding and the parallel encoder work as with a byte-level one."""

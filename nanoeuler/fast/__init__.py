@@ -17,7 +17,13 @@ from ..numba_cache import install
 
 install()  # before any kernel is compiled or loaded from the cache (see numba_cache.py)
 
-from . import engine  # noqa: E402
-from .engine import Workspace, backward, forward, grad_buffers, loss, loss_and_grads  # noqa: E402
-
 __all__ = ["Workspace", "backward", "engine", "forward", "grad_buffers", "loss", "loss_and_grads"]
+
+
+def __getattr__(name: str):
+    """`fast.engine`, `fast.Workspace`, `fast.loss_and_grads`, ...: engine.py, imported on first use, so that
+    decoding, which imports only vmath.py and parallel.py of this package, does not load the training engine."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import nanoeuler.fast.engine as engine   # (not `from . import engine`: that asks this function again)
+    return engine if name == "engine" else getattr(engine, name)

@@ -123,22 +123,6 @@ GEOMETRY = {name: _geometry(name) for name in KINDS}
 STRIDES = tuple(GEOMETRY[n].stride if n else 0 for n in [""] * 3 + list(KINDS))  # by kind: bytes of a panel's block
 
 
-def _groups(q: np.ndarray, bits: int) -> np.ndarray:
-    """The groups of q uint8 [P·PANEL, G, 32] (G groups of 32 inputs per output) -> [P, VECS, G, group bytes]."""
-    P, G = q.shape[0] // PANEL, q.shape[1]
-    qv = q.reshape(P, VECS, LANES, G, QK).transpose(0, 1, 3, 2, 4)                  # [P, v, G, j, i]
-    if bits == 8:
-        return qv.reshape(P, VECS, G, LANES, 8, 4).transpose(0, 1, 2, 4, 3, 5).reshape(P, VECS, G, -1)
-    low = (qv & np.uint8(15)).reshape(P, VECS, G, LANES, 4, 2, 4)                   # input 8s + 4h + k
-    nib = (low[..., 0, :] | (low[..., 1, :] << np.uint8(4))).transpose(0, 1, 2, 4, 3, 5)  # [P, v, G, s, j, k]
-    parts = [nib.reshape(P, VECS, G, -1)]
-    for plane in range(bits - 4):
-        bit = ((qv >> np.uint8(4 + plane)) & np.uint8(1)).reshape(P, VECS, G, LANES, 8, 4)  # [.., j, u, k]
-        bit = bit.transpose(0, 1, 2, 4, 3, 5).reshape(P, VECS, G, 8, 64)                   # bit 4j + k of word u
-        parts.append(np.packbits(bit, axis=-1, bitorder="little").reshape(P, VECS, G, -1))
-    return np.concatenate(parts, axis=-1)
-
-
 def _per_panel(a: np.ndarray, P: int, nb: int) -> np.ndarray:
     """Per-output numbers a [O, nb, ...] -> [P·PANEL, nb, ...] (zero rows pad the last panel)."""
     out = np.zeros((P * PANEL, nb, *a.shape[2:]), a.dtype)
@@ -146,25 +130,62 @@ def _per_panel(a: np.ndarray, P: int, nb: int) -> np.ndarray:
     return out
 
 
-def pack(B: np.ndarray, name: str, n_in: int) -> np.ndarray:
+@njit(**OPTS)
+def place_groups(q, bits, gpb, panel_bytes, vec_bytes, block_bytes, head, group_bytes, out):
+    """Write the groups of q uint8 [O, in] (each weight's integer) into out, uint8 [P · panel_bytes]: the group
+    of panel p, vector v and inputs 32G .. 32G + 31 at byte
+        p·panel_bytes + v·vec_bytes + (G // gpb)·block_bytes + head + (G % gpb)·group_bytes
+    in the module docstring's layout (8 bits: byte [u, j, k]; else the nibbles' bytes [s, j, k], then the
+    planes of bits 4, 5); the outputs of the last panel past O are zeros."""
+    O, n_groups = q.shape[0], q.shape[1] // QK
+    size = LANES * QK * bits // 8   # bytes of one group (16 outputs x 32 inputs)
+    for p in range(out.shape[0] // panel_bytes):
+        for v in range(VECS):
+            for G in range(n_groups):
+                at = p * panel_bytes + v * vec_bytes + (G // gpb) * block_bytes + head + (G % gpb) * group_bytes
+                out[at:at + size] = 0
+                for j in range(LANES):
+                    o = p * PANEL + v * LANES + j
+                    if o >= O:
+                        continue
+                    for i in range(QK):
+                        x = q[o, G * QK + i]
+                        u, k = i // 4, i % 4
+                        if bits == 8:
+                            out[at + 64 * u + 4 * j + k] = x
+                            continue
+                        s, h = i // 8, (i // 4) % 2           # input 8s + 4h + k: nibble h of byte [s, j, k]
+                        out[at + 64 * s + 4 * j + k] |= np.uint8((x & 15) << (4 * h))
+                        for plane in range(bits - 4):          # bit 4j + k of word u of the plane
+                            bit = (x >> (4 + plane)) & 1
+                            out[at + 256 + 64 * plane + 8 * u + (4 * j + k) // 8] |= np.uint8(bit << ((4 * j + k) % 8))
+
+
+def pack(B: np.ndarray, name: str, n_in: int, out: np.ndarray | None = None) -> np.ndarray:
     """The kernel form of a quantized matrix: B its GGUF bytes [..., out, n_in / block · bytes per block]
     (quant.py) -> uint8 [..., ceil(out / PANEL), n_in / block, STRIDES[kind]] (see the module docstring: for the
-    K types the shape gives the sizes, the bytes are in vector-major order; zero rows pad the last panel).
+    K types the shape gives the sizes, the bytes are in vector-major order; zero rows pad the last panel),
+    written into `out` when given (an array of that shape).
     pack(quantize(W, "q8_0"), "q8_0", W.shape[-1])"""
-    if B.ndim > 2:
-        return np.stack([pack(b, name, n_in) for b in B])
     g = GEOMETRY[name]
-    O, nb = B.shape[0], n_in // g.block
+    O, nb = B.shape[-2], n_in // g.block
     P = -(-O // PANEL)
+    form = np.empty((*B.shape[:-2], P, nb, g.stride), np.uint8) if out is None else out
+    if B.ndim > 2:
+        for b, f in zip(B, form):
+            pack(b, name, n_in, f)
+        return form
     f = unpack(B, name)                                         # blocks in order: [O·nb, ...]
 
     def field(a):                                               # [O·nb, k] -> [P·PANEL, nb, k]
         return _per_panel(a.reshape(O, nb, -1), P, nb)
-    body = _groups(field(f.q).reshape(P * PANEL, nb * g.block // QK, QK), g.bits)  # [P, v, G, group]
+    q = np.ascontiguousarray(f.q).reshape(O, n_in)
     if g.block == QK:                                           # [P, nb, (d, m), 64 outputs] then the groups
-        head = [field(a).view(np.uint8).reshape(P, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(P, nb, -1)
-                for a in ((f.d, f.m) if g.minimum else (f.d,))]
-        return np.ascontiguousarray(np.concatenate(head + [body.transpose(0, 2, 1, 3).reshape(P, nb, -1)], axis=2))
+        for k, a in enumerate((f.d, f.m) if g.minimum else (f.d,)):
+            form[:, :, 2 * PANEL * k:2 * PANEL * (k + 1)] = \
+                field(a).view(np.uint8).reshape(P, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(P, nb, -1)
+        place_groups(q, g.bits, 1, nb * g.stride, g.group, g.stride, g.head, 0, form.reshape(-1))
+        return form
 
     def strip(a):                                               # [P·PANEL, nb, k, (2)] -> [P, v, nb, k·16 (·2)]
         a = a.reshape(P, VECS, LANES, nb, a.shape[2], -1).transpose(0, 1, 3, 4, 2, 5)
@@ -174,8 +195,10 @@ def pack(B: np.ndarray, name: str, n_in: int) -> np.ndarray:
         head += [strip(field(f.dmin)), strip(field(f.sc)), strip(field(f.mn).reshape(P * PANEL, nb, 4, 2))]
     else:
         head += [strip(field(f.sc))]
-    form = np.concatenate(head + [body.reshape(P, VECS, nb, -1)], axis=3)  # [P, v, nb, strip]
-    return np.ascontiguousarray(form).reshape(P, nb, -1)
+    vec = g.stride // VECS                                      # a vector's strip of one super-block
+    form.reshape(P, VECS, nb, vec)[..., :g.head] = np.concatenate(head, axis=3)   # [P, v, nb, strip]
+    place_groups(q, g.bits, g.block // QK, nb * g.stride, nb * vec, vec, g.head, g.group, form.reshape(-1))
+    return form
 
 
 # ---- IR pieces ------------------------------------------------------------------------------------------

@@ -54,11 +54,7 @@ def _block_form(name: str) -> KernelForm:
         return a if a.dtype.kind == "f" else t.dequantize(a.view(np.uint8), a.shape[-1] * t.block)
 
     def pack(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        Wk = qkernels.pack(a.view(np.uint8), name, a.shape[-1] * t.block)
-        if out is None:
-            return Wk
-        out[...] = Wk
-        return out
+        return qkernels.pack(a.view(np.uint8), name, a.shape[-1] * t.block, out)
 
     def packed(shape: tuple) -> tuple:
         return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),

@@ -209,7 +209,7 @@ class SentencePieceTokenizer(BaseTokenizer):
     def find(self, piece: str) -> int:
         """The id of the token whose text is piece, -1 if none."""
         q = np.frombuffer(piece.encode("utf-8", "surrogateescape"), np.uint8)
-        return int(sf._find_text(self._t_keys, self._t_vals, self._blob, self._starts, self._ends, q, 0, len(q)))
+        return int(sf.find_text(self._t_keys, self._t_vals, self._blob, self._starts, self._ends, q))
 
     # -- basic facts ---------------------------------------------------------------------------------
     @property
@@ -233,16 +233,20 @@ class SentencePieceTokenizer(BaseTokenizer):
         return self.pieces()[int(i)]
 
     def pieces(self) -> list[bytes]:
-        """token_bytes of every id (built on first use)."""
+        """token_bytes of every id (built on first use, from all the tokens' bytes at once): a NORMAL or UNUSED
+        token's text with each "▁" as a space, a BYTE token's byte ("<0xE4>" -> b"\xe4"), any other its text."""
         if self._pieces is None:
-            out = []
-            for t, ty in zip(self.tokens, self.types.tolist()):
-                if ty == BYTE:                            # "<0xE4>" (_build checked the BYTE tokens are these)
-                    out.append(bytes([int(t[3:5], 16)]))
-                elif ty == NORMAL or ty == UNUSED:
-                    out.append(t.replace(METASPACE, " ").encode("utf-8", "surrogateescape"))
-                else:
-                    out.append(t.encode("utf-8", "surrogateescape"))
+            blob, lengths = self._blob, self._ends - self._starts
+            owner = np.repeat(np.arange(self.vocab_size), lengths)       # [bytes]: the token each byte is of
+            at = np.flatnonzero((blob[:-2] == 0xE2) & (blob[1:-1] == 0x96) & (blob[2:] == 0x81))  # "▁" starts
+            at = at[(owner[at] == owner[at + 2]) & np.isin(self.types[owner[at]], (NORMAL, UNUSED))]
+            text, keep = blob.copy(), np.ones(len(blob), np.bool_)
+            text[at], keep[at + 1], keep[at + 2] = sf.SPACE, False, False  # "▁" -> " "
+            cuts = np.concatenate([[0], np.cumsum(keep)])[self._ends].tolist()   # each token's end in `data`
+            data = text[keep].tobytes()
+            out = [data[a:b] for a, b in zip([0, *cuts[:-1]], cuts)]
+            for b, i in enumerate(self._byte_token.tolist()):         # (_build checked they are the BYTE tokens)
+                out[i] = bytes([b])
             self._pieces = out
         return self._pieces
 

@@ -122,6 +122,12 @@ def _find_text(t_keys, t_vals, blob, starts, ends, q, s, e):
 
 
 @njit(cache=True)
+def find_text(t_keys, t_vals, blob, starts, ends, q):
+    """The id of the token whose bytes are q, or -1 (the text table's lookup, compiled once for Python callers)."""
+    return _find_text(t_keys, t_vals, blob, starts, ends, q, 0, q.shape[0])
+
+
+@njit(cache=True)
 def text_table(blob, starts, ends, t_keys, t_vals):
     """Fill the text table with every token; return the first id whose text an earlier token has, or -1."""
     for t in range(starts.shape[0]):
