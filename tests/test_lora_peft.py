@@ -17,12 +17,13 @@ from nanoeuler.optim import AdamW  # noqa: E402
 from nanoeuler.tokenizer import Tokenizer  # noqa: E402
 
 TARGETS = {"euler": ("q", "k", "v", "o", "gate", "up", "down"), "gpt2": ("c_attn", "c_proj", "c_fc")}
+TARGETS["gemma3"] = TARGETS["euler"]
 
 
 def setup(arch, tmp_path, save=()):
     """Our LoraModel (adapters with B ≠ 0; `save`: modules trained whole, their copies moved off the base) on a
     saved base, and PEFT's model on that base's HF export with the same values copied in."""
-    from nanoeuler.interop.hf import export_hf
+    from nanoeuler.interop.hf import export_hf, external_value
     cfg = tiny_config(vocab_size=257, dim=32, n_layers=2, ctx_len=16, ffn_hidden=40, n_mtp=1, arch=arch,
                       n_kv_heads=4 if arch == "gpt2" else 2)          # HF GPT-2 has no GQA
     base = Model.init(cfg, seed=0)
@@ -46,9 +47,9 @@ def setup(arch, tmp_path, save=()):
     names = peft_names(cfg, m.lcfg)
     trained = [n for n, p in theirs.items() if p.requires_grad]
     assert sorted(trained) == sorted(live(t) for t in names.values())
-    with torch.no_grad():
+    with torch.no_grad():   # in Hugging Face's convention (Gemma's norms: w - 1)
         for ours, t in names.items():
-            theirs[live(t)].copy_(torch.from_numpy(m.params[ours]))
+            theirs[live(t)].copy_(torch.from_numpy(external_value(cfg.spec.hf.norm_offset, ours, m.params[ours])))
     return m, pm, names
 
 
@@ -70,6 +71,8 @@ def close(ours, theirs) -> bool:
 
 
 CASES = [("euler", ()), ("gpt2", ()), ("euler", ("lm_head", "norm"))]
+# Gemma's norms multiply by 1 + w and Hugging Face stores w - 1: saved norms are exported so
+EXPORTS = CASES + [("gemma3", ("norm",))]
 
 
 @pytest.mark.parametrize("arch,save", CASES)
@@ -103,7 +106,7 @@ def test_same_loss_gradients_and_ten_adamw_steps_as_peft(arch, save, tmp_path):
     assert any(not np.array_equal(m.params[n], 0) for n in m.params if n.endswith("lora_B"))
 
 
-@pytest.mark.parametrize("arch,save", CASES)
+@pytest.mark.parametrize("arch,save", EXPORTS)
 def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, save, tmp_path):
     from nanoeuler.cli import main
     from nanoeuler.training.train import TrainConfig, run_training
