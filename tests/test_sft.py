@@ -323,6 +323,17 @@ def test_sft_seq_len_sets_the_rows_and_a_resume_keeps_it(tmp_path, tok, capsys):
     assert "a step of 2 x 140 tokens" in capsys.readouterr().out
 
 
+def test_offline_data_validates_on_a_val_file_when_given(tmp_path, tok):
+    """`sft --data offline --val FILE` validated on the offline held-out split and ignored the file."""
+    from nanoeuler.cli.sft import sft_records
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps(offline_instructions(n_train=1, n_heldout=3)[1]))
+    train, held, data_id, _ = sft_records("offline", str(val), tok, 160)
+    own_train, own_held, own_id, _ = sft_records("offline", None, tok, 160)
+    assert held == load_examples(val)[0] and len(held) == 3 and len(own_held) > 3
+    assert train == own_train and data_id != own_id      # a resume with another --val is another data set
+
+
 @pytest.mark.parametrize("command", [["sft", "--base"], ["dpo", "--sft"]])
 def test_a_context_no_offline_example_fits_is_one_line_not_a_hang(tmp_path, tok, command):
     """`sft --base` a 48-wide model with a 64-token context sat at step 0 forever: the offline set drew

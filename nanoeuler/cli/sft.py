@@ -103,11 +103,10 @@ def sft_records(data: str, val: str | None, tok, ctx: int):
         if problems:
             print(f"warning: skipped {len(problems)} invalid record(s) in {data}, e.g. {problems[0]}")
         data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
-        if val:
-            train, held = records, load_examples(val)[0]
-            data_id += "+" + hashlib.sha1(Path(val).read_bytes()).hexdigest()[:16]
-        else:
-            train, held = split_heldout(records)
+        train, held = (records, None) if val else split_heldout(records)
+    if val:
+        held = load_examples(val)[0]
+        data_id += "+" + hashlib.sha1(Path(val).read_bytes()).hexdigest()[:16]
     return train, held, data_id, bad
 
 
