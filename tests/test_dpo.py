@@ -334,3 +334,14 @@ def test_model_answers_in_a_batch_equal_generate_one_by_one():
     assert [ids for ids, _ in got] == [[t for t in g.ids if t != stop] for g in want]
     assert [stopped for _, stopped in got] == [g.stopped for g in want]
     assert any(stopped for _, stopped in got) and not all(stopped for _, stopped in got)
+
+
+def test_offline_pairs_validate_on_a_val_file_when_given(tmp_path):
+    """`dpo --data offline --val FILE` validated on the offline held-out pairs and ignored the file."""
+    from nanoeuler.training.dpo_data import offline_pairs, pair_records
+    own_train, own_held = offline_pairs()
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(p) + "\n" for p in own_train[:3]))
+    train, held, data_id, bad = pair_records("offline", str(val), None)
+    assert held == load_pairs(val)[0] and len(held) == 3 != len(own_held) and bad == 0
+    assert train == own_train and data_id != pair_records("offline", None, None)[2]

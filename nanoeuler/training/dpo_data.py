@@ -293,20 +293,21 @@ def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, pro
 
 def pair_records(data: str, val: str | None, fits=None) -> tuple[list[dict], list[dict], str, int]:
     """(train pairs, held-out pairs, data id, invalid lines skipped) for --data/--val:
-    'offline' = `offline_pairs(fits=fits)`; a JSONL file = its pairs (held-out: --val, else 1 in 50 by
-    prompt hash)."""
+    'offline' = `offline_pairs(fits=fits)` (held-out: --val, else its own); a JSONL file = its pairs (held-out:
+    --val, else 1 in 50 by prompt hash)."""
     if data == "offline":
         train, held = offline_pairs(fits=fits)
-        return train, held, "offline-pairs-v2" if fits else "offline-pairs-v1", 0
-    train, bad = load_pairs(data)
-    data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
-    if bad:
-        print(f"warning: skipped {len(bad)} invalid pair(s) in {data}, e.g. {bad[0]}")
+        data_id, bad = "offline-pairs-v2" if fits else "offline-pairs-v1", []
+    else:
+        train, bad = load_pairs(data)
+        data_id = hashlib.sha1(Path(data).read_bytes()).hexdigest()[:16]
+        if bad:
+            print(f"warning: skipped {len(bad)} invalid pair(s) in {data}, e.g. {bad[0]}")
     if val:
         held, bad_val = load_pairs(val)
         bad += bad_val
         data_id += "+" + hashlib.sha1(Path(val).read_bytes()).hexdigest()[:16]
-    else:
+    elif data != "offline":
         train, held = split_pairs(train)
         if not held:
             raise UserError(f"no held-out pair: {data} is too small to hold 1 in 50 out; pass --val FILE")
