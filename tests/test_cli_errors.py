@@ -65,6 +65,10 @@ def one_line_error(argv, capsys, monkeypatch=None, stdin: str = ""):
     (["sample", "--ckpt", "{run}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["sample", "--ckpt", "{run}", "--prompt", "a", "--top-k", "-3"], "--top-k"),
     (["chat", "--ckpt", "{run}", "--temperature", "inf"], "--temperature"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--threads", "0"], "--threads"),
+    (["sample", "--ckpt", "{run}", "--prompt", "a", "--threads", "100000"], "more than the"),
+    (["chat", "--ckpt", "{run}", "--threads", "100000"], "more than the"),
+    (["serve", "--ckpt", "{run}", "--threads", "100000"], "more than the"),
     (["info", "small", "--batch", "0"], "--batch"),
     (["info", "small", "--ctx", "abc"], "--ctx"),
     (["bench", "small", "--batch-size", "0"], "--batch-size"),
@@ -85,6 +89,20 @@ def test_numeric_flags_finite_and_in_range(argv, needle, run_dir, text_file, tmp
     line = one_line_error(argv, capsys)
     assert needle in line
     assert not (tmp_path / "d").exists()        # refused before creating anything
+
+
+def test_threads_decode_with_that_many_threads(run_dir, capsys):
+    """sample --threads 1 decodes on one thread (as llama.cpp's -t), the same greedy text as the default."""
+    from nanoeuler.infer import kernels
+    before = kernels.get_threads()
+    argv = ["sample", "--ckpt", str(run_dir), "--prompt", "a", "--temperature", "0", "--max-new-tokens", "8", "--json"]
+    try:
+        assert main(argv) == 0
+        default = json.loads(capsys.readouterr().out)["text"]
+        assert main([*argv, "--threads", "1"]) == 0
+        assert kernels.get_threads() == 1 and json.loads(capsys.readouterr().out)["text"] == default
+    finally:
+        kernels.set_threads(before)
 
 
 def test_top_k_zero_means_no_limit_in_both_places(run_dir, monkeypatch, capsys):

@@ -22,7 +22,7 @@ def register(sub) -> None:
                                    "peak resident memory.")
     p.add_argument("preset", nargs="?", default=None, help="preset or config.json (default small)")
     from .args import nonneg_int, positive_int
-    from .sample import DTYPES
+    from .sample import DTYPES, add_threads_arg
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: 32 for small, 16 otherwise")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: the config's)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 10)")
@@ -41,8 +41,7 @@ def register(sub) -> None:
     d.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights while decoding (default: as `sample` decodes the checkpoint: float32, an "
                         "imported or .gguf model in its file's type)")
-    d.add_argument("--threads", type=positive_int, default=None,
-                   help="decoding threads, at most the cores this process may use (default: those cores, at most 8)")
+    add_threads_arg(d)
     d.add_argument("--repeat", type=positive_int, default=None, help="timed runs of each test (default 5)")
     d.add_argument("--n-prompt", type=positive_int, default=None, help="prompt tokens of the pp test, at most the context (default 256, or the context if shorter)")
     d.add_argument("--n-gen", type=positive_int, default=None, help="generated tokens of the tg test, at most the context - 1 (default 64, or that if shorter)")
@@ -171,11 +170,6 @@ def run_decode(args) -> int:
         if asked is not None and asked > room:  # a default shrinks to the context; a number asked for is kept
             raise UserError(f"{flag} {asked} does not fit the model's context of {cfg.ctx_len} tokens (at most {room})")
     n_prompt, n_gen = args.n_prompt or min(256, cfg.ctx_len), args.n_gen or min(64, cfg.ctx_len - 1)
-    if args.threads is not None:
-        cores = len(os.sched_getaffinity(0))
-        if args.threads > cores:
-            raise UserError(f"--threads {args.threads} is more than the {cores} cores this process may use")
-        kernels.set_threads(args.threads)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n_prompt).tolist()  # as llama-bench: random tokens
     fused = fuse_weights(cfg, model.params)
     tests = {f"pp{n_prompt}": 0, f"tg{n_gen}": n_gen}

@@ -13,8 +13,28 @@ import sys
 from .args import escape_control
 
 
+def add_threads_arg(p) -> None:
+    """--threads N (sample, chat, serve, bench --decode): applied by load_for_decoding."""
+    from .args import positive_int
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="decoding threads, at most the cores this process may use (default: those cores, at most 8)")
+
+
+def use_threads(n: int) -> None:
+    """Decode with n threads, refused in one line beyond the cores this process may use."""
+    import os
+
+    from ..errors import UserError
+    from ..infer import kernels
+    cores = len(os.sched_getaffinity(0))
+    if n > cores:
+        raise UserError(f"--threads {n} is more than the {cores} cores this process may use")
+    kernels.set_threads(n)
+
+
 def add_sampling_args(p, temperature: float, max_new: int) -> None:
     from .args import finite_float, nonneg_int, positive_int
+    add_threads_arg(p)
     p.add_argument("--temperature", type=finite_float(0, 100), default=temperature,
                    help=f"softmax temperature in [0, 100]; 0 = greedy (default {temperature})")
     p.add_argument("--top-k", type=nonneg_int, default=None,
@@ -89,6 +109,8 @@ def load_for_decoding(args):
     from ..infer.weights import QuantizedModel, for_dtype
     from ..training.memory import check_inference_fits
     from ..model import Model
+    if getattr(args, "threads", None) is not None:
+        use_threads(args.threads)
     if Path(args.ckpt).suffix.lower() == ".gguf":
         from ..interop.gguf_import import load_gguf
         dtype = getattr(args, "dtype", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .sample import DTYPES, load_for_decoding
+from .sample import DTYPES, add_threads_arg, load_for_decoding
 
 DEFAULT_CTX = 8192  # serve's default window: Gemma 3's 32,768 positions x 32 rows would be 36 GiB of cache
 
@@ -35,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
                         "q8_0, q4_0, q4_1, q5_0, q5_1 (see `sample --help`)")
+    add_threads_arg(p)
     p.add_argument("--max-batch", type=int, default=32, help="rows of the KV cache decoded together, shared fairly between requests (default 32)")
     p.add_argument("--ctx", type=int, default=None,
                    help=f"positions of KV cache a request's row holds: a prompt keeps its last CTX tokens and a reply "
