@@ -116,7 +116,8 @@ def check_cache_fits(cfg, max_batch: int, ctx: int | None, limit: int | None = N
     need, limit = kv_cache_bytes(cfg, max_batch, ctx), physical_memory() if limit is None else limit
     if limit and need > limit:
         raise UserError(f"--max-batch {max_batch} rows of --ctx {ctx} positions are {need / 2**30:.1f} GiB of KV "
-                        f"cache when full, more than this machine's {limit / 2**30:.1f} GiB: lower --ctx or --max-batch")
+                        f"cache when full, more than this machine's {limit / 2**30:.1f} GiB: "
+                        "lower --ctx or --max-batch")
     return ctx
 
 

@@ -12,9 +12,9 @@ request waits for another's many jobs. One engine step:
                  copied aside, bit for bit; at most max_batch parked at once) and the row handed over. A
                  parked job resumes where it stopped, before its request's jobs not yet started.
     2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance: each request
-                 by up to prefill_tokens tokens a step (the largest request, below: its share), its jobs in order. A long prompt goes in over several
-                 steps and no step stalls the running streams for long on one request's prompts, while many
-                 requests arriving together all go in at once. A row whose cache is full joins the
+                 by up to prefill_tokens tokens a step (the largest request, below: its share), its jobs in
+                 order. A long prompt goes in over several steps and no step stalls the running streams for
+                 long on one request's prompts, while many requests arriving together all go in at once. A row whose cache is full joins the
                  decoding rows.
     3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
                  with the job's own random generator): a stop id or max_tokens ends the job, frees its row
@@ -29,7 +29,8 @@ request waits for another's many jobs. One engine step:
     prefilled. A step's cost is what every request pays per token, so a short request beside one of 64 jobs
     pays for a step of a few rows, not of max_batch; alone, a request feeds all its rows.
 
-    slots:  0 .. n-1             decoding rows (a view of the cache's first n rows, never a gather)
+    slots:  0 .. n-1             decoding rows (a view of the cache's first n rows; the fused step reads a
+                                 largest request's share of them in place, by slot)
             n .. max_batch-1     rows filling their cache, and free slots
 
     rows:   a  a  a  a  .  .        a: 4 positions filled, feeds its 5th token
@@ -211,7 +212,7 @@ class Batcher:
         self.max_batch, self.max_queue = int(max_batch), int(max_queue)  # max_queue: requests waiting
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens a request prefills a step (module docstring)
         self.W = step.fuse_weights(cfg, model.params, batched=True)
-        self.cache = new_cache(cfg, self.max_batch, self.ctx_len, dtype=model.dtype)  # (a float16 model's cache is float32)
+        self.cache = new_cache(cfg, self.max_batch, self.ctx_len, dtype=model.dtype)  # (float16 model: float32)
         self.slots: list[_Seq | None] = [None] * self.max_batch
         self.n_dec = 0  # slots 0 .. n_dec-1 decode
         self.groups: dict[object, _Group] = {}  # requests with a waiting job or a row, in arrival order
@@ -485,8 +486,8 @@ class Batcher:
         mine = [s for s in dec if s.group is big]
         if len(mine) <= cap:
             return dec
-        fed = set(map(id, sorted(mine, key=lambda s: (s.decoded_at, s.order))[:cap]))
-        return [s for s in dec if s.group is not big or id(s) in fed]
+        fed = set(sorted(mine, key=lambda s: (s.decoded_at, s.order))[:cap])
+        return [s for s in dec if s.group is not big or s in fed]
 
     # ---- the background thread -------------------------------------------------------------------
     def start(self) -> "Batcher":
