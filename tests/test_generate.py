@@ -4,7 +4,7 @@ options behave, the stream decoder never splits a character."""
 import numpy as np
 import pytest
 
-from nanoeuler import Config, Model, UserError
+from nanoeuler import Config, Model, UserError, ops
 from nanoeuler.infer import kernels, sampling, session, speculative, step, weights
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.sampling import draw_token, sample_token, token_probs
@@ -76,6 +76,29 @@ def test_a_new_cache_takes_memory_as_positions_are_written():
         step.forward_hidden(cfg, W, np.array([[1, 2, 3]]), cache)
         grew.append(rss_kib() - before)
     assert cache.length == 3 and min(grew) < store // 8, (grew, store)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "numpy"])
+def test_rope_tables_grow_as_positions_are_reached(fused, monkeypatch):
+    """A cache makes its RoPE tables for the positions reached, doubling as the sequence grows (Gemma 3's
+    32,768 positions held 64 MiB of tables for any reply): a prompt of 200 then 100 more tokens in a cache
+    of 1,024 positions makes tables of 256, then 512 positions, and the logits equal full recomputation,
+    the positions past the first table included."""
+    cfg = tiny_config(vocab_size=24, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=1024, ffn_hidden=48)
+    model = Model.init(cfg, seed=2)
+    monkeypatch.setattr(kernels, "ENABLED", fused)
+    W = step.fuse_weights(cfg, model.params)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 300))
+    cache = new_cache(cfg)
+    assert cache.rope.cos.shape[1] == 0
+    got = [forward_cached(cfg, model.params, ids[:, :200], cache, fused=W)]
+    assert cache.rope.cos.shape[1:] == (256, cfg.head_dim // 2)
+    got.append(forward_cached(cfg, model.params, ids[:, 200:], cache, fused=W))
+    assert cache.rope.cos.shape[1] == 512
+    cos, sin = ops.rope_tables(512, cfg.head_dim, cfg.rope_theta, np.float32)
+    assert np.array_equal(cache.rope.cos[0], cos) and np.array_equal(cache.rope.sin[0], sin)
+    assert rel_err(np.concatenate(got, axis=2), forward(cfg, model.params, ids)[0]) <= 1e-5
+    assert new_cache(cfg, max_len=100).rope.upto(90)[0].shape[1] == 100  # never past the cache's positions
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -233,7 +233,7 @@ def test_positions_and_rows_outside_the_cache_raise_before_anything_is_written(m
     for pos, slot in (([0, CFG.ctx_len], [0, 0]), ([0, -1], [0, 0]), ([0, 1], [0, 1]), ([0, 1], [0, -1])):
         with pytest.raises(IndexError):
             kernels.forward_rows(CFG, W, np.ones((2, CFG.dim), np.float32), np.array(pos), np.array(slot), k, v,
-                                 c.cos, c.sin)
+                                 *c.rope.upto(CFG.ctx_len))
     assert not k.any() and not v.any()
 
 
@@ -270,8 +270,8 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     cache = new_cache(CFG)
     tokens, pos = np.array([7, 0, 52]), np.array([5, 0, CFG.ctx_len - 1])
     got = kernels.forward_rows(CFG, W["decode"], reference.embed(CFG, W, tokens, pos), pos, np.arange(3), k, v,
-                               cache.cos, cache.sin)
-    want = reference.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.cos, cache.sin, cache.kind), tokens, pos)
+                               *cache.rope.upto(CFG.ctx_len))
+    want = reference.forward_rows(CFG, W, KVCache(list(k2), list(v2), cache.rope, cache.kind), tokens, pos)
     assert rel_err(got, want) <= 5e-5
     assert rel_err(k, k2) <= 5e-5 and rel_err(v, v2) <= 5e-5  # the new keys and values where the reference put them
 
@@ -289,7 +289,8 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
     assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
     shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
     k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
-    cos, sin = new_cache(cfg).cos, new_cache(cfg).sin
+    ref = new_cache(cfg)
+    cos, sin = ref.rope.upto(cfg.ctx_len)
     ctl = kernels._POOL.ctl
 
     def run(threads, rows):
@@ -308,7 +309,7 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
         kernels.set_threads(old)
     assert jobs - jobs_short == cfg.n_layers
     assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
-    want = reference.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), cos, sin, new_cache(cfg).kind), tokens, pos)
+    want = reference.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), ref.rope, ref.kind), tokens, pos)
     assert rel_err(two, want) <= 5e-5
 
 
@@ -341,3 +342,22 @@ print("ok")
     tests = str(__import__("pathlib").Path(__file__).parent)
     r = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_head_packed_by_rows_equals_the_head_packed_whole(monkeypatch):
+    """fuse_weights packs head 0 (a tied head: the embedding, Gemma 3's 262,144 rows) a slice of rows at a
+    time, letting go of each slice's file pages: the same kernel form as packing it whole, float32 and q8_0
+    blocks (2·PANEL + 53 rows in slices of PANEL: the last slice 53 rows, its panel part-filled)."""
+    from nanoeuler.config import head_weight
+    from nanoeuler.infer import forward as fwd, qkernels
+    from nanoeuler.infer.weights import Forms, QuantizedModel
+    cfg = tiny_config(vocab_size=2 * kernels.PANEL + 53, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=24,
+                      ffn_hidden=64)
+    m = model(cfg)
+    monkeypatch.setattr(fwd, "HEAD_ROWS", kernels.PANEL)
+    models = [m] + ([QuantizedModel(m, "q8_0")] if qkernels.AVAILABLE else [])
+    for mm in models:
+        forms = Forms(mm.params)
+        E = head_weight(mm.params, 0)
+        assert np.array_equal(fwd._packed_by_rows(forms, E), forms.kernel_form(E))
+        assert np.array_equal(fuse_weights(cfg, mm.params)["head.0"][2], forms.kernel_form(E))

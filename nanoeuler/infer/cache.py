@@ -17,14 +17,31 @@ from .. import ops
 from ..config import Config
 
 
+class Rope:
+    """The RoPE tables of each base the layers use, made as positions are reached: `upto(n)` -> (cos, sin)
+    [kinds, m, hd/2] for positions 0 .. m-1, m >= n, the tables doubling up to max_len as a sequence grows
+    (a 32,768-position context does not make 64 MiB of tables for a short reply). No RoPE: 0 kinds."""
+
+    def __init__(self, thetas: list[float], head_dim: int, max_len: int, dtype):
+        self.thetas, self.head_dim, self.max_len, self.dtype = thetas, head_dim, max_len, dtype
+        self.cos = self.sin = np.zeros((len(thetas), 0, head_dim // 2), dtype)
+
+    def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n > self.cos.shape[1] and self.thetas:
+            m = min(self.max_len, max(n, 2 * self.cos.shape[1], 256))
+            tables = [ops.rope_tables(m, self.head_dim, t, self.dtype) for t in self.thetas]
+            self.cos = np.array([c for c, _ in tables], self.dtype).reshape(len(self.thetas), m, -1)
+            self.sin = np.array([s for _, s in tables], self.dtype).reshape(self.cos.shape)
+        return self.cos, self.sin
+
+
 @dataclass
 class KVCache:
     """Rotated keys and values of every layer for the first `length` positions of the window."""
     k: list[np.ndarray]  # per layer [B, Hkv, max_len, hd]
     v: list[np.ndarray]
-    cos: np.ndarray      # RoPE tables of each base the layers use, positions 0 .. max_len-1: [kinds, max_len, hd/2]
-    sin: np.ndarray      #   (no RoPE: 0 kinds)
-    kind: np.ndarray     # [layers] int64: layer i's table in cos / sin (-1: no RoPE)
+    rope: Rope           # the RoPE tables (shared by the caches of `rows`)
+    kind: np.ndarray     # [layers] int64: layer i's table in rope's cos / sin (-1: no RoPE)
     length: int = 0
     store: tuple | None = None  # (k, v, b0): arrays [layers, batch, Hkv, max_len, hd] whose rows b0.. are
                                 #   k[i], v[i] (new_cache: b0 = 0; serve's batcher: a view of its rows)
@@ -36,7 +53,10 @@ class KVCache:
     def tables(self, i: int, pos: np.ndarray) -> tuple:
         """Layer i's RoPE (cos, sin) at positions pos (any shape: the tables' rows pos), or (None, None)."""
         j = self.kind[i]
-        return (None, None) if j < 0 else (self.cos[j][pos], self.sin[j][pos])
+        if j < 0:
+            return None, None
+        cos, sin = self.rope.upto(int(pos.max()) + 1 if pos.size else 0)
+        return cos[j][pos], sin[j][pos]
 
 
 def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
@@ -46,12 +66,9 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     dtype = np.float32 if np.dtype(dtype) == np.float16 else dtype
     shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     thetas = sorted({cfg.layer_theta(i) for i in range(cfg.n_layers)}) if cfg.spec.positions == "rope" else []
-    tables = [ops.rope_tables(max_len, cfg.head_dim, t, dtype) for t in thetas]
-    cos = np.array([c for c, _ in tables], dtype).reshape(len(thetas), max_len, cfg.head_dim // 2)
-    sin = np.array([s for _, s in tables], dtype).reshape(cos.shape)
     kind = np.array([thetas.index(cfg.layer_theta(i)) if thetas else -1 for i in range(cfg.n_layers)], np.int64)
     k, v = zeros_as_written(shape, dtype), zeros_as_written(shape, dtype)
-    return KVCache(list(k), list(v), cos, sin, kind, store=(k, v, 0))
+    return KVCache(list(k), list(v), Rope(thetas, cfg.head_dim, max_len, dtype), kind, store=(k, v, 0))
 
 
 def zeros_as_written(shape: tuple, dtype) -> np.ndarray:
@@ -71,8 +88,8 @@ def rows(cache: KVCache, b0: int, n: int) -> KVCache:
     """A view of rows b0 .. b0+n-1 of a new_cache cache, as a cache of n rows (length 0): writes go to the
     cache's own arrays.  rows(new_cache(cfg, 4), 2, 1).k[0].shape[0] == 1"""
     k, v, _ = cache.store
-    return KVCache([x[b0:b0 + n] for x in cache.k], [x[b0:b0 + n] for x in cache.v], cache.cos, cache.sin,
-                   cache.kind, store=(k, v, b0))
+    return KVCache([x[b0:b0 + n] for x in cache.k], [x[b0:b0 + n] for x in cache.v], cache.rope, cache.kind,
+                   store=(k, v, b0))
 
 
 def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,

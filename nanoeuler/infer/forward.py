@@ -42,8 +42,8 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     a = cfg.spec
     parts = [head_weight(P, k) for k in range(K)]
     heads32 = None if forms.kernels else f32(np.concatenate(parts))  # [K·V, d] (tied: head 0 is the embedding)
-    head0 = kernel_form(parts[0])  # [panels, d, PANEL]: decoding reads head 0 only (a tied head: the embedding's blocks)
-    drop_pages(parts)              # (a mapped file's: packed; a lookup reads back the rows it needs)
+    head0 = _packed_by_rows(forms, parts[0])  # decoding reads head 0 only (a tied head: the embedding's blocks)
+    drop_pages(parts[1:])
     W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
          "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),
          "heads": pair(tuple(parts) if forms.kernels else heads32, head0 if K == 1 else kernel_form(np.concatenate(parts))),
@@ -68,6 +68,25 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     return W
 
 
+HEAD_ROWS = 64 * kernels.PANEL  # rows of a head packed at a time
+
+
+def _packed_by_rows(forms: Forms, A: np.ndarray) -> np.ndarray | None:
+    """forms.kernel_form(A) made HEAD_ROWS rows at a time, each slice's pages of a mapped file let go of once
+    packed (a lookup reads back the rows it needs): a large vocabulary's head (Gemma 3's 262,144 rows, 170 MB
+    of blocks) is never unpacked whole nor resident twice. Panels hold consecutive rows, so a slice of
+    HEAD_ROWS rows is a slice of the packed panels."""
+    if not forms.kernels:
+        return None
+    shape, dtype = of_dtype(A.dtype).packed(A.shape)
+    out = np.empty(shape, dtype)
+    for r in range(0, A.shape[0], HEAD_ROWS):
+        p, rows = r // kernels.PANEL, A[r:r + HEAD_ROWS]
+        forms.kernel_form(rows, out[p:p + -(-rows.shape[0] // kernels.PANEL)])
+        drop_pages([rows])
+    return out
+
+
 def norm_pair(P: dict, name: str, f32) -> tuple:
     """(weight, bias or None) of the norm `name` (an RMSNorm has no bias)."""
     return f32(P[name + ".weight"]), f32(P[name + ".bias"]) if name + ".bias" in P else None
@@ -78,7 +97,7 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
     of): consecutive parameters of one weight type stacked into one segment (a file's Q5_0 q and k beside a Q8_0
     v: two); one buffer for every kernel form (one allocation of > 4 MB: NumPy asks the kernel for huge pages,
     fewer TLB misses per token)."""
-    plan = []   # per layer, per matrix: [(weight type, the stacked parameters)]
+    plan = []   # per layer, per matrix: [(weight type, its consecutive parameters of that type)]
     for i in range(cfg.n_layers):
         layer = []
         for m in MATRICES:
@@ -89,9 +108,10 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
                     groups[-1][1].append(P[n])
                 else:
                     groups.append((t, [P[n]]))
-            layer.append([(t, np.concatenate(ps) if len(ps) > 1 else ps[0], ps) for t, ps in groups])
+            layer.append(groups)
         plan.append(layer)
-    shapes = [t.packed(S.shape) for layer in plan for segs in layer for t, S, _ in segs]
+    shapes = [t.packed((sum(p.shape[0] for p in ps), ps[0].shape[1])) for layer in plan for segs in layer
+              for t, ps in segs]
     sizes = [-(-int(np.prod(sh)) * dt.itemsize // 64) * 64 for sh, dt in shapes]
     buf = np.empty(sum(sizes) + 64, np.uint8)
     off = -buf.ctypes.data % 64   # every kernel form 64-byte aligned
@@ -100,8 +120,9 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
         out.append([])
         for segs in layer:
             out[-1].append([])
-            for t, S, parts in segs:
+            for t, parts in segs:
                 (sh, dt), size = shapes[k], sizes[k]
+                S = np.concatenate(parts) if len(parts) > 1 else parts[0]  # (stacked one segment at a time)
                 Wk = forms.kernel_form(S, buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh))
                 drop_pages(parts)  # a mapped file's matrices (a GGUF's blocks): read, packed, let go of at once
                 out[-1][-1].append((t.kind, Wk, S.shape[0]))

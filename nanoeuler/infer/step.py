@@ -46,8 +46,9 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
         return forward.forward_hidden(cfg, W, inputs, cache, last_only)
     k, v, b0 = cache.store
     x = forward.embed(cfg, W, inputs[0], np.arange(L, L + Tn))  # [Tn, d]
-    hs = [kernels.forward(cfg, W["decode"], x[a:a + kernels.CHUNK], k, v, L + a, cache.cos, cache.sin,
-                          last_only, b0) for a in range(0, Tn, kernels.CHUNK)]
+    cos, sin = cache.rope.upto(L + Tn)
+    hs = [kernels.forward(cfg, W["decode"], x[a:a + kernels.CHUNK], k, v, L + a, cos, sin, last_only, b0)
+          for a in range(0, Tn, kernels.CHUNK)]
     cache.length = L + Tn
     return (hs[-1] if last_only else np.concatenate(hs))[None]  # [1, Tn|1, d]
 
@@ -75,7 +76,7 @@ def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
     k, v, b0 = cache.store
     x = forward.embed(cfg, W, np.array(block, np.int64), np.arange(L, L + n))  # [n, d]
     h, logits, best = kernels.round_rows(cfg, W["decode"], x, np.arange(L, L + n), np.full(n, b0, np.int64), k, v,
-                                         cache.cos, cache.sin, W["head.0"][2])
+                                         *cache.rope.upto(L + n), W["head.0"][2])
     cache.length = L + n
     return h, logits, best.tolist()
 
@@ -92,7 +93,7 @@ def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: n
         k, v, b0 = cache.store
         slots = np.arange(len(tokens)) if slots is None else slots
         h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + slots,
-                                 k, v, cache.cos, cache.sin)  # [n, d]
+                                 k, v, *cache.rope.upto(int(pos.max()) + 1 if len(pos) else 0))  # [n, d]
         return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
     with blas_threads(PARTS if len(tokens) >= WIDE_STEP else 1):
         return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos, slots), W["head.0"])

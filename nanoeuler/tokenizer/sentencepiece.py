@@ -144,7 +144,7 @@ class SentencePieceTokenizer(BaseTokenizer):
             if t is not None and t not in self.special_tokens:
                 raise UserError(f"the {what} token {t!r:.40} is not a special token of the vocabulary")
         self._splitters: dict[bool, tuple] = {}
-        self._pieces: list[bytes] | None = None
+        self._joined: tuple[bytes, np.ndarray] | None = None   # (_joined_pieces)
 
     def _build(self) -> None:
         """The lookup tables (spm_fast): texts, characters, pairs, byte tokens."""
@@ -230,25 +230,32 @@ class SentencePieceTokenizer(BaseTokenizer):
         token_bytes(id of '▁the') -> b' the'"""
         if not 0 <= int(i) < self.vocab_size:
             raise UserError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
-        return self.pieces()[int(i)]
+        data, cuts = self._joined_pieces()
+        return data[cuts[int(i)]:cuts[int(i) + 1]]
 
     def pieces(self) -> list[bytes]:
-        """token_bytes of every id (built on first use, from all the tokens' bytes at once): a NORMAL or UNUSED
-        token's text with each "▁" as a space, a BYTE token's byte ("<0xE4>" -> b"\xe4"), any other its text."""
-        if self._pieces is None:
+        """token_bytes of every id."""
+        data, cuts = self._joined_pieces()
+        return [data[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())]
+
+    def _joined_pieces(self) -> tuple[bytes, np.ndarray]:
+        """(every token's token_bytes joined, cuts [vocab + 1]: token i's are data[cuts[i] : cuts[i+1]]), built
+        on first use from all the tokens' bytes at once: a NORMAL or UNUSED token's text with each "▁" as a space,
+        a BYTE token's byte ("<0xE4>" -> b"\xe4"), any other its text. (Two arrays, not a list of 262,144 bytes
+        objects: Gemma 3's would hold 14 MB.)"""
+        if self._joined is None:
             blob, lengths = self._blob, self._ends - self._starts
             owner = np.repeat(np.arange(self.vocab_size), lengths)       # [bytes]: the token each byte is of
             at = np.flatnonzero((blob[:-2] == 0xE2) & (blob[1:-1] == 0x96) & (blob[2:] == 0x81))  # "▁" starts
             at = at[(owner[at] == owner[at + 2]) & np.isin(self.types[owner[at]], (NORMAL, UNUSED))]
             text, keep = blob.copy(), np.ones(len(blob), np.bool_)
             text[at], keep[at + 1], keep[at + 2] = sf.SPACE, False, False  # "▁" -> " "
-            cuts = np.concatenate([[0], np.cumsum(keep)])[self._ends].tolist()   # each token's end in `data`
-            data = text[keep].tobytes()
-            out = [data[a:b] for a, b in zip([0, *cuts[:-1]], cuts)]
-            for b, i in enumerate(self._byte_token.tolist()):         # (_build checked they are the BYTE tokens)
-                out[i] = bytes([b])
-            self._pieces = out
-        return self._pieces
+            first = self._starts[self._byte_token]                       # "<0xHH>" (6 bytes) -> byte HH
+            text[first] = np.arange(256)                                 #   (_build checked they are the BYTE tokens)
+            keep[(first[:, None] + np.arange(1, 6)).ravel()] = False
+            cuts = np.concatenate([[0], np.cumsum(keep)])[np.concatenate([[0], self._ends])]
+            self._joined = text[keep].tobytes(), cuts
+        return self._joined
 
     def __repr__(self) -> str:
         return (f"SentencePieceTokenizer(vocab_size={self.vocab_size}, ranked by "
@@ -393,10 +400,11 @@ class SentencePieceTokenizer(BaseTokenizer):
     # -- decoding -----------------------------------------------------------------------------------
     def decode_bytes(self, ids) -> bytes:
         """ids -> the exact bytes: pieces joined, the first one's leading space dropped when encode adds one."""
-        pieces = self.pieces()
-        ids = self.check_ids(ids).tolist()
-        out = b"".join([pieces[i] for i in ids])
-        if self.prefix != "none" and out[:1] == b" " and pieces[ids[0]][:1] == b" ":
+        data, cuts = self._joined_pieces()
+        ids = self.check_ids(ids)
+        starts, ends = cuts[ids].tolist(), cuts[ids + 1].tolist()
+        out = b"".join([data[a:b] for a, b in zip(starts, ends)])
+        if self.prefix != "none" and out[:1] == b" " and data[starts[0]:starts[0] + 1] == b" ":
             out = out[1:]
         return out
 
