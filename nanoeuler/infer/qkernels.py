@@ -136,29 +136,39 @@ def place_groups(q, bits, gpb, panel_bytes, vec_bytes, block_bytes, head, group_
     of panel p, vector v and inputs 32G .. 32G + 31 at byte
         p·panel_bytes + v·vec_bytes + (G // gpb)·block_bytes + head + (G % gpb)·group_bytes
     in the module docstring's layout (8 bits: byte [u, j, k]; else the nibbles' bytes [s, j, k], then the
-    planes of bits 4, 5); the outputs of the last panel past O are zeros."""
+    planes of bits 4, 5); the outputs of the last panel past O are zeros. Each byte is written once, whole
+    (a plane's byte holds the bits of outputs j and j + 1: the even one writes it, the odd one adds to it)."""
     O, n_groups = q.shape[0], q.shape[1] // QK
-    size = LANES * QK * bits // 8   # bytes of one group (16 outputs x 32 inputs)
     for p in range(out.shape[0] // panel_bytes):
         for v in range(VECS):
             for G in range(n_groups):
                 at = p * panel_bytes + v * vec_bytes + (G // gpb) * block_bytes + head + (G % gpb) * group_bytes
-                out[at:at + size] = 0
+                c = G * QK
                 for j in range(LANES):
                     o = p * PANEL + v * LANES + j
-                    if o >= O:
+                    real = o < O
+                    o = min(o, O - 1)
+                    if bits == 8:
+                        for u in range(QK // 4):
+                            for k in range(4):
+                                out[at + 64 * u + 4 * j + k] = q[o, c + 4 * u + k] if real else 0
                         continue
-                    for i in range(QK):
-                        x = q[o, G * QK + i]
-                        u, k = i // 4, i % 4
-                        if bits == 8:
-                            out[at + 64 * u + 4 * j + k] = x
-                            continue
-                        s, h = i // 8, (i // 4) % 2           # input 8s + 4h + k: nibble h of byte [s, j, k]
-                        out[at + 64 * s + 4 * j + k] |= np.uint8((x & 15) << (4 * h))
-                        for plane in range(bits - 4):          # bit 4j + k of word u of the plane
-                            bit = (x >> (4 + plane)) & 1
-                            out[at + 256 + 64 * plane + 8 * u + (4 * j + k) // 8] |= np.uint8(bit << ((4 * j + k) % 8))
+                    for s in range(4):                     # inputs 8s + k (low nibble) and 8s + 4 + k (high)
+                        for k in range(4):
+                            lo, hi = q[o, c + 8 * s + k] & 15, q[o, c + 8 * s + 4 + k] & 15
+                            out[at + 64 * s + 4 * j + k] = (lo | (hi << 4)) if real else 0
+                    for plane in range(bits - 4):          # bit 4j + k of word u: bit 4 + plane of input 4u + k
+                        for u in range(QK // 4):
+                            nib = 0
+                            for k in range(4):
+                                nib |= ((q[o, c + 4 * u + k] >> (4 + plane)) & 1) << k
+                            at_byte = at + 256 + 64 * plane + 8 * u + j // 2
+                            if not real:
+                                nib = 0
+                            if j % 2 == 0:
+                                out[at_byte] = nib
+                            else:
+                                out[at_byte] |= nib << 4
 
 
 def pack(B: np.ndarray, name: str, n_in: int, out: np.ndarray | None = None) -> np.ndarray:
