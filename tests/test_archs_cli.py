@@ -106,3 +106,14 @@ def check_exports(tmp_path):
     tuned = peft.PeftModel.from_pretrained(base, tmp_path / "l-peft")
     with torch.no_grad():
         assert rel_err(tuned(torch.tensor(ids)).logits.numpy(), Model.load(tmp_path / "lm").logits(ids)[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_import_and_export_help_name_every_architecture(command, capsys):
+    """--help lists the architectures the registry holds, under each format's own names (it once named only
+    llama and gpt2, and refused biases and sliding windows that qwen2 and gemma3 have)."""
+    from nanoeuler.arch import ARCHS
+    assert main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ", ".join(a.hf.aliases[0] for a in ARCHS.values()) in text      # LlamaForCausalLM, Qwen2ForCausalLM, ...
+    assert ", ".join(a.gguf.name for a in ARCHS.values()) in text          # llama, qwen2, gemma3, gpt2

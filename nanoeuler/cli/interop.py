@@ -5,14 +5,22 @@ from __future__ import annotations
 import json
 
 
+def architectures(kind: str) -> str:
+    """The names format `kind` gives the architectures of arch.py, for --help: "hf": the config's architectures
+    entry (LlamaForCausalLM, ...), "gguf": general.architecture (llama, ...)."""
+    from ..arch import ARCHS
+    return ", ".join(a.hf.aliases[0] if kind == "hf" else a.gguf.name for a in ARCHS.values())
+
+
 def register(sub) -> None:
     e = sub.add_parser(
         "export", help="export a checkpoint to Hugging Face transformers (--format hf) or GGUF (--format gguf)",
         description="Export a checkpoint. --format hf writes a folder that transformers' AutoModelForCausalLM and "
-                    "AutoTokenizer load with no code of ours (LlamaForCausalLM; MTP heads 1..K-1 in a side file "
-                    "that `nanoeuler import` reads back; the Alpaca chat template in tokenizer_config.json). "
-                    "--format gguf writes one .gguf file for llama.cpp (architecture llama, q/k rows permuted "
-                    "for its RoPE layout, the tokenizer and chat template in the metadata). --format peft writes "
+                    f"AutoTokenizer load with no code of ours ({architectures('hf')}; MTP heads "
+                    "1..K-1 in a side file that `nanoeuler import` reads back; the chat template in "
+                    "tokenizer_config.json). --format gguf writes one .gguf file for llama.cpp (general.architecture "
+                    f"{architectures('gguf')}; q/k rows permuted for its RoPE layout where it needs that, the "
+                    "tokenizer and chat template in the metadata). --format peft writes "
                     "an adapter run's LoRA adapters as a PEFT folder that PeftModel.from_pretrained loads on the "
                     "base's --format hf export, and --format gguf-lora as one .gguf LoRA adapter that llama.cpp applies "
                     "(--lora) on the base's --format gguf export (hf and gguf of an adapter run export it merged). "
@@ -37,15 +45,16 @@ def register(sub) -> None:
 
     i = sub.add_parser(
         "import", help="import a Hugging Face folder or a GGUF file (quantized included) as a checkpoint",
-        description="Import a Hugging Face model folder (config.json of a LlamaForCausalLM or GPT2LMHeadModel, "
-                    "model.safetensors or shards with model.safetensors.index.json, a tokenizer.json: byte-level BPE, or "
-                    "SentencePiece-style BPE with byte fallback) "
-                    "or a GGUF file (architecture llama or gpt2; any tensor type the gguf package dequantizes: "
-                    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K; the type of each tensor is kept in the "
-                    "checkpoint's source.json) as a nanoeuler checkpoint that sample, chat, serve, sft, dpo and "
-                    "eval use unchanged. The model's token ids and chat template are kept. Unsupported features "
-                    "(rope scaling, biases, sliding window, head_dim != hidden/heads, a WordPiece / Unigram / RWKV "
-                    "vocabulary) are refused by name. An existing --out is refused unless --force.")
+        description="Import a Hugging Face model folder (config.json of an architecture of ours: "
+                    f"{architectures('hf')}; model.safetensors or shards with model.safetensors.index.json, a "
+                    "tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte fallback) "
+                    f"or a GGUF file (general.architecture {architectures('gguf')}; any tensor type the gguf "
+                    "package dequantizes: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Q2_K..Q6_K; the type of each "
+                    "tensor is kept in the checkpoint's source.json) as a nanoeuler checkpoint that sample, chat, "
+                    "serve, sft, dpo and eval use unchanged (sample, chat and serve decode the file's blocks as "
+                    "they are: `sample --ckpt FILE.gguf` needs no import). The model's token ids and chat template "
+                    "are kept. What none of them has (rope scaling, another architecture, a WordPiece / Unigram / "
+                    "RWKV vocabulary) is refused by name. An existing --out is refused unless --force.")
     i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder or .gguf file")
     i.add_argument("--out", required=True, help="checkpoint directory to create")
     i.add_argument("--mtp", type=int, default=None,
