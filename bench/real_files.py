@@ -9,7 +9,10 @@ load     process start to the first generated token, and the process's peak RSS:
          clears a float16 cache of the model's whole context; ours is float32 and takes pages as it fills).
 quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
          model's BOS first where its tokenizer adds one) from ours decoding the file in its own types and from
-         llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference.
+         llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference;
+         over the same positions, the share whose top-1 token is llama.cpp's and the logits' relative L2 error
+         against llama.cpp's, for ours and for llama.cpp itself computing one token at a time (its other
+         kernels: where rounding alone leaves two runs of one engine on one file).
 
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
     .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
@@ -90,7 +93,10 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
     cfg, fused = model.config, fuse_weights(model.config, model.params)
     bos = [tok.bos_id] if tok.bos_id is not None else []
     lm = LlamaCpp(path, n_ctx=window + 1 + len(bos), logits_all=True)
+    lm1 = LlamaCpp(path, n_ctx=window + 1 + len(bos), logits_all=True, batch=1)
     nll = {"ours": 0.0, "llama.cpp": 0.0}
+    # against llama.cpp's logits of the whole window at once: ours, and llama.cpp's own one token at a time
+    agree, err2, norm2, positions = {"ours": 0, "llama.cpp 1 by 1": 0}, {"ours": 0.0, "llama.cpp 1 by 1": 0.0}, 0.0, 0
     n_bytes = 0
     for ids, b in held_out_windows(tok, window, per_work):
         ids = bos + list(ids)
@@ -100,10 +106,19 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
         theirs = lm.logits(ids[:-1])
         nll["ours"] += nll_sum(mine[skip:], targets)
         nll["llama.cpp"] += nll_sum(theirs[skip:], targets)
+        for who, other in (("ours", mine), ("llama.cpp 1 by 1", lm1.logits(ids[:-1]))):
+            agree[who] += int((other.argmax(-1) == theirs.argmax(-1)).sum())
+            err2[who] += float(np.sum((other.astype(np.float64) - theirs) ** 2))
+        norm2 += float(np.sum(theirs.astype(np.float64) ** 2))
+        positions += len(theirs)
         n_bytes += b
     row = {f"{who} bits/byte": v / math.log(2) / n_bytes for who, v in nll.items()}
     row["relative difference"] = row["ours bits/byte"] / row["llama.cpp bits/byte"] - 1
     row["bytes scored"] = n_bytes
+    for who in agree:
+        row[f"top-1 {who}"] = agree[who] / positions
+        row[f"relative L2 {who}"] = math.sqrt(err2[who] / norm2)
+    row["positions"] = positions
     return row
 
 

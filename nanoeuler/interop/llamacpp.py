@@ -18,16 +18,18 @@ from ..errors import UserError
 
 class LlamaCpp:
     def __init__(self, path, n_ctx: int, threads: int = 2, logits_all: bool = False, kv_f32: bool = True,
-                 lora=None):
+                 lora=None, batch: int | None = None):
         """kv_f32: keep the KV cache in float32 (llama.cpp's default is f16, which alone costs ~1e-3 relative
-        error on the logits); the float32 comparisons need it. lora: a GGUF LoRA adapter file applied on top."""
+        error on the logits); the float32 comparisons need it. lora: a GGUF LoRA adapter file applied on top.
+        batch: tokens llama.cpp computes in one pass (default n_ctx: a prompt at once; 1: one token at a time,
+        through its other kernels)."""
         try:
             import llama_cpp
         except ImportError:
             raise UserError("llama.cpp comparisons need llama-cpp-python: pip install 'nanoeuler[llama]'") from None
         kv = llama_cpp.GGML_TYPE_F32 if kv_f32 else llama_cpp.GGML_TYPE_F16
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=n_ctx, n_ubatch=n_ctx, logits_all=logits_all, verbose=False,
+                                   n_batch=batch or n_ctx, n_ubatch=batch or n_ctx, logits_all=logits_all, verbose=False,
                                    seed=0, type_k=kv, type_v=kv, flash_attn=False,
                                    lora_path=None if lora is None else str(lora))
         self.n_vocab = self.llm.n_vocab()
