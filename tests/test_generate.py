@@ -90,13 +90,13 @@ def test_rope_tables_grow_as_positions_are_reached(fused, monkeypatch):
     W = step.fuse_weights(cfg, model.params)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 300))
     cache = new_cache(cfg)
-    assert cache.rope.cos.shape[1] == 0
+    assert cache.rope.tables[0].shape[1] == 0
     got = [forward_cached(cfg, model.params, ids[:, :200], cache, fused=W)]
-    assert cache.rope.cos.shape[1:] == (256, cfg.head_dim // 2)
+    assert cache.rope.tables[0].shape[1:] == (256, cfg.head_dim // 2)
     got.append(forward_cached(cfg, model.params, ids[:, 200:], cache, fused=W))
-    assert cache.rope.cos.shape[1] == 512
+    assert cache.rope.tables[0].shape[1] == 512
     cos, sin = ops.rope_tables(512, cfg.head_dim, cfg.rope_theta, np.float32)
-    assert np.array_equal(cache.rope.cos[0], cos) and np.array_equal(cache.rope.sin[0], sin)
+    assert np.array_equal(cache.rope.tables[0][0], cos) and np.array_equal(cache.rope.tables[1][0], sin)
     assert rel_err(np.concatenate(got, axis=2), forward(cfg, model.params, ids)[0]) <= 1e-5
     assert new_cache(cfg, max_len=100).rope.upto(90)[0].shape[1] == 100  # never past the cache's positions
 

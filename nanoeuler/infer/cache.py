@@ -24,15 +24,18 @@ class Rope:
 
     def __init__(self, thetas: list[float], head_dim: int, max_len: int, dtype):
         self.thetas, self.head_dim, self.max_len, self.dtype = thetas, head_dim, max_len, dtype
-        self.cos = self.sin = np.zeros((len(thetas), 0, head_dim // 2), dtype)
+        empty = np.zeros((len(thetas), 0, head_dim // 2), dtype)
+        self.tables = empty, empty  # (cos, sin), replaced together: a reader never sees one grown alone
 
     def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if n > self.cos.shape[1] and self.thetas:
-            m = min(self.max_len, max(n, 2 * self.cos.shape[1], 256))
-            tables = [ops.rope_tables(m, self.head_dim, t, self.dtype) for t in self.thetas]
-            self.cos = np.array([c for c, _ in tables], self.dtype).reshape(len(self.thetas), m, -1)
-            self.sin = np.array([s for _, s in tables], self.dtype).reshape(self.cos.shape)
-        return self.cos, self.sin
+        cos, sin = self.tables
+        if n > cos.shape[1] and self.thetas:
+            m = min(self.max_len, max(n, 2 * cos.shape[1], 256))
+            made = [ops.rope_tables(m, self.head_dim, t, self.dtype) for t in self.thetas]
+            cos = np.array([c for c, _ in made], self.dtype).reshape(len(self.thetas), m, -1)
+            sin = np.array([s for _, s in made], self.dtype).reshape(cos.shape)
+            self.tables = cos, sin
+        return cos, sin
 
 
 @dataclass
