@@ -3,7 +3,8 @@
 # <!-- newcomer:end -->) literally, in a fresh directory, on 400 KB of the bundled plays as `plays.txt`.
 # The commands are read from the README itself, so the README cannot drift from the code.
 # README_BLOCK=bring runs the "Bring a model" walk-through instead (<!-- bring:begin --> ...), on the
-# published models `make models` put in the repository's .cache/models (linked into the directory).
+# published models `make models` put in the repository's .cache/models, or in $NANOEULER_MODELS (linked
+# into the directory as .cache/models).
 #
 #   scripts/newcomer.sh            # in a temporary directory, removed afterwards
 #   scripts/newcomer.sh DIR        # in DIR (kept), e.g. to look at the runs afterwards
@@ -23,7 +24,8 @@ if [ -z "$block" ]; then echo "error: README.md has no $name block" >&2; exit 2;
 if [ $# -ge 1 ]; then work="$1"; mkdir -p "$work"; else work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT; fi
 cd "$work"
 if [ -n "$(ls -A .)" ]; then echo "error: $work is not empty" >&2; exit 2; fi
-if [ -d "$repo/.cache/models" ]; then mkdir .cache && ln -s "$repo/.cache/models" .cache/models; fi
+models="${NANOEULER_MODELS:-$repo/.cache/models}"   # where the tests find them too (tests/real_models.py)
+if [ -d "$models" ]; then mkdir .cache && ln -s "$(cd "$models" && pwd)" .cache/models; fi
 python_bin="$(dirname "$(command -v nanoeuler)")/python"
 [ -x "$python_bin" ] || python_bin=python3
 "$python_bin" - <<'PY'
