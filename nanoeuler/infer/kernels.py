@@ -856,7 +856,8 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
 
     kc, vc [layers, B, Hkv, max_len, hd]: row r writes its key and value at (slot[r], pos[r]) and attends
     to positions 0 .. pos[r] of its slot (a windowed layer: the last D.window[l] of them; all rows write
-    before any attends). cos, sin [kinds, max_len, hd/2]: the RoPE tables, layer l's at D.rope[l] (-1: none)."""
+    before any attends). cos, sin [kinds, m, hd/2]: the RoPE tables of positions 0 .. m-1, m > every pos[r]
+    (cache.Rope.upto: not checked here), layer l's at D.rope[l] (-1: none)."""
     n, d = x0.shape
     n_layers, _, Hkv, _, hd = kc.shape
     H, F = n_heads, D.ffn
