@@ -1,12 +1,14 @@
 """Published GGUF files (`make models` fetches SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M) run by ours
 and by llama.cpp: what a process costs, and how well each predicts. Speed: bench/llama_types.py --files.
 
-load     process start to the first generated token, and the process's peak RSS: `nanoeuler sample --ckpt FILE
-         --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE -n 1` (its own binary, built from
-         llama-cpp-python's source distribution), a fresh process each, alternating, --repeat times (median),
-         after one warm-up run of each (the page cache, numba's and Python's on-disk caches);
-         beside them the file's tensor bytes. Each side's peak includes its runtime and its KV cache (llama.cpp
-         clears a float16 cache of the model's whole context; ours is float32 and takes pages as it fills).
+load     process start to the first generated token (when its text reaches the pipe the process writes to,
+         after the prompt's echo: both sides flush each token), the whole process (its exit too), and its peak
+         RSS: `nanoeuler sample --ckpt FILE --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE
+         -n 1` (its own binary, built from llama-cpp-python's source distribution), a fresh process each,
+         alternating, --repeat times (median), after one warm-up run of each (the page cache, numba's and
+         Python's on-disk caches); beside them the file's tensor bytes. Each side's peak includes its runtime
+         and its KV cache (llama.cpp clears a float16 cache of the model's whole context; ours is float32 and
+         takes pages as it fills).
 quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
          model's BOS first where its tokenizer adds one) from ours decoding the file in its own types and from
          llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference;
@@ -28,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,19 +44,30 @@ DEFAULT_FILES = [MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf", MODELS / "gemma-3-2
 PROMPT = "The capital of France is"
 
 
-def run_measured(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one child process run to its end; a failure stops the bench. Python
-    may cache bytecode (PYTHONDONTWRITEBYTECODE unset), as an installed package has it."""
+def run_measured(argv: list[str]) -> tuple[float, float, float]:
+    """(seconds to the first generated token, seconds to the process's end, peak RSS in MiB) of one child
+    process run to its end; the first token is the first text after PROMPT's echo on its stdout. A failure,
+    or no text after the prompt, stops the bench. Python may cache bytecode (PYTHONDONTWRITEBYTECODE unset),
+    as an installed package has it."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    err = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{argv[0]} failed: {err.strip()[-400:]}")
-    return seconds, usage.ru_maxrss / 1024
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env)
+        out, first = b"", None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            out += chunk
+            at = out.find(PROMPT.encode())
+            if first is None and at >= 0 and out[at + len(PROMPT):].strip():
+                first = time.perf_counter() - t0
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        proc.stdout.close()
+        err.seek(0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{argv[0]} failed: {err.read().decode(errors='replace').strip()[-400:]}")
+    if first is None:
+        raise SystemExit(f"{argv[0]} wrote no token after the prompt: {out[-200:]!r}")
+    return first, seconds, usage.ru_maxrss / 1024
 
 
 def tensor_mib(path: Path) -> float:
@@ -72,11 +86,13 @@ def load_rows(path: Path, binary: str, repeat: int) -> dict:
         samples["llama.cpp"].append(run_measured(theirs))
     row = {"tensor_mib": tensor_mib(path)}
     for who, s in samples.items():
-        row[f"{who} seconds"] = statistics.median(t for t, _ in s)
-        row[f"{who} peak_mib"] = statistics.median(m for _, m in s)
+        row[f"{who} first_token_s"] = statistics.median(f for f, _, _ in s)
+        row[f"{who} process_s"] = statistics.median(t for _, t, _ in s)
+        row[f"{who} peak_mib"] = statistics.median(m for _, _, m in s)
     row["peak ours/llama.cpp"] = row["ours peak_mib"] / row["llama.cpp peak_mib"]
     row["peak ours/tensors"] = row["ours peak_mib"] / row["tensor_mib"]
-    row["seconds ours-llama.cpp"] = row["ours seconds"] - row["llama.cpp seconds"]
+    row["first token ours-llama.cpp"] = row["ours first_token_s"] - row["llama.cpp first_token_s"]
+    row["process ours-llama.cpp"] = row["ours process_s"] - row["llama.cpp process_s"]
     return row
 
 

@@ -107,6 +107,19 @@ def test_scores_fast_equals_readable_with_ties_and_inner_characters(scored_vocab
     assert tok.decode(tok.encode("a b")) == "a b" and tok.decode(tok.encode("a  b")) == "a   b"  # "  " is user-defined
 
 
+def test_scores_merge_by_text_and_list_their_merges_only_when_asked(scored_vocab):
+    """With scores, encoding looks a pair up by its joined text (as llama.cpp does): the table of every
+    token's cuts is made only when the merges are listed; an export, which needs them as a merge list,
+    refuses characters inside tokens that are not tokens (Hugging Face's BPE cannot merge those)."""
+    tok = SentencePieceTokenizer(scored_vocab.tokens, scored_vocab.types, scored_vocab.scores, prefix="every")
+    assert tok.encode("xѯy ѯѯ ab") == scored_vocab.encode("xѯy ѯѯ ab") and tok._pairs is None
+    pairs = tok.merges
+    assert tok._pairs is not None and pairs and all(tok.find(tok.tokens[a] + tok.tokens[b]) >= 0
+                                                    for a, b in pairs if max(a, b) < tok.vocab_size)
+    with pytest.raises(UserError, match="cannot export: some tokens hold characters that are not tokens"):
+        tok.to_hf_json()
+
+
 def test_merge_symbols_picks_the_lowest_rank_then_the_leftmost():
     ranks = {("a", "b"): (1, "ab"), ("b", "c"): (0, "bc"), ("a", "a"): (2, "aa")}
     def rank(a, b):

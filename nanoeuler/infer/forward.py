@@ -43,6 +43,8 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     parts = [head_weight(P, k) for k in range(K)]
     heads32 = None if forms.kernels else f32(np.concatenate(parts))  # [K·V, d] (tied: head 0 is the embedding)
     head0 = _packed_by_rows(forms, parts[0])  # decoding reads head 0 only (a tied head: the embedding's blocks)
+    if forms.kernels:
+        kernels.start_helpers()  # their compiled loop loads while the layers are packed
     drop_pages(parts[1:])
     W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
          "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),

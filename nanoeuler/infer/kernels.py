@@ -414,7 +414,7 @@ def _gemv(ctl, pooled, W, X, Y, add):
     """Y (+)= X @ Wᵀ: W in kernel form (`pack`: [panels, in, PANEL], or a block type's: qkernels.pack), X [n, in],
     Y [n, out] float32 C-contiguous, out <= panels·PANEL; by the calling thread and whichever helpers are awake
     (`_gemv_at`)."""
-    _gemv_at(ctl, pooled, _kind(W), W.ctypes.data, W.shape[0], X, Y, add)
+    _gemv_at(ctl, pooled, _kind(W), np.int64(W.ctypes.data), W.shape[0], X, Y, add)
 
 
 @njit(**OPTS)
@@ -433,12 +433,15 @@ def _gemv_at(ctl, pooled, kind, Wa, nb, X, Y, add):
     O = Y.shape[1]
     alone = not pooled or nb < 2 or nb > 0xFFFF  # (the claim word counts panels in 16 bits)
     T = np.empty((MAX_R, PANEL), np.float32)
+    # The panel kernels are called with the types _run_claimed passes (int64 addresses, a bool that is no
+    # literal True / False): each is compiled once into a kernel that calls it, not once per call site.
+    Ya, flag = np.int64(Y.ctypes.data), bool(add)
     if kind >= QUANT:
         xq, xd, xs = qkernels.quantize_rows(kind, X)
         if alone:
             for b in range(nb):
-                qkernels.gemv_panel(kind, Wa, xq.ctypes.data, xd.ctypes.data, xs.ctypes.data, Y.ctypes.data, n, O,
-                                    I, add, b, T)
+                qkernels.gemv_panel(kind, Wa, np.int64(xq.ctypes.data), np.int64(xd.ctypes.data),
+                                    np.int64(xs.ctypes.data), Ya, n, O, I, flag, b, T)
             return
         ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, Wa, O, I
         ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = xq.ctypes.data, n, Y.ctypes.data, add
@@ -447,7 +450,7 @@ def _gemv_at(ctl, pooled, kind, Wa, nb, X, Y, add):
         return
     if alone:
         for b in range(nb):
-            _gemv_panel(kind, Wa, X.ctypes.data, Y.ctypes.data, n, O, I, add, b, T)
+            _gemv_panel(kind, Wa, np.int64(X.ctypes.data), Ya, n, O, I, flag, b, T)
         return
     ctl[DESC], ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3] = kind, Wa, O, I
     ctl[DESC + 4], ctl[DESC + 5], ctl[DESC + 6], ctl[DESC + 7] = X.ctypes.data, n, Y.ctypes.data, add
@@ -977,6 +980,13 @@ _POOL = _Pool()
 atexit.register(_POOL.close)
 if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: start afresh
     os.register_at_fork(after_in_child=lambda: globals().__setitem__("_POOL", _Pool()))
+
+
+def start_helpers() -> None:
+    """Start the helper threads now rather than at the first product: each loads its compiled loop (`_serve`,
+    from numba's disk cache, ~0.1 s) while the caller goes on (packing a model's weights), then sleeps."""
+    if _POOL.acquire():
+        _POOL.release()
 
 
 def set_threads(n: int) -> None:

@@ -96,8 +96,13 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _unnibble(b: np.ndarray) -> np.ndarray:
-    """[..., k] bytes -> [..., 2k]: the k low nibbles, then the k high ones."""
-    return np.concatenate([b & np.uint8(15), b >> np.uint8(4)], axis=-1)
+    """[..., k] bytes -> [..., 2k]: the k low nibbles, then the k high ones (written in place: a model's
+    weights pass here once when packed)."""
+    k = b.shape[-1]
+    out = np.empty((*b.shape[:-1], 2 * k), np.uint8)
+    np.bitwise_and(b, np.uint8(15), out=out[..., :k])
+    np.right_shift(b, np.uint8(4), out=out[..., k:])
+    return out
 
 
 def _bits(b: np.ndarray) -> np.ndarray:

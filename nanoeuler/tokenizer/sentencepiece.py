@@ -177,23 +177,14 @@ class SentencePieceTokenizer(BaseTokenizer):
             i = int(np.argmax(is_byte != (self.types == BYTE)))
             raise UserError(f"tokenizer: token {i} {self.tokens[i]!r:.20} has type {TYPE_NAMES.get(int(self.types[i]))}"
                             f"; the 256 tokens <0x00> ... <0xFF>, and only they, are BYTE tokens")
-        chars = sf.count_chars(self._blob, self._starts, self._ends)      # tokens that are one character
-        self._c_keys, self._c_vals = sf.table(chars + (MAX_VIRTUAL if self.scores is not None else 0))
-        sf.char_table(self._blob, self._starts, self._ends, self._c_keys, self._c_vals)
+        self._c_keys, self._c_vals = self._char_table(0)
+        self._pairs = None          # with scores: (pair table, characters inside tokens that are not tokens)
         if self.scores is not None:
             # rank: 0 for the highest score; equal scores share a rank (llama.cpp then takes the leftmost)
             self._rank = np.unique(-self.scores.astype(np.float64), return_inverse=True)[1].astype(np.int64)
-            state = np.array([0, n, MAX_VIRTUAL], np.int64)
-            pairs = np.empty((int(lengths.sum()), 3), np.int32)        # a row per cut, at most
-            n_pairs = sf.score_pairs(self._blob, self._starts, self._ends, self._t_keys, self._t_vals,
-                                     self._c_keys, self._c_vals, state, pairs)
-            if n_pairs < 0:
-                raise UserError(f"tokenizer: more than {MAX_VIRTUAL} characters inside tokens are not tokens "
-                                "themselves")
-            self._p_keys, self._p_vals = sf.table(n_pairs)
-            sf.fill_pairs(pairs[:n_pairs], self._rank, self._p_keys, self._p_vals)
-            self._n_virtual = int(state[0])
+            self._p_keys, self._p_vals = sf.table(0)    # pairs are looked up by their text (spm_fast)
         else:
+            self._rank = np.zeros(0, np.int64)
             m = self.given_merges
             if m.size and (m.min() < 0 or m.max() >= n):
                 raise UserError(f"tokenizer: a merge names a token id outside [0, {n})")
@@ -204,7 +195,31 @@ class SentencePieceTokenizer(BaseTokenizer):
                 a, b = m[bad]
                 raise UserError(f"tokenizer: merge {bad} ({self.tokens[a]!r:.30}, {self.tokens[b]!r:.30}) does "
                                 "not make a token of the vocabulary, or repeats an earlier merge")
-            self._n_virtual = 0
+
+    def _char_table(self, room: int) -> tuple[np.ndarray, np.ndarray]:
+        """The char table of the tokens that are one character, with room for `room` more."""
+        chars = sf.count_chars(self._blob, self._starts, self._ends)
+        keys, vals = sf.table(chars + room)
+        sf.char_table(self._blob, self._starts, self._ends, keys, vals)
+        return keys, vals
+
+    def _score_pairs(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """With scores: (the pair table of every cut of every token whose two sides are tokens or characters
+        inside tokens, the count of those characters that are not tokens), built on first use (merges,
+        to_hf_json): encoding looks pairs up by their text instead."""
+        if self._pairs is None:
+            c_keys, c_vals = self._char_table(MAX_VIRTUAL)
+            state = np.array([0, self.vocab_size, MAX_VIRTUAL], np.int64)
+            pairs = np.empty((int(self._ends[-1]), 3), np.int32)        # a row per cut, at most
+            n_pairs = sf.score_pairs(self._blob, self._starts, self._ends, self._t_keys, self._t_vals,
+                                     c_keys, c_vals, state, pairs)
+            if n_pairs < 0:
+                raise UserError(f"tokenizer: more than {MAX_VIRTUAL} characters inside tokens are not tokens "
+                                "themselves")
+            p_keys, p_vals = sf.table(n_pairs)
+            sf.fill_pairs(pairs[:n_pairs], self._rank, p_keys, p_vals)
+            self._pairs = p_keys, p_vals, int(state[0])
+        return self._pairs
 
     def find(self, piece: str) -> int:
         """The id of the token whose text is piece, -1 if none."""
@@ -222,7 +237,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         token, derived from the vocabulary)."""
         if self.given_merges is not None:
             return [tuple(m) for m in self.given_merges.tolist()]
-        rows = sf.pair_list(self._p_keys, self._p_vals)
+        rows = sf.pair_list(*self._score_pairs()[:2])
         return [(a, b) for a, b in rows[:, 2:].tolist()]
 
     def token_bytes(self, i: int) -> bytes:
@@ -293,7 +308,9 @@ class SentencePieceTokenizer(BaseTokenizer):
         used = sf.escape(buf, f_start, f_end, f_token, prefix, escaped)
         out = np.empty(used + len(f_start), np.int64)    # at most one id per byte (plus the specials)
         k = sf.encode_pieces(escaped[:used], f_start, f_end, f_token, self.split, self.given_merges is not None,
-                             self.vocab_size, self._c_keys, self._c_vals, self._p_keys, self._p_vals,
+                             self.vocab_size, self._c_keys, self._c_vals,
+                             (self._rank, self._t_keys, self._t_vals, self._blob, self._starts, self._ends),
+                             self._p_keys, self._p_vals,
                              self._byte_token, out)
         return out[:k].astype(np.int32)
 
@@ -475,7 +492,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         whose join is a token, in rank order), CONTROL / UNKNOWN / USER_DEFINED tokens as added tokens (special
         or not), spaces as "▁" by the normalizer (prefix "every": Prepend, as Llama-2's) or a Metaspace
         pre-tokenizer, decoders back to text."""
-        if self._n_virtual:
+        if self.scores is not None and self._score_pairs()[2]:
             raise UserError("cannot export: some tokens hold characters that are not tokens themselves, which the "
                             "Hugging Face BPE cannot merge as llama.cpp does")
         vocab = {t: i for i, t in enumerate(self.tokens)}

@@ -3,12 +3,18 @@
 The readable definitions are in `sentencepiece.py` (`merge_symbols`, `split_specials`); the tests hold these
 kernels equal to them on random vocabularies and texts.
 
-Units: each symbol of the merge loop is a token id (0 <= u < V), or, for a character that is not a token, a
-"virtual" id V + k when some token contains that character (so that pairs can still form it), else NO_UNIT.
+Units: each symbol of the merge loop is a token id (0 <= u < V), or NO_UNIT for a character that is not a
+token (with scores it may still merge with a neighbour into a token). Listing the scores' merges gives such a
+character a "virtual" id V + k when some token contains it, so that a pair can name it.
 Tables (open addressing, a power of two of slots, keys mixed by MIX, -1 = empty):
   text table   FNV-1a hash of a token's bytes -> token id (the bytes compared on a hit)
   char table   a character's bytes packed into an int64 (with its length) -> unit
   pair table   left << 32 | right -> rank << 32 | result   (rank: lower merges first)
+
+Encoding looks a pair up where its ranking lives: with scores (llama.cpp), the two symbols' joined text in the
+text table (a symbol is a span of the text, so two neighbours' join is one span), its rank that of the token;
+with a merge list (Hugging Face), the pair table. The scores' pair table (`score_pairs`: every cut of every
+token) is built only to list the merges (export).
 """
 from __future__ import annotations
 
@@ -283,15 +289,15 @@ def escape(buf, f_start, f_end, f_token, prefix, out):
 
 @njit(inline="always")
 def _swap(heap, i, j):
-    for c in range(4):
+    for c in range(5):
         heap[i, c], heap[j, c] = heap[j, c], heap[i, c]
 
 
 @njit(inline="always")
-def _heap_push(heap, size, key, right, lu, ru):
-    """Add the entry (key = rank << 31 | left, right, left unit, right unit); return the new size."""
+def _heap_push(heap, size, key, right, lu, ru, result):
+    """Add the entry (key = rank << 31 | left, right, left unit, right unit, merged unit); return the new size."""
     i = size
-    heap[i, 0], heap[i, 1], heap[i, 2], heap[i, 3] = key, right, lu, ru
+    heap[i, 0], heap[i, 1], heap[i, 2], heap[i, 3], heap[i, 4] = key, right, lu, ru, result
     while i > 0 and heap[i, 0] < heap[(i - 1) >> 1, 0]:
         _swap(heap, i, (i - 1) >> 1)
         i = (i - 1) >> 1
@@ -318,26 +324,36 @@ def _heap_pop(heap, size):
 
 
 @njit(inline="always")
-def _try_pair(p_keys, p_vals, unit, heap, size, left, right):
-    """Queue the pair (left, right) of symbols if the table merges it; return the heap size."""
-    if left < 0 or right < 0 or unit[left] < 0 or unit[right] < 0:
+def _try_pair(T, p_keys, p_vals, buf, sym_s, sym_e, unit, heap, size, left, right):
+    """Queue the pair (left, right) of symbols if it merges; return the heap size. T = (rank, text table, token
+    spans): with scores (rank not empty) when their joined text is a token, else when the pair table lists them."""
+    if left < 0 or right < 0:
+        return size
+    rank, t_keys, t_vals, blob, starts, ends = T
+    if rank.shape[0]:
+        c = _find_text(t_keys, t_vals, blob, starts, ends, buf, sym_s[left], sym_e[right])
+        if c < 0:
+            return size
+        return _heap_push(heap, size, (rank[c] << 31) | left, right, unit[left], unit[right], c)
+    if unit[left] < 0 or unit[right] < 0:
         return size
     v = _get(p_keys, p_vals, (np.int64(unit[left]) << 32) | unit[right])
     if v < 0:
         return size
-    return _heap_push(heap, size, ((v >> 32) << 31) | left, right, unit[left], unit[right])
+    return _heap_push(heap, size, ((v >> 32) << 31) | left, right, unit[left], unit[right], v & 0xFFFFFFFF)
 
 
 @njit(cache=True)
-def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_vals,
+def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_keys, c_vals, T, p_keys, p_vals,
                   byte_token, out):
     """Encode the escaped fragments of buf (see `escape`) into out; return the id count.
 
     A text fragment (cut before each "▁" when split) is cut into characters, each a unit (a character that
-    is not a token: its byte tokens at once when bytes_first, as Hugging Face does, else a virtual unit or
-    NO_UNIT that becomes byte tokens at the end, as llama.cpp does); then the adjacent pair of lowest rank
-    (leftmost among equals) merges, until none is in the pair table (a heap of candidate pairs, stale
-    entries skipped on pop). `merge_symbols` in sentencepiece.py is the readable version.
+    is not a token: its byte tokens at once when bytes_first, as Hugging Face does, else NO_UNIT, which may
+    still merge with a neighbour (scores) and otherwise becomes byte tokens at the end, as llama.cpp does);
+    then the adjacent pair of lowest rank (leftmost among equals) merges, until no pair does (`_try_pair`;
+    a heap of candidate pairs, stale entries skipped on pop). `merge_symbols` in sentencepiece.py is the
+    readable version.
     """
     longest = 1
     for i in range(f_start.shape[0]):
@@ -347,7 +363,7 @@ def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_
     sym_e = np.empty(longest, np.int64)
     nxt = np.empty(longest, np.int64)
     prv = np.empty(longest, np.int64)
-    heap = np.empty((3 * longest + 4, 4), np.int64)     # [entries, (key, right, left unit, right unit)]
+    heap = np.empty((3 * longest + 4, 5), np.int64)     # [entries, (key, right, left unit, right unit, result)]
     k = 0
     for f in range(f_start.shape[0]):
         if f_token[f] >= 0:
@@ -361,14 +377,14 @@ def encode_pieces(buf, f_start, f_end, f_token, split, bytes_first, n_tokens, c_
                 q = p + min(utf8_len(buf[p]), end - p)
                 while q < end and not (buf[q] == 0xE2 and q + 2 < end and buf[q + 1] == 0x96 and buf[q + 2] == 0x81):
                     q += min(utf8_len(buf[q]), end - q)
-            k = _merge_piece(buf, p, q, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_vals, byte_token, out, k,
-                             unit, sym_s, sym_e, nxt, prv, heap)
+            k = _merge_piece(buf, p, q, bytes_first, n_tokens, c_keys, c_vals, T, p_keys, p_vals, byte_token, out,
+                             k, unit, sym_s, sym_e, nxt, prv, heap)
             p = q
     return k
 
 
 @njit(inline="always")
-def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_vals, byte_token, out, k,
+def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, T, p_keys, p_vals, byte_token, out, k,
                  unit, sym_s, sym_e, nxt, prv, heap):
     """BPE of the bytes buf[p:end] appended to out[k:]; returns the new k."""
     n = 0
@@ -388,22 +404,21 @@ def _merge_piece(buf, p, end, bytes_first, n_tokens, c_keys, c_vals, p_keys, p_v
         nxt[i] = i + 1 if i + 1 < n else -1
     size = 0
     for i in range(n - 1):
-        size = _try_pair(p_keys, p_vals, unit, heap, size, i, i + 1)
+        size = _try_pair(T, p_keys, p_vals, buf, sym_s, sym_e, unit, heap, size, i, i + 1)
     while size > 0:
         left = heap[0, 0] & 0x7FFFFFFF
-        right, lu, ru = heap[0, 1], heap[0, 2], heap[0, 3]
+        right, lu, ru, merged = heap[0, 1], heap[0, 2], heap[0, 3], heap[0, 4]
         size = _heap_pop(heap, size)
         if unit[left] != lu or unit[right] != ru or nxt[left] != right:
             continue                                     # stale: a side has merged since it was queued
-        v = _get(p_keys, p_vals, (np.int64(lu) << 32) | ru)
-        unit[left] = v & 0xFFFFFFFF
+        unit[left] = merged
         sym_e[left] = sym_e[right]
         unit[right] = DEAD
         nxt[left] = nxt[right]
         if nxt[right] >= 0:
             prv[nxt[right]] = left
-        size = _try_pair(p_keys, p_vals, unit, heap, size, prv[left], left)
-        size = _try_pair(p_keys, p_vals, unit, heap, size, left, nxt[left])
+        size = _try_pair(T, p_keys, p_vals, buf, sym_s, sym_e, unit, heap, size, prv[left], left)
+        size = _try_pair(T, p_keys, p_vals, buf, sym_s, sym_e, unit, heap, size, left, nxt[left])
     i = 0 if n else -1
     while i >= 0:                                        # symbols -> ids (byte tokens for what is no token)
         u = unit[i]
