@@ -37,6 +37,7 @@ import shutil
 import stat
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -278,6 +279,9 @@ def read_tensors(path: Path, what: str, mapped: bool = False) -> dict[str, np.nd
         raise UserError(f"{what}: {path} is corrupt or not a safetensors file ({str(e).splitlines()[0][:120]})") from None
 
 
+_MAPPED_FILES = weakref.WeakKeyDictionary()   # map_tensors' maps -> their open file (file_rows reads it)
+
+
 def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as read-only arrays over one read-only map of it: their bytes are
     the file's, in memory only while (and once) read, and `drop_pages` lets them go again. Files are only
@@ -292,8 +296,9 @@ def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
         header, start = read_header(path)
     except UserError as e:
         raise UserError(f"{what}: {e}") from None
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)   # the map outlives the descriptor
+    f = open(path, "rb")
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    _MAPPED_FILES[m] = f   # kept open while the map lives: file_rows reads the same file (by rename, never changed)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):   # mapped by 4 KiB pages: drop_pages of one tensor lets go of its pages
         m.madvise(mmap.MADV_NOHUGEPAGE)    # only (a 2 MiB mapping goes all at once, its neighbours' bytes too)
     out = {}
@@ -325,6 +330,30 @@ def drop_pages(arrays) -> int:
             m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             dropped += hi - lo
     return dropped
+
+
+def file_rows(a: np.ndarray):
+    """For a 2-D array of `map_tensors`: rows(table, ids, out), out [n, d] = a[ids] read from its file
+    (os.preadv: through the page cache, not into this process's memory), so that rows looked up in an array
+    whose pages `drop_pages` let go bring none of it back (the kernel maps a fault's whole folio, up to 2 MiB
+    of neighbouring rows: the lookups of a batch would map most of a large table again). None for any other
+    array. Any other table handed to rows (or an out not of a's dtype) is read with np.take.
+
+        rows = file_rows(params["embed.weight"]); rows(params["embed.weight"], ids, out)"""
+    m = file_map(a)
+    f = _MAPPED_FILES.get(m) if m is not None else None
+    if f is None or a.ndim != 2 or not a.flags.c_contiguous:
+        return None
+    start = a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 0).__array_interface__["data"][0]
+    row, fd = a.strides[0], f.fileno()
+
+    def rows(table, ids, out) -> None:
+        if table is not a or out.dtype != a.dtype or not out.flags.c_contiguous:
+            np.take(table, ids, axis=0, out=out)
+            return
+        for i, r in enumerate(np.asarray(ids, np.int64).tolist()):
+            os.preadv(fd, [out[i]], start + r * row)
+    return rows
 
 
 def file_map(a: np.ndarray):

@@ -79,6 +79,7 @@ class Workspace:
         self.fixed_weights = False         # True: the same unchanging weights every step (LoRA's frozen base):
         self.stacked = False               # stacked (ws.stacks) and packed (bf16) by the first forward only,
         self.trained_weights = []          # except these (LoRA's modules_to_save), repacked every forward (bf16)
+        self.embed_rows = take_rows        # the lookup: rows(table, ids, out) (LoRA: from a file, see lora.py)
         a = cfg.spec
         L, d, H, Hkv, hd, F, V = cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
         G = H // Hkv
@@ -205,6 +206,11 @@ def _stacked(arrays):
         addr += a.nbytes
     rows = sum(a.shape[0] for a in arrays)
     return np.lib.stride_tricks.as_strided(first, shape=(rows,) + first.shape[1:], strides=first.strides)
+
+
+def take_rows(table, ids, out) -> None:
+    """out [n, d] = table [V, d] rows ids [n]: the embedding lookup."""
+    np.take(table, ids, axis=0, out=out)
 
 
 def _blas_mm(a, b, out):
@@ -448,7 +454,7 @@ def _product(ws: Workspace, params: dict, key: str):
 def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, drop) -> None:
     a, Hkv, H, hd = cfg.spec, cfg.n_kv_heads, cfg.n_heads, cfg.head_dim
     eps = ws.X.dtype.type(cfg.norm_eps)
-    np.take(params["embed.weight"], inputs[w.b0:w.b1].reshape(-1), axis=0, out=w.X[0])  # [n, d]
+    ws.embed_rows(params["embed.weight"], inputs[w.b0:w.b1].reshape(-1), w.X[0])        # [n, d]
     if ws.embed_scale is not None:
         w.X[0] *= ws.embed_scale
     if a.positions == "learned":
@@ -657,6 +663,7 @@ def share_fixed(ws: Workspace, other: Workspace) -> None:
     """ws (fixed_weights) reads the stacked (float32) or packed (bf16) unchanging weights of other, a workspace
     of the same model and precision for another batch shape: one copy of them, whatever the shapes."""
     ws.stacks, ws.packs, ws.bqkv, ws.stacked = other.stacks, other.packs, other.bqkv, True
+    ws.embed_rows = other.embed_rows
 
 
 def restack(ws) -> bool:
