@@ -308,7 +308,8 @@ def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, 
     from nanoeuler.training.dpo import model_negatives
     answers = {"q0=": (b"Hamlet", True), "q1=": (b"Lear", True), "q2=": (b"Lear", False), "q3=": (b"hamlet.", True)}
 
-    def fake_answers(model, prompts, stop_id, max_new_tokens, progress):
+    def fake_answers(model, prompts, stop_ids, max_new_tokens, progress):
+        assert stop_ids == tok.stop_ids
         out = [answers[bytes(ids).decode()] for ids in prompts]
         return [(list(text), stopped) for text, stopped in out]
 
@@ -322,16 +323,19 @@ def test_model_negatives_replace_rejected_only_with_wrong_finished_answers(tok, 
 
 def test_model_answers_in_a_batch_equal_generate_one_by_one():
     """The batched answers (continuous batching, 40 prompts > one batch of 32) are each prompt's greedy
-    `generate` output, cut at the stop id, in the prompts' order."""
+    `generate` output, cut at the first of the stop ids (two: eos and an end of turn, as Gemma's template
+    ends a reply with <end_of_turn>, where only eos once stopped them), in the prompts' order."""
     from nanoeuler.training.dpo_data import model_answers
     from nanoeuler.infer.session import generate
     model = Model.init(TINY, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, size=int(rng.integers(1, TINY.ctx_len + 8))).tolist() for _ in range(40)]
-    stop = int(np.argmax(np.bincount(np.concatenate([generate(model, p, 6, temperature=0).ids for p in prompts[:8]]))))
-    got = model_answers(model, prompts, stop, max_new_tokens=6, progress=False)
-    want = [generate(model, p[-TINY.ctx_len:], 6, temperature=0, stop_ids=[stop]) for p in prompts]
-    assert [ids for ids, _ in got] == [[t for t in g.ids if t != stop] for g in want]
+    counts = np.bincount(np.concatenate([generate(model, p, 6, temperature=0).ids for p in prompts[:8]]))
+    stops = [int(t) for t in np.argsort(counts)[-2:]]                  # the two most frequent greedy tokens
+    got = model_answers(model, prompts, stops, max_new_tokens=6, progress=False)
+    want = [generate(model, p[-TINY.ctx_len:], 6, temperature=0, stop_ids=stops) for p in prompts]
+    assert [ids for ids, _ in got] == [[t for t in g.ids if t not in stops] for g in want]
+    assert model_answers(model, prompts, stops[:1], max_new_tokens=6, progress=False) != got   # both count
     assert [stopped for _, stopped in got] == [g.stopped for g in want]
     assert any(stopped for _, stopped in got) and not all(stopped for _, stopped in got)
 

@@ -232,9 +232,10 @@ def offline_pairs(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
     return out[0], out[1]
 
 
-def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens: int = 16,
+def model_answers(model, prompts: list[list[int]], stop_ids: list[int], max_new_tokens: int = 16,
                   progress: bool = True) -> list[tuple[list[int], bool]]:
-    """Greedy answers to many prompts at once -> [(new ids without the stop id, stopped?)], in order.
+    """Greedy answers to many prompts at once, each ending at any of stop_ids -> [(new ids without the stop
+    id, stopped?)], in order.
 
     The prompts share forward passes through the serving engine's continuous batching (infer/engine.py:
     a request's greedy tokens there equal `generate`'s), many times faster than one prompt after another
@@ -243,6 +244,7 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
 
     from ..infer.engine import Batcher, Job
     answers: list = [None] * len(prompts)
+    stops = tuple(stop_ids)
     engine = Batcher(model, max_batch=32, max_queue=max(1, len(prompts)))
     bar = tqdm(total=len(prompts), desc="model answers", unit="prompt", dynamic_ncols=True, disable=not progress)
 
@@ -250,7 +252,7 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
         made = []
 
         def on_event(kind, *args):
-            if kind == "token" and args[0] != stop_id:
+            if kind == "token" and args[0] not in stops:
                 made.append(int(args[0]))
             elif kind == "done":
                 answers[i] = (made, args[0] == "stop")
@@ -261,7 +263,7 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
 
     failed: list[str] = []
     for i, ids in enumerate(prompts):
-        engine.submit(Job(list(ids), max_new_tokens, temperature=0.0, stop_ids=(stop_id,), on_event=collect(i)))
+        engine.submit(Job(list(ids), max_new_tokens, temperature=0.0, stop_ids=stops, on_event=collect(i)))
     while engine.step():
         pass
     bar.close()
@@ -272,7 +274,8 @@ def model_answers(model, prompts: list[list[int]], stop_id: int, max_new_tokens:
 
 def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, progress: bool = True) -> tuple[list[dict], int]:
     """On-policy wrong answers: for each pair of a scored task, the model's own greedy answer replaces
-    `rejected` when it is wrong (non-empty, ends with </s>, differs from chosen after `sft.normalize`) —
+    `rejected` when it is wrong (non-empty, ends with </s> or its template's end of turn: `tok.stop_ids`,
+    differs from chosen after `sft.normalize`) —
     the mistakes this model actually makes, which rule-made negatives rarely are. Other pairs are kept.
     -> (new pairs, number replaced). Each replaced pair gets "rejected_source": "model"."""
     from .sft import SCORED, normalize
@@ -280,7 +283,7 @@ def model_negatives(model, tok, pairs: list[dict], max_new_tokens: int = 16, pro
     if progress:
         print(f"answering {len(asked):,} training questions with the model (greedy, up to {max_new_tokens} tokens "
               f"each; --n-train N asks only the first N pairs)", file=sys.stderr)
-    answers = model_answers(model, [pair_prompt_ids(tok, pairs[i]) for i in asked], tok.eos_id, max_new_tokens,
+    answers = model_answers(model, [pair_prompt_ids(tok, pairs[i]) for i in asked], tok.stop_ids, max_new_tokens,
                             progress)
     out, replaced = list(pairs), 0
     for i, (ids, stopped) in zip(asked, answers):
