@@ -63,6 +63,30 @@ def test_jsonl_documents_every_10th_held_out(tmp_path):
     assert read_manifest(tmp_path / "data") == m
 
 
+class WideTok(ByteTok):
+    """A vocabulary of Gemma 3's size: every id above uint16's range."""
+    vocab_size = 262144
+    eos_id = 262143
+
+    def encode(self, text):
+        return [200_000 + b for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(i - 200_000 for i in ids if i < self.eos_id).decode("utf-8")
+
+
+def test_a_vocabulary_over_65536_tokens_gets_uint32_shards(tmp_path):
+    """Ids above 65,535 are written as uint32 and read back whole (once cut to their low 16 bits by the
+    bundled corpus' prepare, which a 262,144-token vocabulary reached)."""
+    texts = ["first document", "second, ünïcode", "third"] * 4
+    prepare([_jsonl(tmp_path / "a.jsonl", texts)], WideTok(), tmp_path / "d", processes=1, progress=False)
+    a = np.load(tmp_path / "d" / "train_000000.npy", allow_pickle=False)
+    assert a.dtype == np.uint32 and a.max() == WideTok.eos_id
+    ids = np.concatenate([_all_ids(tmp_path / "d", split) for split in ("train", "val")])
+    docs = [WideTok().decode(d) for d in np.split(ids, np.flatnonzero(ids == WideTok.eos_id) + 1)[:-1]]
+    assert sorted(docs) == sorted(texts)
+
+
 def test_small_shards_and_windows_cross_boundaries(tmp_path):
     texts = [f"{i:03d} " + "xyz " * i for i in range(40)]
     prepare([_jsonl(tmp_path / "a.jsonl", texts)], ByteTok(), tmp_path / "d", processes=1, shard_tokens=100,

@@ -12,7 +12,8 @@ def register(subparsers) -> None:
         "prepare", help="encode text files into token shards (train/val) + manifest",
         description="Encode files (.jsonl/.json: a 'text' field per record, .parquet: a 'text' column, any other "
                     "name: UTF-8 text, as `tokenizer train` reads them), or whole directories of .txt/.md/.jsonl/"
-                    ".json/.parquet files, into uint16 token shards with a train/val split that holds out whole "
+                    ".json/.parquet files, into token shards (uint16; uint32 for a vocabulary of more than 65,536 "
+                    "tokens) with a train/val split that holds out whole "
                     "documents (every 10th; a source with fewer than 10 documents is cut into chunks at paragraph "
                     "breaks and every 10th chunk is held out). Streams the input and encodes on all cores. "
                     "Without FILES, prepares the bundled Shakespeare corpus (validation = held-out whole works). "

@@ -1,10 +1,12 @@
-"""Token shards: text files -> uint16 `.npy` shards + `manifest.json` (`prepare`), and back (`TokenShards`).
+"""Token shards: text files -> uint16 (or uint32) `.npy` shards + `manifest.json` (`prepare`), and back
+(`TokenShards`).
 
 A DATA directory holds
 
     manifest.json        {format, tokenizer_fingerprint, vocab_size, eos_id, tokenizer: "tokenizer.json",
                           splits: {train: {shards: [{file, tokens}], tokens, bytes}, val: {...}}, sources: [...]}
-    train_000000.npy     uint16 token ids, np.save format, read memory-mapped (np.load(mmap_mode="r"))
+    train_000000.npy     token ids, np.save format, read memory-mapped (np.load(mmap_mode="r")): uint16, or
+                         uint32 for a vocabulary of more than 65,536 tokens (Gemma 3's 262,144; `token_dtype`)
     train_000001.npy ... val_000000.npy ...
     tokenizer.json       the tokenizer the shards were made with (so `train --data DATA` needs no --tokenizer)
 
@@ -46,6 +48,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..config import LIMITS
 from ..errors import UserError
 from ..fileio import atomic_write_json, check_real_dir
 
@@ -90,7 +93,7 @@ class TokenShards:
         self.eos_id = int(m["eos_id"])
         self.tokenizer_fingerprint = m["tokenizer_fingerprint"]
         self.n_bytes = int(info["bytes"])
-        self._arrays = [_load_shard(self.data_dir, s) for s in info["shards"]]
+        self._arrays = [_load_shard(self.data_dir, s, token_dtype(self.vocab_size)) for s in info["shards"]]
         lengths = [len(a) for a in self._arrays]
         self.n_tokens = int(sum(lengths))
         if self.n_tokens != int(info["tokens"]):
@@ -208,8 +211,8 @@ def check_manifest(m: dict, path) -> None:
 
     if not isinstance(m["tokenizer_fingerprint"], str):
         bad("tokenizer_fingerprint", "a string")
-    if not is_int(m["vocab_size"], 1, 1 << 16):
-        bad("vocab_size", "an integer in [1, 65536]")
+    if not is_int(m["vocab_size"], 1, MAX_VOCAB):
+        bad("vocab_size", f"an integer in [1, {MAX_VOCAB}]")
     if not is_int(m["eos_id"], 0, m["vocab_size"] - 1):
         bad("eos_id", f"an integer in [0, {m['vocab_size'] - 1}]")
     if not isinstance(m["splits"], dict):
@@ -238,7 +241,15 @@ def _short(field: str, m: dict) -> str:
     return repr(value)[:60]
 
 
-def _load_shard(data_dir: Path, entry: dict) -> np.ndarray:
+MAX_VOCAB = LIMITS["vocab_size"]   # what a model can have (config.LIMITS): uint32 shards hold any of them
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of the shards of a vocabulary: uint16 up to 65,536 tokens, else uint32 (little-endian)."""
+    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
+
+
+def _load_shard(data_dir: Path, entry: dict, dtype: np.dtype) -> np.ndarray:
     """np.load one shard memory-mapped, checking dtype, shape and length against the manifest entry."""
     path = data_dir / entry["file"]
     if Path(entry["file"]).name != entry["file"]:
@@ -249,8 +260,8 @@ def _load_shard(data_dir: Path, entry: dict) -> np.ndarray:
         a = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise UserError(f"shard {path} is corrupt ({e}); re-run `nanoeuler prepare`") from None
-    if a.dtype != np.uint16 or a.ndim != 1 or len(a) != int(entry["tokens"]):
-        raise UserError(f"shard {path} is corrupt (expected {entry['tokens']} uint16 tokens, found "
+    if a.dtype != dtype or a.ndim != 1 or len(a) != int(entry["tokens"]):
+        raise UserError(f"shard {path} is corrupt (expected {entry['tokens']} {dtype.name} tokens, found "
                         f"{a.dtype} {a.shape}); re-run `nanoeuler prepare`")
     return a
 
@@ -259,10 +270,10 @@ def _load_shard(data_dir: Path, entry: dict) -> np.ndarray:
 # Writing
 # ----------------------------------------------------------------------------------------------------------
 
-def _npy_header(n_tokens: int) -> bytes:
-    """A 128-byte .npy (version 1.0) header for a uint16 vector of n_tokens: always the same size, so it
-    can be written first as a placeholder and overwritten once the length is known."""
-    d = "{'descr': '<u2', 'fortran_order': False, 'shape': (%d,), }" % n_tokens
+def _npy_header(n_tokens: int, dtype: np.dtype) -> bytes:
+    """A 128-byte .npy (version 1.0) header for a vector of n_tokens of dtype ('<u2' or '<u4'): always the
+    same size, so it can be written first as a placeholder and overwritten once the length is known."""
+    d = "{'descr': '%s', 'fortran_order': False, 'shape': (%d,), }" % (dtype.str, n_tokens)
     h = d.ljust(128 - 10 - 1) + "\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode("latin1")
 
@@ -273,8 +284,8 @@ class _ShardWriter:
     Files are written under temporary names (`.name.partial`) and renamed by `commit()`.
     """
 
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int):
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int, dtype: np.dtype):
+        self.out_dir, self.split, self.shard_tokens, self.dtype = out_dir, split, shard_tokens, dtype
         self.shards: list[dict] = []       # [{file, tokens}]
         self._f = None
         self._n = 0                        # tokens in the open shard
@@ -286,12 +297,12 @@ class _ShardWriter:
         partial = self.out_dir / f".{name}.partial"
         partial.unlink(missing_ok=True)
         self._f = open(partial, "xb")      # exclusive: never through a link planted under that name
-        self._f.write(_npy_header(0))
+        self._f.write(_npy_header(0, self.dtype))
         self._n = 0
 
     def _close(self):
         self._f.seek(0)
-        self._f.write(_npy_header(self._n))
+        self._f.write(_npy_header(self._n, self.dtype))
         self._f.close()
         self._f = None
         self.shards[-1]["tokens"] = self._n
@@ -303,7 +314,7 @@ class _ShardWriter:
             if self._f is None:
                 self._open()
             take = min(len(ids) - pos, self.shard_tokens - self._n)
-            self._f.write(ids[pos:pos + take].astype("<u2").tobytes())
+            self._f.write(ids[pos:pos + take].astype(self.dtype).tobytes())
             self._n += take
             self.tokens += take
             pos += take
@@ -667,8 +678,6 @@ def prepare(sources, tokenizer, out_dir: str | Path, val_sources=None, processes
         prepare(["books.txt", ("web/", 3.0)], "tokenizer.json", "data/mix")   # web text weighted 3x
     """
     tok = _load_tokenizer(tokenizer)
-    if tok.vocab_size > 1 << 16:
-        raise UserError(f"vocab size {tok.vocab_size} does not fit uint16 token shards (max 65536)")
     if shard_tokens < 1:
         raise UserError(f"shard_tokens must be >= 1, got {shard_tokens}")
     srcs = _as_sources(sources)
@@ -746,7 +755,8 @@ def _prepare_sources(srcs: list[Source], tok, out_dir: Path, processes, shard_to
 
 def _write_shards(srcs, tok, out_dir, shard_tokens, streams, planned, total, processes, progress, n_docs,
                   chunk_chars, tqdm) -> dict:
-    writers = {split: _ShardWriter(out_dir, split, shard_tokens) for split in SPLITS}
+    dtype = token_dtype(tok.vocab_size)
+    writers = {split: _ShardWriter(out_dir, split, shard_tokens, dtype) for split in SPLITS}
     n_bytes = dict.fromkeys(SPLITS, 0)
     docs_seen: dict[str, set] = {split: set() for split in SPLITS}
     eos = np.array([tok.eos_id], dtype=np.int64)
