@@ -23,6 +23,7 @@ def matmul_peak_flops(n: int = 1024, seconds: float = 0.3) -> float:
     return 2 * n ** 3 / best
 
 
-def mfu(n_params: int, tokens_per_second: float, peak: float | None = None) -> float:
-    """Model FLOPs utilisation: 6·N·tokens/s over the measured matmul peak."""
-    return 6 * n_params * tokens_per_second / (peak or matmul_peak_flops())
+def mfu(n_params: int, tokens_per_second: float, peak: float | None = None, passes: int = 6) -> float:
+    """Model FLOPs utilisation: passes·N·tokens/s (6: forward, dx and dW of every weight) over the measured
+    matmul peak."""
+    return passes * n_params * tokens_per_second / (peak or matmul_peak_flops())

@@ -494,3 +494,24 @@ def test_info_lora_counts_trainable_parameters_and_step_memory(capsys):
     assert lora["memory_bytes"]["optimizer"] == 8 * 1_179_648 and lora["memory_bytes"]["weights"] == \
         full["memory_bytes"]["weights"]
     assert lora["memory_bytes"]["total"] < 0.55 * full["memory_bytes"]["total"]
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_mfu_counts_the_step_flops_against_the_peak_of_its_precision(precision, lora, monkeypatch):
+    """The MFU a run reports: 6·N flops a token (4·N for LoRA: no dW of frozen weights) over the matmul peak of
+    its precision (bf16: the bf16 kernels'), where it once counted 6·N against the float32 peak (3.5 "MFU"
+    on a bf16 LoRA run of Gemma 3)."""
+    from nanoeuler import perf
+    from nanoeuler.training.train import LMObjective, TrainConfig
+    monkeypatch.setattr(perf, "matmul_peak_flops", lambda: 1e11)
+    monkeypatch.setattr(bf16, "peak_flops", lambda: 4e11)
+    model = Model.init(tiny_config(), seed=0)
+    if lora:
+        model = LoraModel(model, ad.LoraConfig(2, 4.0).check(model.config),
+                          ad.init_adapters(model.config, ad.LoraConfig(2, 4.0).check(model.config)),
+                          {"path": "", "sha256": ""})
+    model.precision = precision   # (the rate only reads it: no bf16 kernel runs)
+    rates = LMObjective(model, None, TrainConfig(dropout=0.0)).rates(1000, 2.0)
+    flops = (4 if lora else 6) * model.n_params() * 500
+    assert rates["mfu"] == pytest.approx(flops / (4e11 if precision == "bf16" else 1e11))

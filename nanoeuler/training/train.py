@@ -247,12 +247,18 @@ class LMObjective:
         return evaluate(self.model, self.source, max_batches)
 
     def rates(self, n: int, dt: float) -> dict:
+        """tokens/s and MFU: against the peak of the run's precision (bf16: the bf16 kernels'), counting 6·N
+        flops a token, or 4·N for LoRA (its frozen weights get no dW)."""
         from ..perf import mfu
         tok_s = n / dt
         if not hasattr(self, "_peak"):
-            from ..perf import matmul_peak_flops
-            self._peak, self._n_params = matmul_peak_flops(), self.model.n_params()
-        return {"tokens_per_s": tok_s, "mfu": mfu(self._n_params, tok_s, self._peak)}
+            if getattr(self.model, "precision", "f32") == "bf16":
+                from ..fast.bf16 import peak_flops
+            else:
+                from ..perf import matmul_peak_flops as peak_flops
+            self._peak, self._n_params = peak_flops(), self.model.n_params()
+            self._passes = 4 if getattr(self.model, "lcfg", None) is not None else 6
+        return {"tokens_per_s": tok_s, "mfu": mfu(self._n_params, tok_s, self._peak, self._passes)}
 
     def postfix(self, m: dict) -> dict:
         return postfix(m)
