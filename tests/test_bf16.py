@@ -292,9 +292,10 @@ def test_dpo_head_products_in_bf16():
     ws, W0 = cache[4], P["heads.0.weight"]
     hf = ws.hf.copy()
     logits = reference(hf, W0.T).astype(np.float32).reshape(2, 12, -1)
-    assert np.abs(dpo.response_logprobs_forward(logits, targets, mask)[0] - logps).max() < 1e-4
+    expected, lp_cache = dpo.response_logprobs_forward(logits, targets, mask)
+    assert np.abs(expected - logps).max() < 1e-4
     grads = dpo.sequence_logprobs_backward(np.ones(2), cache)
-    dlogits = dpo.response_logprobs_backward(np.ones(2), cache[5]).reshape(ws.N, -1).astype(np.float32)
+    dlogits = dpo.response_logprobs_backward(np.ones(2), lp_cache).reshape(ws.N, -1).astype(np.float32)
     assert rel_err(grads["heads.0.weight"], reference(dlogits.T, hf)) < 1e-5
 
 
@@ -303,7 +304,7 @@ def _far_lora(arch, dropout=0.0):
     from nanoeuler import adapters as ad
     from nanoeuler.training.lora import LoraModel
     m, tokens, mask = _far_model(arch)
-    lcfg = ad.LoraConfig(4, 8.0, (), dropout)
+    lcfg = ad.LoraConfig(4, 8.0, (), dropout).check(m.config)
     adapters = ad.init_adapters(m.config, lcfg, 1)
     for a in adapters.values():
         a += np.random.default_rng(2).standard_normal(a.shape).astype(np.float32) * 0.2

@@ -1,7 +1,8 @@
 """Fine-tuning the published models (`make models`: SmolLM2-135M-Instruct, Gemma 3 270M) as our own models are
 fine-tuned: each imported, a LoRA SFT (SmolLM2 in its own ChatML, the Gemma 3 base in Gemma's turns) stopped
-and resumed equals the run that never stopped, bit for bit, and two MPI ranks equal one process to float32
-rounding (short runs: rows of 64 tokens, 4 steps; the quality of long runs: docs/benchmarks.md)."""
+and resumed equals the run that never stopped, bit for bit (in float32 and, on a CPU with AVX512_BF16, in
+bf16), and two MPI ranks equal one process to float32 rounding (short runs: rows of 64 tokens, 4 steps; the
+quality of long runs: docs/benchmarks.md)."""
 import json
 import subprocess
 import sys
@@ -11,13 +12,18 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import rel_err
+from nanoeuler.fast import bf16
 from real_models import real_model
 
 TEMPLATE = {"smollm2": [], "gemma3": ["--chat-template", "gemma"]}
 SFT = ["sft", "--base", "base", "--data", "sft.json", "--val", "val.json", "--lora", "8", "--seq-len", "64",
        "--batch-size", "2", "--steps", "4", "--warmup", "1", "--lr", "1e-3", "--eval-every", "100",
        "--ckpt-every", "1", "--no-progress", "--json"]
-ROUNDING = 2e-4  # per entry (conftest.rel_err), as tests/test_dist.py: the ranks' sums grouped differently
+# the ranks' sums grouped differently: after the first step the adapters are equal bit for bit; after four, AdamW's
+# per-entry normalisation has turned rounding-sized differences of near-cancelled gradient entries into ones of
+# up to 8e-5 of the tensor's largest entry (median 6e-6; 1.3e-3 of an entry at 1 % of it: SmolLM2, AVX-512), so
+# measured against each tensor's largest entry (conftest.rel_err's floor 1.0), where a lost rank's gradient is ~1
+ROUNDING = 1e-3
 
 
 def cli(args: list[str], cwd) -> dict:
@@ -46,17 +52,20 @@ def tensors(run, name: str) -> dict:
     return load_file(str(run / name))
 
 
-def test_a_lora_sft_stopped_and_resumed_is_the_run_that_never_stopped(imported):
+@pytest.mark.parametrize("precision", ["f32", pytest.param("bf16", marks=pytest.mark.skipif(
+    not bf16.AVAILABLE, reason="this CPU has no AVX512_BF16"))])
+def test_a_lora_sft_stopped_and_resumed_is_the_run_that_never_stopped(imported, precision):
     name, d = imported
-    args = SFT + TEMPLATE[name]
-    whole = cli(args + ["--out", "whole"], d)
-    cli(args + ["--out", "halves", "--stop-after", "2"], d)
-    cli(args + ["--out", "halves", "--resume"], d)
-    assert whole["finished"] and np.isfinite(whole["val_loss"])
+    args = SFT + TEMPLATE[name] + ["--precision", precision]
+    whole, halves = f"whole-{precision}", f"halves-{precision}"
+    summary = cli(args + ["--out", whole], d)
+    cli(args + ["--out", halves, "--stop-after", "2"], d)
+    cli(args + ["--out", halves, "--resume"], d)
+    assert summary["finished"] and np.isfinite(summary["val_loss"])
     for f in ("adapter.safetensors", "optimizer.safetensors"):
-        a, b = tensors(d / "whole", f), tensors(d / "halves", f)
+        a, b = tensors(d / whole, f), tensors(d / halves, f)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), f
-    B = [v for k, v in tensors(d / "whole", "adapter.safetensors").items() if k.endswith(".lora_B")]
+    B = [v for k, v in tensors(d / whole, "adapter.safetensors").items() if k.endswith(".lora_B")]
     assert B and all(np.abs(b).max() > 0 for b in B)   # (B starts at zero: every adapter was trained)
 
 
@@ -67,9 +76,9 @@ def test_two_ranks_equal_one_process(imported):
         pytest.skip("no mpiexec (pip install 'nanoeuler[dist]')")
     name, d = imported
     args = SFT + TEMPLATE[name]
-    if not (d / "whole").exists():
-        cli(args + ["--out", "whole"], d)
+    if not (d / "whole-f32").exists():
+        cli(args + ["--out", "whole-f32"], d)
     cli(args + ["--out", "ranks", "--nproc", "2"], d)
-    one, two = tensors(d / "whole", "adapter.safetensors"), tensors(d / "ranks", "adapter.safetensors")
+    one, two = tensors(d / "whole-f32", "adapter.safetensors"), tensors(d / "ranks", "adapter.safetensors")
     assert one.keys() == two.keys()
-    assert max(rel_err(two[k], one[k]) for k in one) < ROUNDING
+    assert max(rel_err(two[k], one[k], floor=1.0) for k in one) < ROUNDING
