@@ -13,6 +13,7 @@ for every engine. Engines:
     ours-full   nanoeuler's full fine-tuning step (Model.loss_and_grads + AdamW on every weight)
     peft-lora   transformers' GPT2LMHeadModel / LlamaForCausalLM + peft.get_peft_model, the same targets,
                 rank and alpha, torch.optim.AdamW on the adapters
+    torch-full  the same transformers model fine-tuned whole: torch.optim.AdamW on every weight (ours-full's peer)
     *-bf16      the same in bf16 mixed precision: ours `--precision bf16` (every product's operands rounded
                 to bfloat16, float32 accumulation), PyTorch's forward under torch.autocast("cpu", bfloat16)
 
@@ -23,7 +24,8 @@ tiny (a 2-layer gpt2-shaped model for a quick smoke run), all with random weight
 architecture's default targets: ours loads it as `sft --lora` does (mapped), PyTorch + PEFT loads its
 `nanoeuler export --format hf` (written once into a temporary folder) with AutoModelForCausalLM in float32.
 
-    step s      median seconds per step;   x peft / x full   how many times faster ours-lora(-bf16) is
+    step s      median seconds per step; the last column: how many times faster ours-lora(-bf16) is than that
+                row, and with what share of its memory (beside torch-full rows: ours-full(-bf16))
     peak MiB    the worker's peak resident memory over the timed steps (VmHWM, reset after warm-up)
     first MiB   the worker's peak before that reset: loading, warm-up and the first step included
     bound s     the step's matrix FLOPs at the matmul peak measured in the worker (2048³ sgemm, or bf16):
@@ -61,6 +63,7 @@ ORDER = ("y = x·Wᵀ", "  adapters' share of y", "dx = dy·W", "  adapters' sha
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 2
 ENGINES = ("ours-lora", "ours-full", "peft-lora", "ours-lora-bf16", "ours-full-bf16", "peft-lora-bf16")
+TORCH_ENGINES = ("peft-lora", "torch-full", "peft-lora-bf16", "torch-full-bf16")   # run by torch_step
 MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
     "gpt2": (dict(vocab_size=50257, dim=768, n_heads=12, n_kv_heads=12, n_layers=12, ctx_len=1024, ffn_hidden=3072,
                   n_mtp=1, arch="gpt2"), ("c_attn", "c_proj", "c_fc"), ["c_attn", "c_proj", "c_fc"]),
@@ -152,7 +155,7 @@ def random_base(model_name: str):
     return Model.init(Config(**MODELS[model_name][0]), seed=0)
 
 
-def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool, hf_dir: str | None):
+def torch_step(model_name: str, engine: str, B: int, T: int, rank: int, hf_dir: str | None):
     import contextlib
 
     import torch
@@ -174,9 +177,11 @@ def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool, hf_dir: st
                                         num_attention_heads=fields["n_heads"], num_key_value_heads=fields["n_kv_heads"],
                                         max_position_embeddings=fields["ctx_len"], tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(hcfg)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
-                                             task_type="CAUSAL_LM"))
+    if engine.startswith("peft-lora"):
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
     model.train()
+    bf16 = engine.endswith("-bf16")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
 
@@ -192,8 +197,8 @@ def peft_step(model_name: str, B: int, T: int, rank: int, bf16: bool, hf_dir: st
 def worker(model_name: str, engine: str, B: int, T: int, rank: int, warmup: int, steps: int, profile: bool,
            hf_dir: str | None = None) -> dict:
     from train_speed import sgemm_gflops
-    if engine.startswith("peft-lora"):
-        step = peft_step(model_name, B, T, rank, engine.endswith("-bf16"), hf_dir)
+    if engine in TORCH_ENGINES:
+        step = torch_step(model_name, engine, B, T, rank, hf_dir)
     else:
         step = ours_step(model_name, engine, B, T, rank)
     for _ in range(warmup):
@@ -271,7 +276,7 @@ def run_worker(model_name, engine, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", model_name, engine, "--batch", str(args.batch), "--seq",
            str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup), "--steps", str(args.steps)] + \
         (["--profile"] if args.profile else []) + \
-        (["--hf-dir", hf_export(model_name, args)] if engine.startswith("peft") and is_checkpoint(model_name) else [])
+        (["--hf-dir", hf_export(model_name, args)] if engine in TORCH_ENGINES and is_checkpoint(model_name) else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -285,7 +290,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gpt2,smollm",
                     help="comma-separated: gpt2, smollm, tiny (random weights), or checkpoint directories")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}, "
+                    "torch-full, torch-full-bf16 (default: all but torch-full)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rank", type=int, default=8)
@@ -312,7 +318,7 @@ def main() -> None:
         return
     print(f"B={args.batch} T={args.seq} r={args.rank}, {THREADS} threads, median of {args.steps} steps")
     print(f"{'model':<8} {'engine':<15} {'step s':>8} {'bound s':>8} {'of bound':>8} {'peak MiB':>9} {'first MiB':>9}"
-          f"  ours-lora of the same precision is")
+          f"  ours-lora (beside torch-full: ours-full) of the same precision is")
     for r in rows:
         name = Path(r["model"]).name
         if "error" in r:
@@ -321,7 +327,8 @@ def main() -> None:
         f = flops(r["model"], args.batch, args.seq, args.rank)
         work = (2 * f["pass"] + f["adapters"] if "lora" in r["engine"] else 3 * f["pass"]) + f["attention"]
         bound = work / (r["peak_gflops"] * 1e9)
-        mine_name = "ours-lora-bf16" if r["engine"].endswith("-bf16") else "ours-lora"
+        mine_name = ("ours-full" if r["engine"].startswith("torch-full") else "ours-lora") + \
+            ("-bf16" if r["engine"].endswith("-bf16") else "")
         mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == mine_name and "step_s" in x), None)
         ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
                  if mine and r is not mine else "")

@@ -14,7 +14,8 @@ quality  bits per byte of the bundled held-out works (bench/heldout.py: windows 
          llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference;
          over the same positions, the share whose top-1 token is llama.cpp's and the logits' relative L2 error
          against llama.cpp's, for ours and for llama.cpp itself computing one token at a time (its other
-         kernels: where rounding alone leaves two runs of one engine on one file).
+         kernels: where rounding alone leaves two runs of one engine on one file), and ours against that
+         one-at-a-time run (the kernels llama.cpp decodes with).
 
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
     .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
@@ -111,8 +112,10 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
     lm = LlamaCpp(path, n_ctx=window + 1 + len(bos), logits_all=True)
     lm1 = LlamaCpp(path, n_ctx=window + 1 + len(bos), logits_all=True, batch=1)
     nll = {"ours": 0.0, "llama.cpp": 0.0}
-    # against llama.cpp's logits of the whole window at once: ours, and llama.cpp's own one token at a time
-    agree, err2, norm2, positions = {"ours": 0, "llama.cpp 1 by 1": 0}, {"ours": 0.0, "llama.cpp 1 by 1": 0.0}, 0.0, 0
+    # against llama.cpp's logits of the whole window at once: ours, and llama.cpp's own one token at a time;
+    # and ours against that one-at-a-time run (llama.cpp's decoding kernels)
+    pairs = ("ours", "llama.cpp 1 by 1", "ours vs llama.cpp 1 by 1")
+    agree, err2, norm2, positions = dict.fromkeys(pairs, 0), dict.fromkeys(pairs, 0.0), dict.fromkeys(pairs, 0.0), 0
     n_bytes = 0
     for ids, b in held_out_windows(tok, window, per_work):
         ids = bos + list(ids)
@@ -122,10 +125,11 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
         theirs = lm.logits(ids[:-1])
         nll["ours"] += nll_sum(mine[skip:], targets)
         nll["llama.cpp"] += nll_sum(theirs[skip:], targets)
-        for who, other in (("ours", mine), ("llama.cpp 1 by 1", lm1.logits(ids[:-1]))):
-            agree[who] += int((other.argmax(-1) == theirs.argmax(-1)).sum())
-            err2[who] += float(np.sum((other.astype(np.float64) - theirs) ** 2))
-        norm2 += float(np.sum(theirs.astype(np.float64) ** 2))
+        one = lm1.logits(ids[:-1])
+        for who, other, ref in zip(pairs, (mine, one, mine), (theirs, theirs, one)):
+            agree[who] += int((other.argmax(-1) == ref.argmax(-1)).sum())
+            err2[who] += float(np.sum((other.astype(np.float64) - ref) ** 2))
+            norm2[who] += float(np.sum(ref.astype(np.float64) ** 2))
         positions += len(theirs)
         n_bytes += b
     row = {f"{who} bits/byte": v / math.log(2) / n_bytes for who, v in nll.items()}
@@ -133,7 +137,7 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
     row["bytes scored"] = n_bytes
     for who in agree:
         row[f"top-1 {who}"] = agree[who] / positions
-        row[f"relative L2 {who}"] = math.sqrt(err2[who] / norm2)
+        row[f"relative L2 {who}"] = math.sqrt(err2[who] / norm2[who])
     row["positions"] = positions
     return row
 
