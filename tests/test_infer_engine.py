@@ -543,6 +543,6 @@ def test_dpo_data_model_answers_says_when_the_engine_failed(trained, monkeypatch
     rather than an answer missing from its list."""
     from nanoeuler.training.dpo_data import model_answers
     _raising_when(monkeypatch, step, "forward_hidden", lambda cfg, W, tokens, *a, **k: bool((tokens == POISON).any()))
-    assert len(model_answers(trained, [[1, 2], [3, 4]], stop_id=0, max_new_tokens=3, progress=False)) == 2
+    assert len(model_answers(trained, [[1, 2], [3, 4]], stop_ids=[0], max_new_tokens=3, progress=False)) == 2
     with pytest.raises(RuntimeError, match="injected"):
-        model_answers(trained, [[1, 2], [3, POISON]], stop_id=0, max_new_tokens=3, progress=False)
+        model_answers(trained, [[1, 2], [3, POISON]], stop_ids=[0], max_new_tokens=3, progress=False)
