@@ -324,7 +324,7 @@ def drop_pages(arrays) -> int:
         m = file_map(a)
         if m is None:
             continue
-        start = a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 0).__array_interface__["data"][0]
+        start = _offset(a, m)
         lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
             m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
@@ -344,7 +344,7 @@ def file_rows(a: np.ndarray):
     f = _MAPPED_FILES.get(m) if m is not None else None
     if f is None or a.ndim != 2 or not a.flags.c_contiguous:
         return None
-    start = a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 0).__array_interface__["data"][0]
+    start = _offset(a, m)
     row, fd = a.strides[0], f.fileno()
 
     def rows(table, ids, out) -> None:
@@ -354,6 +354,11 @@ def file_rows(a: np.ndarray):
         for i, r in enumerate(np.asarray(ids, np.int64).tolist()):
             os.preadv(fd, [out[i]], start + r * row)
     return rows
+
+
+def _offset(a: np.ndarray, m) -> int:
+    """Where a's bytes start in the map m (= in its file: maps start at offset 0)."""
+    return a.__array_interface__["data"][0] - np.frombuffer(m, np.uint8, 0).__array_interface__["data"][0]
 
 
 def file_map(a: np.ndarray):
