@@ -3,11 +3,11 @@ integers, for decoding and prompts: Y [n, out] (+)= X [n, in] @ Wᵀ with W kept
 
 As llama.cpp does, the activations are quantized too (`quantize_x`), to 8 bits, in the blocks llama.cpp pairs
 with the weight type (its `vec_dot_type`): blocks of 32 with a float16 scale for the 32-weight types (Q8_0,
-and Q8_1 for Q4_1 / Q5_1, whose float16 block sums we keep exact), blocks of 256 with a float32 scale and
-sums per 16 for the K types (Q8_K). Each product of 4 weights and 4 activations is an integer one, made by
+and Q8_1 for Q4_1 / Q5_1, whose block sums d·Σq are float16 too), blocks of 256 with a float32 scale and sums
+per 16 for the K types (Q8_K). Each product of 4 weights and 4 activations is an integer one, made by
 AVX512-VNNI's `vpdpbusd` (16 lanes, each += 4 unsigned bytes x 4 signed bytes), then:
 
-    32-weight types   y[o] = Σ_b dw·dx·(Σ_i qw_i·xq_i)  (+ mw·dx·sx: Q4_1, Q5_1)        qw = q - offset
+    32-weight types   y[o] = Σ_b dw·dx·(Σ_i qw_i·xq_i)  (+ mw·sx: Q4_1, Q5_1; sx Q8_1's d·Σq)  qw = q - offset
     Q4_K, Q5_K        y[o] = Σ_B dx·(dw·Σ_j sc_j·(Σ_i∈j q_i·xq_i) - dmin·Σ_j mn_j·sx_j)   j: 8 sub-blocks
     Q6_K              y[o] = Σ_B dx·dw·Σ_j sc_j·(Σ_i∈j qw_i·xq_i)                          j: 16 sub-blocks
 
@@ -17,7 +17,7 @@ Inside a K super-block everything is an exact int32: each sub-block's dot times 
 (`vpmulld`), the minimums' Σ_j mn_j·sx_j by `vpdpwssd` (pairs of int16: mn_j zero-extended, sx_j the
 activations' sums per 32, which fit in 16 bits); then one conversion to float per super-block. So a
 quantized product equals the float product of the dequantized weights and the dequantized 8-bit
-activations to float32 rounding (tests/test_quant.py).
+activations to float32 rounding (Q4_1, Q5_1: their minimums times Q8_1's float16 sums; tests/test_quant.py).
 
 Kernel form (`pack`, made once at load from the GGUF bytes): panels of PANEL = 64 outputs = 4 vectors of
 16. The integers of 16 outputs x 32 inputs (a "group") are 8 sub-vectors u of 64 bytes, lane j holding
@@ -63,6 +63,7 @@ MAX_R = 4             # rows of X sharing one pass over a panel
 # kernel kinds (kernels.py's: 0 float32, 1 float16, 2 attention); from K_KINDS on, 256-weight super-blocks
 KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7, "q4_k": 8, "q5_k": 9, "q6_k": 10}
 K_KINDS = 8
+Q4_1, Q5_1 = KINDS["q4_1"], KINDS["q5_1"]  # their activations are Q8_1 (block sums kept as d·Σq in float16)
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
@@ -454,7 +455,7 @@ def ir_store_rows(builder, t, new, at: int | None = None, v=None):
 def _block_loop(g: Geometry, isa: str):
     """The loop of a 32-weight kind over a panel's blocks for `rows` rows (see _panel_intrinsic):
 
-        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw·xd·xs)
+        t[r, j] = Σ_b dw[b, j]·xd[r, b]·(Σ_i u[b, j, i]·xq[r, 32b + i] - offset·xs[r, b])  (+ mw·xs: Q8_1)
 
     Per block and vector of 16 outputs: its integers are loaded once into 8 registers (split into nibbles,
     the fifth bit OR-ed in) and each row makes a chain of 8 `vpdpbusd` against its activation bytes, broadcast
@@ -479,7 +480,7 @@ def _block_loop(g: Geometry, isa: str):
             rb = builder.add(builder.mul(ir.Constant(I64, r), nb), b)
             d, s = builder.load(builder.gep(xdp, [rb])), builder.load(builder.gep(xsp, [rb]))
             dx.append(ir_splat(builder, d, FVEC))
-            dxs.append(ir_splat(builder, builder.fmul(d, s), FVEC) if g.minimum else None)
+            dxs.append(ir_splat(builder, s, FVEC) if g.minimum else None)  # Q8_1's d·Σq
             start.append(ir_splat(builder, builder.mul(builder.fptosi(s, I32), ir.Constant(I32, -offset)), IVEC))
         new = [None] * (rows * VECS)
         hi16 = high_nibbles_in_place(rows, g.bits, isa)
@@ -697,24 +698,37 @@ def ir_rint(builder, v):
     return builder.fptosi(builder.call(ir_function(builder, f"llvm.rint.v{LANES}f32", FVEC, [FVEC]), [v]), IVEC)
 
 
-@intrinsic
-def _quantize_block(typingctx, x, q, d, s):
-    """One block of 32 activations at address x (float32) -> q (int8 [32]), d, s (float32) at their addresses,
-    as quant.quantize_x8 rounds them, in two 16-lane vectors: max |x| (exact in any order), one scalar 127 / max,
-    a product and a round-to-even per lane, the integers' sum."""
-    def codegen(context, builder, sig, args):
-        xa, qa, da, sa = args
-        fv = ir_load_floats(builder, xa, 2)
-        amax = ir_amax(builder, fv)
-        inv = builder.select(builder.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
-                             builder.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
-        total = functools.reduce(builder.add, [ir_store_q(builder, qa, h, ir_rint(builder, builder.fmul(
-            fv[h], ir_splat(builder, inv, FVEC)))) for h in range(2)])
-        half = builder.fdiv(amax, ir.Constant(F32, 127.0))
-        builder.store(builder.fpext(builder.fptrunc(half, ir.HalfType()), F32), builder.inttoptr(da, F32.as_pointer()))
-        builder.store(builder.sitofp(total, F32), builder.inttoptr(sa, F32.as_pointer()))
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+def _block_quantizer(q8_1: bool):
+    """The intrinsic (x, q, d, s) quantizing one block of 32 activations at address x (float32) -> q (int8 [32]),
+    d, s (float32) at their addresses, as quant.quantize_x8 (q8_1: quant.quantize_x8_1) rounds them, in two
+    16-lane vectors: max |x| (exact in any order), one scalar 127 / max, a product and a round-to-even per lane,
+    the integers' sum (Q8_1: times max / 127, rounded to float16)."""
+    @intrinsic
+    def quantize(typingctx, x, q, d, s):
+        def codegen(context, builder, sig, args):
+            xa, qa, da, sa = args
+            fv = ir_load_floats(builder, xa, 2)
+            amax = ir_amax(builder, fv)
+            inv = builder.select(builder.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)),
+                                 builder.fdiv(ir.Constant(F32, 127.0), amax), ir.Constant(F32, 0.0))
+            total = functools.reduce(builder.add, [ir_store_q(builder, qa, h, ir_rint(builder, builder.fmul(
+                fv[h], ir_splat(builder, inv, FVEC)))) for h in range(2)])
+            unrounded = builder.fdiv(amax, ir.Constant(F32, 127.0))
+            builder.store(ir_half(builder, unrounded), builder.inttoptr(da, F32.as_pointer()))
+            total = builder.sitofp(total, F32)
+            builder.store(ir_half(builder, builder.fmul(unrounded, total)) if q8_1 else total,
+                          builder.inttoptr(sa, F32.as_pointer()))
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+    return quantize
+
+
+def ir_half(builder, v):
+    """A float32 value rounded to float16 (to nearest even), as float32."""
+    return builder.fpext(builder.fptrunc(v, ir.HalfType()), F32)
+
+
+_quantize_block, _quantize_block_q8_1 = _block_quantizer(False), _block_quantizer(True)
 
 
 def ir_first_of_magnitude(builder, fv: list, amax):
@@ -756,11 +770,13 @@ def _quantize_super_block(typingctx, x, q, d, s):
 
 
 @njit(**OPTS)
-def quantize_x(X, xq, xd, xs, width):
-    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32, each row contiguous, a block of `width` at a
-    time: 32, Q8_0-style (quant.quantize_x8: xd, xs [n, k / 32], _quantize_block), or 256, Q8_K
-    (quant.quantize_xk: xd [n, k / 256], xs [n, k / 16], _quantize_super_block)."""
+def quantize_x(X, xq, xd, xs, kind):
+    """Rows X float32 [n, k] -> xq int8 [n, k], xd, xs float32, each row contiguous, as the products of `kind`
+    read them, a block at a time: Q8_0 (quant.quantize_x8: xd, xs [n, k / 32], _quantize_block), Q8_1 for
+    Q4_1 / Q5_1 (quant.quantize_x8_1), or Q8_K for the K kinds (quant.quantize_xk: xd [n, k / 256],
+    xs [n, k / 16], _quantize_super_block)."""
     n, k = X.shape
+    width, q8_1 = block_inputs(kind), kind == Q4_1 or kind == Q5_1
     if X.strides[1] != 4 or xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
         raise ValueError("quantizing activations needs rows of contiguous elements")
     for r in range(n):
@@ -769,6 +785,8 @@ def quantize_x(X, xq, xd, xs, width):
         for b in range(k // width):
             if width == QK_K:
                 _quantize_super_block(x + b * QK_K * 4, q + b * QK_K, d + b * 4, s + b * 64)
+            elif q8_1:
+                _quantize_block_q8_1(x + b * QK * 4, q + b * QK, d + b * 4, s + b * 4)
             else:
                 _quantize_block(x + b * QK * 4, q + b * QK, d + b * 4, s + b * 4)
 
@@ -783,7 +801,7 @@ def quantize_rows(kind, X):
         xd, xs = np.empty((n, k // QK_K), np.float32), np.empty((n, k // 16), np.float32)
     else:
         xd, xs = np.empty((n, k // QK), np.float32), np.empty((n, k // QK), np.float32)
-    quantize_x(X, xq, xd, xs, block_inputs(kind))
+    quantize_x(X, xq, xd, xs, kind)
     return xq, xd, xs
 
 

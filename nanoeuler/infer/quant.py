@@ -29,8 +29,9 @@ order). gguf (and so this module) cannot quantize the K types: llama.cpp makes t
 
 `unpack` gives a block's numbers (`Fields`), which the decoding kernels rearrange (qkernels.pack). The
 activations are quantized to 8 bits per block at run time as llama.cpp does for the weight type they meet:
-`quantize_x8` (32-wide blocks, float16 scale: Q8_0 / Q8_1, for the 32-weight types) and `quantize_xk`
-(256-wide blocks, float32 scale, sums per 16: Q8_K, for the K types); the kernels compute in integers.
+`quantize_x8` (32-wide blocks, float16 scale: Q8_0, for the 32-weight types), `quantize_x8_1` (Q8_1, for Q4_1
+and Q5_1: their block sums in float16 too) and `quantize_xk` (256-wide blocks, float32 scale, sums per 16: Q8_K,
+for the K types); the kernels compute in integers.
 """
 from __future__ import annotations
 
@@ -320,6 +321,16 @@ def quantize_x8(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.rint(x * inv[..., None]).astype(np.int8)
     d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
     return q.reshape(n, k), d, q.sum(axis=2, dtype=np.int32).astype(np.float32)
+
+
+def quantize_x8_1(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows X float32 [n, k] -> Q8_1 (quantize_row_q8_1, for Q4_1 / Q5_1): quantize_x8's q and d, and per block
+    s = d·Σq rounded to float16, with d before its own float16 rounding (max|x| / 127): the block sum llama.cpp
+    keeps, which the weights' minimums multiply.  quantize_x8_1(np.float32([[127] * 32]))[2] -> [[4064.]]"""
+    n, k = X.shape
+    q, d, sums = quantize_x8(X)
+    unrounded = np.abs(np.asarray(X, np.float32).reshape(n, k // QK, QK)).max(axis=2) / np.float32(127)
+    return q, d, (unrounded * sums).astype(np.float16).astype(np.float32)
 
 
 def quantize_xk(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
