@@ -5,6 +5,7 @@ CPU time are given too. Timers wrap the engine's calls, so the total is a little
 
     python bench/profile_step.py big                 # fast engine, B=16 T=256
     python bench/profile_step.py big --reference     # the plain ops/ + model.forward/backward path
+    python bench/profile_step.py gpt --precision bf16  # B=2 T=512; bf16 products: packing and tiles apart
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from nanoeuler.config import PRESETS  # noqa: E402
 from nanoeuler.model import Model  # noqa: E402
 from nanoeuler.optim import AdamW  # noqa: E402
 
-SHAPES = {"small": (32, 128), "big": (16, 256)}
+SHAPES = {"small": (32, 128), "big": (16, 256), "gpt": (2, 512)}
 
 
 def timed(fn, name, stats):
@@ -44,10 +45,11 @@ def main(argv=None) -> int:
     ap.add_argument("preset", choices=list(SHAPES))
     ap.add_argument("--reference", action="store_true", help="profile the reference path instead")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32", help="the fast engine's products")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.preset]
     B, T = SHAPES[args.preset]
-    model = Model.from_preset(args.preset, seed=0)
+    model = Model.from_preset(args.preset, seed=0).set_precision(args.precision)
     opt = AdamW(model.params)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + cfg.n_mtp))
     stats = collections.defaultdict(lambda: [0.0, 0])
@@ -56,9 +58,15 @@ def main(argv=None) -> int:
 
         from nanoeuler.fast import engine as E
         E.matmul = timed(E.matmul, lambda a: f"matmul {list(a[0].shape)} @ {list(a[1].shape)}", stats)
-        for name, fn in vars(E.K).items():
+        for name, fn in vars(E.kernels).items():
             if isinstance(fn, CPUDispatcher) and not name.startswith(("_", "row_", "adamw")):
-                setattr(E.K, name, timed(fn, name, stats))
+                setattr(E.kernels, name, timed(fn, name, stats))
+        if args.precision == "bf16":  # the bf16 products' packing and tile loops, each apart
+            from nanoeuler.fast import bf16
+            for name in ("_pack_rows", "_pack_pairs", "_pack_b"):
+                label = (lambda a, n=name: f"bf16 {n[1:]} {list(a[0].shape)}")
+                setattr(bf16, name, timed(getattr(bf16, name), label, stats))
+            bf16._gemm = timed(bf16._gemm, lambda a: f"bf16 gemm {list(a[4].shape)}", stats)
         grads = model.grad_buffers()
     opt.step = timed(opt.step, "AdamW.step", stats)
 
@@ -92,7 +100,8 @@ def main(argv=None) -> int:
     groups = collections.defaultdict(float)
     for key, (kc, n) in sorted(stats.items(), key=lambda kv: -kv[1][0]):
         print(f"{kc / args.steps * 1e3:9.1f} ms CPU  x{n // args.steps:3d}  {key}")
-        groups["matmuls" if key.startswith("matmul") else "AdamW" if key.startswith("AdamW") else "fused kernels"] += kc / args.steps
+        groups["matmuls" if key.startswith(("matmul", "bf16 gemm")) else "bf16 packing" if key.startswith("bf16")
+               else "AdamW" if key.startswith("AdamW") else "fused kernels"] += kc / args.steps
     for g, kc in groups.items():
         print(f"  {g:14s} {kc * 1e3:9.1f} ms CPU ({kc / cpu:5.1%})")
     return 0

@@ -59,6 +59,37 @@ def test_round_bf16_matches_torch():
     assert (bf16.pack_a(x[None])[0][0, :x.size] == want).all()
 
 
+def packed_b_reference(b):
+    """pack_b's layout by NumPy: b [K, N] -> [1, nb, Kp/2, 2·PANEL], element (2p + e, j) of b rounded at
+    [0, j // PANEL, p, 2·(j % PANEL) + e], zeros in the padding."""
+    K, N = b.shape
+    nb, P = -(-N // bf16.PANEL), -(-K // 2)
+    R = np.zeros((2 * P, nb * bf16.PANEL), np.uint16)
+    R[:K, :N] = bf16.round_bf16_bits(b)
+    return R.reshape(P, 2, nb, bf16.PANEL).transpose(2, 0, 3, 1).reshape(1, nb, P, 2 * bf16.PANEL)
+
+
+@pytest.mark.parametrize("K,N", [(1, 1), (7, 70), (64, 64), (130, 129), (33, 200)])
+def test_packing_layouts_bit_for_bit(K, N):
+    """pack_b from both memory orders (x·Wᵀ packs Wᵀ, a view; dY·W packs W) and pack_a's rows and pairs
+    (a transposed view) against their layouts made by NumPy, bit for bit: odd K, N off the panel width, the
+    rounding's edge cases and NaNs among the values."""
+    rng = np.random.default_rng(K * N)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    special = f32(list(EDGES) + NANS)
+    b.reshape(-1)[:min(b.size, special.size)] = special[:b.size]
+    want = packed_b_reference(b)
+    for view in (b, np.ascontiguousarray(b.T).T):
+        assert (bf16.pack_b(view) == want).all()
+    rows = bf16.round_bf16_bits(b)                                                  # a = b: [M=K, N]
+    padded = np.zeros((K, N + N % 2), np.uint16)
+    padded[:, :N] = rows
+    got, rs, ps = bf16.pack_a(b)
+    assert (rs, ps) == ((N + 1) // 2, 1) and (got[0] == padded.reshape(-1)).all()
+    got, rs, ps = bf16.pack_a(np.ascontiguousarray(b.T).T)                          # pairs: [Np/2, M, 2]
+    assert (rs, ps) == (1, K) and (got[0] == padded.reshape(K, -1, 2).transpose(1, 0, 2).reshape(-1)).all()
+
+
 # ---- the products ---------------------------------------------------------------------------------------------
 def reference(a, b):
     """a @ b of the bf16-rounded operands, in float64."""

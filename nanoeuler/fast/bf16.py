@@ -44,7 +44,6 @@ from ..errors import UserError
 
 PANEL = 64      # columns of B in one panel: 4 vectors of 16 float32 accumulators
 ROWS = 6        # rows of A in one tile: 6 x 4 = 24 accumulator vectors (of 32 registers)
-TILE = 16       # pairs of k per packing tile
 KC = 512        # pairs of k in one block: a panel block is 512 x 256 bytes = 128 KiB (L2 holds it)
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -88,6 +87,12 @@ def _rne(u):
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+@njit(inline="always", **OPTS)
+def _word(lo, hi):
+    """Two float32 bits -> the 32-bit word of their bfloat16 bits, lo in the low half (a pair of k)."""
+    return np.uint32(_rne(lo)) | (np.uint32(_rne(hi)) << np.uint32(16))
+
+
 # ---- packing ------------------------------------------------------------------------------------------------
 @njit(**OPTS)
 def _pack_rows(A, out):
@@ -120,36 +125,34 @@ def _pack_pairs(A, out):
 
 @njit(**OPTS)
 def _pack_b(B, out):
-    """B float32 bits [I, N, K] (B of C = A·Bᵀ, any strides) -> panels out [I, nb, Kp/2, 2·PANEL]:
-    out[i, j // PANEL, k // 2, 2·(j % PANEL) + k % 2] = B[i, j, k]; zeros beyond N and K.
-    Reads go along B's faster axis: pair by pair when it is n, else in tiles of PANEL x 2·TILE values
-    (both stay in cache)."""
+    """B float32 bits [I, N, K] (B of C = A·Bᵀ, any strides) -> panels of words out [I, nb, Kp/2, PANEL]:
+    out[i, j // PANEL, p, j % PANEL] = the pair (2p, 2p+1) of B[i, j]; zeros beyond N and K. Reads go along
+    B's faster axis: a pair of rows at a time when it is n (a panel's row of words from two streams), else
+    one row of B at a time, into a column of the panel (whose lines stay in cache while its rows pass)."""
     I, N, K = B.shape
     nb, P2 = out.shape[1], out.shape[2]
-    by_pair = B.strides[1] < B.strides[2]
     for i in range(I):
         for jb in range(nb):
-            for p0 in range(0, P2, TILE):
-                p1 = min(P2, p0 + TILE)
-                if by_pair:
-                    for p in range(p0, p1):
-                        for j in range(PANEL):
-                            _pack_pair(B, out, i, jb, j, p, N, K)
-                else:
-                    for j in range(PANEL):
-                        for p in range(p0, p1):
-                            _pack_pair(B, out, i, jb, j, p, N, K)
-
-
-@njit(inline="always", **OPTS)
-def _pack_pair(B, out, i, jb, j, p, N, K):
-    n, k = jb * PANEL + j, 2 * p
-    if n < N and k + 1 < K:
-        out[i, jb, p, 2 * j] = _rne(B[i, n, k])
-        out[i, jb, p, 2 * j + 1] = _rne(B[i, n, k + 1])
-    else:
-        out[i, jb, p, 2 * j] = _rne(B[i, n, k]) if n < N else 0
-        out[i, jb, p, 2 * j + 1] = 0
+            n0 = jb * PANEL
+            full = min(PANEL, N - n0)  # columns of this panel inside N
+            if B.strides[1] < B.strides[2]:
+                for p in range(P2):
+                    k = 2 * p
+                    if k + 1 < K:
+                        for j in range(full):
+                            out[i, jb, p, j] = _word(B[i, n0 + j, k], B[i, n0 + j, k + 1])
+                    else:
+                        for j in range(full):
+                            out[i, jb, p, j] = np.uint32(_rne(B[i, n0 + j, k]))
+                    out[i, jb, p, full:] = 0
+                continue
+            whole = K // 2  # pairs with both halves inside K
+            for j in range(full):
+                for p in range(whole):
+                    out[i, jb, p, j] = _word(B[i, n0 + j, 2 * p], B[i, n0 + j, 2 * p + 1])
+                if K % 2:
+                    out[i, jb, whole, j] = np.uint32(_rne(B[i, n0 + j, K - 1]))
+            out[i, jb, :, full:] = 0
 
 
 def _bits3(x: np.ndarray) -> np.ndarray:
@@ -180,7 +183,7 @@ def pack_b(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     I, N, K = B.shape
     shape = (I, -(-N // PANEL), (K + 1) // 2, 2 * PANEL)
     out = np.empty(shape, np.uint16) if out is None else out
-    _pack_b(B, out)
+    _pack_b(B, out.view(np.uint32))                                        # [I, nb, Kp/2, PANEL] words
     return out
 
 

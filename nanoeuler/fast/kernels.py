@@ -221,13 +221,13 @@ def causal_softmax(S, T, window):
         for r in range(R):
             row = S[i, r]
             j0, m = _keys(r, T, window)
-            seen = row[j0:m]
-            mx = row_max(seen, m - j0)
-            for j in range(j0, m):
-                row[j] = vexp(row[j] - mx)
-            tot = row.dtype.type(row_sum(seen, m - j0))
-            for j in range(j0, m):
-                row[j] = row[j] / tot
+            seen, n = row[j0:m], m - j0  # (loops from 0: numba then drops its negative-index check and vectorizes)
+            mx = row_max(seen, n)
+            for j in range(n):
+                seen[j] = vexp(seen[j] - mx)
+            tot = row.dtype.type(row_sum(seen, n))
+            for j in range(n):
+                seen[j] = seen[j] / tot
             row[:j0] = 0
             row[m:] = 0
 
@@ -239,13 +239,13 @@ def causal_softmax_backward(P, dP, T, window):
     I, R, _ = P.shape
     for i in range(I):
         for r in range(R):
-            p, d = P[i, r], dP[i, r]
             j0, m = _keys(r, T, window)
-            a = d.dtype.type(row_dot(d[j0:m], p[j0:m], m - j0))
-            for j in range(j0, m):
+            p, d, n = P[i, r, j0:m], dP[i, r, j0:m], m - j0
+            a = d.dtype.type(row_dot(d, p, n))
+            for j in range(n):
                 d[j] = p[j] * (d[j] - a)
-            d[:j0] = 0
-            d[m:] = 0
+            dP[i, r, :j0] = 0
+            dP[i, r, m:] = 0
 
 
 # ---- q/k norms: RMSNorm of each head of q and k, in place on the projected rows (Gemma 3) ----------------
