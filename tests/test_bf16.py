@@ -70,10 +70,10 @@ def packed_b_reference(b):
 
 
 @pytest.mark.parametrize("K,N", [(1, 1), (7, 70), (64, 64), (130, 129), (33, 200)])
-def test_packing_layouts_bit_for_bit(K, N):
-    """pack_b from both memory orders (x·Wᵀ packs Wᵀ, a view; dY·W packs W) and pack_a's rows and pairs
-    (a transposed view) against their layouts made by NumPy, bit for bit: odd K, N off the panel width, the
-    rounding's edge cases and NaNs among the values."""
+def test_packing_layouts_bit_for_bit(K, N, monkeypatch):
+    """pack_b from both memory orders (x·Wᵀ packs Wᵀ, a view; dY·W packs W) and pack_a's rows, pairs (a
+    transposed view) and rows of a transposed view (beyond PAIRS_MAX_BYTES) against their layouts made by
+    NumPy, bit for bit: odd K, N off the panel width, the rounding's edge cases and NaNs among the values."""
     rng = np.random.default_rng(K * N)
     b = rng.standard_normal((K, N)).astype(np.float32)
     special = f32(list(EDGES) + NANS)
@@ -88,6 +88,9 @@ def test_packing_layouts_bit_for_bit(K, N):
     assert (rs, ps) == ((N + 1) // 2, 1) and (got[0] == padded.reshape(-1)).all()
     got, rs, ps = bf16.pack_a(np.ascontiguousarray(b.T).T)                          # pairs: [Np/2, M, 2]
     assert (rs, ps) == (1, K) and (got[0] == padded.reshape(K, -1, 2).transpose(1, 0, 2).reshape(-1)).all()
+    monkeypatch.setattr(bf16, "PAIRS_MAX_BYTES", 0)                                   # a large transposed a
+    got, rs, ps = bf16.pack_a(np.ascontiguousarray(b.T).T)
+    assert (rs, ps) == ((N + 1) // 2, 1) and (got[0] == padded.reshape(-1)).all()
 
 
 # ---- the products ---------------------------------------------------------------------------------------------
@@ -118,6 +121,12 @@ def test_matmul_every_form(M, K, N):
     wide = np.full((M, N + 5), np.nan, np.float32)                                # out: a row-strided view
     bf16.matmul(a, b, wide[:, 2:N + 2])
     assert close(wide[:, 2:N + 2], a, b) and np.isnan(wide[:, :2]).all() and np.isnan(wide[:, N + 2:]).all()
+    start = rng.standard_normal((M, N)).astype(np.float32)                         # add: out += a @ b
+    scale = np.abs(bf16.round_bf16(a)).astype(np.float64) @ np.abs(bf16.round_bf16(b)) + np.abs(start)
+    for x in (a, np.asfortranarray(a)):
+        out = start.copy()
+        bf16.matmul(x, b, out, add=True)                                            # (the sum starts at out)
+        assert (np.abs(out - (start + reference(a, b))) <= (K + 1) * 2 ** -24 * scale).all()
 
 
 @needs_bf16

@@ -28,6 +28,7 @@ bf16 mode on any CPU.
     Wp = pack_b(W.T)                  # W [out, in]: x · Wᵀ
     matmul_packed(x, Wp, y)           # y [n, out] float32
     matmul(a, b, out)                 # out = a @ b (2-D or batched 3-D float32 views, any strides)
+    matmul(a, b, out, add=True)       # out += a @ b
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ from ..errors import UserError
 PANEL = 64      # columns of B in one panel: 4 vectors of 16 float32 accumulators
 ROWS = 6        # rows of A in one tile: 6 x 4 = 24 accumulator vectors (of 32 registers)
 KC = 512        # pairs of k in one block: a panel block is 512 x 256 bytes = 128 KiB (L2 holds it)
+# A transposed A (dYᵀ) is packed as pairs (word m + p·M: two rows of the memory read, one written, all streaming)
+# up to this size; beyond it transposed into rows: in pairs, a tile's 6 rows lie in K/2 places M·4 bytes apart,
+# which for a large A are more pages than the TLB holds, on every tile (GPT-2's head dW in its bf16 step, A =
+# dlogitsᵀ of 50,257 x 256 per chunk: 1.07 s of CPU in pairs, 0.70 s in rows + 0.11 s transposing; alone,
+# without the other thread's traffic, 0.25 against 0.16 s a product)
+PAIRS_MAX_BYTES = 8 << 20
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
@@ -124,6 +131,24 @@ def _pack_pairs(A, out):
 
 
 @njit(**OPTS)
+def _pack_columns(A, out):
+    """A float32 bits [I, M, K] (m its faster axis: a transposed view) -> words out [I, M, Kp/2], rows as
+    _pack_rows lays them out: a transpose, by blocks of PANEL rows (their words stay in cache while the pairs
+    of k pass, each pair two stretches of PANEL values of the memory)."""
+    I, M, K = A.shape
+    P = K // 2
+    for i in range(I):
+        for m0 in range(0, M, PANEL):
+            m1 = min(M, m0 + PANEL)
+            for p in range(P):
+                for m in range(m0, m1):
+                    out[i, m, p] = _word(A[i, m, 2 * p], A[i, m, 2 * p + 1])
+            if K % 2:
+                for m in range(m0, m1):
+                    out[i, m, P] = np.uint32(_rne(A[i, m, K - 1]))
+
+
+@njit(**OPTS)
 def _pack_b(B, out):
     """B float32 bits [I, N, K] (B of C = A·Bᵀ, any strides) -> panels of words out [I, nb, Kp/2, PANEL]:
     out[i, j // PANEL, p, j % PANEL] = the pair (2p, 2p+1) of B[i, j]; zeros beyond N and K. Reads go along
@@ -164,15 +189,19 @@ def _bits3(x: np.ndarray) -> np.ndarray:
 
 def pack_a(a: np.ndarray) -> tuple[np.ndarray, int, int]:
     """a float32 [M, K] or [I, M, K] (any strides) -> (packed uint16 [I, M·Kp], rs, ps): the 32-bit pair
-    (k = 2p, 2p+1) of row m is word m·rs + p·ps of item i (rows: rs = Kp/2, ps = 1; pairs: rs = 1, ps = M)."""
+    (k = 2p, 2p+1) of row m is word m·rs + p·ps of item i (rows: rs = Kp/2, ps = 1; pairs: rs = 1, ps = M, for a
+    transposed a up to PAIRS_MAX_BYTES)."""
     A = _bits3(a)
     I, M, K = A.shape
     Kp = K + K % 2
     out = np.empty((I, M * Kp), np.uint16)
-    if A.strides[1] <= A.strides[2]:
+    if A.strides[1] <= A.strides[2] and M * Kp * 2 <= PAIRS_MAX_BYTES:
         _pack_pairs(A, out)
         return out, 1, M
-    _pack_rows(A, out.reshape(I, M, Kp))
+    if A.strides[1] <= A.strides[2]:
+        _pack_columns(A, out.view(np.uint32).reshape(I, M, Kp // 2))
+    else:
+        _pack_rows(A, out.reshape(I, M, Kp))
     return out, Kp // 2, 1
 
 
@@ -280,9 +309,9 @@ def _tile(r, a, rs, ps, b, c, ldc, npairs, zero):
 
 
 @njit(**OPTS)
-def _gemm(Ap, rs, ps, Bp, C, E):
-    """C [I, M, N] float32 (columns contiguous) = A · panels Bp [I, nb, Kp/2, 128], A packed by pack_a
-    (Ap, rs, ps). E [M, PANEL] float32: scratch for a last panel narrower than PANEL."""
+def _gemm(Ap, rs, ps, Bp, C, E, add):
+    """C [I, M, N] float32 (columns contiguous) (+)= A · panels Bp [I, nb, Kp/2, 128], A packed by pack_a
+    (Ap, rs, ps); add: onto what C holds. E [M, PANEL] float32: scratch for a last panel narrower than PANEL."""
     I, M = C.shape[0], C.shape[1]
     nb, P2 = Bp.shape[1], Bp.shape[2]
     N = C.shape[2]
@@ -300,17 +329,22 @@ def _gemm(Ap, rs, ps, Bp, C, E):
                     r = min(ROWS, M - m0)
                     a = a0 + 4 * (m0 * rs + k0 * ps)
                     if ncol == PANEL:
-                        _tile(r, a, rs, ps, b, c0 + 4 * (m0 * ldc + jb * PANEL), ldc, kc, 1 if k0 == 0 else 0)
+                        _tile(r, a, rs, ps, b, c0 + 4 * (m0 * ldc + jb * PANEL), ldc, kc,
+                              1 if k0 == 0 and not add else 0)
                     else:
                         _tile(r, a, rs, ps, b, E.ctypes.data + 4 * m0 * PANEL, PANEL, kc, 1 if k0 == 0 else 0)
             if ncol < PANEL:
                 for m in range(M):
                     for j in range(ncol):
-                        C[i, m, jb * PANEL + j] = E[m, j]
+                        if add:
+                            C[i, m, jb * PANEL + j] += E[m, j]
+                        else:
+                            C[i, m, jb * PANEL + j] = E[m, j]
 
 
-def matmul_packed(a: np.ndarray, Bp: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out = a @ B in bf16 (float32 accumulation), B given packed by pack_b; a [M, K] or [I, M, K] float32."""
+def matmul_packed(a: np.ndarray, Bp: np.ndarray, out: np.ndarray, add: bool = False) -> np.ndarray:
+    """out = a @ B in bf16 (float32 accumulation), B given packed by pack_b; a [M, K] or [I, M, K] float32.
+    add: out += a @ B (the sums start from out's values: no temporary)."""
     Ap, rs, ps = pack_a(a)
     C = out if out.ndim == 3 else out[None]
     nb = Bp.shape[1]
@@ -318,13 +352,13 @@ def matmul_packed(a: np.ndarray, Bp: np.ndarray, out: np.ndarray) -> np.ndarray:
             or not (nb - 1) * PANEL < C.shape[2] <= nb * PANEL):
         raise ValueError(f"bf16 product: operands {a.shape}, packed {Bp.shape}, out {out.shape} do not fit")
     E = np.empty((C.shape[1], PANEL) if C.shape[2] % PANEL else (0, PANEL), np.float32)
-    _gemm(Ap, rs, ps, Bp, C, E)
+    _gemm(Ap, rs, ps, Bp, C, E, add)
     return out
 
 
-def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out = a @ b with both operands rounded to bfloat16, float32 accumulation (2-D, or 3-D batched)."""
-    return matmul_packed(a, pack_b(b), out)
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, add: bool = False) -> np.ndarray:
+    """out (+)= a @ b with both operands rounded to bfloat16, float32 accumulation (2-D, or 3-D batched)."""
+    return matmul_packed(a, pack_b(b), out, add)
 
 
 def peak_flops(n: int = 1024, seconds: float = 0.3) -> float:
@@ -361,17 +395,21 @@ def _twin_pack_b(b, out=None):
     return out
 
 
-def _twin_matmul_packed(a, Bp, out):
-    np.matmul(round_bf16(a).astype(np.float64), Bp, out=out)
+def _twin_matmul_packed(a, Bp, out, add=False):
+    product = np.matmul(round_bf16(a).astype(np.float64), Bp)
+    if add:
+        out += product
+    else:
+        out[...] = product
 
 
 TWIN = SimpleNamespace(pack_b=_twin_pack_b, matmul_packed=_twin_matmul_packed,
-                       matmul=lambda a, b, out: _twin_matmul_packed(a, _twin_pack_b(b), out))
+                       matmul=lambda a, b, out, add=False: _twin_matmul_packed(a, _twin_pack_b(b), out, add))
 
 
 def products(dtype) -> SimpleNamespace:
     """The bf16 products for arrays of dtype: the kernels (float32; refused without AVX512_BF16) or the
-    float64 twin; pack_b(b [, out]), matmul_packed(a, packed, out), matmul(a, b, out)."""
+    float64 twin; pack_b(b [, out]), matmul_packed(a, packed, out [, add]), matmul(a, b, out [, add])."""
     if np.dtype(dtype) == np.float64:
         return TWIN
     if np.dtype(dtype) != np.float32:

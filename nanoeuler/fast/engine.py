@@ -289,13 +289,11 @@ def _stack(W):
 
 
 def add_product(a, b, out, mm=_blas_mm) -> None:
-    """out += a @ b, the product by mm (the workspace's: BLAS, with β = 1; else through a temporary)."""
+    """out += a @ b, the product by mm (the workspace's: BLAS, with β = 1; bf16's, summing onto out)."""
     if mm is _blas_mm:
         matmul_add(a, b, out)
-        return
-    tmp = np.empty_like(out)
-    mm(a, b, tmp)
-    out += tmp
+    else:
+        mm(a, b, out, add=True)
 
 
 def _matmul_into(a, b, outs, mm=_blas_mm, accumulate: bool = False):
