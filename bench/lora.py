@@ -14,6 +14,7 @@ for every engine. Engines:
     peft-lora   transformers' GPT2LMHeadModel / LlamaForCausalLM + peft.get_peft_model, the same targets,
                 rank and alpha, torch.optim.AdamW on the adapters
     torch-full  the same transformers model fine-tuned whole: torch.optim.AdamW on every weight (ours-full's peer)
+    compile-full  torch-full with the model under torch.compile (compiled in the warm-up steps)
     *-bf16      the same in bf16 mixed precision: ours `--precision bf16` (every product's operands rounded
                 to bfloat16, float32 accumulation), PyTorch's forward under torch.autocast("cpu", bfloat16)
 
@@ -25,7 +26,7 @@ architecture's default targets: ours loads it as `sft --lora` does (mapped), PyT
 `nanoeuler export --format hf` (written once into a temporary folder) with AutoModelForCausalLM in float32.
 
     step s      median seconds per step; the last column: how many times faster ours-lora(-bf16) is than that
-                row, and with what share of its memory (beside torch-full rows: ours-full(-bf16))
+                row, and with what share of its memory (beside torch-full and compile-full rows: ours-full(-bf16))
     peak MiB    the worker's peak resident memory over the timed steps (VmHWM, reset after warm-up)
     first MiB   the worker's peak before that reset: loading, warm-up and the first step included
     bound s     the step's matrix FLOPs at the matmul peak measured in the worker (2048³ sgemm, or bf16):
@@ -63,7 +64,8 @@ ORDER = ("y = x·Wᵀ", "  adapters' share of y", "dx = dy·W", "  adapters' sha
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 2
 ENGINES = ("ours-lora", "ours-full", "peft-lora", "ours-lora-bf16", "ours-full-bf16", "peft-lora-bf16")
-TORCH_ENGINES = ("peft-lora", "torch-full", "peft-lora-bf16", "torch-full-bf16")   # run by torch_step
+TORCH_ENGINES = ("peft-lora", "torch-full", "compile-full", "peft-lora-bf16", "torch-full-bf16",
+                 "compile-full-bf16")   # run by torch_step
 MODELS = {  # name -> (our Config fields, LoRA targets: ours, PEFT's)
     "gpt2": (dict(vocab_size=50257, dim=768, n_heads=12, n_kv_heads=12, n_layers=12, ctx_len=1024, ffn_hidden=3072,
                   n_mtp=1, arch="gpt2"), ("c_attn", "c_proj", "c_fc"), ["c_attn", "c_proj", "c_fc"]),
@@ -181,6 +183,8 @@ def torch_step(model_name: str, engine: str, B: int, T: int, rank: int, hf_dir: 
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
     model.train()
+    if engine.startswith("compile"):
+        model = torch.compile(model)
     bf16 = engine.endswith("-bf16")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
@@ -291,7 +295,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,smollm",
                     help="comma-separated: gpt2, smollm, tiny (random weights), or checkpoint directories")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}, "
-                    "torch-full, torch-full-bf16 (default: all but torch-full)")
+                    "torch-full, torch-full-bf16, compile-full, compile-full-bf16 (default: ENGINES)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rank", type=int, default=8)
@@ -317,22 +321,22 @@ def main() -> None:
         print(json.dumps({"batch": args.batch, "seq": args.seq, "rank": args.rank, "rows": rows}))
         return
     print(f"B={args.batch} T={args.seq} r={args.rank}, {THREADS} threads, median of {args.steps} steps")
-    print(f"{'model':<8} {'engine':<15} {'step s':>8} {'bound s':>8} {'of bound':>8} {'peak MiB':>9} {'first MiB':>9}"
-          f"  ours-lora (beside torch-full: ours-full) of the same precision is")
+    print(f"{'model':<8} {'engine':<17} {'step s':>8} {'bound s':>8} {'of bound':>8} {'peak MiB':>9} {'first MiB':>9}"
+          f"  ours-lora (beside torch-/compile-full: ours-full) of the same precision is")
     for r in rows:
         name = Path(r["model"]).name
         if "error" in r:
-            print(f"{name:<8} {r['engine']:<15} error: {r['error']}")
+            print(f"{name:<8} {r['engine']:<17} error: {r['error']}")
             continue
         f = flops(r["model"], args.batch, args.seq, args.rank)
         work = (2 * f["pass"] + f["adapters"] if "lora" in r["engine"] else 3 * f["pass"]) + f["attention"]
         bound = work / (r["peak_gflops"] * 1e9)
-        mine_name = ("ours-full" if r["engine"].startswith("torch-full") else "ours-lora") + \
+        mine_name = ("ours-full" if r["engine"].startswith(("torch-full", "compile-full")) else "ours-lora") + \
             ("-bf16" if r["engine"].endswith("-bf16") else "")
         mine = next((x for x in rows if x["model"] == r["model"] and x["engine"] == mine_name and "step_s" in x), None)
         ratio = (f"{r['step_s'] / mine['step_s']:.2f}x faster, {mine['peak_mib'] / r['peak_mib']:.2f}x the memory"
                  if mine and r is not mine else "")
-        print(f"{name:<8} {r['engine']:<15} {r['step_s']:>8.3f} {bound:>8.3f} {bound / r['step_s']:>8.2f} "
+        print(f"{name:<8} {r['engine']:<17} {r['step_s']:>8.3f} {bound:>8.3f} {bound / r['step_s']:>8.2f} "
               f"{r['peak_mib']:>9.0f} {r['first_mib']:>9.0f}  {ratio}")
     for r in rows:
         if "profile" in r:
