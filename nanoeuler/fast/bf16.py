@@ -195,13 +195,13 @@ def pack_a(a: np.ndarray) -> tuple[np.ndarray, int, int]:
     I, M, K = A.shape
     Kp = K + K % 2
     out = np.empty((I, M * Kp), np.uint16)
-    if A.strides[1] <= A.strides[2] and M * Kp * 2 <= PAIRS_MAX_BYTES:
+    if A.strides[1] > A.strides[2]:                                        # k the faster axis: rows as they lie
+        _pack_rows(A, out.reshape(I, M, Kp))
+    elif M * Kp * 2 <= PAIRS_MAX_BYTES:                                    # transposed: pairs ...
         _pack_pairs(A, out)
         return out, 1, M
-    if A.strides[1] <= A.strides[2]:
+    else:                                                                  # ... or, when large, rows
         _pack_columns(A, out.view(np.uint32).reshape(I, M, Kp // 2))
-    else:
-        _pack_rows(A, out.reshape(I, M, Kp))
     return out, Kp // 2, 1
 
 

@@ -314,23 +314,31 @@ def quantize_x8(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     per block d = max|x| / 127 rounded to float16, q = x · (127 / max|x|) rounded to nearest even, s = Σ q (the
     block sum the minimums and the unsigned weight offsets need). The kernels do the same in numba; this is
     their reference.  x ≈ d·q:  quantize_x8(np.float32([[127] * 32]))[1] -> [[1.0]]"""
+    q, unrounded, sums = _x8(X)
+    return q, _to_half(unrounded), sums
+
+
+def _to_half(v: np.ndarray) -> np.ndarray:
+    """float32 values rounded to float16 (to nearest even; beyond its range, inf, as llama.cpp's), as float32."""
+    return v.astype(np.float16).astype(np.float32)
+
+
+def _x8(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize_x8's q and s, and d before its float16 rounding (max|x| / 127)."""
     n, k = X.shape
     x = np.asarray(X, np.float32).reshape(n, k // QK, QK)
     amax = np.abs(x).max(axis=2)                                   # [n, k/32]
     inv = np.where(amax == 0, np.float32(0), np.float32(127) / np.where(amax == 0, np.float32(1), amax))
     q = np.rint(x * inv[..., None]).astype(np.int8)
-    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
-    return q.reshape(n, k), d, q.sum(axis=2, dtype=np.int32).astype(np.float32)
+    return q.reshape(n, k), amax / np.float32(127), q.sum(axis=2, dtype=np.int32).astype(np.float32)
 
 
 def quantize_x8_1(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows X float32 [n, k] -> Q8_1 (quantize_row_q8_1, for Q4_1 / Q5_1): quantize_x8's q and d, and per block
     s = d·Σq rounded to float16, with d before its own float16 rounding (max|x| / 127): the block sum llama.cpp
     keeps, which the weights' minimums multiply.  quantize_x8_1(np.float32([[127] * 32]))[2] -> [[4064.]]"""
-    n, k = X.shape
-    q, d, sums = quantize_x8(X)
-    unrounded = np.abs(np.asarray(X, np.float32).reshape(n, k // QK, QK)).max(axis=2) / np.float32(127)
-    return q, d, (unrounded * sums).astype(np.float16).astype(np.float32)
+    q, unrounded, sums = _x8(X)
+    return q, _to_half(unrounded), _to_half(unrounded * sums)
 
 
 def quantize_xk(X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
