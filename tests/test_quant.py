@@ -794,6 +794,48 @@ def test_k_type_logits_and_greedy_tokens_agree_with_llama_cpp(name, tmp_path):
 
 
 @needs_qkernels
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2"])
+def test_gelu_goes_through_float16_as_in_llama_cpp(arch, tmp_path):
+    """llama.cpp's GELU (GPT-2's MLP, Gemma's GeGLU) is a table of float16 values (kernels.py's docstring), and
+    so is ours where the MLP's weights are blocks. A one-layer model at Q8_0 (no later layer to amplify a
+    rounding): our logits are llama.cpp's to float32 rounding at almost every position (measured median 6e-8
+    relative L2 per row), where exact GELU leaves them ~3e-3 off (measured 2.1e-3 gemma3, 3.2e-3 gpt2)."""
+    pytest.importorskip("llama_cpp")
+    from gguf_fixtures import chatml_tokenizer
+
+    from nanoeuler import Config
+    from nanoeuler.data.corpus import bundled_works
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.gguf_import import load_gguf
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    tok = chatml_tokenizer()
+    shape = dict(n_kv_heads=1, head_dim=32, sliding_window=8, global_every=2) if arch == "gemma3" else \
+        dict(n_kv_heads=2)
+    cfg = Config(arch=arch, vocab_size=tok.vocab_size, dim=64, n_heads=2, n_layers=1, ctx_len=64, ffn_hidden=128,
+                 n_mtp=1, **shape)
+    m = Model.init(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    for n, a in m.params.items():  # GELU's inputs spread over [-10, 10] (each block's range)
+        m.params[n] = (a + (0.3 if a.ndim == 2 else 0.1) * rng.standard_normal(a.shape)).astype(np.float32)
+    path = export_gguf(m, tok, tmp_path / "m.gguf", "q8_0", progress=False)
+    cfg, P, tok, _ = load_gguf(path, blocks=True)
+    W = fuse_weights(cfg, QuantizedModel.from_blocks(cfg, P).params)
+    window = tok.encode(bundled_works()["othello"][5000:9000])[:cfg.ctx_len]
+    theirs = LlamaCpp(path, n_ctx=cfg.ctx_len, logits_all=True).logits(window)
+
+    def row_errors(D):
+        hidden = forward_hidden(cfg, W | {"decode": D}, np.array([window]), new_cache(cfg))[0]
+        ours = kernels.matvec(W["head.0"][2], hidden, cfg.vocab_size)
+        return np.linalg.norm(ours - theirs, axis=1) / np.linalg.norm(theirs, axis=1)
+    D = W["decode"]
+    assert D.gelu_half.all()
+    half, exact = row_errors(D), row_errors(D._replace(gelu_half=~D.gelu_half))
+    print(f"{arch}: median row error {np.median(half):.1e} (exact GELU {np.median(exact):.1e})")
+    assert np.median(half) <= 1e-6
+    assert np.median(exact) >= 2e-5
+
+
+@needs_qkernels
 @pytest.mark.parametrize("name", ALL)
 def test_the_batcher_decodes_a_quantized_model_as_generate_does(name):
     """serve's continuous batching (infer/engine.py) runs the same quantized step: 10 streams that join at

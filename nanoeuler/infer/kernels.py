@@ -15,6 +15,11 @@ record chose read from `Weights` (empty arrays where an architecture has no such
                 x += post(act(h @ W_inᵀ + b) @ W_outᵀ + b)     act: SwiGLU, GeGLU or GELU
     h = norm(x)  (all rows, or the last only)                    [n|1, d]
 
+Where a layer's MLP weights are block-quantized (qkernels: llama.cpp's arithmetic, 8-bit activations), its
+GELU is llama.cpp's too: a table of the 65,536 float16 values, so x is rounded to float16 and GELU(x) to
+float16 (x itself beyond ±10; `_gelu_half`). Exact GELU alone leaves a Gemma 3 file's logits ~2e-2 from
+llama.cpp's at its first position.
+
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
 decoding, a prompt CHUNK rows at a time); `round_rows` runs a speculative round (the step, head 0 and its
@@ -81,6 +86,17 @@ OPTS = dict(cache=True, nogil=True, error_model="numpy", fastmath=FAST)
 
 
 # ---- float16 bits -> float32 ---------------------------------------------------------------------
+@intrinsic
+def _through_half(typingctx, x):
+    """x (float32) rounded to the nearest float16 (ties to even), as float32: fptrunc, fpext."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
 @intrinsic
 def _half_to_f32(typingctx, bits):
     """The float16 whose IEEE bits are `bits` (uint16), as float32: bitcast to half, fpext to float."""
@@ -563,6 +579,17 @@ def _gelu(x):
 
 
 @njit(inline="always", **OPTS)
+def _gelu_half(x):
+    """GELU as llama.cpp's CPU computes it (ggml_vec_gelu_f32 / geglu: GGML_GELU_FP16): its table holds GELU of
+    every float16, rounded to float16, and x is looked up rounded to float16; 0 at x <= -10, x at x >= 10."""
+    if x <= np.float32(-10.0):
+        return np.float32(0.0)
+    if x >= np.float32(10.0):
+        return x
+    return _through_half(_gelu(_through_half(x)))
+
+
+@njit(inline="always", **OPTS)
 def _rope(x, base, hd, cos, sin, t, out):
     """out[:hd] = x[base : base+hd] rotated to position t (rotate-half: i pairs with i + hd/2; ops/rope.py)."""
     h2 = hd // 2
@@ -902,15 +929,15 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
         _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
         _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], h[f:], gu[f:], False)
         _add_bias(gu[f:], D.mlp_in_bias[l])
+        half = D.gelu_half[l]
         for r in range(f, n):  # the activation: SwiGLU silu(g)·u, GeGLU gelu(g)·u, or GELU
             for j in range(F):
                 g_ = gu[r, j]
                 if D.mlp == 0:
                     s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
-                elif D.mlp == 1:
-                    s[r, j] = _gelu(g_) * gu[r, F + j]
                 else:
-                    s[r, j] = _gelu(g_)
+                    a_ = _gelu_half(g_) if half else _gelu(g_)
+                    s[r, j] = a_ * gu[r, F + j] if D.mlp == 1 else a_
         _residual(ctl, pooled, D.mats[l, 3, :D.segments[l, 3]], D.mlp_out_bias[l], s[f:], x[f:], o[f:],
                   D.norms[l, 3, :D.post], D.norm_biases[l, 3], eps, h[f:])
     first = n - 1 if last_only else 0
@@ -1019,6 +1046,7 @@ class Weights(NamedTuple):
     post: int                 # d with post norms, else 0 (norms[:, 2:, :post] is empty)
     mlp: int                  # 0 SwiGLU, 1 GeGLU, 2 GELU
     mlp_in_width: int         # 2F (gated) or F
+    gelu_half: np.ndarray     # [layers] bool: GELU through float16 as llama.cpp (the MLP's weights in blocks)
     window: np.ndarray        # [layers] int64: each layer's window (0: none)
     rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
     forms: np.ndarray         # uint8: the buffer the segments point into (held here: alive as long as these are)
@@ -1062,7 +1090,7 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
     nw, nb = W["norm"]
     return Weights(mats, counts, cfg.ffn_hidden, biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"),
                    norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
-                   MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1),
+                   MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1), mats[:, 2, 0, 0] >= qkernels.KINDS["q8_0"],
                    np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms)
 
 
