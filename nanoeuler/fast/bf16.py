@@ -205,13 +205,17 @@ def pack_a(a: np.ndarray) -> tuple[np.ndarray, int, int]:
     return out, Kp // 2, 1
 
 
+def panels_for(K: int, N: int, I: int = 1) -> np.ndarray:
+    """An empty array of the panels pack_b makes of a right operand [I, K, N]: uint16 [I, nb, Kp/2, 128]."""
+    return np.empty((I, -(-N // PANEL), (K + 1) // 2, 2 * PANEL), np.uint16)
+
+
 def pack_b(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """b float32 [K, N] or [I, K, N] (the right operand, any strides) -> panels uint16 [I, nb, Kp/2, 128].
-    out: where to write them (that shape), else a new array."""
+    out: where to write them (panels_for's shape), else a new array."""
     B = _bits3(b).swapaxes(1, 2)                                           # [I, N, K]
     I, N, K = B.shape
-    shape = (I, -(-N // PANEL), (K + 1) // 2, 2 * PANEL)
-    out = np.empty(shape, np.uint16) if out is None else out
+    out = panels_for(K, N, I) if out is None else out
     _pack_b(B, out.view(np.uint32))                                        # [I, nb, Kp/2, PANEL] words
     return out
 
@@ -383,7 +387,7 @@ def peak_flops(n: int = 1024, seconds: float = 0.3) -> float:
     return 2 * n ** 3 / best
 
 
-KERNELS = SimpleNamespace(pack_b=pack_b, matmul_packed=matmul_packed, matmul=matmul)
+KERNELS = SimpleNamespace(pack_b=pack_b, panels_for=panels_for, matmul_packed=matmul_packed, matmul=matmul)
 
 
 def _twin_pack_b(b, out=None):
@@ -403,13 +407,15 @@ def _twin_matmul_packed(a, Bp, out, add=False):
         out[...] = product
 
 
-TWIN = SimpleNamespace(pack_b=_twin_pack_b, matmul_packed=_twin_matmul_packed,
+TWIN = SimpleNamespace(pack_b=_twin_pack_b, panels_for=lambda K, N: np.empty((K, N)),
+                       matmul_packed=_twin_matmul_packed,
                        matmul=lambda a, b, out, add=False: _twin_matmul_packed(a, _twin_pack_b(b), out, add))
 
 
 def products(dtype) -> SimpleNamespace:
     """The bf16 products for arrays of dtype: the kernels (float32; refused without AVX512_BF16) or the
-    float64 twin; pack_b(b [, out]), matmul_packed(a, packed, out [, add]), matmul(a, b, out [, add])."""
+    float64 twin; pack_b(b [, out]), panels_for(K, N) (an empty out for pack_b of a [K, N]),
+    matmul_packed(a, packed, out [, add]), matmul(a, b, out [, add])."""
     if np.dtype(dtype) == np.float64:
         return TWIN
     if np.dtype(dtype) != np.float32:

@@ -259,9 +259,9 @@ def pack_weights(ws: Workspace, weights: dict) -> None:
         return
     items = list(weights.items())
     for key, W in items:
-        if key not in ws.packs:
-            W = _stack(W)
-            ws.packs[key] = (ws.bf16.pack_b(W.T), ws.bf16.pack_b(W))
+        if key not in ws.packs:  # [out, in]: its panels both ways, filled below
+            out, n_in = sum(w.shape[0] for w in W) if isinstance(W, list) else W.shape[0], W[0].shape[-1]
+            ws.packs[key] = (ws.bf16.panels_for(n_in, out), ws.bf16.panels_for(out, n_in))
 
     def share(k):
         for key, W in items[k::len(ws.parts)]:
