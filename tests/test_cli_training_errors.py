@@ -125,6 +125,39 @@ def test_eval_seq_len_scores_windows_of_that_length(data, tmp_path, capsys):
     assert "--seq-len 129 is longer than the model's context (128)" in capsys.readouterr().err
 
 
+def test_a_bos_model_sees_its_bos_first_in_every_window(data, tmp_path, capsys):
+    """A tokenizer that starts a text with a BOS token (Gemma's <bos>): every training and validation window
+    has it in place of its first token (llama.cpp's perplexity does so), the rest unchanged; `eval` scores
+    those windows, and they score differently from the plain ones (the test can fail)."""
+    import numpy as np
+
+    from nanoeuler.training.train import PretrainSource, evaluate
+    tok = Tokenizer.from_dict(Tokenizer.load(data / "tokenizer.json").to_dict() | {"bos": "</s>"})
+    bos_data = tmp_path / "bos-data"
+    shutil.copytree(data, bos_data)
+    tok.save(bos_data / "tokenizer.json")
+    manifest = json.loads((bos_data / "manifest.json").read_text())
+    (bos_data / "manifest.json").write_text(json.dumps(manifest | {"tokenizer_fingerprint": tok.fingerprint()}))
+    plain, started = PretrainSource(bos_data, 2, 32, 1), PretrainSource(bos_data, 2, 32, 1, bos=tok.bos_id)
+    rng_a, rng_b = np.random.default_rng(0), np.random.default_rng(0)
+    windows = [(plain.next_batch(rng_a)[0], started.next_batch(rng_b)[0])]
+    windows += [(a, b) for (a, _), (b, _) in zip(plain.eval_batches(), started.eval_batches())]
+    for a, b in windows:
+        assert (b[:, 0] == tok.bos_id).all() and (b[:, 1:] == a[:, 1:]).all() and (a[:, 0] != tok.bos_id).any()
+    run = tmp_path / "run"
+    assert main(["train", "small", "--data", str(bos_data), "--out", str(run), "--steps", "1", "--batch-size", "2",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(run), "--data", str(bos_data), "--max-batches", "1", "--batch-size", "2",
+                 "--seq-len", "32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["val_loss"]
+    model = Model.load(run)
+    K = model.config.n_mtp
+    with_bos, without = (PretrainSource(bos_data, 2, 32, K, bos=b) for b in (tok.bos_id, None))
+    assert got == pytest.approx(evaluate(model, with_bos, 1)["val_loss"])
+    assert got != pytest.approx(evaluate(model, without, 1)["val_loss"])
+
+
 def test_dpo_eval_refuses_a_mismatched_reference(tmp_path, capsys):
     tok = Tokenizer.train([bundled_works()["hamlet"][:30000]], 300, progress=False)
     cfg = tiny_config(vocab_size=tok.vocab_size, ctx_len=128)

@@ -48,7 +48,9 @@ def register(sub) -> None:
     e = sub.add_parser("eval", help="validation loss and bits per byte of a checkpoint",
                        description="Head-0 validation loss (nats) and bits per byte of a checkpoint on the "
                                    "validation split of a token shard directory (all of it by default); with --dtype, "
-                                   "of the model decoded at that weight type (its quantization's cost, measured).")
+                                   "of the model decoded at that weight type (its quantization's cost, measured). A "
+                                   "model whose tokenizer starts a text with a BOS token (Gemma's <bos>) gets it in "
+                                   "place of each window's first token, as llama.cpp's perplexity does.")
     e.add_argument("--ckpt", required=True, help="checkpoint directory")
     e.add_argument("--data", default=None, help="token shard directory (default: the bundled corpus)")
     e.add_argument("--batch-size", type=positive_int, default=16)
@@ -262,7 +264,7 @@ def run_train(args) -> int:
         tok = Tokenizer.load(tok_path)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size} embeddings")
-    source = PretrainSource(data, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp)
+    source = PretrainSource(data, tcfg.batch_size // tcfg.grad_accum, cfg.ctx_len, cfg.n_mtp, bos=tok.bos_id)
     source.train.check_tokenizer(tok.fingerprint())
     if source.train.vocab_size > cfg.vocab_size:
         raise UserError(f"the shards use {source.train.vocab_size} token ids but the model has {cfg.vocab_size}")
@@ -303,8 +305,10 @@ def run_eval(args) -> int:
         raise UserError("--batch-size must be >= 1")
     if args.seq_len is not None and args.seq_len > model.config.ctx_len:
         raise UserError(f"--seq-len {args.seq_len} is longer than the model's context ({model.config.ctx_len})")
-    source = PretrainSource(data, args.batch_size, args.seq_len or model.config.ctx_len, model.config.n_mtp)
-    source.val.check_tokenizer(load_tokenizer(args.ckpt, read_only=True).fingerprint())
+    tok = load_tokenizer(args.ckpt, read_only=True)
+    source = PretrainSource(data, args.batch_size, args.seq_len or model.config.ctx_len, model.config.n_mtp,
+                            bos=tok.bos_id)
+    source.val.check_tokenizer(tok.fingerprint())
     score = None
     if args.dtype is not None:  # the model as decoding holds it at that type
         from ..infer.session import head0_loss_sum

@@ -137,22 +137,37 @@ class StopRequest:
 
 
 class PretrainSource:
-    """Random windows of the train split; validation = sequential windows of the val split (token shards)."""
+    """Random windows of the train split; validation = sequential windows of the val split (token shards).
 
-    def __init__(self, data_dir, batch_size: int, ctx: int, n_mtp: int, eval_batch_size: int | None = None):
+    bos: the token the model's tokenizer starts a text with (Gemma's <bos>; None: none). Such a model is lost
+    without it (Gemma 3 270M on the held-out works: 2.17 bits/byte, 1.61 with it), so it replaces the first
+    token of every window, training and validation alike, as llama.cpp's perplexity does: the targets stay
+    the window's tokens 1.., and the first one is predicted from <bos> alone."""
+
+    def __init__(self, data_dir, batch_size: int, ctx: int, n_mtp: int, eval_batch_size: int | None = None,
+                 bos: int | None = None):
         from ..data.shards import TokenShards
         self.train = TokenShards(data_dir, "train")
         self.val = TokenShards(data_dir, "val")
         self.batch_size, self.length = batch_size, ctx + n_mtp
         self.eval_batch_size = eval_batch_size or batch_size
         self.bytes_per_token = self.val.n_bytes / self.val.n_tokens
+        self.bos = bos
+
+    def _starting(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [B, T+K] with bos first in every row (a copy), or as they are without a bos."""
+        if self.bos is None:
+            return tokens
+        tokens = tokens.copy()
+        tokens[:, 0] = self.bos
+        return tokens
 
     def next_batch(self, rng):
-        return self.train.sample_batch(rng, self.batch_size, self.length), None  # [B, T+K]
+        return self._starting(self.train.sample_batch(rng, self.batch_size, self.length)), None  # [B, T+K]
 
     def eval_batches(self):
         for tokens in self.val.iter_batches(self.eval_batch_size, self.length):
-            yield tokens, None
+            yield self._starting(tokens), None
 
     def describe(self) -> dict:
         return {"tokenizer": self.train.tokenizer_fingerprint, "train_tokens": self.train.n_tokens,
