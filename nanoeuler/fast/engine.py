@@ -251,10 +251,11 @@ def product_weights(key: str) -> list[str]:
     return key.split("+")
 
 
-def pack_weights(ws: Workspace, weights: dict) -> None:
+def pack_weights(ws: Workspace, weights: dict, done=None) -> None:
     """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W, or a list of weights
     stacked by rows: the stack exists only while it is packed) rounded to bfloat16 and packed both ways,
-    into buffers kept in ws.packs from step to step; the parts take a share each."""
+    into buffers kept in ws.packs from step to step; the parts take a share each. done(W): called with each
+    W once it is packed (stack_fixed's, to let its float32 go)."""
     if not ws.bf16:
         return
     items = list(weights.items())
@@ -265,9 +266,11 @@ def pack_weights(ws: Workspace, weights: dict) -> None:
 
     def share(k):
         for key, W in items[k::len(ws.parts)]:
-            W = _stack(W)
-            ws.bf16.pack_b(W.T, out=ws.packs[key][0])
-            ws.bf16.pack_b(W, out=ws.packs[key][1])
+            S = _stack(W)
+            ws.bf16.pack_b(S.T, out=ws.packs[key][0])
+            ws.bf16.pack_b(S, out=ws.packs[key][1])
+            if done is not None:
+                done(W)
     run_parts(share, len(ws.parts))
 
 
@@ -649,12 +652,13 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
     _in_parts(_forward_part, cfg, params, ws, None, inputs, dropout)
 
 
-def stack_fixed(cfg: Config, params: dict, ws: Workspace) -> None:
+def stack_fixed(cfg: Config, params: dict, ws: Workspace, done=None) -> None:
     """A workspace with fixed_weights: stack (float32) or pack (bf16) the unchanging weights now rather than in
     the first forward, so that what they were copied from can go before the step's buffers fill
-    (lora.LoraModel._workspace, `copied_weights`)."""
+    (lora.LoraModel._workspace, `copied_weights`); done(W): called with each weight W (an array, or the list
+    of those stacked) once it is copied, so that its pages can go before the next is read."""
     if restack(ws):
-        _stack_weights(cfg, params, ws)
+        _stack_weights(cfg, params, ws, done)
 
 
 def share_fixed(ws: Workspace, other: Workspace) -> None:
@@ -672,7 +676,7 @@ def restack(ws) -> bool:
     return again
 
 
-def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
+def _stack_weights(cfg: Config, params: dict, ws: Workspace, done=None) -> None:
     """The q|k|v biases of every layer into ws.bqkv; float32: every stacked product's weights into ws.stacks;
     bf16: every product's weight packed (the stacks formed one at a time as they are packed, none kept: for
     GPT-2 81 MiB less)."""
@@ -682,11 +686,14 @@ def _stack_weights(cfg: Config, params: dict, ws: Workspace) -> None:
                            out=ws.bqkv[i])
     if not ws.bf16:
         for key, S in ws.stacks.items():
-            np.concatenate([params[n] for n in product_weights(key)], out=S)
+            W = [params[n] for n in product_weights(key)]
+            np.concatenate(W, out=S)
+            if done is not None:
+                done(W)
         return
     products = {key: [params[n] for n in product_weights(key)] if "+" in key else params[key]
                 for pr in ws.products for key in pr.values()}
-    pack_weights(ws, products | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)})
+    pack_weights(ws, products | {head_name(params, k): head_weight(params, k) for k in range(cfg.n_mtp)}, done)
 
 
 def heads(cfg: Config, params: dict, targets: np.ndarray, ws: Workspace, grads: dict | None, counts=None):

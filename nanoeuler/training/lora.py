@@ -233,13 +233,12 @@ class LoraModel:
         if like is not None:
             fast.engine.share_fixed(ws, like)
             return ws
-        fast.engine.stack_fixed(self.config, self.policy.params, ws)
-        names = fast.engine.copied_weights(ws)
+        # each weight's float32 pages go as soon as it is copied: never all of them and their copies at once
+        fast.engine.stack_fixed(self.config, self.policy.params, ws,
+                                done=lambda W: drop_pages(W if isinstance(W, list) else [W]))
         rows = file_rows(self.base.params["embed.weight"]) if "embed.weight" in ws.packs else None
         if rows is not None:        # a tied head packed (bf16): only the lookup reads its float32 now, a step's
             ws.embed_rows = rows    # rows, from the file (Gemma 3: 640 MiB that stay out of memory)
-            names.append("embed.weight")
-        drop_pages(self.base.params[n] for n in names)
         return ws
 
 
