@@ -15,7 +15,8 @@ quality  bits per byte of the bundled held-out works (bench/heldout.py: windows 
          over the same positions, the share whose top-1 token is llama.cpp's and the logits' relative L2 error
          against llama.cpp's, for ours and for llama.cpp itself computing one token at a time (its other
          kernels: where rounding alone leaves two runs of one engine on one file), and ours against that
-         one-at-a-time run (the kernels llama.cpp decodes with).
+         one-at-a-time run (the kernels llama.cpp decodes with); the same by position in the window (position
+         0: its first input, the BOS where the model has one; no attention mixes positions there yet).
 
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
     .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
@@ -115,7 +116,9 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
     # against llama.cpp's logits of the whole window at once: ours, and llama.cpp's own one token at a time;
     # and ours against that one-at-a-time run (llama.cpp's decoding kernels)
     pairs = ("ours", "llama.cpp 1 by 1", "ours vs llama.cpp 1 by 1")
-    agree, err2, norm2, positions = dict.fromkeys(pairs, 0), dict.fromkeys(pairs, 0.0), dict.fromkeys(pairs, 0.0), 0
+    # per position in the window: top-1 agreements, squared error and squared norm of the reference, windows
+    stats = {who: np.zeros((3, window + len(bos))) for who in pairs}
+    seen = np.zeros(window + len(bos))
     n_bytes = 0
     for ids, b in held_out_windows(tok, window, per_work):
         ids = bos + list(ids)
@@ -127,18 +130,26 @@ def quality_row(path: Path, window: int, per_work: int) -> dict:
         nll["llama.cpp"] += nll_sum(theirs[skip:], targets)
         one = lm1.logits(ids[:-1])
         for who, other, ref in zip(pairs, (mine, one, mine), (theirs, theirs, one)):
-            agree[who] += int((other.argmax(-1) == ref.argmax(-1)).sum())
-            err2[who] += float(np.sum((other.astype(np.float64) - ref) ** 2))
-            norm2[who] += float(np.sum(ref.astype(np.float64) ** 2))
-        positions += len(theirs)
+            n = len(ref)
+            stats[who][0, :n] += other.argmax(-1) == ref.argmax(-1)
+            stats[who][1, :n] += np.sum((other.astype(np.float64) - ref) ** 2, axis=-1)
+            stats[who][2, :n] += np.sum(ref.astype(np.float64) ** 2, axis=-1)
+        seen[:len(theirs)] += 1
         n_bytes += b
     row = {f"{who} bits/byte": v / math.log(2) / n_bytes for who, v in nll.items()}
     row["relative difference"] = row["ours bits/byte"] / row["llama.cpp bits/byte"] - 1
     row["bytes scored"] = n_bytes
-    for who in agree:
-        row[f"top-1 {who}"] = agree[who] / positions
-        row[f"relative L2 {who}"] = math.sqrt(err2[who] / norm2[who])
-    row["positions"] = positions
+
+    def agreement(who, lo=0, hi=None):  # (top-1 agreement, relative L2) over positions lo..hi-1
+        a, e2, r2 = stats[who][:, lo:hi].sum(-1)
+        return a / seen[lo:hi].sum(), math.sqrt(e2 / r2)
+    for who in pairs:
+        row[f"top-1 {who}"], row[f"relative L2 {who}"] = agreement(who)
+    row["positions"] = int(seen.sum())
+    # where in a window the two sides part: llama.cpp's own two runs agree bit for bit up to some position
+    row["by position (top-1, relative L2)"] = {
+        f"{lo}-{hi - 1 if hi else len(seen) - 1}": {who: [round(v, 6) for v in agreement(who, lo, hi)] for who in pairs}
+        for lo, hi in ((0, 1), (1, 4), (4, 16), (16, 64), (64, None))}
     return row
 
 
@@ -175,7 +186,11 @@ def main() -> None:
     for r in report["rows"]:
         print(r["file"])
         for k, v in r.items():
-            if k != "file":
+            if isinstance(v, dict):
+                print(f"  {k}:")
+                for span, by in v.items():
+                    print(f"    {span:>8}: " + ", ".join(f"{who} {a:.3f} / {e:.2e}" for who, (a, e) in by.items()))
+            elif k != "file":
                 print(f"  {k:>24}: {v:.6g}" if isinstance(v, float) else f"  {k:>24}: {v}")
 
 

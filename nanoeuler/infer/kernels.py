@@ -85,27 +85,21 @@ FAST = {"reassoc", "contract"}  # reorder sums, fuse multiply-adds; no assumptio
 OPTS = dict(cache=True, nogil=True, error_model="numpy", fastmath=FAST)
 
 
-# ---- float16 bits -> float32 ---------------------------------------------------------------------
-@intrinsic
-def _through_half(typingctx, x):
-    """x (float32) rounded to the nearest float16 (ties to even), as float32: fptrunc, fpext."""
-    sig = types.float32(types.float32)
+# ---- float16 <-> float32 ------------------------------------------------------------------------------
+def _widened(name: str, arg, narrow):
+    """A numba intrinsic `name`(v: arg) -> float32: the float16 narrow(builder, v) widened (fpext) to float."""
+    def typer(typingctx, v):
+        def codegen(context, builder, signature, args):
+            return builder.fpext(narrow(builder, args[0]), ir.FloatType())
+        return types.float32(arg), codegen
+    typer.__name__ = name
+    return intrinsic(typer)
 
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
 
-    return sig, codegen
-
-
-@intrinsic
-def _half_to_f32(typingctx, bits):
-    """The float16 whose IEEE bits are `bits` (uint16), as float32: bitcast to half, fpext to float."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
+# the float16 whose IEEE bits are `bits` (uint16), as float32: bitcast to half, fpext
+_half_to_f32 = _widened("_half_to_f32", types.uint16, lambda b, bits: b.bitcast(bits, ir.HalfType()))
+# x (float32) rounded to the nearest float16 (ties to even), as float32: fptrunc, fpext
+_through_half = _widened("_through_half", types.float32, lambda b, x: b.fptrunc(x, ir.HalfType()))
 
 
 def to_f32(v):
