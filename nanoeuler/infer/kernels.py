@@ -15,16 +15,16 @@ record chose read from `Weights` (empty arrays where an architecture has no such
                 x += post(act(h @ W_inᵀ + b) @ W_outᵀ + b)     act: SwiGLU, GeGLU or GELU
     h = norm(x)  (all rows, or the last only)                    [n|1, d]
 
-Where a layer's MLP weights are block-quantized (qkernels: llama.cpp's arithmetic, 8-bit activations), its
-GELU is llama.cpp's too: a table of the 65,536 float16 values, so x is rounded to float16 and GELU(x) to
-float16 (x itself beyond ±10; `_gelu_half`). Exact GELU alone leaves a Gemma 3 file's logits ~2e-2 from
-llama.cpp's at its first position.
-
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
 decoding, a prompt CHUNK rows at a time); `round_rows` runs a speculative round (the step, head 0 and its
 argmax at every row); the batcher (`step.decode_rows`) a row per stream, any number (its prompts one at a
 time); batches of sequences of equal positions stay on the NumPy path.
+
+Where a layer's MLP weights are block-quantized (qkernels: llama.cpp's arithmetic, 8-bit activations), its
+GELU is llama.cpp's too: a table of the 65,536 float16 values, so x is rounded to float16 and GELU(x) to
+float16 (x itself beyond ±10; `_gelu_half`). Exact GELU alone leaves a Gemma 3 file's logits ~2e-2 from
+llama.cpp's at its first position.
 
 Matrix products: a weight matrix W [out, in] is kept in kernel form (`pack`): panels of PANEL = 64
 outputs, each stored input by input, [in, 64]. A panel is one contiguous stream, and the kernel
