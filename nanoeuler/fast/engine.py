@@ -254,14 +254,14 @@ def product_weights(key: str) -> list[str]:
 def pack_weights(ws: Workspace, weights: dict, done=None) -> None:
     """bf16 only (else nothing): every weight W [out, in] of `weights` (key -> W, or a list of weights
     stacked by rows: the stack exists only while it is packed) rounded to bfloat16 and packed both ways,
-    into buffers kept in ws.packs from step to step; the parts take a share each. done(W): called with each
-    W once it is packed (stack_fixed's, to let its float32 go)."""
+    into buffers kept in ws.packs from step to step; the parts take a share each. done(arrays): called with
+    each weight's arrays (the list stacked, or [W]) once they are packed (stack_fixed's, to let them go)."""
     if not ws.bf16:
         return
     items = list(weights.items())
     for key, W in items:
         if key not in ws.packs:  # [out, in]: its panels both ways, filled below
-            out, n_in = sum(w.shape[0] for w in W) if isinstance(W, list) else W.shape[0], W[0].shape[-1]
+            out, n_in = sum(w.shape[0] for w in _parts(W)), _parts(W)[0].shape[1]
             ws.packs[key] = (ws.bf16.panels_for(n_in, out), ws.bf16.panels_for(out, n_in))
 
     def share(k):
@@ -270,7 +270,7 @@ def pack_weights(ws: Workspace, weights: dict, done=None) -> None:
             ws.bf16.pack_b(S.T, out=ws.packs[key][0])
             ws.bf16.pack_b(S, out=ws.packs[key][1])
             if done is not None:
-                done(W)
+                done(_parts(W))
     run_parts(share, len(ws.parts))
 
 
@@ -284,6 +284,11 @@ def copied_weights(ws: Workspace) -> list[str]:
         return []
     keys = list(ws.packs) if ws.bf16 else list(ws.stacks)
     return [n for k in keys for n in product_weights(k) if n != "embed.weight"]
+
+
+def _parts(W) -> list:
+    """The arrays of W: a list of weights stacked by rows as it is, a weight as [W]."""
+    return W if isinstance(W, list) else [W]
 
 
 def _stack(W):
@@ -655,8 +660,8 @@ def forward(cfg: Config, params: dict, inputs: np.ndarray, ws: Workspace, dropou
 def stack_fixed(cfg: Config, params: dict, ws: Workspace, done=None) -> None:
     """A workspace with fixed_weights: stack (float32) or pack (bf16) the unchanging weights now rather than in
     the first forward, so that what they were copied from can go before the step's buffers fill
-    (lora.LoraModel._workspace, `copied_weights`); done(W): called with each weight W (an array, or the list
-    of those stacked) once it is copied, so that its pages can go before the next is read."""
+    (lora.LoraModel._workspace, `copied_weights`); done(arrays): called with each weight's arrays (the list
+    stacked, or [W]) once they are copied, so that their pages can go before the next are read."""
     if restack(ws):
         _stack_weights(cfg, params, ws, done)
 

@@ -234,8 +234,7 @@ class LoraModel:
             fast.engine.share_fixed(ws, like)
             return ws
         # each weight's float32 pages go as soon as it is copied: never all of them and their copies at once
-        fast.engine.stack_fixed(self.config, self.policy.params, ws,
-                                done=lambda W: drop_pages(W if isinstance(W, list) else [W]))
+        fast.engine.stack_fixed(self.config, self.policy.params, ws, done=drop_pages)
         rows = file_rows(self.base.params["embed.weight"]) if "embed.weight" in ws.packs else None
         if rows is not None:        # a tied head packed (bf16): only the lookup reads its float32 now, a step's
             ws.embed_rows = rows    # rows, from the file (Gemma 3: 640 MiB that stay out of memory)

@@ -140,7 +140,7 @@ class PretrainSource:
     """Random windows of the train split; validation = sequential windows of the val split (token shards).
 
     bos: the token the model's tokenizer starts a text with (Gemma's <bos>; None: none). Such a model is lost
-    without it (Gemma 3 270M on the held-out works: 2.17 bits/byte, 1.61 with it), so it replaces the first
+    without it (Gemma 3 270M on the held-out works: 2.17 bits/byte, 1.68 with it), so it replaces the first
     token of every window, training and validation alike, as llama.cpp's perplexity does: the targets stay
     the window's tokens 1.., and the first one is predicted from <bos> alone."""
 
