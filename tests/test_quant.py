@@ -513,12 +513,27 @@ def logits(m, ids, fused, monkeypatch):
     return forward_cached(cfg, None, ids, new_cache(cfg), fused=W)  # [K, 1, n, V]
 
 
-def quantized_activations(linear, name):
+def distance_to_ties(name, rows):
+    """How near each row of rows [n, in] comes to a rounding tie of its 8-bit activations for weight type `name`:
+    the least |frac(x·127/max|x|) − ½| over the row's entries (blocks of 32, or Q8_K's 256) -> [n]. Float32
+    order moves an activation by a few ulps (a ulp of x·127/max is at most 7.6e-6), so an entry nearer a tie
+    than ~1e-4 may round to either side."""
+    width = quant.WTYPES[name].block
+    b = np.abs(rows.astype(np.float64)).reshape(len(rows), -1, width)
+    amax = b.max(-1, keepdims=True)
+    v = b * np.divide(127.0, amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.abs(v - np.floor(v) - 0.5).min((1, 2))
+
+
+def quantized_activations(linear, name, ties=None):
     """forward.py's `linear` with its input rows rounded as the kernels round them for weight type `name`;
     Q4_1 / Q5_1: each block's minimum m times Q8_1's float16 sum s in place of m·d·Σq (m is the block's least
-    dequantized weight: a block quantized from floats has a q = 0)."""
+    dequantized weight: a block quantized from floats has a q = 0). ties: a list that gets each call's
+    distance_to_ties."""
     def wrapped(x, W):
         rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+        if ties is not None:
+            ties.append(distance_to_ties(name, rows))
         y = linear(activation_rounding(name, rows).astype(np.float32).reshape(x.shape), W)
         if name not in ("q4_1", "q5_1"):
             return y
@@ -535,13 +550,28 @@ def quantized_activations(linear, name):
 def test_quantized_step_equals_dequantized_float_step(name, monkeypatch):
     """The fused step on the quantized weights = the NumPy reference on their dequantized values with the
     activations of every product rounded to 8 bits the same way, to float32 rounding; the plain float
-    reference (float activations) is an order of magnitude further. A K type's model: random blocks."""
+    reference (float activations) is an order of magnitude further. A K type's model: random blocks. The two
+    compute the activations to float32 rounding apart (NumPy's order on this CPU, the kernels' order), so an
+    activation within 1e-4 of a step from a rounding tie may be rounded apart (seen on a Zen 5 CPU: x·127/max
+    = 14.5 exactly), and its position and every later one part: the positions before the first such one are
+    compared, on the prompt of 20 that keeps the most of its 11 (at least 4)."""
     qm = model_of(name)
-    ids = np.random.default_rng(7).integers(0, QCFG.vocab_size, (1, 11))
-    got = logits(qm, ids, True, monkeypatch)
-    plain = logits(qm, ids, False, monkeypatch)
-    monkeypatch.setattr(reference, "linear", quantized_activations(reference.linear, name))
-    want = logits(qm, ids, False, monkeypatch)
+    plain_linear = reference.linear
+    best = (-1, None, None)
+    for seed in range(7, 27):
+        ids = np.random.default_rng(seed).integers(0, QCFG.vocab_size, (1, 11))
+        ties = []
+        monkeypatch.setattr(reference, "linear", quantized_activations(plain_linear, name, ties))
+        want = logits(qm, ids, False, monkeypatch)
+        near = np.flatnonzero(np.min(ties, axis=0) < 1e-4)
+        best = max(best, (near[0] if len(near) else 11, ids, want), key=lambda b: b[0])
+        if best[0] == 11:
+            break
+    clear, ids, want = best
+    assert clear >= 4
+    monkeypatch.setattr(reference, "linear", plain_linear)
+    got, plain = logits(qm, ids, True, monkeypatch), logits(qm, ids, False, monkeypatch)
+    got, plain, want = got[:, :, :clear], plain[:, :, :clear], want[:, :, :clear]
     l2 = np.linalg.norm(got - plain) / np.linalg.norm(plain)  # 8-bit activations: ~0.4 % per element
     assert rel_err(got, want) <= 1e-4
     assert rel_err(got, plain) > 10 * rel_err(got, want)
