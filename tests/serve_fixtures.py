@@ -67,7 +67,7 @@ class ServerThread:
     def __init__(self, app, read_timeout: float | None = None):
         import uvicorn
 
-        from nanoeuler.serve.app import READ_TIMEOUT, bind, http_protocol
+        from nanoeuler.serve.transport import READ_TIMEOUT, bind, http_protocol
         self.app = app
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]

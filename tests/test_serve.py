@@ -422,7 +422,7 @@ def test_a_batch_of_events_gives_what_they_give_one_by_one(ckpt, stops, logprobs
     """Choice.on_events (a Dispatcher batch at once: the tokens of a run decoded together) leaves a choice
     as on_event of each event does: text, pieces, token count, logprobs, finish reason, for tokens that
     split characters, end-of-turn ids (chat) and stop strings; in batches of every size."""
-    from nanoeuler.serve.app import Choice
+    from nanoeuler.serve.service import Choice
     d, model, tok = ckpt
     rng = np.random.default_rng(0)
     ids = tok.encode("the end  of é☃ days; the e t") + [int(t) for t in rng.integers(0, tok.vocab_size, 30)]
@@ -449,7 +449,7 @@ def test_one_send_per_pass_of_the_event_loop():
     a close sends what is pending first; nothing is sent on a closing transport."""
     import asyncio
 
-    from nanoeuler.serve.app import OneSendPerPass
+    from nanoeuler.serve.transport import OneSendPerPass
 
     class Transport:
         def __init__(self):
@@ -495,7 +495,7 @@ def test_a_streams_headers_leave_with_its_first_events_or_at_the_wait(first_afte
     stops without one: an empty last message)."""
     import asyncio
 
-    from nanoeuler.serve.app import EventStream
+    from nanoeuler.serve.transport import EventStream
 
     async def main():
         loop, sent = asyncio.get_running_loop(), []
@@ -537,7 +537,7 @@ def test_the_servers_connections_send_without_nagles_delay():
     import asyncio
     import socket
 
-    from nanoeuler.serve.app import bind
+    from nanoeuler.serve.transport import bind
 
     async def main():
         sock, seen = bind("127.0.0.1", 0), []
@@ -791,7 +791,7 @@ def test_dispatcher_hands_a_flowing_stream_over_in_batches():
     import asyncio
     import threading
 
-    from nanoeuler.serve.app import Dispatcher
+    from nanoeuler.serve.service import Dispatcher
 
     async def main():
         d, q = Dispatcher(asyncio.get_running_loop()), asyncio.Queue()
@@ -818,7 +818,7 @@ def test_dispatcher_hands_a_jobs_first_token_and_last_event_over_at_once():
     queue at once."""
     import asyncio
 
-    from nanoeuler.serve.app import Dispatcher
+    from nanoeuler.serve.service import Dispatcher
 
     async def main():
         d, q = Dispatcher(asyncio.get_running_loop()), asyncio.Queue()
@@ -835,15 +835,15 @@ def test_dispatcher_hands_a_jobs_first_token_and_last_event_over_at_once():
 def test_a_jobs_first_token_and_end_are_handed_over_at_once(monkeypatch):
     """Run.add marks a job's first token and its done / error events `now`, its prompt event and later tokens
     not (the prompt event, just before the first token, opened a window the first token used to wait out)."""
-    from nanoeuler.serve import app as serve_app
+    from nanoeuler.serve import service
     calls = []
 
     class Recorder:
         def put(self, queue, item, now=False):
             calls.append((item[1], now))
-    run = serve_app.Run(batcher=None, dispatcher=Recorder())
+    run = service.Run(batcher=None, dispatcher=Recorder())
     choice = type("C", (), {})()
-    monkeypatch.setattr(serve_app, "Job",
+    monkeypatch.setattr(service, "Job",
                         lambda on_event, **job: type("J", (), {"on_event": staticmethod(on_event)}))
     run.add(choice)
     for kind, args in [("prompt", ()), ("token", (5, None, None)), ("token", (6, None, None)), ("done", ("length",))]:

@@ -82,7 +82,8 @@ def prepare(args):
     from pathlib import Path
 
     from ..chat_template import with_template_file
-    from ..serve.app import bind, create_app
+    from ..serve.app import create_app
+    from ..serve.transport import bind
     model, tok = load_for_decoding(args)
     tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
@@ -123,7 +124,7 @@ def check_cache_fits(cfg, max_batch: int, ctx: int | None, limit: int | None = N
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The warning printed when the server is reachable from other machines without an API key."""
-    from ..serve.app import is_loopback
+    from ..serve.transport import is_loopback
     if is_loopback(host) or api_key:
         return None
     return (f"warning: listening on {host} (reachable from other machines) without --api-key: "

@@ -12,6 +12,7 @@ not fit (infer/chat.py's Chat.context). `developer` messages are system messages
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -19,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from ..errors import UserError
 
 MAX_STOP = 4
+DONE = "data: [DONE]\n\n"  # a stream's last event
 
 
 def _whole(v):
@@ -128,6 +130,17 @@ def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[l
     ids = chat.context(chat_messages(messages))
     notes = {"dropped_turns": chat.dropped_turns, "prompt_truncated_tokens": chat.cut}
     return ids, {k: v for k, v in notes.items() if v}
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    """An OpenAI error object, the body of every error reply."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying obj as JSON."""
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
 # ---- text out ------------------------------------------------------------------------------------
