@@ -678,25 +678,31 @@ def test_existing_outputs_are_refused_unless_force(exported, hf_folders, tmp_pat
     del m
 
 
-def test_ignore_merges_is_accepted_only_where_it_changes_nothing(corpus):
-    from nanoeuler.errors import UserError
+def test_ignore_merges_and_merges_in_any_order_encode_as_tokenizers(corpus):
+    """Llama-3's vocabulary: ignore_merges (a pre-token that is a token is that token), merges that use a token
+    a later merge makes, and several merges that make one token. Our ids equal `tokenizers`' with and without
+    ignore_merges, on real text and on a vocabulary built so that each of the three matters."""
     from nanoeuler.interop.hf_tokenizer import from_hf_json
+    from nanoeuler.tokenizer import bytes_to_unicode
     d = json.loads(hf_tokenizer_json(corpus["hamlet"][:60000], "llama3"))
     d["model"]["ignore_merges"] = True  # as Llama-3's tokenizer.json has it
-    tok = from_hf_json(d)
-    ht = tokenizers.Tokenizer.from_str(json.dumps(d))
     s = corpus["tempest"][:20000]
-    assert tok.encode(s) == ht.encode(s).ids
-    # 'abc' is in the vocabulary, but BPE (b c first, then nothing joins a + bc) never builds it
-    from nanoeuler.tokenizer import bytes_to_unicode
+    assert from_hf_json(d).encode(s) == tokenizers.Tokenizer.from_str(json.dumps(d)).encode(s).ids
     vocab = {c: i for i, c in enumerate(bytes_to_unicode())}
-    for extra in ("bc", "ab", "abc"):
+    for extra in ("bc", "ab", "abc", "abab", "ba", "bab", "ĠĠ", "ĠĠĠ", "ĠĠĠĠ"):
         vocab[extra] = len(vocab)
-    d["model"]["vocab"], d["model"]["merges"], d["added_tokens"] = vocab, ["b c", "a b", "ab c"], []
-    with pytest.raises(UserError, match="ignore_merges"):
-        from_hf_json(d)
-    d["model"]["ignore_merges"] = False
-    from_hf_json(d)
+    # 'abc' is a token no merge sequence reaches from 'a b c' (b c first, then nothing joins a + bc); 'ab ab'
+    # uses 'ab' before 'a b' makes it, 'abab' is made twice; 'Ġ ĠĠĠ' uses 'ĠĠĠ' before it is made (Llama-3)
+    merges = ["Ġ ĠĠĠ", "b c", "ab ab", "b a", "a bab", "a b", "ĠĠ Ġ", "Ġ Ġ", "ĠĠ ĠĠ", "ba b", "ab c"]
+    d["model"]["vocab"], d["model"]["merges"], d["added_tokens"] = vocab, merges, []
+    texts = ["abc", "abab", "ababab", "babab", "x abc abcabc", "    ", "     a", "        ", "abcab ba bab"]
+    for ignore in (True, False):
+        d["model"]["ignore_merges"] = ignore
+        ours, theirs = from_hf_json(d), tokenizers.Tokenizer.from_str(json.dumps(d))
+        for text in texts:
+            assert ours.encode(text) == theirs.encode(text).ids, (ignore, text)
+        assert (ours.encode("abc") == [vocab["abc"]]) == ignore
+        assert Tokenizer.from_dict(ours.to_dict()).encode(" ".join(texts)) == ours.encode(" ".join(texts))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

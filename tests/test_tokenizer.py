@@ -74,7 +74,7 @@ any_text = st.one_of(tricky, unicode_text)
 def test_docstring_examples():
     assert get_stats([1, 2, 3, 1, 2]) == {(1, 2): 2, (2, 3): 1, (3, 1): 1}
     assert merge([1, 2, 3, 1, 2], (1, 2), 4) == [4, 3, 4]
-    assert bpe(b"aaab", {(97, 97): 256, (256, 97): 257}) == [257, 98]
+    assert bpe(b"aaab", {(97, 97): (0, 256), (256, 97): (1, 257)}) == [257, 98]
     assert pretokenize("Hello  world's") == ["Hello", " ", " world", "'s"]
     assert fast_pieces("Hello  world's".encode()) == [b"Hello", b" ", b" world", b"'s"]
     assert cut_points(b"ab cd ef", 2) == [0, 2, 5, 8]
@@ -575,3 +575,66 @@ def test_a_vocabulary_without_some_bytes_drops_them_after_merging():
     hf = tokenizers.Tokenizer.from_str(json.dumps(d))
     assert hf.encode(".\x04.").ids == ours.encode("..") != ours.encode(".\x04.")
     assert Tokenizer.from_dict(ours.to_dict()).encode(text) == ours.encode(text)
+
+
+# ---------------------------------------------------------- merges by rank, in any order (Llama-3's vocabulary)
+
+def random_vocabulary(seed: int, n_tokens: int = 80):
+    """Tokens over a few bytes and every merge that makes one of them from two others, in a random order: merges
+    that use a token a later merge makes, and several merges per token (as Llama-3's 280,147 merges for 128,000
+    tokens). -> (merges in the engine's numbering, the tokens after the 256 bytes)."""
+    rng = np.random.default_rng(seed)
+    tokens = [bytes(p) for p in itertools.product(b"ab c", repeat=2)]
+    while len(tokens) < n_tokens:
+        t = tokens[rng.integers(len(tokens))] + tokens[rng.integers(len(tokens))]
+        if t not in tokens and len(t) <= 8:
+            tokens.append(t)
+    vocab = [bytes([i]) for i in range(256)] + tokens
+    index = {t: i for i, t in enumerate(vocab)}
+    merges = [(index[t[:k]], index[t[k:]]) for t in tokens for k in range(1, len(t))
+              if t[:k] in index and t[k:] in index]
+    return [merges[i] for i in rng.permutation(len(merges))], tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_merges_in_any_order_encode_as_the_reference(seed, ignore_merges):
+    """The compiled BPE (the GPT-2 scanner's path and the regex path) equals the readable `bpe`, which merges
+    one pair at a time by rank; with ignore_merges a pre-token that is a token comes out whole."""
+    merges, tokens = random_vocabulary(seed)
+    rng = np.random.default_rng(100 + seed)
+    texts = ["".join(rng.choice(list("ab c"), rng.integers(1, 40)).tolist()) for _ in range(200)]
+    for pattern in (tokenizer_module.GPT2_PATTERN, r"\S+|\s+"):
+        tok = Tokenizer(merges, ["</s>"], pattern, tokens=tokens, ignore_merges=ignore_merges)
+        assert tok.tokens is not None   # not the classic order: merges use tokens later merges make
+        whole = {t: 256 + i for i, t in enumerate(tokens)}
+        for text in texts:
+            want = []
+            for piece in pretokenize(text, pattern):
+                b = piece.encode()
+                want += [whole[b]] if ignore_merges and b in whole else bpe(b, tok._ranks)
+            assert tok.encode(text) == want, (pattern, text)
+        again = Tokenizer.from_dict(json.loads(json.dumps(tok.to_dict())))
+        assert again.fingerprint() == tok.fingerprint() and again.encode(" ".join(texts)) == tok.encode(" ".join(texts))
+
+
+def test_one_pair_at_a_time_differs_from_every_occurrence_at_once():
+    """'ab' + 'a' ranks before 'a' + 'b' (a merge using a token made later): after the first 'ab' is made it
+    joins the 'a' beside it before the second 'a b' merges. Merging every 'a b' at once would give ab|ab."""
+    tokens = [b"ab", b"aba"]
+    tok = Tokenizer([(256, 97), (97, 98)], [], tokens=tokens)
+    assert tok.encode("abab") == [257, 98]           # aba|b
+    assert bpe(b"abab", tok._ranks) == [257, 98]
+
+
+def test_a_vocabulary_that_lists_tokens_is_checked():
+    with pytest.raises(UserError, match="merge 0 makes 'ab', which is not a token"):
+        Tokenizer([(97, 98)], [], tokens=[b"ba"])
+    with pytest.raises(UserError, match="listed twice"):
+        Tokenizer([(97, 98)], [], tokens=[b"ab", b"ab"])
+    with pytest.raises(UserError, match="there are 258 ordinary tokens"):
+        Tokenizer([(97, 300)], [], tokens=[b"ab", b"ba"])
+    with pytest.raises(UserError, match="none of the 256 characters"):
+        Tokenizer.from_dict(Tokenizer([(97, 98)], ["</s>"], tokens=[b"ba", b"ab"]).to_dict() | {"tokens": ["ba", "a b"]})
+    classic = Tokenizer([(97, 98)], ["</s>"], tokens=[b"ab"])   # merge i makes token 256 + i: no token list
+    assert classic.tokens is None and classic.to_dict() == Tokenizer([(97, 98)], ["</s>"]).to_dict()

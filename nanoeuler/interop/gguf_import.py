@@ -164,21 +164,21 @@ def tensors_of(reader, path: Path, progress: bool = False, blocks: bool = False
     import gguf
     from tqdm import tqdm
 
-    from ..infer.quant import BLOCK_TYPES, WTYPES
+    from ..infer.quant import block_types, of_gguf
     out, types = {}, {}
     for t in tqdm(reader.tensors, desc="dequantize", disable=not progress):
         shape = tuple(reversed([int(n) for n in t.shape]))
-        kind = t.tensor_type.name.lower()
+        w = of_gguf(t.tensor_type.name)   # the weight type of this name (never of this size), or None
         types[t.name] = t.tensor_type.name
-        if blocks and len(shape) == 2 and kind in BLOCK_TYPES:
-            w = WTYPES[kind]
-            out[t.name] = t.data.reshape(shape[0], -1).view(f"V{w.nbytes}")  # [out, in / block] (mapped)
+        if blocks and len(shape) == 2 and w is not None and w.name in block_types():
+            out[t.name] = t.data.reshape(shape[0], -1).view(w.dtype)  # [out, in / block] (mapped)
             continue
-        if blocks and len(shape) == 2 and kind == "f16":
+        if blocks and len(shape) == 2 and t.tensor_type.name == "F16":
             out[t.name] = np.asarray(t.data, np.float16).reshape(shape)
             continue
         try:
-            a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            with np.errstate(all="ignore"):  # a damaged scale (inf · 0): refused below, by name, not warned of
+                a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         except (NotImplementedError, ValueError) as e:
             raise UserError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be read ({str(e)[:100]})") from None
         out[t.name] = np.ascontiguousarray(a, dtype=np.float32)
@@ -190,13 +190,12 @@ def tensors_of(reader, path: Path, progress: bool = False, blocks: bool = False
 
 
 def logical_shape(a: np.ndarray) -> tuple[int, ...]:
-    """The shape of the weights an array holds: a matrix of blocks (void records) holds block weights a record.
-    logical_shape(np.zeros((3, 2), "V34")) -> (3, 64)"""
+    """The shape of the weights an array holds: a matrix of blocks (records of its type) holds block weights a
+    record.  logical_shape(np.zeros((3, 2), WTYPES["q8_0"].dtype)) -> (3, 64)"""
     if a.dtype.kind != "V":
         return a.shape
-    from ..infer.quant import WTYPES
-    block = next(w.block for w in WTYPES.values() if w.nbytes == a.dtype.itemsize and w.block > 1)
-    return (*a.shape[:-1], a.shape[-1] * block)
+    from ..infer.quant import of_dtype
+    return (*a.shape[:-1], a.shape[-1] * of_dtype(a.dtype).block)
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
@@ -216,7 +215,7 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
     vocab, added = {}, []
     for i, (s, ty) in enumerate(zip(tokens, types)):
         if ty in (CONTROL, USER_DEFINED, UNKNOWN):
-            added.append({"id": i, "content": s, "special": True})
+            added.append({"id": i, "content": s, "special": ty != USER_DEFINED})
         elif ty != UNUSED:
             if s in vocab:
                 raise UserError(f"tokenizer.ggml.tokens: {s!r} is both token {vocab[s]} and token {i}")
@@ -270,6 +269,9 @@ def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
     arr = np.array(values) if isinstance(values, list) else np.zeros(0)
     if arr.shape != (n,) or n and arr.dtype.kind not in kinds:
         raise UserError(f"GGUF metadata {key} must be {n} numbers, one per token")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise UserError(f"GGUF metadata {key} holds {arr.size - np.count_nonzero(np.isfinite(arr))} NaN/Inf "
+                        f"value(s) (token {int(np.flatnonzero(~np.isfinite(arr))[0])} first); the file is damaged")
     return arr
 
 
@@ -367,8 +369,10 @@ def refuse_unsupported(meta: dict, arch: str) -> None:
 
 def gguf_config(meta: dict, arch, tensors: dict):
     """The `{arch}.*` hyperparameters -> our Config (one head). What llama.cpp fixes per architecture rather than
-    reads (Gemma 3's window pattern and local RoPE base) are the architecture's defaults (arch.py)."""
+    reads (Gemma 3's window pattern and local RoPE base) are the architecture's defaults (arch.py); a depth at
+    which it scales attention otherwise than we would is refused (gguf_export.attention_scale_mismatch)."""
     from ..config import Config
+    from .gguf_export import attention_scale_mismatch
     a = arch.gguf.name
     refuse_unsupported(meta, a)
     window = field(meta, f"{a}.attention.sliding_window", default=0)
@@ -395,9 +399,13 @@ def gguf_config(meta: dict, arch, tensors: dict):
         fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
         fields["rope_local_theta"] = field(meta, f"{a}.rope.freq_base_swa", float, arch.defaults["rope_local_theta"])
     try:
-        return Config(**fields)
+        cfg = Config(**fields)
     except UserError as e:
         raise UserError(f"GGUF metadata: {e}") from None
+    why = attention_scale_mismatch(cfg)
+    if why:
+        raise UserError(f"GGUF metadata: {why}; not supported")
+    return cfg
 
 
 def check_vocab_size(meta: dict, arch: str, rows: int) -> None:

@@ -30,9 +30,11 @@ than half of them.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
-from ..tokenizer.tokenizer import check_pattern
+from ..tokenizer.tokenizer import check_pattern, level_bytes
 
 MIN_BYTES = 128  # byte tokens a byte-level vocabulary must have (SmolLM2's lacks 21 bytes that text rarely holds)
 
@@ -193,28 +195,34 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if len(ours) < MIN_BYTES:
         _bad(f"model.vocab has only {len(ours)} of the 256 byte tokens ('Ā' for byte 0, 'Ġ' for a space, ...): "
              "not a byte-level BPE")
-    pairs = []
+    lefts, rights = [], []        # each merge's two sides (two lists of str: no per-merge object to collect)
     for i, mg in enumerate(merges):
-        if isinstance(mg, str) and mg.count(" ") == 1:
-            a, b = mg.split(" ")
-        elif isinstance(mg, list) and len(mg) == 2 and all(isinstance(x, str) for x in mg):
+        a, sep, b = mg.partition(" ") if isinstance(mg, str) else ("", "", "")
+        if not (a and b and " " not in b):
+            if not (isinstance(mg, list) and len(mg) == 2 and type(mg[0]) is str and type(mg[1]) is str):
+                _bad(f"merge {i} {mg!r:.60} is not a pair of tokens")
             a, b = mg
-        else:
-            _bad(f"merge {i} {mg!r} is not a pair of tokens")
-        if a not in ours or b not in ours:
-            _bad(f"merge {i} ({a!r}, {b!r}) uses a token that no earlier merge builds")
-        s = a + b
-        if s not in vocab:
-            _bad(f"merge {i} makes {s!r}, which is not in model.vocab")
-        if s in ours:
-            _bad(f"merge {i} makes {s!r} a second time (duplicate merge results are not supported)")
-        ours[s] = 256 + i
-        hf_ids.append(vocab[s])
-        pairs.append((ours[a], ours[b]))
+        lefts.append(a)
+        rights.append(b)
+    made = list(map(str.__add__, lefts, rights))
+    # the ordinary tokens after the bytes: those the merges make, in the order of the first merge that makes
+    # each (so that a vocabulary built merge by merge keeps the classic numbering), then any no merge makes
+    for s in [*dict.fromkeys(made), *sorted(vocab, key=vocab.get)]:
+        if s not in ours:
+            if s not in vocab:
+                i = made.index(s)
+                _bad(f"merge {i} ({lefts[i]!r:.30}, {rights[i]!r:.30}) makes {s!r:.40}, which is not in model.vocab")
+            if vocab[s] not in added:
+                ours[s] = len(hf_ids)
+                hf_ids.append(vocab[s])
+    try:
+        pairs = np.array([list(map(ours.__getitem__, lefts)), list(map(ours.__getitem__, rights))],
+                         np.int64).T.reshape(-1, 2)   # [merges, 2]
+    except KeyError as e:
+        i = next(i for i, ab in enumerate(zip(lefts, rights)) if e.args[0] in ab)
+        _bad(f"merge {i} ({lefts[i]!r:.30}, {rights[i]!r:.30}) uses {e.args[0]!r:.40}, which is not an ordinary "
+             "token of model.vocab")
     built = set(hf_ids) - {-1}
-    for s, i in vocab.items():
-        if i not in built and i not in added:
-            _bad(f"vocab token {s!r} (id {i}) is neither a byte, a merge result nor an added token")
     specials = [added[i] for i in sorted(added) if i not in built]
     special_ids = [i for i in sorted(added) if i not in built]
     n_ids = max([*hf_ids, *special_ids]) + 1
@@ -243,31 +251,13 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         eos = specials[special_ids.index(eos_id)]
     bos_id = bos_of(d.get("post_processor"), {i: added[i] for i in added if i not in built})
     bos = None if bos_id is None else specials[special_ids.index(bos_id)]
-    tok = Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None,
-                    ids=hf_ids + special_ids, bos=bos)
-    if m.get("ignore_merges"):
-        check_ignore_merges(tok)
-    return tok
-
-
-def check_ignore_merges(tok: Tokenizer) -> None:
-    """`ignore_merges` (Llama-3) emits a whole pre-token as one token when the vocabulary has it, before any
-    BPE. That changes nothing when BPE builds every such token from its own bytes, which is checked here
-    for every token that could be a pre-token; otherwise the tokenizer is refused (never a silently
-    different encoding)."""
-    from ..tokenizer.tokenizer import bpe
-    ranks = {pair: 256 + i for i, pair in enumerate(tok.merges)}
-    vocab = [bytes([i]) for i in range(256)]  # in the engine's numbering (tok.token_bytes takes the HF ids)
-    for a, b in tok.merges:
-        vocab.append(vocab[a] + vocab[b])
-    for i in range(256, 256 + len(tok.merges)):
-        b = vocab[i]
-        if bpe(b, ranks) == [i]:
-            continue
-        s = b.decode("utf-8", "surrogateescape")
-        if tok.pre_tokens(s) == [s]:
-            _bad(f"model.ignore_merges=true is not supported for this vocabulary: BPE does not rebuild "
-                 f"token {s!r} from its bytes")
+    user_defined = [t["content"] for t in d.get("added_tokens") or [] if not t.get("special", True)
+                    and t["id"] not in built]
+    classic = len(hf_ids) == 256 + len(pairs) and bool((pairs.max(1, initial=0) < np.arange(256, len(hf_ids))).all())
+    tokens = None if classic else [level_bytes(t) for t, i in ours.items() if i >= 256]   # None: merge i makes 256 + i
+    return Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None,
+                     ids=hf_ids + special_ids, bos=bos, tokens=tokens, ignore_merges=bool(m.get("ignore_merges")),
+                     user_defined=user_defined)
 
 
 # ------------------------------------------------------------------------- SentencePiece-style BPE

@@ -584,85 +584,136 @@ def token_tables(n_tokens):
 # ------------------------------------------------------------------------------------ encoding
 
 @njit(cache=True)
-def pair_table(merges):
-    """Open-addressing map (left << 32 | right) -> merged id, for merges[i] = (left, right) -> 256 + i.
-    The merged id doubles as the rank: a lower id was learned earlier."""
+def pair_table(merges, results):
+    """Open-addressing map (left << 32 | right) -> (rank << 32 | the id it makes), for merges[rank] = (left,
+    right) making results[rank]. A pair listed twice keeps its first rank (as llama.cpp)."""
     n = merges.shape[0]
     cap = 16
     while cap < 4 * max(n, 1):
         cap *= 2
     keys = np.full(cap, -1, np.int64)
-    vals = np.zeros(cap, np.int32)
+    vals = np.zeros(cap, np.int64)
     mask = np.uint64(cap - 1)
     for i in range(n):
         key = (np.int64(merges[i, 0]) << 32) | np.int64(merges[i, 1])
         j = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
         while keys[j] != -1 and keys[j] != key:
             j = (j + 1) & (cap - 1)
-        keys[j] = key
-        vals[j] = 256 + i
+        if keys[j] == -1:
+            keys[j] = key
+            vals[j] = (np.int64(i) << 32) | np.int64(results[i])
     return keys, vals
 
 
-@njit(cache=True)
-def bpe_piece(buf, s, e, keys, vals, work, ranks):
-    """BPE of the bytes buf[s:e] into work[:k]; return k (ranks is scratch space of the same size).
-
-    Repeatedly takes the lowest-ranked adjacent pair and merges all its occurrences left to right (as
-    `tokenizer.bpe` does); only the pairs next to a merged token are looked up again.
-    """
-    NONE = 2147483647
-    mask = np.uint64(keys.shape[0] - 1)
+@njit(inline="always")
+def _lookup(keys, vals, a, b):
+    """(rank << 32 | made id) of the pair (a, b), or -1 when no merge joins them."""
+    key = (np.int64(a) << 32) | np.int64(b)
     imask = keys.shape[0] - 1
-    k = e - s
-    for i in range(k):
-        work[i] = buf[s + i]
-    for i in range(k - 1):
-        key = (np.int64(work[i]) << 32) | np.int64(work[i + 1])
-        j = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
-        r = NONE
-        while keys[j] != -1:
-            if keys[j] == key:
-                r = vals[j]
-                break
-            j = (j + 1) & imask
-        ranks[i] = r
-    while k >= 2:
-        best = NONE
-        for i in range(k - 1):
-            if ranks[i] < best:
-                best = ranks[i]
-        if best == NONE:
+    j = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & np.uint64(imask))
+    while keys[j] != -1:
+        if keys[j] == key:
+            return vals[j]
+        j = (j + 1) & imask
+    return np.int64(-1)
+
+
+@njit(inline="always")
+def _push(heap, size, key, right, sides, made):
+    """Queue a candidate merge (key = rank << 32 | left position); return the new size. A min-heap on key:
+    the lowest rank first, the leftmost of equal ranks."""
+    i = size
+    heap[i, 0], heap[i, 1], heap[i, 2], heap[i, 3] = key, right, sides, made
+    while i > 0 and heap[i, 0] < heap[(i - 1) >> 1, 0]:
+        p = (i - 1) >> 1
+        for c in range(4):
+            heap[i, c], heap[p, c] = heap[p, c], heap[i, c]
+        i = p
+    return size + 1
+
+
+@njit(inline="always")
+def _pop(heap, size):
+    """Remove the top (the caller read row 0); return the new size."""
+    last = size - 1
+    for c in range(4):
+        heap[0, c] = heap[last, c]
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= last:
             break
-        # compact: merged positions get the new id; ranks[j] stays valid unless j or j+1 changed
-        j = 0
-        i = 0
-        while i < k:
-            if i + 1 < k and ranks[i] == best:
-                work[j] = best
-                ranks[j] = -1  # mark: recompute
-                i += 2
-            else:
-                work[j] = work[i]
-                ranks[j] = ranks[i] if i + 1 < k else NONE
-                i += 1
-            j += 1
-        k = j
-        # recompute pairs that touch a merged token (a merged token at j affects pairs j-1 and j)
-        for i in range(k - 1):
-            left_new = work[i] == best
-            right_new = work[i + 1] == best
-            if left_new or right_new:
-                key = (np.int64(work[i]) << 32) | np.int64(work[i + 1])
-                jj = np.int64((np.uint64(key) * MIX) >> np.uint64(20) & mask)
-                r = NONE
-                while keys[jj] != -1:
-                    if keys[jj] == key:
-                        r = vals[jj]
-                        break
-                    jj = (jj + 1) & imask
-                ranks[i] = r
+        if child + 1 < last and heap[child + 1, 0] < heap[child, 0]:
+            child += 1
+        if heap[i, 0] <= heap[child, 0]:
+            break
+        for c in range(4):
+            heap[i, c], heap[child, c] = heap[child, c], heap[i, c]
+        i = child
+    return last
+
+
+@njit(inline="always")
+def _candidate(keys, vals, work, heap, size, left, right):
+    """Queue the merge of the symbols at positions left and right, if one joins them; return the heap size."""
+    if left < 0 or right < 0:
+        return size
+    v = _lookup(keys, vals, work[left], work[right])
+    if v < 0:
+        return size
+    sides = (np.int64(work[left]) << 32) | np.int64(work[right])
+    return _push(heap, size, ((v >> 32) << 32) | left, right, sides, v & 0xFFFFFFFF)
+
+
+@njit(cache=True)
+def bpe_piece(buf, s, e, keys, vals, work, nxt, prv, heap):
+    """BPE of the bytes buf[s:e] into work[:k]; return k. Scratch: nxt, prv (int32, e - s long) and heap
+    (int64 [3 (e - s) + 1, 4]).
+
+    The adjacent pair of lowest rank merges, the leftmost of equal ranks, one at a time (as `tokenizer.bpe`
+    does, and Hugging Face and llama.cpp): a heap of candidate merges, an entry skipped when popped if a side
+    has merged since it was queued; each merge queues the pairs the new symbol makes with its neighbours.
+    """
+    n = e - s
+    for i in range(n):
+        work[i] = buf[s + i]
+        nxt[i] = i + 1 if i + 1 < n else -1
+        prv[i] = i - 1
+    size = 0
+    for i in range(n - 1):
+        size = _candidate(keys, vals, work, heap, size, i, i + 1)
+    while size > 0:
+        left = heap[0, 0] & 0xFFFFFFFF
+        right, sides, made = heap[0, 1], heap[0, 2], heap[0, 3]
+        size = _pop(heap, size)
+        if nxt[left] != right or ((np.int64(work[left]) << 32) | np.int64(work[right])) != sides:
+            continue                                     # stale: a side has merged since it was queued
+        work[left] = made
+        work[right] = -1
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        size = _candidate(keys, vals, work, heap, size, prv[left], left)
+        size = _candidate(keys, vals, work, heap, size, left, nxt[left])
+    k = 0
+    i = 0 if n else -1
+    while i >= 0:                                        # the symbols left, in order, to the front
+        work[k] = work[i]
+        k += 1
+        i = nxt[i]
     return k
+
+
+@njit(cache=True)
+def bpe_bytes(buf, keys, vals):
+    """BPE of all of buf (one pre-token) -> int32 ids."""
+    n = buf.shape[0]
+    work = np.empty(n, np.int32)
+    nxt = np.empty(n, np.int32)
+    prv = np.empty(n, np.int32)
+    heap = np.empty((3 * n + 1, 4), np.int64)
+    k = bpe_piece(buf, 0, n, keys, vals, work, nxt, prv, heap)
+    return work[:k].copy()
 
 
 @njit(cache=True)
@@ -686,7 +737,9 @@ def encode_buf(buf, table, keys, vals, c_tab, k_pool, v_pool, c_state, cls, ends
             longest = ends[t] - p
         p = ends[t]
     work = np.empty(longest, np.int32)
-    ranks = np.empty(longest, np.int32)
+    nxt = np.empty(longest, np.int32)
+    prv = np.empty(longest, np.int32)
+    heap = np.empty((3 * longest + 1, 4), np.int64)
     cap = c_tab.shape[0]
     k = 0
     p = 0
@@ -699,7 +752,7 @@ def encode_buf(buf, table, keys, vals, c_tab, k_pool, v_pool, c_state, cls, ends
             p = e
             continue
         if L > max_cached:
-            cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
+            cnt = bpe_piece(buf, p, e, keys, vals, work, nxt, prv, heap)
             out[k:k + cnt] = work[:cnt]
             k += cnt
             p = e
@@ -741,7 +794,7 @@ def encode_buf(buf, table, keys, vals, c_tab, k_pool, v_pool, c_state, cls, ends
                     k += c
                     break
             if hh == 0:
-                cnt = bpe_piece(buf, p, e, keys, vals, work, ranks)
+                cnt = bpe_piece(buf, p, e, keys, vals, work, nxt, prv, heap)
                 out[k:k + cnt] = work[:cnt]
                 k += cnt
                 if (c_state[0] + 1) * 2 > cap or c_state[1] + L > k_pool.shape[0] \

@@ -44,6 +44,7 @@ We follow llama.cpp, the runtime these vocabularies ship for.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -64,6 +65,7 @@ FORMAT = "nanoeuler-bpe"
 VERSION = 1
 NORMALIZERS = (None, "NFC", "NFD", "NFKC", "NFKD")
 MAX_CACHED_PIECE = 64  # pre-tokens longer than this (bytes) are not cached when encoding
+MAX_CACHED_PIECES = 1 << 20  # the regex path's cache of pre-tokens starts afresh past this many
 CHUNK_BYTES = 1 << 22  # long texts are scanned in pieces of about this size (bounded scratch memory)
 _SAFE_CUT = re.compile(rb"[\x21-\x7e](?=[ \n])")
 
@@ -91,17 +93,22 @@ def merge(ids: list[int], pair: tuple[int, int], idx: int) -> list[int]:
     return out
 
 
-def bpe(piece: bytes, ranks: dict[tuple[int, int], int]) -> list[int]:
-    """Encode one pre-token: apply the earliest-learned merge present, until none applies.
+def bpe(piece: bytes, ranks: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+    """Encode one pre-token: merge the adjacent pair of lowest rank (the leftmost of equals), one at a time,
+    until no pair merges. ranks: pair -> (rank, the id it makes), as Hugging Face and llama.cpp rank merges.
 
-        bpe(b"aaab", {(97, 97): 256, (256, 97): 257})  ->  [256, 97, 98] -> [257, 98]
+        bpe(b"aaab", {(97, 97): (0, 256), (256, 97): (1, 257)})  ->  [256, 97, 98] -> [257, 98]
+
+    One pair at a time, not every occurrence at once: when a merge may use a token that a later merge makes
+    (Llama-3's), the token just made can merge with its neighbour before the next occurrence does.
     """
     ids = list(piece)
     while len(ids) >= 2:
-        pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, 1 << 62))
-        if pair not in ranks:
+        found = [(ranks[p][0], i) for i, p in enumerate(zip(ids, ids[1:])) if p in ranks]
+        if not found:
             break
-        ids = merge(ids, pair, ranks[pair])
+        _, i = min(found)
+        ids[i:i + 2] = [ranks[ids[i], ids[i + 1]][1]]
     return ids
 
 
@@ -261,23 +268,31 @@ class Tokenizer(BaseTokenizer):
     def __init__(self, merges: list[tuple[int, int]], specials: Iterable[str] = ("</s>",),
                  pattern: str | Iterable[str] = GPT2_PATTERN, eos: str | None = "</s>", normalizer: str | None = None,
                  ids: Iterable[int] | None = None, bos: str | None = None, chat_template: str | None = None,
-                 stops: Iterable[str] = ()):
-        """merges: (left, right) pairs in the engine's numbering (byte b = b, merge i = 256 + i);
-        ids: the id of each token, bytes then merges then specials (None: that order; see the module
-        docstring); bos: a special put first by encode(..., add_bos=True); chat_template: the model's Jinja
-        chat template (None: ours, see chat_template.py); stops: specials besides eos that end a reply
-        (ChatML's <|im_end|>, Llama-3's <|eot_id|>)."""
+                 stops: Iterable[str] = (), tokens: Iterable[bytes] | None = None, ignore_merges: bool = False,
+                 user_defined: Iterable[str] = ()):
+        """merges: (left, right) pairs in the engine's numbering, by rank; tokens: the bytes of the ordinary
+        tokens after the 256 bytes (None: merge i makes token 256 + i, as this library trains them; see
+        "Imported vocabularies" in the module docstring); ids: the id of each token, bytes then ordinary tokens
+        then specials (None: that order); bos: a special put first by encode(..., add_bos=True); chat_template:
+        the model's Jinja chat template (None: ours, see chat_template.py); stops: specials besides eos that
+        end a reply (ChatML's <|im_end|>, Llama-3's <|eot_id|>); ignore_merges: a pre-token that is an
+        ordinary token as a whole is that token, before any merge (Llama-3); user_defined: specials cut out
+        of text even when encode is not asked to (llama.cpp's USER_DEFINED tokens, Hugging Face's added
+        tokens that are not special)."""
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r}; choose one of NFC, NFD, NFKC, NFKD or none")
         self.normalizer = normalizer  # Unicode normal form applied to text before encoding (Qwen2: NFC)
         # one regex (its matches are the pre-tokens), or a tuple of them: a cascade (see split_cascade)
         self.pattern = pattern if isinstance(pattern, str) else tuple(pattern)
         self.eos_token = eos  # the special that ends a text / response ("</s>" here; "<|endoftext|>" for GPT-2)
-        self.merges = [(int(a), int(b)) for a, b in merges]
-        self._vocab = [bytes([i]) for i in range(256)]
-        for a, b in self.merges:
-            self._vocab.append(self._vocab[a] + self._vocab[b])
-        n = len(self._vocab)
+        self._merge_sides = np.asarray(merges, np.int64).reshape(-1, 2)   # [merges, 2]: (left, right)
+        self.merges = list(zip(self._merge_sides[:, 0].tolist(), self._merge_sides[:, 1].tolist()))
+        self.ignore_merges = bool(ignore_merges)
+        self._vocab, self._results = vocabulary(self._merge_sides, tokens)
+        # the classic vocabulary (merge i makes token 256 + i) needs no token list: same file, same fingerprint
+        self.tokens = None if tokens is None or is_classic(self._results, len(self._vocab)) else self._vocab[256:]
+        self._token_id = None   # bytes -> engine id of the ordinary tokens (ignore_merges), built on first use
+        n = self._n_ordinary = len(self._vocab)
         self._specials = {s: n + i for i, s in enumerate(specials)}  # in the engine's numbering
         for s in self._specials:
             try:
@@ -307,17 +322,24 @@ class Tokenizer(BaseTokenizer):
         for t in self.stops:
             if t not in self._specials:
                 raise UserError(f"the stop token {t!r} is not one of the special tokens")
-        self._ranks = {pair: 256 + i for i, pair in enumerate(self.merges)}
+        self.user_defined = tuple(user_defined)
+        for t in self.user_defined:
+            if t not in self._specials:
+                raise UserError(f"the user-defined token {t!r:.40} is not one of the special tokens")
         self._regex = (regex.compile(self.pattern) if isinstance(self.pattern, str)
                        else tuple(regex.compile(p) for p in self.pattern))
-        self._special_regex = (regex.compile("(" + "|".join(regex.escape(s) for s in
-                                                             sorted(self._specials, key=len, reverse=True)) + ")")
-                               if self._specials else None)
+        self._special_regex: dict[bool, object] = {}   # allow_special -> cut_regex of what it cuts, built on first use
         self._fast = None   # numba tables, built on first encode
+        self._pairs = None  # the merge table the kernels read, built on first encode
         self._lock = threading.Lock()  # the cache and scratch arrays are shared: one encode at a time
         # the Python int of each token's id, indexed in the engine's numbering (the map costs nothing here)
         self._int_objects = (np.arange(len(self._vocab)) if self.ids is None else self.ids).astype(object)
-        self._cache: dict[bytes, list[int]] = {}  # for the pure-Python path (non-GPT-2 patterns)
+        self._cache: dict[str, list[int]] = {}  # pre-token -> ids, for the regex path (non-GPT-2 patterns)
+
+    @property
+    def _ranks(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """pair -> (rank, the id it makes), in the engine's numbering: what the reference `bpe` takes."""
+        return {pair: (r, int(self._results[r])) for r, pair in reversed(list(enumerate(self.merges)))}
 
     # -- basic facts -------------------------------------------------------------------------------
     @property
@@ -339,7 +361,7 @@ class Tokenizer(BaseTokenizer):
         GPT-2's printable alphabet and specials as they are; whether each id is special; the merges as
         "left right" strings, in merge order).  Trained on 'hi': (['!', ..., 'Ġ', 'hi', '</s>'], [..., True], ['h i'])"""
         alphabet = bytes_to_unicode()
-        n = 256 + len(self.merges)
+        n = self._n_ordinary
         strings = ["".join(alphabet[b] for b in self._vocab[i]) for i in range(n)] + list(self._specials)
         merges = [f"{strings[a]} {strings[b]}" for a, b in self.merges]
         special = [i >= n for i in range(len(strings))]
@@ -479,41 +501,64 @@ class Tokenizer(BaseTokenizer):
             raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
         if self.normalizer:
             text = unicodedata.normalize(self.normalizer, text)
-        if allow_special and self._special_regex is not None:
-            parts = self._special_regex.split(text)
-            if len(parts) > 1:
-                out = []
-                for i, part in enumerate(parts):
-                    if i % 2:
-                        out.append(np.array([self._specials[part]], np.int32))
-                    elif part:
-                        out.append(self._encode_utf8(part.encode("utf-8", "surrogatepass"), part))
-                return np.concatenate(out) if out else np.zeros(0, np.int32)
-        return self._encode_utf8(text.encode("utf-8", "surrogatepass"), text)
+        return self._encode_str(text, allow_special, "surrogatepass")
 
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (invalid UTF-8 included); decode_bytes(encode_bytes(b)) == b exactly."""
-        return self._int_objects.take(self._present(self._encode_utf8(bytes(data), None))).tolist()
+        text = bytes(data).decode("utf-8", "surrogateescape")   # a byte that is not UTF-8 -> a lone surrogate
+        return self._int_objects.take(self._present(self._encode_str(text, False, "surrogateescape"))).tolist()
 
     def _present(self, out: np.ndarray) -> np.ndarray:
         """out without the bytes the vocabulary lacks (in the engine's numbering)."""
         return out if self._absent is None else out[~self._absent[out]]
 
-    def _encode_utf8(self, data: bytes, text: str | None) -> np.ndarray:
-        if self.pattern == GPT2_PATTERN:
-            return self._encode_fast(data)
-        if text is None:
-            text, errors = data.decode("utf-8", "surrogateescape"), "surrogateescape"
-        else:
-            errors = "surrogatepass"
+    def _encode_str(self, text: str, allow_special: bool, errors: str) -> np.ndarray:
+        """The special tokens cut out of text (the user-defined ones always, the others when allow_special),
+        BPE on what lies between them; errors: how a lone surrogate in text becomes bytes."""
+        if allow_special not in self._special_regex:
+            self._special_regex[allow_special] = cut_regex(self._specials if allow_special else self.user_defined)
+        cut = self._special_regex[allow_special]
+        parts = [text] if cut is None else cut.split(text)
+        out = [np.array([self._specials[part]], np.int32) if i % 2 else self._encode_utf8(part, errors)
+               for i, part in enumerate(parts) if part]
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def _encode_utf8(self, text: str, errors: str) -> np.ndarray:
+        """The BPE ids of text with no special token in it: the compiled scanner for the GPT-2 pattern, else the
+        regex's pre-tokens, each encoded once (`_bpe`) and cached."""
+        if self.pattern == GPT2_PATTERN and not self.ignore_merges:
+            return self._encode_fast(text.encode("utf-8", errors))
         out: list[int] = []
         cache = self._cache
+        if len(cache) > MAX_CACHED_PIECES:
+            cache.clear()
         for piece in self.pre_tokens(text):
-            ids = cache.get(piece)
+            data = piece.encode("utf-8", errors)
+            ids = cache.get(data)
             if ids is None:
-                ids = cache[piece] = bpe(piece.encode("utf-8", errors), self._ranks)
+                ids = cache[data] = self._bpe(data)
             out.extend(ids)
         return np.array(out, np.int32)
+
+    def _bpe(self, piece: bytes) -> list[int]:
+        """One pre-token's ids (the engine's numbering): with ignore_merges the token it is as a whole, if it is
+        one; else BPE (the compiled twin of `bpe`)."""
+        from . import bpe_fast as bf
+        if self.ignore_merges:
+            if self._token_id is None:
+                self._token_id = {t: i for i, t in enumerate(self._vocab[:self._n_ordinary])}
+            whole = self._token_id.get(piece)
+            if whole is not None:
+                return [whole]
+        keys, vals = self._pair_table()
+        return bf.bpe_bytes(np.frombuffer(piece, np.uint8), keys, vals).tolist()
+
+    def _pair_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled kernels' merge table (bpe_fast.pair_table), built on first use."""
+        from . import bpe_fast as bf
+        if self._pairs is None:
+            self._pairs = bf.pair_table(self._merge_sides, self._results)
+        return self._pairs
 
     def pre_tokens(self, text: str) -> list[str]:
         """The pieces BPE encodes one by one.  GPT-2 pattern: pre_tokens("it's 42") -> ['it', "'s", ' 42']"""
@@ -530,7 +575,7 @@ class Tokenizer(BaseTokenizer):
 
         f = self._fast
         if f is None:
-            keys, vals = bf.pair_table(np.array(self.merges, np.int64).reshape(-1, 2))
+            keys, vals = self._pair_table()
             f = self._fast = dict(table=bf.char_classes(), keys=keys, vals=vals)
             self._new_cache(1 << 15)
             self._scratch(1 << 16)
@@ -565,7 +610,8 @@ class Tokenizer(BaseTokenizer):
     def to_dict(self) -> dict:
         """Our readable format: {"format", "version", "pattern", "merges": [[left, right], ...], "specials"}
         in the engine's numbering, plus, for an imported vocabulary, "ids" (the id of each token in that
-        order: bytes, merges, specials) and "bos"."""
+        order: bytes, ordinary tokens, specials), "bos", and where they are not the defaults "tokens" (each
+        ordinary token after the bytes, in GPT-2's byte alphabet: "Ġthe"), "ignore_merges", "user_defined"."""
         d = {"format": FORMAT, "version": VERSION,
              "pattern": self.pattern if isinstance(self.pattern, str) else list(self.pattern),
              "vocab_size": self.vocab_size, "specials": dict(self._specials),
@@ -582,6 +628,12 @@ class Tokenizer(BaseTokenizer):
             d["chat_template"] = self.chat_template
         if self.stops:
             d["stops"] = list(self.stops)
+        if self.tokens is not None:
+            d["tokens"] = [level_string(t) for t in self.tokens]
+        if self.ignore_merges:
+            d["ignore_merges"] = True
+        if self.user_defined:
+            d["user_defined"] = list(self.user_defined)
         return d
 
     @classmethod
@@ -607,16 +659,21 @@ class Tokenizer(BaseTokenizer):
         check_pattern(pattern)
         if not isinstance(merges, list):
             raise UserError("tokenizer.json: \"merges\" must be a list of [left, right] id pairs")
+        tokens = d.get("tokens")
+        if tokens is not None:
+            if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+                raise UserError("tokenizer.json: \"tokens\" must be a list of strings (GPT-2's byte alphabet)")
+            tokens = [level_bytes(t) for t in tokens]
         for i, m in enumerate(merges):
-            if not (isinstance(m, list) and len(m) == 2 and all(type(x) is int and 0 <= x < 256 + i for x in m)):
-                raise UserError(f"tokenizer.json: merge {i} is {m!r}; each merge must be [left, right] with ids "
-                                f"of earlier tokens (below {256 + i})")
+            if not (isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m)):
+                raise UserError(f"tokenizer.json: merge {i} is {m!r:.40}; each merge must be [left, right] token ids")
+        n_ordinary = 256 + (len(merges) if tokens is None else len(tokens))
         if not isinstance(specials, dict) or not all(isinstance(k, str) and k and type(v) is int
                                                      for k, v in specials.items()):
             raise UserError("tokenizer.json: \"specials\" must map non-empty token strings to integer ids")
         order = sorted(specials, key=lambda s: specials[s])
-        if [specials[s] for s in order] != list(range(256 + len(merges), 256 + len(merges) + len(order))):
-            raise UserError("tokenizer.json: special token ids must follow the merges consecutively")
+        if [specials[s] for s in order] != list(range(n_ordinary, n_ordinary + len(order))):
+            raise UserError("tokenizer.json: special token ids must follow the ordinary tokens consecutively")
         eos = d.get("eos", "</s>")
         if eos is not None and not isinstance(eos, str):
             raise UserError("tokenizer.json: \"eos\" must be the string of a special token (or null)")
@@ -625,31 +682,39 @@ class Tokenizer(BaseTokenizer):
             raise UserError("tokenizer.json: \"bos\" must be the string of a special token (or null)")
         ids = d.get("ids")
         if ids is not None:
-            check_ids(ids, 256 + len(merges) + len(order))
+            check_ids(ids, n_ordinary + len(order))
         template, stops = d.get("chat_template"), d.get("stops", [])
         if template is not None and not isinstance(template, str):
             raise UserError("tokenizer.json: \"chat_template\" must be a string (a Jinja template)")
         if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
             raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
-        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos, template, stops)
+        user_defined, ignore = d.get("user_defined", []), d.get("ignore_merges", False)
+        if not isinstance(user_defined, list) or not all(isinstance(t, str) for t in user_defined):
+            raise UserError("tokenizer.json: \"user_defined\" must be a list of special token strings")
+        if not isinstance(ignore, bool):
+            raise UserError("tokenizer.json: \"ignore_merges\" must be true or false")
+        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos, template, stops,
+                  tokens, ignore, user_defined)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
         return tok
 
     def vocab_text(self) -> str:
-        """One line per token, in id order: id, the token shown readably, and for merges the two parts.
+        """One line per token, in id order: id, the token shown readably, and for a token a merge makes the two
+        parts of the first (lowest-ranked) merge that makes it.
 
             256  ' t'  = ' ' + 't'
         """
         lines = [f"# nanoeuler byte-level BPE: {self.vocab_size} tokens; fingerprint {self.fingerprint()[:16]}"]
+        made_by = {int(t): m for m, t in reversed(list(zip(self.merges, self._results)))}
         order = self._engine_order() or range(self.vocab_size)
         for e, i in enumerate(order):  # e: the id, i: the engine's number of that token
             line = f"{e}\t{_show(self._vocab[i])}"
-            if 256 <= i < 256 + len(self.merges):
-                a, b = self.merges[i - 256]
+            if i in made_by:
+                a, b = made_by[i]
                 line += f"\t= {_show(self._vocab[a])} + {_show(self._vocab[b])}"
-            elif i >= 256:
+            elif i >= self._n_ordinary:
                 line += "\t(special)"
             lines.append(line)
         return "\n".join(lines) + "\n"
@@ -679,15 +744,63 @@ class Tokenizer(BaseTokenizer):
         d = {
             "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for s, i in self.special_tokens.items()],
+                              "normalized": False, "special": s not in self.user_defined}
+                             for s, i in self.special_tokens.items()],
             "normalizer": {"type": self.normalizer} if self.normalizer else None,
             "pre_tokenizer": pre, "post_processor": self.hf_post_processor(),
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": False, "vocab": vocab, "merges": merges},
+                      "ignore_merges": self.ignore_merges, "vocab": vocab, "merges": merges},
         }
         return json.dumps(d, ensure_ascii=False)
+
+
+def vocabulary(sides: np.ndarray, tokens: Iterable[bytes] | None) -> tuple[list[bytes], np.ndarray]:
+    """(the bytes of the 256 byte tokens and the ordinary tokens, in the engine's numbering; the id each merge
+    makes: the token of its two sides' joined bytes). sides: [merges, 2] (left, right) in rank order. Without
+    tokens, merge i makes token 256 + i and may use only earlier ones. UserError for a merge that names no
+    token, or makes bytes that are no token.
+
+        vocabulary(np.array([[104, 105]]), None)[1]                         -> array([256])      ('hi')
+        vocabulary(np.array([[104, 257], [104, 105]]), [b"hi", b"hhi"])[1]  -> array([257, 256]) ('hhi' first)
+    """
+    vocab = [bytes([i]) for i in range(256)]
+    if tokens is None:
+        for i, (a, b) in enumerate(sides.tolist()):
+            if not (0 <= a < 256 + i and 0 <= b < 256 + i):
+                raise UserError(f"tokenizer: merge {i} is ({a}, {b}); each side must be a byte or an earlier merge "
+                                f"(an id below {256 + i})")
+            vocab.append(vocab[a] + vocab[b])
+        return vocab, np.arange(256, 256 + len(sides), dtype=np.int32)
+    vocab += [bytes(t) for t in tokens]
+    index = {t: i for i, t in enumerate(vocab)}
+    if len(index) != len(vocab) or b"" in index:
+        twice = next((t for i, t in enumerate(vocab) if index.get(t) != i), b"")
+        raise UserError(f"tokenizer: the token {_show(twice)} is listed twice (or is empty)")
+    bad = np.flatnonzero(((sides < 0) | (sides >= len(vocab))).any(axis=1))
+    if len(bad):
+        raise UserError(f"tokenizer: merge {bad[0]} is {tuple(sides[bad[0]].tolist())}; there are {len(vocab)} "
+                        f"ordinary tokens")
+    made = list(map(bytes.__add__, map(vocab.__getitem__, sides[:, 0].tolist()),
+                    map(vocab.__getitem__, sides[:, 1].tolist())))
+    results = list(map(index.get, made))
+    if None in results:
+        i = results.index(None)
+        raise UserError(f"tokenizer: merge {i} makes {_show(made[i])}, which is not a token")
+    return vocab, np.array(results, np.int32)
+
+
+def is_classic(results: np.ndarray, n_tokens: int) -> bool:
+    """Whether merge i makes token 256 + i and there is no other token (the vocabulary this library trains)."""
+    return n_tokens == 256 + len(results) and bool(np.array_equal(results, np.arange(256, n_tokens)))
+
+
+def cut_regex(specials: Iterable[str]):
+    """The regex that cuts these special tokens out of text (the longest first where two start at one place);
+    None when there are none."""
+    ordered = sorted(specials, key=len, reverse=True)
+    return regex.compile("(" + "|".join(regex.escape(s) for s in ordered) + ")") if ordered else None
 
 
 def hf_splits(pattern: str | tuple[str, ...]) -> list[dict]:
@@ -737,6 +850,32 @@ def bytes_to_unicode() -> list[str]:
             table[b] = chr(256 + k)
             k += 1
     return table
+
+
+def level_string(token: bytes) -> str:
+    """A token's bytes in GPT-2's byte alphabet (the strings of Hugging Face and GGUF byte-level vocabularies).
+    level_string(b" the") -> 'Ġthe'"""
+    alphabet = _alphabet()[0]
+    return "".join(alphabet[b] for b in token)
+
+
+def level_bytes(s: str) -> bytes:
+    """The inverse of level_string; UserError for a character outside the alphabet.  level_bytes('Ġthe') -> b' the'"""
+    try:
+        return s.translate(_alphabet()[1]).encode("latin-1")
+    except UnicodeEncodeError:
+        bad = next(c for c in s if c not in _alphabet()[0])
+        raise UserError(f"tokenizer: the token {s!r:.40} holds {bad!r}, which is none of the 256 characters that "
+                        f"stand for bytes (GPT-2's byte alphabet)") from None
+
+
+@functools.cache
+def _alphabet() -> tuple[list[str], dict[int, str]]:
+    """(byte -> its character, the str.translate table from each character back to chr(byte); every other
+    character of Latin-1 to a lone surrogate, which no Latin-1 encoding accepts)."""
+    table = bytes_to_unicode()
+    back = {c: "\udfff" for c in range(256)} | {ord(c): chr(b) for b, c in enumerate(table)}
+    return table, back
 
 
 def cut_points(data: bytes, size: int = CHUNK_BYTES) -> list[int]:
