@@ -127,6 +127,23 @@ def test_a_window_shorter_than_the_models_context_is_generate_at_that_context(tr
         Batcher(trained, ctx_len=CFG.ctx_len + 1)
 
 
+@pytest.mark.parametrize("ctx", [1, 2, 3])
+def test_a_window_of_a_few_positions_slides_and_the_job_ends(trained, ctx):
+    """A full window's jump keeps at least its newest token (ctx // 2 kept nothing at ctx 1: the row refilled
+    its whole sequence at every step and never decoded, `serve --ctx 1` spun without answering, and
+    `generate` at a context of 1 ran the model on no tokens). The job ends within a bounded number of steps
+    with the tokens `generate` makes at that context, in every mode."""
+    short, p = Model(CFG.replace(ctx_len=ctx), trained.params), [3, 1, 4, 15, 9]
+    b, out = Batcher(trained, max_batch=2, ctx_len=ctx), Collect()
+    b.submit(Job(ids=p, max_tokens=8, on_event=out))
+    for _ in range(200):
+        if not b.step():
+            break
+    assert out.reason == "length" and len(out.tokens) == 8
+    for mode in ("cache", "full", "speculative"):
+        assert generate(short, p, 8, temperature=0, mode=mode).ids == out.tokens, mode
+
+
 def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
     """More streams than kernels.ROWS still decode in the fused step, one prompt at a time prefilled through it:
     a request's logprobs are the same bits alone as among 12 others that join at different steps."""

@@ -216,3 +216,35 @@ def test_the_first_request_after_the_address_is_as_fast_as_a_warm_one():
         proc.wait(30)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_a_one_position_window_serves_and_frees_its_rows():
+    """`serve --ctx 1`: a window's jump kept ctx // 2 = 0 tokens, i.e. all of them, so a row past its first
+    token refilled for ever: the warm-up never ended (no address, ~65 % CPU) and its rows stayed taken. Now
+    the address comes, a completion of 2 tokens is answered, and no row is left taken."""
+    import select
+    import time
+    d, _, tok = shared_checkpoint()
+    prompt = "To be, or not to be"
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", d, "--port", "0", "--ctx", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        first = proc.stdout.readline() if ready else ""
+        assert "on http://127.0.0.1:" in first, "no address within 120 s"
+        url = first.split("on ", 1)[1].split("/ ", 1)[0]
+        with httpx.Client(timeout=30) as http:
+            r = http.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                         "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert r.json()["nanoeuler"]["prompt_truncated_tokens"] == [len(tok.encode(prompt, add_bos=True)) - 1]
+            deadline = time.time() + 5
+            while (h := http.get(url + "/health").json())["active"] and time.time() < deadline:
+                time.sleep(0.05)
+            assert h["active"] == 0 and h["queued"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()

@@ -62,6 +62,15 @@ class KVCache:
         return cos[j][pos], sin[j][pos]
 
 
+def kept_on_jump(ctx_len: int) -> int:
+    """Positions a full window keeps when it jumps forward: its last half, and at least the newest token
+    (ctx_len // 2 alone would keep nothing of a 1-position window, and no step could run on it).
+
+        kept_on_jump(8) -> 4    kept_on_jump(3) -> 1    kept_on_jump(1) -> 1
+    """
+    return max(1, ctx_len // 2)
+
+
 def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.float32) -> KVCache:
     """An empty cache for up to max_len (default ctx_len) positions. A float16 model computes in float32
     (see fuse_weights), so its cache is float32."""

@@ -45,8 +45,8 @@ the jobs it touched, with an "error" event (Batcher.step): the other rows and th
 cancelled job (client gone) leaves at the next step.
 
 The context window follows session.py's rule, so a request's output is `generate`'s: when a row would
-pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens and its cache is refilled (as a
-filling row: step 2).
+pass ctx_len positions, its window jumps to its last ctx_len // 2 tokens (at least the newest one:
+cache.kept_on_jump) and its cache is refilled (as a filling row: step 2).
 
 Equal output alone or beside others: every row's computation is the same arithmetic whatever the other
 rows hold and however it was scheduled (parking copies a row's cache exactly; a prompt prefilled in chunks
@@ -69,7 +69,7 @@ from typing import Callable
 import numpy as np
 
 from . import step
-from .cache import new_cache, rows
+from .cache import kept_on_jump, new_cache, rows
 from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
 from .weights import linear
 
@@ -446,12 +446,13 @@ class Batcher:
 
     def _decode(self) -> None:
         """Feed every decoding row's token in one forward. A row whose window is full jumps first (session.py's
-        rule: it keeps its last ctx // 2 tokens, the new one included) and refills its cache as a filling row."""
+        rule: it keeps its last kept_on_jump(ctx) tokens, the new one included) and refills its cache as a
+        filling row."""
         ctx = self.ctx_len
         for r in reversed(range(self.n_dec)):
             s = self.slots[r]
             if len(s.seq) + 1 > ctx:
-                window = (s.seq + [s.pending])[-(ctx // 2):]
+                window = (s.seq + [s.pending])[-kept_on_jump(ctx):]
                 s.seq, s.pending, s.filled = window[:-1], window[-1], 0
                 group, slot = s.group, self._free(s)
                 self.slots[slot], s.slot = s, slot
@@ -500,7 +501,7 @@ class Batcher:
         and would take the core the HTTP event loop needs; see fast/parallel.py. On the BLAS path (models
         without the fused step) only decoding steps of step.WIDE_STEP rows or more, whose matrix products are
         long enough to pay, use every core. The fused step's helpers claim work only while a step runs
-        (kernels.py)."""
+        (pool.py)."""
         from ..fast.parallel import single_threaded_blas
         with single_threaded_blas():
             self._run()

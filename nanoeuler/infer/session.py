@@ -6,8 +6,8 @@ recomputing the whole prefix. `step.forward_hidden` is that forward (inference o
 its logits equal `model.forward`'s full recomputation (tests/test_generate.py checks ≤ 1e-5).
 
 Context window: the sequence seen by the model is at most ctx_len tokens. When it would grow past that,
-the window jumps forward to keep the most recent ctx_len // 2 tokens and the cache is refilled from
-them. Every mode (full recomputation, KV cache, speculative) applies the same rule, so their outputs agree.
+the window jumps forward to keep the most recent ctx_len // 2 tokens (at least the newest one:
+cache.kept_on_jump) and the cache is refilled from them. Every mode (full recomputation, KV cache, speculative) applies the same rule, so their outputs agree.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import UserError
 from . import step
-from .cache import new_cache
+from .cache import kept_on_jump, new_cache
 from .sampling import nll_sum, sample_token
 from .speculative import DEPTH, MOST, speculate
 from .weights import linear
@@ -53,7 +53,7 @@ class Generation:
 
 
 class _Window:
-    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last ctx_len // 2 when full.
+    """The tokens the model sees: seq[start:], at most ctx_len; jumps to the last kept_on_jump(ctx_len) when full.
     Keeps the final hidden state h [d] of the last position; `head0` turns it into head 0's logits [V]
     on demand."""
 
@@ -96,7 +96,7 @@ class _Window:
         """Append one token and run the model on it."""
         self.seq.append(token)
         if len(self.seq) - self.start > self.cfg.ctx_len:
-            self.start = len(self.seq) - self.cfg.ctx_len // 2
+            self.start = len(self.seq) - kept_on_jump(self.cfg.ctx_len)
             self.jumps += 1
             self._refill()
         elif self.mode == "full":
