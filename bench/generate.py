@@ -131,8 +131,8 @@ def main() -> int:
     if args.new_tokens < 1 or args.repeat < 1 or (args.spec_depth is not None and not 1 <= args.spec_depth <= 7):
         ap.error("need --new-tokens >= 1, --repeat >= 1, 1 <= --spec-depth <= 7")
     if args.decode_threads is not None:
-        from nanoeuler.infer import kernels
-        kernels.set_threads(max(1, args.decode_threads))
+        from nanoeuler.infer import pool
+        pool.set_threads(max(1, args.decode_threads))
     from nanoeuler.checkpoint import load_tokenizer
     from nanoeuler.model import Model
     rows = []
@@ -150,9 +150,9 @@ def main() -> int:
         ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens))
         rows.append(bench_model(f"{preset} (random init)", model, ids, args))
     import numba
-    from nanoeuler.infer import kernels
+    from nanoeuler.infer import pool
     info = {"threads": os.environ.get("OMP_NUM_THREADS", "default"), "numba_threads": numba.get_num_threads(),
-            "decode_threads": kernels.get_threads(),
+            "decode_threads": pool.get_threads(),
             "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg()[0], "numpy": np.__version__, "rows": rows}
     if args.json:

@@ -101,14 +101,14 @@ class Ours:
 
     def rate(self, test: str, ids: list[int], threads: int) -> float:
         from nanoeuler.cli.bench import decode_rate
-        from nanoeuler.infer import kernels
-        kernels.set_threads(threads)
+        from nanoeuler.infer import pool
+        pool.set_threads(threads)
         try:
             if test == "pp":
                 return decode_rate(self.model, self.fused, ids[:PROMPT], 0)
             return decode_rate(self.model, self.fused, ids, GEN, depth=DEPTH)
         finally:
-            kernels.set_threads(threads)  # our helper threads go to sleep (else they spin into llama.cpp's run)
+            pool.set_threads(threads)  # our helper threads go to sleep (else they spin into llama.cpp's run)
 
 
 class LlamaBench:

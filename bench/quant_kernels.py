@@ -1,5 +1,5 @@
 """The matrix products of one decoded token, and of a prompt, per weight type: float32 and float16 panels
-(infer/kernels.py) against every block type in integers (infer/qkernels.py, AVX512-VNNI: Q8_0, Q4_0, Q4_1,
+(infer/gemv.py) against every block type in integers (infer/qkernels.py, AVX512-VNNI: Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, and the K types Q4_K, Q5_K, Q6_K), on the shapes of SmolLM-135M (30 layers, d 576, 9/3 heads
 of 64, ffn 1536, vocab 49152: past any L3 at every type), of `llama512` (the same with d 512, 8/4 heads:
 every width a multiple of 256, which the K types need) and of the `big` preset (4 layers, d 384, 6/2 heads,
@@ -34,7 +34,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from nanoeuler.infer import kernels  # noqa: E402
+from nanoeuler.infer import float16, gemv  # noqa: E402
 from nanoeuler.infer import qkernels as qk  # noqa: E402
 from nanoeuler.infer import quant  # noqa: E402
 
@@ -128,12 +128,12 @@ def _float_panels(kind, W, x, Y, f0, f1):
 # ---- one share of a token's products -------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def _float_share(half, mats, outs, X, share, shares):
-    """Panels share::shares... of every matrix in turn, float32 / float16 panels (infer/kernels.py)."""
-    T = np.empty((kernels.MAX_R, kernels.PANEL), np.float32)
+    """Panels share::shares... of every matrix in turn, float32 / float16 panels (infer/gemv.py)."""
+    T = np.empty((gemv.MAX_R, gemv.PANEL), np.float32)
     for W, Y in zip(mats, outs):
         P = W.shape[0]
         for b in range(P * share // shares, P * (share + 1) // shares):
-            kernels._gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, X.shape[0], Y.shape[1],
+            gemv.gemv_panel(half, W.ctypes.data, X.ctypes.data, Y.ctypes.data, X.shape[0], Y.shape[1],
                                W.shape[1], False, b, T)
 
 
@@ -177,7 +177,7 @@ def model(shape, wtype: str, rng):
     for O, I in dims_of(shape):
         if wtype in ("float32", "float16"):
             W = rng.standard_normal((O, I), np.float32) * np.float32(0.05)
-            mats.append(kernels.pack(W if wtype == "float32" else kernels.half_bits(W)))
+            mats.append(gemv.pack(W if wtype == "float32" else float16.half_bits(W)))
         else:
             mats.append(qk.pack(blocks(wtype, O, I, rng), wtype, I))
     return mats, sum(W.nbytes for W in mats)

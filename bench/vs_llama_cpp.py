@@ -18,7 +18,7 @@ speed   - greedy decoding of --new-tokens tokens after the same prompt, with --t
           other by spinning, which collapses on a machine busier than its cores; on such a machine the
           1-thread ratios are the fair ones, and two more are printed: the best run of each (the least
           disturbed), and at 1 thread tokens per CPU-second of the process (preemption does not count).
-          Our threads: infer.kernels.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
+          Our threads: infer.pool.set_threads (and threadpoolctl for the NumPy path's BLAS, if installed).
 
     .venv/bin/python bench/vs_llama_cpp.py runs/small runs/big            # add --json for one JSON object
 """
@@ -100,7 +100,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
 
     from nanoeuler import Model
     from nanoeuler.checkpoint import load_tokenizer
-    from nanoeuler.infer import kernels
+    from nanoeuler.infer import kernels, pool
     from nanoeuler.infer.weights import Float16Model
     from nanoeuler.infer.session import generate
     from nanoeuler.interop.gguf_export import export_gguf
@@ -125,7 +125,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
 
     def ours(dt: str, th: int, path: str) -> tuple[float, float]:
         kernels.ENABLED, enabled = path == "fused", kernels.ENABLED
-        kernels.set_threads(th)
+        pool.set_threads(th)
         try:
             if threadpool_limits is not None:
                 with threadpool_limits(th):
@@ -134,7 +134,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
                 g = generate(models[dt], prompt, max_new_tokens=n, temperature=0, mode="cache")
         finally:
             kernels.ENABLED = enabled
-            kernels.set_threads(th)  # our helper threads go to sleep now (else they spin on into the next run)
+            pool.set_threads(th)  # our helper threads go to sleep now (else they spin on into the next run)
         return len(g.ids) / g.decode_s, len(g.ids) / g.decode_cpu_s
 
     def theirs(dt: str, th: int) -> tuple[float, float]:
@@ -174,7 +174,7 @@ def speed(run: str, tmp: Path, new_tokens: int, repeat: int, threads: int) -> di
                         wall, cpu_rate = theirs(dt, th) if path == "llama.cpp" else ours(dt, th, path)
                         rows.setdefault(key, []).append(wall)
                         cpu.setdefault(key, []).append(cpu_rate)
-    kernels.set_threads(threads)
+    pool.set_threads(threads)
     med = {k: float(np.median(v)) for k, v in rows.items()}
     med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
     ratio = {f"{dt} {th}t": med[f"ours {dt} fused {th}t"] / med[f"llama.cpp {dt} {th}t"]

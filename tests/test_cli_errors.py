@@ -93,16 +93,16 @@ def test_numeric_flags_finite_and_in_range(argv, needle, run_dir, text_file, tmp
 
 def test_threads_decode_with_that_many_threads(run_dir, capsys):
     """sample --threads 1 decodes on one thread (as llama.cpp's -t), the same greedy text as the default."""
-    from nanoeuler.infer import kernels
-    before = kernels.get_threads()
+    from nanoeuler.infer import pool
+    before = pool.get_threads()
     argv = ["sample", "--ckpt", str(run_dir), "--prompt", "a", "--temperature", "0", "--max-new-tokens", "8", "--json"]
     try:
         assert main(argv) == 0
         default = json.loads(capsys.readouterr().out)["text"]
         assert main([*argv, "--threads", "1"]) == 0
-        assert kernels.get_threads() == 1 and json.loads(capsys.readouterr().out)["text"] == default
+        assert pool.get_threads() == 1 and json.loads(capsys.readouterr().out)["text"] == default
     finally:
-        kernels.set_threads(before)
+        pool.set_threads(before)
 
 
 def test_top_k_zero_means_no_limit_in_both_places(run_dir, monkeypatch, capsys):

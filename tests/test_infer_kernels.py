@@ -12,13 +12,13 @@ import pytest
 from conftest import rel_err, tiny_config
 
 from nanoeuler import Model
-from nanoeuler.infer import forward as reference, kernels
+from nanoeuler.infer import float16, forward as reference, gemv, kernels, pool
 from nanoeuler.infer.cache import KVCache, new_cache
 from nanoeuler.infer.session import generate
 from nanoeuler.infer.step import forward_cached, forward_hidden, fuse_weights
 from nanoeuler.infer.weights import Float16Model, linear, values
 
-# hd 8, output widths (gate_up 80, vocab 53) that are no multiple of kernels.PANEL
+# hd 8, output widths (gate_up 80, vocab 53) that are no multiple of gemv.PANEL
 CFG = tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=24, ffn_hidden=40, n_mtp=3)
 
 
@@ -127,27 +127,27 @@ def test_greedy_generate_identical(half, mode, monkeypatch, calls):
 def test_matvec_matches_numpy(half):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((77, 45)).astype(np.float32)  # 2 panels, the second 13 outputs wide
-    Wk = kernels.pack(kernels.half_bits(W) if half else W)
+    Wk = gemv.pack(float16.half_bits(W) if half else W)
     ref = W.astype(np.float16).astype(np.float32) if half else W
     for n in (1, 2, 3, 4, 5, kernels.ROWS):
         X = rng.standard_normal((n, 45)).astype(np.float32)
         assert rel_err(kernels.matvec(Wk, X, 77), X @ ref.T) <= 3e-5
-    assert kernels.to_f32(np.uint16(0x3C00)) == 1.0 and list(kernels.half_bits(np.ones(1))) == [0x3C00]
+    assert float16.to_f32(np.uint16(0x3C00)) == 1.0 and list(float16.half_bits(np.ones(1))) == [0x3C00]
 
 
 def test_pack_lays_out_panels_input_by_input():
     W = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)
-    Wp = kernels.pack(W)
-    assert Wp.shape == (2, 3, kernels.PANEL) and Wp.flags.c_contiguous
-    assert Wp[1, 2, 5] == W[kernels.PANEL + 5, 2] and not Wp[1, :, 70 - kernels.PANEL:].any()  # zero padding
-    assert np.array_equal(kernels.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
+    Wp = gemv.pack(W)
+    assert Wp.shape == (2, 3, gemv.PANEL) and Wp.flags.c_contiguous
+    assert Wp[1, 2, 5] == W[gemv.PANEL + 5, 2] and not Wp[1, :, 70 - gemv.PANEL:].any()  # zero padding
+    assert np.array_equal(gemv.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
 
 
 def test_a_row_gets_the_same_bits_whichever_rows_share_its_pass():
     """Rows go 4 at a time through a panel, each summed in the same order: a row of a 7-row product equals the
     same row alone, bit for bit (a speculative verification computes exactly what plain steps compute)."""
     rng = np.random.default_rng(1)
-    Wk = kernels.pack(rng.standard_normal((150, 40)).astype(np.float32))
+    Wk = gemv.pack(rng.standard_normal((150, 40)).astype(np.float32))
     X = rng.standard_normal((7, 40)).astype(np.float32)
     Y = kernels.matvec(Wk, X, 150)
     assert all(np.array_equal(Y[r], kernels.matvec(Wk, X[r:r + 1], 150)[0]) for r in range(7))
@@ -167,14 +167,14 @@ def test_threads_change_no_bit():
     """1 thread, 2 threads, and two decoding threads at once (one takes the pool, the other runs alone)."""
     m = model(seed=5)
     rng = np.random.default_rng(4)
-    W = kernels.pack(rng.standard_normal((1000, 64)).astype(np.float32))
+    W = gemv.pack(rng.standard_normal((1000, 64)).astype(np.float32))
     X = rng.standard_normal((3, 64)).astype(np.float32)
-    old = kernels.get_threads()
+    old = pool.get_threads()
     try:
-        kernels.set_threads(1)
+        pool.set_threads(1)
         one = kernels.matvec(W, X, 1000)
         gen1 = generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids
-        kernels.set_threads(2)
+        pool.set_threads(2)
         assert np.array_equal(kernels.matvec(W, X, 1000), one)
         assert generate(m, [1, 2, 3], 20, temperature=0, mode="cache").ids == gen1
         results = []
@@ -188,7 +188,7 @@ def test_threads_change_no_bit():
             th.join()
         assert results == [[True] * 50] * 3
     finally:
-        kernels.set_threads(old)
+        pool.set_threads(old)
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
@@ -286,27 +286,27 @@ def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(m
     W = weights(m, True, monkeypatch)
     n = 24
     tokens, pos = rng.integers(0, cfg.vocab_size, n), rng.integers(100, cfg.ctx_len, n)
-    assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
+    assert (pos + 1).sum() * cfg.n_heads * cfg.head_dim >= pool.POOLED_ATTENTION
     shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
     k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
     ref = new_cache(cfg)
     cos, sin = ref.rope.upto(cfg.ctx_len)
-    ctl = kernels._POOL.ctl
+    ctl = pool._POOL.ctl
 
     def run(threads, rows):
-        kernels.set_threads(threads)
+        pool.set_threads(threads)
         kk, vv = k.copy(), v.copy()
-        g0 = ctl[kernels.GEN]
+        g0 = ctl[pool.GEN]
         h = kernels.forward_rows(cfg, W["decode"], reference.embed(cfg, W, tokens[rows], pos[rows]), pos[rows],
                                  np.arange(n)[rows], kk, vv, cos, sin)
-        return h, kk, vv, ctl[kernels.GEN] - g0
-    old = kernels.get_threads()
+        return h, kk, vv, ctl[pool.GEN] - g0
+    old = pool.get_threads()
     try:
         one, k1, v1, _ = run(1, slice(None))
         two, k2, v2, jobs = run(2, slice(None))
         _, _, _, jobs_short = run(2, slice(0, 1))  # one row: its attention stays on the calling thread
     finally:
-        kernels.set_threads(old)
+        pool.set_threads(old)
     assert jobs - jobs_short == cfg.n_layers
     assert np.array_equal(one, two) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
     want = reference.forward_rows(cfg, W, KVCache(list(k.copy()), list(v.copy()), ref.rope, ref.kind), tokens, pos)
@@ -323,17 +323,17 @@ def test_more_attention_units_than_the_claim_word_counts_run_on_the_caller():
 import numpy as np
 from conftest import tiny_config
 from nanoeuler import Model, ops
-from nanoeuler.infer import kernels
+from nanoeuler.infer import kernels, pool
 from nanoeuler.infer.step import fuse_weights
 cfg = tiny_config(vocab_size=11, dim=8, n_heads=1, n_kv_heads=1, n_layers=1, ctx_len=8, ffn_hidden=8)
 W = fuse_weights(cfg, Model.init(cfg, seed=0).params)["decode"]
 n = 70000
-assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= kernels.POOLED_ATTENTION
+assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= pool.POOLED_ATTENTION
 cos, sin = (t[None] for t in ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32))
 x = np.random.default_rng(0).standard_normal((n, cfg.dim)).astype(np.float32)
 out = []
 for threads in (2, 1):
-    kernels.set_threads(threads)
+    pool.set_threads(threads)
     k = np.zeros((1, n, 1, cfg.ctx_len, cfg.head_dim), np.float32)
     out.append(kernels.forward_rows(cfg, W, x, np.zeros(n, np.int64), np.arange(n), k, k.copy(), cos, sin))
 assert np.array_equal(out[0], out[1])
@@ -351,10 +351,10 @@ def test_a_head_packed_by_rows_equals_the_head_packed_whole(monkeypatch):
     from nanoeuler.config import head_weight
     from nanoeuler.infer import forward as fwd, qkernels
     from nanoeuler.infer.weights import Forms, QuantizedModel
-    cfg = tiny_config(vocab_size=2 * kernels.PANEL + 53, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=24,
+    cfg = tiny_config(vocab_size=2 * gemv.PANEL + 53, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=24,
                       ffn_hidden=64)
     m = model(cfg)
-    monkeypatch.setattr(fwd, "HEAD_ROWS", kernels.PANEL)
+    monkeypatch.setattr(fwd, "HEAD_ROWS", gemv.PANEL)
     models = [m] + ([QuantizedModel(m, "q8_0")] if qkernels.AVAILABLE else [])
     for mm in models:
         forms = Forms(mm.params)

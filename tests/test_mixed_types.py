@@ -12,7 +12,7 @@ from conftest import rel_err, tiny_config
 
 from nanoeuler import Model
 from nanoeuler.infer import forward as reference
-from nanoeuler.infer import kernels, qkernels, quant
+from nanoeuler.infer import kernels, pool, qkernels, quant
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.step import forward_cached, fuse_weights
 from nanoeuler.infer.weights import QuantizedModel, of_dtype
@@ -51,7 +51,7 @@ def test_a_product_of_several_types_equals_its_segments_side_by_side(portable):
     M = np.array([kernels.segment(of_dtype(p.dtype).kind, Wk, p.shape[0]) for p, Wk in zip(parts, forms)], np.int64)
     X = rng.standard_normal((3, 64)).astype(np.float32)
     Y = np.empty((3, 256), np.float32)
-    kernels.on_pool(lambda ctl, pooled: kernels._product(ctl, pooled, M, X, Y, False))
+    pool.on_pool(lambda ctl, pooled: kernels._product(ctl, pooled, M, X, Y, False))
     want = np.concatenate([kernels.matvec(Wk, X, p.shape[0]) for p, Wk in zip(parts, forms)], axis=1)
     np.testing.assert_array_equal(Y, want)
 

@@ -18,7 +18,7 @@ from numba import njit
 
 from nanoeuler import Model
 from nanoeuler.errors import UserError
-from nanoeuler.infer import forward as reference, kernels, quant
+from nanoeuler.infer import forward as reference, kernels, pool, quant
 from nanoeuler.infer import qkernels as qk
 from nanoeuler.infer.cache import new_cache
 from nanoeuler.infer.session import generate
@@ -396,15 +396,15 @@ def test_same_bits_for_any_thread_count_and_row_grouping(name):
     B = blocks_of(name, rng, O, I)
     Wk = qk.pack(B, name, I)
     X = rng.standard_normal((6, I)).astype(np.float32)
-    old = kernels.get_threads()
+    old = pool.get_threads()
     try:
-        kernels.set_threads(1)
+        pool.set_threads(1)
         one = kernels.matvec(Wk, X, O)
         for threads in (2, 3):
-            kernels.set_threads(threads)
+            pool.set_threads(threads)
             np.testing.assert_array_equal(kernels.matvec(Wk, X, O), one)
     finally:
-        kernels.set_threads(old)
+        pool.set_threads(old)
     for r in range(6):  # a row alone = the row among 4 and 2 others
         np.testing.assert_array_equal(kernels.matvec(Wk, X[r:r + 1], O), one[r:r + 1])
 
@@ -608,14 +608,14 @@ def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(nam
     monkeypatch.setattr(kernels, "ENABLED", True)
     assert "decode" in fused and "decode" not in ref_w
     errs, plain_errs = [], []
-    old = kernels.get_threads()
+    old = pool.get_threads()
     try:
         for n in range(1, 21):
             tokens, pos = rng.integers(0, cfg.vocab_size, n), rng.integers(0, cfg.ctx_len, n)
-            kernels.set_threads(1)
+            pool.set_threads(1)
             one = batch_logits(cfg, fused, cache, tokens, pos)
             for threads in (2, 3):
-                kernels.set_threads(threads)
+                pool.set_threads(threads)
                 np.testing.assert_array_equal(batch_logits(cfg, fused, cache, tokens, pos), one)
             r = n // 2  # row r alone: its cache row copied to row 0
             alone = new_cache(cfg, batch=1)
@@ -630,7 +630,7 @@ def test_quantized_batch_step_equals_dequantized_float_step_at_any_row_count(nam
             errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, want)]
             plain_errs += [np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(one, plain)]
     finally:
-        kernels.set_threads(old)
+        pool.set_threads(old)
     errs, plain_errs = np.array(errs), np.array(plain_errs)
     assert len(errs) == 210 and np.sum(errs > 1e-6) <= len(errs) // 20
     assert np.median(plain_errs) > 1000 * np.median(errs) and errs.max() < 2 * plain_errs.max()
@@ -668,15 +668,15 @@ def test_quantized_greedy_cache_speculative_and_threads_agree(name):
     1 or 2 threads the same bits."""
     qm = model_of(name, seed=3)
     prompt = [5, 17, 2, 40, 33]
-    old = kernels.get_threads()
+    old = pool.get_threads()
     try:
-        kernels.set_threads(1)
+        pool.set_threads(1)
         one = generate(qm, prompt, 40, temperature=0, mode="cache").ids
-        kernels.set_threads(2)
+        pool.set_threads(2)
         assert generate(qm, prompt, 40, temperature=0, mode="cache").ids == one
         assert generate(qm, prompt, 40, temperature=0, mode="speculative", spec_depth=1).ids == one
     finally:
-        kernels.set_threads(old)
+        pool.set_threads(old)
     assert len(set(one)) > 2
 
 

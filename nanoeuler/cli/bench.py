@@ -159,7 +159,7 @@ def run_decode(args) -> int:
     import numpy as np
 
     from ..errors import UserError
-    from ..infer import kernels
+    from ..infer import pool
     from ..infer.step import fuse_weights
     args.repeat = args.repeat or 5
     model, name = load_decoding(args)
@@ -181,7 +181,7 @@ def run_decode(args) -> int:
                 samples[test].append(rate)
     params, size = decoded_weights(model)
     result = {"model": name, "arch": cfg.arch, "size_bytes": size, "n_params": params, "dtype": args.dtype,
-              "threads": kernels.get_threads(), "load_average": os.getloadavg()[0], "tests": [
+              "threads": pool.get_threads(), "load_average": os.getloadavg()[0], "tests": [
                   {"test": t, "n_prompt": 0 if n else n_prompt, "n_gen": n, "tokens_per_s": float(np.median(s)),
                    "min": min(s), "max": max(s), "samples": s} for (t, n), s in zip(tests.items(), samples.values())]}
     if args.json:

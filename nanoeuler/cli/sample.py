@@ -25,11 +25,11 @@ def use_threads(n: int) -> None:
     import os
 
     from ..errors import UserError
-    from ..infer import kernels
+    from ..infer import pool
     cores = len(os.sched_getaffinity(0))
     if n > cores:
         raise UserError(f"--threads {n} is more than the {cores} cores this process may use")
-    kernels.set_threads(n)
+    pool.set_threads(n)
 
 
 def add_sampling_args(p, temperature: float, max_new: int) -> None:

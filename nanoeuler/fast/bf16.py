@@ -49,8 +49,7 @@ KC = 512        # pairs of k in one block: a panel block is 512 x 256 bytes = 12
 # A transposed A (dYᵀ) is packed as pairs (word m + p·M: two rows of the memory read, one written, all streaming)
 # up to this size; beyond it transposed into rows: in pairs, a tile's 6 rows lie in K/2 places M·4 bytes apart,
 # which for a large A are more pages than the TLB holds, on every tile (GPT-2's head dW in its bf16 step, A =
-# dlogitsᵀ of 50,257 x 256 per chunk: 1.07 s of CPU in pairs, 0.70 s in rows + 0.11 s transposing; alone,
-# without the other thread's traffic, 0.25 against 0.16 s a product)
+# dlogitsᵀ of 50,257 x 256 per chunk, is faster in rows: docs/benchmarks.md)
 PAIRS_MAX_BYTES = 8 << 20
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 

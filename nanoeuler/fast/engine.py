@@ -19,7 +19,7 @@ organised for speed:
   gate/up matmuls (from the residual stream and the saved 1/rms), the MLP activation's output (from the
   kept pre-activations); a `lean` workspace (LoRA's) keeps not even those, nor the attention probabilities
   and output: backward forms them again (the MLP's input product, scores, softmax and P·v of each layer),
-  which keeps [1, ...] of them instead of [L, ...] (Gemma 3 270M at B=4, T=256: 408 MiB less);
+  which keeps [1, ...] of them instead of [L, ...] (what it saves: docs/benchmarks.md);
 - dropout (training only) is fused into the residual adds, its mask recomputed in backward from
   (seed, site, element) instead of stored (ops/dropout.py);
 - the K output heads are done one at a time, and each a chunk of rows at a time (`head_rows`): the chunk's
@@ -683,8 +683,7 @@ def restack(ws) -> bool:
 
 def _stack_weights(cfg: Config, params: dict, ws: Workspace, done=None) -> None:
     """The q|k|v biases of every layer into ws.bqkv; float32: every stacked product's weights into ws.stacks;
-    bf16: every product's weight packed (the stacks formed one at a time as they are packed, none kept: for
-    GPT-2 81 MiB less)."""
+    bf16: every product's weight packed (the stacks formed one at a time as they are packed, none kept)."""
     if ws.bqkv is not None:
         for i in range(cfg.n_layers):
             np.concatenate([params[n.removesuffix("weight") + "bias"] for n in product_weights(ws.products[i]["qkv"])],

@@ -109,8 +109,8 @@ def rmsnorm_backward(dy, x, r, w, dx, dw):
 
 # ---- attention around BLAS: RoPE + head split in, causal softmax, heads back to rows -----------------------
 # The four products of attention (q·kᵀ, P·v and backward's three) are batched BLAS matmuls in engine.py,
-# over the full T×T square: twice the flops of the causal half, but BLAS runs them several times faster than a
-# loop that skips the masked half. These kernels do everything around them in one pass each.
+# over the full T×T square: twice the flops of the causal half, but dense products that BLAS runs at its full
+# rate, which a loop that skips the masked half does not reach. These kernels do everything around them in one pass each.
 # Layout: item i = (sequence b, kv head g) = b·Hkv + g; the G = H/Hkv query heads of a group are stacked,
 # so q is [B·Hkv, G·T, hd] (row hh·T + t), k and v are [B·Hkv, T, hd], scores [B·Hkv, G·T, T].
 @njit(**OPTS)

@@ -1,7 +1,7 @@
 """`vexp`: an exp that numba can vectorise (float32), for the fused kernels of the fast engine.
 
 numba has no vector math library here (no SVML), so `math.exp` inside a loop is a scalar libm call,
-several times slower than NumPy's own SIMD `np.exp`. `vexp` computes float32 exp from plain arithmetic,
+slower than NumPy's own SIMD `np.exp`. `vexp` computes float32 exp from plain arithmetic,
 which LLVM turns into vector code as fast as NumPy's (bench/kernels_vs_numpy.py, docs/benchmarks.md):
 
     exp(x) = 2^k · exp(r),  k = round(x / ln 2),  r = x − k·ln 2 ∈ [−ln2/2, ln2/2]   (Cody–Waite split of ln 2)

@@ -2,10 +2,16 @@
 
 Modules, each importing only the ones above it in this list:
 
-    kernels.py      the fused numba/LLVM-IR decoding step, panel GEMV over f32/f16 weights, the thread pool
+    quant.py        GGUF's block types: one row each (geometry, quantize, dequantize)
+    qkernels.py     their matrix products in integers, as llama.cpp computes them
     cache.py        the KV cache (rows per sequence, positions per row) and attention over per-row positions
+    float16.py      float16 <-> float32 inside the kernels (a float16 weight kept as its IEEE bits)
+    gemv.py         matrix products over float32 / float16 weights, a panel of 64 outputs at a time
+    attention_kernels.py  the decoding step's attention: one query head over the KV cache, in vector registers
+    pool.py         the kernels' helper threads and the work they share: a product's panels, a step's attention
+    kernels.py      the fused numba decoding step (every architecture, one compiled call) and its `Weights`
     weights.py      weight forms: how decoding reads each weight type (float32, float16, the GGUF block types:
-                    KERNEL_FORMS) and `linear` for a decoding step's few rows
+                    made from quant.py's rows) and `linear` for a decoding step's few rows
     forward.py      the inference layout of the weights, the readable NumPy forward (any rows, any architecture)
     step.py         the one step every caller runs: fused-or-reference chosen
                     once (in `fuse_weights`); `forward_hidden` for one sequence, `advance` for a speculative

@@ -25,7 +25,7 @@ import numpy as np
 from .. import ops
 from ..checkpoint import drop_pages
 from ..config import Config, head_weight
-from . import kernels
+from . import gemv, kernels, pool
 from .cache import KVCache, attend_rows
 from .weights import Forms, batched_linear, linear, of_dtype
 
@@ -44,7 +44,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     heads32 = None if forms.kernels else f32(np.concatenate(parts))  # [K·V, d] (tied: head 0 is the embedding)
     head0 = _packed_by_rows(forms, parts[0])  # decoding reads head 0 only (a tied head: the embedding's blocks)
     if forms.kernels:
-        kernels.start_helpers()  # their compiled loop loads while the layers are packed
+        pool.start_helpers()  # their compiled loop loads while the layers are packed
     drop_pages(parts[1:])
     W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
          "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),
@@ -70,7 +70,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
     return W
 
 
-HEAD_ROWS = 64 * kernels.PANEL  # rows of a head packed at a time
+HEAD_ROWS = 64 * gemv.PANEL  # rows of a head packed at a time
 
 
 def _packed_by_rows(forms: Forms, A: np.ndarray) -> np.ndarray | None:
@@ -83,8 +83,8 @@ def _packed_by_rows(forms: Forms, A: np.ndarray) -> np.ndarray | None:
     shape, dtype = of_dtype(A.dtype).packed(A.shape)
     out = np.empty(shape, dtype)
     for r in range(0, A.shape[0], HEAD_ROWS):
-        p, rows = r // kernels.PANEL, A[r:r + HEAD_ROWS]
-        forms.kernel_form(rows, out[p:p + -(-rows.shape[0] // kernels.PANEL)])
+        p, rows = r // gemv.PANEL, A[r:r + HEAD_ROWS]
+        forms.kernel_form(rows, out[p:p + -(-rows.shape[0] // gemv.PANEL)])
         drop_pages([rows])
     return out
 

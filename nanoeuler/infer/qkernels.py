@@ -60,7 +60,7 @@ LANES = 16            # int32 / float32 lanes of one AVX-512 vector: outputs per
 VECS = 4              # vectors of outputs per panel
 PANEL = LANES * VECS  # outputs per panel, the unit of work a thread takes
 MAX_R = 4             # rows of X sharing one pass over a panel
-# kernel kinds (kernels.py's: 0 float32, 1 float16, 2 attention); from K_KINDS on, 256-weight super-blocks
+# kernel kinds (gemv.py's: 0 float32, 1 float16; pool.py's: 2 attention); from K_KINDS on, 256-weight super-blocks
 KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7, "q4_k": 8, "q5_k": 9, "q6_k": 10}
 K_KINDS = 8
 Q4_1, Q5_1 = KINDS["q4_1"], KINDS["q5_1"]  # their activations are Q8_1 (block sums kept as d·Σq in float16)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from . import kernels
 
 DEPTH = 3                 # drafts a round verifies at most, by default: t1 + 3 drafts are 4 rows, one pass
-#                           of kernels.py's 4-row panels over the weights (see the module docstring)
+#                           of gemv.py's 4-row panels over the weights (see its docstring)
 MOST = kernels.ROWS - 1   # .. and at all (spec_depth): t1 + 7 drafts fill one call's rows
 NGRAM = 3                 # tokens (t1 included) whose earlier occurrence gives the drafts
 

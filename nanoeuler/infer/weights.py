@@ -3,7 +3,7 @@
 How the decoding step reads each weight type (quant.WTYPES names the types and their storage) is a table
 entry (`KERNEL_FORMS`, under the same names), chosen by the dtype of the model's parameters:
 
-    name     parameters   the NumPy reference computes with    the kernels read (kernels.pack of)
+    name     parameters   the NumPy reference computes with    the kernels read (gemv.pack of)
     float32  float32      the float32 values                   the float32 values
     float16  float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import UserError
-from . import kernels, qkernels, quant
+from . import float16, gemv, kernels, qkernels, quant
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class KernelForm:
     """How decoding reads one weight type: the parameters' dtype that selects it, the float32 values the NumPy
     reference computes with, its kernel form: `pack(W [..., out, in], out=None)`, `packed(shape)` -> (the kernel
     form's shape, dtype), so that all of a model's matrices can share one buffer (forward.fuse_weights), and
-    `kind`, the kernels' number for it (kernels._gemv_at)."""
+    `kind`, the kernels' number for it (gemv.form_kind)."""
     name: str
     dtype: np.dtype
     values: Callable[[np.ndarray], np.ndarray]
@@ -64,11 +64,11 @@ def _block_form(name: str) -> KernelForm:
 
 
 KERNEL_FORMS = {
-    "float32": KernelForm("float32", np.dtype(np.float32), lambda a: a, kernels.pack,
-                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.float32)), 0),
-    "float16": KernelForm("float16", np.dtype(np.float16), kernels.widen,
-                          lambda a, out=None: kernels.pack(a.view(np.uint16), out),
-                          lambda shape: (kernels.packed_shape(shape), np.dtype(np.uint16)), 1),
+    "float32": KernelForm("float32", np.dtype(np.float32), lambda a: a, gemv.pack,
+                          lambda shape: (gemv.packed_shape(shape), np.dtype(np.float32)), 0),
+    "float16": KernelForm("float16", np.dtype(np.float16), float16.widen,
+                          lambda a, out=None: gemv.pack(a.view(np.uint16), out),
+                          lambda shape: (gemv.packed_shape(shape), np.dtype(np.uint16)), 1),
     **{name: _block_form(name) for name in quant.BLOCK_TYPES},
 }
 
@@ -122,7 +122,7 @@ class Forms:
         Wk given): a model the kernels run keeps those and the kernel form, and no float32 values."""
         if isinstance(W, tuple):
             return W, None, Wk
-        Wk = Wk if Wk is not None or not self.kernels else kernels.pack(W)
+        Wk = Wk if Wk is not None or not self.kernels else gemv.pack(W)
         Wt = np.ascontiguousarray(W.T) if W.shape[0] <= NARROW and (self.batched or Wk is None) else None
         return W, Wt, Wk
 
@@ -132,7 +132,7 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
     kernel form or None), arranged for the 1..4 rows of a decoding or verification step.
 
     Up to kernels.ROWS float32 rows go to the kernels' matrix-vector product when W has a kernel form
-    (both cores, float32 or float16 weights; several times faster than OpenBLAS's one row).
+    (both cores, float32 or float16 weights; faster than OpenBLAS's one row: docs/benchmarks.md).
     Otherwise, OpenBLAS (one thread) is uneven on such shapes: a 2-row x @ W.T can cost several 1-row ones;
     2-3 rows against a contiguous [in, out] copy cost about one row while out <= 1024, but far more for wide
     outputs, where row-by-row matrix-vector products (exactly n x) are kept. One row also goes through the
@@ -157,8 +157,8 @@ def linear(x: np.ndarray, W: tuple) -> np.ndarray:
 
 def batched_linear(x: np.ndarray, W: tuple) -> np.ndarray:
     """x [n, in] @ W[out, in].T for the n rows of a batched decoding step (W = Forms.pair's triple).
-    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T, which OpenBLAS (one thread) runs in about
-    half the time of x @ W.T there; narrow ones read the [in, out] copy, faster at a few rows."""
+    Wide outputs (no [in, out] copy) are computed as (W @ x.T).T, which OpenBLAS (one thread) runs faster
+    than x @ W.T there (docs/benchmarks.md); narrow ones read the [in, out] copy, faster at a few rows."""
     W0 = values(W[0])  # (raw parts: dequantized for this use)
     if len(x) == 1:
         return (W0 @ x[0])[None]

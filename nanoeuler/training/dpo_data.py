@@ -238,8 +238,7 @@ def model_answers(model, prompts: list[list[int]], stop_ids: list[int], max_new_
     id, stopped?)], in order.
 
     The prompts share forward passes through the serving engine's continuous batching (infer/engine.py:
-    a request's greedy tokens there equal `generate`'s), many times faster than one prompt after another
-    on a small model. Each prompt keeps its last ctx_len tokens."""
+    a request's greedy tokens there equal `generate`'s) instead of one prompt after another. Each prompt keeps its last ctx_len tokens."""
     from tqdm import tqdm
 
     from ..infer.engine import Batcher, Job

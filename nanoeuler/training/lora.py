@@ -225,8 +225,8 @@ class LoraModel:
         `load`) lets the pages of those weights go before the first step (the rest of the map, which the steps
         read, stays as it is: no copy of it is made; a packed tied head's pages go as well, the lookup reading
         a step's rows from the file). Their float32 is read back from the checkpoint file only by what reads it
-        later (merge, the reference path, a workspace of another precision). GPT-2 124 M in bf16: ~324 MiB
-        less; Gemma 3 270M's tied head: 640 MiB."""
+        later (merge, the reference path, a workspace of another precision). What it saves: docs/benchmarks.md
+        (LoRA: memory)."""
         from .. import fast
         from ..checkpoint import drop_pages, file_rows
         ws = self.engine_adapters.attach(fast.Workspace(self.config, B, T, self.dtype, self.precision, lean=True))
@@ -237,7 +237,7 @@ class LoraModel:
         fast.engine.stack_fixed(self.config, self.policy.params, ws, done=drop_pages)
         rows = file_rows(self.base.params["embed.weight"]) if "embed.weight" in ws.packs else None
         if rows is not None:        # a tied head packed (bf16): only the lookup reads its float32 now, a step's
-            ws.embed_rows = rows    # rows, from the file (Gemma 3: 640 MiB that stay out of memory)
+            ws.embed_rows = rows    # rows, from the file (the head's float32 stays out of memory)
         return ws
 
 
