@@ -102,10 +102,24 @@ def test_context_keeps_recent_turns_and_drops_the_oldest(run_dir):
     assert chat.context(long) == prompt_ids(tok, long)[-248:] and chat.cut > 0  # too long a prompt keeps its end
 
 
+def test_a_window_of_a_few_positions_keeps_the_prompts_end(run_dir):
+    """A prompt keeps ctx - min(max_new_tokens, 8) tokens when it does not fit: for a context of 8 positions or
+    fewer that was none (`generate` then refused the empty prompt of a chat with a 1-position model). However
+    small the context, the prompt keeps its end, its last token at least."""
+    from nanoeuler.checkpoint import load_tokenizer
+    model, tok = Model.load(run_dir), load_tokenizer(run_dir)
+    messages = [{"role": "user", "content": "Who is there?"}]
+    full = prompt_ids(tok, messages)
+    for ctx in (1, 2, 8, 9, 12):
+        chat = Chat(Model(model.config.replace(ctx_len=ctx), model.params), tok, max_new_tokens=16)
+        ids = chat.context(list(messages))
+        assert ids == full[-max(1, ctx - 8):] and chat.cut == len(full) - len(ids), ctx
+
+
 def _context_one_exchange_at_a_time(chat, messages):
     """The rule Chat.context follows, applied literally (one exchange dropped per render): the test's oracle."""
-    ctx = chat.model.config.ctx_len
-    limit, budget = ctx - min(chat.max_new, 8), ctx - min(chat.max_new, ctx // 4)
+    ctx = chat.ctx_len
+    limit, budget = max(1, ctx - min(chat.max_new, 8)), ctx - min(chat.max_new, ctx // 4)
     dropped = 0
     while True:
         ids = prompt_ids(chat.tok, messages)

@@ -100,7 +100,7 @@ def test_chat_equals_the_repl_single_and_multi_turn(ckpt, client):
     ref = generate(model, last, 30, temperature=0, stop_ids=[tok.eos_id])
     r3 = client.chat.completions.create(model="tiny", messages=msgs2, max_tokens=30, temperature=0)
     assert r3.choices[0].message.content == tok.decode(ref.ids) and r3.usage.prompt_tokens == len(last)
-    assert r3.model_extra["nanoeuler"] == {"dropped_turns": 1}
+    assert r3.model_extra["nanoeuler"] == {"dropped_turns": 1, "prompt_truncated_tokens": len(ids) - len(last)}
 
 
 def test_stop_strings_and_max_tokens(ckpt, client):
@@ -174,8 +174,42 @@ def test_long_prompt_is_truncated_from_the_left_and_says_so(ckpt, client):
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
     assert r.model_extra["nanoeuler"]["prompt_truncated_tokens"] == [n - CTX] and r.usage.prompt_tokens == CTX
     assert r.choices[0].text == sample_cli(d, prompt, 10, "--temperature", "0")["text"]
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=10)
-    assert chat.model_extra["nanoeuler"]["prompt_truncated_tokens"] > 0
+    with pytest.raises(openai.BadRequestError) as e:  # a chat's last turn is not cut: chat_fits_the_window
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=10)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_a_chat_longer_than_the_window_drops_its_oldest_turns_says_so_or_is_refused(ckpt):
+    """`--ctx` shorter than the model's: the chat is rendered for the server's window, not the model's. Its oldest
+    exchanges go, the system message stays, the reply says so (dropped_turns, prompt_truncated_tokens: tokens
+    of the whole conversation left out) and is the model's greedy reply to what was kept. A last turn that
+    does not fit alone is a 400 naming the limit. (The conversation used to be fitted to the model's context,
+    then cut silently to the window's tail: two different questions got the same prompt and answer.)"""
+    from nanoeuler import Model
+    from nanoeuler.chat_template import prompt_ids
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    system = {"role": "system", "content": "Be brief."}
+    conv = [system, {"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me."},
+            {"role": "user", "content": "Long live the king!"}, {"role": "assistant", "content": "Bernardo?"}]
+    window = Model(model.config.replace(ctx_len=160), model.params)
+    with ServerThread(create_app(model, tok, "tiny", ctx_len=160)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        for question in ("Get thee to bed.", "What, has this thing appeared again tonight?"):
+            last = {"role": "user", "content": question}
+            kept = prompt_ids(tok, [system, last])
+            assert len(prompt_ids(tok, [system] + conv[3:] + [last])) > 160 - 8 >= len(kept)  # only the last fits
+            r = client.chat.completions.create(model="tiny", messages=conv + [last], max_tokens=8, temperature=0)
+            assert r.usage.prompt_tokens == len(kept)
+            assert r.model_extra["nanoeuler"] == {"dropped_turns": 2, "prompt_truncated_tokens":
+                                                  len(prompt_ids(tok, conv + [last])) - len(kept)}
+            want = generate(window, kept, 8, temperature=0, stop_ids=tok.stop_ids)
+            assert r.choices[0].message.content == tok.decode(want.ids)
+        long = {"role": "user", "content": "Words, words, words. " * 5}
+        assert 160 - 8 < len(prompt_ids(tok, [system, long])) <= model.config.ctx_len - 8
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=conv + [long], max_tokens=8)
+        assert e.value.code == "context_length_exceeded" and "152 of this server's 160" in e.value.message
 
 
 def test_a_shorter_window_keeps_the_last_ctx_tokens_of_a_prompt_and_says_its_context(ckpt):

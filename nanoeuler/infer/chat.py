@@ -18,8 +18,9 @@ class Chat:
     """The conversation state (messages, sampling settings) and one turn: `reply`."""
 
     def __init__(self, model, tok, temperature=0.7, top_k=None, top_p=None, seed=None, max_new_tokens=128,
-                 speculative=True):
+                 speculative=True, ctx_len=None):
         self.model, self.tok = model, tok
+        self.ctx_len = ctx_len or model.config.ctx_len  # positions prompt and reply share (serve: its --ctx)
         self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
         self.speculative = speculative  # greedy replies only: sampling is one token per forward
         self.rng = np.random.default_rng(seed)
@@ -36,9 +37,10 @@ class Chat:
         and what follows it up to the next one; system messages stay) is removed from messages. A prompt that
         alone leaves fewer than 8 positions keeps only its end (the window then moves on as generation needs).
         How many exchanges go is found by bisection (a few renders, not one per exchange: each render is a trip
-        to the template worker), starting from the last budget ones (each renders to a token at least)."""
-        ctx = self.model.config.ctx_len
-        limit, budget = ctx - min(self.max_new, 8), ctx - min(self.max_new, ctx // 4)
+        to the template worker), starting from the last budget ones (each renders to a token at least).
+        ctx is the Chat's ctx_len; however small, the prompt keeps at least its last token."""
+        ctx = self.ctx_len
+        limit, budget = max(1, ctx - min(self.max_new, 8)), ctx - min(self.max_new, ctx // 4)  # (both >= 1)
         turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
         starts = turns[:1] + [i for i in turns[1:] if messages[i]["role"] == "user"] + [len(messages) - 1]
 

@@ -35,9 +35,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
-from .protocol import (DONE, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
-                       render_chat, sse)
-from .service import APIError, Choice, Run, Service
+from .protocol import (DONE, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body, render_chat, sse)
+from .service import Choice, Run, Service
 from .transport import BodyLimit, EventStream, error_json, http_protocol
 
 STATIC = Path(__file__).parent / "static"
@@ -276,7 +276,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     s.check_limits(max_tokens, body.n, body.seed)
     # a chat template renders in a worker process that may take its whole time limit (chat_template.py):
     # never on the event loop, where it would stall every other client
-    ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens)
+    ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens, s.ctx_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     run = s.run(body, [ids], max_tokens, logprobs, False, chat=True)
     reply = ChatReply(s, run, ids, notes, logprobs)

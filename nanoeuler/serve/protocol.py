@@ -8,7 +8,8 @@ has them: `top_k`, `ignore_eos`.
 Chat messages are rendered with the model's chat template exactly as the `chat` REPL renders its
 conversation (chat_template.py: the checkpoint's own template, else the SPEC Alpaca template, in which a
 system message goes in front of the next instruction), earlier turns dropped oldest first when they do
-not fit (infer/chat.py's Chat.context). `developer` messages are system messages.
+not fit the server's window (infer/chat.py's Chat.context); a last turn that does not fit alone is refused
+(400). `developer` messages are system messages.
 """
 from __future__ import annotations
 
@@ -122,17 +123,36 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-def render_chat(model, tok, messages: list[Message], max_tokens: int) -> tuple[list[int], dict]:
-    """The conversation as prompt ids, the way the `chat` REPL builds it -> (ids, notes), notes say what
-    did not fit: {"dropped_turns": n, "prompt_truncated_tokens": m} (only the non-zero ones)."""
+def render_chat(model, tok, messages: list[Message], max_tokens: int, ctx_len: int) -> tuple[list[int], dict]:
+    """The conversation as prompt ids for a window of ctx_len positions, the way the `chat` REPL builds it:
+    the oldest exchanges dropped (system messages stay) until it leaves room for the reply -> (ids, notes).
+    notes say what did not fit, when something did not: {"dropped_turns": exchanges dropped,
+    "prompt_truncated_tokens": tokens of the whole conversation's rendering not in ids}. A last turn that
+    does not fit even alone (the REPL would keep its end) is refused: APIError 400 context_length_exceeded."""
+    from ..chat_template import prompt_ids
     from ..infer.chat import Chat
-    chat = Chat(model, tok, max_new_tokens=max(1, max_tokens))
-    ids = chat.context(chat_messages(messages))
-    notes = {"dropped_turns": chat.dropped_turns, "prompt_truncated_tokens": chat.cut}
-    return ids, {k: v for k, v in notes.items() if v}
+    chat = Chat(model, tok, max_new_tokens=max(1, max_tokens), ctx_len=ctx_len)
+    conversation = chat_messages(messages)
+    ids = chat.context(list(conversation))
+    if chat.cut:
+        raise APIError(400, f"the last message is {len(ids) + chat.cut} tokens with the system messages; a prompt "
+                            f"may take {len(ids)} of this server's {ctx_len} context positions (the rest is room "
+                            f"for the reply): shorten it", param="messages", code="context_length_exceeded")
+    if not chat.dropped_turns:
+        return ids, {}
+    return ids, {"dropped_turns": chat.dropped_turns,
+                 "prompt_truncated_tokens": len(prompt_ids(tok, conversation)) - len(ids)}
 
 
 # ---- responses -----------------------------------------------------------------------------------
+class APIError(Exception):
+    """A request refused or failed: its HTTP status and the fields of its OpenAI error object (error_body)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
 def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
     """An OpenAI error object, the body of every error reply."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -7,7 +7,7 @@ and the engine's token events turned back into text, logprobs and finish reasons
     Choice      one choice: engine events -> text (stop strings, UTF-8 safe), logprobs entries, finish_reason
     Dispatcher  engine events into the event loop, in batches (one pass of the HTTP path per batch)
 
-Nothing here knows HTTP beyond the status an APIError carries (app.py maps requests and replies).
+Nothing here knows HTTP beyond the status an APIError (protocol.py) carries: app.py maps requests and replies.
 """
 from __future__ import annotations
 
@@ -18,15 +18,7 @@ import time
 from ..infer.engine import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
 from ..infer.sampling import MIN_TEMPERATURE
 from ..infer.session import truncate_left
-from .protocol import TextStream, stop_list, token_text
-
-
-class APIError(Exception):
-    """A request the service refuses or fails: its HTTP status and the fields of its OpenAI error object."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+from .protocol import APIError, TextStream, stop_list, token_text
 
 
 class Choice:
