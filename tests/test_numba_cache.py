@@ -5,7 +5,7 @@ import numba
 import numpy as np
 
 from nanoeuler import numba_cache
-from nanoeuler.infer import kernels
+from nanoeuler.infer import kernels, pool
 
 
 def test_digest_follows_every_file(tmp_path):
@@ -20,7 +20,8 @@ def test_digest_follows_every_file(tmp_path):
 
 def test_kernel_sources_cover_the_kernels_and_their_constants():
     names = {p.relative_to(numba_cache.PACKAGE).as_posix() for p in numba_cache.kernel_sources()}
-    assert {"infer/kernels.py", "infer/sampling.py", "fast/vmath.py", "fast/kernels.py", "fast/engine.py",
+    assert {"infer/kernels.py", "infer/gemv.py", "infer/attention_kernels.py", "infer/pool.py", "infer/float16.py",
+            "infer/qkernels.py", "infer/sampling.py", "fast/vmath.py", "fast/kernels.py", "fast/engine.py",
             "tokenizer/bpe_fast.py", "ops/gelu.py"} <= names
 
 
@@ -31,6 +32,7 @@ def test_a_kernel_is_stamped_with_the_sources_it_may_inline(monkeypatch):
     stamp = locator.get_source_stamp()
     assert stamp[1] == numba_cache.sources_digest()
     assert kernels.step._cache._impl.locator.get_source_stamp()[1] == stamp[1]
+    assert pool._serve._cache._impl.locator.get_source_stamp()[1] == stamp[1]  # the step's pieces, file by file
     monkeypatch.setattr(numba_cache, "sources_digest", lambda: "vmath.py edited")
     assert locator.get_source_stamp() != stamp
 
