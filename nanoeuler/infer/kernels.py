@@ -153,8 +153,8 @@ def _product(ctl, pooled, M, X, Y, add):
 @njit(**OPTS)
 def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h):
     """x += post(inp @ Wᵀ + b) (W a segmented matrix, see SEG): a sub-block's output projection added to the
-    residual stream x [n, d], with the
-    architecture's post norm (post: its weight; nb its bias) when it has one (o, h [n, d] scratch)."""
+    residual stream x [n, d], with the architecture's post norm (post: its weight; nb its bias) when it has one
+    (o, h [n, d] scratch)."""
     if post.shape[0] == 0 and b.shape[0] == 0:
         _product(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
         return
@@ -253,7 +253,7 @@ def _round(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0,
 
 @njit(**OPTS)
 def _matvec(ctl, pooled, W, X, out):
-    """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form (`pack` of float32, or float16 bits as uint16)
+    """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form (gemv.pack of float32, or float16 bits as uint16)
     -> [n, out] float32."""
     Y = np.empty((X.shape[0], out), np.float32)
     pool.gemv(ctl, pooled, W, X, Y, False)
@@ -262,8 +262,8 @@ def _matvec(ctl, pooled, W, X, out):
 
 # ---- the Python side -----------------------------------------------------------------------------
 class Weights(NamedTuple):
-    """What `step` reads: every layer's four matrices segmented (see SEG; each segment's kernel form is `pack` of
-    float32, float16 bits (uint16) or a block type's (qkernels.pack), kept alive by the layout), and its vectors
+    """What `step` reads: every layer's four matrices segmented (see SEG; each segment's kernel form is gemv.pack
+    of float32, float16 bits (uint16) or a block type's (qkernels.pack), kept alive by the layout), and its vectors
     stacked over the layers. What an architecture lacks is an empty array (a bias [layers, 0], LayerNorm biases
     [layers, 4, 0], q/k norms [layers, 2, 0])."""
     mats: np.ndarray          # [layers, 4, 3, SEG] int64: qkv, wo, mlp_in, mlp_out, each of up to 3 segments
@@ -348,8 +348,8 @@ def forward_rows(cfg, D: Weights, x: np.ndarray, pos: np.ndarray, slot: np.ndarr
 
 
 def matvec(Wk: np.ndarray, X: np.ndarray, out: int) -> np.ndarray:
-    """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form Wk = pack(W) (float32 or float16 bits) -> [n, out],
-    on the pool's threads."""
+    """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form Wk (gemv.pack of float32 or float16 bits, or a block
+    type's: qkernels.pack) -> [n, out], on the pool's threads."""
     return pool.on_pool(_matvec, Wk, np.ascontiguousarray(X, dtype=np.float32), out)
 
 

@@ -12,7 +12,7 @@ units, where a fork-join pool (OpenMP, numba's `prange`) stalls at every product
 scheduled again (on a loaded machine, a collapse of the decoding speed). Every output is computed whole by
 one thread with the same code, so the result does not depend on the number of threads, bit for bit. A step of
 many rows at long positions (serve's streams) shares its attention the same way, a row and a key/value head
-per unit; one sequence's step runs its attention on the calling thread.
+per unit (POOLED_ATTENTION: enough work to pay for it).
 """
 from __future__ import annotations
 
