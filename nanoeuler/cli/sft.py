@@ -84,17 +84,18 @@ def register(sub) -> None:
     d.set_defaults(run=run_data)
 
 
-def offline_records(tok, ctx: int):
-    """The offline instruction set, keeping only examples that fit the model's context."""
+def offline_records(tok, ctx: int, limit: str = "the model's context"):
+    """The offline instruction set, keeping only examples that fit ctx tokens (`limit` names what sets it)."""
     from ..training.sft import fits_context, offline_instructions
-    return offline_instructions(fits=fits_context(tok, ctx))
+    return offline_instructions(fits=fits_context(tok, ctx), limit=limit)
 
 
-def sft_records(data: str, val: str | None, tok, ctx: int):
-    """(train records, validation records, data id, number of bad records skipped)."""
+def sft_records(data: str, val: str | None, tok, ctx: int, limit: str = "the model's context"):
+    """(train records, validation records, data id, number of bad records skipped); the offline set's examples
+    fit ctx tokens, which `limit` names in the error when too few do."""
     from ..training.sft import load_examples, split_heldout
     if data == "offline":
-        train, held = offline_records(tok, ctx)
+        train, held = offline_records(tok, ctx, limit)
         bad = 0
         data_id = f"offline-v2-ctx{ctx}-tok{tok.fingerprint()[:12]}"
     else:
@@ -138,7 +139,9 @@ def run_sft(args) -> int:
     model.set_precision(resolve_precision(args, state if args.resume else None))
     cfg = model.config
     T = sequence_length(args, cfg, state if args.resume else {})
-    train, held, data_id, _ = sft_records(args.data, args.val, tok, T)
+    limit = (f"--seq-len {T}" if args.seq_len is not None else
+             f"the model's context ({T})" if T == cfg.ctx_len else f"the rows' default length ({T}; --seq-len)")
+    train, held, data_id, _ = sft_records(args.data, args.val, tok, T, limit)
     source = SFTSource(tok, train, held, tcfg.batch_size // tcfg.grad_accum, T, cfg.n_mtp,
                        pack=not args.no_pack, data_id=data_id)
     d = source.describe()

@@ -275,14 +275,15 @@ MAX_MISSES = 2000   # candidates in a row that `fits` refuses before the offline
 
 
 def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 0,
-                         fits: Callable[[dict], bool] | None = None) -> tuple[list[dict], list[dict]]:
+                         fits: Callable[[dict], bool] | None = None, limit: str = "the model's context"
+                         ) -> tuple[list[dict], list[dict]]:
     """(train, held-out) Alpaca records made from the bundled corpus. A line is held out when its hash
     falls in 1/10, so no held-out line (and no held-out continuation target) is seen in training.
     Half the records carry the line in `input`, half inline after the question (with an empty input),
     the way one types it into the chat: "What is the first word of this line? To be, or not to be".
     Each record also carries `task` and `line` (not used by the template) for scoring and tests.
     fits(record) -> bool skips candidates (e.g. those longer than a model's context, see `fits_context`);
-    MAX_MISSES of them skipped in a row is a UserError (a context too short for the set).
+    MAX_MISSES of them skipped in a row is a UserError (a context too short for the set; `limit` names it).
 
         {"instruction": "What play is this line from?", "input": "Good night, sweet prince,",
          "output": "Hamlet", "task": "play", "line": "Good night, sweet prince,"}
@@ -316,8 +317,8 @@ def offline_instructions(n_train: int = 6000, n_heldout: int = 400, seed: int = 
                 misses += 1
                 if misses == MAX_MISSES:   # none, or next to none, fits: refuse rather than draw forever
                     raise UserError(f"the offline instruction set: {MAX_MISSES} examples in a row are longer than "
-                                    f"the model's context, with {len(records)} of {n} found; it needs a model "
-                                    f"with a longer context (or give --data with shorter examples)")
+                                    f"{limit}, with {len(records)} of {n} found; it needs a longer one (or give "
+                                    f"--data with shorter examples)")
         split.append(records)
     return split[0], split[1]
 
