@@ -185,6 +185,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         added[t["id"]] = t["content"]
 
     alphabet = bytes_to_unicode()
+    byte_chars = set(alphabet)
     ours: dict[str, int] = {}     # HF token string -> our id
     hf_ids: list[int] = []        # the engine's number -> HF id (-1: a byte the vocabulary lacks)
     for b in range(256):
@@ -207,14 +208,17 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     made = list(map(str.__add__, lefts, rights))
     # the ordinary tokens after the bytes: those the merges make, in the order of the first merge that makes
     # each (so that a vocabulary built merge by merge keeps the classic numbering), then any no merge makes
-    for s in [*dict.fromkeys(made), *sorted(vocab, key=vocab.get)]:
+    made_once = dict.fromkeys(made)
+    for s in [*made_once, *sorted(vocab, key=vocab.get)]:
         if s not in ours:
             if s not in vocab:
                 i = made.index(s)
                 _bad(f"merge {i} ({lefts[i]!r:.30}, {rights[i]!r:.30}) makes {s!r:.40}, which is not in model.vocab")
-            if vocab[s] not in added:
+            if vocab[s] not in added and (s in made_once or set(s) <= byte_chars):
                 ours[s] = len(hf_ids)
                 hf_ids.append(vocab[s])
+    # a token of other characters (Command-R's 1,403 raw emoji and symbols) is one no byte-level text reaches:
+    # its id is kept as a reserved special below
     try:
         pairs = np.array([list(map(ours.__getitem__, lefts)), list(map(ours.__getitem__, rights))],
                          np.int64).T.reshape(-1, 2)   # [merges, 2]

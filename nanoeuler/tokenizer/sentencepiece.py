@@ -98,12 +98,13 @@ def merge_symbols(symbols: list, rank) -> list:
 
 
 def utf8_chars(data: bytes) -> list[bytes]:
-    """data cut into characters by their first byte, as llama.cpp does (bytes that are not UTF-8 stay one
-    byte each).  utf8_chars("aé".encode()) -> [b'a', b'\\xc3\\xa9']"""
+    """data cut into characters by the high bits of their first byte alone, as llama.cpp's unicode_len_utf8 does
+    (a stray continuation byte is one byte; 0xF8..0xFF, no UTF-8 lead byte, takes four like 0xF0..0xF7).
+    utf8_chars("aé".encode()) -> [b'a', b'\\xc3\\xa9'];  utf8_chars(b"\\xffabc") -> [b'\\xffabc']"""
     out, p = [], 0
     while p < len(data):
         b = data[p]
-        n = 1 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 1
+        n = 1 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
         out.append(data[p:p + n])
         p += n
     return out

@@ -34,17 +34,15 @@ METASPACE = np.array([0xE2, 0x96, 0x81], np.uint8)   # "▁" (U+2581), the space
 
 @njit(inline="always")
 def utf8_len(b):
-    """The bytes of the UTF-8 character whose first byte is b, as llama.cpp's unicode_len_utf8 counts them
-    (a stray continuation byte or an invalid lead byte is one byte)."""
-    if b < 0x80 or b < 0xC0:
+    """The bytes of the UTF-8 character whose first byte is b, as llama.cpp's unicode_len_utf8 counts them by the
+    high four bits alone (a stray continuation byte is one byte; 0xF8..0xFF, no lead byte, four like 0xF0)."""
+    if b < 0xC0:
         return 1
     if b < 0xE0:
         return 2
     if b < 0xF0:
         return 3
-    if b < 0xF8:
-        return 4
-    return 1
+    return 4
 
 
 @njit(inline="always")

@@ -139,8 +139,8 @@ def check_pattern(pattern: str | list | tuple) -> None:
         check_pattern([r"\p{L}+", r"\d"])   # passes: the stretches between letter runs are pieces too
     """
     if isinstance(pattern, (list, tuple)):
-        if not 2 <= len(pattern) <= MAX_CASCADE:
-            raise UserError(f"tokenizer.json: a \"pattern\" cascade must list 2 to {MAX_CASCADE} patterns")
+        if not 1 <= len(pattern) <= MAX_CASCADE:
+            raise UserError(f"tokenizer.json: a \"pattern\" cascade must list 1 to {MAX_CASCADE} patterns")
         for p in pattern:
             check_one_pattern(p, whole=False)
         return

@@ -1,0 +1,143 @@
+"""llama.cpp's own tokenizer tests on our tokenizers: every vocabulary in llama.cpp's `models/` folder
+(`ggml-vocab-*.gguf`), read from its `tokenizer.ggml.*` metadata as `import --from FILE.gguf` reads it.
+
+1. test-tokenizer-0's cases: `ggml-vocab-NAME.gguf.inp` holds texts (separated by a `__ggml_vocab_test__` line),
+   `.out` the ids Hugging Face's tokenizer gives each (no bos, special tokens not parsed); ours must equal them
+   for every case of every vocabulary we load, and a vocabulary we refuse is refused in one line, for the reason
+   listed in REFUSED.
+2. Random text (mixed scripts, digits, whitespace runs, emoji, control characters, invalid UTF-8) against
+   llama.cpp's tokenizer on the same file (llama-cpp-python, `Llama(path, vocab_only=True)`), when installed.
+
+The files come from llama-cpp-python's source distribution (vendor/llama.cpp), found in $LLAMA_CPP_SRC (the
+unpacked sdist, or its vendor/llama.cpp), else in .cache/llama-cpp-python (gitignored) where `make llama-src`
+(and .ci/run) unpacks it; without them the tests skip, naming that command.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanoeuler.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+SEPARATOR = "\n__ggml_vocab_test__\n"
+# the vocabularies we refuse, and why (llama.cpp's other tokenizer models)
+REFUSED = {"bert-bge": "WordPiece", "nomic-bert-moe": "Unigram", "gemma-4": "Gemma 4's BPE"}
+
+
+def models_dir() -> Path | None:
+    """llama.cpp's models/ folder in the unpacked source distribution, or None."""
+    src = Path(os.environ.get("LLAMA_CPP_SRC") or ROOT / ".cache" / "llama-cpp-python")
+    for folder in (src / "vendor" / "llama.cpp" / "models", src / "models"):
+        if folder.is_dir() and any(folder.glob("ggml-vocab-*.gguf")):
+            return folder
+    return None
+
+
+def vocab_names() -> list[str]:
+    folder = models_dir()
+    return sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in folder.glob("ggml-vocab-*.gguf")) if folder else []
+
+
+def need_models() -> Path:
+    folder = models_dir()
+    if folder is None:
+        pytest.skip("llama.cpp's vocabulary files are not fetched: run `make llama-src` (or set LLAMA_CPP_SRC to an "
+                    "unpacked llama-cpp-python source distribution)")
+    return folder
+
+
+def read_cases(path: Path) -> list[tuple[str, list[int]]]:
+    """test-tokenizer-0's cases of a vocabulary, read as its read_tests does: the .inp cut at each separator
+    (a text may be empty), the .out one line of ids per text."""
+    raw = path.with_name(path.name + ".inp").read_bytes().decode("utf-8")
+    texts = raw.split(SEPARATOR)
+    if raw.endswith(SEPARATOR):
+        texts.pop()
+    lines = path.with_name(path.name + ".out").read_bytes().decode("utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    assert len(texts) == len(lines), path
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
+@pytest.fixture(scope="module", params=vocab_names() or ["(none)"])
+def vocab(request):
+    """(name, path, our tokenizer of the file, or the UserError that refused it)."""
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from nanoeuler.interop.gguf_import import gguf_tokenizer
+    path = need_models() / f"ggml-vocab-{request.param}.gguf"
+    meta = GGUFFile(path).meta
+    try:
+        return request.param, path, gguf_tokenizer(meta, len(meta["tokenizer.ggml.tokens"]))
+    except UserError as e:
+        return request.param, path, e
+
+
+def test_llama_cpp_tokenizer_cases(vocab):
+    """Every case of test-tokenizer-0 for each vocabulary we read; each one we refuse is refused in one line for
+    its listed reason."""
+    name, path, tok = vocab
+    if isinstance(tok, UserError):
+        assert name in REFUSED and REFUSED[name] in str(tok) and "\n" not in str(tok), (name, str(tok))
+        return
+    assert name not in REFUSED, name
+    if not path.with_name(path.name + ".inp").is_file():
+        pytest.skip(f"llama.cpp has no test cases for {name} (random text covers it)")
+    cases = read_cases(path)
+    wrong = [(text, tok.encode(text), want) for text, want in cases if tok.encode(text) != want]
+    assert not wrong, f"{name}: {len(wrong)} of {len(cases)} cases differ, first {wrong[0]}"
+
+
+# ------------------------------------------------------------------------------------- random text
+
+FRAGMENTS = [
+    "Hello", "world", " the", "THE", "it's", " I'LL", "we'Ve", "don't", "'s", "ſ", "\u212a", "naïve", "Straße",
+    "12345", "3.14159", "1,000,000", "٣٤٥", "½", "①", "²", " 7", "x2y33z444",
+    " ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\u2003", "\u200b", "\u2028",
+    "日本語", "中文字符", "한국어", "кириллица", "Ελληνικά", "עברית", "العربية", "हिन्दी", "ไทย", "ქართული",
+    "😀", "🚀👍🏽", "👩‍💻", "🇫🇷", "❤️", "e\u0301", "\u0915\u094d\u0937",
+    "!", "...", "?!", "(a)", "[b]", "{c}", "#@$%", "<=>", "^~|`", "«»", "—", "…", "。", "，", "、", "¿", "\\", "/*",
+    "\x00", "\x01", "\x07", "\x1b", "\x1f", "\x7f", "\x85", "\ufeff", "\ufffd", "\ue000",
+]
+INVALID = [b"\x80", b"\xbf", b"\xc3", b"\xe2", b"\xf0", b"\xff", b"\xfe"]   # each alone: one U+FFFD to llama.cpp
+
+
+def random_texts(seed: int, n: int) -> list[bytes]:
+    """n random byte strings of 1-12 fragments; about one in five holds a byte that is not UTF-8."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        parts = [FRAGMENTS[i].encode() for i in rng.integers(len(FRAGMENTS), size=rng.integers(1, 13))]
+        if rng.random() < 0.2:
+            parts.insert(int(rng.integers(len(parts) + 1)), INVALID[rng.integers(len(INVALID))])
+        out.append(b"".join(parts))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_vocab(vocab):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    name, path, tok = vocab
+    if isinstance(tok, UserError):
+        pytest.skip(f"{name}: refused ({tok})")
+    return name, tok, llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+def test_random_text_equals_llama_cpp(llama_cpp_vocab):
+    """400 random texts per vocabulary: our ids are llama.cpp's. A byte that is not UTF-8 is one U+FFFD to
+    llama.cpp's byte-level BPE (unicode_cpts_from_utf8 reads the text as code points), so ours encodes the text
+    decoded that way (our encode_bytes keeps the byte instead); its SentencePiece BPE keeps the byte, as our
+    encode_bytes does."""
+    name, tok, lc = llama_cpp_vocab
+    texts = random_texts(seed=sum(map(ord, name)), n=400)
+    wrong = []
+    for data in texts:
+        want = lc.tokenize(data, add_bos=False, special=False)
+        got = tok.encode_bytes(data) if tok.kind == "sentencepiece" else tok.encode(data.decode("utf-8", "replace"))
+        if got != want:
+            wrong.append((data, got, want))
+    assert not wrong, f"{name}: {len(wrong)} of {len(texts)} texts differ, first {wrong[0]}"
