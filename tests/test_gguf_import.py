@@ -197,7 +197,8 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
     ({"tokenizer.ggml.model": "t5"}, r"'t5' \(Unigram, llama.cpp's UGM\) is not supported"),
     ({"tokenizer.ggml.model": "rwkv"}, r"'rwkv' \(RWKV's trie\) is not supported"),
     ({"tokenizer.ggml.model": "mystery"}, r"'mystery' is not supported; supported: gpt2 \(byte-level BPE\), llama"),
-    ({"tokenizer.ggml.pre": "starcoder"}, "tokenizer.ggml.pre 'starcoder' is not supported"),
+    ({"tokenizer.ggml.pre": "kimi-k2"}, "tokenizer.ggml.pre 'kimi-k2' is not supported: llama.cpp cuts"),
+    ({"tokenizer.ggml.pre": "no-such-pre"}, "tokenizer.ggml.pre 'no-such-pre' is not a pre-tokenizer llama.cpp knows"),
     ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type = 'yarn' is not supported"),
     ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),
 ])
