@@ -62,7 +62,9 @@ class Format:
     globals_, layer: External entries (layer names under `layers.{i}.` on our side);
     norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
     order (GGUF `llama` only); dialect: how its config and tokenizer files are written (HF: "llama" for
-    Llama-style config.json and tokenizer.json, "gpt2" for GPT-2's n_embd... keys and vocab.json + merges.txt)."""
+    Llama-style config.json and tokenizer.json, "gpt2" for GPT-2's n_embd... keys and vocab.json + merges.txt);
+    width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
+    instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar)."""
     name: str
     globals_: tuple[External, ...]
     layer: tuple[External, ...]
@@ -70,6 +72,7 @@ class Format:
     norm_offset: float = 0.0
     permute_qk: bool = False
     dialect: str = "llama"
+    width_scaled_at: tuple[int, ...] = ()
 
     def tensors(self, n_layers: int) -> list[External]:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
@@ -179,7 +182,7 @@ GEMMA3 = Arch(
         _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"), _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"),
         _e("blk.{i}.post_attention_norm.weight", "attn_post_norm.weight"),
         _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP,
-        _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight"))),
+        _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight")), width_scaled_at=(62,)),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 _GPT2_QKV = ("attn.wq", "attn.wk", "attn.wv")

@@ -44,7 +44,8 @@ def write_gguf(path, m: Model, tok, qtype: str = "F32", template: str | None = C
                tokens=None, meta: dict | None = None, drop=(), shapes: dict | None = None, pre: str | None = "gpt-2",
                add_bos: bool | None = False, eos: str = "<|im_end|>", bos: str = "<|endoftext|>",
                blocks: dict | None = None):
-    """Write m as a llama.cpp llama-arch GGUF with matrices in qtype (norms stay F32, as the converter does).
+    """Write m as a llama.cpp GGUF of its architecture with matrices in qtype (norms stay F32, as the converter
+    does), without export's checks (to write files export refuses).
     tok: a byte-level tokenizer (tokenizer.ggml.model gpt2), or a SentencePiece one (llama: tokens, scores,
     types, add_space_prefix as its prefix says); pre: tokenizer.ggml.pre (None: no such key); tokens: replace
     the token list; meta: extra/overriding key -> value; drop: tensor names left out; shapes: tensor name ->
@@ -54,7 +55,7 @@ def write_gguf(path, m: Model, tok, qtype: str = "F32", template: str | None = C
     from nanoeuler.interop.gguf_export import add_hparams, add_vocabulary, gguf_tensors
     q = getattr(gguf.GGMLQuantizationType, qtype)
     cfg = m.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), cfg.spec.gguf.name)
     add_hparams(w, cfg)
     toks, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
     if tokens is not None:  # extra tokens are control tokens
@@ -112,3 +113,26 @@ def patch_tensor_info(path, name: str, offset: int | None = None, qtype: str | N
         parts[-2][0] = getattr(gguf.GGMLQuantizationType, qtype)
     r.data.flush()
     return path
+
+
+def edit_gguf(src, dst, remove=(), change: dict | None = None):
+    """A copy of the GGUF file src at dst without the metadata keys in `remove` and with those in `change`
+    given new values (each of the type it had), as gguf's own gguf_new_metadata script copies a file."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name == "general.architecture" or name.startswith("GGUF.") or name in remove:
+            continue
+        kind = f.types[0]
+        sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, (change or {}).get(name, f.contents()), kind, sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+    return dst

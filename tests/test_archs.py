@@ -168,3 +168,42 @@ def test_llama_cpp_runs_our_gguf_export(folders, kind, tmp_path):
     l2 = np.linalg.norm(theirs - mine) / np.linalg.norm(mine)  # windows included (T 24 > window 5)
     assert l2 <= (1e-3 if cfg.spec.mlp != "swiglu" else 1e-5)
     assert lc.greedy(ids[:5], 16)[0] == generate(m, ids[:5], 16, temperature=0, stop_ids=[]).ids
+
+
+def test_a_query_pre_attn_scalar_other_than_head_dim_is_refused(folders, tmp_path):
+    """transformers' Gemma 3 divides q·k by √query_pre_attn_scalar (Gemma 3 27B: 168, its head_dim 128), ours by
+    √head_dim: a config whose two differ attends otherwise, and is refused in one line naming the key."""
+    import shutil
+
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.hf import load_hf_folder
+    hf, d = folders["gemma3"]
+    shutil.copytree(d, tmp_path / "g")
+    c = json.loads((tmp_path / "g" / "config.json").read_text())
+    (tmp_path / "g" / "config.json").write_text(json.dumps(c | {"query_pre_attn_scalar": 24}))
+    ids = np.arange(T) % 50
+    other = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "g", attn_implementation="eager").float()
+    assert rel_err(torch_logits(other, ids), torch_logits(hf, ids)) > 1e-3
+    with pytest.raises(UserError, match="query_pre_attn_scalar=24 differs from head_dim 16") as e:
+        load_hf_folder(tmp_path / "g")
+    assert "\n" not in str(e.value)
+
+
+def test_a_gemma3_config_without_a_window_pattern_reads_as_transformers_reads_it(tmp_path):
+    """A Gemma 3 config.json with neither layer_types nor sliding_window_pattern: transformers takes every 6th
+    layer global, and so does the import."""
+    from test_interop import hf_tokenizer_json
+
+    from nanoeuler.interop.hf import load_hf_folder
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=7, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=5, pad_token_id=None))
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(hf_tokenizer_json(bundled_works()["hamlet"][:30000], "gpt2", vocab=300))
+    c = json.loads((tmp_path / "config.json").read_text())
+    c = {k: v for k, v in c.items() if k not in ("layer_types", "sliding_window_pattern")}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).layer_types
+    cfg = load_hf_folder(tmp_path)[0]
+    assert [cfg.window(i) == 0 for i in range(7)] == [t == "full_attention" for t in theirs]
+    assert theirs.count("full_attention") == 1

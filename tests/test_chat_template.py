@@ -163,6 +163,8 @@ def test_export_writes_the_template_and_import_keeps_it(chatml_run, tmp_path):
     ("{{ raise_exception('boom') }}", "TemplateError: boom"),
     ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
     ("{{ 'ab' * 10**9 }}", "repetition|power"),
+    ("{{ ('ab' * 1000) * 4000000 }}", "repetition"),   # the count under the bound, 8e9 characters: refused before
+                                                       # it allocates (not by the worker's memory bound)
     ("{% set ns = namespace(s='ab') %}{% for i in range(80) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
      "more than"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}"

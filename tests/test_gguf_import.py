@@ -1,5 +1,6 @@
 """`import --from FILE.gguf`: weights equal gguf's own dequantization, import(export(ckpt)) == ckpt at f32,
-the tokenizer equals the Hugging Face import of the same vocabulary, bad files are one line and write nothing."""
+the tokenizer equals the Hugging Face import of the same vocabulary, what a file leaves out reads as llama.cpp
+reads it, bad files are one line and write nothing."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import pytest
 
 pytest.importorskip("gguf")
 import gguf  # noqa: E402
-from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, patch_tensor_info, write_gguf  # noqa: E402
+from conftest import tiny_config  # noqa: E402
+from gguf_fixtures import (CHATML, chatml_model, chatml_tokenizer, edit_gguf, patch_tensor_info,  # noqa: E402
+                           write_gguf)
 
 from nanoeuler import Model  # noqa: E402
 from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
@@ -336,15 +339,21 @@ def test_fuzzed_gguf_loads_or_is_one_userror(tmp_path, small):
     fuzz_gguf(small, 0, header, tmp_path, lambda path: load_gguf(path))
 
 
+def small_spm():
+    """A SentencePiece vocabulary: <unk> <s> </s> at ids 0, 1, 2 (llama.cpp's default bos and eos ids), the 256
+    byte tokens, pieces ranked by score, a user-defined "\\n" and a control <start_of_turn>."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
+    return SentencePieceTokenizer(["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces],
+                                  [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3],
+                                  [0.0] * 259 + [-float(i) for i in range(len(pieces))], prefix="every", eos="</s>",
+                                  bos="<s>")
+
+
 @pytest.fixture(scope="module")
 def spm_file(tmp_path_factory):
     """A small GGUF with a SentencePiece vocabulary (tokens, scores, types): the arrays the fuzz test edits."""
-    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
-    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
-    tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
-    types = [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3]
-    tok = SentencePieceTokenizer(tokens, types, [0.0] * 259 + [-float(i) for i in range(len(pieces))],
-                                 prefix="every", eos="</s>", bos="<s>")
+    tok = small_spm()
     return write_gguf(tmp_path_factory.mktemp("spm") / "s.gguf", chatml_model(tok), tok, "Q8_0", pre=None,
                       add_bos=True, eos="</s>", bos="<s>").read_bytes()
 
@@ -482,12 +491,7 @@ def test_add_bos_token_or_the_familys_default(tmp_path, tok, pre, default, add_b
 def test_export_of_a_sentencepiece_tokenizer_imports_back(tmp_path):
     """export --format gguf of a checkpoint with a SentencePiece vocabulary writes tokenizer.ggml.model llama
     (tokens, scores, types, add_space_prefix, bos / eos): importing it gives the same tokenizer."""
-    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
-    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab", "ba", "\n", "<start_of_turn>"]
-    tok = SentencePieceTokenizer(["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces],
-                                 [2, 3, 3] + [6] * 256 + [1] * 7 + [4, 3],
-                                 [0.0] * 259 + [-float(i) for i in range(len(pieces))], prefix="every", eos="</s>",
-                                 bos="<s>")
+    tok = small_spm()
     m = chatml_model(tok)
     path = export_gguf(m, tok.replace(chat_template=CHATML), tmp_path / "s.gguf", "f32", progress=False)
     meta = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
@@ -495,3 +499,82 @@ def test_export_of_a_sentencepiece_tokenizer_imports_back(tmp_path):
     _, _, back, _ = load_gguf(path)
     assert back.kind == "sentencepiece" and back.fingerprint() == tok.fingerprint()
     assert back.encode("ab ba\nab", add_bos=True) == tok.encode("ab ba\nab", add_bos=True)
+
+
+# ------------------------------------------------------------ what a file leaves out or names, as llama.cpp reads it
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.add_space_prefix", "tokenizer.ggml.bos_token_id",
+                                 "tokenizer.ggml.eos_token_id"])
+def test_a_sentencepiece_file_without_a_key_reads_as_llama_cpps_default(tmp_path, key):
+    """llama_vocab::load takes add_space_prefix true, bos id 1 and eos id 2 where the file says nothing. This
+    vocabulary has those values, so the file without the key encodes (bos first) and ends as the file with it."""
+    tok = small_spm()
+    path = write_gguf(tmp_path / "s.gguf", chatml_model(tok), tok, pre=None, add_bos=True, eos="</s>", bos="<s>")
+    back = load_gguf(edit_gguf(path, tmp_path / "t.gguf", remove=[key]))[2]
+    assert back.encode("ab ba\nab", add_bos=True) == tok.encode("ab ba\nab", add_bos=True)
+    assert back.eos_id == tok.eos_id
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"])
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_an_end_of_turn_id_is_a_stop_whatever_its_text(tmp_path, tok, key, kind):
+    """llama.cpp stops at the eot / eom id a file names, not only at the end-of-turn texts it knows: a control
+    token whose text is none of them is a stop when the key names it, and only then."""
+    vocab, special, ends = ((tok, "<|im_start|>", {}) if kind == "byte-level"
+                            else (small_spm(), "<start_of_turn>", dict(pre=None, eos="</s>", bos="<s>")))
+    i = vocab.special_tokens[special]
+    m = chatml_model(vocab)
+    plain = load_gguf(write_gguf(tmp_path / "a.gguf", m, vocab, **ends))[2]
+    named = load_gguf(write_gguf(tmp_path / "b.gguf", m, vocab, meta={key: i}, **ends))[2]
+    assert i not in plain.stop_ids and i in named.stop_ids
+
+
+def test_unknown_typed_tokens_are_special_in_a_byte_level_file(tmp_path, model, tok):
+    """llama.cpp cuts an UNKNOWN-typed token out of text as it cuts a CONTROL one (when specials are parsed):
+    the file that types <|im_start|> UNKNOWN encodes as the one that types it CONTROL."""
+    path = write_gguf(tmp_path / "c.gguf", model, tok)
+    types = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.token_type"].contents()
+    i = tok.special_tokens["<|im_start|>"]
+    assert types[i] == gguf.TokenType.CONTROL
+    types[i] = gguf.TokenType.UNKNOWN
+    control = load_gguf(path)[2]
+    unknown = load_gguf(edit_gguf(path, tmp_path / "u.gguf", change={"tokenizer.ggml.token_type": types}))[2]
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert unknown.encode(text, allow_special=True)[0] == i
+    for allow in (True, False):
+        assert unknown.encode(text, allow_special=allow) == control.encode(text, allow_special=allow)
+
+
+def gemma3_model(tok, n_layers: int, head_dim: int = 16, **changes) -> Model:
+    return Model.init(tiny_config(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_kv_heads=1, n_layers=n_layers,
+                                  ctx_len=16, ffn_hidden=32, n_mtp=1, arch="gemma3", head_dim=head_dim,
+                                  sliding_window=4, **changes), seed=0)
+
+
+def test_a_gemma3_file_without_a_window_pattern_has_every_sixth_layer_global(tmp_path, tok):
+    """llama.cpp's Gemma 3 reads attention.sliding_window_pattern where the file has it and takes 6 where it
+    has none (its converter writes none): layer i is global iff i % 6 == 5, as in transformers' Gemma 3."""
+    transformers = pytest.importorskip("transformers")
+    m = gemma3_model(tok, 7, global_every=6)
+    path = export_gguf(m, tok, tmp_path / "g.gguf", progress=False)
+    cfg = load_gguf(edit_gguf(path, tmp_path / "h.gguf", remove=["gemma3.attention.sliding_window_pattern"]))[0]
+    assert cfg == m.config
+    hf = transformers.Gemma3TextConfig(num_hidden_layers=7, sliding_window=4)
+    assert [cfg.window(i) == 0 for i in range(7)] == [t == "full_attention" for t in hf.layer_types]
+
+
+@pytest.mark.parametrize("n_layers, head_dim, scaled_otherwise", [(62, 16, True), (62, 8, False), (61, 16, False)])
+def test_a_gemma3_file_llama_cpp_scales_otherwise_is_refused(tmp_path, tok, n_layers, head_dim, scaled_otherwise):
+    """llama.cpp scales the attention of a 62-layer Gemma 3 (its 27B) by 1/sqrt(embedding_length / head_count),
+    not 1/sqrt(head size): such a file whose two differ is refused by import and not written by export (llama.cpp
+    would attend differently from our model); where they agree, or at another depth, both go through."""
+    m = gemma3_model(tok, n_layers, head_dim, global_every=6)
+    path = write_gguf(tmp_path / "g.gguf", m, tok)
+    if scaled_otherwise:
+        for act in (lambda: load_gguf(path), lambda: export_gguf(m, tok, tmp_path / "e.gguf", progress=False)):
+            with pytest.raises(UserError, match="62 layers.*1/sqrt\\(8\\).*head size 16"):
+                act()
+        assert not (tmp_path / "e.gguf").exists()
+    else:
+        assert load_gguf(path)[0] == m.config
+        export_gguf(m, tok, tmp_path / "e.gguf", progress=False)

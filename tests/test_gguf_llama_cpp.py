@@ -131,6 +131,23 @@ def test_sentencepiece_scores_equal_llama_cpp(tmp_path, spm_model, prefix):
             assert ours.decode_bytes(want) == detokenize(lc, want)
 
 
+@pytest.mark.parametrize("prefix", ["every", "none"])
+def test_bytes_that_are_not_utf8_tokenize_and_come_back_as_in_llama_cpp(tmp_path, spm_model, prefix):
+    """Bytes that are not UTF-8 (docs/tokenizers.md): llama.cpp too takes the bytes after a lone lead byte as
+    its character, so that a space there comes back as "▁": the same ids, the same bytes back."""
+    import llama_cpp
+    m, tok = spm_model
+    tok = type(tok).from_dict(tok.to_dict() | {"prefix": prefix})
+    path = write_gguf(tmp_path / "s.gguf", m, tok, "F32", pre=None, add_bos=True, eos="</s>", bos="<s>")
+    ours = load_gguf(path)[2]
+    lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for data in (b"\xe4 b", b"the \xe4\xb8 cat", b"\xf0\x9f  x", b"\xc3", b"a\xe4bc", b"\xff the"):
+        want = lc.tokenize(data, add_bos=False, special=False)
+        assert ours.encode_bytes(data) == want, data
+        assert ours.decode_bytes(want) == detokenize(lc, want), data
+    assert detokenize(lc, lc.tokenize(b"\xe4 b", add_bos=False, special=False)) == b"\xe4" + "▁".encode() + b"b"
+
+
 def detokenize(lc, ids: list[int]) -> bytes:
     """llama.cpp's own llama_detokenize (special tokens as their text; with add_space_prefix the first
     piece's leading space dropped), which Llama.detokenize, joining pieces, does not do."""

@@ -128,6 +128,8 @@ def test_export_peft_loads_with_peft_and_gives_our_merged_logits(arch, save, tmp
                  progress=False)
     assert main(["export", "--ckpt", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    conv1d = any(isinstance(mod, transformers.pytorch_utils.Conv1D) for mod in hf.modules())   # GPT-2's [in, out]
+    assert peft.LoraConfig.from_pretrained(tmp_path / "peft").fan_in_fan_out == conv1d  # as PEFT needs it for them
     pm = peft.PeftModel.from_pretrained(hf, tmp_path / "peft")
     ids = np.random.default_rng(3).integers(0, 257, (1, 16))
     with torch.no_grad():

@@ -337,3 +337,67 @@ def test_callers_take_either_kind(vocabularies, tmp_path, monkeypatch, capsys):
     assert "".join(dec.feed(i) for i in ids) + dec.flush() == tok.decode(ids)
     texts = [p for p in probes(6, seed=1200)]
     assert [a.tolist() for a in encode_parallel(tok, texts, processes=2, batch_bytes=500)] == [tok.encode(t) for t in texts]
+
+
+def tiny_spm(pieces: list[str], scores: list[float], **kw) -> SentencePieceTokenizer:
+    """<unk> (UNKNOWN), <s> and </s> (CONTROL), the 256 byte tokens, then pieces (NORMAL) with their scores."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES
+    return SentencePieceTokenizer(["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces], [2, 3, 3] + [6] * 256
+                                  + [1] * len(pieces), [0.0] * 259 + scores, **kw)
+
+
+def test_equal_scores_merge_the_leftmost_pair_first_whatever_their_ids():
+    """llama.cpp (llm_tokenizer_spm) makes the best-scored merge first and, among equal scores, the leftmost:
+    "abc" with "ab" and "bc" scored alike is ab|c, whichever of the two has the lower id."""
+    for order in (["ab", "bc"], ["bc", "ab"]):
+        tok = tiny_spm(["a", "b", "c", *order], [-1.0, -1.0, -1.0, -2.0, -2.0])
+        for text, want in (("abc", ["ab", "c"]), ("bcabc", ["bc", "ab", "c"])):
+            for encode in (tok.encode, tok.encode_reference):
+                assert [tok.tokens[i] for i in encode(text)] == want, (order, text)
+
+
+@pytest.mark.parametrize("style", ["metaspace-always", "metaspace-always-split", "metaspace-first"])
+def test_a_text_that_starts_with_a_metaspace_gets_no_other(vocabularies, style):
+    """Hugging Face's Metaspace (prepend_scheme always / first) puts no "▁" before a text that starts with one,
+    as before one that starts with a space; nor do the *-unless-space prefixes (the fast and the readable
+    encoder), at the start and after a special token."""
+    _, hf, ours = vocabularies[style]
+    for text in ("▁the", "▁▁the x", "▁ q", "the<start_of_turn>▁the", "<start_of_turn>▁▁x ▁y", "▁"):
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, allow_special=True) == want, text
+        assert ours.encode_reference(text, allow_special=True) == want, text
+
+
+def test_an_exported_unknown_token_stays_special(vocabularies):
+    """An UNKNOWN token (<unk>) is special as a CONTROL one is (llama.cpp cuts it out of text only when specials
+    are parsed): the Hugging Face export marks it special, so `tokenizers` leaves it out of a decode that skips
+    specials and the export read back encodes text holding "<unk>" as the original does."""
+    from nanoeuler.tokenizer.sentencepiece import UNKNOWN
+    ours = vocabularies["llama2"][2]
+    unk = ours.special_tokens["<unk>"]
+    types = ours.types.copy()
+    types[unk] = UNKNOWN
+    tok = SentencePieceTokenizer(ours.tokens, types, merges=ours.merges, prefix=ours.prefix)
+    exported = tok.to_hf_json()
+    hf, back = tokenizers.Tokenizer.from_str(exported), from_hf_json(json.loads(exported))
+    text = "the<unk> and <s>x"
+    ids = tok.encode(text, allow_special=True)
+    assert unk in ids
+    assert hf.decode(ids, skip_special_tokens=True) == hf.decode([i for i in ids if i != unk], skip_special_tokens=True)
+    for special in (False, True):
+        assert back.encode(text, allow_special=special) == tok.encode(text, allow_special=special)
+
+
+def test_bytes_that_are_not_utf8_then_a_space_come_back_with_a_metaspace():
+    """encode_bytes of bytes that are not UTF-8 (docs/tokenizers.md): a byte takes as many bytes as llama.cpp's
+    unicode_len_utf8 reads in its high 4 bits (C0-DF 2, E0-EF 3, F0-FF 4, others 1). So after a lone E4 or FF
+    the space, already "▁" (E2 96 81) when the bytes are cut, is split into byte tokens and comes back as "▁";
+    any other byte that follows comes back as it was."""
+    tok = tiny_spm(["▁", "a", "b", "▁b", "ab"], [-1.0, -1.0, -1.0, -2.0, -3.0])
+    for lead in (b"\xe4", b"\xff"):
+        ids = tok.encode_bytes(lead + b" b")
+        assert [tok.tokens[i] for i in ids] == [f"<0x{lead[0]:02X}>", "<0xE2>", "<0x96>", "<0x81>", "b"]
+        assert tok.decode_bytes(ids) == lead + "▁".encode() + b"b"
+    assert tok.decode_bytes(tok.encode_bytes(b"\xf0\x9f b")) == b"\xf0\x9f" + "▁".encode() + b"b"
+    for data in (b"a\xe4bab", b"\xe4\xb8\x80 b", b"\x80 b", b"b\xc3", b"\xffabab"):    # no space taken
+        assert tok.decode_bytes(tok.encode_bytes(data)) == data, data

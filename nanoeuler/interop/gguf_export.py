@@ -125,10 +125,24 @@ def add_hparams(w, cfg) -> None:
 
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
-    has none."""
+    has none, an attention scale it computes otherwise (attention_scale_mismatch)."""
     a = cfg.spec
     if cfg.sliding_window and "sliding_window" not in a.defaults:
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
+    why = attention_scale_mismatch(cfg)
+    if why:
+        raise UserError(f"cannot export to GGUF: {why}")
+
+
+def attention_scale_mismatch(cfg) -> str | None:
+    """Why llama.cpp would scale cfg's attention otherwise than we do, or None: at a depth the architecture's
+    `width_scaled_at` names (Gemma 3's 62 layers) it divides q·k by √(dim / n_heads), where we divide by
+    √head_dim. A Gemma 3 27B (dim 5376, 32 heads, head_dim 128): √168 there, √128 here."""
+    width = cfg.dim // cfg.n_heads
+    if cfg.n_layers in cfg.spec.gguf.width_scaled_at and width != cfg.head_dim:
+        return (f"llama.cpp scales the attention of a {cfg.spec.gguf.name} of {cfg.n_layers} layers by "
+                f"1/sqrt({width}) (embedding_length / head_count), this model by 1/sqrt(head size {cfg.head_dim})")
+    return None
 
 
 def token_metadata(tok, vocab_size: int):

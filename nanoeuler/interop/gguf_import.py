@@ -28,7 +28,8 @@ tokens, scores, token types and add_space_prefix as they are (tokenizer/sentence
 (`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
 knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
 Everything the model could not compute the same (rope scaling, a window where the architecture has none,
-soft-capping, experts, another architecture, another tokenizer model) is refused by name, and so is any defect of the file
+soft-capping, experts, an attention scale llama.cpp derives otherwise, another architecture, another
+tokenizer model) is refused by name, and so is any defect of the file
 (truncated, absurd counts, data past the end, shapes that disagree with the metadata, a vocabulary larger
 than the embedding): one line, nothing written.
 """
