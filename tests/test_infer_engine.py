@@ -144,6 +144,45 @@ def test_a_window_of_a_few_positions_slides_and_the_job_ends(trained, ctx):
         assert generate(short, p, 8, temperature=0, mode=mode).ids == out.tokens, mode
 
 
+def test_the_prefix_cache_changes_no_token_or_logprob_and_computes_less(trained):
+    """Requests one after another, as clients send them: a prompt, its next turn (the prompt, the reply, more),
+    the first again sampled with a seed, a request of 4 seeded choices (its prompt computed once), a prompt
+    that leaves the cached one mid-block, a reply whose window jumps, and an echo that scores its prompt.
+    With a prefix cache every event is the same bits as without, and far fewer positions are computed."""
+    model = Model(CFG.replace(ctx_len=128), trained.params)
+    rng = np.random.default_rng(11)
+    p, q, p2 = ([int(t) for t in rng.integers(0, CFG.vocab_size, n)] for n in (40, 10, 50))
+
+    def serve(prefix_bytes):
+        b, outs = Batcher(model, max_batch=4, prefill_tokens=24, prefix_bytes=prefix_bytes), []
+
+        def send(*specs):
+            group = object()
+            outs.append([Scored() for _ in specs])
+            for spec, out in zip(specs, outs[-1]):
+                b.submit(Job(on_event=out, group=group, **spec))
+            while b.step():
+                pass
+            return outs[-1]
+        first = send(dict(ids=p, max_tokens=20, logprobs=3))[0]
+        send(dict(ids=p + first.tokens + q, max_tokens=20, logprobs=3))
+        send(dict(ids=p, max_tokens=20, temperature=1.0, seed=5, logprobs=2))
+        before = b.prefilled
+        send(*[dict(ids=p2, max_tokens=12, temperature=0.8, seed=i, logprobs=1) for i in range(4)])
+        n_choices = b.prefilled - before
+        send(dict(ids=p + first.tokens[:7], max_tokens=10, logprobs=1))
+        send(dict(ids=p + first.tokens + q, max_tokens=150, logprobs=1))  # past 128 positions: a jump
+        send(dict(ids=p, max_tokens=2, logprobs=2, echo=True))
+        return [[(o.tokens, o.scores, o.prompt, o.reason) for o in group] for group in outs], b, n_choices
+    cold, b0, _ = serve(0)
+    warm, b1, n_choices = serve(1 << 20)
+    assert warm == cold
+    assert b0.hits == 0 and b1.hits == 7 and b1.prefilled + b1.reused == b0.prefilled  # (all but 3 jobs hit)
+    assert b1.prefilled < b0.prefilled / 2
+    assert n_choices <= len(p2) + 3 * (len(p2) % 16 or 16)  # the 4 choices' prompt: once, and each its tail
+    assert b1.stats()["prefix_cache"]["bytes"] == len(b1.prefixes) * b1.prefixes.block_bytes > 0
+
+
 def test_wider_batches_than_the_fused_rows_keep_every_bit(trained):
     """More streams than kernels.ROWS still decode in the fused step, one prompt at a time prefilled through it:
     a request's logprobs are the same bits alone as among 12 others that join at different steps."""

@@ -913,3 +913,54 @@ def test_a_streams_end_is_one_write(ckpt, route):
     assert json.loads(last[-3][6:])["choices"][0]["finish_reason"] == "length"
     assert "".join(messages) == r.text
 
+
+
+def test_the_prompt_cache_changes_no_reply_and_health_reports_its_hits(ckpt):
+    """The same requests to a server with the prompt cache (the default) and to one without: a chat and its
+    next turn, the next turn sampled with a seed, a completion and its continuation with n = 3 seeded choices,
+    and 6 clients at once sharing a long system prompt. Every reply is the same, logprobs to the bit; the cache
+    server's /health counts the requests that reused positions, and it computed fewer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+    system = {"role": "system", "content": "You are the ghost of Hamlet's father, and you speak in riddles "
+                                           "about the castle, the king, the queen, and the night watch."}
+
+    def session(client):
+        out = []
+
+        def chat(messages, **kw):
+            r = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3, **kw)
+            return [(c.message.content, c.logprobs.model_dump()) for c in r.choices]
+        turn = [{"role": "user", "content": "Who is there?"}]
+        out.append(chat(turn, max_tokens=12, temperature=0))
+        turn += [{"role": "assistant", "content": out[-1][0][0]}, {"role": "user", "content": "Long live the king!"}]
+        out.append(chat(turn, max_tokens=3, temperature=0))
+        out.append(chat(turn, max_tokens=3, temperature=1.0, seed=3))
+
+        def complete(prompt, **kw):
+            r = client.completions.create(model="tiny", prompt=prompt, logprobs=2, **kw)
+            out.append([(c.text, c.logprobs.model_dump()) for c in sorted(r.choices, key=lambda c: c.index)])
+            return r.choices[0].text
+        text = complete(LONG, max_tokens=30, temperature=0)
+        complete(LONG + text + " And so", max_tokens=10, temperature=0.9, seed=5, n=3)
+        questions = ["Who is there?", "Where is the king?", "Is it the night?", "What hour now?",
+                     "Mark me.", "Speak, I am bound to hear."]
+        with ThreadPoolExecutor(6) as pool:
+            out += pool.map(lambda q: chat([system, {"role": "user", "content": q}], max_tokens=8, temperature=0),
+                            questions)
+        return out
+
+    replies, health = [], []
+    for mib in (0, 1024):
+        with ServerThread(create_app(model, tok, "tiny", prompt_cache_mib=mib)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            replies.append(session(client))
+            health.append(httpx.get(srv.url + "/health").json()["prefix_cache"])
+    assert replies[0] == replies[1]
+    off, on = health
+    assert off["hits"] == off["reused_tokens"] == off["bytes"] == off["budget_bytes"] == 0
+    assert on["budget_bytes"] == 1024 << 20 and 0 < on["bytes"] <= on["budget_bytes"]
+    assert on["hits"] >= 2 + 2 + 5 and on["reused_tokens"] > 500  # 2 turns, 2 choices, 5 of 6 clients at least
+    assert on["prefilled_tokens"] + on["reused_tokens"] == off["prefilled_tokens"]

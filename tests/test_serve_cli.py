@@ -58,7 +58,8 @@ def test_a_port_in_use_is_one_line(capsys):
     assert code == 2 and out.err == f"error: cannot listen on 127.0.0.1:{port}: the port is in use\n"
 
 
-@pytest.mark.parametrize("flags", [["--max-batch", "0"], ["--port", "70000"], ["--api-key", ""]])
+@pytest.mark.parametrize("flags", [["--max-batch", "0"], ["--port", "70000"], ["--api-key", ""],
+                                   ["--prompt-cache-mib", "-1"]])
 def test_bad_flags(flags, capsys):
     code, out = run_main(["serve", "--ckpt", "x", *flags], capsys)
     assert code == 2 and out.err.startswith("error:")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .sample import DTYPES, add_threads_arg, load_for_decoding
+from .sample import add_threads_arg, load_for_decoding
 
 DEFAULT_CTX = 8192  # serve's default window: Gemma 3's 32,768 positions x 32 rows would be 36 GiB of cache
 
@@ -32,9 +32,10 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("NANOEULER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOEULER_API_KEY, else none)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's directory name)")
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="the weights while decoding: float32 (default; an imported GGUF: its own type), float16, "
-                        "q8_0, q4_0, q4_1, q5_0, q5_1 (see `sample --help`)")
+    from ..infer.quant import decodable, from_float
+    p.add_argument("--dtype", choices=decodable(), default=None,
+                   help=f"the weights while decoding: {', '.join(from_float())} (default float32; an imported GGUF: "
+                        f"its own type; see `sample --help`)")
     add_threads_arg(p)
     p.add_argument("--max-batch", type=int, default=32, help="rows of the KV cache decoded together, shared fairly between requests (default 32)")
     p.add_argument("--ctx", type=int, default=None,
@@ -42,6 +43,11 @@ def register(sub) -> None:
                         f"past them slides its window, as `sample` does at the model's context (default: the model's "
                         f"context, at most {DEFAULT_CTX}; the cache takes memory as rows fill, up to --max-batch x "
                         f"CTX positions, which must fit in RAM)")
+    p.add_argument("--prompt-cache-mib", type=int, default=None, metavar="MIB",
+                   help="MiB of keys and values of earlier requests kept (least recently used first out), so a "
+                        "request that begins as an earlier one did (a chat's next turn, a shared system prompt, "
+                        "n choices) computes only the rest, with the same tokens and logprobs; 0: off "
+                        "(default 1024)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request; default 8)")
@@ -75,6 +81,10 @@ def prepare(args):
     for name in ("max_batch", "max_queue", "max_tokens", "max_n", "max_body"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    from ..serve.service import PROMPT_CACHE_MIB
+    cache_mib = PROMPT_CACHE_MIB if args.prompt_cache_mib is None else args.prompt_cache_mib
+    if cache_mib < 0:
+        raise UserError("--prompt-cache-mib must be >= 0 (0: no prompt cache)")
     if not 0 <= args.port <= 65535:
         raise UserError("--port must be in 0..65535")
     if args.api_key is not None and not args.api_key:
@@ -89,7 +99,8 @@ def prepare(args):
     name = args.model_name or Path(args.ckpt).resolve().name
     ctx = check_cache_fits(model.config, args.max_batch, args.ctx)
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                     max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body, ctx_len=ctx)
+                     max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body, ctx_len=ctx,
+                     prompt_cache_mib=cache_mib)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     warning = exposure_warning(args.host, args.api_key)
@@ -101,7 +112,8 @@ def prepare(args):
     banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {ctx}{of_model}) "
               f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)\n"
               f"  {args.max_batch} rows decoded together (shared fairly between requests), KV cache up to "
-              f"{cache_mb:,.0f} MiB; up to {args.max_queue} requests wait, more get 429"
+              f"{cache_mb:,.0f} MiB, prompt cache {f'{cache_mib:,} MiB' if cache_mib else 'off'}; up to "
+              f"{args.max_queue} requests wait, more get 429"
               f"{'; API key required' if args.api_key else ''}")
     return app, sock, banner
 

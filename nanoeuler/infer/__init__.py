@@ -19,6 +19,7 @@ Modules, each importing only the ones above it in this list:
     sampling.py     temperature / top-k / top-p, drawing, log-probabilities
     speculative.py  greedy speculative decoding: prompt-lookup drafts verified by head 0
     session.py      one sequence: `generate` (full / cache / speculative), the context-window rule, text out
+    prefix.py       the prefix cache: blocks of keys and values of earlier requests, found by token prefix
     engine.py       continuous batching (`Batcher`): serve, dpo-data and answer scoring share it
     chat.py         a conversation: rendering with the chat template, dropping the oldest turns to fit
 

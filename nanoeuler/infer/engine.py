@@ -14,8 +14,9 @@ request waits for another's many jobs. One engine step:
     2. prefill   rows filling their cache (a new prompt; a window that jumped, below) advance: each request
                  by up to prefill_tokens tokens a step (the largest request, below: its share), its jobs in
                  order. A long prompt goes in over several steps and no step stalls the running streams for
-                 long on one request's prompts, while many requests arriving together all go in at once. A row whose cache is full joins the
-                 decoding rows.
+                 long on one request's prompts, while many requests arriving together all go in at once. A
+                 row first copies what the prefix cache holds of its tokens (below) and computes the rest.
+                 A row whose cache is full joins the decoding rows.
     3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
                  with the job's own random generator): a stop id or max_tokens ends the job, frees its row
     4. decode    one forward over the decoding rows at once: row r feeds its new token at position length_r;
@@ -39,6 +40,14 @@ request waits for another's many jobs. One engine step:
 
 A row moves by copying its cache positions: when a decoding job ends the last decoding row takes its place,
 and a row whose cache is full swaps into slot n.
+
+The prefix cache (prefix.py; `Batcher(prefix_bytes=)`, 0: none): the whole blocks of every prompt chunk a
+row prefills, and of a row's window when its job ends, are kept; a filling row starts from the longest
+prefix of its tokens the cache holds (not the last token: its logits are computed), so a chat's next turn
+computes only what is new, clients sharing a system prompt compute it once, and so do the n choices of a
+request (their jobs prefill in order: the second finds the first's blocks). A job that scores its prompt
+(echo with logprobs) computes every position. A hit is exact on the fused step (below); on the BLAS path,
+to float32 rounding, as batching is.
 
 A job the engine could not run is refused by submit (check_job), and an exception inside a step ends only
 the jobs it touched, with an "error" event (Batcher.step): the other rows and the waiting jobs go on. A
@@ -70,6 +79,7 @@ import numpy as np
 
 from . import step
 from .cache import kept_on_jump, new_cache, rows
+from .prefix import BLOCK, PrefixCache
 from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
 from .weights import linear
 
@@ -177,6 +187,7 @@ class _Seq:
         self.pending: int | None = None
         self.logits: np.ndarray | None = None  # [V]
         self.n_new = 0
+        self.reused = 0  # positions copied from the prefix cache
         self.slot: int | None = None
         self.decoded_at = -1  # the engine step that last fed it a token
         self.saved: tuple | None = None  # parked: (k, v) [layers, Hkv, filled, hd]
@@ -204,7 +215,7 @@ class Batcher:
     """
 
     def __init__(self, model, max_batch: int = 32, max_queue: int = 64, prefill_tokens: int = 64,
-                 ctx_len: int | None = None):
+                 ctx_len: int | None = None, prefix_bytes: int = 0):
         cfg = self.cfg = model.config
         self.ctx_len = int(ctx_len or cfg.ctx_len)  # positions a row holds: its window (module docstring)
         if not 1 <= self.ctx_len <= cfg.ctx_len:
@@ -213,6 +224,9 @@ class Batcher:
         self.prefill_tokens = int(prefill_tokens)  # prompt tokens a request prefills a step (module docstring)
         self.W = step.fuse_weights(cfg, model.params, batched=True)
         self.cache = new_cache(cfg, self.max_batch, self.ctx_len, dtype=model.dtype)  # (float16 model: float32)
+        k = self.cache.store[0]  # [layers, max_batch, Hkv, ctx_len, hd]
+        self.prefixes = PrefixCache(prefix_bytes, 2 * k[:, 0, :, :BLOCK].nbytes)  # (module docstring)
+        self.prefilled = self.reused = self.hits = 0  # positions computed, copied; jobs that copied some
         self.slots: list[_Seq | None] = [None] * self.max_batch
         self.n_dec = 0  # slots 0 .. n_dec-1 decode
         self.groups: dict[object, _Group] = {}  # requests with a waiting job or a row, in arrival order
@@ -251,7 +265,10 @@ class Batcher:
         with self.cond:
             queued = sum(len(g.waiting) for g in self.groups.values())
         return {"active": sum(s is not None for s in self.slots), "queued": queued, "parked": self.parked,
-                "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens}
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens,
+                "prefix_cache": {"hits": self.hits, "reused_tokens": self.reused, "prefilled_tokens": self.prefilled,
+                                 "bytes": self.prefixes.nbytes,
+                                 "budget_bytes": self.prefixes.budget}}
 
     # ---- one engine step -------------------------------------------------------------------------
     def step(self) -> bool:
@@ -281,6 +298,7 @@ class Batcher:
                     s.job.on_event("done", "cancelled")
         for s in self.slots[self.n_dec:]:
             if s is not None and s.job.cancelled:
+                self._keep(s)
                 self._free(s)
                 s.job.on_event("done", "cancelled")
         while (g := min((g for g in self.groups.values() if g.waiting), default=None,
@@ -373,11 +391,12 @@ class Batcher:
         for group, seqs in by_group.items():
             share = min(self.prefill_tokens, cap) if group is big else self.prefill_tokens
             for s in seqs:
-                n = min(share, len(s.seq) - s.filled)
-                if n <= 0:
+                if share <= 0:
                     break
-                share -= n
                 try:
+                    self._reuse(s)
+                    n = min(share, len(s.seq) - s.filled)
+                    share -= n
                     self._fill(s, n)
                 except Exception as e:
                     self._free(s)
@@ -405,8 +424,32 @@ class Batcher:
         elif done and s.pending is None:
             s.logits = linear(h[-1:], self.W["head.0"])[-1]
         s.filled = b
+        self.prefilled += n
+        self._keep(s)
         if done:
             self._promote(s)
+
+    def _reuse(self, s: _Seq) -> None:
+        """Copy into s's row the positions past s.filled that the prefix cache holds of its tokens (all but the
+        last token, whose logits the prefill computes); a job that scores its prompt computes every position."""
+        if s.scored is not None:
+            return
+        n, blocks = self.prefixes.match(s.seq, len(s.seq) - 1)
+        if n <= s.filled:
+            return
+        k, v, _ = self.cache.store  # [layers, max_batch, Hkv, ctx_len, hd]
+        for i in range(s.filled // BLOCK, n // BLOCK):
+            a = i * BLOCK
+            k[:, s.slot, :, a:a + BLOCK], v[:, s.slot, :, a:a + BLOCK] = blocks[i]
+        self.hits += s.reused == 0
+        self.reused += n - s.filled
+        s.reused += n - s.filled
+        s.filled = n
+
+    def _keep(self, s: _Seq) -> None:
+        """The whole blocks of s's filled positions into the prefix cache (those it holds already are not copied)."""
+        k, v, _ = self.cache.store
+        self.prefixes.insert(s.seq, s.filled, lambda a, b: (k[:, s.slot, :, a:b], v[:, s.slot, :, a:b]))
 
     def _sample(self) -> None:
         """Every decoding row without a token to feed samples one; ended jobs free their rows (reversed, so
@@ -420,6 +463,7 @@ class Batcher:
                 _fail([s.job], e)
                 continue
             if reason:
+                self._keep(s)
                 self._free(s)
                 s.job.on_event("done", reason)
 

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import UserError
 from .protocol import (DONE, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body, render_chat, sse)
-from .service import Choice, Run, Service
+from .service import PROMPT_CACHE_MIB, Choice, Run, Service
 from .transport import BodyLimit, EventStream, error_json, http_protocol
 
 STATIC = Path(__file__).parent / "static"
@@ -390,11 +390,12 @@ async def lifespan(app):
 
 def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_batch: int = 32,
                max_queue: int = 64, max_tokens_cap: int = 1024, max_n: int = 8, body_limit: int = 1 << 20,
-               chat_max_tokens: int = 256, ctx_len: int | None = None) -> FastAPI:
+               chat_max_tokens: int = 256, ctx_len: int | None = None,
+               prompt_cache_mib: int = PROMPT_CACHE_MIB) -> FastAPI:
     """The FastAPI app serving `model` (its Batcher starts with the app and stops with it); ctx_len: the positions
-    a request's row holds (default: the model's context)."""
+    a request's row holds (default: the model's context); prompt_cache_mib: the prefix cache's budget (0: none)."""
     s = Service(model, tok, model_name, api_key, max_batch, max_queue, max_tokens_cap, max_n, chat_max_tokens,
-                ctx_len)
+                ctx_len, prompt_cache_mib)
     app = FastAPI(title="nanoeuler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="An OpenAI-compatible API over a nanoeuler checkpoint.")
     app.state.service = s

@@ -20,6 +20,8 @@ from ..infer.sampling import MIN_TEMPERATURE
 from ..infer.session import truncate_left
 from .protocol import APIError, TextStream, stop_list, token_text
 
+PROMPT_CACHE_MIB = 1024  # the prefix cache's default budget (engine.py): ~23,000 positions of SmolLM2's keys and values
+
 
 class Choice:
     """One choice of a response: turns the engine's token events into text (stop strings, UTF-8 safe),
@@ -259,12 +261,13 @@ class Service:
     request; they hold no state of their own."""
 
     def __init__(self, model, tok, model_name: str, api_key: str | None, max_batch: int, max_queue: int,
-                 max_tokens_cap: int, max_n: int, chat_max_tokens: int, ctx_len: int | None = None):
+                 max_tokens_cap: int, max_n: int, chat_max_tokens: int, ctx_len: int | None = None,
+                 prompt_cache_mib: int = PROMPT_CACHE_MIB):
         from ..checkpoint import check_vocab
         check_vocab(model.config, tok)
         self.model, self.tok, self.cfg = model, tok, model.config
         self.model_name, self.api_key = model_name, api_key
-        self.batcher = Batcher(model, max_batch, max_queue, ctx_len=ctx_len)
+        self.batcher = Batcher(model, max_batch, max_queue, ctx_len=ctx_len, prefix_bytes=prompt_cache_mib << 20)
         self.ctx_len = self.batcher.ctx_len  # a request's window: its prompt keeps its last ctx_len tokens
         self.max_queue, self.max_tokens_cap, self.max_n = max_queue, max_tokens_cap, max_n
         self.chat_max_tokens = chat_max_tokens
