@@ -95,7 +95,7 @@ def main() -> int:
     rows.append(("cross-entropy fwd+bwd [4096, 4096]", best_ms(ce_np), best_ms(ce_nb), "numba incl. a 64 MB copy"))
 
     qkv = f32(N, (H + 2 * Hkv) * hd) * 0.3
-    cos, sin = ops.rope_tables(T, hd, 10000.0, np.float32)
+    cos, sin = ops.rope_tables(T, ops.inv_freq(hd, 10000.0), np.float32)
     G = H // Hkv
     A, dqkv, dA = np.empty((N, H * hd), np.float32), np.empty_like(qkv), f32(N, H * hd)
     q, y, dy, dq = (np.empty((B * Hkv, G * T, hd), np.float32) for _ in range(4))

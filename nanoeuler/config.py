@@ -10,8 +10,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .arch import ARCHS, Arch
 from .errors import UserError
+from .ops.rope import inv_freq, llama3_factors
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,16 @@ class Config:
     sliding_window: int | None = None      # windowed layers attend to their last this many positions (0: none)
     global_every: int | None = None        # with a window: layer i attends globally iff (i + 1) % this == 0
                                            # (0: every layer windowed)
+    # RoPE scaling of the global layers (windowed ones keep plain RoPE at rope_local_theta, as Gemma 3's):
+    # "none"; "linear" (every frequency / rope_factor); "llama3" (transformers' rope_type llama3, from
+    # rope_factor, the two freq factors and rope_original_ctx); "factors" (frequency i / rope_freq_factors[i],
+    # llama.cpp's rope_freqs tensor when it is not llama3's). The one entry point: layer_freqs.
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_ctx: int | None = None       # original_max_position_embeddings
+    rope_freq_factors: tuple[float, ...] | None = None
     # None: the architecture's default (arch.Arch.defaults), else DEFAULTS below
 
     def __post_init__(self):
@@ -59,13 +72,39 @@ class Config:
             raise UserError(f"config: tie_embeddings must be true or false, got {self.tie_embeddings!r:.60}")
         if self.spec.positions == "rope" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} must be even for RoPE")
-        for name in ("rope_theta", "norm_eps", "rope_local_theta"):
+        for name in ("rope_theta", "norm_eps", "rope_local_theta", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
+        self._check_rope_scaling()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
                             f"({MAX_PARAMS:,})")
+
+    def _check_rope_scaling(self) -> None:
+        """The RoPE scaling fields name a known scaling and only what it reads; factors as a tuple."""
+        kind, factors = self.rope_scaling, self.rope_freq_factors
+        if kind not in ROPE_SCALINGS:
+            raise UserError(f"config: rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {kind!r:.40}")
+        v = self.rope_original_ctx
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= LIMITS["ctx_len"]:
+            raise UserError(f"config: rope_original_ctx must be a positive integer <= {LIMITS['ctx_len']:,}, "
+                            f"got {v!r:.60}")
+        if kind == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise UserError(f"config: rope_low_freq_factor {self.rope_low_freq_factor} must be below "
+                            f"rope_high_freq_factor {self.rope_high_freq_factor}")
+        if (factors is not None) != (kind == "factors"):
+            raise UserError("config: rope_freq_factors goes with rope_scaling \"factors\" and only with it")
+        if factors is not None:
+            ok = isinstance(factors, (list, tuple)) and len(factors) == self.head_dim // 2 and all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)
+            if not ok:
+                raise UserError(f"config: rope_freq_factors must be {self.head_dim // 2} finite numbers > 0 "
+                                f"(head_dim / 2)")
+            object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
+        if kind != "none" and self.sliding_window and not self.global_every:
+            raise UserError(f"config: rope_scaling {kind} scales the global layers, and every layer is windowed")
 
     def _defaults(self) -> dict:
         """The value each defaultable field takes when not given: the architecture's, else DEFAULTS."""
@@ -88,9 +127,35 @@ class Config:
             return 0
         return self.sliding_window
 
-    def layer_theta(self, layer: int) -> float:
-        """The RoPE base of layer `layer`: rope_local_theta on windowed layers, rope_theta on the others."""
-        return self.rope_local_theta if self.window(layer) else self.rope_theta
+    def layer_freqs(self, layer: int) -> np.ndarray | None:
+        """The RoPE inverse frequencies [head_dim/2] (float64) of layer `layer`, None without RoPE: the one place
+        every engine's cos/sin tables come from. Windowed layers: plain RoPE at rope_local_theta; the others:
+        rope_theta with the scaling of the rope_* fields (see the fields' comment)."""
+        if self.spec.positions != "rope":
+            return None
+        if self.window(layer):
+            return inv_freq(self.head_dim, self.rope_local_theta)
+        plain = inv_freq(self.head_dim, self.rope_theta)
+        if self.rope_scaling == "linear":
+            return plain / self.rope_factor
+        if self.rope_scaling == "llama3":
+            return plain / llama3_factors(plain, self.rope_factor, self.rope_low_freq_factor,
+                                          self.rope_high_freq_factor, self.rope_original_ctx)
+        if self.rope_scaling == "factors":
+            return plain / np.array(self.rope_freq_factors)
+        return plain
+
+    def rope_kinds(self) -> tuple[list[np.ndarray], list[int]]:
+        """The distinct inverse frequencies the layers use (layer_freqs), and each layer's index in them (-1: no
+        RoPE). Gemma 3 (5 windowed layers, then a global one): ([local, global], [0, 0, 0, 0, 0, 1, ...])."""
+        freqs, kinds = [], []
+        for i in range(self.n_layers):
+            f = self.layer_freqs(i)
+            j = -1 if f is None else next((j for j, g in enumerate(freqs) if np.array_equal(f, g)), len(freqs))
+            if j == len(freqs):
+                freqs.append(f)
+            kinds.append(j)
+        return freqs, kinds
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name and shape ([out, in] for matrices), in checkpoint order (arch.py names them).
@@ -200,8 +265,14 @@ class Config:
 
 
 # the defaults of the defaultable fields where the architecture has none (head_dim, rope_local_theta: derived)
-DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0}
-OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every")  # config.json: if not default
+# (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
+DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
+            "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+            "rope_original_ctx": 8192, "rope_freq_factors": None}
+OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
+            "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
+            "rope_original_ctx", "rope_freq_factors")
+ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)
 PRECISIONS = ("f32", "bf16")
@@ -228,7 +299,6 @@ def check_params(config: Config, params: dict) -> None:
 
     Lives beside the config (it needs nothing else), so that checkpoint.py can validate a load without
     importing model.py, which imports checkpoint.py back."""
-    import numpy as np
     expected = config.param_shapes()
     missing = [n for n in expected if n not in params]
     if missing:

@@ -191,12 +191,12 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
     pos_cache = None
     if a.positions == "learned":
         x, pos_cache = ops.position_forward(x, P["pos_embed.weight"])  # + pos_embed[0:T]
-    ropes = rope_tables(cfg, T, dtype, ops)
+    ropes, kinds = rope_tables(cfg, T, dtype, ops), cfg.rope_kinds()[1]
     block_caches = []
     for i in range(cfg.n_layers):
         masks = None if dropout is None else [dropout.mask(site, B * T, cfg.dim, dtype).reshape(B, T, cfg.dim)
                                               for site in (2 * i, 2 * i + 1)]
-        x, cache = block_forward(cfg, P, i, x, ropes.get(cfg.layer_theta(i)), ops, masks)
+        x, cache = block_forward(cfg, P, i, x, ropes[kinds[i]] if kinds[i] >= 0 else None, ops, masks)
         block_caches.append(cache)
     h, norm_cache = norm_forward(cfg, P, "norm", x, ops)  # [B, T, d]
     logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
@@ -366,12 +366,9 @@ def embed_scale(cfg: Config, dtype) -> np.floating:
     return np.dtype(dtype).type(np.sqrt(cfg.dim))
 
 
-def rope_tables(cfg: Config, T: int, dtype, ops=reference_ops) -> dict:
-    """RoPE base -> its (cos, sin) tables [T, hd/2], for each base cfg's layers use ({} without RoPE)."""
-    if cfg.spec.positions != "rope":
-        return {}
-    return {theta: ops.rope_tables(T, cfg.head_dim, theta, dtype)
-            for theta in sorted({cfg.layer_theta(i) for i in range(cfg.n_layers)})}
+def rope_tables(cfg: Config, T: int, dtype, ops=reference_ops) -> list:
+    """The (cos, sin) tables [T, hd/2] of each of cfg's RoPE kinds (Config.rope_kinds; [] without RoPE)."""
+    return [ops.rope_tables(T, f, dtype) for f in cfg.rope_kinds()[0]]
 
 
 def required_ops(cfg: Config) -> list[str]:

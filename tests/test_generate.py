@@ -95,7 +95,7 @@ def test_rope_tables_grow_as_positions_are_reached(fused, monkeypatch):
     assert cache.rope.tables[0].shape[1:] == (256, cfg.head_dim // 2)
     got.append(forward_cached(cfg, model.params, ids[:, 200:], cache, fused=W))
     assert cache.rope.tables[0].shape[1] == 512
-    cos, sin = ops.rope_tables(512, cfg.head_dim, cfg.rope_theta, np.float32)
+    cos, sin = ops.rope_tables(512, cfg.layer_freqs(0), np.float32)
     assert np.array_equal(cache.rope.tables[0][0], cos) and np.array_equal(cache.rope.tables[1][0], sin)
     assert rel_err(np.concatenate(got, axis=2), forward(cfg, model.params, ids)[0]) <= 1e-5
     assert new_cache(cfg, max_len=100).rope.upto(90)[0].shape[1] == 100  # never past the cache's positions

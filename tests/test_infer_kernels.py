@@ -329,7 +329,7 @@ cfg = tiny_config(vocab_size=11, dim=8, n_heads=1, n_kv_heads=1, n_layers=1, ctx
 W = fuse_weights(cfg, Model.init(cfg, seed=0).params)["decode"]
 n = 70000
 assert n * cfg.n_kv_heads > 0xFFFF and n * cfg.n_heads * cfg.head_dim >= pool.POOLED_ATTENTION
-cos, sin = (t[None] for t in ops.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np.float32))
+cos, sin = (t[None] for t in ops.rope_tables(cfg.ctx_len, cfg.layer_freqs(0), np.float32))
 x = np.random.default_rng(0).standard_normal((n, cfg.dim)).astype(np.float32)
 out = []
 for threads in (2, 1):

@@ -42,7 +42,7 @@ def _random_inputs(dtype, seed=0):
 def test_ops_keep_dtype(dtype):
     r = _random_inputs(dtype)
     B, T, d = 2, 6, 8
-    cos, sin = ops.rope_tables(T, d, 10000.0, dtype)
+    cos, sin = ops.rope_tables(T, ops.inv_freq(d, 10000.0), dtype)
     outs = [
         ops.linear_forward(r(B, T, d), r(4, d))[0],
         ops.rmsnorm_forward(r(B, T, d), r(d), 1e-5)[0],
@@ -90,7 +90,7 @@ def test_attention_is_causal_and_grouped():
 
 def test_rope_rotate_half_pairs_i_with_i_plus_half():
     hd = 8
-    cos, sin = ops.rope_tables(3, hd, 10000.0, np.float64)
+    cos, sin = ops.rope_tables(3, ops.inv_freq(hd, 10000.0), np.float64)
     x = np.zeros((1, 1, 3, hd))
     x[..., 1] = 1.0  # pair (1, 5)
     y, _ = ops.rope_forward(x, cos, sin)

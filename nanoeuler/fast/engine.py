@@ -129,7 +129,7 @@ class Workspace:
         self.ropes = []
         for i in range(L):                 # each layer's RoPE tables (no RoPE: the identity, cos 1, sin 0)
             if a.positions == "rope":
-                self.ropes.append(ops.rope_tables(T, hd, cfg.layer_theta(i), dt))
+                self.ropes.append(ops.rope_tables(T, cfg.layer_freqs(i), dt))
             else:
                 self.ropes.append((np.ones((T, hd2), dt), np.zeros((T, hd2), dt)))
         self.windows = [cfg.window(i) for i in range(L)]

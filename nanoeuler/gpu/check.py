@@ -123,10 +123,10 @@ def kernel_sections(seed: int = 0) -> list[tuple[str, object]]:
         _, r32 = gen(2)
         B, H, T, hd = 2, 3, 11, 16
         x, dy = r32(B, H, T, hd), r32(B, H, T, hd)
-        cos, sin = ref.rope_tables(T, hd, 10000.0, np.float64)
+        cos, sin = ref.rope_tables(T, ref.inv_freq(hd, 10000.0), np.float64)
         y_ref, c_ref = ref.rope_forward(f64(x), cos, sin)
         ops32 = gpu_ops("f32")
-        cg, sg = ops32.rope_tables(T, hd, 10000.0, np.float32)
+        cg, sg = ops32.rope_tables(T, ref.inv_freq(hd, 10000.0), np.float32)
         y, c = ops32.rope_forward(g(x), cg, sg)
         return [_row("rope forward", y, y_ref),
                 _row("rope backward", ops32.rope_backward(g(dy), c), ref.rope_backward(f64(dy), c_ref))]
@@ -277,8 +277,8 @@ def check_bf16_outputs(seed: int = 0) -> list[Row]:
     rng = np.random.default_rng(seed)
     ops16 = GpuOps("bf16", tensor_core_attention=False)  # rope emits bf16 whenever attention reads bf16
     x = rng.standard_normal((2, 3, 11, 16)).astype(np.float32)
-    cos, sin = ref.rope_tables(11, 16, 10000.0, np.float64)
-    y, _ = ops16.rope_forward(cp.asarray(x), *ops16.rope_tables(11, 16, 10000.0, np.float32))
+    cos, sin = ref.rope_tables(11, ref.inv_freq(16, 10000.0), np.float64)
+    y, _ = ops16.rope_forward(cp.asarray(x), *ops16.rope_tables(11, ref.inv_freq(16, 10000.0), np.float32))
     g, u = (rng.standard_normal((5, 301)).astype(np.float32) * 3 for _ in range(2))
     h, _ = ops16.swiglu_forward(cp.asarray(g), cp.asarray(u))
     assert y.dtype == cp.uint16 and h.dtype == cp.uint16

@@ -280,12 +280,14 @@ class GpuOps:
         return dx.reshape(shape), dw
 
     # rope
-    def rope_tables(self, T, head_dim, theta, dtype, start=0):
-        """cos, sin [T, head_dim/2] on the device (computed in float64 on the host, cached)."""
+    def rope_tables(self, T, freqs, dtype, start=0):
+        """cos, sin [T, hd/2] at inverse frequencies freqs [hd/2] on the device (computed in float64 on the host,
+        cached by the frequencies: any RoPE scaling is in them, the kernels read only the tables)."""
         cp = require_cupy()
-        key = (T, head_dim, float(theta), np.dtype(dtype).str, start)
+        freqs = np.asarray(freqs, np.float64)
+        key = (T, freqs.tobytes(), np.dtype(dtype).str, start)
         if key not in self._rope_cache:
-            cos, sin = reference_ops.rope_tables(T, head_dim, theta, np.float32, start)
+            cos, sin = reference_ops.rope_tables(T, freqs, np.float32, start)
             self._rope_cache[key] = (cp.asarray(cos), cp.asarray(sin))
         return self._rope_cache[key]
 

@@ -18,21 +18,22 @@ from ..config import Config
 
 
 class Rope:
-    """The RoPE tables of each base the layers use, made as positions are reached: `upto(n)` -> (cos, sin)
-    [kinds, m, hd/2] for positions 0 .. m-1, m >= n, the tables doubling up to max_len as a sequence grows
-    (a 32,768-position context does not make 64 MiB of tables for a short reply). No RoPE: 0 kinds."""
+    """The RoPE tables of each kind of layer (Config.rope_kinds: its inverse frequencies [hd/2]), made as
+    positions are reached: `upto(n)` -> (cos, sin) [kinds, m, hd/2] for positions 0 .. m-1, m >= n, the
+    tables doubling up to max_len as a sequence grows (a 32,768-position context does not make 64 MiB of
+    tables for a short reply). No RoPE: 0 kinds."""
 
-    def __init__(self, thetas: list[float], head_dim: int, max_len: int, dtype):
-        self.thetas, self.head_dim, self.max_len, self.dtype = thetas, head_dim, max_len, dtype
-        empty = np.zeros((len(thetas), 0, head_dim // 2), dtype)
+    def __init__(self, freqs: list[np.ndarray], head_dim: int, max_len: int, dtype):
+        self.freqs, self.max_len, self.dtype = freqs, max_len, dtype
+        empty = np.zeros((len(freqs), 0, head_dim // 2), dtype)
         self.tables = empty, empty  # (cos, sin), replaced together: a reader never sees one grown alone
 
     def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = self.tables
-        if n > cos.shape[1] and self.thetas:
+        if n > cos.shape[1] and self.freqs:
             m = min(self.max_len, max(n, 2 * cos.shape[1], 256))
-            made = [ops.rope_tables(m, self.head_dim, t, self.dtype) for t in self.thetas]
-            cos = np.array([c for c, _ in made], self.dtype).reshape(len(self.thetas), m, -1)
+            made = [ops.rope_tables(m, f, self.dtype) for f in self.freqs]
+            cos = np.array([c for c, _ in made], self.dtype).reshape(len(self.freqs), m, -1)
             sin = np.array([s for _, s in made], self.dtype).reshape(cos.shape)
             self.tables = cos, sin
         return cos, sin
@@ -77,10 +78,10 @@ def new_cache(cfg: Config, batch: int = 1, max_len: int | None = None, dtype=np.
     max_len = max_len or cfg.ctx_len
     dtype = np.float32 if np.dtype(dtype) == np.float16 else dtype
     shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-    thetas = sorted({cfg.layer_theta(i) for i in range(cfg.n_layers)}) if cfg.spec.positions == "rope" else []
-    kind = np.array([thetas.index(cfg.layer_theta(i)) if thetas else -1 for i in range(cfg.n_layers)], np.int64)
+    freqs, kind = cfg.rope_kinds()
     k, v = zeros_as_written(shape, dtype), zeros_as_written(shape, dtype)
-    return KVCache(list(k), list(v), Rope(thetas, cfg.head_dim, max_len, dtype), kind, store=(k, v, 0))
+    return KVCache(list(k), list(v), Rope(freqs, cfg.head_dim, max_len, dtype), np.array(kind, np.int64),
+                   store=(k, v, 0))
 
 
 def zeros_as_written(shape: tuple, dtype) -> np.ndarray:

@@ -17,7 +17,7 @@ from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward, lora_merge
 from .position import position_backward, position_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
-from .rope import rope_backward, rope_forward, rope_tables
+from .rope import inv_freq, llama3_factors, rope_backward, rope_forward, rope_tables
 from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "Dropout", "dropout_forward", "dropout_backward",
     "mtp_targets", "mtp_loss_forward", "mtp_loss_backward", "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward", "lora_forward", "lora_backward", "lora_merge",
-    "rmsnorm_forward", "rmsnorm_backward", "rope_tables",
+    "rmsnorm_forward", "rmsnorm_backward", "rope_tables", "inv_freq", "llama3_factors",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
     "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "geglu_forward", "geglu_backward",
     "bias_forward", "bias_backward",

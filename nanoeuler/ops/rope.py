@@ -1,16 +1,42 @@
 """Rotary position embedding, rotate-half pairing (dimension i rotates with i + hd/2, as HF Llama).
 
-For position t and pair i < hd/2 the angle is t · θ^(−2i/hd); the pair (a, b) = (x[i], x[i + hd/2])
-becomes (a·cos − b·sin, b·cos + a·sin). A rotation's transpose is the rotation by −angle, so the
-backward is the same formula with sin negated.
+For position t and pair i < hd/2 the angle is t · f_i, f the layer's inverse frequencies; the pair
+(a, b) = (x[i], x[i + hd/2]) becomes (a·cos − b·sin, b·cos + a·sin). A rotation's transpose is the rotation
+by −angle, so the backward is the same formula with sin negated.
+
+The inverse frequencies are θ^(−2i/hd) divided by a factor per pair (`inv_freq`): 1 for plain RoPE, the
+factor for `linear` scaling, and for `llama3` (transformers' _compute_llama3_parameters) 1 on the fast pairs
+(wavelength 2π/f below original_ctx / high_freq_factor), the factor on the slow ones (above original_ctx /
+low_freq_factor), and between them a blend. llama.cpp stores such factors as a tensor (`rope_freqs`):
+
+    wavelengths 2π/f:   6.3 (fast)   4096 (between 2048 and 8192)   62832 (slow)
+    llama3_factors(2π / np.array([6.3, 4096, 62832]), factor=8, low_freq_factor=1, high_freq_factor=4,
+                   original_ctx=8192) -> [1.0, 2.4, 8.0]     (4096: smooth = (8192/4096 − 1) / 3 = 1/3,
+                                                              1 / ((1 − 1/3) / 8 + 1/3) = 2.4)
 """
 import numpy as np
 
 
-def rope_tables(T, head_dim, theta, dtype, start=0):
-    """cos, sin tables [T, head_dim/2] for positions start .. start+T-1 (computed in float64, then cast)."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
-    angles = np.arange(start, start + T, dtype=np.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
+def inv_freq(head_dim, theta, factors=None):
+    """The inverse frequencies [hd/2] (float64) of base θ, each divided by its factor (None: plain RoPE).
+    inv_freq(4, 100.0) -> [1.0, 0.1]; inv_freq(4, 100.0, [2.0, 2.0]) -> [0.5, 0.05]"""
+    f = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
+    return f if factors is None else f / np.asarray(factors, np.float64)
+
+
+def llama3_factors(freqs, factor, low_freq_factor, high_freq_factor, original_ctx):
+    """The `llama3` divisor of each inverse frequency freqs [hd/2] (see the module docstring)."""
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)  # 0 slow .. 1 fast
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original_ctx / high_freq_factor, 1.0,
+                    np.where(wavelen > original_ctx / low_freq_factor, factor, blend))
+
+
+def rope_tables(T, freqs, dtype, start=0):
+    """cos, sin tables [T, hd/2] for positions start .. start+T-1 at inverse frequencies freqs [hd/2]
+    (computed in float64, then cast)."""
+    angles = np.arange(start, start + T, dtype=np.float64)[:, None] * np.asarray(freqs, np.float64)[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 

@@ -112,7 +112,11 @@ def check_ops(seed: int = 0) -> list[Row]:
     rng = np.random.default_rng(seed)
     r = lambda *shape: rng.standard_normal(shape)
     B, T, d, V = 2, 5, 8, 11
-    cos, sin = ops.rope_tables(T, d, 10000.0, np.float64)
+    cos, sin = ops.rope_tables(T, ops.inv_freq(d, 10000.0), np.float64)
+    # llama3-scaled frequencies: factor 8, low / high 1 / 4, an original context of 100 positions, which puts
+    # the 4 wavelengths (6.3, 63, 628, 6283) in all three regimes (unscaled, blended, divided by 8)
+    plain = ops.inv_freq(d, 10000.0)
+    scaled = ops.rope_tables(T, plain / ops.llama3_factors(plain, 8.0, 1.0, 4.0, 100), np.float64)
     rows = []
     rows += _check_op("linear", ops.linear_forward, ops.linear_backward, [r(B, T, d), r(6, d)], rng)
     W, drop_in = r(6, d), ops.Dropout(0.3, seed).mask(site=2, rows=B * T, width=d, dtype=np.float64).reshape(B, T, d)
@@ -123,6 +127,8 @@ def check_ops(seed: int = 0) -> list[Row]:
     rows += _check_op("rmsnorm", lambda x, w: ops.rmsnorm_forward(x, w, 1e-5), ops.rmsnorm_backward,
                       [r(B, T, d), r(d)], rng)
     rows += _check_op("rope", lambda x: ops.rope_forward(x, cos, sin), ops.rope_backward, [r(B, 2, T, d)], rng)
+    rows += _check_op("rope (llama3 scaling)", lambda x: ops.rope_forward(x, *scaled), ops.rope_backward,
+                      [r(B, 2, T, d)], rng)
     rows += _check_op("swiglu", ops.swiglu_forward, ops.swiglu_backward, [r(B, T, d), r(B, T, d)], rng)
     drop_mask = ops.Dropout(0.3, seed).mask(site=1, rows=B * T, width=d, dtype=np.float64).reshape(B, T, d)
     rows += _check_op("dropout", lambda x: ops.dropout_forward(x, drop_mask), ops.dropout_backward, [r(B, T, d)], rng)

@@ -1,0 +1,84 @@
+"""RoPE through one entry point (Config.layer_freqs): plain, linear and llama3 scaling as transformers computes
+them, windowed layers plain at their own base, the fields in config.json, and bad fields refused in one line.
+(The scaled op's finite-difference row: training/check.py's check_ops; every engine on a scaled model:
+test_fast.py and test_archs_decode.py, config "llama3"; against transformers: test_archs.py.)"""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config as tiny
+from nanoeuler import Config
+from nanoeuler.errors import UserError
+
+# head 8 at θ 100: wavelengths 6.3, 20, 63, 199, against an original context of 64 (bounds 16 and 64):
+# one pair unscaled, two blended, one divided by the factor
+LLAMA3 = dict(rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_low_freq_factor=1.0,
+              rope_high_freq_factor=4.0, rope_original_ctx=64)
+
+
+def tiny_config(**changes) -> Config:
+    """conftest's tiny config with heads of 8 (4 rotated pairs)."""
+    return tiny(dim=32, **changes)
+
+
+def plain(cfg: Config) -> np.ndarray:
+    return 100.0 ** (-np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
+
+
+def test_llama3_and_linear_frequencies_are_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = tiny_config(**LLAMA3)
+    theirs = transformers.LlamaConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    want = ROPE_INIT_FUNCTIONS["llama3"](theirs)[0].to(torch.float64).numpy()
+    got = cfg.layer_freqs(0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)           # transformers computes in float32
+    # wavelength 20: smooth = (64/20 − 1)/3 = 0.74, 1 / (0.26/4 + 0.74) = 1.24; 63: smooth 0.006, factor 3.93
+    np.testing.assert_allclose(plain(cfg) / got, [1.0, 1.2418, 3.9270, 4.0], atol=1e-4)
+    np.testing.assert_array_equal(tiny_config(rope_theta=100.0, rope_scaling="linear", rope_factor=2.0)
+                                  .layer_freqs(0), plain(cfg) / 2)
+
+
+def test_windowed_layers_keep_plain_rope_at_their_own_base():
+    """Gemma 3 (window, every 2nd layer global) with linear scaling: the global layers scaled, the windowed
+    ones plain at rope_local_theta; rope_kinds groups the layers by their frequencies."""
+    cfg = tiny_config(arch="gemma3", n_layers=4, sliding_window=4, global_every=2, rope_theta=100.0,
+                      rope_local_theta=10.0, rope_scaling="linear", rope_factor=8.0)
+    freqs, kinds = cfg.rope_kinds()
+    assert kinds == [0, 1, 0, 1]
+    np.testing.assert_array_equal(freqs[0], 10.0 ** (-np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    np.testing.assert_array_equal(freqs[1], plain(cfg) / 8)
+    assert tiny_config(arch="gpt2").rope_kinds() == ([], [-1])
+
+
+def test_scaling_fields_in_config_json_and_old_configs_unchanged(tmp_path):
+    old = tiny_config()
+    assert not any(k.startswith("rope_") and k != "rope_theta" for k in old.to_dict())
+    factors = tiny_config(rope_scaling="factors", rope_freq_factors=[1, 2, 3, 4])
+    for cfg in (tiny_config(**LLAMA3), factors):
+        cfg.save(tmp_path / "config.json")
+        assert Config.load(tmp_path / "config.json") == cfg
+    np.testing.assert_array_equal(factors.layer_freqs(0) * [1, 2, 3, 4], tiny_config().layer_freqs(0))
+    assert json.loads((tmp_path / "config.json").read_text())["rope_freq_factors"] == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_scaling="yarn"), "rope_scaling must be one of none, linear, llama3, factors"),
+    (dict(rope_scaling="linear", rope_factor=0.0), "rope_factor must be a finite number > 0"),
+    (dict(rope_scaling="llama3", rope_low_freq_factor=4.0), "rope_low_freq_factor 4.0 must be below"),
+    (dict(rope_scaling="llama3", rope_original_ctx=1.5), "rope_original_ctx must be a positive integer"),
+    (dict(rope_scaling="factors", rope_freq_factors=[1.0, 2.0]), "rope_freq_factors must be 4 finite numbers"),
+    (dict(rope_scaling="factors", rope_freq_factors=[1.0, 2.0, 0.0, 1.0]), "rope_freq_factors must be 4 finite"),
+    (dict(rope_freq_factors=[1.0, 1.0, 1.0, 1.0]), "rope_freq_factors goes with rope_scaling \"factors\""),
+    (dict(rope_scaling="factors"), "rope_freq_factors goes with rope_scaling \"factors\""),
+    (dict(arch="gemma3", sliding_window=4, global_every=0, rope_scaling="linear", rope_factor=2.0),
+     "every layer is windowed"),
+])
+def test_bad_scaling_fields_are_refused_in_one_line(change, message):
+    with pytest.raises(UserError, match=message) as e:
+        tiny_config(**change)
+    assert "\n" not in str(e.value)
