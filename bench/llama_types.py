@@ -75,8 +75,8 @@ def bytes_per_token(path: Path) -> int:
 
 
 def ours_types() -> set[str]:
-    from nanoeuler.cli.sample import DTYPES
-    return {t for t in GGUF_TYPES if OURS.get(t, t) in DTYPES}
+    from nanoeuler.infer.quant import decodable
+    return {t for t in GGUF_TYPES if OURS.get(t, t) in decodable()}
 
 
 class Ours:

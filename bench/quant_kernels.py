@@ -43,7 +43,7 @@ SHAPES = {  # layers, d, qkv outputs, ffn, vocab
     "llama512": (30, 512, (8 + 2 * 4) * 64, 1536, 49152),
     "big": (4, 384, (6 + 2 * 2) * 64, 1024, 4096),
 }
-TYPES = ("float32", "float16") + quant.BLOCK_TYPES
+TYPES = quant.decodable()
 FLOAT_X = ("q8_0", "q4_0", "q4_1")  # the types _float_panel_intrinsic reads
 
 

@@ -41,10 +41,11 @@ def form(model, path: Path, gguf_type: str):
     """(the model as decoding runs it at gguf_type, how): the engine's own form where it has the type, else
     the file's weights dequantized to float32."""
     from nanoeuler import Model
-    from nanoeuler.cli.sample import DTYPES, decoding_model
+    from nanoeuler.cli.sample import decoding_model
+    from nanoeuler.infer.quant import decodable
     from nanoeuler.interop.gguf_import import load_gguf
     dtype = OURS.get(gguf_type, gguf_type)
-    if dtype in DTYPES:
+    if dtype in decodable():
         return decoding_model(model, SimpleNamespace(dtype=dtype)), "engine"
     cfg, params, _, _ = load_gguf(path)  # head 0 only (what bpb and plain greedy decoding read)
     return Model(cfg, params), "dequantized"

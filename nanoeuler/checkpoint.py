@@ -431,7 +431,7 @@ def source_blocks(run_dir) -> dict[str, np.ndarray] | None:
     in / block] (infer/quant.py), F16 as float16 — mapped read-only; None when the checkpoint has none, or when
     its weights are no longer the ones they were imported with (source.json's `weights` records the
     model.safetensors they belong to: its size and modification time; any save replaces that file)."""
-    from .infer.quant import BLOCK_TYPES, WTYPES
+    from .infer.quant import block_types, of_gguf
     src = read_source(run_dir)
     path = Path(run_dir)
     if src is None or not (path / SOURCE_BLOCKS).is_file():
@@ -441,11 +441,13 @@ def source_blocks(run_dir) -> dict[str, np.ndarray] | None:
         return None
     out = {}
     for name, a in map_tensors(path / SOURCE_BLOCKS, "checkpoint source blocks").items():
-        kind = str(src["tensor_types"].get(name, "")).lower()
-        if kind == "f16" and a.dtype == np.float16:
+        kind = str(src["tensor_types"].get(name, ""))
+        t = of_gguf(kind)
+        if kind == "F16" and a.dtype == np.float16:
             out[name] = a
-        elif kind in BLOCK_TYPES and a.dtype == np.uint8 and a.ndim == 2 and a.shape[1] % WTYPES[kind].nbytes == 0:
-            out[name] = a.view(f"V{WTYPES[kind].nbytes}")
+        elif t is not None and t.name in block_types() and a.dtype == np.uint8 and a.ndim == 2 \
+                and a.shape[1] % t.nbytes == 0:
+            out[name] = a.view(t.dtype)
         else:
             raise UserError(f"{path / SOURCE_BLOCKS}: tensor {name!r:.60} is not what source.json says ({kind or 'no type'})")
     return out

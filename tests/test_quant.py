@@ -30,9 +30,9 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 needs_qkernels = pytest.mark.skipif(not qk.AVAILABLE, reason="this CPU has neither AVX2 nor AVX512-VNNI")
 RUNNABLE = qk.ISAS[qk.ISAS.index(qk.ISA):]  # the kernels' instruction sets this CPU runs: its own and those below
-TYPES = quant.QUANTIZABLE            # q8_0, q4_0, q4_1, q5_0, q5_1: quantized here as gguf does
+TYPES = quant.quantizable()          # q8_0, q4_0, q4_1, q5_0, q5_1: quantized here as gguf does
 K_TYPES = ("q4_k", "q5_k", "q6_k")   # read from files only
-ALL = quant.BLOCK_TYPES
+ALL = quant.block_types()
 
 
 def blocks_to_test(rng):
@@ -495,7 +495,7 @@ def k_model(name, seed=0):
         blocks = B.reshape(-1, t.nbytes)
         for at in ((208,) if name == "q6_k" else (0, 2)):
             blocks[:, at:at + 2] = (blocks[:, at:at + 2].copy().view(np.float16) * f).astype(np.float16).view(np.uint8)
-        P[n] = B.view(f"V{t.nbytes}")
+        P[n] = B.view(t.dtype)
     return QuantizedModel.from_blocks(KCFG, P)
 
 
@@ -786,7 +786,7 @@ def k_type_file(name, path):
         f = np.float32(0.05) / quant.dequantize(B, name, p.shape[1]).std()
         for at in ((208,) if name == "q6_k" else (0, 2)):
             blocks[:, at:at + 2] = (blocks[:, at:at + 2].copy().view(np.float16) * f).astype(np.float16).view(np.uint8)
-        P[n] = B.view(f"V{t.nbytes}")
+        P[n] = B.view(t.dtype)
         m.params[n] = quant.dequantize(B, name, p.shape[1])
         gname = {"embed.weight": "token_embd.weight", "heads.0.weight": "output.weight"}.get(n)
         gname, rows = (gname, B) if gname else layer_tensor(cfg, n, B)
@@ -915,18 +915,13 @@ def test_a_low_precision_model_keeps_no_float32_matrices(name, monkeypatch):
         np.testing.assert_array_equal(linear(x, W[key]), linear(x, ref[key]))
 
 
-def test_the_cli_dtypes_are_the_engines_weight_types(monkeypatch):
-    """`--dtype`'s choices (cli/sample.DTYPES, kept beside the CLI so that --help imports no numba) name every
-    type the engine decodes, the engine takes each it can quantize (the K types: refused), and an imported file
-    decodes in each of those (SOURCE_DTYPES): a type added to one list fails here."""
-    from nanoeuler.cli.sample import DTYPES, SOURCE_DTYPES
-    from nanoeuler.infer import quant
+def test_the_engine_takes_every_dtype_the_cli_offers(monkeypatch):
+    """Every `--dtype` choice (quant.decodable()) is a type the engine decodes: each it can quantize is made,
+    the K types are refused in one line (we cannot make their blocks)."""
     from nanoeuler.infer.weights import for_dtype
-    assert set(DTYPES) == {"float32", "float16", *quant.BLOCK_TYPES}
-    assert set(SOURCE_DTYPES.values()) == {"float32", "float16", *quant.QUANTIZABLE}
     monkeypatch.setattr(qk, "AVAILABLE", True)  # (nothing is multiplied here)
     m = qmodel()
-    for dtype in DTYPES:
+    for dtype in quant.decodable():
         if dtype in K_TYPES:
             with pytest.raises(UserError, match="cannot quantize"):
                 for_dtype(m, dtype)

@@ -22,7 +22,8 @@ def register(sub) -> None:
                                    "peak resident memory.")
     p.add_argument("preset", nargs="?", default=None, help="preset or config.json (default small)")
     from .args import nonneg_int, positive_int
-    from .sample import DTYPES, add_threads_arg
+    from ..infer.quant import decodable
+    from .sample import add_threads_arg
     p.add_argument("--batch-size", type=positive_int, default=None, help="default: 32 for small, 16 otherwise")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: the config's)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 10)")
@@ -38,7 +39,7 @@ def register(sub) -> None:
                              "--warmup, pp and tg interleaved")
     d.add_argument("--decode", action="store_true", help="measure decoding instead of training (needs --ckpt)")
     d.add_argument("--ckpt", default=None, help="checkpoint directory or .gguf file to decode")
-    d.add_argument("--dtype", choices=DTYPES, default=None,
+    d.add_argument("--dtype", choices=decodable(), default=None,
                    help="the weights while decoding (default: as `sample` decodes the checkpoint: float32, an "
                         "imported or .gguf model in its file's type)")
     add_threads_arg(d)

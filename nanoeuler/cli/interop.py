@@ -33,11 +33,12 @@ def register(sub) -> None:
                         "gguf-lora: an adapter run's LoRA adapters as a llama.cpp adapter file (float32) for the "
                         "base's gguf export")
     e.add_argument("--out", required=True, help="output folder (hf, peft) or .gguf file (gguf, gguf-lora)")
+    from ..infer.quant import from_float
     e.add_argument("--dtype", default=None,
-                   help="hf: float32 (default), bfloat16, float16; gguf: float32, float16, q8_0, q4_0, q4_1, q5_0, "
-                        "q5_1 (f32 and f16, llama.cpp's names, too; default: float32, or for a checkpoint imported from "
-                        "a GGUF file its matrices as that file held them, byte for byte); peft and gguf-lora write "
-                        "float32 adapters and take none")
+                   help=f"hf: float32 (default), bfloat16, float16; gguf: {', '.join(from_float())} (f32 and f16, "
+                        f"llama.cpp's names, too; default: float32, or for a checkpoint imported from a GGUF file its "
+                        f"matrices as that file held them, byte for byte); peft and gguf-lora write float32 adapters "
+                        f"and take none")
     e.add_argument("--force", action="store_true", help="replace an existing output")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.add_argument("--json", action="store_true", help="print one JSON object describing the result")

@@ -47,21 +47,20 @@ def add_sampling_args(p, temperature: float, max_new: int) -> None:
                    help="one token per forward. By default greedy decoding (--temperature 0) drafts the tokens "
                         "that followed the last occurrence of the last 3 and verifies them with head 0 in one "
                         "forward: the same text in fewer forwards. Sampling is always one token per forward")
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="the weights while decoding (default float32; a checkpoint imported from a GGUF file: the "
-                        "type most of its matrices had there). float16 rounds them to half precision and computes "
-                        "in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token. q8_0, q4_0, "
-                        "q4_1, q5_0, q5_1: GGUF's blocks of 32 weights (8, 4 or 5 bits + a float16 scale), "
-                        "quantized at load as gguf rounds them and multiplied in integers with 8-bit activations, "
-                        "as llama.cpp runs such a file (needs AVX2 or AVX512-VNNI): 1.06 / 0.56 / 0.62 / 0.69 / 0.75 bytes "
-                        "per weight. q4_k, q5_k, q6_k (256-weight super-blocks) are decoded only as read from a "
-                        "file: a float model is refused (we do not reproduce llama.cpp's search that makes them). "
-                        "Logits move (float16 ~1e-3 relative, q8_0 ~1e-2), so a text can differ")
-
-
-DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
-                 "Q5_1": "q5_1"}  # the file types a float32 import is quantized back to (no K types: see --dtype)
+    from ..infer.quant import WTYPES, block_types, decodable, quantizable
+    made = quantizable()
+    p.add_argument("--dtype", choices=decodable(), default=None,
+                   help=f"the weights while decoding (default float32; a checkpoint imported from a GGUF file: the "
+                        f"type most of its matrices had there). float16 rounds them to half precision and computes "
+                        f"in float32, as llama.cpp runs an f16 GGUF: half the bytes read per token. "
+                        f"{', '.join(made)}: GGUF's blocks of 32 weights (8, 4 or 5 bits + a float16 scale), "
+                        f"quantized at load as gguf rounds them and multiplied in integers with 8-bit activations, "
+                        f"as llama.cpp runs such a file (needs AVX2 or AVX512-VNNI): "
+                        f"{' / '.join(f'{WTYPES[n].bytes_per_weight:.2f}' for n in made)} bytes per weight. "
+                        f"{', '.join(n for n in block_types() if n not in made)} (256-weight super-blocks) are "
+                        f"decoded only as read from a file: a float model is refused (we do not reproduce "
+                        f"llama.cpp's search that makes them). Logits move (float16 ~1e-3 relative, q8_0 ~1e-2), "
+                        f"so a text can differ")
 
 
 def source_dtype(ckpt) -> str:
@@ -73,12 +72,16 @@ def source_dtype(ckpt) -> str:
 
 def dtype_of_source(src: dict | None) -> str:
     """The --dtype of a GGUF import's source record (source.json's dict; None: not imported): the type most of
-    its matrices had in the file (Q8_0 -> q8_0, ...; a type we do not decode -> float32)."""
+    its matrices had in the file (Q8_0 -> q8_0, ...; a type a float32 model cannot be put in again, the K
+    types included (see --dtype) -> float32)."""
     from collections import Counter
+
+    from ..infer.quant import from_float, of_gguf
     if src is None:
         return "float32"
     kinds = Counter(str(t) for name, t in src["tensor_types"].items() if "norm" not in name)
-    return SOURCE_DTYPES.get(kinds.most_common(1)[0][0], "float32") if kinds else "float32"
+    t = of_gguf(kinds.most_common(1)[0][0]) if kinds else None
+    return t.name if t is not None and t.name in from_float() else "float32"
 
 
 def decoding_model(model, args):
@@ -160,8 +163,9 @@ def check_sampling_args(args) -> None:
         raise UserError("--max-new-tokens must be an integer >= 1")
     if args.seed is not None and (type(args.seed) is not int or args.seed < 0):
         raise UserError("--seed must be an integer >= 0")
-    if getattr(args, "dtype", None) not in (None, *DTYPES):
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}")
+    from ..infer.quant import decodable
+    if getattr(args, "dtype", None) not in (None, *decodable()):
+        raise UserError(f"--dtype must be one of {', '.join(decodable())}")
 
 
 class StdoutStream:

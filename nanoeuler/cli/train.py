@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .sample import DTYPES
 
 BUNDLED_DATA = Path("data/shakespeare")
 
@@ -57,10 +56,11 @@ def register(sub) -> None:
     e.add_argument("--max-batches", type=nonneg_int, default=0, help="evaluate only this many batches (0 = all)")
     e.add_argument("--seq-len", type=positive_int, default=None, metavar="T",
                    help="tokens per validation window (default: the model's context)")
-    e.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="score the model as decoding holds it at this weight type (float32, float16, q8_0, q4_0, "
-                        "q4_1, q5_0, q5_1; `sample --help`): each validation row through the KV-cache decoding "
-                        "step. Default: the training forward (float32)")
+    from ..infer.quant import decodable, from_float
+    e.add_argument("--dtype", choices=decodable(), default=None,
+                   help=f"score the model as decoding holds it at this weight type ({', '.join(from_float())}; "
+                        f"`sample --help`): each validation row through the KV-cache decoding step. Default: the "
+                        f"training forward (float32)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(run=run_eval)
 

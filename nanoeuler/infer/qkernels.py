@@ -54,16 +54,17 @@ from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from ..errors import UserError
-from .quant import QK, QK_K, WTYPES, unpack
+from .quant import QK, QK_K, WTYPES, block_types, unpack
 
 LANES = 16            # int32 / float32 lanes of one AVX-512 vector: outputs per vector
 VECS = 4              # vectors of outputs per panel
 PANEL = LANES * VECS  # outputs per panel, the unit of work a thread takes
 MAX_R = 4             # rows of X sharing one pass over a panel
-# kernel kinds (gemv.py's: 0 float32, 1 float16; pool.py's: 2 attention); from K_KINDS on, 256-weight super-blocks
-KINDS = {"q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7, "q4_k": 8, "q5_k": 9, "q6_k": 10}
-K_KINDS = 8
-Q4_1, Q5_1 = KINDS["q4_1"], KINDS["q5_1"]  # their activations are Q8_1 (block sums kept as d·Σq in float16)
+# kernel kinds, from the weight types' rows (gemv.py's: 0 float32, 1 float16; pool.py's: 2 attention); from K_KINDS on,
+# 256-weight super-blocks (activations Q8_K); Q8_1: the kinds whose activations keep block sums d·Σq in float16
+KINDS = {n: WTYPES[n].kind for n in block_types()}
+K_KINDS = min(KINDS[n] for n in KINDS if WTYPES[n].activations == "q8_k")
+Q8_1 = tuple(KINDS[n] for n in KINDS if WTYPES[n].activations == "q8_1")
 OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
@@ -121,7 +122,11 @@ def _geometry(name: str) -> Geometry:
 
 
 GEOMETRY = {name: _geometry(name) for name in KINDS}
-STRIDES = tuple(GEOMETRY[n].stride if n else 0 for n in [""] * 3 + list(KINDS))  # by kind: bytes of a panel's block
+NAMES = {k: n for n, k in KINDS.items()}  # kind -> its type's name
+# by kind: the bytes of a panel's block, by which kind_of tells the kind of a kernel form: no two alike
+STRIDES = tuple(GEOMETRY[NAMES[k]].stride if k in NAMES else 0 for k in range(max(NAMES) + 1))
+if len(set(STRIDES[min(NAMES):])) != len(NAMES):
+    raise ImportError("two kernel kinds have panels of the same bytes a block: kind_of could not tell them apart")
 
 
 def _per_panel(a: np.ndarray, P: int, nb: int) -> np.ndarray:
@@ -610,7 +615,7 @@ def _panel_intrinsic(kind: int, isa: str = ISA):
     addresses: the panel at w (nb blocks or super-blocks, see `pack`), xq int8 [k, n_in], xd, xs float32 (the
     activations' scales and sums: [k, nb] each, K kinds [k, nb] and [k, 16·nb]), t [k, PANEL] float32.
     One loop per row count (_block_loop, _super_block_loop), chosen by a switch on k."""
-    g = GEOMETRY[next(n for n, k in KINDS.items() if k == kind)]
+    g = GEOMETRY[NAMES[kind]]
     loop = (_block_loop if g.block == QK else _super_block_loop)(g, isa)
 
     def codegen(context, builder, sig, args):
@@ -776,7 +781,7 @@ def quantize_x(X, xq, xd, xs, kind):
     Q4_1 / Q5_1 (quant.quantize_x8_1), or Q8_K for the K kinds (quant.quantize_xk: xd [n, k / 256],
     xs [n, k / 16], _quantize_super_block)."""
     n, k = X.shape
-    width, q8_1 = block_inputs(kind), kind == Q4_1 or kind == Q5_1
+    width, q8_1 = block_inputs(kind), kind in Q8_1
     if X.strides[1] != 4 or xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
         raise ValueError("quantizing activations needs rows of contiguous elements")
     for r in range(n):

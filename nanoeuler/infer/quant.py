@@ -1,5 +1,13 @@
-"""Weight types for inference: float32, float16 and GGUF's block formats, one table entry each (`WTYPES`), in
-NumPy. The library needs no `gguf` for them; tests check them against `gguf.quants`.
+"""Weight types for inference: float32, float16 and GGUF's block formats, one row each of `WTYPES` (as llama.cpp's
+`type_traits`), in NumPy. The library needs no `gguf` for them; tests check them against `gguf.quants`.
+
+A row says everything about its type: its names (ours, GGUF's), its GGUF number, its block geometry, the dtype
+of its arrays, the decoding kernel that multiplies it and what that kernel makes of the activations, and its
+quantize / dequantize / unpack. Every list of types is derived from the table (`decodable`, `block_types`,
+`quantizable`, `from_float`: `--dtype`'s choices, what export writes, what import keeps, the kernels' dispatch),
+so a new type is one row. A type is known by its name, never by its size: a block type's arrays are records
+of one block's bytes whose dtype carries the name (np.dtype([("q4_0", "V18")])), and IQ4_NL, 18 bytes a block
+too, would be another dtype.
 
 A block format cuts each row of a weight matrix into blocks and keeps per block float16 scales and small
 integers q. Every one of them reads back as
@@ -46,14 +54,19 @@ QK_K = 256  # weights per super-block of the K types
 
 
 class WType(NamedTuple):
-    """One weight type: how a matrix is stored and read back.  WTYPES["q4_1"].bytes_per_weight -> 0.625"""
-    name: str
+    """One weight type, one row of WTYPES.  WTYPES["q4_1"].bytes_per_weight -> 0.625"""
+    name: str            # ours: --dtype's, the tables'
+    gguf: str            # GGUF's (a file's tensor type; source.json's tensor_types)
     ggml: int            # its GGMLQuantizationType number in a GGUF file
     block: int           # weights per block (1: a plain float type)
     nbytes: int          # bytes per block
+    dtype: np.dtype      # of its arrays: float32 / float16, or a block type's record of one block's bytes, named
+    kind: int | None     # the decoding kernel that reads it (gemv.py 0, 1; qkernels.KINDS from 3); None: none
+    activations: str | None  # what that kernel quantizes the activations to: q8_0, q8_1, q8_k (None: float32)
     quantize: Callable | None  # float32 [..., n] -> the stored form ([..., n / block · nbytes] uint8); None: cannot
     dequantize: Callable  # the stored form, n -> float32 [..., n]
     unpack: Callable | None = None  # a block type's blocks [N, nbytes] -> their Fields
+    scales: tuple[int, ...] = ()    # byte offsets of a block's float16 scales (d, m, dmin): finite in a sound file
 
     @property
     def bytes_per_weight(self) -> float:
@@ -256,28 +269,64 @@ def _blockwise(quantize_blocks: Callable | None, unpack_blocks: Callable, block:
     return (quantize if quantize_blocks else None), dequantize
 
 
-def _block_type(name: str, ggml: int, block: int, nbytes: int, quantize_blocks: Callable | None,
-                unpack_blocks: Callable, scales: tuple[int, ...] = (0,)) -> WType:
-    return WType(name, ggml, block, nbytes, *_blockwise(quantize_blocks, unpack_blocks, block, nbytes, scales),
-                 unpack_blocks)
+def _float_type(name: str, gguf: str, ggml: int, dtype, kind: int) -> WType:
+    dt = np.dtype(dtype)
+    return WType(name, gguf, ggml, 1, dt.itemsize, dt, kind, None,
+                 lambda W: np.asarray(W, np.float32).astype(dt, copy=False),
+                 lambda B, n: np.asarray(B, dt).astype(np.float32, copy=False))
 
 
-WTYPES: dict[str, WType] = {
-    "float32": WType("float32", 0, 1, 4, lambda W: np.asarray(W, np.float32),
-                     lambda B, n: np.asarray(B, np.float32)),
-    "float16": WType("float16", 1, 1, 2, lambda W: np.asarray(W, np.float32).astype(np.float16),
-                     lambda B, n: np.asarray(B, np.float16).astype(np.float32)),
-    "q8_0": _block_type("q8_0", 8, QK, 34, _q8_0, _u8_0),
-    "q4_0": _block_type("q4_0", 2, QK, 18, _q4_0, _u4_0),
-    "q4_1": _block_type("q4_1", 3, QK, 20, _q4_1, _u4_1, (0, 2)),
-    "q5_0": _block_type("q5_0", 6, QK, 22, _q5_0, _u5_0),
-    "q5_1": _block_type("q5_1", 7, QK, 24, _q5_1, _u5_1, (0, 2)),
-    "q4_k": _block_type("q4_k", 12, QK_K, 144, None, _u4_k),
-    "q5_k": _block_type("q5_k", 13, QK_K, 176, None, _u5_k),
-    "q6_k": _block_type("q6_k", 14, QK_K, 210, None, _u6_k),
-}
-BLOCK_TYPES = tuple(n for n, t in WTYPES.items() if t.unpack)  # the block types the kernels multiply (qkernels.KINDS)
-QUANTIZABLE = tuple(n for n in BLOCK_TYPES if WTYPES[n].quantize)  # those we can also make from float weights
+def _block_type(name: str, ggml: int, block: int, nbytes: int, kind: int, activations: str,
+                quantize_blocks: Callable | None, unpack_blocks: Callable, scales: tuple[int, ...] = (0,)) -> WType:
+    return WType(name, name.upper(), ggml, block, nbytes, np.dtype([(name, f"V{nbytes}")]), kind, activations,
+                 *_blockwise(quantize_blocks, unpack_blocks, block, nbytes, scales), unpack_blocks, scales)
+
+
+WTYPES: dict[str, WType] = {t.name: t for t in (
+    #           name       GGUF   ggml  dtype       kind
+    _float_type("float32", "F32", 0, np.float32, 0),
+    _float_type("float16", "F16", 1, np.float16, 1),
+    #           name    ggml  weights bytes  kind  activations  quantize  unpack  float16 scales at
+    _block_type("q8_0", 8, QK, 34, 3, "q8_0", _q8_0, _u8_0),
+    _block_type("q4_0", 2, QK, 18, 4, "q8_0", _q4_0, _u4_0),
+    _block_type("q4_1", 3, QK, 20, 5, "q8_1", _q4_1, _u4_1, (0, 2)),
+    _block_type("q5_0", 6, QK, 22, 6, "q8_0", _q5_0, _u5_0),
+    _block_type("q5_1", 7, QK, 24, 7, "q8_1", _q5_1, _u5_1, (0, 2)),
+    _block_type("q4_k", 12, QK_K, 144, 8, "q8_k", None, _u4_k, (0, 2)),
+    _block_type("q5_k", 13, QK_K, 176, 9, "q8_k", None, _u5_k, (0, 2)),
+    _block_type("q6_k", 14, QK_K, 210, 10, "q8_k", None, _u6_k, (208,)),
+)}
+
+
+# ---- the lists of types, each derived from the table --------------------------------------------------
+def decodable() -> tuple[str, ...]:
+    """The types decoding reads, each with its kernel: `--dtype`'s choices."""
+    return tuple(n for n, t in WTYPES.items() if t.kind is not None)
+
+
+def block_types() -> tuple[str, ...]:
+    """The block types decoding reads as blocks (a file's matrices kept as they are: import, sample FILE.gguf)."""
+    return tuple(n for n, t in WTYPES.items() if t.kind is not None and t.block > 1)
+
+
+def quantizable() -> tuple[str, ...]:
+    """The block types a float model's matrices are quantized to here (QuantizedModel); the K types are not."""
+    return tuple(n for n in block_types() if WTYPES[n].quantize is not None)
+
+
+def from_float() -> tuple[str, ...]:
+    """Every type a float model can be put in: export's --dtype, and what an import decodes in by default."""
+    return tuple(n for n, t in WTYPES.items() if t.kind is not None and t.quantize is not None)
+
+
+def of_dtype(dtype: np.dtype) -> WType | None:
+    """The type whose arrays have this dtype, or None.  of_dtype(np.dtype([("q4_0", "V18")])).name -> 'q4_0'"""
+    return next((t for t in WTYPES.values() if t.dtype == dtype), None)
+
+
+def of_gguf(name: str) -> WType | None:
+    """The type GGUF names `name` ("Q4_0", "F16"), or None."""
+    return next((t for t in WTYPES.values() if t.gguf == name), None)
 
 
 def wtype(name: str) -> WType:
@@ -292,7 +341,7 @@ def quantize(W: np.ndarray, name: str) -> np.ndarray:
     t = wtype(name)
     if t.quantize is None:
         raise UserError(f"cannot quantize to {name}: K-quant blocks are read from GGUF files (llama.cpp makes them "
-                        f"with an iterative search this library does not reproduce); one of {', '.join(QUANTIZABLE)}")
+                        f"with an iterative search this library does not reproduce); one of {', '.join(quantizable())}")
     return t.quantize(W)
 
 

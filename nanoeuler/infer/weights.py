@@ -1,16 +1,16 @@
 """Weight forms: the weight types a decoding step reads, and the matrix products of its few rows.
 
-How the decoding step reads each weight type (quant.WTYPES names the types and their storage) is a table
-entry (`KERNEL_FORMS`, under the same names), chosen by the dtype of the model's parameters:
+How the decoding step reads each weight type (a row of quant.WTYPES, which names its kernel) is a KernelForm
+made from that row, chosen by the dtype of the model's parameters (quant.of_dtype: the dtype carries the name):
 
     name     parameters   the NumPy reference computes with    the kernels read (gemv.pack of)
     float32  float32      the float32 values                   the float32 values
     float16  float16      their float32 values (exact)         the IEEE half bits (uint16), widened in the kernel
     q8_0  GGUF blocks  their dequantized values (quant.py)  the blocks' integers (qkernels.pack), in integers
-    q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k   (the parameters: void records of one block's bytes,
-                       [out, in / block], dtype V34 | V18 | V20 | V22 | V24 | V144 | V176 | V210)
+    q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k   (the parameters: records of one block's bytes, [out, in / block],
+                       dtype np.dtype([("q8_0", "V34")]), ...: quant.WTYPES[name].dtype)
 
-A new type is a new entry (its values, its pack) and, in kernels.py, a kernel kind that reads its form.
+A new type is a new row (its dequantize, its unpack) and, in qkernels.py, a kernel kind that reads its form.
 
 Other dtypes (float64: tests, the finite-difference world) have no entry: they run the NumPy reference only.
 Each matrix of the inference layout is a triple (W [out, in] as the reference computes with it, W.T made
@@ -22,6 +22,7 @@ parameters it holds their kernel form and no float32 copy of its matrices (bench
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,35 +47,40 @@ class KernelForm:
     kind: int
 
 
-def _block_form(name: str) -> KernelForm:
+def _block_form(t: quant.WType) -> KernelForm:
     """A GGUF block type: parameters [..., out, in / block] of records of one block's bytes (quant.py)."""
-    t = quant.WTYPES[name]
-
     def values(a: np.ndarray) -> np.ndarray:  # (the norms stay float32)
         return a if a.dtype.kind == "f" else t.dequantize(a.view(np.uint8), a.shape[-1] * t.block)
 
     def pack(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return qkernels.pack(a.view(np.uint8), name, a.shape[-1] * t.block, out)
+        return qkernels.pack(a.view(np.uint8), t.name, a.shape[-1] * t.block, out)
 
     def packed(shape: tuple) -> tuple:
-        return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[qkernels.KINDS[name]]),
+        return ((*shape[:-2], -(-shape[-2] // qkernels.PANEL), shape[-1], qkernels.STRIDES[t.kind]),
                 np.dtype(np.uint8))
 
-    return KernelForm(name, np.dtype(f"V{t.nbytes}"), values, pack, packed, qkernels.KINDS[name])
+    return KernelForm(t.name, t.dtype, values, pack, packed, t.kind)
 
 
-KERNEL_FORMS = {
-    "float32": KernelForm("float32", np.dtype(np.float32), lambda a: a, gemv.pack,
-                          lambda shape: (gemv.packed_shape(shape), np.dtype(np.float32)), 0),
-    "float16": KernelForm("float16", np.dtype(np.float16), float16.widen,
-                          lambda a, out=None: gemv.pack(a.view(np.uint16), out),
-                          lambda shape: (gemv.packed_shape(shape), np.dtype(np.uint16)), 1),
-    **{name: _block_form(name) for name in quant.BLOCK_TYPES},
+FLOAT_FORMS = {  # the float types' forms (float16: its bits packed, widened in the kernel)
+    "float32": lambda t: KernelForm(t.name, t.dtype, lambda a: a, gemv.pack,
+                                    lambda shape: (gemv.packed_shape(shape), np.dtype(np.float32)), t.kind),
+    "float16": lambda t: KernelForm(t.name, t.dtype, float16.widen,
+                                    lambda a, out=None: gemv.pack(a.view(np.uint16), out),
+                                    lambda shape: (gemv.packed_shape(shape), np.dtype(np.uint16)), t.kind),
 }
 
 
+@functools.cache
+def _form(t: quant.WType) -> KernelForm:
+    return FLOAT_FORMS[t.name](t) if t.block == 1 else _block_form(t)
+
+
 def of_dtype(dtype: np.dtype) -> KernelForm | None:
-    return next((t for t in KERNEL_FORMS.values() if t.dtype == dtype), None)
+    """How decoding reads parameters of this dtype: their type's form, or None (a type without a kernel, or no
+    weight type: float64)."""
+    t = quant.of_dtype(dtype)
+    return None if t is None or t.kind is None else _form(t)
 
 
 def values(W) -> np.ndarray:
@@ -187,18 +193,18 @@ class Float16Model:
 
 class QuantizedModel:
     """A model's matrices in a GGUF block type, for decoding; norms stay float32. QuantizedModel(model, t)
-    quantizes a float model's matrices (q8_0, q4_0, q4_1, q5_0, q5_1: quant.QUANTIZABLE) as its GGUF export at
+    quantizes a float model's matrices (q8_0, q4_0, q4_1, q5_0, q5_1: quant.quantizable()) as its GGUF export at
     that type holds them, bit for bit (quant.py rounds as gguf does); `from_blocks` takes matrices that are
-    already blocks of one type (any of quant.BLOCK_TYPES: the K types come only so, as read from a file). The
+    already blocks of one type (any of quant.block_types(): the K types come only so, as read from a file). The
     fused step multiplies in integers (qkernels.py: activations quantized per block to 8 bits, as llama.cpp does
     for the type), the NumPy path with the dequantized values. Like Float16Model it has what generation needs
     (config, params, dtype); `sample` / `chat` / `serve --dtype q8_0` use it.
 
-        QuantizedModel(model, "q8_0").params["embed.weight"].dtype == np.dtype("V34")
+        QuantizedModel(model, "q8_0").params["embed.weight"].dtype == np.dtype([("q8_0", "V34")])
     """
 
     def __init__(self, model, name: str):
-        if name not in quant.QUANTIZABLE:
+        if name not in quant.quantizable():
             raise UserError(_not_quantizable(name))
         t = quant.WTYPES[name]
         for n, p in model.params.items():
@@ -206,7 +212,7 @@ class QuantizedModel:
                 raise UserError(f"{name} needs rows of a multiple of {t.block} weights; {n} has {p.shape[1]}")
         qkernels.require()
         self.config = model.config
-        self.params = {n: t.quantize(p).view(f"V{t.nbytes}") if p.ndim == 2 else np.asarray(p, np.float32)
+        self.params = {n: t.quantize(p).view(t.dtype) if p.ndim == 2 else np.asarray(p, np.float32)
                        for n, p in model.params.items()}
         self.dtype = np.dtype(np.float32)
 
@@ -225,16 +231,15 @@ class QuantizedModel:
         return m
 
     def n_params(self) -> int:
-        return sum(p.size * (quant.WTYPES[of_dtype(p.dtype).name].block if p.dtype.kind == "V" else 1)
-                   for p in self.params.values())
+        return sum(p.size * quant.of_dtype(p.dtype).block for p in self.params.values())
 
 
 def _not_quantizable(name: str) -> str:
-    if name in quant.BLOCK_TYPES:
+    if name in quant.block_types():
         return (f"cannot quantize a float model to {name}: K-quant blocks are read from GGUF files (llama.cpp makes "
                 f"them with an iterative search this library does not reproduce); use one of "
-                f"{', '.join(quant.QUANTIZABLE)}")
-    return f"unknown block type {name!r}; one of {', '.join(quant.QUANTIZABLE)}"
+                f"{', '.join(quant.quantizable())}")
+    return f"unknown block type {name!r}; one of {', '.join(quant.quantizable())}"
 
 
 def for_dtype(model, dtype: str):
@@ -242,8 +247,8 @@ def for_dtype(model, dtype: str):
     QuantizedModel (q8_0, q4_0, q4_1, q5_0, q5_1; a K type is refused: we cannot make its blocks)."""
     if dtype == "float16":
         return Float16Model(model)
-    if dtype in quant.BLOCK_TYPES:
+    if dtype in quant.block_types():
         return QuantizedModel(model, dtype)
     if dtype != "float32":
-        raise UserError(f"unknown dtype {dtype!r}; one of float32, float16, {', '.join(quant.BLOCK_TYPES)}")
+        raise UserError(f"unknown dtype {dtype!r}; one of {', '.join(quant.decodable())}")
     return model

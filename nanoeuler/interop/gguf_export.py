@@ -3,8 +3,9 @@ with the `gguf` package.
 
     nanoeuler export --ckpt runs/demo --format gguf --out demo.gguf --dtype float32|float16|q8_0|q4_0|q4_1|q5_0|q5_1
 
-The types are named as everywhere in nanoeuler (infer/quant.py's WTYPES, `sample --dtype`); `f32` and
-`f16`, llama.cpp's tools' names for the two float types, are accepted too (`LLAMA_CPP_NAMES`).
+The types are infer/quant.py's rows that a float model can be put in (`from_float`), named as everywhere in
+nanoeuler (`sample --dtype`); `f32` and `f16`, llama.cpp's tools' names for the two float types, are accepted
+too (`LLAMA_CPP_NAMES`).
 
 Tensor names are llama.cpp's, from the architecture's `gguf` table in arch.py (`token_embd`, `blk.i.attn_q`, ..., `output_norm`, `output`; `output` is left
 out when head 0 equals the embedding). Matrices are stored in the requested type, 1-D norm weights always
@@ -28,7 +29,6 @@ import numpy as np
 
 from ..errors import UserError
 
-GGUF_DTYPES = ("float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # what export writes
 LLAMA_CPP_NAMES = {"f32": "float32", "f16": "float16"}  # llama.cpp's names of the float types -> ours
 
 
@@ -82,18 +82,15 @@ def gguf_blocks(cfg, blocks: dict) -> dict:
     permuted as gguf_tensors does."""
     import gguf
 
-    from ..infer.quant import WTYPES
-    types = {w.nbytes: name for name, w in WTYPES.items() if w.block > 1}
+    from ..infer.quant import of_dtype
     out = {}
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
         parts = [blocks.get(n) for n in e.ours]
         if any(p is None for p in parts) or len({p.dtype for p in parts}) != 1:
             continue
-        a = np.concatenate([layer_tensor(cfg, n, p)[1] for n, p in zip(e.ours, parts)])
-        if a.dtype == np.float16:
-            out[e.name] = (np.ascontiguousarray(a), gguf.GGMLQuantizationType.F16)
-        else:
-            out[e.name] = (np.ascontiguousarray(a).view(np.uint8), gguf.GGMLQuantizationType[types[a.dtype.itemsize].upper()])
+        a = np.ascontiguousarray(np.concatenate([layer_tensor(cfg, n, p)[1] for n, p in zip(e.ours, parts)]))
+        t = of_dtype(a.dtype)   # the type by the name its dtype carries
+        out[e.name] = (a if t.block == 1 else a.view(np.uint8), gguf.GGMLQuantizationType(t.ggml))
     return out
 
 
@@ -204,7 +201,7 @@ def _gguf():
 def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool = False, progress: bool = True,
                 blocks: dict | None = None) -> Path:
     """Write the GGUF file `out` atomically (a temporary name renamed at the end), its matrices of weight type
-    dtype (GGUF_DTYPES, or llama.cpp's name of a float type). blocks: an import's matrices as its file held them
+    dtype (quant.from_float(), or llama.cpp's name of a float type). blocks: an import's matrices as its file held them
     (checkpoint.source_blocks), written back byte for byte where they hold a whole tensor."""
     gguf = _gguf()
     from tqdm import tqdm
@@ -214,10 +211,10 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     from .hf_tokenizer import GGUF_PRE_NAMES
     from .outputs import check_free
 
+    from ..infer.quant import WTYPES, from_float
     dtype = LLAMA_CPP_NAMES.get(dtype, dtype)
-    if dtype not in GGUF_DTYPES:
-        raise UserError(f"--dtype {dtype} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
-    from ..infer.quant import WTYPES
+    if dtype not in from_float():
+        raise UserError(f"--dtype {dtype} is not one of {', '.join(from_float())} for --format gguf")
     out = check_free(out, force)
     if out.is_dir():
         raise UserError(f"{out} is a folder; the GGUF output is one file")
