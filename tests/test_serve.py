@@ -964,3 +964,58 @@ def test_the_prompt_cache_changes_no_reply_and_health_reports_its_hits(ckpt):
     assert on["budget_bytes"] == 1024 << 20 and 0 < on["bytes"] <= on["budget_bytes"]
     assert on["hits"] >= 2 + 2 + 5 and on["reused_tokens"] > 500  # 2 turns, 2 choices, 5 of 6 clients at least
     assert on["prefilled_tokens"] + on["reused_tokens"] == off["prefilled_tokens"]
+
+
+def test_metrics_are_prometheus_text_that_counts_what_happened(ckpt):
+    """GET /metrics, parsed by prometheus_client's own parser: requests by route and status (a 404 path as
+    "other", a 400, a 413), prompt and generated tokens, one time to first token per job and the times
+    between its tokens, the rows and KV positions a running stream holds, and the prefix cache's hits as
+    /health reports them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoeuler.serve.app import create_app
+    d, model, tok = ckpt
+
+    def scrape(http) -> dict:
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(r.text) for s in f.samples}
+    app = create_app(model, tok, "tiny", max_tokens_cap=10 ** 6, body_limit=5000)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        r1 = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, n=2,
+                                       extra_body={"ignore_eos": True})
+        r2 = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        r3 = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        assert http.get("/v1/nothing").status_code == 404
+        assert http.post("/v1/completions", json={"model": "tiny"}).status_code == 400
+        assert http.post("/v1/completions", content=b"x" * 6000).status_code == 413
+        m = scrape(http)
+
+        def requests(route, status):
+            return m.get(("nanoeuler_requests_total", (("route", route), ("status", status))), 0)
+        assert requests("/v1/completions", "200") == 1 and requests("/v1/chat/completions", "200") == 2
+        assert requests("other", "404") == 1 and requests("/v1/completions", "400") == 1
+        assert requests("other", "413") == 1  # (the body limit answers before any route is chosen)
+        assert m[("nanoeuler_prompt_tokens_total", ())] == sum(r.usage.prompt_tokens for r in (r1, r2, r3))
+        tokens = sum(r.usage.completion_tokens for r in (r1, r2, r3))
+        assert tokens == 12 + 5 + 5 and m[("nanoeuler_generation_tokens_total", ())] >= tokens
+        assert m[("nanoeuler_time_to_first_token_seconds_count", ())] == 4  # jobs: 2 choices, 2 chats
+        assert m[("nanoeuler_time_per_output_token_seconds_count", ())] == tokens - 4
+        assert m[("nanoeuler_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 4
+        assert m[("nanoeuler_rows_in_use", ())] == 0 and m[("nanoeuler_rows", ())] == 32
+        assert m[("nanoeuler_kv_cache_positions", ())] == m[("nanoeuler_kv_cache_usage_ratio", ())] == 0
+        health = http.get("/health").json()["prefix_cache"]
+        assert m[("nanoeuler_prefix_cache_hits_total", ())] == health["hits"] == 1  # the second chat (12 tokens: no block)
+        assert m[("nanoeuler_prefix_cache_reused_tokens_total", ())] == health["reused_tokens"] > 0
+        assert m[("nanoeuler_prefix_cache_budget_bytes", ())] == 1024 << 20
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10 ** 6, "stream": True, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            next(stream.iter_lines())
+            m = scrape(http)
+            assert m[("nanoeuler_rows_in_use", ())] == 1 and m[("nanoeuler_jobs_waiting", ())] == 0
+            assert 0 < m[("nanoeuler_kv_cache_positions", ())] <= CTX
+            assert m[("nanoeuler_kv_cache_usage_ratio", ())] == m[("nanoeuler_kv_cache_positions", ())] / (32 * CTX)

@@ -75,9 +75,11 @@ def prepare(args):
     try:
         import fastapi  # noqa: F401
         import httptools  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise UserError("serving needs FastAPI, uvicorn and httptools: pip install 'nanoeuler[serve]'")
+        raise UserError("serving needs FastAPI, uvicorn, httptools and prometheus-client: "
+                        "pip install 'nanoeuler[serve]'")
     for name in ("max_batch", "max_queue", "max_tokens", "max_n", "max_body"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")

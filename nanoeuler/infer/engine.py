@@ -262,10 +262,14 @@ class Batcher:
             self.cond.notify()
 
     def stats(self) -> dict:
+        """The engine's state (rows in use, jobs queued and parked, KV positions filled of max_batch x ctx_len) and
+        counters (decoding steps, tokens sampled, the prefix cache's); safe to call from any thread."""
         with self.cond:
             queued = sum(len(g.waiting) for g in self.groups.values())
-        return {"active": sum(s is not None for s in self.slots), "queued": queued, "parked": self.parked,
+        live = [s for s in self.slots if s is not None]
+        return {"active": len(live), "queued": queued, "parked": self.parked,
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "tokens": self.tokens,
+                "kv_positions": sum(s.filled for s in live), "kv_capacity": self.max_batch * self.ctx_len,
                 "prefix_cache": {"hits": self.hits, "reused_tokens": self.reused, "prefilled_tokens": self.prefilled,
                                  "bytes": self.prefixes.nbytes,
                                  "budget_bytes": self.prefixes.budget}}

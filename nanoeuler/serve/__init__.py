@@ -6,6 +6,7 @@ this package is the HTTP side only:
     protocol.py   request/response shapes of the OpenAI API, chat rendering, stop strings, SSE chunks
     service.py    the service: a request's fields checked, its choices as engine jobs, events back to text
     transport.py  the HTTP transport: socket, uvicorn's protocol with our rules, body limit, stream writes
+    metrics.py    GET /metrics in Prometheus' text format: requests, tokens, queue, rows, caches, latencies
     app.py        the FastAPI application (routes, request/response mapping, errors) and the uvicorn runner
     static/      the single-page web chat served at GET /
 

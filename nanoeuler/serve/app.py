@@ -1,7 +1,8 @@
 """The HTTP application: OpenAI-compatible routes over the Service, request and reply mapping, and the runner.
 
     GET  /                      the web chat page (static/index.html)
-    GET  /health                {"status": "ok", "active": .., "queued": .., ...}
+    GET  /health                {"status": "ok", "active": .., "queued": .., "prefix_cache": {..}, ...}
+    GET  /metrics               Prometheus' text format (metrics.py)
     GET  /v1/models             the one model this server holds (named after the checkpoint directory)
     POST /v1/completions        text in, text out; stream, logprobs + echo (what evaluation harnesses use)
     POST /v1/chat/completions   messages rendered with the model's chat template, as the `chat` REPL does
@@ -30,13 +31,14 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
 from .protocol import (DONE, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body, render_chat, sse)
+from .metrics import RequestMetrics
 from .service import PROMPT_CACHE_MIB, Choice, Run, Service
 from .transport import BodyLimit, EventStream, error_json, http_protocol
 
@@ -198,6 +200,12 @@ async def index(request: Request):
 async def health(request: Request):
     s = service(request)
     return {"status": "ok", "model": s.model_name, **s.batcher.stats()}
+
+
+@routes.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    m = service(request).metrics
+    return Response(m.text(), media_type=m.content_type)
 
 
 def model_card(s: Service) -> dict:
@@ -401,6 +409,7 @@ def create_app(model, tok, model_name: str, *, api_key: str | None = None, max_b
     app.state.service = s
     app.state.page = (STATIC / "index.html").read_text(encoding="utf-8")
     app.add_middleware(BodyLimit, limit=body_limit, closing=s.closing)
+    app.add_middleware(RequestMetrics, metrics=s.metrics)  # (outermost: a 413 is counted too)
     for kind, handler in ((APIError, api_error), (UserError, user_error), (RequestValidationError, invalid_request),
                           (StarletteHTTPException, http_error), (Exception, internal_error)):
         app.add_exception_handler(kind, handler)

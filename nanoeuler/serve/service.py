@@ -18,6 +18,7 @@ import time
 from ..infer.engine import SEED_LIMIT, BadJob, Batcher, Closed, Job, QueueFull
 from ..infer.sampling import MIN_TEMPERATURE
 from ..infer.session import truncate_left
+from .metrics import Metrics
 from .protocol import APIError, TextStream, stop_list, token_text
 
 PROMPT_CACHE_MIB = 1024  # the prefix cache's default budget (engine.py): ~23,000 positions of SmolLM2's keys and values
@@ -172,19 +173,24 @@ class Dispatcher:
 
 
 class Run:
-    """The jobs of one HTTP request; engine events arrive (from the engine thread) on one asyncio queue."""
+    """The jobs of one HTTP request; engine events arrive (from the engine thread) on one asyncio queue.
+    metrics: the app's Metrics (each job's token times), or None."""
 
-    def __init__(self, batcher: Batcher, dispatcher: Dispatcher):
+    def __init__(self, batcher: Batcher, dispatcher: Dispatcher, metrics=None):
         self.batcher, self.dispatcher, self.queue = batcher, dispatcher, asyncio.Queue()
+        self.metrics = metrics
         self.choices: list[Choice] = []
 
     def add(self, choice: Choice, **job) -> None:
         started = []  # the job's first token has been handed over
+        timed = self.metrics.token_clock(time.perf_counter()) if self.metrics else None
 
         def on_event(kind, *args, _i=len(self.choices)):
             now = kind in ("done", "error") or (kind == "token" and not started)
             if kind == "token":
                 started.append(True)
+                if timed:
+                    timed()
             self.dispatcher.put(self.queue, (_i, kind, args), now=now)
         choice.job = Job(on_event=on_event, group=self, **job)  # (rows are shared fairly between requests)
         self.choices.append(choice)
@@ -268,6 +274,7 @@ class Service:
         self.model, self.tok, self.cfg = model, tok, model.config
         self.model_name, self.api_key = model_name, api_key
         self.batcher = Batcher(model, max_batch, max_queue, ctx_len=ctx_len, prefix_bytes=prompt_cache_mib << 20)
+        self.metrics = Metrics(self.batcher)
         self.ctx_len = self.batcher.ctx_len  # a request's window: its prompt keeps its last ctx_len tokens
         self.max_queue, self.max_tokens_cap, self.max_n = max_queue, max_tokens_cap, max_n
         self.chat_max_tokens = chat_max_tokens
@@ -345,7 +352,8 @@ class Service:
 
     def run(self, body, prompts: list[list[int]], max_tokens: int, logprobs, echo: bool, chat: bool) -> Run:
         """A request's choices (n per prompt), submitted to the batcher."""
-        run, stops = Run(self.batcher, self.dispatch()), stop_list(body.stop)
+        run, stops = Run(self.batcher, self.dispatch(), self.metrics), stop_list(body.stop)
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         for ids in prompts:
             for j in range(body.n):
                 c = Choice(len(run.choices), self.tok, ids, stops, self.stop_ids(body), chat=chat)
