@@ -392,9 +392,12 @@ def check_run_dir(run_dir, read_only: bool = False) -> Path:
     return run_dir
 
 
-def load_model(run_dir, read_only: bool = False, mapped: bool = False) -> tuple[Config, dict[str, np.ndarray]]:
+def load_model(run_dir, read_only: bool = False, mapped: bool = False, finite: bool = True
+               ) -> tuple[Config, dict[str, np.ndarray]]:
     """(config, params) from a checkpoint directory, validated against each other and finite.
-    mapped: the params are read-only views of the weights file (`map_tensors`), for a base that stays frozen."""
+    mapped: the params are read-only views of the weights file (`map_tensors`), for a base that stays frozen;
+    finite=False (with mapped): not read to be checked, for a caller that checks what it reads (decoding an
+    import's blocks reads none of the float32 matrices they replace)."""
     from .config import check_params
     run_dir = check_run_dir(run_dir, read_only)
     journal = read_journal(run_dir) if read_only else None
@@ -402,7 +405,8 @@ def load_model(run_dir, read_only: bool = False, mapped: bool = False) -> tuple[
     params = read_tensors(member(run_dir, "model.safetensors", journal), "checkpoint weights", mapped)
     try:
         check_params(config, params)
-        check_finite(params, "weights", "; this checkpoint cannot be used (retrain, or resume from an earlier copy)")
+        if finite or not mapped:
+            check_finite(params, "weights", "; this checkpoint cannot be used (retrain, or resume from an earlier copy)")
     except UserError as e:
         raise UserError(f"checkpoint {run_dir}: {e}") from None
     return config, params

@@ -88,16 +88,18 @@ def write_gguf(path, m: Model, tok, qtype: str = "F32", template: str | None = C
 
 
 def quantize(a: np.ndarray, q) -> np.ndarray:
-    """gguf.quants.quantize; for a type it cannot quantize (Q6_K) random blocks of that type whose f16 scale
-    (the block's last 2 bytes, as in Q6_K) is small: valid data, unrelated to `a`."""
+    """gguf.quants.quantize; for a type it cannot quantize (the K types) random blocks of that type whose f16
+    scales (d, dmin: quant.WTYPES' `scales`) are small: valid data, unrelated to `a`."""
     import gguf
+    from nanoeuler.infer.quant import WTYPES
     try:
         return gguf.quants.quantize(a, q)
     except NotImplementedError:
         block, size = gguf.GGML_QUANT_SIZES[q]
         rng = np.random.default_rng(a.size)
         raw = rng.integers(0, 256, (a.shape[0], a.shape[1] // block, size), dtype=np.uint8)
-        raw[..., -2:] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        for at in WTYPES[q.name.lower()].scales:
+            raw[..., at:at + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
         return raw.reshape(a.shape[0], -1)
 
 

@@ -4,8 +4,10 @@ reads it, bad files are one line and write nothing."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from gguf_fixtures import (CHATML, chatml_model, chatml_tokenizer, edit_gguf, pa
 from nanoeuler import Model  # noqa: E402
 from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
+from nanoeuler.infer.quant import block_types  # noqa: E402
 from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk  # noqa: E402
 from nanoeuler.interop.gguf_import import import_gguf, load_gguf  # noqa: E402
 
@@ -372,6 +375,24 @@ def test_fuzzed_vocabulary_loads_or_is_one_userror(tmp_path, spm_file):
     fuzz_gguf(spm_file, spm_file.index(b"tokenizer.ggml.tokens"), spm_file.index(b"blk.0.attn_norm"), tmp_path, use)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_token_score_is_refused_by_every_reader(tmp_path, spm_file, capsys, bad):
+    """A NaN score: `import` ended in 'internal error ValueError: Out of range float values are not JSON
+    compliant' and `sample --ckpt FILE.gguf` used it silently; both now refuse it in one line."""
+    from nanoeuler.cli import main
+    (tmp_path / "s.gguf").write_bytes(spm_file)
+    scores = gguf.GGUFReader(str(tmp_path / "s.gguf")).fields["tokenizer.ggml.scores"].contents()
+    scores[261] = bad
+    path = edit_gguf(tmp_path / "s.gguf", tmp_path / "bad.gguf", change={"tokenizer.ggml.scores": scores})
+    message = r"GGUF metadata tokenizer.ggml.scores holds 1 NaN/Inf value\(s\) \(token 261 first\)"
+    refused(tmp_path, path, message)
+    for argv in (["import", "--from", str(path), "--out", str(tmp_path / "run")],
+                 ["sample", "--ckpt", str(path), "--prompt", "ab", "--max-new-tokens", "1"]):
+        assert main(argv) == 2
+        err = [e for e in capsys.readouterr().err.strip().splitlines() if not e.startswith("dequantize:")]
+        assert len(err) == 1 and re.search(message, err[0])   # (import's progress bar aside)
+
+
 def fuzz_gguf(good: bytes, start: int, end: int, tmp_path, use) -> None:
     """use(path) on copies of the file `good` with 1-6 bytes in [start, end] changed, maybe cut short: it
     returns or raises a one-line UserError, nothing else."""
@@ -578,3 +599,72 @@ def test_a_gemma3_file_llama_cpp_scales_otherwise_is_refused(tmp_path, tok, n_la
     else:
         assert load_gguf(path)[0] == m.config
         export_gguf(m, tok, tmp_path / "e.gguf", progress=False)
+
+
+@pytest.mark.parametrize("name", block_types())
+def test_every_reader_of_blocks_refuses_a_nan_or_inf_scale(tmp_path, model, tok, capsys, name):
+    """A block with a NaN or Inf float16 scale (its weights read back NaN/Inf): `import` refused it, but `sample`
+    (chat, serve: the same loader) on the .gguf itself printed eight <|endoftext|> and serve answered 200. Now
+    every reader refuses in one line naming the tensor: import, the .gguf read directly, and an imported
+    checkpoint whose kept blocks were damaged afterwards."""
+    from safetensors.numpy import load_file, save_file
+
+    from nanoeuler.cli import main
+    from nanoeuler.infer import qkernels
+    from nanoeuler.infer.quant import WTYPES
+    if not qkernels.AVAILABLE:
+        pytest.skip("this CPU decodes no block types")
+    t = WTYPES[name]
+    good = write_gguf(tmp_path / "good.gguf", model, tok, name.upper())
+    bad_value = np.float16(np.nan if t.scales[-1] else np.inf)      # NaN in a later scale, Inf in the first
+    r = gguf.GGUFReader(str(good))
+    B = next(np.array(x.data).reshape(int(x.shape[1]), -1) for x in r.tensors if x.name == "blk.1.ffn_down.weight")
+    B[2, t.scales[-1]:t.scales[-1] + 2] = np.frombuffer(bad_value.tobytes(), np.uint8)
+    bad = write_gguf(tmp_path / "bad.gguf", model, tok, name.upper(), blocks={"blk.1.ffn_down.weight": B})
+    with warnings.catch_warnings():   # (inf · 0 in the dequantization printed NumPy's RuntimeWarning first)
+        warnings.simplefilter("error")
+        refused(tmp_path, bad, rf"tensor blk.1.ffn_down.weight \({name.upper()}\) holds \d+ NaN/Inf value")
+    argv = ["sample", "--prompt", "hi", "--max-new-tokens", "2", "--temperature", "0"]
+    assert main([*argv, "--ckpt", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"tensor layers.1.ffn.down.weight holds 1 block\(s\) with a NaN/Inf scale", err[0])
+    run = tmp_path / "run"
+    assert main(["import", "--from", str(good), "--out", str(run)]) == 0
+    assert main([*argv, "--ckpt", str(run)]) == 0
+    capsys.readouterr()
+    kept = load_file(str(run / "source.safetensors"))
+    raw = kept["layers.1.ffn.down.weight"]
+    raw[2, t.scales[-1]:t.scales[-1] + 2] = np.frombuffer(bad_value.tobytes(), np.uint8)
+    save_file(kept, str(run / "source.safetensors"))
+    assert main([*argv, "--ckpt", str(run)]) == 2
+    assert "tensor layers.1.ffn.down.weight holds 1 block(s) with a NaN/Inf scale" in capsys.readouterr().err
+
+
+def test_decoding_an_import_reads_none_of_the_float32_its_blocks_replace(tmp_path, model, tok, capsys):
+    """`sample` on an imported checkpoint peaked at 2.8x llama.cpp's memory (864 MiB for SmolLM2): the load
+    checked every float32 matrix for NaN, reading all 538 MB of them, though decoding uses the file's blocks.
+    Those matrices made NaN (the file's size and time kept, so the blocks still count as theirs): the same
+    reply, where the old load refused the checkpoint."""
+    import os
+
+    from safetensors.numpy import load_file, save_file
+
+    from nanoeuler.cli import main
+    from nanoeuler.infer import qkernels
+    if not qkernels.AVAILABLE:
+        pytest.skip("this CPU decodes no block types")
+    run = tmp_path / "run"
+    assert main(["import", "--from", str(write_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")), "--out", str(run)]) == 0
+    argv = ["sample", "--ckpt", str(run), "--prompt", "hi", "--max-new-tokens", "8", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    weights = run / "model.safetensors"
+    st = weights.stat()
+    kept = load_file(str(run / "source.safetensors"))
+    params = load_file(str(weights))
+    save_file({n: np.full_like(a, np.nan) if n in kept else a for n, a in params.items()}, str(weights))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and len(kept) > 0
+    assert main(argv) == 0
+    assert capsys.readouterr().out == want

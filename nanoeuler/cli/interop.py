@@ -118,12 +118,16 @@ def run_import(args) -> int:
     else:
         from ..interop.hf import import_folder as import_model
     cfg, params, tok = import_model(args.src, args.out, args.mtp, args.force, progress=not args.no_progress)
+    disk = {f.name: f.stat().st_size for f in Path(args.out).iterdir() if f.is_file()}
     if args.json:
         print(json.dumps({"from": args.src, "out": args.out, "config": cfg.to_dict(), "n_params": cfg.n_params(),
                           "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size, "merges": len(tok.merges),
-                                        "eos": tok.eos_token}}))
+                                        "eos": tok.eos_token}, "disk_bytes": disk}))
     else:
         print(f"imported {args.src} -> {args.out}: {cfg.n_layers} layers, dim {cfg.dim}, heads {cfg.n_heads}/"
               f"{cfg.n_kv_heads}, vocab {cfg.vocab_size}, ctx {cfg.ctx_len}, {cfg.n_mtp} head(s), "
               f"{cfg.n_params():,} parameters; eos {tok.eos_token!r}")
+        print(f"on disk: {sum(disk.values()) / 1e6:,.0f} MB: float32 weights {disk['model.safetensors'] / 1e6:,.0f} MB "
+              f"(training, export)" + (f", the file's own blocks {disk['source.safetensors'] / 1e6:,.0f} MB (what "
+                                      f"sample, chat and serve decode)" if "source.safetensors" in disk else ""))
     return 0

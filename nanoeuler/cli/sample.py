@@ -128,7 +128,7 @@ def load_for_decoding(args):
     tok = load_tokenizer(args.ckpt, read_only=True)
     blocks = source_blocks(args.ckpt) if getattr(args, "dtype", None) is None else None
     if blocks and qkernels.AVAILABLE:  # an import, as its file held it: its blocks, the rest of its weights mapped
-        cfg, params = load_model(args.ckpt, read_only=True, mapped=True)
+        cfg, params = load_model(args.ckpt, read_only=True, mapped=True, finite=False)  # from_blocks checks
         check_vocab(cfg, tok)
         check_inference_fits(cfg)
         return QuantizedModel.from_blocks(cfg, params | blocks), tok

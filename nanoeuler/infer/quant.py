@@ -336,6 +336,18 @@ def wtype(name: str) -> WType:
     return WTYPES[name]
 
 
+def nonfinite_blocks(B: np.ndarray, name: str) -> int:
+    """How many blocks of a block type's stored form B [..., n / block · nbytes] (or its void records) have a
+    NaN or Inf float16 scale: their weights would read back NaN or Inf.
+    nonfinite_blocks(quantize(np.ones((2, 32)), "q8_0"), "q8_0") -> 0"""
+    t = WTYPES[name]
+    blocks = np.ascontiguousarray(B).view(np.uint8).reshape(-1, t.nbytes)
+    bad = np.zeros(len(blocks), bool)
+    for at in t.scales:
+        bad |= ~np.isfinite(_half(blocks, at)).reshape(-1)
+    return int(np.count_nonzero(bad))
+
+
 def quantize(W: np.ndarray, name: str) -> np.ndarray:
     """W float [..., n] in weight type `name` (see the module docstring)."""
     t = wtype(name)

@@ -220,10 +220,13 @@ class QuantizedModel:
     def from_blocks(cls, config, params: dict) -> "QuantizedModel":
         """A model whose matrices are blocks already (void records [out, in / block], as QuantizedModel's own),
         each in its own type as a file holds them (float32 or float16 matrices may be among them), the other
-        parameters float32."""
+        parameters float32. Every weight must read back finite (a block's float16 scales included), as `import`
+        requires of a file: a NaN or Inf is refused in one line, naming its tensor."""
         bad = sorted({str(p.dtype) for p in params.values() if p.ndim == 2 and of_dtype(p.dtype) is None})
         if bad:
             raise UserError(f"a quantized model's matrices are blocks, float32 or float16; got {', '.join(bad)}")
+        for name, p in params.items():
+            check_readable(name, p)
         qkernels.require()
         m = cls.__new__(cls)
         m.config, m.dtype = config, np.dtype(np.float32)
@@ -232,6 +235,17 @@ class QuantizedModel:
 
     def n_params(self) -> int:
         return sum(p.size * quant.of_dtype(p.dtype).block for p in self.params.values())
+
+
+def check_readable(name: str, p: np.ndarray) -> None:
+    """Refuse a weight that would read back NaN or Inf: a float array with one, or blocks with a NaN or Inf scale."""
+    if p.dtype.kind == "V":
+        t = of_dtype(p.dtype).name
+        bad, what = quant.nonfinite_blocks(p, t), f"block(s) with a NaN/Inf scale ({t})"
+    else:
+        bad, what = p.size - np.count_nonzero(np.isfinite(p)), "NaN/Inf value(s)"
+    if bad:
+        raise UserError(f"tensor {name} holds {bad} {what}; the model's weights are damaged")
 
 
 def _not_quantizable(name: str) -> str:
