@@ -28,6 +28,14 @@ work fairly between requests): one short greedy stream at a time, --pairs alone,
 long request runs (--long-prompts prompts x --long-tokens tokens, 20 top logprobs, echo: more jobs than rows,
 which served first come, first served would hold every row until its end); TTFT and the time to the
 end, alone and beside, and whether the long request was still running when each short one ended.
+--multi-turn measures instead the time to first token of a chat as it grows (the prompt cache at work): a
+--turns-turn conversation through /v1/chat/completions, each turn ~--new-tokens tokens of new text and a reply
+of --reply-tokens greedy tokens (ignore_eos), the reply kept in the conversation as the template renders it;
+then --clients-sharing clients at once, each a question after the same ~--system-tokens-token system prompt,
+twice (the second round: other questions, the system prompt already computed). Each model is a checkpoint
+or a .gguf file (`--ckpt FILE.gguf`); with --llama-server, llama.cpp's server on the same file (.gguf only)
+with one slot and cache_prompt for the chat, --clients-sharing slots for the shared prompt, --threads
+threads; ours with --threads too, and once more with --prompt-cache-mib 0 (the cache off).
 --llama-server PATH (or $LLAMA_SERVER) serves each model once per --gguf type: ours at that type's --dtype
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
@@ -39,6 +47,8 @@ Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeou
     .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server path/to/llama-server
     .venv/bin/python bench/serve.py --http-cost [--llama-server path/to/llama-server]   # big, f32 and q8_0
     .venv/bin/python bench/serve.py --fairness --tokens 40       # a short request alone and beside a long one
+    .venv/bin/python bench/serve.py --multi-turn --preset '' --ckpt .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --llama-server /tmp/llama-build/bin/llama-server           # a 12-turn chat; 16 clients, one system prompt
 """
 from __future__ import annotations
 
@@ -83,12 +93,13 @@ def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
     return d
 
 
-def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float32", engine_route: bool = False):
+def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float32", engine_route: bool = False,
+                 more: tuple = ()):
     """`nanoeuler serve` on 127.0.0.1, any free port -> (process, base url); engine_route: served by
-    engine_server (the same server and one route more)."""
+    engine_server (the same server and one route more); more: further flags."""
     serve = [str(ROOT / "bench" / "serve.py"), ENGINE_SERVER] if engine_route else ["-m", "nanoeuler", "serve"]
     cmd = [sys.executable, *serve, "--ckpt", str(ckpt), "--port", "0", "--model-name", "bench",
-           "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", "4096"]
+           "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", "4096", *more]
     cmd += ["--dtype", dtype] if dtype != "float32" else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -99,16 +110,16 @@ def start_server(ckpt: Path, max_batch: int, max_queue: int, dtype: str = "float
     return proc, line.split("on ", 1)[1].split("/ ", 1)[0]
 
 
-def start_llama_server(binary: str, gguf: Path, slots: int, ctx_len: int, threads: int):
+def start_llama_server(binary: str, gguf: Path, slots: int, ctx_len: int, threads: int, more: tuple = ()):
     """llama.cpp's `llama-server` on 127.0.0.1 (slots sequences of ctx_len positions, continuous batching),
-    ready -> (process, base url)."""
+    ready -> (process, base url); more: further flags."""
     import socket
     import urllib.request
     with socket.socket() as sk:  # a free port (llama-server has no port 0)
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
-           "-c", str(slots * ctx_len), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+           "-c", str(slots * ctx_len), "-t", str(threads), "-tb", str(threads), "--no-webui", *more]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -501,6 +512,108 @@ def print_fairness(name: str, r: dict) -> None:
           f"{len(r['long_running'])}")
 
 
+def chat_stream(url: str, messages: list[dict], tokens: int, timeout: float) -> dict:
+    """One streamed greedy chat completion of exactly `tokens` tokens (ignore_eos; llama-server: cache_prompt)
+    -> {"ttft_s": request sent -> the first chunk with text, "text", "prompt_tokens"}."""
+    import httpx
+    body = {"model": "bench", "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "cache_prompt": True}
+    t0, ttft, text, usage = time.perf_counter(), None, "", {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"a chat request failed: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            piece = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += piece
+    return {"ttft_s": ttft, "text": text, "prompt_tokens": usage.get("prompt_tokens")}
+
+
+def chat_texts(args) -> tuple[list[str], str, list[str]]:
+    """The bench's chat: --turns user messages of ~--new-tokens tokens, a system prompt of ~--system-tokens
+    tokens, and 2 x --clients-sharing short questions (slices of the bundled Shakespeare; ~4 characters a token)."""
+    from nanoeuler.data.corpus import bundled_works
+    text = "".join(bundled_works().values())
+    turns = [text[TEXT_START + 4000 * i:][:4 * args.new_tokens] for i in range(args.turns)]
+    system = "Answer as the play's prompter would.\n" + text[200000:][:4 * args.system_tokens]
+    questions = [text[300000 + 211 * i:][:60] for i in range(2 * args.clients_sharing)]
+    return turns, system, questions
+
+
+def multi_turn(url: str, args) -> dict:
+    """The --turns-turn chat, then the shared system prompt (module docstring) against the server at url."""
+    from concurrent.futures import ThreadPoolExecutor
+    turns, system, questions = chat_texts(args)
+    chat_stream(url, [{"role": "user", "content": "Hello"}], 2, args.level_timeout)  # untimed
+    messages, rows = [], []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        r = chat_stream(url, messages, args.reply_tokens, args.level_timeout)
+        messages.append({"role": "assistant", "content": r["text"]})
+        rows.append({"prompt_tokens": r["prompt_tokens"], "ttft_ms": r["ttft_s"] * 1000})
+    shared = []
+    n = args.clients_sharing
+    for round in range(2):
+        asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+                for q in questions[round * n:(round + 1) * n]]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            got = list(pool.map(lambda m: chat_stream(url, m, args.reply_tokens, args.level_timeout), asks))
+        ttft = [g["ttft_s"] * 1000 for g in got]
+        shared.append({"prompt_tokens": got[0]["prompt_tokens"], "ttft_p50_ms": float(np.median(ttft)),
+                       "ttft_max_ms": max(ttft), "wall_ms": (time.perf_counter() - t0) * 1000})
+    return {"turns": rows, "shared": shared, "prefix_cache": health(url).get("prefix_cache")}  # (ours only)
+
+
+def multi_turn_servers(ckpt: Path, args) -> dict:
+    """multi_turn against ours (the prompt cache on, then off) and, for a .gguf with --llama-server, llama.cpp's
+    server on the same file -> {server: multi_turn's result}."""
+    out = {}
+    threads = ("--threads", str(args.threads))
+    for label, more in (("ours", threads), ("ours, no prompt cache", threads + ("--prompt-cache-mib", "0"))):
+        proc, url = start_server(ckpt, args.max_batch, 64, args.dtype, more=more)
+        try:
+            out[label] = multi_turn(url, args)
+        finally:
+            stop(proc)
+        print(f"  {label} done", file=sys.stderr, flush=True)
+    if args.llama_server and ckpt.suffix == ".gguf":
+        ctx = 4096
+        proc, url = start_llama_server(args.llama_server, ckpt, 1, ctx, args.threads)
+        try:
+            out["llama-server"] = {"turns": multi_turn(url, args)["turns"]}
+        finally:
+            stop(proc)
+        proc, url = start_llama_server(args.llama_server, ckpt, args.clients_sharing, 2 * args.system_tokens,
+                                       args.threads)
+        try:
+            out["llama-server"]["shared"] = multi_turn(url, args)["shared"]
+        finally:
+            stop(proc)
+        print("  llama-server done", file=sys.stderr, flush=True)
+    return out
+
+
+def print_multi_turn(name: str, r: dict, args) -> None:
+    servers = list(r)
+    print(f"\n{name}: a {args.turns}-turn chat, ~{args.new_tokens} new tokens a turn, {args.reply_tokens}-token "
+          f"greedy replies; time to first token (ms) per turn")
+    print(f"{'turn':>5} {'prompt':>7} " + " ".join(f"{s:>22}" for s in servers))
+    for i in range(args.turns):
+        print(f"{i + 1:>5} {r[servers[0]]['turns'][i]['prompt_tokens'] or 0:>7} "
+              + " ".join(f"{r[s]['turns'][i]['ttft_ms']:>22.0f}" for s in servers))
+    print(f"{args.clients_sharing} clients at once, one system prompt: time to first token p50 / max (ms), wall (ms)")
+    for s in servers:
+        for round, x in enumerate(r[s]["shared"]):
+            print(f"  {s:>22} round {round + 1} ({x['prompt_tokens']} prompt tokens): {x['ttft_p50_ms']:.0f} / "
+                  f"{x['ttft_max_ms']:.0f}, {x['wall_ms']:.0f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", action="append", default=[], help="a checkpoint to serve (repeatable)")
@@ -531,6 +644,14 @@ def main() -> int:
                          "to the end, alone vs beside")
     ap.add_argument("--long-prompts", type=int, default=64, help="with --fairness: the long request's prompts (64)")
     ap.add_argument("--long-tokens", type=int, default=1024, help="with --fairness: its tokens a prompt (1024)")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="a growing chat's time to first token, and clients sharing a system prompt (see above)")
+    ap.add_argument("--turns", type=int, default=12, help="with --multi-turn: turns (default 12)")
+    ap.add_argument("--new-tokens", type=int, default=150, help="with --multi-turn: new tokens a turn (~; 150)")
+    ap.add_argument("--reply-tokens", type=int, default=24, help="with --multi-turn: tokens a reply (default 24)")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="with --multi-turn: the system prompt (~; 1000)")
+    ap.add_argument("--clients-sharing", type=int, default=16,
+                    help="with --multi-turn: clients sharing the system prompt (default 16)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary: serve the same model with it too (default $LLAMA_SERVER)")
     ap.add_argument("--gguf", default="f32,q8_0", help="llama-server's GGUF types (default f32,q8_0; 'file': a "
@@ -557,6 +678,9 @@ def main() -> int:
         models = [(Path(c).name, Path(c)) for c in args.ckpt]
         models += [(p + " (random init)", preset_checkpoint(p, Path(tmp), args.tokenizer)) for p in presets]
         for name, ckpt in models:
+            if args.multi_turn:
+                report.setdefault("multi_turn", {})[name] = multi_turn_servers(ckpt, args)
+                continue
             if args.fairness:
                 report.setdefault("fairness", {})[name] = fairness(ckpt, args, prompts)
                 continue
@@ -591,11 +715,14 @@ def main() -> int:
         print(json.dumps(report))
         return 0
     print(f"load average before {report['load_before'][0]:.1f}, after {report['load_after'][0]:.1f}"
-          + ("" if args.http_cost or args.fairness else f"; {args.tokens} tokens x {args.requests} request(s) per client"))
+          + ("" if args.http_cost or args.fairness or args.multi_turn
+             else f"; {args.tokens} tokens x {args.requests} request(s) per client"))
     for name, r in report.get("http_cost", {}).items():
         print_http_cost(name, r)
     for name, r in report.get("fairness", {}).items():
         print_fairness(name, r)
+    for name, r in report.get("multi_turn", {}).items():
+        print_multi_turn(name, r, args)
     for name, rows in report["models"].items():
         print(f"\n{name}")
         print(f"{'clients':>8} {'tok/s':>8} {'x1':>6} {'ttft p50':>9} {'p99':>8} {'tpot p50':>9} {'p99':>8} "

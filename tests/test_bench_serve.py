@@ -78,3 +78,23 @@ def test_fairness_times_a_short_request_alone_and_beside_a_long_one():
     for run in fair["alone"] + fair["beside"]:
         assert 0 < run["ttft_s"] < run["end_s"]
     assert fair["end_s"]["ratio"] == pytest.approx(fair["end_s"]["beside"] / fair["end_s"]["alone"])
+
+
+def test_multi_turn_times_each_turn_and_the_shared_system_prompt_with_and_without_the_prompt_cache():
+    """--multi-turn: a chat's turns, each prompt longer than the last, its time to first token; then clients
+    sharing a system prompt, twice; against our server with the prompt cache (which reuses positions) and
+    without (which does not)."""
+    import json
+    ckpt = shared_checkpoint()[0]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--ckpt", ckpt, "--preset", "",
+                        "--multi-turn", "--turns", "2", "--new-tokens", "10", "--reply-tokens", "3",
+                        "--system-tokens", "8", "--clients-sharing", "2", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    servers = json.loads(r.stdout)["multi_turn"]["tiny"]
+    assert list(servers) == ["ours", "ours, no prompt cache"]
+    for s in servers.values():
+        assert len(s["turns"]) == 2 and s["turns"][0]["prompt_tokens"] < s["turns"][1]["prompt_tokens"]
+        assert all(t["ttft_ms"] > 0 for t in s["turns"]) and len(s["shared"]) == 2
+    assert servers["ours"]["prefix_cache"]["reused_tokens"] > 0
+    assert servers["ours, no prompt cache"]["prefix_cache"]["reused_tokens"] == 0
