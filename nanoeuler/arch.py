@@ -61,8 +61,17 @@ class Format:
     name: its architecture name there (HF model_type, GGUF general.architecture); aliases: other names read.
     globals_, layer: External entries (layer names under `layers.{i}.` on our side);
     norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
-    order (GGUF `llama` only); dialect: how its config and tokenizer files are written (HF: "llama" for
-    Llama-style config.json and tokenizer.json, "gpt2" for GPT-2's n_embd... keys and vocab.json + merges.txt);
+    order (GGUF `llama` only).
+    A Hugging Face folder's files, as the format writes them (Llama-style, or GPT-2's):
+    config: Config field -> its config.json keys: the first one given is read and any other given must agree
+    (GPT-2's n_ctx beside n_positions; query_pre_attn_scalar beside head_dim); export writes them all;
+    config_fixed: keys export writes with these values, which make transformers compute what we compute;
+    activation_keys: the keys export names the MLP's activation under;
+    prefix: the prefix of its tensors in the weights file, lm_head's excepted (GPT-2's `transformer.`), which
+    PEFT's names carry too;
+    tokenizer: its tokenizer files, "tokenizer.json" or GPT-2's "vocab.json+merges.txt";
+    window_pattern: the config.json key that says which layers are windowed when `layer_types` does not
+    (Gemma 3's sliding_window_pattern; absent: the architecture's default global_every);
     width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
     instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar)."""
     name: str
@@ -71,7 +80,12 @@ class Format:
     aliases: tuple[str, ...] = ()
     norm_offset: float = 0.0
     permute_qk: bool = False
-    dialect: str = "llama"
+    config: dict = field(default_factory=dict)
+    config_fixed: dict = field(default_factory=dict)
+    activation_keys: tuple[str, ...] = ()
+    prefix: str = ""
+    tokenizer: str = "tokenizer.json"
+    window_pattern: str | None = None
     width_scaled_at: tuple[int, ...] = ()
 
     def tensors(self, n_layers: int) -> list[External]:
@@ -141,6 +155,15 @@ _GGUF_ATTN = tuple(_e(f"blk.{{i}}.attn_{t}.weight", f"attn.w{x}.weight")
 _GGUF_MLP = tuple(_e(f"blk.{{i}}.ffn_{x}.weight", f"ffn.{x}.weight") for x in ("gate", "up", "down"))
 _GGUF_GLOBALS = (_e("token_embd.weight", "embed.weight"), _e("output_norm.weight", "norm.weight"),
                  _e("output.weight", "heads.0.weight"))
+_HF_CONFIG = {  # Llama-style config.json: Config field -> its keys
+    "vocab_size": ("vocab_size",), "dim": ("hidden_size",), "n_layers": ("num_hidden_layers",),
+    "n_heads": ("num_attention_heads",), "n_kv_heads": ("num_key_value_heads",), "ffn_hidden": ("intermediate_size",),
+    "ctx_len": ("max_position_embeddings",), "norm_eps": ("rms_norm_eps",),
+    "head_dim": ("head_dim", "query_pre_attn_scalar"), "rope_theta": ("rope_theta",),
+    "rope_local_theta": ("rope_local_base_freq",), "sliding_window": ("sliding_window",),
+    "tie_embeddings": ("tie_word_embeddings",)}
+_HF_FIXED = {"rope_scaling": None, "mlp_bias": False, "attention_dropout": 0.0, "pad_token_id": None}
+_HF_ACTIVATION = ("hidden_act", "hidden_activation")
 _LLAMA_LORA = {x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | \
               {x: [(f"ffn.{x}", (f"ffn.{x}",))] for x in ("gate", "up", "down")}
 _LLAMA_LORA_DEFAULTS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -150,7 +173,8 @@ EULER = Arch(
     "euler", defaults=_LLAMA_DEFAULTS,
     hf=Format("llama", _HF_GLOBALS, (_e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"), *_HF_ATTN,
                                      _e("model.layers.{i}.post_attention_layernorm.weight", "ffn_norm.weight"),
-                                     *_HF_MLP), aliases=("LlamaForCausalLM",)),
+                                     *_HF_MLP), aliases=("LlamaForCausalLM",),
+              config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
     gguf=Format("llama", _GGUF_GLOBALS, (_e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
                                          _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP),
                 permute_qk=True),
@@ -160,7 +184,7 @@ QWEN2 = Arch(
     "qwen2", qkv_bias=True, defaults=_LLAMA_DEFAULTS | {"rope_theta": 1000000.0, "norm_eps": 1e-6},
     hf=Format("qwen2", _HF_GLOBALS, EULER.hf.layer + tuple(
         _e(f"model.layers.{{i}}.self_attn.{x}_proj.bias", f"attn.w{x}.bias") for x in "qkv"),
-        aliases=("Qwen2ForCausalLM",)),
+        aliases=("Qwen2ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
     gguf=Format("qwen2", _GGUF_GLOBALS, EULER.gguf.layer + tuple(
         _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv")),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
@@ -176,7 +200,8 @@ GEMMA3 = Arch(
         _e("model.layers.{i}.post_attention_layernorm.weight", "attn_post_norm.weight"),
         _e("model.layers.{i}.pre_feedforward_layernorm.weight", "ffn_norm.weight"), *_HF_MLP,
         _e("model.layers.{i}.post_feedforward_layernorm.weight", "ffn_post_norm.weight")),
-        aliases=("Gemma3ForCausalLM",), norm_offset=1.0),
+        aliases=("Gemma3ForCausalLM",), norm_offset=1.0, config=_HF_CONFIG, config_fixed=_HF_FIXED,
+        activation_keys=_HF_ACTIVATION, window_pattern="sliding_window_pattern"),
     gguf=Format("gemma3", _GGUF_GLOBALS, (
         _e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
         _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"), _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"),
@@ -195,7 +220,12 @@ GPT2 = Arch(
         _e(f"h.{{i}}.{theirs}.{s}", *(f"{o}.{s}" for o in ours), transposed=s == "weight" and ".c_" in theirs)
         for ours, theirs in ((("attn_norm",), "ln_1"), (_GPT2_QKV, "attn.c_attn"), (("attn.wo",), "attn.c_proj"),
                              (("ffn_norm",), "ln_2"), (("ffn.fc",), "mlp.c_fc"), (("ffn.proj",), "mlp.c_proj"))
-        for s in ("weight", "bias")), aliases=("GPT2LMHeadModel",), dialect="gpt2"),
+        for s in ("weight", "bias")), aliases=("GPT2LMHeadModel",),
+        config={"vocab_size": ("vocab_size",), "dim": ("n_embd",), "n_layers": ("n_layer",), "n_heads": ("n_head",),
+                "ffn_hidden": ("n_inner",), "ctx_len": ("n_positions", "n_ctx"), "norm_eps": ("layer_norm_epsilon",),
+                "tie_embeddings": ("tie_word_embeddings",)},
+        config_fixed={"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True},
+        activation_keys=("activation_function",), prefix="transformer.", tokenizer="vocab.json+merges.txt"),
     gguf=Format("gpt2", (_e("token_embd.weight", "embed.weight"), _e("position_embd.weight", "pos_embed.weight"),
                          _e("output_norm.weight", "norm.weight"), _e("output_norm.bias", "norm.bias"),
                          _e("output.weight", "heads.0.weight")), tuple(

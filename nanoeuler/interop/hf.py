@@ -10,9 +10,10 @@ GPT-2's Conv1D weights, and stores Gemma's norms as w − 1 (its norm multiplies
 each step. A tied head (tie_word_embeddings) has no lm_head; MTP heads 1..K-1 travel in a side file
 (`nanoeuler_mtp.safetensors`) that only `import` reads.
 
-config.json: CONFIG_KEYS names each Config field in Llama-style folders (llama, qwen2, gemma3_text) and in
-GPT-2's; `REFUSED` lists the settings that would make the imported model compute something else than ours
-(rope scaling, soft-capping, other activations, ...): each is refused by name.
+config.json: the architecture's `hf` Format (arch.py) names each Config field's keys, Llama-style (llama, qwen2,
+gemma3_text) or GPT-2's, and what else export writes; `REFUSED` lists the settings that would make the imported
+model compute something else than ours (rope scaling, soft-capping, other activations, ...): each is refused
+by name.
 
 The folder's tokenizer (tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte fallback; or
 GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
@@ -29,16 +30,6 @@ from ..arch import ARCHS, Arch, by_format
 from ..errors import UserError
 from .hf_folder import HF_DTYPES, MTP_FILE, eos_id_of, mtp_heads, read_hf_config, read_json_file, read_weights
 
-# Config field -> (key in a Llama-style config.json, key in GPT-2's)
-CONFIG_KEYS = {
-    "vocab_size": ("vocab_size", "vocab_size"), "dim": ("hidden_size", "n_embd"),
-    "n_layers": ("num_hidden_layers", "n_layer"), "n_heads": ("num_attention_heads", "n_head"),
-    "n_kv_heads": ("num_key_value_heads", None), "ffn_hidden": ("intermediate_size", "n_inner"),
-    "ctx_len": ("max_position_embeddings", "n_positions"), "norm_eps": ("rms_norm_eps", "layer_norm_epsilon"),
-    "head_dim": ("head_dim", None), "rope_theta": ("rope_theta", None),
-    "rope_local_theta": ("rope_local_base_freq", None), "sliding_window": ("sliding_window", None),
-    "tie_embeddings": ("tie_word_embeddings", "tie_word_embeddings"),
-}
 # the activation each MLP kind computes, as transformers names it (hidden_act, hidden_activation, activation_function)
 ACTIVATIONS = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
 # config.json keys whose other values change the function: key -> the values that do not
@@ -127,14 +118,8 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         if act is not None and act not in ACTIVATIONS[arch.mlp]:
             raise UserError(f"config.json: {key}={act!r:.40} is not supported for {arch.hf.name} "
                             f"({' or '.join(ACTIVATIONS[arch.mlp])})")
-    gpt2 = arch.hf.dialect == "gpt2"
-    fields = {}
-    for ours, keys in CONFIG_KEYS.items():
-        key = keys[1] if gpt2 else keys[0]
-        if key is not None and c.get(key) is not None:
-            fields[ours] = c[key]
-    if gpt2 and "ctx_len" not in fields and c.get("n_ctx") is not None:
-        fields["ctx_len"] = c["n_ctx"]
+    keys = arch.hf.config
+    fields = _config_fields(c, keys)
     fields.update(_rope_fields(c, arch))
     if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
         if c.get("use_sliding_window", True) is not False:                    # (Qwen2 names one it does not use)
@@ -142,15 +127,14 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
                             f"{arch.hf.name}")
         del fields["sliding_window"]
     if "sliding_window" in fields:
-        fields.update(_window_pattern(c))
+        fields.update(_window_pattern(c, arch))
     if not arch.gated:
         fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
     if not isinstance(fields.get("tie_embeddings", False), bool):   # a string "false" is not false
         raise UserError(f"config.json: tie_word_embeddings must be true or false, got {fields['tie_embeddings']!r:.60}")
     if vocab_rows is not None and fields.get("vocab_size") != vocab_rows:
         raise UserError(f"config.json: vocab_size {fields.get('vocab_size')} but the embedding has {vocab_rows} rows")
-    missing = [CONFIG_KEYS[f][1 if gpt2 else 0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden")
-               if fields.get(f) is None]
+    missing = [keys[f][0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden") if fields.get(f) is None]
     if missing:
         raise UserError(f"config.json: {missing[0]} is missing")
     for name in ("rope_theta", "rope_local_theta", "norm_eps"):
@@ -164,10 +148,23 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         raise UserError(f"config.json: {e}") from None
     except UserError as e:
         raise UserError(f"config.json: {e}") from None
-    if c.get("query_pre_attn_scalar", cfg.head_dim) != cfg.head_dim:
-        raise UserError(f"config.json: query_pre_attn_scalar={c['query_pre_attn_scalar']} differs from head_dim "
-                        f"{cfg.head_dim}; not supported")
     return cfg
+
+
+def _config_fields(c: dict, keys: dict) -> dict:
+    """Config fields from config.json by the format's keys (Format.config): the first key given is read, any
+    other given must agree with it (a Gemma 3 27B's query_pre_attn_scalar 168 beside its head_dim 128: refused).
+    _config_fields({"n_positions": 64, "n_ctx": 64}, {"ctx_len": ("n_positions", "n_ctx")}) -> {"ctx_len": 64}"""
+    fields = {}
+    for ours, names in keys.items():
+        given = [k for k in names if c.get(k) is not None]
+        if given:
+            fields[ours] = c[given[0]]
+        for k in given[1:]:
+            if c[k] != fields[ours]:
+                raise UserError(f"config.json: {k}={json.dumps(c[k])[:40]} differs from {given[0]} "
+                                f"{json.dumps(fields[ours])[:40]}; not supported")
+    return fields
 
 
 def _rope_fields(c: dict, arch: Arch) -> dict:
@@ -188,10 +185,12 @@ def _rope_fields(c: dict, arch: Arch) -> dict:
     return out
 
 
-def _window_pattern(c: dict) -> dict:
-    """Which layers attend through the window (Gemma 3's layer_types, or sliding_window_pattern) as our
-    global_every: layer i global iff (i + 1) % n == 0."""
-    types, n = c.get("layer_types"), c.get("sliding_window_pattern", 6)
+def _window_pattern(c: dict, arch: Arch) -> dict:
+    """Which layers attend through the window (layer_types, else the format's window_pattern key, else the
+    architecture's default: Gemma 3's 6) as our global_every: layer i global iff (i + 1) % n == 0."""
+    types, n = c.get("layer_types"), arch.defaults.get("global_every", 0)
+    if arch.hf.window_pattern:
+        n = c.get(arch.hf.window_pattern, n)
     if types is not None:
         if not isinstance(types, list) or not all(t in ("sliding_attention", "full_attention") for t in types):
             raise UserError("config.json: layer_types must list sliding_attention / full_attention")
@@ -205,28 +204,21 @@ def _window_pattern(c: dict) -> dict:
 
 def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     """config.json of the transformers model equal to ours."""
-    a = cfg.spec
-    gpt2 = a.hf.dialect == "gpt2"
+    a, fmt = cfg.spec, cfg.spec.hf
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     bos = tok.bos_id if tok.bos_id is not None else eos
     values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim}
     if not cfg.sliding_window:
         values = {k: v for k, v in values.items() if k not in ("sliding_window", "rope_local_theta")}
-    out = {"architectures": [a.hf.aliases[0]], "model_type": a.hf.name}
-    out |= {keys[gpt2]: values[ours] for ours, keys in CONFIG_KEYS.items() if keys[gpt2] is not None and ours in values}
-    if gpt2:
-        return out | {"n_ctx": cfg.ctx_len, "activation_function": ACTIVATIONS[a.mlp][0], "resid_pdrop": 0.0,
-                      "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True, "initializer_range": 0.02,
-                      "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": dtype,
-                      "nanoeuler_n_mtp": cfg.n_mtp}
+    out = {"architectures": [fmt.aliases[0]], "model_type": fmt.name}
+    out |= {key: values[ours] for ours, keys in fmt.config.items() if ours in values for key in keys}
     if cfg.sliding_window:
         out["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
     if not a.qkv_bias:
         out["attention_bias"] = False
-    return out | {"hidden_act": ACTIVATIONS[a.mlp][0], "hidden_activation": ACTIVATIONS[a.mlp][0],
-                  "query_pre_attn_scalar": cfg.head_dim, "rope_scaling": None, "mlp_bias": False,
-                  "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos,
-                  "eos_token_id": eos, "pad_token_id": None, "torch_dtype": dtype, "nanoeuler_n_mtp": cfg.n_mtp}
+    return out | {key: ACTIVATIONS[a.mlp][0] for key in fmt.activation_keys} | fmt.config_fixed | {
+        "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype,
+        "nanoeuler_n_mtp": cfg.n_mtp}
 
 
 # ------------------------------------------------------------------------------------------------ import
@@ -354,11 +346,12 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
     tied = "heads.0.weight" not in P or bool(np.array_equal(P["embed.weight"], P["heads.0.weight"]))
-    if cfg.n_heads != cfg.n_kv_heads and cfg.spec.hf.dialect == "gpt2":
-        raise UserError("a GPT-2 folder has as many key/value heads as query heads; this model groups them (GQA)")
+    fmt = cfg.spec.hf
+    if cfg.n_heads != cfg.n_kv_heads and "n_kv_heads" not in fmt.config:
+        raise UserError(f"a {fmt.name} folder has as many key/value heads as query heads (its config.json names no "
+                        f"other number); this model groups them (GQA)")
     tensors = to_hf(cfg, {n: p for n, p in P.items() if not (tied and n == "heads.0.weight")})
-    if cfg.spec.hf.dialect == "gpt2":
-        tensors = {("" if n == "lm_head.weight" else "transformer.") + n: a for n, a in tensors.items()}
+    tensors = {("" if n == "lm_head.weight" else fmt.prefix) + n: a for n, a in tensors.items()}
     with output_dir(out, force) as tmp:
         write_tensors(tmp / "model.safetensors", tensors, HF_DTYPES[dtype], {"format": "pt"})
         if cfg.n_mtp > 1:  # MTP heads 1..K-1 stay float32: only `nanoeuler import` reads them
@@ -376,14 +369,23 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
 
 
 def write_tokenizer(folder: Path, tok, cfg) -> None:
-    """The tokenizer files transformers' AutoTokenizer loads: tokenizer.json and tokenizer_config.json (a GPT-2
-    folder: vocab.json + merges.txt as GPT2Tokenizer wants them, with GPT-2's pre-tokenizer)."""
-    if cfg.spec.hf.dialect == "gpt2":
-        from .gpt2 import write_gpt2_tokenizer
-        write_gpt2_tokenizer(folder, tok, cfg.ctx_len)
-        return
+    """The tokenizer files transformers' AutoTokenizer loads, as the format writes them (Format.tokenizer)."""
+    TOKENIZER_WRITERS[cfg.spec.hf.tokenizer](folder, tok, cfg.ctx_len)
+
+
+def write_hf_tokenizer(folder: Path, tok, ctx_len: int) -> None:
+    """tokenizer.json and tokenizer_config.json (PreTrainedTokenizerFast)."""
     (folder / "tokenizer.json").write_text(tok.to_hf_json(), encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, cfg.ctx_len), indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, ctx_len), indent=2) + "\n")
+
+
+def write_gpt2_tokenizer(folder: Path, tok, ctx_len: int) -> None:
+    """vocab.json + merges.txt as GPT2Tokenizer wants them, with GPT-2's pre-tokenizer (gpt2.py)."""
+    from .gpt2 import write_gpt2_tokenizer
+    write_gpt2_tokenizer(folder, tok, ctx_len)
+
+
+TOKENIZER_WRITERS = {"tokenizer.json": write_hf_tokenizer, "vocab.json+merges.txt": write_gpt2_tokenizer}
 
 
 def hf_names(cfg) -> dict[str, str]:

@@ -31,7 +31,7 @@ def peft_names(cfg, lcfg) -> dict[str, str]:
     from ..adapters import modules, saved_names
     from .hf import hf_names
     hf = hf_names(cfg)
-    prefix = "base_model.model." + ("transformer." if cfg.spec.hf.dialect == "gpt2" else "")
+    prefix = "base_model.model." + cfg.spec.hf.prefix
     out = {n: ("base_model.model." if hf[n] == "lm_head.weight" else prefix) + hf[n]
            for n in saved_names(cfg, lcfg) if n in hf}
     for module, (_, hf_module) in modules(cfg, lcfg).items():
@@ -41,12 +41,18 @@ def peft_names(cfg, lcfg) -> dict[str, str]:
 
 
 def adapter_config(cfg, lcfg, base_path: str) -> dict:
+    """adapter_config.json; fan_in_fan_out: the targets' weights are stored [in, out] (GPT-2's Conv1D, the
+    `hf` table's transposed entries), as PEFT must know to apply them."""
     from ..adapters import SAVABLE, modules
     targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})  # PEFT matches by suffix
+    transposed = {e.name: e.transposed for e in cfg.spec.hf.tensors(cfg.n_layers)}
+    fan_in_fan_out = {transposed[f"{peft}.weight"] for _, peft in modules(cfg, lcfg).values()}
+    if len(fan_in_fan_out) > 1:
+        raise UserError("PEFT holds one fan_in_fan_out for all targets; these mix [in, out] and [out, in] weights")
     saved = [SAVABLE[m][1] for m in lcfg.modules_to_save if SAVABLE[m][1]]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
             "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
-            "fan_in_fan_out": cfg.spec.hf.dialect == "gpt2",  # GPT-2's Conv1D stores its weights [in, out]
+            "fan_in_fan_out": fan_in_fan_out == {True},
             "base_model_name_or_path": base_path, "inference_mode": True,
             "init_lora_weights": True, "modules_to_save": saved or None, "use_rslora": False, "use_dora": False}
 

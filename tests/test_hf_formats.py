@@ -1,0 +1,109 @@
+"""What a Hugging Face format implies (arch.py's `hf` Format: config.json keys, what export writes beside them,
+the weights' prefix, the tokenizer files, PEFT's fan_in_fan_out, the window pattern's key and default) is read
+from the record, never from a comparison of names: each class here, per architecture."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_config
+
+from nanoeuler import Model, Tokenizer
+from nanoeuler.adapters import LoraConfig
+from nanoeuler.arch import ARCHS, GEMMA3
+from nanoeuler.errors import UserError
+from nanoeuler.interop.hf import config_from_hf, export_hf, hf_config
+from nanoeuler.interop.peft import adapter_config
+
+SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4),
+          "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0)}
+
+
+def config_of(arch: str):
+    return tiny_config(arch=arch, n_mtp=1, n_layers=3, **SHAPES[arch])
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPES))
+def test_each_format_reads_back_the_config_it_writes(arch):
+    """config.json as export writes it imports as the same Config, every key of a field written (GPT-2's
+    n_ctx beside n_positions, query_pre_attn_scalar beside head_dim) and agreeing."""
+    cfg = config_of(arch)
+    c = json.loads(json.dumps(hf_config(cfg, Tokenizer([]), tied=False)))
+    assert config_from_hf(c, ARCHS[arch]).replace(n_mtp=1) == cfg.replace(tie_embeddings=False)
+    fmt = ARCHS[arch].hf
+    for field, keys in fmt.config.items():
+        assert len({json.dumps(c[k]) for k in keys if k in c}) <= 1, field
+    if arch == "gpt2":
+        assert c["n_ctx"] == c["n_positions"] == cfg.ctx_len and c["activation_function"] == "gelu_new"
+        assert "num_key_value_heads" not in c and "hidden_act" not in c and c["attn_pdrop"] == 0.0
+    else:
+        assert c["query_pre_attn_scalar"] == c["head_dim"] == cfg.head_dim and c["rope_scaling"] is None
+        assert c["hidden_act"] == c["hidden_activation"] and "n_ctx" not in c
+
+
+def gpt2_config(**keys) -> dict:
+    return {"model_type": "gpt2", "vocab_size": 40, "n_embd": 16, "n_layer": 1, "n_head": 4} | keys
+
+
+def test_a_gpt2_config_gives_its_context_as_n_positions_or_n_ctx():
+    """GPT-2's context is n_positions, else the older n_ctx; the two given must agree."""
+    assert config_from_hf(gpt2_config(n_positions=64), ARCHS["gpt2"]).ctx_len == 64
+    assert config_from_hf(gpt2_config(n_ctx=32), ARCHS["gpt2"]).ctx_len == 32
+    assert config_from_hf(gpt2_config(n_positions=64, n_ctx=64), ARCHS["gpt2"]).ctx_len == 64
+    with pytest.raises(UserError, match="n_ctx=32 differs from n_positions 64"):
+        config_from_hf(gpt2_config(n_positions=64, n_ctx=32), ARCHS["gpt2"])
+    with pytest.raises(UserError, match="n_embd is missing"):
+        config_from_hf({k: v for k, v in gpt2_config(n_positions=64).items() if k != "n_embd"}, ARCHS["gpt2"])
+
+
+def llama_config(model_type: str, **keys) -> dict:
+    return {"model_type": model_type, "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 7,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24} | keys
+
+
+def test_a_window_is_read_only_where_the_architecture_has_one():
+    """sliding_window in a Llama config is refused (Llama attends globally); in a Qwen2 one that says it does
+    not use it, ignored: neither becomes windowed, every 6th layer global or otherwise."""
+    with pytest.raises(UserError, match="sliding_window=4 is not supported for llama"):
+        config_from_hf(llama_config("llama", sliding_window=4), ARCHS["euler"])
+    cfg = config_from_hf(llama_config("qwen2", sliding_window=4, use_sliding_window=False), ARCHS["qwen2"])
+    assert not cfg.sliding_window and all(cfg.window(i) == 0 for i in range(7))
+
+
+def test_the_window_pattern_is_the_formats_key_else_the_architectures_default(monkeypatch):
+    """Gemma 3: sliding_window_pattern says which layers are global; absent, the architecture's default
+    (global_every, 6 for Gemma 3), not a number of the importer's own."""
+    c = llama_config("gemma3_text", head_dim=4, sliding_window=4)
+    assert config_from_hf(c | {"sliding_window_pattern": 3}, GEMMA3).global_every == 3
+    assert config_from_hf(c, GEMMA3).global_every == GEMMA3.defaults["global_every"] == 6
+    monkeypatch.setitem(GEMMA3.defaults, "global_every", 2)
+    cfg = config_from_hf(c, GEMMA3)
+    assert [cfg.window(i) for i in range(4)] == [4, 0, 4, 0]
+
+
+def test_gpt2s_tensors_carry_its_prefix_and_its_tokenizer_its_files(tmp_path):
+    from nanoeuler.interop.safetensors_io import read_header
+    cfg = tiny_config(arch="gpt2", n_mtp=1, n_kv_heads=4, vocab_size=300)
+    tok = Tokenizer.train(["some text to train on, some more text"] * 20, 300, progress=False)
+    export_hf(Model.init(cfg, seed=0), tok, tmp_path / "gpt2", progress=False)
+    names = [n for n in read_header(tmp_path / "gpt2" / "model.safetensors")[0] if n != "__metadata__"]
+    assert names and all(n.startswith("transformer.") for n in names if n != "lm_head.weight")
+    assert (tmp_path / "gpt2" / "vocab.json").is_file() and (tmp_path / "gpt2" / "merges.txt").is_file()
+    export_hf(Model.init(tiny_config(n_mtp=1, vocab_size=300), seed=0), tok, tmp_path / "llama", progress=False)
+    assert not any(n.startswith("transformer.") for n in read_header(tmp_path / "llama" / "model.safetensors")[0])
+    assert not (tmp_path / "llama" / "vocab.json").exists()
+
+
+def test_a_format_without_a_key_for_kv_heads_refuses_gqa(tmp_path):
+    cfg = tiny_config(arch="gpt2", n_mtp=1, vocab_size=257)   # 4 heads, 2 kv heads
+    with pytest.raises(UserError, match="gpt2 folder has as many key/value heads as query heads"):
+        export_hf(Model.init(cfg, seed=0), Tokenizer([]), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch, transposed", [("gpt2", True), ("euler", False), ("gemma3", False)])
+def test_peft_fan_in_fan_out_is_whether_the_targets_are_stored_transposed(arch, transposed):
+    """PEFT must know that GPT-2's Conv1D weights are [in, out]: the `hf` table's transposed entries say so."""
+    cfg = config_of("gpt2" if arch == "gpt2" else arch)
+    lcfg = LoraConfig(2, 4.0).check(cfg)
+    assert adapter_config(cfg, lcfg, "base")["fan_in_fan_out"] is transposed
