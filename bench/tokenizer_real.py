@@ -2,7 +2,8 @@
 `tokenizers` (the Rust library) on the same text, and that both give the same ids.
 
 For Gemma 3 270M (SentencePiece-style BPE, 262,144 tokens) and SmolLM2-135M-Instruct (byte-level BPE, 49,152
-tokens), from the GGUF files `make models` fetches:
+tokens), from the GGUF files `make models` fetches, and with --llama-cpp-vocab NAME for llama.cpp's vocabulary
+file ggml-vocab-NAME.gguf (`make llama-src`; command-r: 256,000 tokens, llama-bpe: Llama-3's 128,256):
   - load: the file's header and vocabulary read (interop/gguf_file.py) and the tokenizer built from it, and
     the same tokenizer loaded from our tokenizer.json (what `chat` / `serve` do with an imported checkpoint);
     with --gguf-reader also the gguf package's GGUFReader on the same file, for comparison;
@@ -12,6 +13,7 @@ tokens), from the GGUF files `make models` fetches:
 
     .venv/bin/python bench/tokenizer_real.py              # ~1-2 minutes
     .venv/bin/python bench/tokenizer_real.py --mb 5 --json --gguf-reader
+    .venv/bin/python bench/tokenizer_real.py --llama-cpp-vocab command-r --llama-cpp-vocab llama-bpe
 
 Each figure is the best of --repeat runs (the machine is shared: the fastest run is the least disturbed);
 the ratios are what to read on a busy machine.
@@ -42,7 +44,8 @@ def load_times(path: Path, repeat: int, gguf_reader: bool) -> tuple[dict, object
 
     def from_gguf():
         f = GGUFFile(path)
-        rows = next(int(t.shape[1]) for t in f.tensors if t.name == "token_embd.weight")
+        rows = next((int(t.shape[1]) for t in f.tensors if t.name == "token_embd.weight"),
+                    len(f.meta["tokenizer.ggml.tokens"]))   # a vocabulary file has no tensors
         return gguf_tokenizer(f.meta, rows)
     from_gguf()                                  # compiles / loads the kernels once
     gguf_s, _, tok = best_of(repeat, from_gguf)
@@ -79,17 +82,22 @@ def main() -> None:
     ap.add_argument("--varied-mb", type=float, default=0.5, help="MB of synthetic varied text (default 0.5)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gguf-reader", action="store_true", help="also time gguf.GGUFReader (slow: ~10-25 s)")
+    ap.add_argument("--llama-cpp-vocab", action="append", default=[], metavar="NAME",
+                    help="also llama.cpp's models/ggml-vocab-NAME.gguf (make llama-src), e.g. command-r, llama-bpe")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     cut = lambda texts: [t[i:i + 100_000] for t in texts for i in range(0, len(t), 100_000)]  # noqa: E731
     english = cut(english_docs(args.mb))
     varied = cut([varied_text(int(args.varied_mb * 1e6), seed=1)])
+    from test_llama_cpp_vocabs import models_dir as llama_cpp_models
+    files = {name: (models_dir() / FILES[name], "make models") for name in ("gemma3", "smollm2")}
+    files |= {name: ((llama_cpp_models() or Path("-")) / f"ggml-vocab-{name}.gguf", "make llama-src")
+              for name in args.llama_cpp_vocab}
     res = {}
-    for name in ("gemma3", "smollm2"):
-        path = models_dir() / FILES[name]
+    for name, (path, fetch) in files.items():
         if not path.is_file():
-            res[name] = {"skipped": f"{FILES[name]} is not fetched: run `make models`"}
+            res[name] = {"skipped": f"{path.name} is not fetched: run `{fetch}`"}
             continue
         load, tok = load_times(path, args.repeat, args.gguf_reader)
         res[name] = {"vocab_size": tok.vocab_size, "kind": tok.kind, "load": load,

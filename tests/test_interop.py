@@ -556,7 +556,12 @@ def edit_config(d, **changes):
 
 
 @pytest.mark.parametrize("change, needle", [
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),   # linear, llama3: test_archs.py
+    (dict(rope_scaling={"type": "dynamic", "factor": 4}), "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": True}), "rope_factor"),
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}), "rope_parameters"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}), "has no low_freq_factor"),
+    (dict(vocab_size="64"), "vocab_size '64' is not an integer"),  # was: "vocab_size 64 but the embedding has 64 rows"
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(sliding_window=128), "sliding_window"),
@@ -572,7 +577,7 @@ def edit_config(d, **changes):
     (dict(vocab_size=0), "vocab_size"),
     (dict(max_position_embeddings=1e400), "ctx_len"),
     (dict(model_type="mistral"), "model_type 'mistral'"),          # architectures still says LlamaForCausalLM
-    (dict(model_type=None, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+    (dict(model_type=None, architectures=["Phi3ForCausalLM"]), "Phi3ForCausalLM"),
     (dict(architectures=["LlamaForCausalLM", "BertModel"]), "BertModel"),
     (dict(architectures="LlamaForCausalLM"), "architectures"),
     (dict(model_type=["llama"]), "model_type"),                       # was: an internal error (unhashable)
@@ -586,6 +591,23 @@ def test_unsupported_config_fields_are_one_line_errors(hf_folders, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("neutral", [
+    dict(rope_scaling={"rope_type": "default"}), dict(rope_scaling={"rope_type": "linear", "factor": 1.0}),
+    dict(rope_scaling={"type": "dynamic", "factor": 1}), dict(rope_parameters={"rope_type": "default"}),
+    dict(rope_parameters={"rope_type": "linear", "factor": 1.0})])
+def test_rope_scaling_that_changes_nothing_imports(hf_folders, tmp_path, neutral):
+    """A rope_scaling / rope_parameters that leaves RoPE as it is was refused, where the GGUF import accepts its
+    neutral values: now the same checkpoint as without it."""
+    d = tmp_path / "m"
+    shutil.copytree(hf_folders[False][1], d)
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "plain"), "--no-progress"]) == 0
+    c = json.loads((d / "config.json").read_text())
+    edit_config(d, **{k: c.get(k, {}) | v for k, v in neutral.items()})   # (rope_parameters keeps its rope_theta)
+    assert main(["import", "--from", str(d), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    for f in ("config.json", "model.safetensors"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "plain" / f).read_bytes()
 
 
 def break_folder(d, how):
@@ -644,7 +666,6 @@ def break_folder(d, how):
     ("normalizer", "normalizer"), ("pre_tokenizer", "pre_tokenizer Whitespace"), ("pickle weights", "safetensors"),
     ("not a model", "config.json"),
     ("split (", "bad pre-tokenization pattern"),                   # was: a traceback from `regex`
-    (r"split \p{L}+", "drops characters"),                          # was: imported, then refused by every load
     (r"split (?:a|aa)+$|\s+|(?s:.)", "backtracks"),
     ("deep config", "not valid JSON"),                               # was: an internal RecursionError
 ])
@@ -703,6 +724,20 @@ def test_ignore_merges_and_merges_in_any_order_encode_as_tokenizers(corpus):
             assert ours.encode(text) == theirs.encode(text).ids, (ignore, text)
         assert (ours.encode("abc") == [vocab["abc"]]) == ignore
         assert Tokenizer.from_dict(ours.to_dict()).encode(" ".join(texts)) == ours.encode(" ".join(texts))
+
+
+def test_a_split_that_leaves_characters_between_its_matches_keeps_them_as_pieces(corpus):
+    """A Split (Isolated) keeps the stretches between its matches as pieces: BLOOM's regex, or a bare \\p{L}+, cuts
+    as `tokenizers` cuts (it was refused: as one pattern, its matches alone drop characters)."""
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    d = json.loads(hf_tokenizer_json(corpus["hamlet"][:30000], "llama3"))
+    text = corpus["tempest"][:5000] + " 12,5 !? ¿qué? 日本語…。"
+    for regex in (r"\p{L}+", r" ?[^(\s|.,!?…。，、।۔،)]+"):
+        d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
+        tok = from_hf_json(d)
+        assert tok.pattern == (regex,)
+        assert tok.encode(text) == tokenizers.Tokenizer.from_str(json.dumps(d)).encode(text).ids
+        assert Tokenizer.from_dict(tok.to_dict()).encode(text) == tok.encode(text)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -141,3 +141,15 @@ def test_random_text_equals_llama_cpp(llama_cpp_vocab):
         if got != want:
             wrong.append((data, got, want))
     assert not wrong, f"{name}: {len(wrong)} of {len(texts)} texts differ, first {wrong[0]}"
+
+
+def test_every_pre_tokenizer_name_llama_cpp_reads_is_in_our_table():
+    """Each tokenizer.ggml.pre name llama_vocab::load accepts (src/llama-vocab.cpp) is a row of PRE_FAMILIES or
+    refused with its reason (REFUSED_PRE): none falls through to 'not a pre-tokenizer llama.cpp knows'."""
+    import re
+
+    from nanoeuler.interop.gguf_import import PRE_BY_NAME, REFUSED_PRE
+    source = (need_models().parent / "src" / "llama-vocab.cpp").read_text(encoding="utf-8")
+    names = set(re.findall(r'tokenizer_pre == "([^"]+)"', source))
+    assert len(names) > 60
+    assert sorted(names - PRE_BY_NAME.keys() - REFUSED_PRE.keys()) == []

@@ -20,14 +20,16 @@ inverse of our export's permutation), so import(export(ckpt)) == ckpt bit for bi
 norms are stored as their effective scale, as ours (llama.cpp's converter adds Gemma's 1).
 
 The tokenizer comes from `tokenizer.ggml.*`, read as llama.cpp's llama_vocab::load reads it. Model `gpt2`
-(byte-level BPE): tokens, merges, token types (CONTROL / USER_DEFINED / UNKNOWN become specials, UNUSED ids
-reserved rows), and `tokenizer.ggml.pre` named to its pattern (PRE_FAMILIES; `default`, or no name as in
-llama.cpp, to its cascade of regexes, hf_tokenizer.DEFAULT_CASCADE); the ids stay the file's (the
+(byte-level BPE): tokens, merges (by rank, in any order), token types (CONTROL / USER_DEFINED / UNKNOWN become
+specials, USER_DEFINED ones cut out of text always; UNUSED ids reserved rows), and `tokenizer.ggml.pre`: a
+row of PRE_FAMILIES, one per pre-tokenizer llama.cpp knows (its regexes, `ignore_merges`, bos by default;
+`default`, or no name as in llama.cpp, the cascade hf_tokenizer.DEFAULT_CASCADE); the ids stay the file's (the
 Tokenizer's id map), bytes the vocabulary lacks are left out. Model `llama` (SentencePiece-style BPE):
 tokens, scores, token types and add_space_prefix as they are (tokenizer/sentencepiece.py). Both: bos
 (`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
 knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
-Everything the model could not compute the same (rope scaling, a window where the architecture has none,
+RoPE scaling: a linear factor, or llama.cpp's per-pair `rope_freqs` (llama3's where it is, `gguf_rope_fields`).
+Everything the model could not compute the same (other RoPE scalings, a window where the architecture has none,
 soft-capping, experts, an attention scale llama.cpp derives otherwise, another architecture, another
 tokenizer model) is refused by name, and so is any defect of the file
 (truncated, absurd counts, data past the end, shapes that disagree with the metadata, a vocabulary larger
@@ -42,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import UserError
+from ..ops.rope import inv_freq, llama3_factors
 from ..tokenizer import GPT2_PATTERN
 from .hf_tokenizer import DEFAULT_CASCADE, LLAMA3_PATTERN, QWEN2_PATTERN, SMOLLM_PATTERN
 
@@ -433,15 +436,13 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
 
 # -------------------------------------------------------------------------------------- architectures
 
-# Every RoPE-scaling key llama.cpp reads (src/llama-arch.cpp LLM_KV_ROPE_*, read in llama-model.cpp and applied
-# in llama-context.cpp), each with the values that leave RoPE unscaled (what llama.cpp assumes when the key is
-# absent, or what computes the same): our RoPE is unscaled, so any other value is refused by name.
+# Every other RoPE-scaling key llama.cpp reads (src/llama-arch.cpp LLM_KV_ROPE_*, read in llama-model.cpp and
+# applied in llama-context.cpp), each with the values that leave RoPE as a linear factor scales it (what
+# llama.cpp assumes when the key is absent, or what computes the same): any other value is refused by name.
+# (The linear factor itself, rope.scaling.factor / rope.scale_linear / rope.freq_scale: gguf_rope_fields.)
 # None: the model's own context_length (llama.cpp's default for the original context).
 ROPE_SCALING = {
-    "rope.scale_linear": (0, 1),                 # the older name of rope.scaling.factor; 0 = unset
-    "rope.freq_scale": (1,),                     # 1 / factor, as older converters wrote it
-    "rope.scaling.type": ("none", "linear"),     # linear (llama.cpp's default type) by a neutral factor is plain
-    "rope.scaling.factor": (0, 1),
+    "rope.scaling.type": ("none", "linear"),     # linear: llama.cpp's default type
     "rope.scaling.attn_factor": (1,),
     "rope.scaling.alpha": (0,),
     "rope.scaling.original_context_length": None,
@@ -463,7 +464,7 @@ def refuse_unsupported(meta: dict, arch: str) -> None:
         refuse_unsupported({"llama.rope.scale_linear": 4.0}, "llama")
         # UserError: GGUF metadata llama.rope.scale_linear = 4.0 is not supported (RoPE scaling; ...)
     """
-    for table, what in ((ROPE_SCALING, " (RoPE scaling: this model's RoPE is unscaled)"), (UNSUPPORTED, "")):
+    for table, what in ((ROPE_SCALING, " (RoPE scaling: linear or llama3 only)"), (UNSUPPORTED, "")):
         for key, neutral in table.items():
             value = meta.get(f"{arch}.{key}")
             if neutral is None:
@@ -471,6 +472,33 @@ def refuse_unsupported(meta: dict, arch: str) -> None:
             if value is not None and (isinstance(value, bool) or value not in neutral):
                 shown = float(str(np.float32(value))) if isinstance(value, float) else value   # as written
                 raise UserError(f"GGUF metadata {arch}.{key} = {shown!r:.40} is not supported{what}")
+
+
+def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float) -> dict:
+    """The RoPE scaling llama.cpp applies to the file's global layers -> the Config's fields ({} for none): a linear
+    factor (rope.scaling.factor, or the older rope.scale_linear, or 1 / rope.freq_scale), or the divisors of each
+    pair's frequency in a `rope_freqs` tensor [head_dim/2] (what llama.cpp's converter writes for Llama 3.x):
+    llama3 scaling where they are llama3's of Llama 3.1's parameters (low / high freq factors 1 / 4, original
+    context 8192; the factor: the largest divisor), else the divisors as they are ("factors")."""
+    scale = field(meta, f"{a}.rope.freq_scale", float, 1.0)
+    if not scale > 0:
+        raise UserError(f"GGUF metadata {a}.rope.freq_scale = {scale} is not a number > 0")
+    spelled = (field(meta, f"{a}.rope.scaling.factor", float, 0.0), field(meta, f"{a}.rope.scale_linear", float, 0.0),
+               1 / scale)   # 0: unset
+    factor = next((f for f in spelled if f not in (0.0, 1.0)), 1.0)
+    linear = {"rope_scaling": "linear", "rope_factor": factor} if factor != 1.0 else {}
+    if rope_freqs is None:
+        return linear
+    f = np.asarray(rope_freqs, np.float64).reshape(-1)
+    if linear or f.size != head_dim // 2 or not np.all(np.isfinite(f) & (f > 0)):
+        raise UserError(f"tensor rope_freqs.weight: {f.size} factors (head size {head_dim} wants {head_dim // 2} "
+                        f"finite ones > 0){', beside a linear factor' if linear else ''}; not supported")
+    if np.all(f == 1.0):
+        return {}
+    llama3 = {"rope_scaling": "llama3", "rope_factor": float(str(np.float32(f.max())))}   # as written (8.0)
+    if np.allclose(llama3_factors(inv_freq(head_dim, theta), llama3["rope_factor"], 1.0, 4.0, 8192), f, rtol=1e-6):
+        return llama3
+    return {"rope_scaling": "factors", "rope_freq_factors": tuple(f.tolist())}
 
 
 def gguf_config(meta: dict, arch, tensors: dict):
@@ -500,6 +528,7 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   tie_embeddings="output.weight" not in tensors)
     if arch.positions == "rope":
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, arch.defaults.get("rope_theta", 10000.0))
+        fields |= gguf_rope_fields(meta, a, tensors.get("rope_freqs.weight"), hd, fields["rope_theta"])
     if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
         fields["sliding_window"] = window
         fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
@@ -574,6 +603,8 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
         raise UserError("tensor token_embd.weight is missing from the GGUF file")
     check_vocab_size(meta, arch.gguf.name, T["token_embd.weight"].shape[0])
     cfg = gguf_config(meta, arch, T)
+    if arch.positions == "rope":
+        T.pop("rope_freqs.weight", None)    # read into cfg (gguf_rope_fields)
     params, src_names = gguf_params(cfg, T)
     if T:
         raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {name} model)")

@@ -2,9 +2,11 @@
 Tokenizer, a BPE with byte_fallback (Llama-2, Gemma) as our SentencePieceTokenizer (`spm_from_hf_json`, at
 the end of this file).
 
-Our BPE engine numbers tokens as bytes 0..255, then merge i as 256 + i, then specials. A Hugging Face
-vocabulary numbers them as it likes, so `from_hf_json` gives the Tokenizer the HF id of every token in
-the engine's order (`Tokenizer(..., ids=...)`), and its encode/decode speak the HF ids:
+Our BPE engine numbers tokens as bytes 0..255, then the ordinary tokens (those the merges make, in the order
+of the first merge that makes each: merge i makes 256 + i for a vocabulary built merge by merge; then any no
+merge makes), then specials. A Hugging Face vocabulary numbers them as it likes, so `from_hf_json` gives the
+Tokenizer the HF id of every token in the engine's order (`Tokenizer(..., ids=...)`), and its encode/decode
+speak the HF ids:
 
     GPT-2 vocabulary:   '!' -> 0, ..., 'Ġ' -> 220, ..., 'Ġt' -> 256 (merge 0), ..., '<|endoftext|>' -> 50256
     tok.ids:            [220 at byte 32, 0 at byte 33, ..., 256 for merge 0, ..., 50256 for the special]
@@ -20,11 +22,15 @@ else (a token after the text, Bert/Roberta processors) is refused by name.
 
 Pre-tokenizers understood (any other is a one-line error naming it):
 - `ByteLevel(use_regex=true)`                       -> the GPT-2 pattern (GPT-2, our own export)
-- `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export)
+- `Sequence[Split(Regex P, Isolated), ByteLevel(use_regex=false)]` -> P (Llama-3, Qwen2, our export), or the
+  cascade (P,) when P leaves characters between its matches (BLOOM's), which the Split keeps as pieces
 - `Sequence[Split(P1), Split(P2), ..., ByteLevel(use_regex=false)]` -> the cascade (P1, P2, ...): each Split
   cuts the pieces the previous ones left (llama.cpp's `default`, our export of a cascade)
 - `Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)]` -> SMOLLM_PATTERN (SmolLM)
 A Unicode normal form as the normalizer (Qwen2's NFC) is carried by the Tokenizer and applied before encoding.
+`model.ignore_merges` (Llama-3) is the Tokenizer's; added tokens that are not special are cut out of text
+always (`user_defined`). A vocabulary token not written in the 256 byte characters (Command-R's raw emoji),
+which no byte-level text reaches, keeps its id as a reserved special.
 A vocabulary may lack some of the 256 byte tokens (SmolLM2's lacks 21: their id is -1 in `tok.ids`), not more
 than half of them.
 """
@@ -34,7 +40,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
-from ..tokenizer.tokenizer import check_pattern, level_bytes
+from ..tokenizer.tokenizer import check_pattern, covers_every_character, level_bytes
 
 MIN_BYTES = 128  # byte tokens a byte-level vocabulary must have (SmolLM2's lacks 21 bytes that text rarely holds)
 
@@ -93,8 +99,8 @@ def pattern_of(pre) -> str | tuple[str, ...]:
             return GPT2_PATTERN
         if len(kinds) >= 2 and kinds[-1] == "ByteLevel" and set(kinds[:-1]) == {"Split"}:
             byte_level(parts[-1], False)
-            regexes = tuple(split_regex(p) for p in parts[:-1])
-            return regexes[0] if len(regexes) == 1 else regexes
+            regexes = tuple(split_regex(p) for p in parts[:-1])   # one that leaves nothing between its matches
+            return regexes[0] if len(regexes) == 1 and covers_every_character(regexes[0]) else regexes  # is a pattern
         if kinds == ["Digits", "ByteLevel"]:
             if not parts[0].get("individual_digits"):
                 _bad("pre_tokenizer Digits.individual_digits=false is not supported")
@@ -196,29 +202,29 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if len(ours) < MIN_BYTES:
         _bad(f"model.vocab has only {len(ours)} of the 256 byte tokens ('Ā' for byte 0, 'Ġ' for a space, ...): "
              "not a byte-level BPE")
-    lefts, rights = [], []        # each merge's two sides (two lists of str: no per-merge object to collect)
-    for i, mg in enumerate(merges):
-        a, sep, b = mg.partition(" ") if isinstance(mg, str) else ("", "", "")
-        if not (a and b and " " not in b):
-            if not (isinstance(mg, list) and len(mg) == 2 and type(mg[0]) is str and type(mg[1]) is str):
-                _bad(f"merge {i} {mg!r:.60} is not a pair of tokens")
-            a, b = mg
-        lefts.append(a)
-        rights.append(b)
+    # each merge's two sides, "a b" or ["a", "b"] (two lists of str: no object per merge kept for the collector)
+    lefts = [mg.partition(" ")[0] if isinstance(mg, str) else mg[0] if isinstance(mg, list) else "" for mg in merges]
+    rights = [mg.partition(" ")[2] if isinstance(mg, str) else mg[-1] if isinstance(mg, list) else "" for mg in merges]
+    for i in (i for i, (a, b) in enumerate(zip(lefts, rights)) if not (type(a) is str and type(b) is str and a and b)
+              or isinstance(merges[i], str) and " " in b or isinstance(merges[i], list) and len(merges[i]) != 2):
+        _bad(f"merge {i} {merges[i]!r:.60} is not a pair of tokens")
     made = list(map(str.__add__, lefts, rights))
     # the ordinary tokens after the bytes: those the merges make, in the order of the first merge that makes
     # each (so that a vocabulary built merge by merge keeps the classic numbering), then any no merge makes
     made_once = dict.fromkeys(made)
-    for s in [*made_once, *sorted(vocab, key=vocab.get)]:
-        if s not in ours:
-            if s not in vocab:
-                i = made.index(s)
-                _bad(f"merge {i} ({lefts[i]!r:.30}, {rights[i]!r:.30}) makes {s!r:.40}, which is not in model.vocab")
-            if vocab[s] not in added and (s in made_once or set(s) <= byte_chars):
-                ours[s] = len(hf_ids)
-                hf_ids.append(vocab[s])
+    ordinary = made_once | dict.fromkeys(sorted(vocab, key=vocab.get))
+    if ordinary.keys() - vocab.keys():
+        i = next(i for i, m in enumerate(made) if m not in vocab)
+        _bad(f"merge {i} ({lefts[i]!r:.30}, {rights[i]!r:.30}) makes {made[i]!r:.40}, which is not in model.vocab")
+    for t in [*ours, *(t for i, t in added.items() if vocab.get(t) == i)]:
+        ordinary.pop(t, None)     # the bytes have their place; added tokens are specials
     # a token of other characters (Command-R's 1,403 raw emoji and symbols) is one no byte-level text reaches:
     # its id is kept as a reserved special below
+    for t in ordinary.keys() - made_once.keys():
+        if not set(t) <= byte_chars:
+            del ordinary[t]
+    ours.update(zip(ordinary, range(len(hf_ids), len(hf_ids) + len(ordinary))))
+    hf_ids += map(vocab.__getitem__, ordinary)
     try:
         pairs = np.array([list(map(ours.__getitem__, lefts)), list(map(ours.__getitem__, rights))],
                          np.int64).T.reshape(-1, 2)   # [merges, 2]

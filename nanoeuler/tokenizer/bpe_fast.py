@@ -1,8 +1,10 @@
 """Compiled (numba) kernels behind `nanoeuler.tokenizer`: GPT-2 pre-tokenization, piece counting,
 incremental BPE training and cached encoding, all working on UTF-8 bytes without a Python loop per byte.
 
-`tokenizer.py` holds the readable reference algorithms (regex pre-tokenization, `get_stats`, `merge`);
-the kernels here compute exactly the same thing and the tests compare the two on random text.
+`tokenizer.py` holds the readable reference algorithms (regex pre-tokenization, `get_stats`, `merge`, `bpe`);
+the kernels here compute exactly the same thing and the tests compare the two on random text. Encoding merges
+one pair at a time by rank with a heap of candidate merges (`bpe_piece`), so that any vocabulary's merge list
+applies as Hugging Face and llama.cpp apply it.
 
 Pre-tokenization is the GPT-2 pattern
 

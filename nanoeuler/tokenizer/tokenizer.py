@@ -17,7 +17,7 @@ reference versions below (`get_stats`, `merge`, `bpe`) define what they compute,
 equal.
 
 `tokenizer.json` is our own readable format (pattern — a regex, or a list of them for a cascade —, merges
-as id pairs, specials); `save` also writes a `tokenizer.vocab` beside it, one token per line, for people.
+as id pairs, specials; an imported vocabulary's "tokens" where merge i does not make token 256 + i); `save` also writes a `tokenizer.vocab` beside it, one token per line, for people.
 `to_hf_json()` exports to the Hugging Face `tokenizers` format, which then encodes identically.
 
 Imported vocabularies keep their own ids. A Hugging Face vocabulary numbers the same tokens its own way
@@ -30,6 +30,16 @@ tokenizer trained here) the two numberings are one and nothing is mapped:
     tok = Tokenizer([(104, 105)], ["</s>"], ids=[*range(1, 257), 0, 257])   # 'hi' -> id 0, '</s>' -> 257
     tok.encode("hi!")            # -> [0, 34]: 'hi', '!' (byte 33 has id 34)
     tok.decode([0, 34])          # -> 'hi!'
+
+Imported vocabularies need not be built merge by merge. Merges apply by rank, as Hugging Face and llama.cpp
+apply them: the adjacent pair of lowest rank merges (the leftmost of equals), one at a time, each making the
+token of its two sides' joined bytes. Llama-3's merge 1 ('Ġ', 'ĠĠĠ') uses a token a later merge makes, and
+its 280,147 merges make 128,000 tokens (several make one): such a Tokenizer carries `tokens`, the bytes of
+every ordinary token after the 256 bytes, and its merges name any of them. With `ignore_merges` (Llama-3) a
+pre-token that is a token as a whole is that token, merged or not:
+
+    tok = Tokenizer([(256, 97), (97, 98)], [], tokens=[b"ab", b"aba"])   # 'ab'+'a' ranks before 'a'+'b'
+    tok.encode("abab")           # -> [257, 98]: 'ab' is made, joins the 'a' beside it, then 'b' is left
 
 A vocabulary may also lack some bytes (SmolLM2's has no token for 21 of them: bytes 4, 6, 0xC0, 0xF5, ...):
 their entry in `ids` is -1. BPE still sees such a byte, so it sits between its neighbours and no merge
@@ -172,6 +182,16 @@ def check_one_pattern(pattern, whole: bool) -> None:
                             f"groups, (?:...) instead)")
 
 
+def covers_every_character(pattern: str) -> bool:
+    """Whether the matches of one regex give back every character of the probes (findall cuts text as a cascade
+    of it alone then).  covers_every_character(GPT2_PATTERN) -> True;  covers_every_character(r"\\p{L}+") -> False"""
+    try:
+        check_one_pattern(pattern, whole=True)
+    except UserError:
+        return False
+    return True
+
+
 def _findall_bounded(compiled, text: str) -> list[str]:
     """compiled.findall(text) with a time bound that grows with the text; UserError when it runs out."""
     limit = 1.0 + ENCODE_TIMEOUT_PER_CHAR * len(text)
@@ -286,7 +306,6 @@ class Tokenizer(BaseTokenizer):
         self.pattern = pattern if isinstance(pattern, str) else tuple(pattern)
         self.eos_token = eos  # the special that ends a text / response ("</s>" here; "<|endoftext|>" for GPT-2)
         self._merge_sides = np.asarray(merges, np.int64).reshape(-1, 2)   # [merges, 2]: (left, right)
-        self.merges = list(zip(self._merge_sides[:, 0].tolist(), self._merge_sides[:, 1].tolist()))
         self.ignore_merges = bool(ignore_merges)
         self._vocab, self._results = vocabulary(self._merge_sides, tokens)
         # the classic vocabulary (merge i makes token 256 + i) needs no token list: same file, same fingerprint
@@ -336,6 +355,11 @@ class Tokenizer(BaseTokenizer):
         self._int_objects = (np.arange(len(self._vocab)) if self.ids is None else self.ids).astype(object)
         self._cache: dict[str, list[int]] = {}  # pre-token -> ids, for the regex path (non-GPT-2 patterns)
 
+    @functools.cached_property
+    def merges(self) -> list[tuple[int, int]]:
+        """The merges, by rank, as (left, right) pairs in the engine's numbering (a list made on first use)."""
+        return list(zip(self._merge_sides[:, 0].tolist(), self._merge_sides[:, 1].tolist()))
+
     @property
     def _ranks(self) -> dict[tuple[int, int], tuple[int, int]]:
         """pair -> (rank, the id it makes), in the engine's numbering: what the reference `bpe` takes."""
@@ -379,7 +403,7 @@ class Tokenizer(BaseTokenizer):
         return order[int((self.ids < 0).sum()):].tolist()
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self._merge_sides)}, "
                 f"specials={list(self.special_tokens)})")
 
     # -- training -----------------------------------------------------------------------------------
@@ -615,7 +639,7 @@ class Tokenizer(BaseTokenizer):
         d = {"format": FORMAT, "version": VERSION,
              "pattern": self.pattern if isinstance(self.pattern, str) else list(self.pattern),
              "vocab_size": self.vocab_size, "specials": dict(self._specials),
-             "merges": [list(m) for m in self.merges]}
+             "merges": self._merge_sides.tolist()}
         if self.eos_token != "</s>":  # e.g. an imported GPT-2 tokenizer: "eos": "<|endoftext|>"
             d["eos"] = self.eos_token
         if self.normalizer:
@@ -693,8 +717,8 @@ class Tokenizer(BaseTokenizer):
             raise UserError("tokenizer.json: \"user_defined\" must be a list of special token strings")
         if not isinstance(ignore, bool):
             raise UserError("tokenizer.json: \"ignore_merges\" must be true or false")
-        tok = cls([tuple(m) for m in merges], order, pattern, eos, d.get("normalizer"), ids, bos, template, stops,
-                  tokens, ignore, user_defined)
+        tok = cls(merges, order, pattern, eos, d.get("normalizer"), ids, bos, template, stops, tokens, ignore,
+                  user_defined)
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']} disagrees with its merges and "
                             f"specials ({tok.vocab_size})")
@@ -767,7 +791,7 @@ def vocabulary(sides: np.ndarray, tokens: Iterable[bytes] | None) -> tuple[list[
     """
     vocab = [bytes([i]) for i in range(256)]
     if tokens is None:
-        for i, (a, b) in enumerate(sides.tolist()):
+        for i, (a, b) in enumerate(zip(sides[:, 0].tolist(), sides[:, 1].tolist())):
             if not (0 <= a < 256 + i and 0 <= b < 256 + i):
                 raise UserError(f"tokenizer: merge {i} is ({a}, {b}); each side must be a byte or an earlier merge "
                                 f"(an id below {256 + i})")
