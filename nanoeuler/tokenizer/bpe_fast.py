@@ -621,37 +621,33 @@ def _lookup(keys, vals, a, b):
 
 
 @njit(inline="always")
-def _push(heap, size, key, right, sides, made):
-    """Queue a candidate merge (key = rank << 32 | left position); return the new size. A min-heap on key:
-    the lowest rank first, the leftmost of equal ranks."""
+def _push(heap, size, key):
+    """Add key (rank << 32 | left position) to the min-heap heap[:size]; return the new size."""
     i = size
-    heap[i, 0], heap[i, 1], heap[i, 2], heap[i, 3] = key, right, sides, made
-    while i > 0 and heap[i, 0] < heap[(i - 1) >> 1, 0]:
-        p = (i - 1) >> 1
-        for c in range(4):
-            heap[i, c], heap[p, c] = heap[p, c], heap[i, c]
-        i = p
+    while i > 0 and key < heap[(i - 1) >> 1]:
+        heap[i] = heap[(i - 1) >> 1]
+        i = (i - 1) >> 1
+    heap[i] = key
     return size + 1
 
 
 @njit(inline="always")
 def _pop(heap, size):
-    """Remove the top (the caller read row 0); return the new size."""
+    """Remove the smallest key (the caller read heap[0]); return the new size."""
     last = size - 1
-    for c in range(4):
-        heap[0, c] = heap[last, c]
+    key = heap[last]
     i = 0
     while True:
         child = 2 * i + 1
         if child >= last:
             break
-        if child + 1 < last and heap[child + 1, 0] < heap[child, 0]:
+        if child + 1 < last and heap[child + 1] < heap[child]:
             child += 1
-        if heap[i, 0] <= heap[child, 0]:
+        if key <= heap[child]:
             break
-        for c in range(4):
-            heap[i, c], heap[child, c] = heap[child, c], heap[i, c]
+        heap[i] = heap[child]
         i = child
+    heap[i] = key
     return last
 
 
@@ -663,18 +659,19 @@ def _candidate(keys, vals, work, heap, size, left, right):
     v = _lookup(keys, vals, work[left], work[right])
     if v < 0:
         return size
-    sides = (np.int64(work[left]) << 32) | np.int64(work[right])
-    return _push(heap, size, ((v >> 32) << 32) | left, right, sides, v & 0xFFFFFFFF)
+    return _push(heap, size, ((v >> 32) << 32) | left)
 
 
 @njit(cache=True)
 def bpe_piece(buf, s, e, keys, vals, work, nxt, prv, heap):
-    """BPE of the bytes buf[s:e] into work[:k]; return k. Scratch: nxt, prv (int32, e - s long) and heap
-    (int64 [3 (e - s) + 1, 4]).
+    """BPE of the bytes buf[s:e] into work[:k]; return k. Scratch: nxt, prv (int32) and heap (int64), each at
+    least 3 (e - s) + 1 long.
 
     The adjacent pair of lowest rank merges, the leftmost of equal ranks, one at a time (as `tokenizer.bpe`
-    does, and Hugging Face and llama.cpp): a heap of candidate merges, an entry skipped when popped if a side
-    has merged since it was queued; each merge queues the pairs the new symbol makes with its neighbours.
+    does, and Hugging Face and llama.cpp): a heap of candidates (rank << 32 | left position); a popped one
+    whose pair is no longer there (a side merged since) is skipped: a rank names one pair, so the pair at
+    its position still has that rank only if it is still the same pair. Each merge queues the pairs the new
+    symbol makes with its neighbours.
     """
     n = e - s
     for i in range(n):
@@ -685,12 +682,16 @@ def bpe_piece(buf, s, e, keys, vals, work, nxt, prv, heap):
     for i in range(n - 1):
         size = _candidate(keys, vals, work, heap, size, i, i + 1)
     while size > 0:
-        left = heap[0, 0] & 0xFFFFFFFF
-        right, sides, made = heap[0, 1], heap[0, 2], heap[0, 3]
+        top = heap[0]
         size = _pop(heap, size)
-        if nxt[left] != right or ((np.int64(work[left]) << 32) | np.int64(work[right])) != sides:
+        left = top & 0xFFFFFFFF
+        right = nxt[left]
+        if work[left] < 0 or right < 0:
+            continue                                     # merged into its left neighbour, or last
+        v = _lookup(keys, vals, work[left], work[right])
+        if v < 0 or (v >> 32) != (top >> 32):
             continue                                     # stale: a side has merged since it was queued
-        work[left] = made
+        work[left] = v & 0xFFFFFFFF
         work[right] = -1
         nxt[left] = nxt[right]
         if nxt[right] >= 0:
@@ -713,7 +714,7 @@ def bpe_bytes(buf, keys, vals):
     work = np.empty(n, np.int32)
     nxt = np.empty(n, np.int32)
     prv = np.empty(n, np.int32)
-    heap = np.empty((3 * n + 1, 4), np.int64)
+    heap = np.empty(3 * n + 1, np.int64)
     k = bpe_piece(buf, 0, n, keys, vals, work, nxt, prv, heap)
     return work[:k].copy()
 
@@ -741,7 +742,7 @@ def encode_buf(buf, table, keys, vals, c_tab, k_pool, v_pool, c_state, cls, ends
     work = np.empty(longest, np.int32)
     nxt = np.empty(longest, np.int32)
     prv = np.empty(longest, np.int32)
-    heap = np.empty((3 * longest + 1, 4), np.int64)
+    heap = np.empty(3 * longest + 1, np.int64)
     cap = c_tab.shape[0]
     k = 0
     p = 0
