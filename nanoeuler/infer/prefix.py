@@ -6,9 +6,10 @@ into its row instead of computing them again. The cache holds blocks of BLOCK po
 and values belong to its tokens *and every token before them* (attention reads the whole prefix), so a
 block is found by its place in a tree, the prefix's earlier blocks its ancestors:
 
-    (root, (1 2 3 4))  ->  block 7 (positions 0..3)
-    (7,    (5 6 7 8))  ->  block 9 (positions 4..7)       tokens 1 2 3 4 5 6 7 8 9: blocks 7, 9, then 9 new
-    (7,    (5 6 0 0))  ->  block 12                        tokens 1 2 3 4 5 6 0 0:   blocks 7, 12
+    (0, (1 2 3 4))  ->  block 7 (positions 0..3)    (BLOCK 4 here; 0: the root)
+    (7, (5 6 7 8))  ->  block 9 (positions 4..7)    a prompt 1 2 3 4 5 6 7 8 9 copies blocks 7, 9, computes 9
+    (7, (5 6 0 0))  ->  block 12                    a prompt 1 2 3 4 5 6 0 0 5 copies blocks 7, 12, computes 5
+                                                    a prompt 1 2 3 4 5 6 7 0 copies block 7, computes 5 6 7 0
 
 A key is (parent block's id, the block's tokens) as a tuple: dictionary lookups compare the tokens
 themselves, so two prefixes never share a block by a hash collision, and a hit is exact: the positions

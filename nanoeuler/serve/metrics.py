@@ -84,7 +84,8 @@ class EngineCollector:
                 ("kv_cache_usage_ratio", "filled positions of the rows' max_batch x ctx",
                  s["kv_positions"] / s["kv_capacity"]),
                 ("prefix_cache_bytes", "memory the prefix cache holds", prefix["bytes"]),
-                ("prefix_cache_budget_bytes", "the prefix cache's budget (--prompt-cache-mib)", prefix["budget_bytes"])):
+                ("prefix_cache_budget_bytes", "the prefix cache's budget (--prompt-cache-mib)",
+                 prefix["budget_bytes"])):
             yield GaugeMetricFamily(f"nanoeuler_{name}", doc, value=value)
 
 
