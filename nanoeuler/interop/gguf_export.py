@@ -16,6 +16,8 @@ a vocabulary ranked by Hugging Face merges gets scores from the merge ranks, whi
 "any two pieces whose join is a token merge, the higher score first": the same merges when the list holds
 every such pair, as SentencePiece's own lists do); then bos, eos, add_bos_token and the checkpoint's chat
 template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+RoPE scaling: linear as rope.scaling.type / factor, llama3 (or per-pair factors) as the tensor `rope_freqs`
+[head_dim/2] that llama.cpp's converter writes for Llama 3.x, each pair's frequency divisor.
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
 `permute_qk` reorders each head's rows so that llama.cpp's pairs are our pairs: within a head, row
@@ -68,6 +70,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     cfg, P = model.config, model.params
     tied = "heads.0.weight" not in P or np.array_equal(P["heads.0.weight"], P["embed.weight"])
     out = {}
+    if cfg.rope_scaling in ("llama3", "factors"):   # llama.cpp divides each pair's frequency by these
+        out["rope_freqs.weight"] = cfg.rope_factors().astype(np.float32)
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
         if e.ours == ("heads.0.weight",) and tied:
             continue
@@ -110,6 +114,9 @@ def add_hparams(w, cfg) -> None:
     if a.positions == "rope":
         w.add_rope_dimension_count(cfg.head_dim)
         w.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_scaling == "linear":   # (llama3, factors: the tensor rope_freqs, gguf_tensors)
+        w.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_factor)
     if cfg.head_dim * cfg.n_heads != cfg.dim:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -123,8 +130,9 @@ def add_hparams(w, cfg) -> None:
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
     has none, an attention scale it computes otherwise (attention_scale_mismatch)."""
+    from ..arch import by_format
     a = cfg.spec
-    if cfg.sliding_window and "sliding_window" not in a.defaults:
+    if cfg.sliding_window and "sliding_window" not in by_format("gguf", a.gguf.name).defaults:   # (mistral: llama)
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
     why = attention_scale_mismatch(cfg)
     if why:
