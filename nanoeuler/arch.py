@@ -7,7 +7,8 @@ Every architecture here is one transformer, differing only in the choices this r
         h = norm(x)                                     norm: "rms" x/rms·w, or "layer" (x − μ)/σ·w + b
         q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (+ biases if qkv_bias), cut into heads of head_dim
         q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm
-        q, k = RoPE(q), RoPE(k) at base θ of the layer   if positions == "rope" (windowed layers: local θ)
+        q, k = RoPE(q), RoPE(k)                          if positions == "rope", at the layer's frequencies
+                                                        (Config.layer_freqs: base θ, any scaling; windowed: local θ)
         a = softmax(q·kᵀ/√head_dim, causal, the last `window` keys if layer i is windowed) · v
         x = x + post(a·Woᵀ (+ b))                       post: a norm if post_norms, else nothing
         x = x + post(mlp(norm(x)))                      mlp: "swiglu" down(silu(gate·h)·up·h)
@@ -19,13 +20,17 @@ Every architecture here is one transformer, differing only in the choices this r
 |--------|-------|--------|-----------------------|---------------|----------|------------|-----------|
 | euler  | rms   | swiglu | RoPE                  | none          |          |            |           |
 | qwen2  | rms   | swiglu | RoPE                  | q, k, v       |          |            |           |
+| qwen3  | rms   | swiglu | RoPE                  | none          | yes      |            |           |
+| mistral| rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gemma3 | rms   | geglu  | RoPE, local and global| none          | yes      | yes        | yes       |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
-euler). A model's own numbers (widths, θ, ε, window, tied head) live in its Config; `defaults` gives the
-ones a checkpoint's config.json may leave out (config.json names the architecture and any field that
-differs). Parameter names are the same for every entry (Config.param_shapes builds them from the record):
+euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
+converter writes it as `llama`. A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
+its Config; `defaults` gives the ones a checkpoint's config.json may leave out (config.json names the
+architecture and any field that differs). Parameter names are the same for every entry (Config.param_shapes
+builds them from the record):
 
     layers.i.attn_norm  attn.wq attn.wk attn.wv  attn.q_norm attn.k_norm  attn.wo  attn_post_norm
     layers.i.ffn_norm   ffn.gate ffn.up ffn.down (gated) | ffn.fc ffn.proj (gelu)  ffn_post_norm
@@ -162,7 +167,7 @@ _HF_CONFIG = {  # Llama-style config.json: Config field -> its keys
     "head_dim": ("head_dim", "query_pre_attn_scalar"), "rope_theta": ("rope_theta",),
     "rope_local_theta": ("rope_local_base_freq",), "sliding_window": ("sliding_window",),
     "tie_embeddings": ("tie_word_embeddings",)}
-_HF_FIXED = {"rope_scaling": None, "mlp_bias": False, "attention_dropout": 0.0, "pad_token_id": None}
+_HF_FIXED = {"mlp_bias": False, "attention_dropout": 0.0, "pad_token_id": None}
 _HF_ACTIVATION = ("hidden_act", "hidden_activation")
 _LLAMA_LORA = {x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | \
               {x: [(f"ffn.{x}", (f"ffn.{x}",))] for x in ("gate", "up", "down")}
@@ -188,6 +193,23 @@ QWEN2 = Arch(
     gguf=Format("qwen2", _GGUF_GLOBALS, EULER.gguf.layer + tuple(
         _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv")),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+QWEN3 = Arch(
+    "qwen3", qk_norm=True, defaults=QWEN2.defaults,
+    hf=Format("qwen3", _HF_GLOBALS, EULER.hf.layer + (
+        _e("model.layers.{i}.self_attn.q_norm.weight", "attn.q_norm.weight"),
+        _e("model.layers.{i}.self_attn.k_norm.weight", "attn.k_norm.weight")),
+        aliases=("Qwen3ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+    gguf=Format("qwen3", _GGUF_GLOBALS, EULER.gguf.layer + (
+        _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"),
+        _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"))),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+MISTRAL = Arch(
+    "mistral", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0},
+    hf=Format("mistral", _HF_GLOBALS, EULER.hf.layer, aliases=("MistralForCausalLM",), config=_HF_CONFIG,
+              config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+    gguf=EULER.gguf, lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 GEMMA3 = Arch(
     "gemma3", mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True,
@@ -237,11 +259,12 @@ GPT2 = Arch(
           "c_fc": [("ffn.fc", ("ffn.fc",))]},
     lora_defaults=("c_attn", "c_proj", "c_fc"))
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, GEMMA3, GPT2)}
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GPT2)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:
-    """The architecture that format `kind` ("hf" or "gguf") calls `name` (or an alias of it), or None.
+    """The architecture that format `kind` ("hf" or "gguf") calls `name` (or an alias of it), or None; the first
+    one where several share a name (GGUF `llama`: EULER, not MISTRAL, whose files are Llama's).
     by_format("gguf", "llama") is EULER; by_format("hf", "Gemma3ForCausalLM") is GEMMA3."""
     for a in ARCHS.values():
         f = getattr(a, kind)

@@ -135,15 +135,18 @@ class Config:
             return None
         if self.window(layer):
             return inv_freq(self.head_dim, self.rope_local_theta)
+        return inv_freq(self.head_dim, self.rope_theta, self.rope_factors())
+
+    def rope_factors(self) -> np.ndarray:
+        """What the global layers divide each pair's frequency θ^(−2i/hd) by [head_dim/2] (ones: plain RoPE;
+        llama.cpp's rope_freqs tensor holds the same)."""
         plain = inv_freq(self.head_dim, self.rope_theta)
-        if self.rope_scaling == "linear":
-            return plain / self.rope_factor
         if self.rope_scaling == "llama3":
-            return plain / llama3_factors(plain, self.rope_factor, self.rope_low_freq_factor,
-                                          self.rope_high_freq_factor, self.rope_original_ctx)
+            return llama3_factors(plain, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                  self.rope_original_ctx)
         if self.rope_scaling == "factors":
-            return plain / np.array(self.rope_freq_factors)
-        return plain
+            return np.array(self.rope_freq_factors)
+        return np.full_like(plain, self.rope_factor if self.rope_scaling == "linear" else 1.0)
 
     def rope_kinds(self) -> tuple[list[np.ndarray], list[int]]:
         """The distinct inverse frequencies the layers use (layer_freqs), and each layer's index in them (-1: no

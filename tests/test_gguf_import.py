@@ -198,7 +198,7 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
 
 
 @pytest.mark.parametrize("meta, match", [
-    ({"general.architecture": "qwen3"}, "architecture 'qwen3' is not supported"),
+    ({"general.architecture": "phi3"}, "architecture 'phi3' is not supported"),
     ({"tokenizer.ggml.model": "bert"}, r"'bert' \(WordPiece, llama.cpp's WPM\) is not supported"),
     ({"tokenizer.ggml.model": "t5"}, r"'t5' \(Unigram, llama.cpp's UGM\) is not supported"),
     ({"tokenizer.ggml.model": "rwkv"}, r"'rwkv' \(RWKV's trie\) is not supported"),
@@ -215,16 +215,28 @@ def test_unsupported_fields_are_refused_by_name(tmp_path, model, tok, meta, matc
 
 
 @pytest.mark.parametrize("key, value", [
-    ("rope.scale_linear", 4.0), ("rope.scaling.factor", 4.0), ("rope.scaling.type", "longrope"),
-    ("rope.freq_scale", 0.25), ("rope.scaling.attn_factor", 0.5), ("rope.scaling.original_context_length", 4096),
-    ("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.1), ("rope.scaling.alpha", 1000.0),
-    ("rope.scale_linear", "4"),
+    ("rope.scaling.type", "longrope"), ("rope.scaling.attn_factor", 0.5),
+    ("rope.scaling.original_context_length", 4096), ("rope.scaling.yarn_ext_factor", 1.0),
+    ("rope.scaling.yarn_log_multiplier", 0.1), ("rope.scaling.alpha", 1000.0),
 ])
 def test_rope_scaling_is_refused_by_name(tmp_path, model, tok, key, value):
-    """Every RoPE-scaling key llama.cpp applies, at a value that scales: refused by name (scale_linear = 4 was
-    ignored, and the import computed another model than llama.cpp does)."""
+    """Every RoPE-scaling key llama.cpp applies beyond a linear factor, at a value that scales: refused by name
+    (scale_linear = 4 was ignored, and the import computed another model than llama.cpp does: now linear scaling,
+    test_a_linear_factor_imports_in_each_spelling)."""
     path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf", {f"llama.{key}": value})
     refused(tmp_path, path, f"llama.{key} = {value!r} is not supported .RoPE scaling")
+
+
+@pytest.mark.parametrize("meta", [{"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0},
+                                  {"rope.freq_scale": 0.25}, {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}])
+def test_a_linear_factor_imports_in_each_spelling(tmp_path, model, tok, meta):
+    """llama.cpp's linear RoPE scaling, however the file spells it, is the config's linear scaling by 4."""
+    path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf",
+                        {f"llama.{k}": v for k, v in meta.items()})
+    cfg = load_gguf(path)[0]
+    assert cfg == model.config.replace(rope_scaling="linear", rope_factor=4.0)
+    refused(tmp_path, rewrite_meta(path, tmp_path / "s.gguf", {"llama.rope.scale_linear": "4"}),
+            "llama.rope.scale_linear = '4' is not a number")
 
 
 def test_neutral_rope_scaling_values_import(tmp_path, model, tok):

@@ -12,8 +12,9 @@ each step. A tied head (tie_word_embeddings) has no lm_head; MTP heads 1..K-1 tr
 
 config.json: the architecture's `hf` Format (arch.py) names each Config field's keys, Llama-style (llama, qwen2,
 gemma3_text) or GPT-2's, and what else export writes; `REFUSED` lists the settings that would make the imported
-model compute something else than ours (rope scaling, soft-capping, other activations, ...): each is refused
-by name.
+model compute something else than ours (soft-capping, other activations, ...): each is refused by name.
+RoPE scaling (rope_scaling, or transformers 5's rope_parameters) of type linear or llama3 becomes the Config's
+rope_* fields and is written back as rope_scaling; other types (yarn, longrope, dynamic) are refused.
 
 The folder's tokenizer (tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte fallback; or
 GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
@@ -34,7 +35,7 @@ from .hf_folder import HF_DTYPES, MTP_FILE, eos_id_of, mtp_heads, read_hf_config
 ACTIVATIONS = {"swiglu": ("silu",), "geglu": ("gelu_pytorch_tanh", "gelu_tanh"), "gelu": ("gelu_new", "gelu_pytorch_tanh")}
 # config.json keys whose other values change the function: key -> the values that do not
 REFUSED = {
-    "rope_scaling": (None,), "attention_bias": (None, False), "mlp_bias": (None, False),
+    "attention_bias": (None, False), "mlp_bias": (None, False),
     "quantization_config": (None,), "use_sliding_window": (None, False), "final_logit_softcapping": (None,),
     "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
     "scale_attn_weights": (None, True), "scale_attn_by_inverse_layer_idx": (None, False),
@@ -132,12 +133,15 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
     if not isinstance(fields.get("tie_embeddings", False), bool):   # a string "false" is not false
         raise UserError(f"config.json: tie_word_embeddings must be true or false, got {fields['tie_embeddings']!r:.60}")
+    if fields.get("vocab_size") is not None and type(fields["vocab_size"]) is not int:   # not "262144", not true
+        raise UserError(f"config.json: vocab_size {fields['vocab_size']!r:.40} is not an integer")
     if vocab_rows is not None and fields.get("vocab_size") != vocab_rows:
         raise UserError(f"config.json: vocab_size {fields.get('vocab_size')} but the embedding has {vocab_rows} rows")
     missing = [keys[f][0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden") if fields.get(f) is None]
     if missing:
         raise UserError(f"config.json: {missing[0]} is missing")
-    for name in ("rope_theta", "rope_local_theta", "norm_eps"):
+    for name in ("rope_theta", "rope_local_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
+                 "rope_high_freq_factor"):
         if isinstance(fields.get(name), int) and not isinstance(fields[name], bool):
             fields[name] = float(fields[name])
     fields.setdefault("ctx_len", 2048)
@@ -168,21 +172,71 @@ def _config_fields(c: dict, keys: dict) -> dict:
 
 
 def _rope_fields(c: dict, arch: Arch) -> dict:
-    """RoPE bases from rope_theta / rope_local_base_freq or transformers 5's rope_parameters (plain RoPE only)."""
+    """RoPE bases from rope_theta / rope_local_base_freq or transformers 5's rope_parameters (one object, or one
+    per layer kind), and the scaling of the global layers from rope_scaling or those (`scaling_fields`); the
+    sliding layers' RoPE is plain (transformers' Gemma 3: rope_scaling scales the global layers only)."""
+    out = scaling_fields(c["rope_scaling"], "rope_scaling", arch) if c.get("rope_scaling") is not None else {}
     rp = c.get("rope_parameters")
     if rp is None or arch.positions != "rope":
-        return {}
+        return out
     if not isinstance(rp, dict):
         raise UserError("config.json: rope_parameters must be an object")
     kinds = {"full_attention": "rope_theta", "sliding_attention": "rope_local_theta"}
     per_kind = {k: v for k, v in rp.items() if k in kinds}
-    out = {}
     for kind, params in (per_kind or {"full_attention": rp}).items():
-        if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
-            raise UserError(f"config.json: rope_parameters {json.dumps(params)[:80]} is not supported (plain RoPE only)")
+        scaled = scaling_fields(params, "rope_parameters", arch)
+        if scaled and kind == "sliding_attention":
+            raise UserError(f"config.json: rope_parameters {json.dumps(params)[:80]} scales the sliding layers' "
+                            f"RoPE; not supported (the global layers' only)")
+        out |= scaled
         if params.get("rope_theta") is not None:
             out[kinds[kind]] = params["rope_theta"]
     return out
+
+
+# rope_type -> its keys in rope_scaling / rope_parameters -> the Config fields they set
+SCALING_KEYS = {"linear": {"factor": "rope_factor"},
+                "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                           "high_freq_factor": "rope_high_freq_factor",
+                           "original_max_position_embeddings": "rope_original_ctx"}}
+
+
+def scaling_fields(params, key: str, arch: Arch) -> dict:
+    """A rope_scaling / rope_parameters object -> the Config's RoPE scaling fields ({} where it scales nothing).
+    scaling_fields({"rope_type": "linear", "factor": 2.0}, ...) -> {"rope_scaling": "linear", "rope_factor": 2.0};
+    a type other than SCALING_KEYS' (yarn, longrope, dynamic) or a key of it missing: UserError."""
+    if neutral_rope(params):
+        return {}
+    kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+    if kind not in SCALING_KEYS or arch.positions != "rope":
+        raise UserError(f"config.json: {key} {json.dumps(params)[:80]} is not supported (RoPE scaling: "
+                        f"{', '.join(SCALING_KEYS)} only)")
+    missing = [k for k in SCALING_KEYS[kind] if params.get(k) is None]
+    if missing:
+        raise UserError(f"config.json: {key} of type {kind} has no {missing[0]}")
+    return {"rope_scaling": kind} | {ours: params[k] for k, ours in SCALING_KEYS[kind].items()}
+
+
+def rope_scaling_json(cfg) -> dict | None:
+    """The config's RoPE scaling as transformers' rope_scaling object (None: plain); per-pair factors (a GGUF's
+    rope_freqs that is not llama3's) have no transformers form and are refused."""
+    if cfg.rope_scaling == "none":
+        return None
+    if cfg.rope_scaling not in SCALING_KEYS:
+        raise UserError(f"cannot export to Hugging Face: transformers has no RoPE scaling of per-pair factors "
+                        f"(rope_scaling {cfg.rope_scaling}, from a GGUF's rope_freqs)")
+    return {"rope_type": cfg.rope_scaling} | {k: getattr(cfg, ours) for k, ours in SCALING_KEYS[cfg.rope_scaling].items()}
+
+
+def neutral_rope(params) -> bool:
+    """Whether a rope_scaling / rope_parameters object leaves RoPE as it is: rope_type (or old `type`) "default",
+    or "linear" / "dynamic" with factor 1 (the GGUF import accepts the same neutral values).
+    neutral_rope({"rope_type": "linear", "factor": 1.0}) -> True; neutral_rope({"type": "linear", "factor": 2}) -> False"""
+    if not isinstance(params, dict):
+        return False
+    kind = params.get("rope_type", params.get("type", "default"))
+    return kind == "default" or (kind in ("linear", "dynamic") and params.get("factor") in (1, 1.0)
+                                 and not isinstance(params.get("factor"), bool))
 
 
 def _window_pattern(c: dict, arch: Arch) -> dict:
@@ -208,14 +262,17 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     bos = tok.bos_id if tok.bos_id is not None else eos
     values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim}
-    if not cfg.sliding_window:
+    if not cfg.sliding_window:   # (an architecture with windows says it has none: Mistral's default is 4096)
         values = {k: v for k, v in values.items() if k not in ("sliding_window", "rope_local_theta")}
+        values |= {"sliding_window": None} if "sliding_window" in a.defaults else {}
     out = {"architectures": [fmt.aliases[0]], "model_type": fmt.name}
     out |= {key: values[ours] for ours, keys in fmt.config.items() if ours in values for key in keys}
     if cfg.sliding_window:
         out["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
     if not a.qkv_bias:
         out["attention_bias"] = False
+    if a.positions == "rope":
+        out["rope_scaling"] = rope_scaling_json(cfg)
     return out | {key: ACTIVATIONS[a.mlp][0] for key in fmt.activation_keys} | fmt.config_fixed | {
         "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype,
         "nanoeuler_n_mtp": cfg.n_mtp}
