@@ -5,7 +5,8 @@ sequence, a prompt in chunks, rows at their own positions (serve's batcher), and
 Each architecture at a small size with what makes it itself switched on and nonzero: gemma3 (a head width of
 its own, q/k norms, post norms, GeGLU, √d embedding, windowed layers with their own RoPE base, sequences well
 past the window), qwen2 (q/k/v biases, tied head), gpt2 (LayerNorm with biases, learned positions, GELU,
-every bias), euler (the SPEC's model, MTP heads).
+every bias), euler (the SPEC's model, MTP heads), qwen3 (q/k norms, a head width of its own, tied head), mistral
+(every layer windowed), llama3 (euler with Llama 3's RoPE scaling).
 """
 import numpy as np
 import pytest
@@ -29,6 +30,10 @@ CONFIGS = {
                           rope_local_theta=500.0),
     "gpt2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=4, n_layers=2, ctx_len=40, ffn_hidden=40,
                         n_mtp=1, arch="gpt2"),
+    "qwen3": tiny_config(vocab_size=53, dim=32, n_heads=2, n_kv_heads=1, n_layers=2, ctx_len=40, ffn_hidden=40,
+                         n_mtp=1, arch="qwen3", head_dim=16, tie_embeddings=True),
+    "mistral": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                           n_mtp=1, arch="mistral", sliding_window=6),
     # llama3 RoPE scaling (the fast / slow bounds 16 / 64 put head 8's pairs at θ 100 in all three regimes)
     "llama3": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                           n_mtp=1, rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
@@ -106,7 +111,7 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
     assert rel_err(got, want) <= 5e-5
 
 
-GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,)}  # seeds whose greedy text varies
+GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,)}  # seeds whose greedy text varies
 
 
 @pytest.mark.parametrize("arch", CONFIGS)

@@ -17,6 +17,8 @@ CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_
            "qwen2": BASE.replace(arch="qwen2", tie_embeddings=True),
            "gemma3": BASE.replace(arch="gemma3", head_dim=12, sliding_window=5, global_every=2, rope_local_theta=100.0),
            "gpt2": BASE.replace(arch="gpt2"),
+           "qwen3": BASE.replace(arch="qwen3", head_dim=12, tie_embeddings=True),   # q/k norms, no post norms
+           "mistral": BASE.replace(arch="mistral", sliding_window=5),               # every layer windowed
            # llama3 RoPE scaling: head 8 at θ 100 has wavelengths 6.3, 20, 63, 199 against an original context of
            # 64 (16 / 64 the fast / slow bounds): one pair unscaled, two blended, one divided by the factor
            "llama3": BASE.replace(rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64)}

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from nanoeuler import PRESETS, Config, Model, UserError
-from nanoeuler.training.check import TOLERANCE, check_model
+from nanoeuler.arch import ARCHS
+from nanoeuler.training.check import ARCH_CHECK_CONFIGS, TOLERANCE, check_model
 from conftest import tiny_config
 
 SPEC_COUNTS = {"small": 1_049_728, "big": 11_013_504, "gpt": 116_417_280}
@@ -57,6 +58,16 @@ def test_whole_model_gradient_check(config):
     rows = check_model(seed=2, n_samples=16, config=config)
     assert len(rows) == len(config.param_shapes())
     for row in rows:
+        assert row.max_rel_error < TOLERANCE, row
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architectures_gradient_check(arch):
+    """`nanoeuler check`'s model rows of every architecture (training/check.py's ARCH_CHECK_CONFIGS: each one's
+    own parts switched on; qwen3's RoPE scaled as Llama 3's) pass in float64."""
+    config = ARCH_CHECK_CONFIGS[arch]
+    assert config.arch == arch
+    for row in check_model(config=config):    # (as `nanoeuler check` runs it)
         assert row.max_rel_error < TOLERANCE, row
 
 

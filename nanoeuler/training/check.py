@@ -181,6 +181,11 @@ ARCH_CHECK_CONFIGS = {
     "euler": CHECK_CONFIG, "gpt2": GPT2_CHECK_CONFIG,
     "qwen2": CHECK_CONFIG.replace(arch="qwen2", tie_embeddings=True),
     "gemma3": CHECK_CONFIG.replace(arch="gemma3", head_dim=12, sliding_window=5, global_every=2),
+    # qwen3 (q/k norms without post norms, its RoPE here scaled as Llama 3's: the scaled tables in a whole
+    # model), mistral (every layer windowed)
+    "qwen3": CHECK_CONFIG.replace(arch="qwen3", head_dim=12, rope_scaling="llama3", rope_factor=8.0,
+                                  rope_original_ctx=100),
+    "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
 }
 
 
