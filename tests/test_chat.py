@@ -116,10 +116,29 @@ def test_a_window_of_a_few_positions_keeps_the_prompts_end(run_dir):
         assert ids == full[-max(1, ctx - 8):] and chat.cut == len(full) - len(ids), ctx
 
 
+def test_a_prompt_is_cut_only_when_no_earlier_exchange_is_left(run_dir):
+    """With a context under 32 and a long reply asked (ctx 16, max_tokens 100) the turns were kept whole up to
+    ctx - ctx // 4 positions, then cut to ctx - 8: a conversation that dropping one exchange would have fitted
+    was cut instead, and serve answered 400 'the last message is ... tokens'."""
+    from nanoeuler.checkpoint import load_tokenizer
+    model = Model.load(run_dir)
+    tok = load_tokenizer(run_dir).replace(chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    conv = [{"role": r, "content": c} for r, c in (("user", "to be"), ("assistant", "or not"),
+                                                   ("user", "that"))]
+    assert len(prompt_ids(tok, conv)) < 24 and len(prompt_ids(tok, conv[-1:])) < 8   # (what a context < 32 holds)
+    for ctx in range(9, 64):
+        for max_new in (1, 8, 100):
+            chat = Chat(Model(model.config.replace(ctx_len=ctx), model.params), tok, max_new_tokens=max_new)
+            kept = list(conv)
+            chat.context(kept)
+            assert chat.cut == 0 or kept == conv[-1:], (ctx, max_new)
+
+
 def _context_one_exchange_at_a_time(chat, messages):
     """The rule Chat.context follows, applied literally (one exchange dropped per render): the test's oracle."""
     ctx = chat.ctx_len
-    limit, budget = max(1, ctx - min(chat.max_new, 8)), ctx - min(chat.max_new, ctx // 4)
+    limit = max(1, ctx - min(chat.max_new, 8))
+    budget = min(limit, ctx - min(chat.max_new, ctx // 4))
     dropped = 0
     while True:
         ids = prompt_ids(chat.tok, messages)

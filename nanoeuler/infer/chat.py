@@ -40,7 +40,8 @@ class Chat:
         to the template worker), starting from the last budget ones (each renders to a token at least).
         ctx is the Chat's ctx_len; however small, the prompt keeps at least its last token."""
         ctx = self.ctx_len
-        limit, budget = max(1, ctx - min(self.max_new, 8)), ctx - min(self.max_new, ctx // 4)  # (both >= 1)
+        limit = max(1, ctx - min(self.max_new, 8))                    # what a prompt may keep (>= 1)
+        budget = min(limit, ctx - min(self.max_new, ctx // 4))       # what the kept turns may take
         turns = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
         starts = turns[:1] + [i for i in turns[1:] if messages[i]["role"] == "user"] + [len(messages) - 1]
 
