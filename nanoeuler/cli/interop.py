@@ -9,7 +9,7 @@ def architectures(kind: str) -> str:
     """The names format `kind` gives the architectures of arch.py, for --help: "hf": the config's architectures
     entry (LlamaForCausalLM, ...), "gguf": general.architecture (llama, ...)."""
     from ..arch import ARCHS
-    return ", ".join(a.hf.aliases[0] if kind == "hf" else a.gguf.name for a in ARCHS.values())
+    return ", ".join(dict.fromkeys(a.hf.aliases[0] if kind == "hf" else a.gguf.name for a in ARCHS.values()))
 
 
 def register(sub) -> None:
@@ -54,8 +54,8 @@ def register(sub) -> None:
                     "tensor is kept in the checkpoint's source.json) as a nanoeuler checkpoint that sample, chat, "
                     "serve, sft, dpo and eval use unchanged (sample, chat and serve decode the file's blocks as "
                     "they are: `sample --ckpt FILE.gguf` needs no import). The model's token ids and chat template "
-                    "are kept. What none of them has (rope scaling, another architecture, a WordPiece / Unigram / "
-                    "RWKV vocabulary) is refused by name. An existing --out is refused unless --force.")
+                    "are kept. What none of them has (RoPE scaling other than linear and llama3, another architecture, a "
+                    "WordPiece / Unigram / RWKV vocabulary) is refused by name. An existing --out is refused unless --force.")
     i.add_argument("--from", dest="src", required=True, help="Hugging Face model folder or .gguf file")
     i.add_argument("--out", required=True, help="checkpoint directory to create")
     i.add_argument("--mtp", type=int, default=None,

@@ -170,6 +170,14 @@ REFUSED_PRE = {"kimi-k2": "llama.cpp cuts its text with its own code, not a rege
 PRE_BY_NAME = {n: f for f in PRE_FAMILIES.values() for n in f.names}
 
 
+def pre_name(pattern: str | tuple[str, ...], ignore_merges: bool) -> str | None:
+    """The tokenizer.ggml.pre that makes llama.cpp cut text by `pattern` and apply ignore_merges as a tokenizer
+    does (export writes it), or None when no row of PRE_FAMILIES does both.
+    pre_name(GPT2_PATTERN, False) -> "gpt-2"; pre_name(LLAMA3_PATTERN, False) -> None (llama-bpe ignores merges)"""
+    return next((f.names[0] for f in PRE_FAMILIES.values()
+                 if f.pattern == pattern and (IGNORE_MERGES in f.flags) == ignore_merges), None)
+
+
 def pre_pattern(pre: str | None) -> tuple[str | tuple[str, ...], bool, bool]:
     """tokenizer.ggml.pre -> (regex or cascade, ignore_merges, add_bos default).
     pre_pattern("smollm")[0] == SMOLLM_PATTERN; pre_pattern("default")[0] == DEFAULT_CASCADE (a tuple)"""
@@ -596,7 +604,7 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
     arch = by_format("gguf", name) if isinstance(name, str) else None
     if arch is None:
         raise UserError(f"GGUF general.architecture {name!r:.60} is not supported; importable: "
-                        f"{', '.join(a.gguf.name for a in ARCHS.values())}")
+                        f"{', '.join(dict.fromkeys(a.gguf.name for a in ARCHS.values()))}")
     check_vocabulary(meta, reader.tensors)
     T, types, nbytes = tensors_of(reader, path, progress, blocks)
     if "token_embd.weight" not in T:
