@@ -185,3 +185,15 @@ def test_emulated_model_gradients_with_four_warps_per_block(monkeypatch):
     rows = check_model_gpu(seed=0, config=cfg, batch=2)  # dim 160, V 300: rows longer than one 128-thread pass
     assert max(r.max_rel_error for r in rows) <= TOL, [(r.name, r.max_rel_error) for r in rows if r.max_rel_error > TOL]
     assert np.isfinite([r.max_rel_error for r in rows]).all()
+
+
+def test_emulated_model_with_llama3_scaled_rope(monkeypatch):
+    """The GPU engine's RoPE tables come from Config.layer_freqs as every engine's do (cached by the frequencies,
+    not by θ): a model with llama3-scaled RoPE has the reference's gradients."""
+    _install(monkeypatch)
+    from nanoeuler.config import Config
+    from nanoeuler.gpu.check import check_model_gpu
+    cfg = Config(vocab_size=48, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=12, ffn_hidden=40, n_mtp=1,
+                 rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64)
+    rows = check_model_gpu(seed=0, config=cfg, batch=2)
+    assert max(r.max_rel_error for r in rows) <= TOL, [(r.name, r.max_rel_error) for r in rows if r.max_rel_error > TOL]
