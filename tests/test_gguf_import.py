@@ -23,7 +23,7 @@ from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
 from nanoeuler.infer.quant import block_types  # noqa: E402
 from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk  # noqa: E402
-from nanoeuler.interop.gguf_import import import_gguf, load_gguf  # noqa: E402
+from nanoeuler.interop.gguf_import import PRE_BY_NAME, PRE_FAMILIES, import_gguf, load_gguf, pre_name  # noqa: E402
 
 TEXTS = ["Hello, world!", "  two  spaces\n\nand lines\t", "numbers 1234567 and 3.14", "ümlaut café 日本",
          "<|im_start|>user\nhi<|im_end|>\n", "don't I'll WE'RE", ""]
@@ -147,9 +147,45 @@ def test_export_refuses_a_pattern_llama_cpp_cannot_name(tmp_path, model, tok, pa
     """llama.cpp splits by the name it reads: writing `default` for another pattern would import as another split."""
     from nanoeuler.tokenizer import Tokenizer
     other = Tokenizer.from_dict(tok.to_dict() | {"pattern": pattern})
-    with pytest.raises(UserError, match="llama.cpp names no pre-tokenizer for this tokenizer's pattern"):
+    with pytest.raises(UserError, match="llama.cpp names no pre-tokenizer that splits as this tokenizer's pattern"):
         export_gguf(model, other, tmp_path / "m.gguf", "f32", progress=False)
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("family", sorted(PRE_FAMILIES))
+def test_every_pre_tokenizer_family_exports_back_to_itself(tmp_path, model, tok, family):
+    """A file of each pre-tokenizer llama.cpp knows, imported then exported, names a pre-tokenizer that splits and
+    merges as the import does (export knew 5 patterns: an imported deepseek or command-r vocabulary was refused;
+    and it took a pattern's name without asking whether the tokenizer ignores merges as that name does)."""
+    name = PRE_FAMILIES[family].names[0]
+    run = tmp_path / "run"
+    import_gguf(write_gguf(tmp_path / "m.gguf", model, tok, pre=name), run, progress=False)
+    g_tok = load_tokenizer(run)
+    again = export_gguf(Model.load(run), g_tok, tmp_path / "again.gguf", "f32", progress=False)
+    pre = gguf.GGUFReader(str(again)).fields["tokenizer.ggml.pre"].contents()
+    assert PRE_FAMILIES[family].pattern == PRE_BY_NAME[pre].pattern
+    assert load_gguf(again)[2].fingerprint() == g_tok.fingerprint()
+    flipped = type(g_tok).from_dict(g_tok.to_dict() | {"ignore_merges": not g_tok.ignore_merges})
+    if pre_name(flipped.pattern, flipped.ignore_merges) is None:   # no family splits so and merges otherwise
+        with pytest.raises(UserError, match="names no pre-tokenizer"):
+            export_gguf(Model.load(run), flipped, tmp_path / "flipped.gguf", "f32", progress=False)
+
+
+def test_user_defined_tokens_export_as_user_defined(tmp_path, model, tok):
+    """USER_DEFINED tokens (cut out of any text, by llama.cpp and by us) were exported as CONTROL, which llama.cpp
+    cuts out only when asked to parse specials: an import -> export -> llama.cpp round trip encoded otherwise."""
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    types = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.token_type"].contents()
+    special = tok.special_tokens["<|im_start|>"]
+    types[special] = int(gguf.TokenType.USER_DEFINED)
+    import_gguf(edit_gguf(path, tmp_path / "u.gguf", change={"tokenizer.ggml.token_type": types}), tmp_path / "run",
+                progress=False)
+    g_tok = load_tokenizer(tmp_path / "run")
+    assert "<|im_start|>" in g_tok.user_defined
+    again = export_gguf(Model.load(tmp_path / "run"), g_tok, tmp_path / "again.gguf", "f32", progress=False)
+    back = gguf.GGUFReader(str(again)).fields["tokenizer.ggml.token_type"].contents()
+    assert back[special] == gguf.TokenType.USER_DEFINED and back == types[:len(back)]
+    assert load_gguf(again)[2].fingerprint() == g_tok.fingerprint()
 
 
 # --------------------------------------------------------------------------------------------- bad input

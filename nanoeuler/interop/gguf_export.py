@@ -155,7 +155,9 @@ def token_metadata(tok, vocab_size: int):
     tokenizer's ids, which an imported vocabulary keeps), padded to the model's vocab_size."""
     from gguf import TokenType
     tokens, special, merges = tok.byte_level_vocab()
-    types = [TokenType.CONTROL if s else TokenType.NORMAL for s in special]
+    user = set(tok.user_defined)   # cut out of any text, as llama.cpp cuts USER_DEFINED (CONTROL: only when asked)
+    types = [(TokenType.USER_DEFINED if t in user else TokenType.CONTROL) if s else TokenType.NORMAL
+             for t, s in zip(tokens, special)]
     for i in range(len(tokens), vocab_size):
         tokens.append(f"[PAD{i}]")
         types.append(TokenType.UNUSED)
@@ -216,7 +218,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
 
     from ..fileio import atomic_path
     from ..chat_template import template_of
-    from .hf_tokenizer import GGUF_PRE_NAMES
+    from .gguf_import import pre_name
     from .outputs import check_free
 
     from ..infer.quant import WTYPES, from_float
@@ -230,10 +232,11 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     check_expressible(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    pre = GGUF_PRE_NAMES.get(tok.pattern) if tok.kind == "byte-level" else None   # SentencePiece: none read
+    pre = pre_name(tok.pattern, tok.ignore_merges) if tok.kind == "byte-level" else None   # SentencePiece: none
     if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
-        raise UserError("cannot export to GGUF: llama.cpp names no pre-tokenizer for this tokenizer's pattern "
-                        f"(it knows {', '.join(GGUF_PRE_NAMES.values())})")
+        raise UserError(f"cannot export to GGUF: llama.cpp names no pre-tokenizer that splits as this tokenizer's "
+                        f"pattern does{' and ignores merges' if tok.ignore_merges else ' and applies every merge'} "
+                        f"(interop/gguf_import.py PRE_FAMILIES)")
     wtype = WTYPES[dtype]
     qtype = gguf.GGMLQuantizationType(wtype.ggml)
     ftype = gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType[f"MOSTLY_{qtype.name}"]

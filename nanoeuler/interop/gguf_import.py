@@ -174,8 +174,10 @@ def pre_name(pattern: str | tuple[str, ...], ignore_merges: bool) -> str | None:
     """The tokenizer.ggml.pre that makes llama.cpp cut text by `pattern` and apply ignore_merges as a tokenizer
     does (export writes it), or None when no row of PRE_FAMILIES does both.
     pre_name(GPT2_PATTERN, False) -> "gpt-2"; pre_name(LLAMA3_PATTERN, False) -> None (llama-bpe ignores merges)"""
+    def regexes(p):  # a cascade of one regex reads as that regex where it covers every character (Tokenizer's form)
+        return (p,) if isinstance(p, str) else tuple(p)
     return next((f.names[0] for f in PRE_FAMILIES.values()
-                 if f.pattern == pattern and (IGNORE_MERGES in f.flags) == ignore_merges), None)
+                 if regexes(f.pattern) == regexes(pattern) and (IGNORE_MERGES in f.flags) == ignore_merges), None)
 
 
 def pre_pattern(pre: str | None) -> tuple[str | tuple[str, ...], bool, bool]:

@@ -55,9 +55,6 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 # cascade (runs of punctuation and $+<=>^~|; then GPT-2's pattern inside what is left; number runs; groups of 3 digits)
 DEFAULT_CASCADE = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
                    r"\p{N}+", r"[0-9][0-9][0-9]")
-# llama.cpp picks its pre-tokenizer by name (tokenizer.ggml.pre), not by regex
-GGUF_PRE_NAMES = {GPT2_PATTERN: "gpt-2", LLAMA3_PATTERN: "llama-bpe", SMOLLM_PATTERN: "smollm", QWEN2_PATTERN: "qwen2",
-                  DEFAULT_CASCADE: "default"}
 
 
 def _bad(msg: str):
