@@ -285,6 +285,27 @@ def test_neutral_rope_scaling_values_import(tmp_path, model, tok):
     assert cfg == model.config and all(np.array_equal(params[n], model.params[n]) for n in params)
 
 
+def test_rope_freqs_import_as_llama3_where_they_are_its_else_as_per_pair_factors(tmp_path, model, tok):
+    """llama.cpp's rope_freqs tensor (each pair's frequency divisor; its converter writes Llama 3.x's): llama3
+    scaling where it is Llama 3.1's of its largest factor, else the factors as they are, which a Hugging Face
+    export refuses in one line (transformers has no such scaling); a tensor of the wrong size is refused."""
+    from nanoeuler.interop.hf import export_hf
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    llama3 = model.config.replace(rope_scaling="llama3", rope_factor=8.0)
+    other = np.linspace(1.0, 3.0, model.config.head_dim // 2).astype(np.float32)   # kept as the file holds them
+    for factors, want in ((llama3.rope_factors(), llama3),
+                          (other, model.config.replace(rope_scaling="factors", rope_freq_factors=other.tolist()))):
+        patched = rewrite_meta(path, tmp_path / "p.gguf", {}, extra_tensor=("rope_freqs.weight",
+                                                                             factors.astype(np.float32)))
+        cfg, params, _, _ = load_gguf(patched)
+        assert cfg == want and len(set(factors.round(3))) > 3
+    with pytest.raises(UserError, match="transformers has no RoPE scaling of per-pair factors"):
+        export_hf(Model(cfg, params), tok, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+    wrong = rewrite_meta(path, tmp_path / "w.gguf", {}, extra_tensor=("rope_freqs.weight", np.ones(3, np.float32)))
+    refused(tmp_path, wrong, r"tensor rope_freqs.weight: 3 factors \(head size 64 wants 32")
+
+
 def test_vocab_size_must_be_the_embeddings_rows_as_an_integer(tmp_path, model, tok):
     n = model.config.vocab_size
     path = write_gguf(tmp_path / "m.gguf", model, tok)
