@@ -256,6 +256,29 @@ def test_the_gguf_llama_cpps_converter_writes_imports_and_decodes_as_llama_cpp(f
     assert lc.greedy(prompt, 16)[0] == generate(m, prompt, 16, temperature=0, stop_ids=[]).ids
 
 
+def test_a_windowed_mistral_imports_from_hf_and_is_refused_for_gguf(folders, tmp_path):
+    """Mistral's window (every layer) imports from its config.json, as transformers reads it; llama.cpp's converter
+    writes a Mistral as `llama`, which reads no window: our GGUF export refuses it in one line."""
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.hf import load_hf_folder
+    _, d, _ = folders["mistral"]
+    c = json.loads((d / "config.json").read_text())
+    (tmp_path / "w").mkdir()
+    for f in d.iterdir():
+        (tmp_path / "w" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "w" / "config.json").write_text(json.dumps(c | {"sliding_window": 5}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w", attn_implementation="eager").float().eval()
+    cfg, params, tok = load_hf_folder(tmp_path / "w")
+    assert [cfg.window(i) for i in range(cfg.n_layers)] == [5] * cfg.n_layers
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, T))
+    theirs = torch_logits(hf, ids)
+    assert_logits_equal(Model(cfg, params).logits(ids)[0], theirs)
+    assert l2(Model(cfg.replace(sliding_window=0), params).logits(ids)[0], theirs) > 10 * L2_TOL   # (T 24 > 5)
+    with pytest.raises(UserError, match="cannot export to GGUF: llama.cpp's llama has no sliding window"):
+        export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
+
+
 def test_a_query_pre_attn_scalar_other_than_head_dim_is_refused(folders, tmp_path):
     """transformers' Gemma 3 divides q·k by √query_pre_attn_scalar (Gemma 3 27B: 168, its head_dim 128), ours by
     √head_dim: a config whose two differ attends otherwise, and is refused in one line naming the key."""
