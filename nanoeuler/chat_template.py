@@ -3,8 +3,10 @@
 A tokenizer carries its model's Jinja chat template (`tok.chat_template`: imported from a GGUF's
 `tokenizer.chat_template` or a Hugging Face `chat_template`, or set with `--chat-template FILE`); without
 one it is ours, the SPEC Alpaca template written in Jinja (`alpaca_template`). Templates are rendered as
-transformers' `apply_chat_template` renders them, with the variables `messages`, `add_generation_prompt`,
-`bos_token` and `eos_token`. A template is never trusted: it is compiled and rendered in a sandbox in a
+transformers' `apply_chat_template(messages, tools=..., documents=..., **kwargs)` renders them, with the
+variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` and `documents` (None
+unless given) and any other a caller names (`variables`: the API's `chat_template_kwargs`, chat's
+`--template-var`, e.g. enable_thinking). A template is never trusted: it is compiled and rendered in a sandbox in a
 worker process (template_worker.py), bounded in time and memory, so a hostile or endless template is one
 line naming it and the rest of the process (serve's other requests) goes on meanwhile.
 
@@ -102,17 +104,25 @@ def with_template_file(tok, path: str | Path | None):
 
 # ------------------------------------------------------------------------------------------- rendering
 
-def render(template: str, messages: list[dict], tok, add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it (any failure, the template's own or a bound: one UserError)."""
-    return render_many(template, [(messages, add_generation_prompt)], tok)[0]
+RESERVED = ("messages", "add_generation_prompt")  # variables the conversation sets, never a caller
 
 
-def render_many(template: str, renders: list[tuple[list[dict], bool]], tok) -> list[str]:
+def render(template: str, messages: list[dict], tok, add_generation_prompt: bool = False,
+           variables: dict | None = None) -> str:
+    """The conversation as the template writes it (any failure, the template's own or a bound: one UserError);
+    variables: the template's other variables ({"tools": [...], "enable_thinking": False}, JSON values)."""
+    return render_many(template, [(messages, add_generation_prompt)], tok, variables)[0]
+
+
+def render_many(template: str, renders: list[tuple[list[dict], bool]], tok, variables: dict | None = None) -> list[str]:
     """render of each (messages, add_generation_prompt), in one trip to a template worker."""
     if len(template) > MAX_TEMPLATE:
         raise UserError(f"chat template error: the template is longer than {MAX_TEMPLATE} characters")
+    variables = variables or {}
+    if taken := [k for k in RESERVED if k in variables]:
+        raise UserError(f"template variable {taken[0]!r} is the conversation's own; it cannot be set")
     eos = tok.eos_token if tok.eos_token in tok.special_tokens else ""
-    return template_worker.render(template, renders, bos=tok.bos_token or "", eos=eos)
+    return template_worker.render(template, renders, bos=tok.bos_token or "", eos=eos, variables=variables)
 
 
 def encode(tok, text: str) -> list[int]:
@@ -121,9 +131,9 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode(text, allow_special=True, add_bos=add_bos)
 
 
-def prompt_ids(tok, messages: list[dict]) -> list[int]:
+def prompt_ids(tok, messages: list[dict], variables: dict | None = None) -> list[int]:
     """The conversation followed by the opening of the assistant's reply: what the model continues."""
-    return encode(tok, render(template_of(tok), messages, tok, add_generation_prompt=True))
+    return encode(tok, render(template_of(tok), messages, tok, add_generation_prompt=True, variables=variables))
 
 
 def example(tok, messages: list[dict], reply: str) -> tuple[list[int], list[bool]]:

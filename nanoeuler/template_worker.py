@@ -14,11 +14,14 @@ a worker of its own, at most MAX_WORKERS at once.
 
 In the worker a template runs as transformers' `apply_chat_template` runs it: jinja2's
 ImmutableSandboxedEnvironment (trim_blocks, lstrip_blocks, loop controls), the helpers `raise_exception(msg)`,
-`strftime_now(fmt)` and transformers' `tojson` filter; checks in the template's own operations (the time
+`strftime_now(fmt)`, transformers' `tojson` filter and its `{% generation %}...{% endgeneration %}` tag (which
+marks an assistant reply and renders its body), and the variables it passes: `messages`,
+`add_generation_prompt`, `bos_token`, `eos_token`, `tools` and `documents` (None unless given) and any others
+the caller gives (`enable_thinking`, ...); checks in the template's own operations (the time
 limit, string repetition, values longer than MAX_TEXT) end a runaway loop with a clear message and no restart.
 
 Protocol, one JSON line each way: the worker first says {"ready": true}; then to each request
-{"template", "bos", "eos", "renders": [[messages, add_generation_prompt], ...]} it replies {"texts": [...]}
+{"template", "bos", "eos", "variables", "renders": [[messages, add_generation_prompt], ...]} it replies {"texts": [...]}
 or {"error": "<one line>"}. A request without renders only compiles the template.
 
     render("{{ messages[0]['content'] }}!", [([{"role": "user", "content": "Hi"}], False)], bos="", eos="")
@@ -49,10 +52,13 @@ MAX_WORKERS = 4         # renders at once (serve renders from several threads)
 
 # ------------------------------------------------------------------------------------- the caller's side
 
-def render(template: str, renders: list[tuple[list[dict], bool]], bos: str, eos: str) -> list[str]:
+def render(template: str, renders: list[tuple[list[dict], bool]], bos: str, eos: str,
+           variables: dict | None = None) -> list[str]:
     """Each (messages, add_generation_prompt) of renders as the template writes it, in a worker process
-    (renders=[]: only compile it). Any failure, the template's own or a bound, is one UserError."""
-    request = json.dumps({"template": template, "bos": bos, "eos": eos, "renders": renders}).encode() + b"\n"
+    (renders=[]: only compile it); variables: the template's other variables (tools, documents, ...: JSON
+    values). Any failure, the template's own or a bound, is one UserError."""
+    request = json.dumps({"template": template, "bos": bos, "eos": eos, "variables": variables or {},
+                          "renders": renders}).encode() + b"\n"
     with _slots:
         worker, answered = _take(), False
         try:
@@ -163,7 +169,7 @@ def work() -> None:
         limit_cpu()
         try:
             r = json.loads(line)
-            say({"texts": render_here(r["template"], r["renders"], r["bos"], r["eos"])})
+            say({"texts": render_here(r["template"], r["renders"], r["bos"], r["eos"], r["variables"])})
         except MemoryError:
             say({"error": f"the template needed more than {MAX_MEMORY >> 20} MiB"})
         except Exception as e:                     # TemplateError, SecurityError, its own TypeError, RecursionError
@@ -181,17 +187,17 @@ def limit_cpu() -> None:
 _deadline = float("inf")   # of the request the worker is rendering
 
 
-def render_here(template: str, renders: list, bos: str, eos: str) -> list[str]:
+def render_here(template: str, renders: list, bos: str, eos: str, variables: dict) -> list[str]:
     """The renders in this process (the worker's part of `render`); raises what the template raises."""
     global _deadline
     env, t = compiled(template)
+    given = {"bos_token": bos, "eos_token": eos, "tools": None, "documents": None, **variables}
     _deadline = time.monotonic() + RENDER_SECONDS
     texts = []
     try:
         for messages, add_generation_prompt in renders:
             out, n = [], 0
-            for piece in t.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=bos, eos_token=eos):
+            for piece in t.generate(given, messages=messages, add_generation_prompt=add_generation_prompt):
                 n += len(piece)
                 if n > MAX_TEXT:
                     raise ValueError(f"the prompt is longer than {MAX_TEXT} characters")
@@ -222,8 +228,9 @@ def one_line(e: Exception) -> str:
 
 def sandbox():
     """A bounded ImmutableSandboxedEnvironment configured as transformers configures its own."""
+    from jinja2 import nodes
     from jinja2.exceptions import SecurityError
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -258,7 +265,19 @@ def sandbox():
             self.tick()
             return super().getitem(obj, argument)
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(Extension):
+        """transformers' {% generation %}...{% endgeneration %}: its body, rendered (it marks a reply)."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("body"), [], [], body).set_lineno(lineno)
+
+        def body(self, caller):
+            return caller()
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from gguf_fixtures import CHATML, chatml_model, chatml_tokenizer, write_gguf
@@ -334,3 +335,69 @@ def test_the_bundled_gemma_template_writes_gemma_turns_and_masks_the_reply(tmp_p
     assert gemma.decode(on) == "Hamlet<end_of_turn>" and gemma.decode(ids[len(ids) - mask[::-1].index(True):]) == "\n"
     with pytest.raises(UserError, match="a file, or a bundled template: gemma"):
         with_template_file(t, tmp_path / "nope")
+
+
+# ---- template variables (tools, documents, chat_template_kwargs) and llama.cpp's real templates ------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+DOCUMENTS = [{"title": "Zürich", "text": "A city on a lake."}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+TOOL_CONVERSATIONS = {
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    "multi-turn": CONVERSATIONS[1],
+    "non-ascii": [{"role": "user", "content": "ümlaut \"quotes\" <b>html</b> 日本"}],
+    "tool calls": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Zürich?"},
+                   {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp\": 21}"},
+                   {"role": "assistant", "content": "21 °C."}, {"role": "user", "content": "Thanks"}],
+}
+VARIABLES = [{}, {"tools": TOOLS}, {"tools": TOOLS, "documents": DOCUMENTS, "enable_thinking": False}]
+
+
+def llama_cpp_templates() -> list[Path]:
+    """llama.cpp's models/templates/*.jinja (real models' templates) in llama-cpp-python's unpacked source
+    distribution: $LLAMA_CPP_SRC, else .cache/llama-cpp-python where `make llama-src` puts it."""
+    src = Path(os.environ.get("LLAMA_CPP_SRC") or Path(__file__).resolve().parent.parent / ".cache" / "llama-cpp-python")
+    return sorted((src / "vendor" / "llama.cpp" / "models" / "templates").glob("*.jinja"))
+
+
+def agrees_with_transformers(tok, hf, template, messages, variables):
+    """Our render of messages with variables (add_generation_prompt) is transformers' apply_chat_template's,
+    or both refuse the conversation (a template's raise_exception: ours one UserError)."""
+    try:
+        theirs = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                        **variables)
+    except Exception:  # noqa: BLE001 (the template's own refusal, any type)
+        with pytest.raises(UserError, match="chat template error"):
+            render(template, messages, tok, True, variables)
+        return False
+    assert render(template, messages, tok, True, variables) == theirs
+    return True
+
+
+@pytest.mark.parametrize("path", llama_cpp_templates() or [None], ids=lambda p: p.stem if p else "absent")
+def test_llama_cpps_templates_render_as_transformers_with_tools_documents_and_kwargs(tok, hf, path):
+    if path is None:
+        pytest.skip("llama.cpp's templates are not fetched: run `make llama-src` (or set LLAMA_CPP_SRC)")
+    template = path.read_text(encoding="utf-8")
+    for messages in TOOL_CONVERSATIONS.values():
+        for variables in VARIABLES:
+            agrees_with_transformers(tok, hf, template, messages, variables)
+
+
+def test_variables_reach_the_template_as_transformers_passes_them(tok, hf):
+    template = ("{{ tools | tojson }}|{{ documents | tojson }}|{{ enable_thinking is defined }}|"
+                "{% if enable_thinking is defined %}{{ enable_thinking }}{% endif %}|{{ bos_token }}{{ eos_token }}")
+    messages = TOOL_CONVERSATIONS["system"]
+    for variables in [*VARIABLES, {"enable_thinking": True, "bos_token": "B"}]:
+        assert agrees_with_transformers(tok, hf, template, messages, variables)
+    assert render(template, messages, tok, variables={"tools": TOOLS}).startswith('[{"type": "function"')
+    with pytest.raises(UserError, match="template variable 'messages' is the conversation's own"):
+        render(template, messages, tok, variables={"messages": []})
+
+
+def test_the_generation_tag_renders_its_body(tok, hf):
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}!"
+                "{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}")
+    assert agrees_with_transformers(tok, hf, template, CONVERSATIONS[1], {})
+    assert render(template, CONVERSATIONS[1][:3], tok) == "Be brief.\nWhat is 2+2?\n4!"
