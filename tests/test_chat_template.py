@@ -401,3 +401,26 @@ def test_the_generation_tag_renders_its_body(tok, hf):
                 "{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}")
     assert agrees_with_transformers(tok, hf, template, CONVERSATIONS[1], {})
     assert render(template, CONVERSATIONS[1][:3], tok) == "Be brief.\nWhat is 2+2?\n4!"
+
+
+def test_chat_template_var_reaches_the_template_as_json_else_a_string(chatml_run, tmp_path, monkeypatch, capsys):
+    from nanoeuler.cli import main
+    from nanoeuler.infer import session
+    seen = {}
+
+    def fake_generate(model, ids, n, *a, **k):
+        seen["prompt"] = ids
+        return session.Generation(ids=[], stopped=True)
+    monkeypatch.setattr(session, "generate", fake_generate)
+    (tmp_path / "vars.jinja").write_text("{{ enable_thinking is sameas false }} {{ who }} {{ n + 1 }} "
+                                         "{{ messages[0].content }}")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--ckpt", str(chatml_run), "--chat-template", str(tmp_path / "vars.jinja"),
+                 "--template-var", "enable_thinking=false", "--template-var", "who=Ada Lovelace",
+                 "--template-var", "n=41", "--dtype", "float32"]) == 0
+    from nanoeuler.checkpoint import load_tokenizer
+    assert load_tokenizer(chatml_run).decode(seen["prompt"]) == "True Ada Lovelace 42 hello"
+    for bad in ("novalue", "messages=[]", "2x=1"):
+        assert main(["chat", "--ckpt", str(chatml_run), "--template-var", bad]) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("error: --template-var") and err.count("\n") == 1 and ("KEY=VALUE" in err or "the conversation's own" in err)

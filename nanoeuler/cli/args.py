@@ -143,6 +143,30 @@ def add_template_arg(p) -> None:
                         "a Gemma base model) (default: the checkpoint's, else the SPEC Alpaca template)")
 
 
+def add_template_var_arg(p) -> None:
+    """--template-var KEY=VALUE (chat), repeatable: an extra variable of the chat template."""
+    p.add_argument("--template-var", type=template_var, action="append", default=[], metavar="KEY=VALUE",
+                   help="a variable for the chat template, as transformers' apply_chat_template(**kwargs) passes it "
+                        "(e.g. enable_thinking=false, tools=[...]); VALUE is read as JSON, else taken as a string; "
+                        "repeatable")
+
+
+def template_var(text: str) -> tuple[str, object]:
+    """'enable_thinking=false' -> ('enable_thinking', False); 'name=Ada' -> ('name', 'Ada') (not JSON: a string)."""
+    import json
+
+    from ..chat_template import RESERVED
+    key, eq, value = text.partition("=")
+    if not eq or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with KEY a name (enable_thinking=false)")
+    if key in RESERVED:
+        raise argparse.ArgumentTypeError(f"{key!r} is the conversation's own; it cannot be set")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def escape_control(text: str) -> str:
     """Make model output safe for a terminal: control characters (ESC, BEL, NUL, DEL, C1, ...) become
     visible escapes; newline and tab stay. escape_control("a\\x1b[2Jb\\n") -> 'a\\\\x1b[2Jb\\n'."""

@@ -1,7 +1,8 @@
 """`nanoeuler chat --ckpt RUN`: a REPL around an instruction-tuned model.
 
 Each line you type is a user message; the conversation is rendered with the checkpoint's chat template
-(chat_template.py: the model's own, e.g. ChatML, or ours, the SPEC Alpaca template) and the reply streams
+(chat_template.py: the model's own, e.g. ChatML, or ours, the SPEC Alpaca template; `--template-var
+enable_thinking=false` gives it a variable) and the reply streams
 until an end-of-turn / eos token (not shown). Earlier turns stay while they fit the context, oldest dropped
 first. Commands:
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from .args import add_template_arg, escape_control
+from .args import add_template_arg, add_template_var_arg, escape_control
 from .sample import add_sampling_args, check_sampling_args, check_temperature, load_for_decoding
 
 HELP = """commands:
@@ -34,6 +35,7 @@ def register(sub) -> None:
                                    "Type /help for the commands; Ctrl-D exits.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory or .gguf file (decoded as the file holds it, each matrix in its type; read only): an SFT run or an instruct model")
     add_template_arg(p)
+    add_template_var_arg(p)
     add_sampling_args(p, temperature=0.7, max_new=128)
     p.set_defaults(run=run)
 
@@ -106,7 +108,8 @@ def run(args) -> int:
     tok = with_template_file(tok, args.chat_template)
     from ..infer.chat import Chat
     chat = Repl(Chat(model, tok, args.temperature, args.top_k, args.top_p, args.seed,
-                     args.max_new_tokens, speculative=not args.no_speculative))
+                     args.max_new_tokens, speculative=not args.no_speculative,
+                     template_vars=dict(args.template_var)))
     interactive = sys.stdin.isatty()
     if interactive:
         try:

@@ -18,8 +18,9 @@ class Chat:
     """The conversation state (messages, sampling settings) and one turn: `reply`."""
 
     def __init__(self, model, tok, temperature=0.7, top_k=None, top_p=None, seed=None, max_new_tokens=128,
-                 speculative=True, ctx_len=None):
+                 speculative=True, ctx_len=None, template_vars=None):
         self.model, self.tok = model, tok
+        self.template_vars = template_vars or {}  # the chat template's other variables (tools, enable_thinking)
         self.ctx_len = ctx_len or model.config.ctx_len  # positions prompt and reply share (serve: its --ctx)
         self.temperature, self.top_k, self.top_p, self.max_new = temperature, top_k, top_p, max_new_tokens
         self.speculative = speculative  # greedy replies only: sampling is one token per forward
@@ -50,13 +51,13 @@ class Chat:
         rendered = {}
 
         def fits(k):
-            rendered[k] = prompt_ids(self.tok, without(k))
+            rendered[k] = prompt_ids(self.tok, without(k), self.template_vars)
             return len(rendered[k]) <= budget
         lo, hi = max(0, len(starts) - 1 - budget), len(starts) - 1  # the least k that fits lies in [lo, hi]
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-        ids = rendered[lo] if lo in rendered else prompt_ids(self.tok, without(lo))
+        ids = rendered[lo] if lo in rendered else prompt_ids(self.tok, without(lo), self.template_vars)
         messages[:] = without(lo)
         self.dropped_turns += lo
         self.cut = max(0, len(ids) - limit)  # prompt tokens left out
