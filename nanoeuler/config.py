@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +75,10 @@ class Config:
             raise UserError(f"config: head_dim {self.head_dim} must be even for RoPE")
         for name in ("rope_theta", "norm_eps", "rope_local_theta", "rope_factor", "rope_low_freq_factor",
                      "rope_high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            value = getattr(self, name)     # (an int compares exactly: 10**400 is beyond every float)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT_MAX:
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
+            object.__setattr__(self, name, float(value))
         self._check_rope_scaling()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
@@ -267,6 +269,7 @@ class Config:
         return PRESETS[name]
 
 
+FLOAT_MAX = sys.float_info.max
 # the defaults of the defaultable fields where the architecture has none (head_dim, rope_local_theta: derived)
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,

@@ -107,3 +107,29 @@ def test_peft_fan_in_fan_out_is_whether_the_targets_are_stored_transposed(arch, 
     cfg = config_of("gpt2" if arch == "gpt2" else arch)
     lcfg = LoraConfig(2, 4.0).check(cfg)
     assert adapter_config(cfg, lcfg, "base")["fan_in_fan_out"] is transposed
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(rope_scaling={"rope_type": ["linear"], "factor": 2.0}), "rope_scaling .* is not supported"),
+    (dict(rope_parameters={"rope_type": {"linear": 1}, "rope_theta": 1e4}), "rope_parameters .* is not supported"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_parameters={"rope_type": "linear", "factor": 4.0}),
+     "rope_parameters' factor 4.0 differs from rope_scaling's 2.0"),
+    (dict(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+     "rope_parameters' rope_theta 500000.0 differs from rope_theta's 10000.0"),
+    (dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+     "layer_types lists 2 layers, num_hidden_layers 7"),
+])
+def test_rope_and_layer_keys_that_make_no_sense_are_refused_in_one_line(keys, message):
+    """A rope_type that is no name (a list: was a TypeError), a rope_parameters that says other than rope_scaling
+    or rope_theta (which one transformers reads depends on its version), layer_types of another length than the
+    layers (its pattern was read as if it were theirs)."""
+    with pytest.raises(UserError, match=message) as e:
+        config_from_hf(llama_config("mistral", **keys), ARCHS["mistral"])
+    assert "\n" not in str(e.value)
+
+
+def test_rope_keys_given_twice_that_agree_import():
+    same = dict(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    cfg = config_from_hf(llama_config("llama", **same), ARCHS["euler"])
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor) == (5e5, "linear", 2.0)

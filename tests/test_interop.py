@@ -558,7 +558,8 @@ def edit_config(d, **changes):
 @pytest.mark.parametrize("change, needle", [
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),   # linear, llama3: test_archs.py
     (dict(rope_scaling={"type": "dynamic", "factor": 4}), "rope_scaling"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": True}), "rope_factor"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": True}, rope_parameters=None), "rope_factor"),  # (the
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "differs from rope_scaling's"),  # fixture's is plain)
     (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}), "rope_parameters"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}), "has no low_freq_factor"),
     (dict(vocab_size="64"), "vocab_size '64' is not an integer"),  # was: "vocab_size 64 but the embedding has 64 rows"

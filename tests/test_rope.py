@@ -69,6 +69,8 @@ def test_scaling_fields_in_config_json_and_old_configs_unchanged(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(rope_scaling="yarn"), "rope_scaling must be one of none, linear, llama3, factors"),
     (dict(rope_scaling="linear", rope_factor=0.0), "rope_factor must be a finite number > 0"),
+    (dict(rope_scaling="linear", rope_factor=10**400), "rope_factor must be a finite number > 0"),  # no float
+    (dict(rope_theta=10**400), "rope_theta must be a finite number > 0"),
     (dict(rope_scaling="llama3", rope_low_freq_factor=4.0), "rope_low_freq_factor 4.0 must be below"),
     (dict(rope_scaling="llama3", rope_original_ctx=1.5), "rope_original_ctx must be a positive integer"),
     (dict(rope_scaling="factors", rope_freq_factors=[1.0, 2.0]), "rope_freq_factors must be 4 finite numbers"),

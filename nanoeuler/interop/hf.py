@@ -121,14 +121,14 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
                             f"({' or '.join(ACTIVATIONS[arch.mlp])})")
     keys = arch.hf.config
     fields = _config_fields(c, keys)
-    fields.update(_rope_fields(c, arch))
+    fields.update(_rope_fields(c, arch, fields))
     if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
         if c.get("use_sliding_window", True) is not False:                    # (Qwen2 names one it does not use)
             raise UserError(f"config.json: sliding_window={fields['sliding_window']!r:.20} is not supported for "
                             f"{arch.hf.name}")
         del fields["sliding_window"]
     if "sliding_window" in fields:
-        fields.update(_window_pattern(c, arch))
+        fields.update(_window_pattern(c, arch, fields.get("n_layers")))
     if not arch.gated:
         fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
     if not isinstance(fields.get("tie_embeddings", False), bool):   # a string "false" is not false
@@ -140,10 +140,6 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
     missing = [keys[f][0] for f in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden") if fields.get(f) is None]
     if missing:
         raise UserError(f"config.json: {missing[0]} is missing")
-    for name in ("rope_theta", "rope_local_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
-                 "rope_high_freq_factor"):
-        if isinstance(fields.get(name), int) and not isinstance(fields[name], bool):
-            fields[name] = float(fields[name])
     fields.setdefault("ctx_len", 2048)
     fields.setdefault("n_kv_heads", fields["n_heads"])
     try:
@@ -171,10 +167,12 @@ def _config_fields(c: dict, keys: dict) -> dict:
     return fields
 
 
-def _rope_fields(c: dict, arch: Arch) -> dict:
+def _rope_fields(c: dict, arch: Arch, given: dict) -> dict:
     """RoPE bases from rope_theta / rope_local_base_freq or transformers 5's rope_parameters (one object, or one
     per layer kind), and the scaling of the global layers from rope_scaling or those (`scaling_fields`); the
-    sliding layers' RoPE is plain (transformers' Gemma 3: rope_scaling scales the global layers only)."""
+    sliding layers' RoPE is plain (transformers' Gemma 3: rope_scaling scales the global layers only).
+    given: the fields config.json's own keys set; rope_parameters must agree with them and with rope_scaling
+    (transformers 4 reads those, 5 rope_parameters: a file where they differ means one thing to each)."""
     out = scaling_fields(c["rope_scaling"], "rope_scaling", arch) if c.get("rope_scaling") is not None else {}
     rp = c.get("rope_parameters")
     if rp is None or arch.positions != "rope":
@@ -188,9 +186,17 @@ def _rope_fields(c: dict, arch: Arch) -> dict:
         if scaled and kind == "sliding_attention":
             raise UserError(f"config.json: rope_parameters {json.dumps(params)[:80]} scales the sliding layers' "
                             f"RoPE; not supported (the global layers' only)")
-        out |= scaled
+        theirs = scaled or ({"rope_scaling": "none"} if kind == "full_attention" else {})
         if params.get("rope_theta") is not None:
-            out[kinds[kind]] = params["rope_theta"]
+            theirs[kinds[kind]] = params["rope_theta"]
+        for ours, value in theirs.items():
+            earlier, source = ((out[ours], "rope_scaling") if ours in out
+                               else (given.get(ours), arch.hf.config.get(ours, ("",))[0]))
+            if earlier is not None and earlier != value:
+                raise UserError(f"config.json: rope_parameters' {PARAMETER_KEYS.get(ours, 'rope_theta')} "
+                                f"{json.dumps(value)[:40]} differs from {source}'s {json.dumps(earlier)[:40]}; "
+                                f"not supported")
+        out |= theirs
     return out
 
 
@@ -199,6 +205,8 @@ SCALING_KEYS = {"linear": {"factor": "rope_factor"},
                 "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                            "high_freq_factor": "rope_high_freq_factor",
                            "original_max_position_embeddings": "rope_original_ctx"}}
+# a scaling field -> its key in rope_scaling / rope_parameters
+PARAMETER_KEYS = {"rope_scaling": "rope_type"} | {ours: k for keys in SCALING_KEYS.values() for k, ours in keys.items()}
 
 
 def scaling_fields(params, key: str, arch: Arch) -> dict:
@@ -208,7 +216,7 @@ def scaling_fields(params, key: str, arch: Arch) -> dict:
     if neutral_rope(params):
         return {}
     kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
-    if kind not in SCALING_KEYS or arch.positions != "rope":
+    if not isinstance(kind, str) or kind not in SCALING_KEYS or arch.positions != "rope":
         raise UserError(f"config.json: {key} {json.dumps(params)[:80]} is not supported (RoPE scaling: "
                         f"{', '.join(SCALING_KEYS)} only)")
     missing = [k for k in SCALING_KEYS[kind] if params.get(k) is None]
@@ -239,15 +247,18 @@ def neutral_rope(params) -> bool:
                                  and not isinstance(params.get("factor"), bool))
 
 
-def _window_pattern(c: dict, arch: Arch) -> dict:
-    """Which layers attend through the window (layer_types, else the format's window_pattern key, else the
-    architecture's default: Gemma 3's 6) as our global_every: layer i global iff (i + 1) % n == 0."""
+def _window_pattern(c: dict, arch: Arch, n_layers) -> dict:
+    """Which layers attend through the window (layer_types, one entry a layer; else the format's window_pattern
+    key, else the architecture's default: Gemma 3's 6) as our global_every: layer i global iff (i + 1) % n == 0."""
     types, n = c.get("layer_types"), arch.defaults.get("global_every", 0)
     if arch.hf.window_pattern:
         n = c.get(arch.hf.window_pattern, n)
     if types is not None:
         if not isinstance(types, list) or not all(t in ("sliding_attention", "full_attention") for t in types):
             raise UserError("config.json: layer_types must list sliding_attention / full_attention")
+        if len(types) != n_layers:
+            raise UserError(f"config.json: layer_types lists {len(types)} layers, {arch.hf.config['n_layers'][0]} "
+                            f"{n_layers!r:.20}")
         full = [i for i, t in enumerate(types) if t == "full_attention"]
         n = full[0] + 1 if full else 0
         if [t == "full_attention" for t in types] != [bool(n) and (i + 1) % n == 0 for i in range(len(types))]:
