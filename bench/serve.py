@@ -536,11 +536,12 @@ def chat_stream(url: str, messages: list[dict], tokens: int, timeout: float) -> 
 
 def chat_texts(args) -> tuple[list[str], str, list[str]]:
     """The bench's chat: --turns user messages of ~--new-tokens tokens, a system prompt of ~--system-tokens
-    tokens, and 2 x --clients-sharing short questions (slices of the bundled Shakespeare; ~4 characters a token)."""
+    tokens, and 2 x --clients-sharing short questions (slices of the bundled Shakespeare, ~3 characters a
+    token in SmolLM2's tokenizer: the replies' usage says how many they were)."""
     from nanoeuler.data.corpus import bundled_works
     text = "".join(bundled_works().values())
-    turns = [text[TEXT_START + 4000 * i:][:4 * args.new_tokens] for i in range(args.turns)]
-    system = "Answer as the play's prompter would.\n" + text[200000:][:4 * args.system_tokens]
+    turns = [text[TEXT_START + 4000 * i:][:3 * args.new_tokens] for i in range(args.turns)]
+    system = "Answer as the play's prompter would.\n" + text[TEXT_START + 100000:][:3 * args.system_tokens]
     questions = [text[300000 + 211 * i:][:60] for i in range(2 * args.clients_sharing)]
     return turns, system, questions
 
@@ -589,7 +590,7 @@ def multi_turn_servers(ckpt: Path, args) -> dict:
             out["llama-server"] = {"turns": multi_turn(url, args)["turns"]}
         finally:
             stop(proc)
-        proc, url = start_llama_server(args.llama_server, ckpt, args.clients_sharing, 2 * args.system_tokens,
+        proc, url = start_llama_server(args.llama_server, ckpt, args.clients_sharing, 3 * args.system_tokens,
                                        args.threads)
         try:
             out["llama-server"]["shared"] = multi_turn(url, args)["shared"]

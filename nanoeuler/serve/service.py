@@ -351,13 +351,13 @@ class Service:
                     stop_ids=tuple(self.stop_ids(body)), logprobs=logprobs, echo=echo)
 
     def run(self, body, prompts: list[list[int]], max_tokens: int, logprobs, echo: bool, chat: bool) -> Run:
-        """A request's choices (n per prompt), submitted to the batcher."""
+        """A request's choices (n per prompt), submitted to the batcher (its prompt tokens counted once taken)."""
         run, stops = Run(self.batcher, self.dispatch(), self.metrics), stop_list(body.stop)
-        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         for ids in prompts:
             for j in range(body.n):
                 c = Choice(len(run.choices), self.tok, ids, stops, self.stop_ids(body), chat=chat)
                 run.add(c, **self.job_args(body, ids, max_tokens, logprobs, echo, j))
         run.submit()
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         return run
 
