@@ -387,7 +387,8 @@ class Batcher:
             kv[:, dst, :, :n] = kv[:, src, :, :n]
 
     def _prefill(self) -> None:
-        """Advance the filling rows: each request by up to prefill_tokens tokens, its jobs in order."""
+        """Advance the filling rows: each request by up to prefill_tokens computed tokens, its jobs in order,
+        each first copying what the prefix cache holds of its tokens (_reuse; copies are not counted)."""
         by_group: dict[_Group, list[_Seq]] = {}
         for s in sorted((s for s in self.slots[self.n_dec:] if s is not None), key=lambda s: s.order):
             by_group.setdefault(s.group, []).append(s)
