@@ -15,12 +15,14 @@ from nanoeuler.errors import UserError
 from nanoeuler.interop.hf import config_from_hf, export_hf, hf_config
 from nanoeuler.interop.peft import adapter_config
 
-SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4),
+SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
+          "mistral": dict(sliding_window=4),
+          "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0)}
 
 
-def config_of(arch: str):
-    return tiny_config(arch=arch, n_mtp=1, n_layers=3, **SHAPES[arch])
+def config_of(case: str):
+    return tiny_config(arch=case.partition("+")[0], n_mtp=1, n_layers=3, **SHAPES[case])
 
 
 @pytest.mark.parametrize("arch", sorted(SHAPES))
@@ -29,15 +31,18 @@ def test_each_format_reads_back_the_config_it_writes(arch):
     n_ctx beside n_positions, query_pre_attn_scalar beside head_dim) and agreeing."""
     cfg = config_of(arch)
     c = json.loads(json.dumps(hf_config(cfg, Tokenizer([]), tied=False)))
-    assert config_from_hf(c, ARCHS[arch]).replace(n_mtp=1) == cfg.replace(tie_embeddings=False)
-    fmt = ARCHS[arch].hf
+    assert config_from_hf(c, cfg.spec).replace(n_mtp=1) == cfg.replace(tie_embeddings=False)
+    fmt = cfg.spec.hf
     for field, keys in fmt.config.items():
         assert len({json.dumps(c[k]) for k in keys if k in c}) <= 1, field
     if arch == "gpt2":
         assert c["n_ctx"] == c["n_positions"] == cfg.ctx_len and c["activation_function"] == "gelu_new"
         assert "num_key_value_heads" not in c and "hidden_act" not in c and c["attn_pdrop"] == 0.0
     else:
-        assert c["query_pre_attn_scalar"] == c["head_dim"] == cfg.head_dim and c["rope_scaling"] is None
+        assert c["query_pre_attn_scalar"] == c["head_dim"] == cfg.head_dim
+        assert c["rope_scaling"] == (None if cfg.rope_scaling == "none" else {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16})
         assert c["hidden_act"] == c["hidden_activation"] and "n_ctx" not in c
 
 
