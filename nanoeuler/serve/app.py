@@ -35,7 +35,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..chat_template import template_of
 from ..errors import UserError
+from . import tool_calls
 from .protocol import (DONE, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body, render_chat, sse)
 from .metrics import RequestMetrics
@@ -284,10 +286,12 @@ async def chat_completions(body: ChatRequest, request: Request):
     s.check_limits(max_tokens, body.n, body.seed)
     # a chat template renders in a worker process that may take its whole time limit (chat_template.py):
     # never on the event loop, where it would stall every other client
-    ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens, s.ctx_len)
+    variables = body.template_variables()
+    ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens, s.ctx_len, variables)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     run = s.run(body, [ids], max_tokens, logprobs, False, chat=True)
-    reply = ChatReply(s, run, ids, notes, logprobs)
+    tools = {t["function"]["name"] for t in variables.get("tools", [])}
+    reply = ChatReply(s, run, ids, notes, logprobs, tools)
     if body.stream:
         with_usage = body.stream_options and body.stream_options.include_usage
         return stream_response(reply.events(), run, reply.usage_event if with_usage else None)
@@ -344,12 +348,24 @@ class CompletionReply:
 
 class ChatReply:
     """The reply to /v1/chat/completions, streamed (`events`: a role delta first, a finish delta last) or
-    whole (`whole`)."""
+    whole (`whole`). With tools offered, a choice's text is parsed for calls in the template's format
+    (tool_calls.py) when it ends: a stream then holds its content back and sends content and/or
+    `delta.tool_calls` in one delta before the finish (finish_reason "tool_calls" when it calls)."""
 
-    def __init__(self, s: Service, run: Run, ids: list[int], notes: dict, logprobs: int | None):
-        self.s, self.run, self.ids, self.logprobs = s, run, ids, logprobs
+    def __init__(self, s: Service, run: Run, ids: list[int], notes: dict, logprobs: int | None,
+                 tools: set[str] = frozenset()):
+        self.s, self.run, self.ids, self.logprobs, self.tools = s, run, ids, logprobs, tools
         self.id, self.created = "chatcmpl-" + request_id(), int(time.time())
         self.extra = {"nanoeuler": notes} if notes else {}
+        self.format = tool_calls.format_of(template_of(s.tok))
+
+    def message(self, c, streamed: bool = False) -> tuple[dict, str]:
+        """A finished choice's message (or its last delta) and finish_reason: its tool calls parsed out."""
+        content, calls = tool_calls.parse(self.format, c.text, self.tools) if self.tools else (c.text, [])
+        if not calls:
+            return {"content": c.text}, c.finish_reason
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return {"content": content or None, "tool_calls": tool_calls.openai_calls(calls, streamed)}, reason
 
     def chunk(self, choices, **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -368,23 +384,31 @@ class ChatReply:
                 if c.index in ended:
                     continue
                 lp = c.chat_logprobs(len(c.logprobs) - n_lp) if self.logprobs is not None and n_lp else None
+                piece = "" if self.tools else piece   # held back until the calls are parsed
                 if piece or lp:
                     events.append(sse(self.chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
                                                    "finish_reason": None}])))
                 if c.finish_reason:
                     ended.add(c.index)
+                    delta, reason = self.message(c, streamed=True) if self.tools else ({}, c.finish_reason)
+                    if delta.get("content") or delta.get("tool_calls"):
+                        events.append(sse(self.chunk([{"index": c.index, "delta": delta, "logprobs": None,
+                                                       "finish_reason": None}])))
                     events.append(sse(self.chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                                   "finish_reason": c.finish_reason}])))
+                                                   "finish_reason": reason}])))
             yield events
 
     def whole(self) -> JSONResponse:
         return JSONResponse({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.s.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": c.chat_logprobs() if self.logprobs is not None else None,
-                         "finish_reason": c.finish_reason} for c in self.run.choices],
+            "choices": [self.whole_choice(c) for c in self.run.choices],
             "usage": usage([self.ids], self.run.choices), **self.extra})
+
+    def whole_choice(self, c) -> dict:
+        message, reason = self.message(c)
+        return {"index": c.index, "message": {"role": "assistant", **message},
+                "logprobs": c.chat_logprobs() if self.logprobs is not None else None, "finish_reason": reason}
 
 
 @asynccontextmanager

@@ -10,6 +10,12 @@ conversation (chat_template.py: the checkpoint's own template, else the SPEC Alp
 system message goes in front of the next instruction), earlier turns dropped oldest first when they do
 not fit the server's window (infer/chat.py's Chat.context); a last turn that does not fit alone is refused
 (400). `developer` messages are system messages.
+
+Tools (serve/tool_calls.py): the request's `tools` go to the template as its `tools` variable (transformers'
+`apply_chat_template(tools=...)`) unless `tool_choice` is "none"; an assistant message's `tool_calls` go as
+transformers takes them (`arguments` a JSON object, parsed from OpenAI's string) and `tool` messages with their
+`tool_call_id`. `chat_template_kwargs` are the template's other variables (vLLM's and llama-server's field).
+`tool_choice` "required" or a named function would need decoding constrained to a call: refused (400).
 """
 from __future__ import annotations
 
@@ -72,15 +78,58 @@ class TextPart(_Base):
     text: str
 
 
+class FunctionCall(_Base):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCall(_Base):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Base):
     """A chat message: every role carries its content, a string or a non-empty list of text parts (a message
-    without one would render as an empty turn)."""
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+    without one would render as an empty turn), except an assistant's that makes tool calls."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[None, str, Annotated[list[TextPart], Field(min_length=1)]] = None
     name: Optional[str] = None
+    tool_calls: Optional[Annotated[list[ToolCall], Field(min_length=1)]] = None
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_unless_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs its content (only an assistant's making tool_calls may have none)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages make tool_calls")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class Function(_Base):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+
+
+class Tool(_Base):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Generation):
@@ -88,6 +137,27 @@ class ChatRequest(_Generation):
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[Int] = Field(None, ge=0, le=20)  # only with logprobs: true, as OpenAI has it
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[None, Literal["none", "auto", "required"], NamedToolChoice] = None
+    chat_template_kwargs: Optional[dict] = None
+
+    def offered_tools(self) -> list[dict]:
+        """The tools the model is offered (none with tool_choice "none"), as the template takes them."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if self.tool_choice not in (None, "auto"):
+            raise APIError(400, "tool_choice 'required' or a named function is not supported yet (the reply is "
+                                "not constrained to a call): use 'auto'", param="tool_choice")
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_variables(self) -> dict:
+        """The chat template's variables besides the conversation: chat_template_kwargs, and tools if offered."""
+        from ..chat_template import RESERVED
+        kwargs = self.chat_template_kwargs or {}
+        if taken := [k for k in (*RESERVED, "tools") if k in kwargs]:
+            raise APIError(400, f"chat_template_kwargs may not set {taken[0]!r}", param="chat_template_kwargs")
+        tools = self.offered_tools()
+        return {**kwargs, "tools": tools} if tools else dict(kwargs)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -117,21 +187,49 @@ def stop_list(stop: Stop) -> list[str]:
 
 # ---- chat ----------------------------------------------------------------------------------------
 def chat_messages(messages: list[Message]) -> list[dict]:
-    """The request's messages as a chat template takes them ({"role", "content"}); the last must be the user's."""
-    if messages[-1].role != "user":
-        raise UserError("the last message must come from the user")
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    """The request's messages as a chat template takes them ({"role", "content"}, an assistant's "tool_calls",
+    a tool's "tool_call_id"); the last must be the user's or a tool's result."""
+    if messages[-1].role not in ("user", "tool"):
+        raise UserError("the last message must come from the user (or be a tool's result)")
+    return [template_message(m) for m in messages]
 
 
-def render_chat(model, tok, messages: list[Message], max_tokens: int, ctx_len: int) -> tuple[list[int], dict]:
+def template_message(m: Message) -> dict:
+    """One message as transformers' chat templates take it: tool call arguments a JSON object, not a string."""
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": call_arguments(c)}}
+                             for c in m.tool_calls]
+    return out
+
+
+def call_arguments(c: ToolCall) -> dict:
+    try:
+        args = json.loads(c.function.arguments)
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        raise APIError(400, f"tool call {c.id!r}: arguments must be a JSON object, got {c.function.arguments[:40]!r}",
+                       param="messages")
+    return args
+
+
+def render_chat(model, tok, messages: list[Message], max_tokens: int, ctx_len: int,
+                variables: dict | None = None) -> tuple[list[int], dict]:
     """The conversation as prompt ids for a window of ctx_len positions, the way the `chat` REPL builds it:
     the oldest exchanges dropped (system messages stay) until it leaves room for the reply -> (ids, notes).
     notes say what did not fit, when something did not: {"dropped_turns": exchanges dropped,
     "prompt_truncated_tokens": tokens of the whole conversation's rendering not in ids}. A last turn that
-    does not fit even alone (the REPL would keep its end) is refused: APIError 400 context_length_exceeded."""
+    does not fit even alone (the REPL would keep its end) is refused: APIError 400 context_length_exceeded.
+    variables: the template's other variables (ChatRequest.template_variables)."""
     from ..chat_template import prompt_ids
     from ..infer.chat import Chat
-    chat = Chat(model, tok, max_new_tokens=max(1, max_tokens), ctx_len=ctx_len)
+    chat = Chat(model, tok, max_new_tokens=max(1, max_tokens), ctx_len=ctx_len, template_vars=variables)
     conversation = chat_messages(messages)
     ids = chat.context(list(conversation))
     if chat.cut:
@@ -141,7 +239,7 @@ def render_chat(model, tok, messages: list[Message], max_tokens: int, ctx_len: i
     if not chat.dropped_turns:
         return ids, {}
     return ids, {"dropped_turns": chat.dropped_turns,
-                 "prompt_truncated_tokens": len(prompt_ids(tok, conversation)) - len(ids)}
+                 "prompt_truncated_tokens": len(prompt_ids(tok, conversation, variables)) - len(ids)}
 
 
 # ---- responses -----------------------------------------------------------------------------------
