@@ -8,7 +8,8 @@ The cases loop over the registry (ARCHS), each at one small size (`small_config`
 switched on: its own head width (16, not dim / heads) where it has q/k norms (Gemma 3's and Qwen3's real
 models have one; llama.cpp's qwen2 reads none), a window (5, its own RoPE base, the architecture's pattern of
 global layers, which llama.cpp fixes: Gemma 3's every 6th) where its GGUF architecture reads one too, and RoPE scalings
-(ROPE_SCALINGS: linear, and Llama 3.2's llama3 with its tied head) on the first architecture with RoPE. The
+(ROPE_SCALINGS: linear, and Llama 3.2's llama3 with its tied head) on the first architecture with RoPE, and
+linear where global layers sit between windowed ones (Gemma 3 4B's: the global layers only). The
 folder's config.json is the one our export writes for that config (interop.hf.hf_config): transformers, the
 oracle, builds its model from it, so a key both sides misread shows as other logits.
 """
@@ -45,7 +46,9 @@ FIRST_ROPE = next(a.name for a in ARCHS.values() if a.positions == "rope")
 # all three regimes (below 2,048 unscaled, between it and 8,192 blended, above divided by 32)
 ROPE_SCALINGS = {"linear": dict(rope_scaling="linear", rope_factor=4.0),
                  "llama3": dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True)}
-CASES = list(ARCHS) + [f"{FIRST_ROPE}+{r}" for r in ROPE_SCALINGS]
+# and linear scaling where global layers sit between windowed ones, which keep plain RoPE (Gemma 3 4B's factor 8)
+CASES = list(ARCHS) + [f"{FIRST_ROPE}+{r}" for r in ROPE_SCALINGS] + [
+    f"{a.name}+linear" for a in ARCHS.values() if a.defaults.get("global_every")]
 
 
 def small_config(case: str, vocab: int) -> Config:
