@@ -105,6 +105,8 @@ class Config:
                 raise UserError(f"config: rope_freq_factors must be {self.head_dim // 2} finite numbers > 0 "
                                 f"(head_dim / 2)")
             object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
+        if kind != "none" and self.spec.positions != "rope":
+            raise UserError(f"config: rope_scaling {kind} for arch {self.arch}, which has no RoPE")
         if kind != "none" and self.sliding_window and not self.global_every:
             raise UserError(f"config: rope_scaling {kind} scales the global layers, and every layer is windowed")
 

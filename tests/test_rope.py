@@ -79,6 +79,7 @@ def test_scaling_fields_in_config_json_and_old_configs_unchanged(tmp_path):
     (dict(rope_scaling="factors"), "rope_freq_factors goes with rope_scaling \"factors\""),
     (dict(arch="gemma3", sliding_window=4, global_every=0, rope_scaling="linear", rope_factor=2.0),
      "every layer is windowed"),
+    (dict(arch="gpt2", n_kv_heads=4, rope_scaling="linear", rope_factor=2.0), "linear for arch gpt2, which has no RoPE"),
 ])
 def test_bad_scaling_fields_are_refused_in_one_line(change, message):
     with pytest.raises(UserError, match=message) as e:
