@@ -264,15 +264,27 @@ def test_rope_scaling_is_refused_by_name(tmp_path, model, tok, key, value):
 
 
 @pytest.mark.parametrize("meta", [{"rope.scaling.factor": 4.0}, {"rope.scale_linear": 4.0},
-                                  {"rope.freq_scale": 0.25}, {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}])
+                                  {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+                                  {"rope.scaling.factor": 4.0, "rope.scale_linear": 2.0, "rope.freq_scale": 0.5}])
 def test_a_linear_factor_imports_in_each_spelling(tmp_path, model, tok, meta):
     """llama.cpp's linear RoPE scaling, however the file spells it, is the config's linear scaling by 4."""
     path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf",
                         {f"llama.{k}": v for k, v in meta.items()})
     cfg = load_gguf(path)[0]
     assert cfg == model.config.replace(rope_scaling="linear", rope_factor=4.0)
-    refused(tmp_path, rewrite_meta(path, tmp_path / "s.gguf", {"llama.rope.scale_linear": "4"}),
-            "llama.rope.scale_linear = '4' is not a number")
+    read = "rope.scaling.factor" if "rope.scaling.factor" in meta else "rope.scale_linear"
+    refused(tmp_path, rewrite_meta(path, tmp_path / "s.gguf", {f"llama.{read}": "4"}),
+            f"llama.{read} = '4' is not a number")
+
+
+@pytest.mark.parametrize("meta", [{"rope.scaling.factor": 1.0, "rope.scale_linear": 4.0},
+                                  {"rope.scaling.factor": 0.0, "rope.scale_linear": 4.0}, {"rope.freq_scale": 0.25}])
+def test_the_linear_factor_is_the_key_llama_cpp_reads(tmp_path, model, tok, meta):
+    """llama.cpp reads rope.scale_linear only where rope.scaling.factor is absent (its value 0 or 1: no scaling),
+    and no rope.freq_scale at all: these files were imported with a factor of 4, llama.cpp computes plain RoPE."""
+    path = rewrite_meta(write_gguf(tmp_path / "m.gguf", model, tok), tmp_path / "p.gguf",
+                        {f"llama.{k}": v for k, v in meta.items()})
+    assert load_gguf(path)[0] == model.config
 
 
 def test_neutral_rope_scaling_values_import(tmp_path, model, tok):
@@ -376,8 +388,7 @@ def rewrite_meta(src, dst, meta: dict, extra_tensor=None):
             w.add_key_value(name, f.contents(), f.types[0])
     for k, v in meta.items():
         if k != "general.architecture":
-            w.add_key_value(k, v, gguf.GGUFValueType.STRING if isinstance(v, str) else
-                            gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.UINT32)
+            w.add_key_value(k, v, *gguf_kind(v))
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     if extra_tensor:
@@ -387,6 +398,27 @@ def rewrite_meta(src, dst, meta: dict, extra_tensor=None):
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def gguf_kind(v) -> tuple:
+    """The GGUF value type (and array element type) rewrite_meta writes v as."""
+    if isinstance(v, list):
+        return gguf.GGUFValueType.ARRAY, gguf_kind(v[0])[0]
+    return (gguf.GGUFValueType.STRING if isinstance(v, str) else gguf.GGUFValueType.BOOL if isinstance(v, bool)
+            else gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.UINT32),
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
+                                 "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.add_bos_token",
+                                 "tokenizer.ggml.token_type", "tokenizer.chat_template"])
+def test_a_tokenizer_key_of_another_kind_is_refused_by_name(tmp_path, model, tok, key):
+    """An array where one value belongs (tokenizer.ggml.pre = ["gpt-2"], an id as [3]), a number for a name or a
+    list, a name for an id: an 'internal error TypeError: unhashable type' or 'has no len()'; now one line."""
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    scalar = key != "tokenizer.ggml.token_type"
+    for value in ([["gpt2"], [3]] if scalar else []) + [7 if key.endswith(("model", "pre", "template")) else "x"]:
+        refused(tmp_path, rewrite_meta(path, tmp_path / "p.gguf", {key: value}), f"GGUF metadata {key} = .* is not ")
 
 
 # ------------------------------------------------------------------------------------------------- fuzz

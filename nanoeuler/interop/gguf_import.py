@@ -57,6 +57,14 @@ OTHER_MODELS = {"bert": "WordPiece, llama.cpp's WPM", "t5": "Unigram, llama.cpp'
 FIM_EOG = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
            "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
            "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+# the kind of value each tokenizer key holds (as llama.cpp's get_key checks it: another is a damaged file); every
+# tokenizer.ggml.*_token_id holds an id
+TOKENIZER_KINDS = {"tokenizer.ggml.model": (str, "a name"), "tokenizer.ggml.pre": (str, "a name"),
+                   "tokenizer.chat_template": (str, "a string"), "tokenizer.ggml.tokens": (list, "an array"),
+                   "tokenizer.ggml.merges": (list, "an array"), "tokenizer.ggml.token_type": (list, "an array"),
+                   "tokenizer.ggml.scores": (list, "an array"), "tokenizer.ggml.add_bos_token": (bool, "true or false"),
+                   "tokenizer.ggml.add_eos_token": (bool, "true or false"),
+                   "tokenizer.ggml.add_space_prefix": (bool, "true or false")}
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
@@ -402,11 +410,24 @@ def check_vocabulary(meta: dict, tensors) -> None:
         raise UserError(f"GGUF tokenizer: {n:,} tokens, more than the model's {rows:,} embedding rows")
 
 
+def check_tokenizer_kinds(meta: dict) -> None:
+    """Each tokenizer key holds a value of its kind (TOKENIZER_KINDS; an id: a non-negative integer), or UserError.
+    check_tokenizer_kinds({"tokenizer.ggml.pre": ["gpt-2"]}) -> UserError (an array where a name belongs)"""
+    for key, value in meta.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            field(meta, key)
+            continue
+        kind, what = TOKENIZER_KINDS.get(key, (object, ""))
+        if not isinstance(value, kind):
+            raise UserError(f"GGUF metadata {key} = {value!r:.40} is not {what}")
+
+
 def gguf_tokenizer(meta: dict, vocab_size: int):
     """Our Tokenizer with the file's ids, chat template and every end-of-generation id llama.cpp would stop at
     (eos, eot, eom, FIM_EOG, EOG_TEXTS; where llama.cpp keeps one of several FIM texts, all are kept)."""
     from .hf_tokenizer import from_hf_json
     from ..config import LIMITS
+    check_tokenizer_kinds(meta)
     model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if model not in TOKENIZER_MODELS:
         what = f" ({OTHER_MODELS[model]})" if model in OTHER_MODELS else ""
@@ -438,8 +459,6 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
         stops += [inverse[i]] if i in inverse else [t for t in texts if t in tok.special_tokens]
     stops += [t for t in EOG_TEXTS if t in tok.special_tokens]
     template = meta.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise UserError("GGUF metadata tokenizer.chat_template is not a string")
     stops = [s for s in dict.fromkeys(stops) if s != tok.eos_token]
     return tok.replace(chat_template=template, stops=stops)
 
@@ -449,7 +468,7 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
 # Every other RoPE-scaling key llama.cpp reads (src/llama-arch.cpp LLM_KV_ROPE_*, read in llama-model.cpp and
 # applied in llama-context.cpp), each with the values that leave RoPE as a linear factor scales it (what
 # llama.cpp assumes when the key is absent, or what computes the same): any other value is refused by name.
-# (The linear factor itself, rope.scaling.factor / rope.scale_linear / rope.freq_scale: gguf_rope_fields.)
+# (The linear factor itself, rope.scaling.factor / rope.scale_linear: gguf_rope_fields.)
 # None: the model's own context_length (llama.cpp's default for the original context).
 ROPE_SCALING = {
     "rope.scaling.type": ("none", "linear"),     # linear: llama.cpp's default type
@@ -486,17 +505,14 @@ def refuse_unsupported(meta: dict, arch: str) -> None:
 
 def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float) -> dict:
     """The RoPE scaling llama.cpp applies to the file's global layers -> the Config's fields ({} for none): a linear
-    factor (rope.scaling.factor, or the older rope.scale_linear, or 1 / rope.freq_scale), or the divisors of each
-    pair's frequency in a `rope_freqs` tensor [head_dim/2] (what llama.cpp's converter writes for Llama 3.x):
+    factor (rope.scaling.factor, or where it is absent the older rope.scale_linear, as llama.cpp reads them), or
+    the divisors of each pair's frequency in a `rope_freqs` tensor [head_dim/2] (what llama.cpp's converter writes
+    for Llama 3.x):
     llama3 scaling where they are llama3's of Llama 3.1's parameters (low / high freq factors 1 / 4, original
     context 8192; the factor: the largest divisor), else the divisors as they are ("factors")."""
-    scale = field(meta, f"{a}.rope.freq_scale", float, 1.0)
-    if not scale > 0:
-        raise UserError(f"GGUF metadata {a}.rope.freq_scale = {scale} is not a number > 0")
-    spelled = (field(meta, f"{a}.rope.scaling.factor", float, 0.0), field(meta, f"{a}.rope.scale_linear", float, 0.0),
-               1 / scale)   # 0: unset
-    factor = next((f for f in spelled if f not in (0.0, 1.0)), 1.0)
-    linear = {"rope_scaling": "linear", "rope_factor": factor} if factor != 1.0 else {}
+    key = f"{a}.rope.scaling.factor" if f"{a}.rope.scaling.factor" in meta else f"{a}.rope.scale_linear"
+    factor = field(meta, key, float, 0.0)   # 0: unset
+    linear = {"rope_scaling": "linear", "rope_factor": factor} if factor not in (0.0, 1.0) else {}
     if rope_freqs is None:
         return linear
     f = np.asarray(rope_freqs, np.float64).reshape(-1)
