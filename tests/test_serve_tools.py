@@ -35,10 +35,10 @@ THINKING = "{% if enable_thinking is sameas false %}{{ raise_exception('thinking
 ARGS = {"city": "Zürich"}
 # (template: a file of llama.cpp's models/templates or inline, its format, the reply that calls get_weather, content)
 CASES = [
-    ("Qwen-Qwen2.5-7B-Instruct", "hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                                           '{"city": "Zürich"}}\n</tool_call>', "Let me check."),
-    ("Qwen-Qwen3-0.6B", "hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
-                                  '</tool_call>', None),
+    ("Qwen-Qwen2.5-7B-Instruct", "hermes", ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                            '{"city": "Zürich"}}\n</tool_call>'), "Let me check."),
+    ("Qwen-Qwen3-0.6B", "hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
+                                   '</tool_call>'), None),
     ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "hermes",
      '<tool_call>\n{"arguments": {"city": "Zürich"}, "name": "get_weather"}\n</tool_call>', None),
     ("meta-llama-Llama-3.2-3B-Instruct", "llama3", '{"name": "get_weather", "parameters": {"city": "Zürich"}}', None),
@@ -79,8 +79,8 @@ def model(tok):
 
 
 @pytest.fixture
-def script(monkeypatch, tok):
-    """script(text): the next sampled tokens (at temperature 0.5) spell text, then </s>."""
+def script(monkeypatch):
+    """script(tok, text): the next sampled tokens (at temperature 0.5) spell text in tok, then its eos."""
     from nanoeuler.infer import engine
     real, queue = engine.sample_token, []
 
@@ -89,12 +89,12 @@ def script(monkeypatch, tok):
             return queue.pop(0)
         return real(logits, temperature, *a, **k)
     monkeypatch.setattr(engine, "sample_token", scripted)
-    return lambda text: queue.__setitem__(slice(None), tok.encode(text) + [tok.eos_id])
+    return lambda tok, text: queue.__setitem__(slice(None), tok.encode(text) + [tok.eos_id])
 
 
-def serve(model, tok, template):
+def serve(model, tok):
     from nanoeuler.serve.app import create_app
-    return ServerThread(create_app(model, tok.replace(chat_template=template), "tiny", max_batch=2))
+    return ServerThread(create_app(model, tok, "tiny", max_batch=2))
 
 
 def client_of(srv):
@@ -110,9 +110,32 @@ SAMPLING = {"model": "tiny", "temperature": 0.5, "max_tokens": 300}
 def test_a_tool_call_round_trips_through_the_openai_client(tok, model, script, name, fmt, reply, content):
     template = template_text(name)
     assert tool_calls.format_of(template).name == fmt
-    with serve(model, tok, template) as srv:
+    round_trip(tok.replace(chat_template=template), model, script, reply, content)
+
+
+def test_a_tool_call_round_trips_on_smollm2s_own_tokenizer_and_template(script):
+    """The published SmolLM2-135M-Instruct's tokenizer and ChatML template (which writes neither tools nor calls:
+    the generic JSON format), a model of its vocabulary."""
+    from real_models import real_model
+
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from nanoeuler.interop.gguf_import import gguf_tokenizer
+    meta = GGUFFile(real_model("smollm2")).meta
+    smol = gguf_tokenizer(meta, len(meta["tokenizer.ggml.tokens"]))
+    assert tool_calls.format_of(smol.chat_template) is tool_calls.GENERIC
+    model = Model.init(Config(vocab_size=smol.vocab_size, dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx_len=1024,
+                              ffn_hidden=32, n_mtp=1), seed=0)
+    round_trip(smol, model, script, '{"name": "get_weather", "arguments": {"city": "Zürich"}}', None)
+
+
+def round_trip(tok, model, script, reply, content):
+    """With tok's template: a request offering TOOLS answered `reply` is a call of get_weather(ARGS) after
+    `content`, whole and streamed; the follow-up with the call and its result renders as transformers renders
+    it and is answered with content."""
+    template = tok.chat_template
+    with serve(model, tok) as srv:
         client = client_of(srv)
-        script(reply)
+        script(tok, reply)
         r = client.chat.completions.create(messages=ASK, tools=TOOLS, **SAMPLING)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content == content
@@ -120,7 +143,7 @@ def test_a_tool_call_round_trips_through_the_openai_client(tok, model, script, n
         assert call.type == "function" and call.function.name == "get_weather"
         assert json.loads(call.function.arguments) == ARGS and len(call.id) == 9 and call.id.isalnum()
 
-        script(reply)
+        script(tok, reply)
         chunks = list(client.chat.completions.create(messages=ASK, tools=TOOLS, stream=True, **SAMPLING))
         deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
         assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
@@ -130,14 +153,14 @@ def test_a_tool_call_round_trips_through_the_openai_client(tok, model, script, n
 
         follow = [*ASK, choice.message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
-        script("It is 21 °C.")
+        script(tok, "It is 21 °C.")
         r = client.chat.completions.create(messages=follow, tools=TOOLS, **SAMPLING)
         assert r.choices[0].message.content == "It is 21 °C." and r.choices[0].message.tool_calls is None
         assert r.choices[0].finish_reason == "stop"
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer as HFTokenizer
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok.to_hf_json()),
-                                              eos_token=tok.eos_token)
+                                              bos_token=tok.bos_token, eos_token=tok.eos_token)
     oracle = [*ASK, {"role": "assistant", "content": content or "", "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
@@ -147,16 +170,16 @@ def test_a_tool_call_round_trips_through_the_openai_client(tok, model, script, n
 
 
 def test_a_reply_that_is_not_a_call_stays_content_and_tool_choice_is_honoured(tok, model, script):
-    with serve(model, tok, HERMES) as srv:
+    with serve(model, tok.replace(chat_template=HERMES)) as srv:
         client = client_of(srv)
         for reply in ("Sunny, I think.", '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
                       '<tool_call>{"name": "get_weather", "arguments": "Zürich"}</tool_call>', "<tool_call>{oops"):
-            script(reply)
+            script(tok, reply)
             r = client.chat.completions.create(messages=ASK, tools=TOOLS, **SAMPLING)
             assert r.choices[0].message.content == reply and r.choices[0].message.tool_calls is None
             assert r.choices[0].finish_reason == "stop"
         call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>'
-        script(call)   # "none": tools not offered (not in the prompt), a call's text is content
+        script(tok, call)   # "none": tools not offered (not in the prompt), a call's text is content
         r = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="none", **SAMPLING)
         assert r.choices[0].message.content == call and r.choices[0].finish_reason == "stop"
         assert r.usage.prompt_tokens == len(tok.encode(render(HERMES, ASK, tok, True)))
@@ -172,9 +195,9 @@ def test_a_reply_that_is_not_a_call_stays_content_and_tool_choice_is_honoured(to
 
 
 def test_chat_template_kwargs_reach_the_template(tok, model, script):
-    with serve(model, tok, THINKING) as srv:
+    with serve(model, tok.replace(chat_template=THINKING)) as srv:
         client = client_of(srv)
-        script("Hi.")
+        script(tok, "Hi.")
         assert client.chat.completions.create(messages=ASK, **SAMPLING).choices[0].message.content == "Hi."
         with pytest.raises(openai.BadRequestError, match="thinking is off"):
             client.chat.completions.create(messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
@@ -185,8 +208,8 @@ def test_chat_template_kwargs_reach_the_template(tok, model, script):
 
 
 @pytest.mark.parametrize("fmt, text, want", [
-    ("hermes", 'a<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>b<tool_call>{"name": "f", '
-               '"arguments": {}}', ("ab", [("f", {"x": 1}), ("f", {})])),   # the last cut by the end of the reply
+    ("hermes", ('a<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>b<tool_call>{"name": "f", '
+                '"arguments": {}}'), ("ab", [("f", {"x": 1}), ("f", {})])),   # the last cut by the end of the reply
     ("hermes", "<tool_call>not json</tool_call>", None),
     ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "f", "arguments": {}}]',
      ("ok", [("f", {"x": 1}), ("f", {})])),

@@ -23,8 +23,8 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 Call = tuple[str, dict]   # (function name, arguments)
 
