@@ -40,6 +40,12 @@ CONFIGS = {
 }
 
 
+def test_every_architecture_has_a_case():
+    """A record added to arch.py without a case here would go untested by every decoding path."""
+    from nanoeuler.arch import ARCHS
+    assert {c.arch for c in CONFIGS.values()} == set(ARCHS)
+
+
 def model(arch: str, seed: int = 0, tied_embed: float = 0.5) -> Model:
     """Random weights a few times the init's size, norms and biases away from 1 and 0 (a tied embedding scaled
     by tied_embed: a large tied head repeats the last token, and greedy decoding gets stuck)."""

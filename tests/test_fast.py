@@ -28,6 +28,12 @@ ENTRY_TOL = {np.float32: 3e-4, np.float64: 5e-11}  # every entry of every gradie
 
 
 
+def test_every_architecture_has_a_case():
+    """A record added to arch.py without a case here would go untested by the training engine."""
+    from nanoeuler.arch import ARCHS
+    assert {c.arch for c in CONFIGS.values()} == set(ARCHS)
+
+
 def far_from_init(cfg, dtype, seed=0):
     """A model with weights well away from init, so attention is peaked and every gradient term matters."""
     rng = np.random.default_rng(seed)

@@ -21,6 +21,11 @@ SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(he
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0)}
 
 
+def test_every_architecture_has_a_shape():
+    """A record added to arch.py without a shape here would go untested by the format checks."""
+    assert {c.partition("+")[0] for c in SHAPES} == set(ARCHS)
+
+
 def config_of(case: str):
     return tiny_config(arch=case.partition("+")[0], n_mtp=1, n_layers=3, **SHAPES[case])
 
