@@ -23,7 +23,8 @@ from nanoeuler.checkpoint import load_tokenizer  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
 from nanoeuler.infer.quant import block_types  # noqa: E402
 from nanoeuler.interop.gguf_export import export_gguf, unpermute_qk  # noqa: E402
-from nanoeuler.interop.gguf_import import PRE_BY_NAME, PRE_FAMILIES, import_gguf, load_gguf, pre_name  # noqa: E402
+from nanoeuler.interop.gguf_import import import_gguf, load_gguf  # noqa: E402
+from nanoeuler.interop.pretokenizers import PRE_BY_NAME, PRE_FAMILIES, pre_name  # noqa: E402
 
 TEXTS = ["Hello, world!", "  two  spaces\n\nand lines\t", "numbers 1234567 and 3.14", "ümlaut café 日本",
          "<|im_start|>user\nhi<|im_end|>\n", "don't I'll WE'RE", ""]
@@ -579,7 +580,7 @@ def test_each_pre_family_splits_as_its_hf_pre_tokenizer(family):
     """tokenizer.ggml.pre names a split: every name of a family cuts text as that family's Hugging Face
     pre-tokenizer does (smollm: each digit alone; llama-bpe: digits by threes; gpt-2: digit runs whole)."""
     pytest.importorskip("tokenizers")
-    from nanoeuler.interop.gguf_import import PRE_FAMILIES, pre_pattern
+    from nanoeuler.interop.pretokenizers import PRE_FAMILIES, pre_pattern
     from nanoeuler.tokenizer.tokenizer import pretokenize
     oracle = hf_pre_tokenizer(family)
     text = ("In 1599, 12345 men  spent $3.50 (or 1,000,000!) in   2 days\t\n 7 it's WE'LL don't\r\n\r\n"

@@ -26,7 +26,8 @@ from nanoeuler import Model, Tokenizer  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
 from nanoeuler.data.corpus import bundled_works  # noqa: E402
 from nanoeuler.infer.session import generate# noqa: E402
-from nanoeuler.interop.gguf_import import PRE_FAMILIES, load_gguf  # noqa: E402
+from nanoeuler.interop.gguf_import import load_gguf  # noqa: E402
+from nanoeuler.interop.pretokenizers import PRE_FAMILIES  # noqa: E402
 from nanoeuler.interop.llamacpp import LlamaCpp  # noqa: E402
 
 TOLERANCE = {"F32": 1e-5, "F16": 1e-3, "Q8_0": 2e-2, "Q4_0": 2e-2, "Q4_1": 2e-2}

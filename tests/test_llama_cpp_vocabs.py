@@ -148,7 +148,7 @@ def test_every_pre_tokenizer_name_llama_cpp_reads_is_in_our_table():
     refused with its reason (REFUSED_PRE): none falls through to 'not a pre-tokenizer llama.cpp knows'."""
     import re
 
-    from nanoeuler.interop.gguf_import import PRE_BY_NAME, REFUSED_PRE
+    from nanoeuler.interop.pretokenizers import PRE_BY_NAME, REFUSED_PRE
     source = (need_models().parent / "src" / "llama-vocab.cpp").read_text(encoding="utf-8")
     names = set(re.findall(r'tokenizer_pre == "([^"]+)"', source))
     assert len(names) > 60

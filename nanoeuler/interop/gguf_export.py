@@ -218,7 +218,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
 
     from ..fileio import atomic_path
     from ..chat_template import template_of
-    from .gguf_import import pre_name
+    from .pretokenizers import pre_name
     from .outputs import check_free
 
     from ..infer.quant import WTYPES, from_float
@@ -236,7 +236,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
         raise UserError(f"cannot export to GGUF: llama.cpp names no pre-tokenizer that splits as this tokenizer's "
                         f"pattern does{' and ignores merges' if tok.ignore_merges else ' and applies every merge'} "
-                        f"(interop/gguf_import.py PRE_FAMILIES)")
+                        f"(interop/pretokenizers.py)")
     wtype = WTYPES[dtype]
     qtype = gguf.GGMLQuantizationType(wtype.ggml)
     ftype = gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType[f"MOSTLY_{qtype.name}"]
