@@ -66,7 +66,8 @@ class Format:
     name: its architecture name there (HF model_type, GGUF general.architecture); aliases: other names read.
     globals_, layer: External entries (layer names under `layers.{i}.` on our side);
     norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
-    order (GGUF `llama` only).
+    order (GGUF `llama` only); rope_freqs: its runtime reads per-pair RoPE factors, the tensor `rope_freqs`
+    (llama.cpp's `llama`, for Llama 3.x; its qwen2, qwen3, gemma3 read none).
     A Hugging Face folder's files, as the format writes them (Llama-style, or GPT-2's):
     config: Config field -> its config.json keys: the first one given is read and any other given must agree
     (GPT-2's n_ctx beside n_positions; query_pre_attn_scalar beside head_dim); export writes them all;
@@ -85,6 +86,7 @@ class Format:
     aliases: tuple[str, ...] = ()
     norm_offset: float = 0.0
     permute_qk: bool = False
+    rope_freqs: bool = False
     config: dict = field(default_factory=dict)
     config_fixed: dict = field(default_factory=dict)
     activation_keys: tuple[str, ...] = ()
@@ -182,7 +184,7 @@ EULER = Arch(
               config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
     gguf=Format("llama", _GGUF_GLOBALS, (_e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
                                          _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP),
-                permute_qk=True),
+                permute_qk=True, rope_freqs=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 QWEN2 = Arch(

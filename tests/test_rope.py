@@ -85,3 +85,16 @@ def test_bad_scaling_fields_are_refused_in_one_line(change, message):
     with pytest.raises(UserError, match=message) as e:
         tiny_config(**change)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_llama3_rope_is_refused_for_a_gguf_whose_llama_cpp_architecture_reads_no_rope_freqs(arch, tmp_path):
+    """llama.cpp reads the rope_freqs tensor for its llama architecture only (not qwen2, qwen3, gemma3: it would
+    refuse the file or compute plain RoPE), so exporting such a model with llama3 scaling is refused in one line."""
+    pytest.importorskip("gguf")
+    from nanoeuler import Model, Tokenizer
+    from nanoeuler.interop.gguf_export import export_gguf
+    cfg = tiny_config(arch=arch, head_dim=8, n_mtp=1, **LLAMA3)
+    with pytest.raises(UserError, match=f"llama.cpp's {arch} reads no per-pair RoPE factors") as e:
+        export_gguf(Model.init(cfg, seed=0), Tokenizer([]), tmp_path / "m.gguf", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()

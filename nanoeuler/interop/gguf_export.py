@@ -129,11 +129,15 @@ def add_hparams(w, cfg) -> None:
 
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
-    has none, an attention scale it computes otherwise (attention_scale_mismatch)."""
+    has none, per-pair RoPE factors where it reads none, an attention scale it computes otherwise
+    (attention_scale_mismatch)."""
     from ..arch import by_format
     a = cfg.spec
     if cfg.sliding_window and "sliding_window" not in by_format("gguf", a.gguf.name).defaults:   # (mistral: llama)
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
+    if cfg.rope_scaling in ("llama3", "factors") and not a.gguf.rope_freqs:
+        raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} reads no per-pair RoPE factors "
+                        f"(rope_freqs), which rope_scaling {cfg.rope_scaling} needs")
     why = attention_scale_mismatch(cfg)
     if why:
         raise UserError(f"cannot export to GGUF: {why}")
