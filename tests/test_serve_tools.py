@@ -36,7 +36,7 @@ ARGS = {"city": "Zürich"}
 # (template: a file of llama.cpp's models/templates or inline, its format, the reply that calls get_weather, content)
 CASES = [
     ("Qwen-Qwen2.5-7B-Instruct", "hermes", ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                                            '{"city": "Zürich"}}\n</tool_call>'), "Let me check."),
+                                            '{"city": "Zürich"}}\n</tool_call>'), "Let me check.\n"),
     ("Qwen-Qwen3-0.6B", "hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
                                    '</tool_call>'), None),
     ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "hermes",
@@ -149,7 +149,11 @@ def round_trip(tok, model, script, reply, content):
         assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
                [(0, "get_weather", ARGS)]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == (content or "")
+        streamed = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+        assert "".join(streamed) == (content or "")
+        if content:   # its content streamed before the call's delta (the spaces before a call: with the call)
+            last = next(c.choices[0].delta for c in chunks if c.choices[0].delta.tool_calls)
+            assert "".join(streamed[:-1]) == content.rstrip() and last.content == content[len(content.rstrip()):]
 
         follow = [*ASK, choice.message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
@@ -212,7 +216,7 @@ def test_chat_template_kwargs_reach_the_template(tok, model, script):
                 '"arguments": {}}'), ("ab", [("f", {"x": 1}), ("f", {})])),   # the last cut by the end of the reply
     ("hermes", "<tool_call>not json</tool_call>", None),
     ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "f", "arguments": {}}]',
-     ("ok", [("f", {"x": 1}), ("f", {})])),
+     ("ok ", [("f", {"x": 1}), ("f", {})])),
     ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {"x": 1}}', ("", [("f", {"x": 1})])),
     ("llama3", '{"name": "f", "arguments": {"x": 1}}', ("", [("f", {"x": 1})])),
     ("llama3", '{"name": "f"}', None),
@@ -224,3 +228,13 @@ def test_chat_template_kwargs_reach_the_template(tok, model, script):
 def test_each_format_parses_calls_and_leaves_anything_else_content(fmt, text, want):
     row = next(f for f in (*tool_calls.FORMATS, tool_calls.GENERIC) if f.name == fmt)
     assert tool_calls.parse(row, text, {"f"}) == (want or (text, []))
+
+
+@pytest.mark.parametrize("fmt, text, n", [
+    ("hermes", "Sure.\n<tool", 5), ("hermes", "Sure.\n<tool_call>{", 5), ("hermes", "a < b", 5),
+    ("hermes", "a <", 1), ("mistral", "ok [TOOL", 2), ("llama3", '  {"na', 0), ("llama3", "  ", 0),
+    ("llama3", "Hi <|python", 2), ("generic", "Hi {", 4), ("generic", "{", 0),
+])
+def test_a_stream_holds_back_only_what_might_begin_a_call(fmt, text, n):
+    row = next(f for f in (*tool_calls.FORMATS, tool_calls.GENERIC) if f.name == fmt)
+    assert tool_calls.streamable(row, text) == n

@@ -349,8 +349,9 @@ class CompletionReply:
 class ChatReply:
     """The reply to /v1/chat/completions, streamed (`events`: a role delta first, a finish delta last) or
     whole (`whole`). With tools offered, a choice's text is parsed for calls in the template's format
-    (tool_calls.py) when it ends: a stream then holds its content back and sends content and/or
-    `delta.tool_calls` in one delta before the finish (finish_reason "tool_calls" when it calls)."""
+    (tool_calls.py) when it ends (finish_reason "tool_calls" when it calls); a stream sends its content up to
+    where a call might begin, and the rest of its content and its `delta.tool_calls` in one delta before the
+    finish."""
 
     def __init__(self, s: Service, run: Run, ids: list[int], notes: dict, logprobs: int | None,
                  tools: set[str] = frozenset()):
@@ -358,14 +359,26 @@ class ChatReply:
         self.id, self.created = "chatcmpl-" + request_id(), int(time.time())
         self.extra = {"nanoeuler": notes} if notes else {}
         self.format = tool_calls.format_of(template_of(s.tok))
+        self.sent = [0] * len(run.choices)   # with tools: characters of each choice's content streamed so far
 
     def message(self, c, streamed: bool = False) -> tuple[dict, str]:
-        """A finished choice's message (or its last delta) and finish_reason: its tool calls parsed out."""
+        """A finished choice's message and finish_reason, its tool calls parsed out (streamed: its last delta,
+        the content not sent yet)."""
         content, calls = tool_calls.parse(self.format, c.text, self.tools) if self.tools else (c.text, [])
+        rest = content[self.sent[c.index]:] if streamed else content
         if not calls:
-            return {"content": c.text}, c.finish_reason
+            return {"content": rest}, c.finish_reason
         reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-        return {"content": content or None, "tool_calls": tool_calls.openai_calls(calls, streamed)}, reason
+        return {"content": rest if content.strip() else None,
+                "tool_calls": tool_calls.openai_calls(calls, streamed)}, reason
+
+    def streamable(self, c, piece: str) -> str:
+        """The content of choice c that may stream now: with tools, up to where a call might begin."""
+        if not self.tools:
+            return piece
+        start, self.sent[c.index] = self.sent[c.index], max(self.sent[c.index],
+                                                             tool_calls.streamable(self.format, c.text))
+        return c.text[start:self.sent[c.index]]
 
     def chunk(self, choices, **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -384,7 +397,7 @@ class ChatReply:
                 if c.index in ended:
                     continue
                 lp = c.chat_logprobs(len(c.logprobs) - n_lp) if self.logprobs is not None and n_lp else None
-                piece = "" if self.tools else piece   # held back until the calls are parsed
+                piece = self.streamable(c, piece)
                 if piece or lp:
                     events.append(sse(self.chunk([{"index": c.index, "delta": {"content": piece}, "logprobs": lp,
                                                    "finish_reason": None}])))

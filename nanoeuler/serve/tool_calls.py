@@ -12,7 +12,9 @@ else GENERIC, as llama-server chooses its parser:
                                        or {"tool_calls": [...]}
 
 A call names an offered function and carries a JSON object of arguments; a reply holding anything else
-(not JSON, an unknown name, arguments that are not an object) is not a call and stays content.
+(not JSON, an unknown name, arguments that are not an object) is not a call and stays content. The content
+of a reply with calls is its text outside them, as written. While a reply streams, its text may go out up
+to where a call might begin (`streamable`): a format's opening mark, or the whole reply for a JSON one.
 
     parse(format_of(QWEN), 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
           {"get_weather"})  ->  ('Let me look.', [("get_weather", {"city": "Oslo"})])
@@ -58,7 +60,7 @@ def hermes(text: str) -> tuple[str, list[Call]] | None:
     if calls is None:
         return None
     content = "".join(text[a:b] for a, b in zip([0, *(m.end() for m in blocks)], [*(m.start() for m in blocks), len(text)]))
-    return content.strip(), calls
+    return content, calls
 
 
 def mistral(text: str) -> tuple[str, list[Call]] | None:
@@ -66,14 +68,14 @@ def mistral(text: str) -> tuple[str, list[Call]] | None:
     content, mark, rest = text.partition("[TOOL_CALLS]")
     value = _json(rest) if mark else None
     calls = _calls(value if isinstance(value, list) else [value])
-    return None if calls is None else (content.strip(), calls)
+    return None if calls is None else (content, calls)
 
 
 def llama3(text: str) -> tuple[str, list[Call]] | None:
     """A JSON call with "parameters" (or "arguments"), the whole reply or after <|python_tag|>."""
     content, mark, rest = text.partition("<|python_tag|>")
     call = _call(_json(rest if mark else text), ("parameters", "arguments"))
-    return None if call is None else ((content if mark else "").strip(), [call])
+    return None if call is None else (content if mark else "", [call])
 
 
 def generic(text: str) -> tuple[str, list[Call]] | None:
@@ -91,14 +93,16 @@ class Format:
     name: str
     marks: tuple[str, ...]                                   # strings in a chat template that name the format
     parse: Callable[[str], tuple[str, list[Call]] | None]   # reply -> (content, calls), or None: not a call
+    opens: tuple[str, ...]                                   # strings in a reply where a call begins
+    whole: bool                                              # a reply that is one JSON object may be a call
 
 
 FORMATS = (
-    Format("hermes", ("<tool_call>",), hermes),
-    Format("mistral", ("[TOOL_CALLS]",), mistral),
-    Format("llama3", ("<|python_tag|>", "ipython<|end_header_id|>"), llama3),
+    Format("hermes", ("<tool_call>",), hermes, ("<tool_call>",), False),
+    Format("mistral", ("[TOOL_CALLS]",), mistral, ("[TOOL_CALLS]",), False),
+    Format("llama3", ("<|python_tag|>", "ipython<|end_header_id|>"), llama3, ("<|python_tag|>",), True),
 )
-GENERIC = Format("generic", (), generic)
+GENERIC = Format("generic", (), generic, (), True)
 
 
 def format_of(template: str) -> Format:
@@ -117,6 +121,21 @@ def parse(fmt: Format, text: str, names: set[str]) -> tuple[str, list[Call]]:
 def call_id() -> str:
     """A fresh call id: 9 letters and digits, the one form every template takes back (Mistral's demands it)."""
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def streamable(fmt: Format, text: str) -> int:
+    """How much of a reply so far may stream as content: its text before anything that might begin a call
+    (an opening mark, or its start: a whole JSON reply), less the spaces just before that (they may be the
+    call's).   hermes, 'Sure.\n<tool' -> 5 ('Sure.')"""
+    if fmt.whole and (not text.strip() or text.lstrip().startswith("{")):
+        return 0
+    cut = len(text)
+    for mark in fmt.opens:
+        found = text.find(mark)
+        partial = next((len(text) - n for n in range(min(len(mark) - 1, len(text)), 0, -1)
+                        if text.endswith(mark[:n])), len(text))   # the end of text begins the mark
+        cut = min(cut, found if found >= 0 else partial)
+    return len(text[:cut].rstrip())
 
 
 def openai_calls(calls: list[Call], streamed: bool = False) -> list[dict]:
