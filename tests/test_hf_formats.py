@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import tiny_config
+from hypothesis import given
+from hypothesis import strategies as st
+from test_fuzz_loaders import FUZZ, json_values
 
 from nanoeuler import Model, Tokenizer
 from nanoeuler.adapters import LoraConfig
@@ -143,3 +147,35 @@ def test_rope_keys_given_twice_that_agree_import():
                 rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
     cfg = config_from_hf(llama_config("llama", **same), ARCHS["euler"])
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor) == (5e5, "linear", 2.0)
+
+
+ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "head_dim", "sliding_window", "layer_types",
+             "sliding_window_pattern", "rope_local_base_freq")
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_rope_and_window_keys_import_or_are_one_userror(data):
+    """Any JSON value (nested too) in the RoPE and window keys of a Llama / Qwen3 / Mistral / Gemma 3 config.json,
+    or inside a rope_scaling object of each type: a Config whose every layer's frequencies are finite, or one
+    UserError line; never another exception."""
+    from hypothesis import event
+    model_type = data.draw(st.sampled_from(["llama", "qwen3", "mistral", "gemma3_text"]))
+    c = llama_config(model_type, head_dim=4, sliding_window=4, rope_theta=1e4) | (
+        {"hidden_activation": "gelu_pytorch_tanh"} if model_type == "gemma3_text" else {})
+    if model_type in ("llama", "qwen3"):
+        del c["sliding_window"]
+    key = data.draw(st.sampled_from(ROPE_KEYS))
+    kind = data.draw(st.sampled_from(["linear", "llama3", "dynamic", "default"]))
+    inner = {"rope_type": kind, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+    inner[data.draw(st.sampled_from(sorted(inner)))] = data.draw(json_values)
+    c[key] = data.draw(st.one_of(json_values, st.just(inner), st.just({"full_attention": inner})))
+    try:
+        cfg = config_from_hf(c, ARCHS[{"llama": "euler", "gemma3_text": "gemma3"}.get(model_type, model_type)])
+    except UserError as e:
+        assert "\n" not in str(e)
+        event("UserError")
+        return
+    event("ok")
+    assert all(np.isfinite(cfg.layer_freqs(i)).all() for i in range(cfg.n_layers))
