@@ -24,7 +24,8 @@ from nanoeuler.serve.protocol import ChatRequest, chat_messages  # noqa: E402
 from nanoeuler.tokenizer import Tokenizer  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+          "strict": False}}]   # a field the template sees as the client sent it
 NAMES = {"get_weather"}
 HERMES = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}"
           "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}"

@@ -39,7 +39,7 @@ Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Base):
@@ -113,6 +113,8 @@ class Message(_Base):
 
 
 class Function(_Base):
+    """A function tool as the client wrote it: fields beyond these (`strict`, ...) reach the template too."""
+    model_config = ConfigDict(strict=True, extra="allow")
     name: str
     description: Optional[str] = None
     parameters: Optional[dict] = None
