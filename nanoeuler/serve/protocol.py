@@ -39,7 +39,7 @@ Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(_Base):
