@@ -770,3 +770,37 @@ def test_decoding_an_import_reads_none_of_the_float32_its_blocks_replace(tmp_pat
     assert weights.stat().st_size == st.st_size and len(kept) > 0
     assert main(argv) == 0
     assert capsys.readouterr().out == want
+
+
+def test_fuzzed_tokenizer_and_rope_metadata_load_or_are_one_userror(tmp_path, model, tok):
+    """Any GGUF value (a string, a number, a bool, an array of one kind) in a tokenizer.* key or a RoPE key: the
+    tokenizer and config read, or one UserError line; never another exception (an array where an id belongs was
+    'unhashable type')."""
+    from hypothesis import event, given
+    from hypothesis import strategies as st
+    from test_fuzz_loaders import FUZZ
+    from nanoeuler.arch import ARCHS
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from nanoeuler.interop.gguf_import import gguf_config, gguf_tokenizer
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    f = GGUFFile(path)
+    meta, tensors = dict(f.meta), {"token_embd.weight": np.zeros((model.config.vocab_size, 1))}
+    keys = sorted(k for k in meta if k.startswith("tokenizer.")) + [
+        "tokenizer.ggml.eot_token_id", "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.add_space_prefix",
+        "llama.rope.freq_base", "llama.rope.scaling.factor", "llama.rope.scale_linear", "llama.rope.scaling.type",
+        "llama.rope.dimension_count", "llama.attention.key_length"]
+    scalar = st.one_of(st.text(max_size=12), st.integers(-2**63, 2**64 - 1), st.floats(width=32), st.booleans(),
+                       st.sampled_from(["gpt2", "llama", "gpt-2", "qwen2", "linear", "<|im_end|>"]))
+    values = st.one_of(scalar, st.lists(st.integers(-2, 400), max_size=5), st.lists(st.text(max_size=4), max_size=5))
+
+    @FUZZ
+    @given(changes=st.dictionaries(st.sampled_from(keys), values, min_size=1, max_size=3))
+    def check(changes):
+        try:
+            gguf_tokenizer(meta | changes, model.config.vocab_size).encode("ab <|im_end|>", allow_special=True)
+            gguf_config(meta | changes, ARCHS["euler"], tensors)
+            event("ok")
+        except UserError as e:
+            assert "\n" not in str(e)
+            event("UserError")
+    check()
