@@ -351,6 +351,7 @@ TOOL_CONVERSATIONS = {
                    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp\": 21}"},
                    {"role": "assistant", "content": "21 °C."}, {"role": "user", "content": "Thanks"}],
 }
+TOOL_CONVERSATIONS["answered"] = TOOL_CONVERSATIONS["tool calls"][:5]   # ends with the reply: no generation prompt
 VARIABLES = [{}, {"tools": TOOLS}, {"tools": TOOLS, "documents": DOCUMENTS, "enable_thinking": False}]
 
 
@@ -362,16 +363,17 @@ def llama_cpp_templates() -> list[Path]:
 
 
 def agrees_with_transformers(tok, hf, template, messages, variables):
-    """Our render of messages with variables (add_generation_prompt) is transformers' apply_chat_template's,
-    or both refuse the conversation (a template's raise_exception: ours one UserError)."""
+    """Our render of messages with variables (add_generation_prompt unless it ends with the assistant's reply)
+    is transformers' apply_chat_template's, or both refuse the conversation (ours: one UserError)."""
+    gen = messages[-1]["role"] != "assistant"
     try:
-        theirs = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+        theirs = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen,
                                         **variables)
     except Exception:  # noqa: BLE001 (the template's own refusal, any type)
         with pytest.raises(UserError, match="chat template error"):
-            render(template, messages, tok, True, variables)
+            render(template, messages, tok, gen, variables)
         return False
-    assert render(template, messages, tok, True, variables) == theirs
+    assert render(template, messages, tok, gen, variables) == theirs
     return True
 
 
