@@ -23,7 +23,8 @@ DEFAULT_CTX = 8192  # serve's default window: Gemma 3's 32,768 positions x 32 ro
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP API + web chat (continuous batching)",
                        description="Serve a checkpoint over HTTP: GET / (web chat), /health, /v1/models, POST "
-                                   "/v1/completions and /v1/chat/completions (stream or not), as the OpenAI API. "
+                                   "/v1/completions and /v1/chat/completions (stream or not; tools parsed into tool_calls in the "
+                                   "format of the model's chat template, chat_template_kwargs), as the OpenAI API. "
                                    "Concurrent requests share forward passes (continuous batching). Listens on "
                                    "127.0.0.1 unless --host says otherwise. SIGINT/SIGTERM end open streams and exit 0.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory or .gguf file (decoded as the file holds it, each matrix in its type; read only): any model")
