@@ -78,6 +78,8 @@ class Format:
     tokenizer: its tokenizer files, "tokenizer.json" or GPT-2's "vocab.json+merges.txt";
     window_pattern: the config.json key that says which layers are windowed when `layer_types` does not
     (Gemma 3's sliding_window_pattern; absent: the architecture's default global_every);
+    absent: Config field -> the value transformers' config class gives it where config.json has none of its
+    keys, where that is not the architecture's default (Qwen2's rope_theta 10000, Mistral's window 4096);
     width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
     instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar)."""
     name: str
@@ -93,6 +95,7 @@ class Format:
     prefix: str = ""
     tokenizer: str = "tokenizer.json"
     window_pattern: str | None = None
+    absent: dict = field(default_factory=dict)
     width_scaled_at: tuple[int, ...] = ()
 
     def tensors(self, n_layers: int) -> list[External]:
@@ -181,7 +184,7 @@ EULER = Arch(
     hf=Format("llama", _HF_GLOBALS, (_e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"), *_HF_ATTN,
                                      _e("model.layers.{i}.post_attention_layernorm.weight", "ffn_norm.weight"),
                                      *_HF_MLP), aliases=("LlamaForCausalLM",),
-              config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+              config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION, absent={"norm_eps": 1e-6}),
     gguf=Format("llama", _GGUF_GLOBALS, (_e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
                                          _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP),
                 permute_qk=True, rope_freqs=True),
@@ -191,7 +194,8 @@ QWEN2 = Arch(
     "qwen2", qkv_bias=True, defaults=_LLAMA_DEFAULTS | {"rope_theta": 1000000.0, "norm_eps": 1e-6},
     hf=Format("qwen2", _HF_GLOBALS, EULER.hf.layer + tuple(
         _e(f"model.layers.{{i}}.self_attn.{x}_proj.bias", f"attn.w{x}.bias") for x in "qkv"),
-        aliases=("Qwen2ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+        aliases=("Qwen2ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION,
+        absent={"rope_theta": 10000.0}),
     gguf=Format("qwen2", _GGUF_GLOBALS, EULER.gguf.layer + tuple(
         _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv")),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
@@ -201,7 +205,8 @@ QWEN3 = Arch(
     hf=Format("qwen3", _HF_GLOBALS, EULER.hf.layer + (
         _e("model.layers.{i}.self_attn.q_norm.weight", "attn.q_norm.weight"),
         _e("model.layers.{i}.self_attn.k_norm.weight", "attn.k_norm.weight")),
-        aliases=("Qwen3ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+        aliases=("Qwen3ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION,
+        absent={"rope_theta": 10000.0, "head_dim": 128}),
     gguf=Format("qwen3", _GGUF_GLOBALS, EULER.gguf.layer + (
         _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"),
         _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"))),
@@ -210,7 +215,8 @@ QWEN3 = Arch(
 MISTRAL = Arch(
     "mistral", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0},
     hf=Format("mistral", _HF_GLOBALS, EULER.hf.layer, aliases=("MistralForCausalLM",), config=_HF_CONFIG,
-              config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION),
+              config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION,
+              absent={"norm_eps": 1e-6, "sliding_window": 4096}),
     gguf=EULER.gguf, lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 GEMMA3 = Arch(
@@ -225,7 +231,8 @@ GEMMA3 = Arch(
         _e("model.layers.{i}.pre_feedforward_layernorm.weight", "ffn_norm.weight"), *_HF_MLP,
         _e("model.layers.{i}.post_feedforward_layernorm.weight", "ffn_post_norm.weight")),
         aliases=("Gemma3ForCausalLM",), norm_offset=1.0, config=_HF_CONFIG, config_fixed=_HF_FIXED,
-        activation_keys=_HF_ACTIVATION, window_pattern="sliding_window_pattern"),
+        activation_keys=_HF_ACTIVATION, window_pattern="sliding_window_pattern",
+        absent={"sliding_window": 4096, "head_dim": 256}),
     gguf=Format("gemma3", _GGUF_GLOBALS, (
         _e("blk.{i}.attn_norm.weight", "attn_norm.weight"), *_GGUF_ATTN,
         _e("blk.{i}.attn_q_norm.weight", "attn.q_norm.weight"), _e("blk.{i}.attn_k_norm.weight", "attn.k_norm.weight"),

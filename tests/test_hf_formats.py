@@ -179,3 +179,19 @@ def test_fuzzed_rope_and_window_keys_import_or_are_one_userror(data):
         return
     event("ok")
     assert all(np.isfinite(cfg.layer_freqs(i)).all() for i in range(cfg.n_layers))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
+def test_a_key_config_json_leaves_out_is_what_transformers_assumes(model_type):
+    """A config.json without rope_theta / rms_norm_eps / head_dim / sliding_window means transformers' config class
+    defaults (Qwen2's and Qwen3's rope_theta 10000, Mistral's and Gemma 3's window 4096, Qwen3's head_dim 128):
+    each was our architecture's own default (1e6; no window, 512; hidden / heads), another model."""
+    transformers = pytest.importorskip("transformers")
+    c = llama_config(model_type, hidden_size=64, num_hidden_layers=2) | (
+        {"hidden_activation": "gelu_pytorch_tanh"} if model_type == "gemma3_text" else {})
+    theirs = transformers.AutoConfig.for_model(**c)
+    rope = theirs.rope_parameters
+    cfg = config_from_hf(c, ARCHS[{"llama": "euler", "gemma3_text": "gemma3"}.get(model_type, model_type)])
+    assert cfg.rope_theta == rope.get("full_attention", rope)["rope_theta"]
+    assert (cfg.norm_eps, cfg.head_dim) == (theirs.rms_norm_eps, getattr(theirs, "head_dim", None) or 64 // 4)
+    assert cfg.sliding_window == (getattr(theirs, "sliding_window", None) or 0) * (model_type != "qwen2")

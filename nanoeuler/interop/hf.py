@@ -122,6 +122,7 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
     keys = arch.hf.config
     fields = _config_fields(c, keys)
     fields.update(_rope_fields(c, arch, fields))
+    fields = {f: v for f, v in arch.hf.absent.items() if not any(k in c for k in keys[f])} | fields
     if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
         if c.get("use_sliding_window", True) is not False:                    # (Qwen2 names one it does not use)
             raise UserError(f"config.json: sliding_window={fields['sliding_window']!r:.20} is not supported for "
