@@ -804,3 +804,15 @@ def test_fuzzed_tokenizer_and_rope_metadata_load_or_are_one_userror(tmp_path, mo
             assert "\n" not in str(e)
             event("UserError")
     check()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_a_file_without_a_rope_base_is_llama_cpps_10000(tmp_path, tok, arch):
+    """llama.cpp reads rope.freq_base with 10000 where the file has none, for every architecture (convert_hf_to_gguf
+    writes none where config.json has no rope_theta); the import took the architecture's own default (1e6 for
+    Qwen2, Qwen3 and Gemma 3): another model than llama.cpp's."""
+    cfg = chatml_model(tok).config.replace(arch=arch, rope_theta=500000.0, head_dim=64, rope_local_theta=None,
+                                          tie_embeddings=True)
+    path = write_gguf(tmp_path / "m.gguf", Model.init(cfg, seed=0), tok)
+    edited = edit_gguf(path, tmp_path / "e.gguf", remove=(f"{cfg.spec.gguf.name}.rope.freq_base",))
+    assert load_gguf(path)[0].rope_theta == 500000.0 and load_gguf(edited)[0].rope_theta == 10000.0

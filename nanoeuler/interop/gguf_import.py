@@ -416,7 +416,7 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
                   tie_embeddings="output.weight" not in tensors)
     if arch.positions == "rope":
-        fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, arch.defaults.get("rope_theta", 10000.0))
+        fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, 10000.0)   # llama.cpp's, every architecture
         freqs = tensors.get("rope_freqs.weight") if arch.gguf.rope_freqs else None   # (elsewhere: unexpected)
         fields |= gguf_rope_fields(meta, a, freqs, hd, fields["rope_theta"])
     if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
