@@ -816,3 +816,11 @@ def test_a_file_without_a_rope_base_is_llama_cpps_10000(tmp_path, tok, arch):
     path = write_gguf(tmp_path / "m.gguf", Model.init(cfg, seed=0), tok)
     edited = edit_gguf(path, tmp_path / "e.gguf", remove=(f"{cfg.spec.gguf.name}.rope.freq_base",))
     assert load_gguf(path)[0].rope_theta == 500000.0 and load_gguf(edited)[0].rope_theta == 10000.0
+
+
+def test_a_rope_freqs_tensor_of_another_shape_is_refused(tmp_path, model, tok):
+    """rope_freqs holds head_dim/2 factors in one row, as llama.cpp creates it: a [2, 16] tensor of the 32 factors
+    was read as if it were one row (llama.cpp refuses its shape)."""
+    path = write_gguf(tmp_path / "m.gguf", model, tok)
+    wrong = rewrite_meta(path, tmp_path / "w.gguf", {}, extra_tensor=("rope_freqs.weight", np.ones((2, 16), np.float32)))
+    refused(tmp_path, wrong, r"tensor rope_freqs.weight: shape \[2, 16\] \(head size 64 wants \[32\]")

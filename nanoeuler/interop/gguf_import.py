@@ -378,7 +378,10 @@ def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float
     linear = {"rope_scaling": "linear", "rope_factor": factor} if factor not in (0.0, 1.0) else {}
     if rope_freqs is None:
         return linear
-    f = np.asarray(rope_freqs, np.float64).reshape(-1)
+    if np.ndim(rope_freqs) != 1:   # one row, as llama.cpp creates it
+        raise UserError(f"tensor rope_freqs.weight: shape {list(np.shape(rope_freqs))} (head size {head_dim} wants "
+                        f"[{head_dim // 2}]); not supported")
+    f = np.asarray(rope_freqs, np.float64)
     if linear or f.size != head_dim // 2 or not np.all(np.isfinite(f) & (f > 0)):
         raise UserError(f"tensor rope_freqs.weight: {f.size} factors (head size {head_dim} wants {head_dim // 2} "
                         f"finite ones > 0){', beside a linear factor' if linear else ''}; not supported")
