@@ -645,6 +645,10 @@ def break_folder(d, how):
         else:
             t["pre_tokenizer"] = {"type": "Whitespace"}
         (d / "tokenizer.json").write_text(json.dumps(t))
+    elif how.startswith("flag "):    # model.ignore_merges / byte_fallback given as the string "false"
+        t = json.loads((d / "tokenizer.json").read_text())
+        t["model"][how[5:]] = "false"
+        (d / "tokenizer.json").write_text(json.dumps(t))
     elif how.startswith("split "):   # a Split + ByteLevel pre-tokenizer with this regex
         t = json.loads((d / "tokenizer.json").read_text())
         t["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
@@ -669,6 +673,8 @@ def break_folder(d, how):
     ("split (", "bad pre-tokenization pattern"),                   # was: a traceback from `regex`
     (r"split (?:a|aa)+$|\s+|(?s:.)", "backtracks"),
     ("deep config", "not valid JSON"),                               # was: an internal RecursionError
+    ("flag ignore_merges", "model.ignore_merges must be true or false"),  # was: "false" read as true
+    ("flag byte_fallback", "model.byte_fallback must be true or false"),   # was: a SentencePiece import
 ])
 def test_broken_folders_are_one_line_errors(hf_folders, tmp_path, capsys, how, needle):
     d = tmp_path / "m"

@@ -160,6 +160,9 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if m.get("type") != "BPE":
         _bad(f"model.type {m.get('type')} is not supported (BPE only: byte-level, or SentencePiece-style with "
              "byte_fallback; Unigram and WordPiece are not)")
+    for flag in ("byte_fallback", "ignore_merges"):   # booleans, as tokenizers reads them: "false" is no false
+        if m.get(flag) is not None and not isinstance(m[flag], bool):
+            _bad(f"model.{flag} must be true or false, got {m[flag]!r:.40}")
     if m.get("byte_fallback"):
         return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
