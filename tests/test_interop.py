@@ -798,3 +798,47 @@ def test_serving_an_imported_model_speaks_its_ids(shuffled, tmp_path):
         byte_of = {c: b for b, c in enumerate(bytes_to_unicode())}
         assert [bytes(c["bytes"]) for c in content] == \
             [bytes(byte_of[ch] for ch in at.convert_ids_to_tokens(i)) for i in ref.ids]
+
+
+def test_a_boolean_of_tokenizer_json_given_as_a_string_is_refused_or_changes_nothing(hf_folders):
+    """Each true/false of tokenizer.json (model, pre_tokenizer, added tokens, ...) written as the string "false"
+    or "true": a one-line error, or a tokenizer that encodes as the boolean would (a key not read); `bool("false")`
+    turned ignore_merges on, and an added token's "special": "false" made it special."""
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    d = json.loads((hf_folders[False][1] / "tokenizer.json").read_text())
+    d["model"]["ignore_merges"] = False
+    d["added_tokens"].append({"id": max(d["model"]["vocab"].values()) + 1, "content": "ing the", "special": False})
+    text = "Nothing the king's ing the <|endoftext|> ing   ok"
+
+    def encodings(tok):     # a special is cut out of text only where allowed; a user-defined token always
+        return tok.encode(text, allow_special=True), tok.encode(text, allow_special=False)
+
+    def paths(x, at=()):
+        if isinstance(x, bool):
+            yield at
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ():
+            yield from paths(v, (*at, k))
+
+    def with_value(at, v):
+        e = json.loads(json.dumps(d))
+        parent = e
+        for k in at[:-1]:
+            parent = parent[k]
+        parent[at[-1]] = v
+        return e
+
+    found = list(paths(d))
+    assert len(found) >= 5
+    for at in found:
+        for value in (False, True):
+            try:
+                want = encodings(from_hf_json(with_value(at, value)))
+            except UserError:
+                continue
+            try:
+                got = encodings(from_hf_json(with_value(at, str(value).lower())))
+            except UserError as e:
+                assert "\n" not in str(e)
+                continue
+            assert got == want, at

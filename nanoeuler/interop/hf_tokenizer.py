@@ -61,6 +61,14 @@ def _bad(msg: str):
     raise UserError(f"tokenizer.json: {msg}")
 
 
+def _flag(obj: dict, key: str, default: bool, where: str) -> bool:
+    """obj[key] as tokenizers reads it: true or false (default where absent or null); a string "false": UserError."""
+    v = obj.get(key)
+    if v is not None and not isinstance(v, bool):
+        _bad(f"{where}.{key} must be true or false, got {v!r:.40}")
+    return default if v is None else v
+
+
 def split_regex(split) -> str:
     """The regex of a Split pre-tokenizer that isolates its matches (the only kind supported)."""
     pat = split.get("pattern")
@@ -76,9 +84,9 @@ def pattern_of(pre) -> str | tuple[str, ...]:
     """The one regex (or cascade of regexes) equal to a Hugging Face byte-level pre-tokenizer (see the module
     docstring)."""
     def byte_level(p, use_regex):
-        if p.get("add_prefix_space"):
+        if _flag(p, "add_prefix_space", False, "pre_tokenizer ByteLevel"):
             _bad("pre_tokenizer ByteLevel.add_prefix_space=true is not supported")
-        if bool(p.get("use_regex", True)) != use_regex:
+        if _flag(p, "use_regex", True, "pre_tokenizer ByteLevel") != use_regex:
             _bad(f"pre_tokenizer ByteLevel.use_regex={str(not use_regex).lower()} is not supported here")
 
     if not isinstance(pre, dict):
@@ -160,10 +168,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if m.get("type") != "BPE":
         _bad(f"model.type {m.get('type')} is not supported (BPE only: byte-level, or SentencePiece-style with "
              "byte_fallback; Unigram and WordPiece are not)")
-    for flag in ("byte_fallback", "ignore_merges"):   # booleans, as tokenizers reads them: "false" is no false
-        if m.get(flag) is not None and not isinstance(m[flag], bool):
-            _bad(f"model.{flag} must be true or false, got {m[flag]!r:.40}")
-    if m.get("byte_fallback"):
+    if _flag(m, "byte_fallback", False, "model"):
         return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
@@ -188,6 +193,7 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
         if not (isinstance(t, dict) and type(t.get("id")) is int and t["id"] >= 0 and isinstance(t.get("content"), str)
                 and t["content"]):
             _bad(f"malformed added token {t!r}")
+        _flag(t, "special", True, f"added token {t['content']!r:.40}")
         added[t["id"]] = t["content"]
 
     alphabet = bytes_to_unicode()
@@ -266,8 +272,8 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     classic = len(hf_ids) == 256 + len(pairs) and bool((pairs.max(1, initial=0) < np.arange(256, len(hf_ids))).all())
     tokens = None if classic else [level_bytes(t) for t, i in ours.items() if i >= 256]   # None: merge i makes 256 + i
     return Tokenizer(pairs, specials, pattern, eos=eos, normalizer=norm["type"] if norm else None,
-                     ids=hf_ids + special_ids, bos=bos, tokens=tokens, ignore_merges=bool(m.get("ignore_merges")),
-                     user_defined=user_defined)
+                     ids=hf_ids + special_ids, bos=bos, tokens=tokens,
+                     ignore_merges=_flag(m, "ignore_merges", False, "model"), user_defined=user_defined)
 
 
 # ------------------------------------------------------------------------- SentencePiece-style BPE
@@ -302,12 +308,13 @@ def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
         if not isinstance(pre, dict) or pre.get("type") != "Metaspace" or pre.get("replacement", METASPACE) != METASPACE:
             _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre} is not supported for a "
                  "SentencePiece-style BPE (model.byte_fallback=true; its pre_tokenizer: none, or Metaspace with \"▁\")")
-        scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+        scheme = pre.get("prepend_scheme",
+                         "always" if _flag(pre, "add_prefix_space", True, "pre_tokenizer Metaspace") else "never")
         if scheme not in ("always", "first", "never"):
             _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
         if not prepend and scheme != "never":
             prefix = "every-unless-space" if scheme == "always" else "first-unless-space"
-        split, escaped = bool(pre.get("split", True)), True
+        split, escaped = _flag(pre, "split", True, "pre_tokenizer Metaspace"), True
     if not escaped:
         _bad("the normalizer and pre_tokenizer leave spaces as they are; a SentencePiece-style BPE needs them as "
              "\"▁\" (a Replace normalizer or a Metaspace pre-tokenizer)")
@@ -324,7 +331,7 @@ def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if m.get(field) not in (None, ""):
             _bad(f"model.{field}={m.get(field)!r:.40} is not supported")
-    if m.get("ignore_merges"):
+    if _flag(m, "ignore_merges", False, "model"):
         _bad("model.ignore_merges=true is not supported for a byte_fallback BPE")
     prefix, split, form = spm_prefix(d)
     dec = d.get("decoder")
@@ -353,7 +360,8 @@ def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
         i = t["id"]
         if names.get(i, t["content"]) != t["content"]:
             _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
-        names[i], types[i] = t["content"], CONTROL if t.get("special") else USER_DEFINED
+        special = _flag(t, "special", False, f"added token {t['content']!r:.40}")
+        names[i], types[i] = t["content"], CONTROL if special else USER_DEFINED
     n_ids = max(names, default=-1) + 1
     vocab_size = n_ids if vocab_size is None else vocab_size
     if n_ids > vocab_size:
