@@ -1014,7 +1014,7 @@ def test_metrics_are_prometheus_text_that_counts_what_happened(ckpt):
         assert m[("nanoeuler_prefix_cache_budget_bytes", ())] == 1024 << 20
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10 ** 6, "stream": True, "ignore_eos": True}
         with http.stream("POST", "/v1/completions", json=body) as stream:
-            next(stream.iter_lines())
+            next(line for line in stream.iter_lines() if line.startswith("data: {"))   # a token made: in its row
             m = scrape(http)
             assert m[("nanoeuler_rows_in_use", ())] == 1 and m[("nanoeuler_jobs_waiting", ())] == 0
             assert 0 < m[("nanoeuler_kv_cache_positions", ())] <= CTX
