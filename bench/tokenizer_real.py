@@ -90,7 +90,7 @@ def main() -> None:
     cut = lambda texts: [t[i:i + 100_000] for t in texts for i in range(0, len(t), 100_000)]  # noqa: E731
     english = cut(english_docs(args.mb))
     varied = cut([varied_text(int(args.varied_mb * 1e6), seed=1)])
-    from test_llama_cpp_vocabs import models_dir as llama_cpp_models
+    from real_models import llama_cpp_models_dir as llama_cpp_models
     files = {name: (models_dir() / FILES[name], "make models") for name in ("gemma3", "smollm2")}
     files |= {name: ((llama_cpp_models() or Path("-")) / f"ggml-vocab-{name}.gguf", "make llama-src")
               for name in args.llama_cpp_vocab}

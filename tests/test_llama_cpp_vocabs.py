@@ -14,36 +14,26 @@ unpacked sdist, or its vendor/llama.cpp), else in .cache/llama-cpp-python (gitig
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nanoeuler.errors import UserError
+from real_models import llama_cpp_models_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # the vocabularies we refuse, and why (llama.cpp's other tokenizer models)
 REFUSED = {"bert-bge": "WordPiece", "nomic-bert-moe": "Unigram", "gemma-4": "Gemma 4's BPE"}
 
 
-def models_dir() -> Path | None:
-    """llama.cpp's models/ folder in the unpacked source distribution, or None."""
-    src = Path(os.environ.get("LLAMA_CPP_SRC") or ROOT / ".cache" / "llama-cpp-python")
-    for folder in (src / "vendor" / "llama.cpp" / "models", src / "models"):
-        if folder.is_dir() and any(folder.glob("ggml-vocab-*.gguf")):
-            return folder
-    return None
-
-
 def vocab_names() -> list[str]:
-    folder = models_dir()
+    folder = llama_cpp_models_dir()
     return sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in folder.glob("ggml-vocab-*.gguf")) if folder else []
 
 
 def need_models() -> Path:
-    folder = models_dir()
+    folder = llama_cpp_models_dir()
     if folder is None:
         pytest.skip("llama.cpp's vocabulary files are not fetched: run `make llama-src` (or set LLAMA_CPP_SRC to an "
                     "unpacked llama-cpp-python source distribution)")
