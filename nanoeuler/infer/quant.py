@@ -246,6 +246,14 @@ def _dequantize_fields(f: Fields) -> np.ndarray:
     return w.reshape(n, block)
 
 
+def _scales_finite(blocks: np.ndarray, scales: tuple[int, ...]) -> np.ndarray:
+    """Blocks [n, nbytes] -> bool [n]: whether each one's float16 scales (at the byte offsets `scales`) are finite."""
+    ok = np.ones(len(blocks), bool)
+    for at in scales:
+        ok &= np.isfinite(_half(blocks, at)).reshape(-1)
+    return ok
+
+
 def _blockwise(quantize_blocks: Callable | None, unpack_blocks: Callable, block: int, nbytes: int,
                scales: tuple[int, ...]) -> tuple[Callable | None, Callable]:
     """quantize and dequantize of a block type from its per-block functions; `scales`: the byte offsets of the
@@ -258,7 +266,7 @@ def _blockwise(quantize_blocks: Callable | None, unpack_blocks: Callable, block:
             raise UserError("cannot quantize weights that are not finite (inf or nan)")
         with np.errstate(over="ignore", invalid="ignore"):
             B = quantize_blocks(W.reshape(-1, block))
-        if not all(np.isfinite(_half(B, at)).all() for at in scales):
+        if not _scales_finite(B, scales).all():
             raise UserError("weights too large for the float16 scales of a block type; keep float32 or float16")
         return B.reshape(*W.shape[:-1], W.shape[-1] // block * nbytes)
 
@@ -342,10 +350,7 @@ def nonfinite_blocks(B: np.ndarray, name: str) -> int:
     nonfinite_blocks(quantize(np.ones((2, 32)), "q8_0"), "q8_0") -> 0"""
     t = WTYPES[name]
     blocks = np.ascontiguousarray(B).view(np.uint8).reshape(-1, t.nbytes)
-    bad = np.zeros(len(blocks), bool)
-    for at in t.scales:
-        bad |= ~np.isfinite(_half(blocks, at)).reshape(-1)
-    return int(np.count_nonzero(bad))
+    return len(blocks) - int(np.count_nonzero(_scales_finite(blocks, t.scales)))
 
 
 def quantize(W: np.ndarray, name: str) -> np.ndarray:
