@@ -2,8 +2,10 @@
 greedy completions equal `nanoeuler sample`, chat equals the `chat` REPL, streaming equals non-streaming,
 stop / max_tokens / seed / n / logprobs + echo / usage, the API key, left truncation reported, a full
 queue answers 429, a client that disconnects frees its row, and bad requests get 4xx error objects."""
+import contextlib
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -966,7 +968,27 @@ def test_the_prompt_cache_changes_no_reply_and_health_reports_its_hits(ckpt):
     assert on["prefilled_tokens"] + on["reused_tokens"] == off["prefilled_tokens"]
 
 
-def test_metrics_are_prometheus_text_that_counts_what_happened(ckpt):
+@contextlib.contextmanager
+def hold_engine_steps(monkeypatch):
+    """Within: every engine step that leaves a row decoding waits until the yielded Event is set (or 30 s), so
+    a test sees a stream's job in its row however fast the machine would run it to the end of its window."""
+    from nanoeuler.infer.engine import Batcher
+    release, step = threading.Event(), Batcher.step
+
+    def held_step(self):
+        busy = step(self)
+        if busy and any(self.slots):
+            release.wait(30)
+        return busy
+    monkeypatch.setattr(Batcher, "step", held_step)
+    try:
+        yield release
+    finally:
+        release.set()
+        monkeypatch.setattr(Batcher, "step", step)
+
+
+def test_metrics_are_prometheus_text_that_counts_what_happened(ckpt, monkeypatch):
     """GET /metrics, parsed by prometheus_client's own parser: requests by route and status (a 404 path as
     "other", a 400, a 413), prompt and generated tokens, one time to first token per job and the times
     between its tokens, the rows and KV positions a running stream holds, and the prefix cache's hits as
@@ -1013,9 +1035,10 @@ def test_metrics_are_prometheus_text_that_counts_what_happened(ckpt):
         assert m[("nanoeuler_prefix_cache_reused_tokens_total", ())] == health["reused_tokens"] > 0
         assert m[("nanoeuler_prefix_cache_budget_bytes", ())] == 1024 << 20
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10 ** 6, "stream": True, "ignore_eos": True}
-        with http.stream("POST", "/v1/completions", json=body) as stream:
+        with hold_engine_steps(monkeypatch) as release, http.stream("POST", "/v1/completions", json=body) as stream:
             next(line for line in stream.iter_lines() if line.startswith("data: {"))   # a token made: in its row
-            m = scrape(http)
+            m = scrape(http)  # (the engine waits: the stream cannot reach the end of its window meanwhile)
+            release.set()
             assert m[("nanoeuler_rows_in_use", ())] == 1 and m[("nanoeuler_jobs_waiting", ())] == 0
             assert 0 < m[("nanoeuler_kv_cache_positions", ())] <= CTX
             assert m[("nanoeuler_kv_cache_usage_ratio", ())] == m[("nanoeuler_kv_cache_positions", ())] / (32 * CTX)
