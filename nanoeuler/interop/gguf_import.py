@@ -46,8 +46,9 @@ from ..ops.rope import inv_freq, llama3_factors
 from .pretokenizers import pre_pattern
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5  # gguf.TokenType values
-TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}   # tokenizer.ggml.model
-OTHER_MODELS = {"bert": "WordPiece, llama.cpp's WPM", "t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
+TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE",     # tokenizer.ggml.model
+                    "bert": "WordPiece"}
+OTHER_MODELS = {"t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
                 "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
 # llama.cpp's end-of-generation tokens (llama_vocab::load): the eos / eot / eom ids, the fill-in-the-middle pad,
 # repository and file-separator tokens (their id in the metadata, else found by text), and these by their text
@@ -61,7 +62,10 @@ TOKENIZER_KINDS = {"tokenizer.ggml.model": (str, "a name"), "tokenizer.ggml.pre"
                    "tokenizer.ggml.merges": (list, "an array"), "tokenizer.ggml.token_type": (list, "an array"),
                    "tokenizer.ggml.scores": (list, "an array"), "tokenizer.ggml.add_bos_token": (bool, "true or false"),
                    "tokenizer.ggml.add_eos_token": (bool, "true or false"),
-                   "tokenizer.ggml.add_space_prefix": (bool, "true or false")}
+                   "tokenizer.ggml.add_space_prefix": (bool, "true or false"),
+                   "tokenizer.ggml.add_sep_token": (bool, "true or false"),
+                   "tokenizer.ggml.normalizer.lowercase": (bool, "true or false"),
+                   "tokenizer.ggml.normalizer.strip_accents": (bool, "true or false")}
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
@@ -251,6 +255,35 @@ def spm_tokenizer(meta: dict, vocab_size: int):
                                   bos=names["bos"] if add_bos else None)
 
 
+def wpm_tokenizer(meta: dict, vocab_size: int):
+    """The tokenizer.ggml.* fields of a WordPiece vocabulary (model bert) -> our WordPieceTokenizer, read as
+    llama.cpp reads them: "▁" before a word's first piece, unknown 100, bos ([CLS]) 101 and sep ([SEP]) 102
+    unless the file names others, add_bos_token and add_sep_token true, lowercase true and strip_accents as
+    lowercase unless the file says otherwise."""
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED
+    from ..tokenizer.wordpiece import WordPieceTokenizer
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens)
+    types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
+    name = {}
+    for key, default in (("unknown", 100), ("bos", 101), ("seperator", 102)):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+        name[key] = tokens[i] if 0 <= i < n else None
+    if name["unknown"] is None:
+        raise UserError("GGUF tokenizer: a WordPiece vocabulary needs an unknown token (tokenizer.ggml.unknown_token_id)")
+    lowercase = meta.get("tokenizer.ggml.normalizer.lowercase", True)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
+    add_sep = meta.get("tokenizer.ggml.add_sep_token", True) and name["seperator"] is not None
+    return WordPieceTokenizer(tokens, types, name["unknown"], "llama.cpp", word_prefix="▁", continuation="",
+                              lowercase=lowercase,
+                              strip_accents=meta.get("tokenizer.ggml.normalizer.strip_accents", lowercase),
+                              bos=name["bos"] if add_bos else None, eos=name["seperator"], add_eos=add_sep)
+
+
 def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
     """meta[key] as an array of n numbers of a dtype kind in kinds (default everywhere when absent)."""
     values = meta.get(key)
@@ -304,6 +337,8 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
     try:
         if model == "llama":
             tok = spm_tokenizer(meta, vocab_size)
+        elif model == "bert":
+            tok = wpm_tokenizer(meta, vocab_size)
         else:
             d, eos = hf_dict(meta)
             tok = from_hf_json(d, vocab_size, eos)

@@ -165,9 +165,11 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
         _bad("not a Hugging Face tokenizers file (no \"model\")")
     m = d["model"]
+    if m.get("type") == "WordPiece":
+        return wordpiece_from_hf_json(d, vocab_size, eos_id)
     if m.get("type") != "BPE":
-        _bad(f"model.type {m.get('type')} is not supported (BPE only: byte-level, or SentencePiece-style with "
-             "byte_fallback; Unigram and WordPiece are not)")
+        _bad(f"model.type {m.get('type')} is not supported (BPE: byte-level, or SentencePiece-style with "
+             "byte_fallback; WordPiece)")
     if _flag(m, "byte_fallback", False, "model"):
         return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
@@ -384,3 +386,106 @@ def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
     bos_id = bos_of(d.get("post_processor"), {i: names[i] for i in special_ids})
     return SentencePieceTokenizer(tokens, type_list, merges=pairs, prefix=prefix, split=split, normalizer=form,
                                   eos=eos, bos=None if bos_id is None else names[bos_id])
+
+
+# ------------------------------------------------------------------------------------------ WordPiece
+
+def frame_of(post, added: dict[int, str]) -> tuple[int | None, int | None]:
+    """(the HF id of the special token a post_processor puts before the text, the one it puts after it), None
+    where it puts none: BertProcessing / RobertaProcessing ([CLS] text [SEP]), or a TemplateProcessing with at
+    most one special on each side. added: HF id -> content of the added special tokens."""
+    if post is None:
+        return None, None
+    if not isinstance(post, dict):
+        _bad(f"post_processor {post!r:.60} is not supported")
+    if post.get("type") in ("BertProcessing", "RobertaProcessing"):
+        ends = [post.get("cls"), post.get("sep")]
+        if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) is int
+                   and added.get(e[1]) == e[0] for e in ends):
+            _bad(f"post_processor {post['type']}: cls and sep must be [token, id] of added special tokens")
+        return ends[0][1], ends[1][1]
+    if post.get("type") != "TemplateProcessing":
+        _bad(f"post_processor {post.get('type')!r:.40} is not supported for WordPiece (BertProcessing, "
+             "RobertaProcessing, TemplateProcessing)")
+    single, table = post.get("single"), post.get("special_tokens")
+    if not isinstance(single, list) or not isinstance(table, dict):
+        _bad("post_processor TemplateProcessing: \"single\" must be a list and \"special_tokens\" an object")
+    kinds = [next(iter(x)) if isinstance(x, dict) and len(x) == 1 else None for x in single]
+    if kinds.count("Sequence") != 1 or any(k not in ("Sequence", "SpecialToken") for k in kinds) or \
+            kinds.index("Sequence") > 1 or len(kinds) - kinds.index("Sequence") > 2:
+        _bad(f"post_processor TemplateProcessing single={single!r:.80} is not supported (at most one special "
+             "token before the text and one after it)")
+
+    def special_id(x) -> int:
+        name = x["SpecialToken"].get("id") if isinstance(x["SpecialToken"], dict) else None
+        entry = table.get(name) if isinstance(name, str) else None
+        ids = entry.get("ids") if isinstance(entry, dict) else None
+        if not (isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int and ids[0] in added):
+            _bad(f"post_processor TemplateProcessing: special token {name!r:.40} needs the id of one added special "
+                 "token in \"special_tokens\"")
+        return ids[0]
+    at = kinds.index("Sequence")
+    return (special_id(single[0]) if at else None), (special_id(single[-1]) if at < len(kinds) - 1 else None)
+
+
+def wordpiece_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
+    """A Hugging Face WordPiece (BertNormalizer, BertPreTokenizer) -> our WordPieceTokenizer with the same ids:
+    model.vocab tokens NORMAL, added tokens CONTROL when "special", else USER_DEFINED (both cut out of the text
+    before normalizing, as Hugging Face does); ids no token names become UNUSED reserved tokens; the
+    post_processor's tokens before and after the text become the bos and the eos (add_eos)."""
+    from ..tokenizer.sentencepiece import CONTROL, NORMAL, UNUSED, USER_DEFINED
+    from ..tokenizer.wordpiece import WordPieceTokenizer
+    m, norm, pre = d["model"], d.get("normalizer"), d.get("pre_tokenizer")
+    if not (isinstance(norm, dict) and norm.get("type") == "BertNormalizer"):
+        _bad(f"normalizer {norm.get('type') if isinstance(norm, dict) else norm!r:.40} is not supported for "
+             "WordPiece (BertNormalizer only)")
+    for key in ("clean_text", "handle_chinese_chars"):
+        if not _flag(norm, key, True, "normalizer"):
+            _bad(f"normalizer BertNormalizer {key}=false is not supported")
+    lowercase = _flag(norm, "lowercase", True, "normalizer")
+    strip_accents = _flag(norm, "strip_accents", lowercase, "normalizer")
+    if not (isinstance(pre, dict) and pre.get("type") == "BertPreTokenizer"):
+        _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre!r:.40} is not supported for "
+             "WordPiece (BertPreTokenizer only)")
+    vocab, unk, prefix = m.get("vocab"), m.get("unk_token", "[UNK]"), m.get("continuing_subword_prefix", "##")
+    longest = m.get("max_input_chars_per_word", 100)
+    if not isinstance(vocab, dict) or not isinstance(unk, str) or not isinstance(prefix, str) or not prefix:
+        _bad("model.vocab must be an object, model.unk_token and model.continuing_subword_prefix strings")
+    if type(longest) is not int or longest < 1:
+        _bad(f"model.max_input_chars_per_word must be a positive integer, got {longest!r:.20}")
+    names: dict[int, str] = {}
+    types: dict[int, int] = {}
+    for s, i in vocab.items():
+        if type(i) is not int or not 0 <= i < (1 << 31) or not s:
+            _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers, tokens non-empty")
+        if i in names:
+            _bad(f"vocab tokens {names[i]!r:.30} and {s!r:.30} share id {i}")
+        names[i], types[i] = s, NORMAL
+    for t in d.get("added_tokens") or []:
+        if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
+                and isinstance(t.get("content"), str) and t["content"]):
+            _bad(f"malformed added token {t!r:.80}")
+        if any(_flag(t, k, False, f"added token {t['content']!r:.40}") for k in
+               ("single_word", "lstrip", "rstrip", "normalized")):
+            _bad(f"added token {t['content']!r:.40} with single_word / lstrip / rstrip / normalized is not supported")
+        i = t["id"]
+        if names.get(i, t["content"]) != t["content"]:
+            _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
+        special = _flag(t, "special", False, f"added token {t['content']!r:.40}")
+        names[i], types[i] = t["content"], CONTROL if special else USER_DEFINED
+    if unk not in vocab:
+        _bad(f"model.unk_token {unk!r:.40} is not in model.vocab")
+    n_ids = max(names, default=-1) + 1
+    vocab_size = n_ids if vocab_size is None else vocab_size
+    if n_ids > vocab_size:
+        _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
+    tokens = [names.get(i, f"<|reserved_{i}|>") for i in range(vocab_size)]
+    specials = {i: names[i] for i, ty in types.items() if ty == CONTROL}
+    bos_id, sep_id = frame_of(d.get("post_processor"), specials)
+    if eos_id is not None and eos_id not in specials:
+        _bad(f"the eos token id {eos_id} is not a special (added) token")
+    eos = sep_id if sep_id is not None else eos_id
+    return WordPieceTokenizer(tokens, [types.get(i, UNUSED) for i in range(vocab_size)], unk, "bert",
+                              word_prefix="", continuation=prefix, lowercase=lowercase, strip_accents=strip_accents,
+                              max_word_chars=longest, bos=None if bos_id is None else names[bos_id],
+                              eos=None if eos is None else names[eos], add_eos=sep_id is not None)
