@@ -116,6 +116,12 @@ def render(template: str, messages: list[dict], tok, add_generation_prompt: bool
 
 def render_many(template: str, renders: list[tuple[list[dict], bool]], tok, variables: dict | None = None) -> list[str]:
     """render of each (messages, add_generation_prompt), in one trip to a template worker."""
+    return [text for text, _ in render_marked(template, renders, tok, variables)]
+
+
+def render_marked(template: str, renders: list[tuple[list[dict], bool]], tok, variables: dict | None = None
+                  ) -> list[tuple[str, list[tuple[int, int]]]]:
+    """render_many's texts, each with the character spans [start, end) of the template's generation blocks in it."""
     if len(template) > MAX_TEMPLATE:
         raise UserError(f"chat template error: the template is longer than {MAX_TEMPLATE} characters")
     variables = variables or {}
@@ -136,9 +142,11 @@ def prompt_ids(tok, messages: list[dict], variables: dict | None = None) -> list
     return encode(tok, render(template_of(tok), messages, tok, add_generation_prompt=True, variables=variables))
 
 
-def example(tok, messages: list[dict], reply: str) -> tuple[list[int], list[bool]]:
+def example(tok, messages: list[dict], reply: str, generation: bool = False) -> tuple[list[int], list[bool]]:
     """A training example (SFT, DPO) -> (ids, mask): the mask is True on exactly the reply's tokens and the
-    end-of-turn token after it. Found by rendering, never by guessing strings: the prompt is the render with
+    end-of-turn token after it. With generation=True (sft) and a template that marks replies with
+    {% generation %} blocks, the mask is the template's instead: `generation_masked`. Otherwise it is found by
+    rendering, never by guessing strings: the prompt is the render with
     add_generation_prompt, the full render must begin with it, and a render with the reply PROBE shows what
     the template writes around a reply (refused unless it writes it exactly once, in one piece, and the real
     reply, not as nothing, in the same place). The mask ends at the first stop id after the reply (ChatML's newline after
@@ -148,10 +156,10 @@ def example(tok, messages: list[dict], reply: str) -> tuple[list[int], list[bool
                                full   prompt + 'Red.<|im_end|>\\n'     mask on 'Red.<|im_end|>'
         a template writing the reply twice ('Red.</s>Red.</s>'): refused
     """
-    return examples(tok, [(messages, reply)])[0]
+    return examples(tok, [(messages, reply)], generation)[0]
 
 
-def examples(tok, items: list[tuple[list[dict], str]]) -> list[tuple[list[int], list[bool]]]:
+def examples(tok, items: list[tuple[list[dict], str]], generation: bool = False) -> list[tuple[list[int], list[bool]]]:
     """example of each (messages, reply), EXAMPLES_PER_TRIP of them to a trip to the template worker."""
     def answered(messages, content):
         return [*messages, {"role": "assistant", "content": content}]
@@ -160,9 +168,59 @@ def examples(tok, items: list[tuple[list[dict], str]]) -> list[tuple[list[int], 
         chunk = items[i:i + EXAMPLES_PER_TRIP]
         renders = [r for messages, reply in chunk
                    for r in ((messages, True), (answered(messages, PROBE), False), (answered(messages, reply), False))]
-        texts = render_many(template_of(tok), renders, tok)
-        out += [masked(tok, *texts[3 * j:3 * j + 3], reply) for j, (_, reply) in enumerate(chunk)]
+        done = render_marked(template_of(tok), renders, tok)
+        for j, (_, reply) in enumerate(chunk):
+            (prompt, _), (probed, _), (full, spans) = done[3 * j:3 * j + 3]
+            out.append(generation_masked(tok, full, spans, reply) if generation and spans
+                       else masked(tok, prompt, probed, full, reply))
     return out
+
+
+def generation_masked(tok, text: str, spans: list[tuple[int, int]], reply: str) -> tuple[list[int], list[bool]]:
+    """(ids, mask) of a conversation whose template marks the assistant's turns with {% generation %} blocks,
+    as transformers' apply_chat_template(..., return_assistant_tokens_mask=True) makes them: the whole text
+    encoded at once, the mask True on every token that overlaps a span (what the template puts in the block,
+    end-of-turn token and all). Refused when the blocks hold no token.
+
+        ChatML with '{% generation %}{{ content }}<|im_end|>{% endgeneration %}', reply "Red.":
+        text '<|im_start|>user\nColour?<|im_end|>\n<|im_start|>assistant\nRed.<|im_end|>\n'   mask on 'Red.<|im_end|>'
+    """
+    ids = encode(tok, text)
+    ends = token_ends(tok, text, ids)
+    starts = [0] + ends[:-1]
+    spans = [(utf8_length(text[:a]), utf8_length(text[:b])) for a, b in spans]    # characters -> bytes
+    mask = [any(end > a and start < b for a, b in spans) for start, end in zip(starts, ends)]
+    if not any(mask):
+        raise UserError(f"chat template error: the template's generation blocks hold none of the tokens of the reply "
+                        f"{reply[:40]!r}, so there is nothing to train on")
+    return ids, mask
+
+
+def token_ends(tok, text: str, ids: list[int]) -> list[int]:
+    """Where each token of ids (`encode(tok, text)`) ends in text's UTF-8 bytes: a token spells its bytes, except
+    a bos that encode put in front of the text and a SentencePiece prefix space the text lacks, which spell nothing.
+
+        text 'Hi there', ids of ['<s>', 'Hi', ' there'] -> [0, 2, 8]
+    """
+    data, at, ends = text.encode("utf-8", "surrogatepass"), 0, []
+    for k, i in enumerate(ids):
+        piece = tok.token_bytes(i)
+        if data.startswith(piece, at):
+            at += len(piece)
+        elif k == 0 and i == tok.bos_id:
+            pass
+        elif piece[:1] == b" " and data.startswith(piece[1:], at):
+            at += len(piece) - 1
+        else:
+            raise UserError("chat template error: the tokenizer's tokens do not spell the rendered conversation "
+                            f"(token {k}, {piece[:20]!r}: a normalizer changed the text), so the template's "
+                            "generation blocks cannot be found among them")
+        ends.append(at)
+    return ends
+
+
+def utf8_length(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def masked(tok, prompt: str, probed: str, full: str, reply: str) -> tuple[list[int], list[bool]]:
@@ -195,6 +253,6 @@ def around_reply(prompt: str, probed: str) -> tuple[str, str]:
     return before, after
 
 
-def check_training_template(tok) -> None:
+def check_training_template(tok, generation: bool = False) -> None:
     """Refuse now, before any data or model is read, a template that sft and dpo cannot train on (`example`)."""
-    example(tok, [{"role": "user", "content": "Name a colour."}], "Red.")
+    example(tok, [{"role": "user", "content": "Name a colour."}], "Red.", generation)

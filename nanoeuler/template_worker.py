@@ -15,17 +15,22 @@ a worker of its own, at most MAX_WORKERS at once.
 In the worker a template runs as transformers' `apply_chat_template` runs it: jinja2's
 ImmutableSandboxedEnvironment (trim_blocks, lstrip_blocks, loop controls), the helpers `raise_exception(msg)`,
 `strftime_now(fmt)`, transformers' `tojson` filter and its `{% generation %}...{% endgeneration %}` tag (which
-marks an assistant reply and renders its body), and the variables it passes: `messages`,
+renders its body and marks it as an assistant reply: each render reports the character spans [start, end) of
+its generation blocks, counted as transformers counts them, from the text written before the block ends),
+and the variables it passes: `messages`,
 `add_generation_prompt`, `bos_token`, `eos_token`, `tools` and `documents` (None unless given) and any others
 the caller gives (`enable_thinking`, ...); checks in the template's own operations (the time
 limit, string repetition, values longer than MAX_TEXT) end a runaway loop with a clear message and no restart.
 
 Protocol, one JSON line each way: the worker first says {"ready": true}; then to each request
-{"template", "bos", "eos", "variables", "renders": [[messages, add_generation_prompt], ...]} it replies {"texts": [...]}
-or {"error": "<one line>"}. A request without renders only compiles the template.
+{"template", "bos", "eos", "variables", "renders": [[messages, add_generation_prompt], ...]} it replies
+{"texts": [...], "spans": [[[start, end], ...], ...]} or {"error": "<one line>"}. A request without renders only
+compiles the template.
 
     render("{{ messages[0]['content'] }}!", [([{"role": "user", "content": "Hi"}], False)], bos="", eos="")
-    -> ['Hi!']
+    -> [('Hi!', [])]
+    render("Q{% generation %}{{ messages[0]['content'] }}!{% endgeneration %}", <the same>)
+    -> [('QHi!', [(1, 4)])]
 """
 from __future__ import annotations
 
@@ -53,10 +58,10 @@ MAX_WORKERS = 4         # renders at once (serve renders from several threads)
 # ------------------------------------------------------------------------------------- the caller's side
 
 def render(template: str, renders: list[tuple[list[dict], bool]], bos: str, eos: str,
-           variables: dict | None = None) -> list[str]:
-    """Each (messages, add_generation_prompt) of renders as the template writes it, in a worker process
-    (renders=[]: only compile it); variables: the template's other variables (tools, documents, ...: JSON
-    values). Any failure, the template's own or a bound, is one UserError."""
+           variables: dict | None = None) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Each (messages, add_generation_prompt) of renders as the template writes it, with the character spans
+    of its generation blocks, in a worker process (renders=[]: only compile it); variables: the template's other
+    variables (tools, documents, ...: JSON values). Any failure, the template's own or a bound, is one UserError."""
     request = json.dumps({"template": template, "bos": bos, "eos": eos, "variables": variables or {},
                           "renders": renders}).encode() + b"\n"
     with _slots:
@@ -74,7 +79,7 @@ def render(template: str, renders: list[tuple[list[dict], bool]], bos: str, eos:
                 worker.stop()
     if "error" in reply:
         raise UserError(f"chat template error: {reply['error']}")
-    return reply["texts"]
+    return [(text, [tuple(span) for span in spans]) for text, spans in zip(reply["texts"], reply["spans"])]
 
 
 class Worker:
@@ -169,7 +174,8 @@ def work() -> None:
         limit_cpu()
         try:
             r = json.loads(line)
-            say({"texts": render_here(r["template"], r["renders"], r["bos"], r["eos"], r["variables"])})
+            texts, spans = render_here(r["template"], r["renders"], r["bos"], r["eos"], r["variables"])
+            say({"texts": texts, "spans": spans})
         except MemoryError:
             say({"error": f"the template needed more than {MAX_MEMORY >> 20} MiB"})
         except Exception as e:                     # TemplateError, SecurityError, its own TypeError, RecursionError
@@ -185,28 +191,33 @@ def limit_cpu() -> None:
 
 
 _deadline = float("inf")   # of the request the worker is rendering
+_written = 0               # characters the render in progress has written so far
+_spans: list[tuple[int, int]] = []   # its generation blocks so far
 
 
-def render_here(template: str, renders: list, bos: str, eos: str, variables: dict) -> list[str]:
-    """The renders in this process (the worker's part of `render`); raises what the template raises."""
-    global _deadline
+def render_here(template: str, renders: list, bos: str, eos: str, variables: dict
+                ) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """The renders in this process (the worker's part of `render`): (texts, each one's generation spans);
+    raises what the template raises."""
+    global _deadline, _written, _spans
     env, t = compiled(template)
     given = {"bos_token": bos, "eos_token": eos, "tools": None, "documents": None, **variables}
     _deadline = time.monotonic() + RENDER_SECONDS
-    texts = []
+    texts, spans = [], []
     try:
         for messages, add_generation_prompt in renders:
-            out, n = [], 0
+            out, _written, _spans = [], 0, []
             for piece in t.generate(given, messages=messages, add_generation_prompt=add_generation_prompt):
-                n += len(piece)
-                if n > MAX_TEXT:
+                _written += len(piece)
+                if _written > MAX_TEXT:
                     raise ValueError(f"the prompt is longer than {MAX_TEXT} characters")
                 out.append(piece)
                 env.tick()
             texts.append("".join(out))
+            spans.append(_spans)
     finally:
         _deadline = float("inf")
-    return texts
+    return texts, spans
 
 
 _compiled: dict[str, tuple] = {}   # template -> (env, compiled template); a worker meets few templates
@@ -266,7 +277,8 @@ def sandbox():
             return super().getitem(obj, argument)
 
     class Generation(Extension):
-        """transformers' {% generation %}...{% endgeneration %}: its body, rendered (it marks a reply)."""
+        """transformers' {% generation %}...{% endgeneration %}: its body, rendered, and its span noted (as
+        transformers' AssistantTracker: it starts where the text written so far ends)."""
         tags = {"generation"}
 
         def parse(self, parser):
@@ -275,7 +287,9 @@ def sandbox():
             return nodes.CallBlock(self.call_method("body"), [], [], body).set_lineno(lineno)
 
         def body(self, caller):
-            return caller()
+            text = caller()
+            _spans.append((_written, _written + len(text)))
+            return text
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson

@@ -1,12 +1,14 @@
 """Chat templates (nanoeuler/chat_template.py): ChatML, Llama-3 and ours (Alpaca) render exactly as
 transformers' apply_chat_template (the oracle), ours exactly as the SPEC template; SFT masks exactly the
-assistant span of an imported ChatML model; chat stops at <|im_end|> without showing it; export keeps the
+assistant span of an imported ChatML model, and with a template's {% generation %} blocks exactly transformers'
+assistant_masks; chat stops at <|im_end|> without showing it; export keeps the
 template; a hostile or endless template is one line, within its time bound, and the process goes on
 meanwhile; a non-UTF-8 template file is one line naming it."""
 from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -426,3 +428,60 @@ def test_chat_template_var_reaches_the_template_as_json_else_a_string(chatml_run
         assert main(["chat", "--ckpt", str(chatml_run), "--template-var", bad]) != 0
         err = capsys.readouterr().err
         assert err.startswith("error: --template-var") and err.count("\n") == 1 and ("KEY=VALUE" in err or "the conversation's own" in err)
+
+
+# ---- sft's masks from the template's {% generation %} blocks (transformers' return_assistant_tokens_mask) --------
+GEN_CHATML = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+              "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+              "{{ '\\n' }}{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# a block that begins inside a word: ' t' + 'he end.' -> the token ' the' overlaps the block, and counts
+MID_WORD = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ ' t' }}{% generation %}{{ m['content'] }}"
+            "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+REPLIES = ["Hamlet", " leading space, ümlaut and 日本 ", "two\n\nlines and a last newline\n", "he end."]
+
+
+def generation_templates() -> list[tuple[str, str]]:
+    """(name, template): ours above and llama.cpp's real templates with {% generation %} (when fetched)."""
+    real = [(p.stem, p.read_text(encoding="utf-8")) for p in llama_cpp_templates()
+            if re.search(r"{%-?\s*generation\s*-?%}", p.read_text(encoding="utf-8"))]
+    return [("chatml-generation", GEN_CHATML), ("mid-word", MID_WORD), *real]
+
+
+@pytest.mark.parametrize("name, template", generation_templates(), ids=[n for n, _ in generation_templates()])
+def test_sft_masks_are_transformers_assistant_masks_when_the_template_has_generation_blocks(tok, hf, name, template):
+    from nanoeuler.chat_template import example
+    t = tok.replace(chat_template=template)
+    conversations = [[*messages, {"role": "assistant", "content": reply}]
+                     for messages in ([CONVERSATIONS[0][0]], CONVERSATIONS[1], TOOL_CONVERSATIONS["system"])
+                     for reply in REPLIES]
+    for conversation in conversations:
+        theirs = hf.apply_chat_template(conversation, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        ids, mask = example(t, conversation[:-1], conversation[-1]["content"], generation=True)
+        bos = [] if theirs["input_ids"][:1] == [tok.bos_id] else [tok.bos_id]   # ours puts bos first if not written
+        assert ids == bos + theirs["input_ids"], conversation
+        assert mask == [False] * len(bos) + [bool(m) for m in theirs["assistant_masks"]], conversation
+        assert sum(mask) > 0
+    messages = [{"role": "user", "content": "Name a play."}]
+    ids, mask = sft_render(t, "Name a play.", "", "Hamlet")   # sft takes the same path
+    assert (ids, mask) == example(t, messages, "Hamlet", generation=True)
+
+
+def test_generation_blocks_set_the_mask_only_for_sft_and_a_block_with_no_token_is_refused(tok):
+    from nanoeuler.chat_template import check_training_template, example
+    from nanoeuler.training.sft import render_all
+    t = tok.replace(chat_template=GEN_CHATML.replace("{{ m['content'] + '<|im_end|>' }}{% endgeneration %}",
+                                                     "{{ m['content'] }}{% endgeneration %}{{ '<|im_end|>' }}"))
+    ids, mask = sft_render(t, "Name a play.", "", "Hamlet")
+    assert t.decode([i for i, m in zip(ids, mask) if m]) == "Hamlet"   # the block's, not end-of-turn too
+    old_ids, old_mask = example(t, [{"role": "user", "content": "Name a play."}], "Hamlet")   # dpo: today's rule
+    assert t.decode([i for i, m in zip(old_ids, old_mask) if m]).startswith("Hamlet<|im_end|>")
+    record = {"instruction": "Name a play.", "input": "", "output": "Hamlet"}
+    (row_ids, row_mask), = render_all(t, [record], 64).examples
+    assert row_ids.tolist() == ids and row_mask.tolist() == mask
+    empty = tok.replace(chat_template=GEN_CHATML.replace("{{ m['content'] + '<|im_end|>' }}{% endgeneration %}",
+                                                         "{% endgeneration %}{{ m['content'] + '<|im_end|>' }}"))
+    with pytest.raises(UserError, match="generation blocks hold none of the tokens"):
+        check_training_template(empty, generation=True)
+    check_training_template(empty)   # dpo's rule does not read the blocks

@@ -27,7 +27,9 @@ def register(sub) -> None:
         description="Fine-tune a pretrained checkpoint on Alpaca-format instructions rendered through the "
                     "checkpoint's chat template (its own, e.g. ChatML for an imported model, else the SPEC Alpaca "
                     "template; --chat-template FILE overrides it and the fine-tuned model keeps it); the loss "
-                    "covers exactly the response and its end-of-turn token. Examples are packed back to back "
+                    "covers exactly the response and its end-of-turn token, or, when the template marks the "
+                    "assistant's turn with {% generation %} blocks, exactly the tokens in them (transformers' "
+                    "assistant mask). Examples are packed back to back "
                     "into rows of the context (--no-pack: one per row); longer ones are truncated or dropped and "
                     "counted. A batch with no trainable position is skipped and counted. Checkpoints and "
                     "--resume work as in `nanoeuler train`.")
@@ -128,7 +130,7 @@ def run_sft(args) -> int:
     from ..chat_template import check_training_template, with_template_file
     tok = load_tokenizer(out) if args.resume else load_tokenizer(args.base, read_only=True)
     tok = with_template_file(tok, args.chat_template)
-    check_training_template(tok)   # before the model and the data are read
+    check_training_template(tok, generation=True)   # before the model and the data are read
     if args.resume:
         model = start_or_resume(args, None, out, 0) if lora else Model.load(out)
         state = saved_state(out)

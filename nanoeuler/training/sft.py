@@ -3,7 +3,9 @@ source, the offline instruction set made from the bundled corpus, and scoring of
 
 `render` (`render_all`: many records) is the one way a record becomes (ids, mask), through the chat template
 (chat_template.example). The mask is True exactly on the response tokens and the closing `</s>`; the prompt
-(and padding) carry no loss:
+(and padding) carry no loss. A template that marks the assistant's turn with `{% generation %}` blocks sets
+the mask itself: the tokens in its blocks, as transformers' `return_assistant_tokens_mask`
+(chat_template.generation_masked).
 
     render(tok, "Say hi.", "", "Hi")   ->  ids  = [<Below is ... ### Response:\\n>] + [<Hi>] + [</s>]
                                           mask = [False] * n_prompt           + [True] + [True]
@@ -43,13 +45,14 @@ def prompt_text(instruction: str, input: str = "") -> str:
 def render(tok, instruction: str, input: str = "", output: str | None = None) -> tuple[list[int], list[bool]]:
     """One example -> (ids, mask), through the tokenizer's chat template (chat_template.py; ours renders
     `prompt_text` + output + </s>). mask is True on the response tokens and its end-of-turn token, False on
-    the prompt. With output=None only the prompt is rendered (what chat and evaluation feed the model)."""
+    the prompt (or, with a template that has {% generation %} blocks, on the tokens in them). With output=None
+    only the prompt is rendered (what chat and evaluation feed the model)."""
     from ..chat_template import example, prompt_ids
     messages = [user_message(instruction, input)]
     if output is None:
         ids = prompt_ids(tok, messages)
         return ids, [False] * len(ids)
-    return example(tok, messages, output)
+    return example(tok, messages, output, generation=True)
 
 
 def user_message(instruction: str, input: str = "") -> dict:
@@ -113,7 +116,8 @@ def render_all(tok, records: list[dict], length: int) -> Rendered:
     not even one response token fits."""
     from ..chat_template import examples
     out = Rendered([])
-    for ids, mask in examples(tok, [([user_message(r["instruction"], r["input"])], r["output"]) for r in records]):
+    items = [([user_message(r["instruction"], r["input"])], r["output"]) for r in records]
+    for ids, mask in examples(tok, items, generation=True):
         if len(ids) > length:
             n_prompt = mask.index(True)
             if n_prompt >= length:
