@@ -195,6 +195,19 @@ def test_fuzz_wordpiece_tokenizer_json(tmp_path_factory, data):
     fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data, exact=False)
 
 
+@FUZZ
+@given(data=st.data(), normalization=st.sampled_from(["llama.cpp", "hf"]))
+def test_fuzz_unigram_tokenizer_json(tmp_path_factory, data, normalization):
+    """The Unigram kind's file: tokens, types, scores, unk, normalization, charsmap (base64), framing."""
+    from nanoeuler.tokenizer.unigram import UnigramTokenizer
+    tokens = ["<unk>", "<s>", "</s>", "▁", "▁To", "▁be", ",", "▁or", "▁not", "▁to", ":", "4", "2", "é", "\n"]
+    charsmap = (12).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") + bytes(8) + b"x\0"
+    tok = UnigramTokenizer(tokens, [2, 3, 3] + [1] * 12, [0, 0, 0] + [-float(i) for i in range(12)], "<unk>",
+                           normalization, charsmap if normalization == "llama.cpp" else None, bos="<s>", eos="</s>",
+                           add_eos=True)
+    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data, exact=False)
+
+
 def fuzz_tokenizer(base: dict, tmp_path_factory, data, exact: bool = True):
     """A mutation of base (a tokenizer.json) loads and encodes/decodes (exactly, unless the kind is lossy), or
     raises UserError."""

@@ -237,7 +237,6 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
 @pytest.mark.parametrize("meta, match", [
     ({"general.architecture": "phi3"}, "architecture 'phi3' is not supported"),
     ({"tokenizer.ggml.model": "plamo2"}, r"'plamo2' \(PLaMo-2's\) is not supported"),
-    ({"tokenizer.ggml.model": "t5"}, r"'t5' \(Unigram, llama.cpp's UGM\) is not supported"),
     ({"tokenizer.ggml.model": "rwkv"}, r"'rwkv' \(RWKV's trie\) is not supported"),
     ({"tokenizer.ggml.model": "mystery"}, r"'mystery' is not supported; supported: gpt2 \(byte-level BPE\), llama"),
     ({"tokenizer.ggml.pre": "kimi-k2"}, "tokenizer.ggml.pre 'kimi-k2' is not supported: llama.cpp cuts"),

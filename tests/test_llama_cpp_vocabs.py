@@ -24,7 +24,7 @@ from real_models import llama_cpp_models_dir
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # the vocabularies we refuse, and why (llama.cpp's other tokenizer models)
-REFUSED = {"nomic-bert-moe": "Unigram", "gemma-4": "Gemma 4's BPE"}
+REFUSED = {"gemma-4": "Gemma 4's BPE"}
 
 
 def vocab_names() -> list[str]:

@@ -47,8 +47,8 @@ from .pretokenizers import pre_pattern
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5  # gguf.TokenType values
 TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE",     # tokenizer.ggml.model
-                    "bert": "WordPiece"}
-OTHER_MODELS = {"t5": "Unigram, llama.cpp's UGM", "rwkv": "RWKV's trie",
+                    "bert": "WordPiece", "t5": "Unigram"}
+OTHER_MODELS = {"rwkv": "RWKV's trie",
                 "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
 # llama.cpp's end-of-generation tokens (llama_vocab::load): the eos / eot / eom ids, the fill-in-the-middle pad,
 # repository and file-separator tokens (their id in the metadata, else found by text), and these by their text
@@ -64,6 +64,8 @@ TOKENIZER_KINDS = {"tokenizer.ggml.model": (str, "a name"), "tokenizer.ggml.pre"
                    "tokenizer.ggml.add_eos_token": (bool, "true or false"),
                    "tokenizer.ggml.add_space_prefix": (bool, "true or false"),
                    "tokenizer.ggml.add_sep_token": (bool, "true or false"),
+                   "tokenizer.ggml.remove_extra_whitespaces": (bool, "true or false"),
+                   "tokenizer.ggml.precompiled_charsmap": (list, "an array"),
                    "tokenizer.ggml.normalizer.lowercase": (bool, "true or false"),
                    "tokenizer.ggml.normalizer.strip_accents": (bool, "true or false")}
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
@@ -284,6 +286,42 @@ def wpm_tokenizer(meta: dict, vocab_size: int):
                               bos=name["bos"] if add_bos else None, eos=name["seperator"], add_eos=add_sep)
 
 
+def ugm_tokenizer(meta: dict, vocab_size: int):
+    """The tokenizer.ggml.* fields of a Unigram vocabulary (model t5) -> our UnigramTokenizer, read as llama.cpp
+    reads them: scores, types, the precompiled charsmap (bytes), unknown 2 and eos 1 unless the file names
+    others, add_bos_token false and add_eos_token true, add_space_prefix and remove_extra_whitespaces false,
+    unless the file says otherwise."""
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED
+    from ..tokenizer.unigram import UnigramTokenizer
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
+    n = len(tokens)
+    scores = per_token(meta, "tokenizer.ggml.scores", n, "iuf", 0.0)
+    types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    scores = np.concatenate([scores.astype(np.float32), np.zeros(vocab_size - n, np.float32)])
+    types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap is not None:
+        arr = np.array(charsmap) if charsmap else np.zeros(0, np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size and (arr.min() < -128 or arr.max() > 255):
+            raise UserError("GGUF metadata tokenizer.ggml.precompiled_charsmap must be an array of bytes")
+        charsmap = arr.astype(np.uint8).tobytes() if arr.size else None
+    name = {}
+    for key, default in (("unknown", 2), ("bos", None), ("eos", 1)):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+        name[key] = tokens[i] if i is not None and 0 <= i < n else None
+    if name["unknown"] is None:
+        raise UserError("GGUF tokenizer: a Unigram vocabulary needs an unknown token (tokenizer.ggml.unknown_token_id)")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", False) and name["bos"] is not None
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", True) and name["eos"] is not None
+    return UnigramTokenizer(tokens, types, scores, name["unknown"], "llama.cpp", charsmap,
+                            add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", False),
+                            merge_spaces=meta.get("tokenizer.ggml.remove_extra_whitespaces", False),
+                            bos=name["bos"] if add_bos else None, eos=name["eos"], add_eos=add_eos)
+
+
 def per_token(meta: dict, key: str, n: int, kinds: str, default) -> np.ndarray:
     """meta[key] as an array of n numbers of a dtype kind in kinds (default everywhere when absent)."""
     values = meta.get(key)
@@ -339,6 +377,8 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
             tok = spm_tokenizer(meta, vocab_size)
         elif model == "bert":
             tok = wpm_tokenizer(meta, vocab_size)
+        elif model == "t5":
+            tok = ugm_tokenizer(meta, vocab_size)
         else:
             d, eos = hf_dict(meta)
             tok = from_hf_json(d, vocab_size, eos)
@@ -385,14 +425,17 @@ UNSUPPORTED = {"expert_count": (0, 1), "attention.clamp_kqv": (0,), "logit_scale
                "final_logit_softcapping": (0,), "attn_logit_softcapping": (0,)}
 
 
-def refuse_unsupported(meta: dict, arch: str) -> None:
-    """UserError naming the first key of ROPE_SCALING or UNSUPPORTED the file sets to a value that is not neutral.
+def refuse_unsupported(meta: dict, arch: str, read=()) -> None:
+    """UserError naming the first key of ROPE_SCALING or UNSUPPORTED the file sets to a value that is not neutral
+    (but those of `read`, which the architecture's Config reads: Granite's logit_scale).
 
         refuse_unsupported({"llama.rope.scale_linear": 4.0}, "llama")
         # UserError: GGUF metadata llama.rope.scale_linear = 4.0 is not supported (RoPE scaling; ...)
     """
     for table, what in ((ROPE_SCALING, " (RoPE scaling: linear or llama3 only)"), (UNSUPPORTED, "")):
         for key, neutral in table.items():
+            if key in read:
+                continue
             value = meta.get(f"{arch}.{key}")
             if neutral is None:
                 neutral = (meta.get(f"{arch}.context_length"),)
@@ -453,6 +496,10 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch=arch.name,
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
                   tie_embeddings="output.weight" not in tensors)
+    for key, ours in read.items():
+        value = field(meta, f"{a}.{key}", float, 0.0)   # 0 or absent: llama.cpp's default (1; attention: 1/√hd)
+        if value:
+            fields[ours] = value
     if arch.positions == "rope":
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, 10000.0)   # llama.cpp's, every architecture
         freqs = tensors.get("rope_freqs.weight") if arch.gguf.rope_freqs else None   # (elsewhere: unexpected)

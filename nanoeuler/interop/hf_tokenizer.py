@@ -167,9 +167,11 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
     m = d["model"]
     if m.get("type") == "WordPiece":
         return wordpiece_from_hf_json(d, vocab_size, eos_id)
+    if m.get("type") == "Unigram":
+        return unigram_from_hf_json(d, vocab_size, eos_id)
     if m.get("type") != "BPE":
-        _bad(f"model.type {m.get('type')} is not supported (BPE: byte-level, or SentencePiece-style with "
-             "byte_fallback; WordPiece)")
+        _bad(f"model.type {m.get('type')!r:.40} is not supported (BPE: byte-level, or SentencePiece-style with "
+             "byte_fallback; WordPiece; Unigram)")
     if _flag(m, "byte_fallback", False, "model"):
         return spm_from_hf_json(d, vocab_size, eos_id)
     for field in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
@@ -433,7 +435,7 @@ def wordpiece_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
     model.vocab tokens NORMAL, added tokens CONTROL when "special", else USER_DEFINED (both cut out of the text
     before normalizing, as Hugging Face does); ids no token names become UNUSED reserved tokens; the
     post_processor's tokens before and after the text become the bos and the eos (add_eos)."""
-    from ..tokenizer.sentencepiece import CONTROL, NORMAL, UNUSED, USER_DEFINED
+    from ..tokenizer.sentencepiece import CONTROL, NORMAL, UNUSED
     from ..tokenizer.wordpiece import WordPieceTokenizer
     m, norm, pre = d["model"], d.get("normalizer"), d.get("pre_tokenizer")
     if not (isinstance(norm, dict) and norm.get("type") == "BertNormalizer"):
@@ -461,18 +463,7 @@ def wordpiece_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
         if i in names:
             _bad(f"vocab tokens {names[i]!r:.30} and {s!r:.30} share id {i}")
         names[i], types[i] = s, NORMAL
-    for t in d.get("added_tokens") or []:
-        if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
-                and isinstance(t.get("content"), str) and t["content"]):
-            _bad(f"malformed added token {t!r:.80}")
-        if any(_flag(t, k, False, f"added token {t['content']!r:.40}") for k in
-               ("single_word", "lstrip", "rstrip", "normalized")):
-            _bad(f"added token {t['content']!r:.40} with single_word / lstrip / rstrip / normalized is not supported")
-        i = t["id"]
-        if names.get(i, t["content"]) != t["content"]:
-            _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
-        special = _flag(t, "special", False, f"added token {t['content']!r:.40}")
-        names[i], types[i] = t["content"], CONTROL if special else USER_DEFINED
+    added_types(d, names, types)
     if unk not in vocab:
         _bad(f"model.unk_token {unk!r:.40} is not in model.vocab")
     n_ids = max(names, default=-1) + 1
@@ -489,3 +480,72 @@ def wordpiece_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
                               word_prefix="", continuation=prefix, lowercase=lowercase, strip_accents=strip_accents,
                               max_word_chars=longest, bos=None if bos_id is None else names[bos_id],
                               eos=None if eos is None else names[eos], add_eos=sep_id is not None)
+
+
+# -------------------------------------------------------------------------------------------- Unigram
+
+def added_types(d: dict, names: dict[int, str], types: dict[int, int]) -> None:
+    """Add d's added tokens to names / types (HF id -> content / GGUF type): CONTROL when "special", else
+    USER_DEFINED; an added token with single_word / lstrip / rstrip / normalized, or on another token's id, is
+    refused."""
+    from ..tokenizer.sentencepiece import CONTROL, USER_DEFINED
+    for t in d.get("added_tokens") or []:
+        if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
+                and isinstance(t.get("content"), str) and t["content"]):
+            _bad(f"malformed added token {t!r:.80}")
+        if any(_flag(t, k, False, f"added token {t['content']!r:.40}") for k in
+               ("single_word", "lstrip", "rstrip", "normalized")):
+            _bad(f"added token {t['content']!r:.40} with single_word / lstrip / rstrip / normalized is not supported")
+        i = t["id"]
+        if names.get(i, t["content"]) != t["content"]:
+            _bad(f"added token {t['content']!r:.40} has the id {i} of vocab token {names[i]!r:.40}")
+        names[i] = t["content"]
+        types[i] = CONTROL if _flag(t, "special", False, f"added token {t['content']!r:.40}") else USER_DEFINED
+
+
+def unigram_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
+    """A Hugging Face Unigram (a Unicode normal form or none, then Metaspace) -> our UnigramTokenizer with the
+    same ids: model.vocab [piece, score] pairs NORMAL (BYTE for <0x00>..<0xFF> with byte_fallback), added tokens
+    CONTROL when "special", else USER_DEFINED; ids no token names UNUSED; the post_processor's tokens before
+    and after the text the bos and the eos (add_eos). The Precompiled normalizer (SentencePiece's charsmap,
+    which Hugging Face applies grapheme by grapheme) is refused."""
+    from ..tokenizer.sentencepiece import BYTE, BYTE_PIECES, CONTROL, METASPACE, NORMAL, UNUSED
+    from ..tokenizer.unigram import UnigramTokenizer
+    m, norm, pre = d["model"], d.get("normalizer"), d.get("pre_tokenizer")
+    if norm is not None and not (isinstance(norm, dict) and norm.get("type") in ("NFC", "NFD", "NFKC", "NFKD")):
+        _bad(f"normalizer {norm.get('type') if isinstance(norm, dict) else norm!r:.40} is not supported for "
+             "Unigram (none, or one Unicode normal form)")
+    if not (isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("replacement", METASPACE) == METASPACE):
+        _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre!r:.40} is not supported for "
+             "Unigram (Metaspace with \"▁\")")
+    scheme = pre.get("prepend_scheme",
+                     "always" if _flag(pre, "add_prefix_space", True, "pre_tokenizer Metaspace") else "never")
+    prefix = {"always": "every-unless-space", "first": "first-unless-space", "never": "none"}.get(scheme)
+    if prefix is None:
+        _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
+    vocab, unk_id = m.get("vocab"), m.get("unk_id")
+    byte_fallback = _flag(m, "byte_fallback", False, "model")
+    if not isinstance(vocab, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0]
+                                              and type(v[1]) in (int, float) for v in vocab):
+        _bad("model.vocab must be a list of [piece, score] pairs")
+    if type(unk_id) is not int or not 0 <= unk_id < len(vocab):
+        _bad(f"model.unk_id {unk_id!r:.20} is not the id of a vocab piece")
+    names = {i: p for i, (p, _) in enumerate(vocab)}
+    types = {i: BYTE if byte_fallback and p in BYTE_PIECES else NORMAL for i, (p, _) in enumerate(vocab)}
+    added_types(d, names, types)
+    n_ids = max(names, default=-1) + 1
+    vocab_size = n_ids if vocab_size is None else vocab_size
+    if n_ids > vocab_size:
+        _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
+    tokens = [names.get(i, f"<|reserved_{i}|>") for i in range(vocab_size)]
+    scores = [vocab[i][1] if i < len(vocab) else 0.0 for i in range(vocab_size)]
+    specials = {i: names[i] for i, ty in types.items() if ty == CONTROL}
+    bos_id, end_id = frame_of(d.get("post_processor"), specials)
+    if eos_id is not None and eos_id not in specials:
+        _bad(f"the eos token id {eos_id} is not a special (added) token")
+    eos = end_id if end_id is not None else eos_id
+    return UnigramTokenizer(tokens, [types.get(i, UNUSED) for i in range(vocab_size)], scores, names[unk_id], "hf",
+                            form=norm["type"] if norm else None, prefix=prefix,
+                            split=_flag(pre, "split", True, "pre_tokenizer Metaspace"), byte_fallback=byte_fallback,
+                            bos=None if bos_id is None else names[bos_id], eos=None if eos is None else names[eos],
+                            add_eos=end_id is not None)

@@ -673,9 +673,12 @@ class Tokenizer(BaseTokenizer):
         if kind == "wordpiece":
             from .wordpiece import WordPieceTokenizer
             return WordPieceTokenizer.from_dict(d)
+        if kind == "unigram":
+            from .unigram import UnigramTokenizer
+            return UnigramTokenizer.from_dict(d)
         if kind is not None:
-            raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (sentencepiece, wordpiece, or none for "
-                            "byte-level BPE)")
+            raise UserError(f"tokenizer.json: unknown \"kind\" {kind!r:.40} (sentencepiece, wordpiece, unigram, or "
+                            "none for byte-level BPE)")
         if d.get("format") != FORMAT:
             if "model" in d and "pre_tokenizer" in d:
                 raise UserError("this is a Hugging Face tokenizers file, not a nanoeuler tokenizer.json "

@@ -162,11 +162,10 @@ class WordPieceTokenizer(BaseTokenizer):
         self.word_prefix, self.continuation, self.max_word_chars = word_prefix, continuation, max_word_chars
         self.bos_token, self.eos_token, self.add_eos = bos, eos, bool(add_eos)
         self.chat_template, self.stops, self.unk = chat_template, tuple(stops), unk
-        self.ids = {}
-        for i, t in enumerate(self.tokens):
-            if t in self.ids:
-                raise UserError(f"tokenizer: {t!r:.40} is both token {self.ids[t]} and token {i}")
-            self.ids[t] = i
+        self.ids = dict(zip(self.tokens, range(len(self.tokens))))
+        if len(self.ids) != len(self.tokens):
+            i = next(i for i, t in enumerate(self.tokens) if self.ids[t] != i)
+            raise UserError(f"tokenizer: {self.tokens[i]!r:.40} is both token {i} and token {self.ids[self.tokens[i]]}")
         self.special_tokens = {self.tokens[i]: i for i in np.flatnonzero(self.types != NORMAL).tolist()}
         if unk not in self.ids:
             raise UserError(f"the unknown token {unk!r:.40} is not in the vocabulary")
