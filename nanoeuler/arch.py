@@ -24,10 +24,12 @@ Every architecture here is one transformer, differing only in the choices this r
 | mistral| rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gemma3 | rms   | geglu  | RoPE, local and global| none          | yes      | yes        | yes       |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
+| starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
 euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
-converter writes it as `llama`. A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
+converter writes it as `llama`. `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
+reads no window for it). A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
 its Config; `defaults` gives the ones a checkpoint's config.json may leave out (config.json names the
 architecture and any field that differs). Parameter names are the same for every entry (Config.param_shapes
 builds them from the record):
@@ -81,7 +83,9 @@ class Format:
     absent: Config field -> the value transformers' config class gives it where config.json has none of its
     keys, where that is not the architecture's default (Qwen2's rope_theta 10000, Mistral's window 4096);
     width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
-    instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar)."""
+    instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar);
+    reads_window: where the architecture has windows, its runtime reads them (False: llama.cpp's starcoder2,
+    which attends over every position whatever the model was trained with)."""
     name: str
     globals_: tuple[External, ...]
     layer: tuple[External, ...]
@@ -97,6 +101,7 @@ class Format:
     window_pattern: str | None = None
     absent: dict = field(default_factory=dict)
     width_scaled_at: tuple[int, ...] = ()
+    reads_window: bool = True
 
     def tensors(self, n_layers: int) -> list[External]:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
@@ -268,7 +273,32 @@ GPT2 = Arch(
           "c_fc": [("ffn.fc", ("ffn.fc",))]},
     lora_defaults=("c_attn", "c_proj", "c_fc"))
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GPT2)}
+_HF_SC2 = (("attn_norm", "input_layernorm"), *((f"attn.w{x}", f"self_attn.{x}_proj") for x in "qkvo"),
+           ("ffn_norm", "post_attention_layernorm"), ("ffn.fc", "mlp.c_fc"), ("ffn.proj", "mlp.c_proj"))
+_GGUF_SC2 = (("attn_norm", "attn_norm"), *((f"attn.w{x}", f"attn_{t}") for x, t in zip("qkvo", ("q", "k", "v", "output"))),
+             ("ffn_norm", "ffn_norm"), ("ffn.fc", "ffn_up"), ("ffn.proj", "ffn_down"))
+_HF_SC2_CONFIG = {f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {   # (one RoPE base)
+    "norm_eps": ("norm_epsilon",), "head_dim": ("head_dim",)}
+STARCODER2 = Arch(
+    "starcoder2", norm="layer", mlp="gelu", qkv_bias=True, out_bias=True,
+    defaults={"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": True, "sliding_window": 0, "global_every": 0},
+    hf=Format("starcoder2", (_HF_GLOBALS[0], _e("model.norm.weight", "norm.weight"),
+                             _e("model.norm.bias", "norm.bias"), _HF_GLOBALS[2]),
+              tuple(_e(f"model.layers.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _HF_SC2
+                    for s in ("weight", "bias")),
+              aliases=("Starcoder2ForCausalLM",), config=_HF_SC2_CONFIG,
+              config_fixed={"use_bias": True, "residual_dropout": 0.0, "embedding_dropout": 0.0,
+                            "attention_dropout": 0.0, "pad_token_id": None},
+              activation_keys=("hidden_act",)),
+    gguf=Format("starcoder2", (_GGUF_GLOBALS[0], _e("output_norm.weight", "norm.weight"),
+                               _e("output_norm.bias", "norm.bias"), _GGUF_GLOBALS[2]),
+                tuple(_e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _GGUF_SC2
+                      for s in ("weight", "bias")), reads_window=False),
+    lora={x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | {
+        "c_fc": [("ffn.fc", ("ffn.fc",))], "c_proj": [("ffn.proj", ("ffn.proj",))]},
+    lora_defaults=("q", "k", "v", "o", "c_fc", "c_proj"))
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GPT2, STARCODER2)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

@@ -62,10 +62,19 @@ def small_config(case: str, vocab: int) -> Config:
         fields["head_dim"] = 16
     if a.positions == "rope":
         fields |= dict(rope_theta=5000.0, norm_eps=1e-6)
-    if "sliding_window" in by_format("gguf", a.gguf.name).defaults:
+    if gguf_reads_window(a):
         every = a.defaults["global_every"]
         fields |= dict(sliding_window=5, global_every=every, n_layers=max(3, every), rope_local_theta=1000.0)
     return Config(**fields | ROPE_SCALINGS.get(rope, {}))
+
+
+def gguf_reads_window(a) -> bool:
+    """Whether llama.cpp's architecture of a's GGUF name attends through a window (gemma3's; not llama's, which
+    mistral's files are, nor starcoder2's)."""
+    return "sliding_window" in by_format("gguf", a.gguf.name).defaults and a.gguf.reads_window
+
+
+WINDOWED_HF_ONLY = [a.name for a in ARCHS.values() if "sliding_window" in a.defaults and not gguf_reads_window(a)]
 
 
 def hf_model(cfg: Config, tok, seed: int = 0):
@@ -259,13 +268,15 @@ def test_the_gguf_llama_cpps_converter_writes_imports_and_decodes_as_llama_cpp(f
     assert lc.greedy(prompt, 16)[0] == generate(m, prompt, 16, temperature=0, stop_ids=[]).ids
 
 
-def test_a_windowed_mistral_imports_from_hf_and_is_refused_for_gguf(folders, tmp_path):
-    """Mistral's window (every layer) imports from its config.json, as transformers reads it; llama.cpp's converter
-    writes a Mistral as `llama`, which reads no window: our GGUF export refuses it in one line."""
+@pytest.mark.parametrize("name", WINDOWED_HF_ONLY)
+def test_a_windowed_model_imports_from_hf_and_is_refused_for_gguf(folders, tmp_path, name):
+    """Mistral's and StarCoder2's window (every layer) imports from its config.json, as transformers reads it;
+    llama.cpp's converter writes a Mistral as `llama`, and llama.cpp's starcoder2, which read no window: our GGUF
+    export refuses it in one line."""
     from nanoeuler.errors import UserError
     from nanoeuler.interop.gguf_export import export_gguf
     from nanoeuler.interop.hf import load_hf_folder
-    _, d, _ = folders["mistral"]
+    _, d, _ = folders[name]
     c = json.loads((d / "config.json").read_text())
     (tmp_path / "w").mkdir()
     for f in d.iterdir():
@@ -278,7 +289,8 @@ def test_a_windowed_mistral_imports_from_hf_and_is_refused_for_gguf(folders, tmp
     theirs = torch_logits(hf, ids)
     assert_logits_equal(Model(cfg, params).logits(ids)[0], theirs)
     assert l2(Model(cfg.replace(sliding_window=0), params).logits(ids)[0], theirs) > 10 * L2_TOL   # (T 24 > 5)
-    with pytest.raises(UserError, match="cannot export to GGUF: llama.cpp's llama has no sliding window"):
+    refused = f"cannot export to GGUF: llama.cpp's {ARCHS[name].gguf.name} has no sliding window"
+    with pytest.raises(UserError, match=refused):
         export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
 
 

@@ -18,6 +18,7 @@ ARCHS = {
     "gpt2": dict(n_kv_heads=4, arch="gpt2"),
     "qwen2": dict(n_kv_heads=2, arch="qwen2", tie_embeddings=True),
     "gemma3": dict(n_kv_heads=1, arch="gemma3", head_dim=16, sliding_window=24, global_every=2),
+    "starcoder2": dict(n_kv_heads=2, arch="starcoder2"),
 }
 
 

@@ -37,6 +37,10 @@ CONFIGS = {
     # llama3 RoPE scaling (the fast / slow bounds 16 / 64 put head 8's pairs at θ 100 in all three regimes)
     "llama3": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                           n_mtp=1, rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
+    # GPT-2's LayerNorm, GELU and biases with RoPE, every layer windowed (untied: its tied head, at these
+    # weights, repeats one token)
+    "starcoder2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                              n_mtp=1, arch="starcoder2", sliding_window=6, tie_embeddings=False),
 }
 
 
@@ -117,7 +121,8 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
     assert rel_err(got, want) <= 5e-5
 
 
-GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,)}  # seeds whose greedy text varies
+GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,),
+          "starcoder2": (9,)}  # seeds whose greedy text varies
 
 
 @pytest.mark.parametrize("arch", CONFIGS)

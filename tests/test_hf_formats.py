@@ -20,7 +20,7 @@ from nanoeuler.interop.hf import config_from_hf, export_hf, hf_config
 from nanoeuler.interop.peft import adapter_config
 
 SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
-          "mistral": dict(sliding_window=4),
+          "mistral": dict(sliding_window=4), "starcoder2": dict(sliding_window=4),
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0)}
 
@@ -48,11 +48,11 @@ def test_each_format_reads_back_the_config_it_writes(arch):
         assert c["n_ctx"] == c["n_positions"] == cfg.ctx_len and c["activation_function"] == "gelu_new"
         assert "num_key_value_heads" not in c and "hidden_act" not in c and c["attn_pdrop"] == 0.0
     else:
-        assert c["query_pre_attn_scalar"] == c["head_dim"] == cfg.head_dim
+        assert c["head_dim"] == cfg.head_dim and all(c[k] == cfg.head_dim for k in fmt.config["head_dim"])
         assert c["rope_scaling"] == (None if cfg.rope_scaling == "none" else {
             "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16})
-        assert c["hidden_act"] == c["hidden_activation"] and "n_ctx" not in c
+        assert len({c[k] for k in fmt.activation_keys}) == 1 and "n_ctx" not in c
 
 
 def gpt2_config(**keys) -> dict:

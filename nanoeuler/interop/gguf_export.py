@@ -133,7 +133,8 @@ def check_expressible(cfg) -> None:
     (attention_scale_mismatch)."""
     from ..arch import by_format
     a = cfg.spec
-    if cfg.sliding_window and "sliding_window" not in by_format("gguf", a.gguf.name).defaults:   # (mistral: llama)
+    if cfg.sliding_window and ("sliding_window" not in by_format("gguf", a.gguf.name).defaults   # (mistral: llama)
+                               or not a.gguf.reads_window):
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
     if cfg.rope_scaling in ("llama3", "factors") and not a.gguf.rope_freqs:
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} reads no per-pair RoPE factors "

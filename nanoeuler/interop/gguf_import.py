@@ -480,7 +480,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
     a = arch.gguf.name
     refuse_unsupported(meta, a)
     window = field(meta, f"{a}.attention.sliding_window", default=0)
-    if window and arch.defaults.get("sliding_window") is None:  # llama.cpp's llama / qwen2 read no window
+    if window and (arch.defaults.get("sliding_window") is None or not arch.gguf.reads_window):  # llama.cpp's
+                                                                 # llama / qwen2 / starcoder2 read no window
         raise UserError(f"GGUF metadata {a}.attention.sliding_window = {window} is not supported for {a}")
     heads = field(meta, f"{a}.attention.head_count")
     dim = field(meta, f"{a}.embedding_length")

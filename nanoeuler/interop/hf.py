@@ -39,7 +39,7 @@ REFUSED = {
     "quantization_config": (None,), "use_sliding_window": (None, False), "final_logit_softcapping": (None,),
     "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
     "scale_attn_weights": (None, True), "scale_attn_by_inverse_layer_idx": (None, False),
-    "reorder_and_upcast_attn": (None, False), "add_cross_attention": (None, False),
+    "reorder_and_upcast_attn": (None, False), "add_cross_attention": (None, False), "use_bias": (None, True),
 }
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers of old saves, not parameters
 
@@ -419,6 +419,9 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if cfg.n_heads != cfg.n_kv_heads and "n_kv_heads" not in fmt.config:
         raise UserError(f"a {fmt.name} folder has as many key/value heads as query heads (its config.json names no "
                         f"other number); this model groups them (GQA)")
+    if cfg.sliding_window and cfg.rope_local_theta != cfg.rope_theta and "rope_local_theta" not in fmt.config:
+        raise UserError(f"a {fmt.name} folder has one RoPE base (its config.json names none for the windowed layers); "
+                        f"this model's windowed layers use {cfg.rope_local_theta:g}, the others {cfg.rope_theta:g}")
     tensors = to_hf(cfg, {n: p for n, p in P.items() if not (tied and n == "heads.0.weight")})
     tensors = {("" if n == "lm_head.weight" else fmt.prefix) + n: a for n, a in tensors.items()}
     with output_dir(out, force) as tmp:

@@ -186,6 +186,7 @@ ARCH_CHECK_CONFIGS = {
     "qwen3": CHECK_CONFIG.replace(arch="qwen3", head_dim=12, rope_scaling="llama3", rope_factor=8.0,
                                   rope_original_ctx=100),
     "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
+    "starcoder2": CHECK_CONFIG.replace(arch="starcoder2", sliding_window=5),   # LayerNorm, GELU and biases with RoPE
 }
 
 
