@@ -18,7 +18,9 @@ request waits for another's many jobs. One engine step:
                  row first copies what the prefix cache holds of its tokens (below) and computes the rest.
                  A row whose cache is full joins the decoding rows.
     3. sample    every decoding row samples its next token from its head-0 logits (sampling.sample_token,
-                 with the job's own random generator): a stop id or max_tokens ends the job, frees its row
+                 with the job's own random generator; a job with a grammar (Job.constraint) from its logits
+                 with the tokens the grammar refuses at -inf): a stop id, a grammar complete or max_tokens
+                 ends the job, frees its row
     4. decode    one forward over the decoding rows at once: row r feeds its new token at position length_r;
                  attention masks every key past length_r, so rows of different lengths share the step
                  (step.decode_rows: the fused step, each row attending to its own cache row, and the head in
@@ -111,6 +113,9 @@ class Job:
       ("error", message)                              the engine failed on this job: it ends here, instead of "done"
     top is a list of (id, logprob) of the `logprobs` most likely tokens, or None. Every job ends with exactly
     one "done" or "error"; on_event must not raise.
+    constraint (grammar.py's Constraint, or any object with mask / advance / finished): each token is sampled,
+    and its logprobs taken, from `constraint.mask(logits)` (tokens the grammar refuses at -inf), then
+    `constraint.advance(token)`; the job ends ("stop") once `constraint.finished` (nothing but an end may follow).
     submit() refuses, with BadJob, a job whose fields the engine could not run (check_job). Jobs with the same
     `group` are one request: rows are shared fairly between requests (module docstring).
     """
@@ -125,6 +130,7 @@ class Job:
     echo: bool = False
     on_event: Callable = lambda *a: None
     group: object = None  # the request the job belongs to (any object; None: a request of its own)
+    constraint: object = None  # a grammar.Constraint: the tokens it may sample (None: any)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -171,6 +177,8 @@ def check_job(job: Job, vocab_size: int) -> None:
         bad("echo", "True or False")
     if not callable(job.on_event):
         bad("on_event", "callable")
+    if job.constraint is not None and not all(callable(getattr(job.constraint, f, None)) for f in ("mask", "advance")):
+        bad("constraint", "None or an object with mask(logits) and advance(token)")
 
 
 class _Seq:
@@ -477,17 +485,22 @@ class Batcher:
         job = s.job
         if s.n_new >= job.max_tokens:
             return "length"
-        token = sample_token(s.logits, job.temperature, job.top_k, job.top_p, s.rng)
+        logits = s.logits if job.constraint is None else job.constraint.mask(s.logits)  # [V]
+        token = sample_token(logits, job.temperature, job.top_k, job.top_p, s.rng)
         lp, top = None, None
         if job.logprobs is not None:
-            logp = log_softmax(s.logits)
+            logp = log_softmax(logits)
             lp, top = float(logp[token]), top_logprobs(logp, job.logprobs)
         s.logits = None
+        if job.constraint is not None:
+            job.constraint.advance(token)
         self.tokens += 1
         job.on_event("token", token, lp, top)
         if token in job.stop_ids:
             return "stop"
         s.n_new += 1
+        if job.constraint is not None and job.constraint.finished:
+            return "stop"
         if s.n_new >= job.max_tokens:
             return "length"
         s.pending = token

@@ -93,13 +93,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def top_logprobs(logp: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k most likely (id, logprob) of logp [V], most likely first (ties: lower id first)."""
+    """The k most likely (id, logprob) of logp [V], most likely first (ties: lower id first); tokens of
+    probability 0 (logprob -inf: those a grammar refuses) are left out."""
     if k <= 0:
         return []
     k = min(k, logp.size)
     idx = np.argpartition(-logp, k - 1)[:k]
     idx = idx[np.lexsort((idx, -logp[idx]))]
-    return [(int(i), float(logp[i])) for i in idx]
+    return [(int(i), float(logp[i])) for i in idx if logp[i] > -np.inf]
 
 
 def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:

@@ -268,7 +268,8 @@ async def completions(body: CompletionRequest, request: Request):
     s.check_limits(max_tokens, body.n, body.seed, len(raw))
     size = sum(len(item) for item in raw)  # characters or ids
     prompts, truncated = await on_loop_if_short(size, s.prompt_ids, raw)
-    run = s.run(body, prompts, max_tokens, body.logprobs, body.echo, chat=False)
+    constraint = await run_in_threadpool(s.constraint, body.response_format) if body.response_format else None
+    run = s.run(body, prompts, max_tokens, body.logprobs, body.echo, chat=False, constraint=constraint)
     reply = CompletionReply(s, body, run, prompts, truncated)
     if body.stream:
         with_usage = body.stream_options and body.stream_options.include_usage
@@ -289,9 +290,13 @@ async def chat_completions(body: ChatRequest, request: Request):
     variables = body.template_variables()
     ids, notes = await run_in_threadpool(render_chat, s.model, s.tok, body.messages, max_tokens, s.ctx_len, variables)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    run = s.run(body, [ids], max_tokens, logprobs, False, chat=True)
+    fmt = tool_calls.format_of(template_of(s.tok))
+    forced = body.forced_tools()
+    constrained = body.response_format is not None or forced is not None
+    constraint = await run_in_threadpool(s.constraint, body.response_format, forced, fmt) if constrained else None
+    run = s.run(body, [ids], max_tokens, logprobs, False, chat=True, constraint=constraint)
     tools = {t["function"]["name"] for t in variables.get("tools", [])}
-    reply = ChatReply(s, run, ids, notes, logprobs, tools)
+    reply = ChatReply(s, run, ids, notes, logprobs, tools, fmt)
     if body.stream:
         with_usage = body.stream_options and body.stream_options.include_usage
         return stream_response(reply.events(), run, reply.usage_event if with_usage else None)
@@ -354,11 +359,11 @@ class ChatReply:
     finish."""
 
     def __init__(self, s: Service, run: Run, ids: list[int], notes: dict, logprobs: int | None,
-                 tools: set[str] = frozenset()):
+                 tools: set[str], fmt: tool_calls.Format):
         self.s, self.run, self.ids, self.logprobs, self.tools = s, run, ids, logprobs, tools
         self.id, self.created = "chatcmpl-" + request_id(), int(time.time())
         self.extra = {"nanoeuler": notes} if notes else {}
-        self.format = tool_calls.format_of(template_of(s.tok))
+        self.format = fmt
         self.sent = [0] * len(run.choices)   # with tools: characters of each choice's content streamed so far
 
     def message(self, c, streamed: bool = False) -> tuple[dict, str]:

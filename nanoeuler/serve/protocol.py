@@ -15,7 +15,9 @@ Tools (serve/tool_calls.py): the request's `tools` go to the template as its `to
 `apply_chat_template(tools=...)`) unless `tool_choice` is "none"; an assistant message's `tool_calls` go as
 transformers takes them (`arguments` a JSON object, parsed from OpenAI's string) and `tool` messages with their
 `tool_call_id`. `chat_template_kwargs` are the template's other variables (vLLM's and llama-server's field).
-`tool_choice` "required" or a named function would need decoding constrained to a call: refused (400).
+`tool_choice` "required" or a named function constrains the reply to one call of those functions in the
+template's format (tool_calls.call_grammar); `response_format` "json_object" / "json_schema" constrains it to
+JSON (infer/grammar.py; both need the `grammar` extra, else 400).
 """
 from __future__ import annotations
 
@@ -49,6 +51,30 @@ class StreamOptions(_Base):
 Stop = Optional[Union[str, list[str]]]
 
 
+class JSONSchemaFormat(_Base):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")  # None: any JSON object
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's response_format: "text" (free), "json_object" (any JSON object) or "json_schema" (a value valid
+    under its schema); the two JSON kinds are enforced while decoding (infer/grammar.py)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_kind(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given with type "json_schema", and only then')
+        return self
+
+    def reply_schema(self) -> dict | None:
+        """The schema replies must follow; None (json_object): any JSON object."""
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
 class _Generation(_Base):
     """The fields both completion routes share (sampling, stopping, streaming)."""
     model: str
@@ -62,6 +88,7 @@ class _Generation(_Base):
     stop: Stop = None
     seed: Optional[Int] = Field(None, ge=0)  # choice i samples with seed + i, below 2**64 (the route checks)
     ignore_eos: bool = False  # vLLM's extension: generate past </s> (benchmarks: a fixed number of tokens)
+    response_format: Optional[ResponseFormat] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None
@@ -147,10 +174,27 @@ class ChatRequest(_Generation):
         """The tools the model is offered (none with tool_choice "none"), as the template takes them."""
         if not self.tools or self.tool_choice == "none":
             return []
-        if self.tool_choice not in (None, "auto"):
-            raise APIError(400, "tool_choice 'required' or a named function is not supported yet (the reply is "
-                                "not constrained to a call): use 'auto'", param="tool_choice")
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> list[dict] | None:
+        """The functions the reply must call one of (tool_choice "required": any offered, a named function:
+        that one), as the template takes them; None when the reply is free to call or not."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "a reply is either a forced tool call or constrained by response_format, not both",
+                           param="response_format")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if choice == "required":
+            return tools
+        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        if not named:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        return named
 
     def template_variables(self) -> dict:
         """The chat template's variables besides the conversation: chat_template_kwargs, and tools if offered."""

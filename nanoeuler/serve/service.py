@@ -283,6 +283,8 @@ class Service:
         self.closing = asyncio.Event()  # set when shutdown begins (begin_shutdown)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once started
         self.dispatcher: Dispatcher | None = None
+        self._grammars = None  # infer/grammar.py's Grammars, built by the first request that needs one
+        self._grammars_lock = threading.Lock()
 
     def begin_shutdown(self) -> None:
         """End the streams now (the lifespan shutdown joins the engine thread) and answer the bodies still
@@ -338,6 +340,38 @@ class Service:
             truncated.append(dropped)
         return prompts, truncated
 
+    # ---- constrained replies (infer/grammar.py) ----
+    def grammars(self, param: str):
+        """The tokenizer as the grammar library's, built on first use (a second for a 262,144-token vocabulary:
+        call it off the event loop); 400 naming the extra when the library is not installed."""
+        from ..infer.grammar import GrammarError, Grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = Grammars(self.tok, self.cfg.vocab_size)
+                except GrammarError as e:
+                    raise APIError(400, f"{param} is not available on this server: {e}", param=param,
+                                   code="grammar_unavailable")
+        return self._grammars
+
+    def constraint(self, rf, forced: list[dict] | None = None, fmt=None):
+        """The grammar a request's replies are kept to, compiled (a grammar.Constraint), or None: a call of one
+        of the `forced` tools (ChatRequest.forced_tools) in the tool-call format fmt, or the JSON response_format
+        rf asks for. A schema or grammar that does not compile: 400. Call it off the event loop (compiling
+        takes milliseconds, the first call builds the vocabulary's tables)."""
+        from ..infer.grammar import GrammarError
+        from . import tool_calls
+        if forced is None and (rf is None or rf.type == "text"):
+            return None
+        param = "tool_choice" if forced is not None else "response_format"
+        g = self.grammars(param)
+        try:
+            grammar = (tool_calls.call_grammar(fmt or tool_calls.GENERIC, forced, g) if forced is not None
+                       else g.json_schema(rf.reply_schema()))
+            return g.constraint(grammar)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value")
+
     def stop_ids(self, body) -> set:
         """The ids that end a reply: eos and every end-of-turn token (tok.stop_ids), unless ignore_eos."""
         return set() if body.ignore_eos else set(self.tok.stop_ids)
@@ -350,13 +384,16 @@ class Service:
                     top_p=body.top_p if body.top_p < 1 else None, top_k=body.top_k or None, seed=seed,
                     stop_ids=tuple(self.stop_ids(body)), logprobs=logprobs, echo=echo)
 
-    def run(self, body, prompts: list[list[int]], max_tokens: int, logprobs, echo: bool, chat: bool) -> Run:
-        """A request's choices (n per prompt), submitted to the batcher (its prompt tokens counted once taken)."""
+    def run(self, body, prompts: list[list[int]], max_tokens: int, logprobs, echo: bool, chat: bool,
+            constraint=None) -> Run:
+        """A request's choices (n per prompt), submitted to the batcher (its prompt tokens counted once taken);
+        constraint (Service.constraint): each choice keeps to a copy of it."""
         run, stops = Run(self.batcher, self.dispatch(), self.metrics), stop_list(body.stop)
         for ids in prompts:
             for j in range(body.n):
                 c = Choice(len(run.choices), self.tok, ids, stops, self.stop_ids(body), chat=chat)
-                run.add(c, **self.job_args(body, ids, max_tokens, logprobs, echo, j))
+                run.add(c, **self.job_args(body, ids, max_tokens, logprobs, echo, j),
+                        constraint=None if constraint is None else constraint.copy())
         run.submit()
         self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         return run

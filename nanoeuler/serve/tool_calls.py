@@ -11,6 +11,9 @@ else GENERIC, as llama-server chooses its parser:
     generic  (any other)               the whole reply one JSON object: {"name", "arguments"}, {"tool_call": {...}}
                                        or {"tool_calls": [...]}
 
+With tool_choice "required" or a named function the reply is constrained (call_grammar) to one call in the
+format, its arguments valid under the function's parameters schema.
+
 A call names an offered function and carries a JSON object of arguments; a reply holding anything else
 (not JSON, an unknown name, arguments that are not an object) is not a call and stays content. The content
 of a reply with calls is its text outside them, as written. While a reply streams, its text may go out up
@@ -95,14 +98,15 @@ class Format:
     parse: Callable[[str], tuple[str, list[Call]] | None]   # reply -> (content, calls), or None: not a call
     opens: tuple[str, ...]                                   # strings in a reply where a call begins
     whole: bool                                              # a reply that is one JSON object may be a call
+    forced: tuple[str, str]                                  # a forced call's text before and after its JSON
 
 
 FORMATS = (
-    Format("hermes", ("<tool_call>",), hermes, ("<tool_call>",), False),
-    Format("mistral", ("[TOOL_CALLS]",), mistral, ("[TOOL_CALLS]",), False),
-    Format("llama3", ("<|python_tag|>", "ipython<|end_header_id|>"), llama3, ("<|python_tag|>",), True),
+    Format("hermes", ("<tool_call>",), hermes, ("<tool_call>",), False, ("<tool_call>\n", "\n</tool_call>")),
+    Format("mistral", ("[TOOL_CALLS]",), mistral, ("[TOOL_CALLS]",), False, ("[TOOL_CALLS][", "]")),
+    Format("llama3", ("<|python_tag|>", "ipython<|end_header_id|>"), llama3, ("<|python_tag|>",), True, ("", "")),
 )
-GENERIC = Format("generic", (), generic, (), True)
+GENERIC = Format("generic", (), generic, (), True, ("", ""))
 
 
 def format_of(template: str) -> Format:
@@ -116,6 +120,23 @@ def parse(fmt: Format, text: str, names: set[str]) -> tuple[str, list[Call]]:
     if found is None or any(name not in names for name, _ in found[1]):
         return text, []
     return found
+
+
+def call_schema(tools: list[dict]) -> dict:
+    """The JSON schema of one call of one of tools (as the template takes them): {"name": its name,
+    "arguments": an object valid under its parameters}, name first."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def call_grammar(fmt: Format, tools: list[dict], g) -> str:
+    """The grammar of a reply that is exactly one call of one of tools in fmt (tool_choice "required" or a
+    named function), for g (infer/grammar.py's Grammars): hermes '<tool_call>\n{call}\n</tool_call>', mistral
+    '[TOOL_CALLS][{call}]', llama3 and generic the call alone ({"name", "arguments"}: both parse it)."""
+    before, after = fmt.forced
+    return g.lark(" ".join(r for r in (g.text_rule(before), g.json_rule(call_schema(tools)), g.text_rule(after)) if r))
 
 
 def call_id() -> str:
