@@ -167,9 +167,9 @@ def test_fuzz_tokenizer_json_with_a_cascade(tok, tmp_path_factory, data):
 
 
 @FUZZ
-@given(data=st.data(), ranking=st.sampled_from(["scores", "merges"]))
+@given(data=st.data(), ranking=st.sampled_from(["scores", "merges", "merges with newlines"]))
 def test_fuzz_sentencepiece_tokenizer_json(tmp_path_factory, data, ranking):
-    """The SentencePiece kind's file: tokens, types, scores or merges, prefix, split, specials."""
+    """The SentencePiece kind's file: tokens, types, scores or merges, prefix, split, newlines (Gemma 4's), specials."""
     from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
     pieces = ["▁", "T", "o", "b", "e", "▁b", "▁be", "To", "▁o", "r", "▁or", "\n", "<start_of_turn>"]
     tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
@@ -180,7 +180,8 @@ def test_fuzz_sentencepiece_tokenizer_json(tmp_path_factory, data, ranking):
     else:
         ids = {t: i for i, t in enumerate(tokens)}
         merges = [(ids[a], ids[b]) for a, b in (("▁", "b"), ("▁b", "e"), ("T", "o"), ("▁", "o"), ("▁o", "r"))]
-        tok = SentencePieceTokenizer(tokens, types, merges=merges, prefix="first-unless-space", split=True, eos="</s>")
+        tok = SentencePieceTokenizer(tokens, types, merges=merges, prefix="first-unless-space", split=True, eos="</s>",
+                                     newlines=ranking.endswith("newlines"))
     fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data)
 
 

@@ -3,8 +3,7 @@
 
 1. test-tokenizer-0's cases: `ggml-vocab-NAME.gguf.inp` holds texts (separated by a `__ggml_vocab_test__` line),
    `.out` the ids Hugging Face's tokenizer gives each (no bos, special tokens not parsed); ours must equal them
-   for every case of every vocabulary we load, and a vocabulary we refuse is refused in one line, for the reason
-   listed in REFUSED.
+   for every case of every vocabulary (byte-level BPE, SentencePiece BPE, WordPiece, Unigram, Gemma 4's BPE).
 2. Random text (mixed scripts, digits, whitespace runs, emoji, control characters, invalid UTF-8) against
    llama.cpp's tokenizer on the same file (llama-cpp-python, `Llama(path, vocab_only=True)`), when installed.
 
@@ -19,12 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoeuler.errors import UserError
 from real_models import llama_cpp_models_dir
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
-# the vocabularies we refuse, and why (llama.cpp's other tokenizer models)
-REFUSED = {"gemma-4": "Gemma 4's BPE"}
 
 
 def vocab_names() -> list[str]:
@@ -56,25 +52,17 @@ def read_cases(path: Path) -> list[tuple[str, list[int]]]:
 
 @pytest.fixture(scope="module", params=vocab_names() or ["(none)"])
 def vocab(request):
-    """(name, path, our tokenizer of the file, or the UserError that refused it)."""
+    """(name, path, our tokenizer of the file)."""
     from nanoeuler.interop.gguf_file import GGUFFile
     from nanoeuler.interop.gguf_import import gguf_tokenizer
     path = need_models() / f"ggml-vocab-{request.param}.gguf"
     meta = GGUFFile(path).meta
-    try:
-        return request.param, path, gguf_tokenizer(meta, len(meta["tokenizer.ggml.tokens"]))
-    except UserError as e:
-        return request.param, path, e
+    return request.param, path, gguf_tokenizer(meta, len(meta["tokenizer.ggml.tokens"]))
 
 
 def test_llama_cpp_tokenizer_cases(vocab):
-    """Every case of test-tokenizer-0 for each vocabulary we read; each one we refuse is refused in one line for
-    its listed reason."""
+    """Every case of test-tokenizer-0 for each vocabulary."""
     name, path, tok = vocab
-    if isinstance(tok, UserError):
-        assert name in REFUSED and REFUSED[name] in str(tok) and "\n" not in str(tok), (name, str(tok))
-        return
-    assert name not in REFUSED, name
     if not path.with_name(path.name + ".inp").is_file():
         pytest.skip(f"llama.cpp has no test cases for {name} (random text covers it)")
     cases = read_cases(path)
@@ -112,22 +100,20 @@ def random_texts(seed: int, n: int) -> list[bytes]:
 def llama_cpp_vocab(vocab):
     llama_cpp = pytest.importorskip("llama_cpp")
     name, path, tok = vocab
-    if isinstance(tok, UserError):
-        pytest.skip(f"{name}: refused ({tok})")
     return name, tok, llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
 def test_random_text_equals_llama_cpp(llama_cpp_vocab):
     """400 random texts per vocabulary: our ids are llama.cpp's. A byte that is not UTF-8 is one U+FFFD to
     llama.cpp's byte-level BPE (unicode_cpts_from_utf8 reads the text as code points), so ours encodes the text
-    decoded that way (our encode_bytes keeps the byte instead); its SentencePiece BPE keeps the byte, as our
-    encode_bytes does."""
+    decoded that way (our encode_bytes keeps the byte instead); the other kinds' encode_bytes treat it as llama.cpp
+    does (SentencePiece BPE keeps the byte; WordPiece drops it; Unigram and Gemma 4's BPE read U+FFFD for it)."""
     name, tok, lc = llama_cpp_vocab
     texts = random_texts(seed=sum(map(ord, name)), n=400)
     wrong = []
     for data in texts:
         want = lc.tokenize(data, add_bos=False, special=False)
-        got = tok.encode_bytes(data) if tok.kind == "sentencepiece" else tok.encode(data.decode("utf-8", "replace"))
+        got = tok.encode(data.decode("utf-8", "replace")) if tok.kind == "byte-level" else tok.encode_bytes(data)
         if got != want:
             wrong.append((data, got, want))
     assert not wrong, f"{name}: {len(wrong)} of {len(texts)} texts differ, first {wrong[0]}"

@@ -401,3 +401,31 @@ def test_bytes_that_are_not_utf8_then_a_space_come_back_with_a_metaspace():
     assert tok.decode_bytes(tok.encode_bytes(b"\xf0\x9f b")) == b"\xf0\x9f" + "▁".encode() + b"b"
     for data in (b"a\xe4bab", b"\xe4\xb8\x80 b", b"\x80 b", b"b\xc3", b"\xffabab"):    # no space taken
         assert tok.decode_bytes(tok.encode_bytes(data)) == data, data
+
+
+def test_gemma4_newline_runs_are_cut_apart_and_kept_whole():
+    """Gemma 4 (`newlines`): text is cut into runs of newlines and of other characters before BPE, and a run of
+    newlines that is a token stays that token even where no merge builds it; a byte that is not UTF-8 is U+FFFD."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, llama_cpp_utf8
+    pieces = ["▁", "a", "b", "ab", "\n", "\n\n", "▁a", "a\n", "\ufffd"]
+    tokens = ["<pad>", "<eos>", "<bos>", *BYTE_PIECES, *pieces]
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = [(ids[x], ids[y]) for x, y in (("a", "b"), ("▁", "a"), ("a", "\n"))]
+    types = [3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    tok = SentencePieceTokenizer(tokens, types, merges=merges, eos="<eos>", bos="<bos>", newlines=True)
+    plain = SentencePieceTokenizer(tokens, types, merges=merges, eos="<eos>", bos="<bos>")
+    assert plain.encode("a\n\n") == [ids["a\n"], ids["\n"]]
+    assert tok.encode("a\n\n") == [ids["a"], ids["\n\n"]]
+    assert tok.encode("ab a\n\n\nb") == [ids["ab"], ids["▁a"], ids["\n"], ids["\n"], ids["\n"], ids["b"]]  # no \n \n merge
+    assert tok.encode_bytes(b"a\xe2\x82b") == tok.encode("a\ufffd\ufffdb") == [ids["a"], ids["\ufffd"], ids["\ufffd"],
+                                                                              ids["b"]]
+    assert llama_cpp_utf8(b"a\xe2\x82b") == "a\ufffd\ufffdb".encode() and llama_cpp_utf8(b"ok") == b"ok"
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "".join(rng.choice(["a", "b", " ", "\n", "\n\n", "é", "<bos>"]) for _ in range(rng.randint(0, 12)))
+        assert tok.encode(text) == tok.encode_reference(text), repr(text)
+    back = Tokenizer.from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert back.newlines and back.encode("ab\n\n\n") == tok.encode("ab\n\n\n")
+    assert "newlines" not in plain.to_dict()
+    with pytest.raises(UserError, match="newline"):
+        tok.to_hf_json()

@@ -14,8 +14,8 @@ from nanoeuler.errors import UserError
 from nanoeuler.interop.hf_tokenizer import from_hf_json
 from nanoeuler.tokenizer import Tokenizer
 from nanoeuler.tokenizer.charsmap import Charsmap
-from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES
-from nanoeuler.tokenizer.unigram import UnigramTokenizer, merge_spaces_of, utf8_length, viterbi
+from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, utf8_length
+from nanoeuler.tokenizer.unigram import UnigramTokenizer, merge_spaces_of, viterbi
 
 tokenizers = pytest.importorskip("tokenizers")
 SPECIALS = ["<pad>", "</s>", "<unk>"]

@@ -25,7 +25,10 @@ specials, USER_DEFINED ones cut out of text always; UNUSED ids reserved rows), a
 row of pretokenizers.PRE_FAMILIES, one per pre-tokenizer llama.cpp knows (its regexes, `ignore_merges`, bos by default;
 `default`, or no name as in llama.cpp, the cascade hf_tokenizer.DEFAULT_CASCADE); the ids stay the file's (the
 Tokenizer's id map), bytes the vocabulary lacks are left out. Model `llama` (SentencePiece-style BPE):
-tokens, scores, token types and add_space_prefix as they are (tokenizer/sentencepiece.py). Both: bos
+tokens, scores, token types and add_space_prefix as they are (tokenizer/sentencepiece.py); `gemma4` (Gemma 4's
+BPE): the same kind ranked by its merges, with runs of newlines cut apart; `bert` (WordPiece,
+tokenizer/wordpiece.py) and `t5` (Unigram with its precompiled charsmap, tokenizer/unigram.py) with llama.cpp's
+normalization. All: bos
 (`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
 knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
 RoPE scaling: a linear factor, or llama.cpp's per-pair `rope_freqs` (llama3's where it is, `gguf_rope_fields`).
@@ -37,6 +40,7 @@ than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +51,8 @@ from .pretokenizers import pre_pattern
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5  # gguf.TokenType values
 TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE",     # tokenizer.ggml.model
-                    "bert": "WordPiece", "t5": "Unigram"}
-OTHER_MODELS = {"rwkv": "RWKV's trie",
-                "plamo2": "PLaMo-2's", "gemma4": "Gemma 4's BPE", "no_vocab": "no vocabulary", "none": "no vocabulary"}
+                    "bert": "WordPiece", "t5": "Unigram", "gemma4": "Gemma 4's BPE"}
+OTHER_MODELS = {"rwkv": "RWKV's trie", "plamo2": "PLaMo-2's", "no_vocab": "no vocabulary", "none": "no vocabulary"}
 # llama.cpp's end-of-generation tokens (llama_vocab::load): the eos / eot / eom ids, the fill-in-the-middle pad,
 # repository and file-separator tokens (their id in the metadata, else found by text), and these by their text
 FIM_EOG = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
@@ -257,6 +260,35 @@ def spm_tokenizer(meta: dict, vocab_size: int):
                                   bos=names["bos"] if add_bos else None)
 
 
+def gemma4_tokenizer(meta: dict, vocab_size: int):
+    """The tokenizer.ggml.* fields of Gemma 4's BPE (model gemma4) -> our SentencePieceTokenizer, as llama.cpp
+    runs it: merges by rank ("a b" strings, each of two tokens making a token), spaces as "▁" with none put in
+    front, runs of newlines cut apart (`newlines`), bos always added (llama.cpp overrides add_bos_token)."""
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+        raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise UserError("GGUF metadata tokenizer.ggml.merges is missing or not a list of strings")
+    n = len(tokens)
+    types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
+    ids = dict(zip(tokens, range(len(tokens))))
+    cuts = [m.find(" ", 1) for m in merges]                     # "a b": the first space after the first character
+    sides = [[m[:c] for m, c in zip(merges, cuts)], [m[c + 1:] if c > 0 else "" for m, c in zip(merges, cuts)]]
+    pairs = np.stack([np.fromiter(map(ids.get, side, repeat(-1)), np.int64, len(merges)) for side in sides], 1)
+    if (pairs < 0).any():
+        i = int(np.flatnonzero((pairs < 0).any(1))[0])
+        raise UserError(f"GGUF metadata tokenizer.ggml.merges: merge {i} {merges[i]!r:.60} is not two tokens")
+    name = {}
+    for key in ("bos", "eos"):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        name[key] = tokens[i] if i is not None and 0 <= i < n else None
+    return SentencePieceTokenizer(tokens, types, merges=pairs, prefix="none", eos=name["eos"], bos=name["bos"],
+                                  newlines=True)
+
+
 def wpm_tokenizer(meta: dict, vocab_size: int):
     """The tokenizer.ggml.* fields of a WordPiece vocabulary (model bert) -> our WordPieceTokenizer, read as
     llama.cpp reads them: "▁" before a word's first piece, unknown 100, bos ([CLS]) 101 and sep ([SEP]) 102
@@ -379,6 +411,8 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
             tok = wpm_tokenizer(meta, vocab_size)
         elif model == "t5":
             tok = ugm_tokenizer(meta, vocab_size)
+        elif model == "gemma4":
+            tok = gemma4_tokenizer(meta, vocab_size)
         else:
             d, eos = hf_dict(meta)
             tok = from_hf_json(d, vocab_size, eos)

@@ -1,6 +1,7 @@
 """What every tokenizer kind offers its callers (chat templates, SFT masks, serve, prepare, the CLI), whatever
-algorithm is behind it: byte-level BPE (`tokenizer.py`, ours and GPT-2 / Llama-3 / SmolLM / Qwen2 style) or
-SentencePiece-style BPE (`sentencepiece.py`, Llama-2 / Gemma style).
+algorithm is behind it: byte-level BPE (`tokenizer.py`, ours and GPT-2 / Llama-3 / SmolLM / Qwen2 style),
+SentencePiece-style BPE (`sentencepiece.py`, Llama-2 / Gemma style), WordPiece (`wordpiece.py`, BERT) or Unigram
+(`unigram.py`, T5 / XLM-R style).
 
 A kind implements `vocab_size`, `token_bytes(i)`, `encode_array(text, allow_special, add_bos)`,
 `encode_bytes(data)`, `decode_bytes(ids)`, `to_dict()`, `from_dict(d)`, `vocab_text()`, `to_hf_json()`, and
@@ -27,7 +28,7 @@ KEEP = object()   # replace(): leave this field as it is
 class BaseTokenizer:
     """The interface shared by the tokenizer kinds (see the module docstring)."""
 
-    kind: str                       # "byte-level" or "sentencepiece"
+    kind: str                       # "byte-level", "sentencepiece", "wordpiece" or "unigram"
     special_tokens: dict[str, int]
     eos_token: str | None
     bos_token: str | None

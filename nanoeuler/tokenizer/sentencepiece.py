@@ -10,7 +10,10 @@ How text becomes ids:
 2. Each text fragment: a Unicode normal form if the tokenizer has one; a "▁" first (`prefix`: "every"
    fragment, as llama.cpp's add_space_prefix and HF's Prepend normalizer do; "every-unless-space" or
    "first-unless-space", HF's Metaspace prepend_scheme always / first, which adds none before a space);
-   every space becomes "▁"; with `split` (HF Metaspace split=true) it is cut before each "▁".
+   every space becomes "▁"; with `split` (HF Metaspace split=true) it is cut before each "▁". With `newlines`
+   (Gemma 4: llama.cpp's tokenizer model gemma4, its pre-tokenizer `[^\n]+|[\n]+`) it is cut into runs of
+   newlines and runs of other characters, and a run of newlines that is a token is that token, not merged;
+   a byte that is not UTF-8 is then U+FFFD, as llama.cpp reads the text as code points there.
 3. BPE (`merge_symbols`): the characters are the symbols; the adjacent pair that ranks first (the leftmost
    among equals) becomes one symbol, until no pair merges. Two ways of ranking, each with its runtime's
    handling of a character that is not a token:
@@ -36,6 +39,7 @@ import unicodedata
 from collections.abc import Iterable
 
 import numpy as np
+import regex
 
 from ..errors import UserError
 from . import spm_fast as sf
@@ -50,6 +54,7 @@ PREFIXES = ("none", "every", "every-unless-space", "first-unless-space")
 NORMALIZERS = (None, "NFC", "NFD", "NFKC", "NFKD")
 METASPACE = "\u2581"
 BYTE_PIECES = [f"<0x{b:02X}>" for b in range(256)]
+NEWLINE_RUNS = regex.compile(rb"\n+|[^\n]+")
 MAX_VIRTUAL = 1 << 16   # characters inside tokens that are not tokens themselves (Gemma 3 has none)
 
 
@@ -120,10 +125,10 @@ class SentencePieceTokenizer(BaseTokenizer):
     def __init__(self, tokens: list[str], types: Iterable[int], scores: Iterable[float] | None = None,
                  merges: Iterable[tuple[int, int]] | None = None, prefix: str = "none", split: bool = False,
                  normalizer: str | None = None, eos: str | None = None, bos: str | None = None,
-                 chat_template: str | None = None, stops: Iterable[str] = ()):
+                 chat_template: str | None = None, stops: Iterable[str] = (), newlines: bool = False):
         """tokens: the piece of each id; types: its GGUF token type (NORMAL, CONTROL, ...); exactly one of
         scores (llama.cpp's ranking) and merges ((left id, right id) pairs in rank order, Hugging Face's);
-        prefix, split, normalizer: how a text fragment is prepared (module docstring, step 2); eos, bos,
+        prefix, split, normalizer, newlines: how a text fragment is prepared (module docstring, step 2); eos, bos,
         stops: special token strings (the end of a text, the token add_bos puts first, more reply ends)."""
         if (scores is None) == (merges is None):
             raise UserError("a SentencePiece tokenizer ranks its merges by scores or by a merge list (one of them)")
@@ -135,7 +140,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         self.types = np.asarray(types, np.int64)
         self.scores = None if scores is None else np.asarray(scores, np.float32)
         self.given_merges = None if merges is None else np.asarray(merges, np.int64).reshape(-1, 2)
-        self.prefix, self.split, self.normalizer = prefix, bool(split), normalizer
+        self.prefix, self.split, self.normalizer, self.newlines = prefix, bool(split), normalizer, bool(newlines)
         self.eos_token, self.bos_token, self.chat_template = eos, bos, chat_template
         self.stops = tuple(stops)
         self._build()
@@ -289,12 +294,15 @@ class SentencePieceTokenizer(BaseTokenizer):
 
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (no special tokens; no normal form, which needs text)."""
-        return self._encode(bytes(data), False, normalize=False).tolist()
+        data = bytes(data)
+        return self._encode(llama_cpp_utf8(data) if self.newlines else data, False, normalize=False).tolist()
 
     def _encode(self, data: bytes, allow_special: bool, normalize: bool = True) -> np.ndarray:
         f_start, f_end, f_token = self._fragments(data, allow_special)
         if normalize and self.normalizer:
             data, f_start, f_end = self._normalized(data, f_start, f_end, f_token)
+        if self.newlines:
+            f_start, f_end, f_token = self._newline_runs(data, f_start, f_end, f_token)
         text = f_token < 0
         first = text & (f_start == 0)
         padded = np.frombuffer(data + b"\0\0", np.uint8)
@@ -314,6 +322,20 @@ class SentencePieceTokenizer(BaseTokenizer):
                              self._p_keys, self._p_vals,
                              self._byte_token, out)
         return out[:k].astype(np.int32)
+
+    def _newline_runs(self, data: bytes, f_start, f_end, f_token):
+        """The text fragments cut into runs of newlines and runs of other bytes; a run of newlines that is a
+        token becomes that token's fragment (step 2, `newlines`)."""
+        spans = []
+        for s, e, t in zip(f_start.tolist(), f_end.tolist(), f_token.tolist()):
+            if t >= 0:
+                spans.append((s, e, t))
+                continue
+            for run in NEWLINE_RUNS.finditer(data, s, e):
+                a, b = run.span()
+                spans.append((a, b, self.find(run.group().decode()) if data[a] == 0x0A else -1))
+        arr = np.array(spans, np.int64).reshape(-1, 3)
+        return arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
 
     def _fragments(self, data: bytes, allow_special: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(start, end, token) of each fragment of data: a special token's id, or -1 for text (step 1)."""
@@ -383,8 +405,11 @@ class SentencePieceTokenizer(BaseTokenizer):
                 s = " " + s
             s = s.replace(" ", METASPACE)
             pieces = [s] if not self.split else split_before_metaspace(s)
+            if self.newlines:
+                pieces = [run for p in pieces for run in regex.findall(r"\n+|[^\n]+", p)]
             for piece in pieces:
-                out += self._merge_reference(piece.encode("utf-8", "surrogatepass"))
+                whole = self.find(piece) if self.newlines and set(piece) == {"\n"} else -1
+                out += [whole] if whole >= 0 else self._merge_reference(piece.encode("utf-8", "surrogatepass"))
         return out
 
     def _merge_reference(self, data: bytes) -> list[int]:
@@ -442,6 +467,8 @@ class SentencePieceTokenizer(BaseTokenizer):
                 d[key] = value
         if self.stops:
             d["stops"] = list(self.stops)
+        if self.newlines:
+            d["newlines"] = True
         return d
 
     @classmethod
@@ -465,7 +492,7 @@ class SentencePieceTokenizer(BaseTokenizer):
             if merges.size and (merges.ndim != 2 or merges.shape[1] != 2):
                 raise UserError("tokenizer.json: \"merges\" must be a list of [left id, right id] pairs")
         for key, kind in (("prefix", str), ("split", bool), ("normalizer", str), ("eos", str), ("bos", str),
-                          ("chat_template", str)):
+                          ("chat_template", str), ("newlines", bool)):
             if d.get(key) is not None and not isinstance(d[key], kind):
                 raise UserError(f"tokenizer.json: \"{key}\" must be a {kind.__name__}")
         stops = d.get("stops", [])
@@ -473,7 +500,7 @@ class SentencePieceTokenizer(BaseTokenizer):
             raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
         tok = cls(tokens, types, scores, merges, d.get("prefix", "none"),
                   d.get("split", False), d.get("normalizer"), d.get("eos"), d.get("bos"), d.get("chat_template"),
-                  stops)
+                  stops, d.get("newlines", False))
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
             raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']!r:.20} disagrees with its {tok.vocab_size} tokens")
         return tok
@@ -493,6 +520,9 @@ class SentencePieceTokenizer(BaseTokenizer):
         whose join is a token, in rank order), CONTROL / UNKNOWN / USER_DEFINED tokens as added tokens (special
         or not), spaces as "▁" by the normalizer (prefix "every": Prepend, as Llama-2's) or a Metaspace
         pre-tokenizer, decoders back to text."""
+        if self.newlines:
+            raise UserError("cannot export Gemma 4's newline rule (a run of newlines that is a token stays whole) "
+                            "to Hugging Face's format")
         if self.scores is not None and self._score_pairs()[2]:
             raise UserError("cannot export: some tokens hold characters that are not tokens themselves, which the "
                             "Hugging Face BPE cannot merge as llama.cpp does")
@@ -539,6 +569,34 @@ def numbers(values, kinds: str, what: str) -> np.ndarray:
     if arr is None or arr.size and arr.dtype.kind not in kinds:
         raise UserError(f"tokenizer.json: {what}")
     return arr
+
+
+def llama_cpp_utf8(data: bytes) -> bytes:
+    """data with each byte that starts no UTF-8 character (read by its lead byte's high bits and continuation
+    bytes, as llama.cpp's unicode_cpts_from_utf8 reads them) replaced by U+FFFD, one per byte.
+    llama_cpp_utf8(b"a\\xe2\\x82b") -> b'a\\xef\\xbf\\xbd\\xef\\xbf\\xbdb'"""
+    try:
+        data.decode("utf-8")
+        return data
+    except UnicodeDecodeError:
+        pass
+    out, at = [], 0
+    while at < len(data):
+        n = utf8_length(data, at)
+        out.append(data[at:at + n] if n else b"\xef\xbf\xbd")
+        at += n or 1
+    return b"".join(out)
+
+
+def utf8_length(data: bytes, at: int) -> int:
+    """The length of the UTF-8 character at data[at] as llama.cpp's unicode_cpt_from_utf8 reads it (the lead
+    byte's high bits and continuation bytes only: no check of overlong forms or surrogates), 0 if it reads none.
+    utf8_length(b"\\xc3\\xa9", 0) -> 2;  utf8_length(b"\\xc3a", 0) -> 0;  utf8_length(b"\\xed\\xa0\\x80", 0) -> 3"""
+    b = data[at]
+    n = 1 if b < 0x80 else 0 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 0
+    if n == 0 or at + n > len(data) or any(c & 0xC0 != 0x80 for c in data[at + 1:at + n]):
+        return 0
+    return n
 
 
 def split_before_metaspace(s: str) -> list[str]:

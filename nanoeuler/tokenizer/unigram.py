@@ -47,7 +47,7 @@ from ..errors import UserError
 from .base import BaseTokenizer
 from .charsmap import Charsmap
 from .sentencepiece import (BYTE, BYTE_PIECES, CONTROL, METASPACE, NORMAL, NORMALIZERS, TYPE_NAMES, UNKNOWN, UNUSED,
-                            USER_DEFINED, numbers, split_before_metaspace, split_specials)
+                            USER_DEFINED, numbers, split_before_metaspace, split_specials, utf8_length)
 
 KIND = "unigram"
 FORMAT, VERSION = "nanoeuler-unigram", 1
@@ -89,17 +89,6 @@ def viterbi(s: str, find, scores: list[float], longest: int, unk_score: float) -
             out.append((a, end, t))
         end = a
     return out[::-1]
-
-
-def utf8_length(data: bytes, at: int) -> int:
-    """The length of the UTF-8 character at data[at] as llama.cpp's unicode_cpt_from_utf8 reads it (the lead
-    byte's high bits and continuation bytes only), 0 if it reads none.
-    utf8_length(b"\\xc3\\xa9", 0) -> 2;  utf8_length(b"\\xc3a", 0) -> 0"""
-    b = data[at]
-    n = 1 if b < 0x80 else 0 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 0
-    if n == 0 or at + n > len(data) or any(c & 0xC0 != 0x80 for c in data[at + 1:at + n]):
-        return 0
-    return n
 
 
 def merge_spaces_of(data: bytes, prefix: bool, merge: bool) -> bytes:
