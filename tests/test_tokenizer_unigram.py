@@ -169,3 +169,17 @@ def test_the_llama_cpp_form_is_not_exported():
     assert tok.encode(" a  a") == [1, 1]
     with pytest.raises(UserError, match="cannot export"):
         tok.to_hf_json()
+
+
+def test_compiled_cut_equals_the_readable_viterbi(hf, corpus):
+    """encode (unigram_fast's byte Viterbi) == encode_reference (the readable one on characters), both rules, on
+    a vocabulary with tied scores (the first cut found must win in both)."""
+    rng = np.random.default_rng(0)
+    d = json.loads(hf.to_str())
+    d["model"]["vocab"] = [[p, float(np.round(s)) if rng.random() < 0.5 else s] for p, s in d["model"]["vocab"]]
+    ours = from_hf_json(d)
+    gguf_like = UnigramTokenizer(ours.tokens, np.where(ours.types == 3, 3, 1), ours.scores, ours.unk,
+                                 charsmap=tiny_charsmap({b"A": b"a", b"\t": b" ", b"\xef\xbd\x94": b"t"}))
+    for tok in (ours, gguf_like):
+        for t in texts(corpus)[::3]:
+            assert tok.encode(t) == tok.encode_reference(t), (tok.normalization, t)

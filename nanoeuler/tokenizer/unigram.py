@@ -44,6 +44,8 @@ import numpy as np
 import regex
 
 from ..errors import UserError
+from . import spm_fast as sf
+from . import unigram_fast as uf
 from .base import BaseTokenizer
 from .charsmap import Charsmap
 from .sentencepiece import (BYTE, BYTE_PIECES, CONTROL, METASPACE, NORMAL, NORMALIZERS, TYPE_NAMES, UNKNOWN, UNUSED,
@@ -153,23 +155,38 @@ class UnigramTokenizer(BaseTokenizer):
     def _build(self) -> None:
         """The tables of the cut: which tokens it may use, their scores, the unknown's score."""
         llama = self.normalization == "llama.cpp"
-        usable = np.isin(self.types, (NORMAL, USER_DEFINED, UNUSED)) if llama else self.types != UNUSED
-        self._find = dict(self.ids)
-        for i in np.flatnonzero(~usable).tolist():
-            del self._find[self.tokens[i]]
-        scores = np.where(self.types == USER_DEFINED, 0.0, self.scores) if llama else self.scores
-        self._scores = scores.tolist()
+        self._usable = np.isin(self.types, (NORMAL, USER_DEFINED, UNUSED)) if llama else self.types != UNUSED
+        self._scores = np.where(self.types == USER_DEFINED, 0.0, self.scores) if llama else self.scores
         pool = self.scores[self.types == NORMAL] if llama else self.scores
         self._unk_score = float(pool.min(initial=np.inf) if pool.size else 0.0) - UNKNOWN_PENALTY
-        self._longest = max(map(len, self._find), default=1)
+        raw = [t.encode("utf-8", "surrogatepass") for t in self.tokens]
+        lengths = np.fromiter(map(len, raw), np.int64, len(raw))
+        self._blob = np.frombuffer(b"".join(raw), np.uint8)
+        self._ends = np.cumsum(lengths)
+        self._starts = self._ends - lengths
+        self._t_keys, self._t_vals = sf.table(len(raw))
+        sf.text_table(self._blob, self._starts, self._ends, self._t_keys, self._t_vals)   # ids checked unique
+        self._longest = int(lengths[self._usable].max(initial=1))
+        self._p_keys, self._p_vals = sf.table(int(lengths[self._usable].sum()))
+        uf.prefix_table(self._blob, self._starts, self._ends, self._usable, self._p_keys, self._p_vals)
         user = [self.tokens[i].encode("utf-8", "surrogatepass") for i in np.flatnonzero(self.types == USER_DEFINED)]
         self._user_prefixes = {t[:k] for t in user for k in range(1, len(t) + 1)}
+        u_lengths = np.fromiter(map(len, user), np.int64, len(user))
+        self._user = (np.frombuffer(b"".join(user) or b"\0", np.uint8), np.cumsum(u_lengths) - u_lengths,
+                      np.cumsum(u_lengths))
+        if self.charsmap is None:
+            self._charsmap_arrays = np.zeros(0, np.int64), np.zeros(1, np.uint8), 4
+        else:
+            cuts = np.flatnonzero(np.frombuffer(self.charsmap.replacements, np.uint8) == 0)
+            self._charsmap_arrays = (np.array(self.charsmap.units, np.int64),
+                                     np.frombuffer(self.charsmap.replacements, np.uint8),
+                                     max(4, int(np.diff(cuts, prepend=-1).max(initial=0))))
         self._user_longest = max(map(len, user), default=0)
         plain = bytes(c for c in range(1, 128)              # ASCII bytes that start no user token, no charsmap rule
                       if c not in {t[0] for t in user} and not (self.charsmap and self.charsmap.leads(c)))
         self._plain = regex.compile(b"[" + regex.escape(plain) + b"]+") if plain else None
         self._splitters: dict[bool, list[tuple[bytes, int]]] = {}
-        self._pieces: dict[str, list[int]] = {}
+        self._pieces: dict[bytes, list[int]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -201,10 +218,10 @@ class UnigramTokenizer(BaseTokenizer):
             if isinstance(f, int):
                 out.append(f)
             elif self.normalization == "llama.cpp":
-                out += self._cut(self.normalize_llama_cpp(f).decode("utf-8", "surrogateescape"))
+                out += self._cut(self._normalize_fast(f))
             else:
                 for piece in self.pieces_hf(f.decode("utf-8", "replace"), first=i == 0):
-                    out += self._cut(piece)
+                    out += self._cut(piece.encode())
         return out
 
     def _splitter(self, allow_special: bool) -> list[tuple[bytes, int]]:
@@ -240,6 +257,15 @@ class UnigramTokenizer(BaseTokenizer):
             at += k
         return merge_spaces_of(b"".join(out), self.add_space_prefix, self.merge_spaces)
 
+    def _normalize_fast(self, data: bytes) -> bytes:
+        """normalize_llama_cpp, compiled (unigram_fast.normalize) but for the whitespace rule."""
+        units, replacements, widest = self._charsmap_arrays
+        out = np.empty(len(data) * widest + 4, np.uint8)
+        k = uf.normalize(np.frombuffer(data, np.uint8), units, replacements, *self._user, out)
+        if k < 0:
+            raise UserError("the precompiled charsmap is damaged (its trie or a replacement points outside it)")
+        return merge_spaces_of(out[:k].tobytes(), self.add_space_prefix, self.merge_spaces)
+
     def pieces_hf(self, text: str, first: bool) -> list[str]:
         """Step 2, Hugging Face's rule: the normal form, then Metaspace."""
         if self.form:
@@ -250,26 +276,53 @@ class UnigramTokenizer(BaseTokenizer):
             text = METASPACE + text
         return split_before_metaspace(text) if self.split else [text] if text else []
 
-    def _cut(self, piece: str) -> list[int]:
-        """Step 3 on one piece (remembered: pieces recur)."""
+    def _cut(self, piece: bytes) -> list[int]:
+        """Step 3 on one piece's bytes, compiled (unigram_fast.viterbi); a short piece is remembered (they recur:
+        Hugging Face's words; llama.cpp cuts a whole fragment at once)."""
         ids = self._pieces.get(piece)
         if ids is None:
-            if len(self._pieces) >= CACHE_PIECES:
-                self._pieces.clear()
-            ids = self._pieces[piece] = self._viterbi_ids(piece)
+            buf = np.frombuffer(piece, np.uint8)
+            spans = np.empty((len(piece), 3), np.int64)
+            k = uf.viterbi(buf, self._t_keys, self._t_vals, self._blob, self._starts, self._ends, self._p_keys,
+                           self._p_vals, self._usable, self._scores, self._longest, self._unk_score, spans)
+            ids = spans[:k, 2].tolist() if (spans[:k, 2] >= 0).all() else self._spelled(spans[:k].tolist(), piece)
+            if len(piece) <= 64:
+                if len(self._pieces) >= CACHE_PIECES:
+                    self._pieces.clear()
+                self._pieces[piece] = ids
         return ids
 
-    def _viterbi_ids(self, piece: str) -> list[int]:
-        unk = self.ids[self.unk]
-        out = []
-        for a, b, t in viterbi(piece, lambda p: self._find.get(p, -1), self._scores, self._longest, self._unk_score):
+    def _spelled(self, spans: list[tuple[int, int, int]], piece: bytes) -> list[int]:
+        """The ids of a cut: an unknown run as the unknown token, or with byte_fallback as its bytes' tokens
+        (all of them in the vocabulary, else the unknown token)."""
+        unk, out = self.ids[self.unk], []
+        for a, b, t in spans:
             if t >= 0:
                 out.append(t)
             elif self.byte_fallback:
-                spelled = [self.ids.get(BYTE_PIECES[c]) for c in piece[a:b].encode("utf-8", "surrogateescape")]
+                spelled = [self.ids.get(BYTE_PIECES[c]) for c in piece[a:b]]
                 out += spelled if None not in spelled else [unk]
             else:
                 out.append(unk)
+        return out
+
+    def encode_reference(self, text: str, allow_special: bool = False) -> list[int]:
+        """encode, by the readable `viterbi` on characters (slow; the tests hold encode equal to it)."""
+        find = {t: i for i, t in enumerate(self.tokens) if self._usable[i]}
+        scores, longest = self._scores.tolist(), max(map(len, find), default=1)
+        out: list[int] = []
+        frags = split_specials(text.encode("utf-8", "surrogatepass"), self._splitter(allow_special))
+        for i, f in enumerate(frags):
+            if isinstance(f, int):
+                out.append(f)
+                continue
+            pieces = ([self.normalize_llama_cpp(f).decode("utf-8", "surrogateescape")]
+                      if self.normalization == "llama.cpp" else self.pieces_hf(f.decode("utf-8", "replace"), i == 0))
+            for piece in pieces:
+                spans = viterbi(piece, lambda p: find.get(p, -1), scores, longest, self._unk_score)
+                raw = piece.encode("utf-8", "surrogateescape")
+                at = [len(piece[:a].encode("utf-8", "surrogateescape")) for a in range(len(piece) + 1)]
+                out += self._spelled([(at[a], at[b], t) for a, b, t in spans], raw)
         return out
 
     # -- decoding -----------------------------------------------------------------------------------
