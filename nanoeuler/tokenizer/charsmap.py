@@ -43,13 +43,6 @@ class Charsmap:
         u = self._unit(i)
         return (u >> 10) << ((u & (1 << 9)) >> 6)
 
-    def leads(self, c: int) -> bool:
-        """Whether some source in the trie starts with byte c (1..255).  leads(ord("a")) -> False for T5's map"""
-        if not self.units:
-            return False
-        node = self._base(0) ^ c
-        return 0 <= node < len(self.units) and self.units[node] & ((1 << 31) | 0xFF) == c
-
     def longest_match(self, data: bytes, at: int) -> tuple[int, bytes] | None:
         """(length, replacement) of the longest source in the trie that data[at:] starts with; None if none."""
         if not self.units:

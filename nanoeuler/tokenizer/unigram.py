@@ -41,7 +41,6 @@ import unicodedata
 from collections.abc import Iterable
 
 import numpy as np
-import regex
 
 from ..errors import UserError
 from . import spm_fast as sf
@@ -182,9 +181,6 @@ class UnigramTokenizer(BaseTokenizer):
                                      np.frombuffer(self.charsmap.replacements, np.uint8),
                                      max(4, int(np.diff(cuts, prepend=-1).max(initial=0))))
         self._user_longest = max(map(len, user), default=0)
-        plain = bytes(c for c in range(1, 128)              # ASCII bytes that start no user token, no charsmap rule
-                      if c not in {t[0] for t in user} and not (self.charsmap and self.charsmap.leads(c)))
-        self._plain = regex.compile(b"[" + regex.escape(plain) + b"]+") if plain else None
         self._splitters: dict[bool, list[tuple[bytes, int]]] = {}
         self._pieces: dict[bytes, list[int]] = {}
 
@@ -237,11 +233,6 @@ class UnigramTokenizer(BaseTokenizer):
         """Step 2, llama.cpp's rule: data -> the normalized bytes, spaces as "▁"."""
         out, at, n = [], 0, len(data)
         while at < n:
-            run = self._plain.match(data, at) if self._plain is not None else None
-            if run:                                    # bytes no rule touches, copied at once
-                out.append(run.group())
-                at = run.end()
-                continue
             k = next((k for k in range(min(self._user_longest, n - at), 0, -1)
                       if data[at:at + k] in self._user_prefixes), 0)
             match = None if k or self.charsmap is None else self.charsmap.longest_match(data, at)
