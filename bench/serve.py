@@ -40,6 +40,11 @@ threads; ours with --threads too, and once more with --prompt-cache-mib 0 (the c
 (f32 -> float32, q8_0 -> q8_0), then llama.cpp's own server on our GGUF export at that type (`llama-server
 -np 16`, continuous batching, --threads threads, each sequence the model's ctx_len), the same clients and
 requests (`ignore_eos`), and `ours / llama-server`: our tok/s ÷ its tok/s at each level.
+--response-format measures the cost of constrained decoding: each level runs four times on the same server,
+without, with, with and without the response_format (ABBA: a drift of the machine's load weighs on both alike),
+and `grammar / plain` is the tok/s with it over the tok/s without (the means of the two runs each). Its
+default, LONG_TEXT, is a JSON schema whose one string must be longer than any reply (so every reply runs its
+--tokens, as without); any response_format object may be given as JSON instead.
 Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
 
     .venv/bin/python bench/serve.py --ckpt runs/small --preset big          # trained small + big (random init)
@@ -47,6 +52,8 @@ Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeou
     .venv/bin/python bench/serve.py --clients 1,16 --engine --llama-server path/to/llama-server
     .venv/bin/python bench/serve.py --http-cost [--llama-server path/to/llama-server]   # big, f32 and q8_0
     .venv/bin/python bench/serve.py --fairness --tokens 40       # a short request alone and beside a long one
+    .venv/bin/python bench/serve.py --preset '' --ckpt .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --clients 1,16 --response-format                         # decoding with a grammar against without
     .venv/bin/python bench/serve.py --multi-turn --preset '' --ckpt .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --llama-server /tmp/llama-build/bin/llama-server           # a 12-turn chat; 16 clients, one system prompt
 """
@@ -74,6 +81,8 @@ from nanoeuler.interop.gguf_export import LLAMA_CPP_NAMES as OURS  # noqa: E402 
 TEXT_START = 2000  # prompts are slices of the bundled Shakespeare from here on
 ENGINE_SERVER = "--engine-server"  # argv[1] of this script run as engine_server (by --http-cost)
 REST = 0.1  # seconds --http-cost leaves the server idle before each timed run (see http_cost)
+LONG_TEXT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": {   # --response-format's default
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 100000}}, "required": ["text"]}}}
 
 
 def preset_checkpoint(name: str, out: Path, tokenizer: str | None) -> Path:
@@ -144,12 +153,13 @@ def stop(proc) -> None:
         proc.kill()
 
 
-def completion_request(prompt: str, tokens: int, seed: int, temperature: float = 0.8) -> dict:
+def completion_request(prompt: str, tokens: int, seed: int, temperature: float = 0.8, extra: dict | None = None) -> dict:
     """The body of every benchmark request: a streamed completion of exactly `tokens` tokens (ignore_eos),
     its usage in the last chunk; llama-server computes every prompt afresh (cache_prompt, which ours ignores:
-    else a repeated prompt would come from its cache)."""
+    else a repeated prompt would come from its cache). extra: more fields (--response-format)."""
     return {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": temperature, "seed": seed,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, "cache_prompt": False}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, "cache_prompt": False,
+            **(extra or {})}
 
 
 def raw_stream(url: str, prompt: str, tokens: int, seed: int, timeout: float, temperature: float = 0.8) -> dict:
@@ -194,8 +204,12 @@ def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: li
     rows = []
     try:
         asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout))  # warm-up
+        if args.response_format:
+            asyncio.run(level(url, 1, 1, 4, prompts, args.level_timeout, args.response_format))
         for c in levels:
             rows.append(asyncio.run(level(url, c, args.requests, args.tokens, prompts, args.level_timeout)))
+            if args.response_format:
+                rows[-1] = with_grammar(url, rows[-1], c, args, prompts)
             print(f"  {name}: {c} clients done", file=sys.stderr, flush=True)
         if args.engine and rows and rows[0]["clients"] == 1:
             rows[0]["raw"] = raw_level(url, args, prompts)
@@ -208,6 +222,21 @@ def serve_levels(proc, url: str, name: str, levels: list[int], args, prompts: li
     for r in rows:
         r["x1"] = r["tok_s"] / base if base else None
     return rows
+
+
+def with_grammar(url: str, plain: dict, clients: int, args, prompts: list[str]) -> dict:
+    """The level `plain` measured without --response-format, run again with it twice and without it once more
+    (ABBA) -> the plain row (its tok/s the mean of both runs) with "grammar": the row with it (mean tok/s) and
+    "grammar_ratio": grammar tok/s / plain tok/s."""
+    run = lambda extra=None: asyncio.run(level(url, clients, args.requests, args.tokens, prompts,  # noqa: E731
+                                               args.level_timeout, extra))
+    grammar = [run(args.response_format), run(args.response_format)]
+    second = run()
+    plain_tok_s = (plain["tok_s"] + second["tok_s"]) / 2
+    row = dict(grammar[0], tok_s=(grammar[0]["tok_s"] + grammar[1]["tok_s"]) / 2,
+               errors=grammar[0]["errors"] + grammar[1]["errors"])
+    return dict(plain, tok_s=plain_tok_s, errors=plain["errors"] + second["errors"], grammar=row,
+                grammar_ratio=row["tok_s"] / plain_tok_s if plain_tok_s else None)
 
 
 def llama_server_rows(ckpt: Path, label: str, gguf_type: str, levels: list[int], args, prompts: list[str],
@@ -228,8 +257,8 @@ def llama_server_rows(ckpt: Path, label: str, gguf_type: str, levels: list[int],
         path.unlink()
 
 
-async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dict:
-    body = completion_request(prompt, tokens, seed)
+async def one_stream(http, url: str, prompt: str, tokens: int, seed: int, extra: dict | None = None) -> dict:
+    body = completion_request(prompt, tokens, seed, extra=extra)
     t0 = time.perf_counter()
     stamps, n_tokens, done, status = [], 0, False, None
     try:
@@ -259,13 +288,14 @@ async def one_stream(http, url: str, prompt: str, tokens: int, seed: int) -> dic
             "gaps": list(np.diff(stamps)), "tpot": tpot, "t_end": time.perf_counter()}
 
 
-async def level(url: str, clients: int, requests: int, tokens: int, prompts: list[str], timeout: float) -> dict:
+async def level(url: str, clients: int, requests: int, tokens: int, prompts: list[str], timeout: float,
+                extra: dict | None = None) -> dict:
     import httpx
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         async def client(i):
-            return [await one_stream(http, url, prompts[(i * requests + j) % len(prompts)], tokens, i * 1000 + j)
-                    for j in range(requests)]
+            return [await one_stream(http, url, prompts[(i * requests + j) % len(prompts)], tokens, i * 1000 + j,
+                                     extra) for j in range(requests)]
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(clients))), timeout)
                    for r in rs]
@@ -659,6 +689,9 @@ def main() -> int:
                     "checkpoint imported from a GGUF served as its file holds it, by both)")
     ap.add_argument("--threads", type=int, default=2, help="llama-server's threads (default 2)")
     ap.add_argument("--np", type=int, default=16, help="llama-server's parallel sequences, -np (default 16)")
+    ap.add_argument("--response-format", nargs="?", const=json.dumps(LONG_TEXT), default=None, type=json.loads,
+                    metavar="JSON", help="also each level with this response_format (default LONG_TEXT, a JSON "
+                                         "schema no reply finishes), side by side: the cost of a grammar")
     ap.add_argument("--quick", action="store_true", help="a smoke run: big only, 1 and 16 clients")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args()
@@ -734,6 +767,12 @@ def main() -> int:
                   f"{r['itl_p50_ms']:>6.1f}ms {r['itl_p99_ms']:>6.1f}ms {r['errors']:>7} {r['rejected_429']:>5}")
             for e in r["error_examples"]:
                 print(f"{'':>8} error: {e}")
+            if r.get("grammar"):
+                g = r["grammar"]
+                print(f"{'grammar':>8} {g['tok_s']:>8.1f} {r['grammar_ratio']:>6.3f} {g['ttft_p50_ms']:>7.0f}ms "
+                      f"{g['ttft_p99_ms']:>6.0f}ms {g['tpot_p50_ms']:>7.1f}ms {g['tpot_p99_ms']:>6.1f}ms "
+                      f"{g['itl_p50_ms']:>6.1f}ms {g['itl_p99_ms']:>6.1f}ms {g['errors']:>7} {g['rejected_429']:>5}"
+                      f"   (x1 column: tok/s with the grammar / without)")
         for r in report.get("engine", {}).get(name, []):
             print(f"{'engine':>8} {r['clients']:>3} jobs: {r['tok_s']:>8.1f} tok/s wall, {r['cpu_tok_s']:>8.1f} tok/s "
                   f"of CPU time (x{r['x1_cpu'] or 0:.2f})")
