@@ -23,6 +23,7 @@ Every architecture here is one transformer, differing only in the choices this r
 | qwen3  | rms   | swiglu | RoPE                  | none          | yes      |            |           |
 | mistral| rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gemma3 | rms   | geglu  | RoPE, local and global| none          | yes      | yes        | yes       |
+| gemma2 | rms   | geglu  | RoPE, every other layer windowed, soft caps | none |  | yes   | yes       |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 
@@ -72,7 +73,9 @@ class Format:
     (llama.cpp's `llama`, for Llama 3.x; its qwen2, qwen3, gemma3 read none).
     A Hugging Face folder's files, as the format writes them (Llama-style, or GPT-2's):
     config: Config field -> its config.json keys: the first one given is read and any other given must agree
-    (GPT-2's n_ctx beside n_positions; query_pre_attn_scalar beside head_dim); export writes them all;
+    (GPT-2's n_ctx beside n_positions; query_pre_attn_scalar beside head_dim); export writes them all
+    (a GGUF format's: the Config numbers it reads and writes under `{arch}.` besides the common ones, Granite's
+    multipliers);
     config_fixed: keys export writes with these values, which make transformers compute what we compute;
     activation_keys: the keys export names the MLP's activation under;
     prefix: the prefix of its tensors in the weights file, lm_head's excepted (GPT-2's `transformer.`), which
@@ -124,6 +127,8 @@ class Arch:
     qk_norm: bool = False        # RMSNorm of each head of q and k (weights [head_dim]) before RoPE
     post_norms: bool = False     # a norm on the attention's and the MLP's output before the residual add
     embed_scale: bool = False    # the looked-up embedding times √dim (not the tied head)
+    rope_scales_windows: bool = False   # RoPE scaling applies to the windowed layers too (Gemma 2: one rotary
+                                        # embedding; Gemma 3 scales its global layers only)
     defaults: dict = field(default_factory=dict)   # Config fields a config.json may leave out
     hf: Format | None = None
     gguf: Format | None = None
@@ -224,6 +229,7 @@ MISTRAL = Arch(
               absent={"norm_eps": 1e-6, "sliding_window": 4096}),
     gguf=EULER.gguf, lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
+_QK_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight")
 GEMMA3 = Arch(
     "gemma3", mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True,
     defaults={"rope_theta": 1000000.0, "rope_local_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": True,
@@ -244,6 +250,23 @@ GEMMA3 = Arch(
         _e("blk.{i}.post_attention_norm.weight", "attn_post_norm.weight"),
         _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"), *_GGUF_MLP,
         _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight")), width_scaled_at=(62,)),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+# Gemma 2: Gemma 3's block without q/k norms, every other layer windowed at one RoPE base, attention scores and
+# final logits soft-capped (the Config's attn_softcap, logit_softcap; llama.cpp's gemma2 always caps, 50 / 30
+# where the file says nothing, and its head is always the embedding: the table has no `output`)
+_GEMMA2_HF_CONFIG = {f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {
+    "attn_softcap": ("attn_logit_softcapping",), "logit_softcap": ("final_logit_softcapping",)}
+GEMMA2 = Arch(
+    "gemma2", mlp="geglu", post_norms=True, embed_scale=True, rope_scales_windows=True,
+    defaults={"rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": True, "sliding_window": 4096,
+              "global_every": 2, "attn_softcap": 50.0, "logit_softcap": 30.0},
+    hf=Format("gemma2", _HF_GLOBALS, tuple(e for e in GEMMA3.hf.layer if e.ours[0] not in _QK_NORMS),
+              aliases=("Gemma2ForCausalLM",), norm_offset=1.0, config=_GEMMA2_HF_CONFIG, config_fixed=_HF_FIXED,
+              activation_keys=_HF_ACTIVATION, absent={"head_dim": 256}),
+    gguf=Format("gemma2", _GGUF_GLOBALS[:2], tuple(e for e in GEMMA3.gguf.layer if e.ours[0] not in _QK_NORMS),
+                width_scaled_at=(46,), config={"attn_softcap": ("attn_logit_softcapping",),
+                                               "logit_softcap": ("final_logit_softcapping",)}),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 _GPT2_QKV = ("attn.wq", "attn.wk", "attn.wv")
@@ -298,7 +321,7 @@ STARCODER2 = Arch(
         "c_fc": [("ffn.fc", ("ffn.fc",))], "c_proj": [("ffn.proj", ("ffn.proj",))]},
     lora_defaults=("q", "k", "v", "o", "c_fc", "c_proj"))
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GPT2, STARCODER2)}
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, GPT2, STARCODER2)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

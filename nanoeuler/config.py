@@ -37,7 +37,8 @@ class Config:
     sliding_window: int | None = None      # windowed layers attend to their last this many positions (0: none)
     global_every: int | None = None        # with a window: layer i attends globally iff (i + 1) % this == 0
                                            # (0: every layer windowed)
-    # RoPE scaling of the global layers (windowed ones keep plain RoPE at rope_local_theta, as Gemma 3's):
+    # RoPE scaling of the global layers (windowed ones keep plain RoPE at rope_local_theta, as Gemma 3's, unless
+    # the architecture's rope_scales_windows: every layer, Gemma 2's):
     # "none"; "linear" (every frequency / rope_factor); "llama3" (transformers' rope_type llama3, from
     # rope_factor, the two freq factors and rope_original_ctx); "factors" (frequency i / rope_freq_factors[i],
     # llama.cpp's rope_freqs tensor when it is not llama3's). The one entry point: layer_freqs.
@@ -47,6 +48,9 @@ class Config:
     rope_high_freq_factor: float | None = None
     rope_original_ctx: int | None = None       # original_max_position_embeddings
     rope_freq_factors: tuple[float, ...] | None = None
+    # soft caps (Gemma 2): the attention scores and the final logits x become cap·tanh(x / cap); 0: none
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
     # None: the architecture's default (arch.Arch.defaults), else DEFAULTS below
 
     def __post_init__(self):
@@ -79,6 +83,11 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT_MAX:
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
             object.__setattr__(self, name, float(value))
+        for name in ("attn_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= FLOAT_MAX:
+                raise UserError(f"config: {name} must be a finite number >= 0 (0: none), got {value!r:.60}")
+            object.__setattr__(self, name, float(value))
         self._check_rope_scaling()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
@@ -107,7 +116,7 @@ class Config:
             object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
         if kind != "none" and self.spec.positions != "rope":
             raise UserError(f"config: rope_scaling {kind} for arch {self.arch}, which has no RoPE")
-        if kind != "none" and self.sliding_window and not self.global_every:
+        if kind != "none" and self.sliding_window and not self.global_every and not self.spec.rope_scales_windows:
             raise UserError(f"config: rope_scaling {kind} scales the global layers, and every layer is windowed")
 
     def _defaults(self) -> dict:
@@ -133,12 +142,14 @@ class Config:
 
     def layer_freqs(self, layer: int) -> np.ndarray | None:
         """The RoPE inverse frequencies [head_dim/2] (float64) of layer `layer`, None without RoPE: the one place
-        every engine's cos/sin tables come from. Windowed layers: plain RoPE at rope_local_theta; the others:
-        rope_theta with the scaling of the rope_* fields (see the fields' comment)."""
+        every engine's cos/sin tables come from. Windowed layers: RoPE at rope_local_theta, plain unless the
+        architecture's rope_scales_windows; the others: rope_theta with the scaling of the rope_* fields (see the
+        fields' comment)."""
         if self.spec.positions != "rope":
             return None
         if self.window(layer):
-            return inv_freq(self.head_dim, self.rope_local_theta)
+            return inv_freq(self.head_dim, self.rope_local_theta,
+                            self.rope_factors() if self.spec.rope_scales_windows else None)
         return inv_freq(self.head_dim, self.rope_theta, self.rope_factors())
 
     def rope_factors(self) -> np.ndarray:
@@ -276,10 +287,10 @@ FLOAT_MAX = sys.float_info.max
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_ctx": 8192, "rope_freq_factors": None}
+            "rope_original_ctx": 8192, "rope_freq_factors": None, "attn_softcap": 0.0, "logit_softcap": 0.0}
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
-            "rope_original_ctx", "rope_freq_factors")
+            "rope_original_ctx", "rope_freq_factors", "attn_softcap", "logit_softcap")
 ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)

@@ -200,12 +200,17 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
         block_caches.append(cache)
     h, norm_cache = norm_forward(cfg, P, "norm", x, ops)  # [B, T, d]
     logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
-    return logits, (emb_cache, pos_cache, block_caches, norm_cache, h)
+    cap_cache = None
+    if cfg.logit_softcap:
+        logits, cap_cache = ops.softcap_forward(logits, cfg.logit_softcap)
+    return logits, (emb_cache, pos_cache, block_caches, norm_cache, cap_cache, h)
 
 
 def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_ops) -> dict[str, np.ndarray]:
     """dlogits [K, B, T, V] -> gradient of every parameter (a tied embedding's: the lookup's + the head's)."""
-    emb_cache, pos_cache, block_caches, norm_cache, h = caches
+    emb_cache, pos_cache, block_caches, norm_cache, cap_cache, h = caches
+    if cap_cache is not None:
+        dlogits = ops.softcap_backward(dlogits, cap_cache)
     grads = {}
     dh = np.zeros_like(h)
     for k in range(cfg.n_mtp):
@@ -244,7 +249,7 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     if rope is not None:
         q, c["rope_q"] = ops.rope_forward(q, *rope)
         k, c["rope_k"] = ops.rope_forward(k, *rope)
-    att, c["att"] = ops.attention_forward(q, k, v, cfg.window(i))  # [B, H, T, hd]
+    att, c["att"] = ops.attention_forward(q, k, v, cfg.window(i), cfg.attn_softcap)  # [B, H, T, hd]
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     o, c["o"] = affine_forward(att, P, p + "attn.wo", ops)  # [B, T, d]
     if a.post_norms:
@@ -378,6 +383,8 @@ def required_ops(cfg: Config) -> list[str]:
     need += ["rope"] if a.positions == "rope" else ["position"]
     if a.qkv_bias or a.out_bias:
         need.append("bias")
+    if cfg.attn_softcap or cfg.logit_softcap:
+        need.append("softcap")
     return [f"{n}_{way}" for n in need for way in ("forward", "backward")]
 
 

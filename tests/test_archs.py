@@ -64,7 +64,11 @@ def small_config(case: str, vocab: int) -> Config:
         fields |= dict(rope_theta=5000.0, norm_eps=1e-6)
     if gguf_reads_window(a):
         every = a.defaults["global_every"]
-        fields |= dict(sliding_window=5, global_every=every, n_layers=max(3, every), rope_local_theta=1000.0)
+        fields |= dict(sliding_window=5, global_every=every, n_layers=max(3, every))
+        if "rope_local_theta" in a.hf.config:   # (Gemma 2 has one base)
+            fields["rope_local_theta"] = 1000.0
+    if a.defaults.get("attn_softcap"):          # caps that bite (Gemma 2's 50 / 30 barely touch a tiny model)
+        fields |= dict(attn_softcap=0.5, logit_softcap=2.0)
     return Config(**fields | ROPE_SCALINGS.get(rope, {}))
 
 
@@ -145,6 +149,9 @@ def test_import_logits_and_gradients_equal_torch(folders, case):
     assert_logits_equal(ours, theirs)
     if cfg.rope_scaling != "none":   # the scaling is seen: plain RoPE computes other logits (llama3: 9e-4)
         assert l2(Model(cfg.replace(rope_scaling="none"), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
+    for cap in ("attn_softcap", "logit_softcap"):   # so are the soft caps
+        if getattr(cfg, cap):
+            assert l2(Model(cfg.replace(**{cap: 0.0}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     loss, _, grads = m.loss_and_grads(ids)
     t_loss = torch_loss_backward(hf, ids)
     assert abs(loss - t_loss) <= 1e-5 * abs(t_loss)
@@ -216,9 +223,10 @@ def test_llama_cpp_runs_our_gguf_export(folders, case, tmp_path):
 
 
 # llama.cpp's convert_hf_to_gguf.py on a folder, with two things of ours said: the folder has no SentencePiece
-# tokenizer.model (the converter imports sentencepiece before looking for one), and its tokenizer, trained here
-# with GPT-2's split, splits text as GPT-2's (the converter knows a pre-tokenizer by the hash of a published
-# vocabulary's ids, which a vocabulary trained here does not have)
+# tokenizer.model (the converter imports sentencepiece before looking for one; a family whose converter reads
+# nothing else, Gemma 2's, takes the GPT-2 vocabulary path as Gemma 3's does without one), and its tokenizer,
+# trained here with GPT-2's split, splits text as GPT-2's (the converter knows a pre-tokenizer by the hash of a
+# published vocabulary's ids, which a vocabulary trained here does not have)
 CONVERT = """
 import runpy, sys
 src, folder, out = sys.argv[1:4]
@@ -227,6 +235,7 @@ import conversion.base as base
 def no_sentencepiece(self):
     raise FileNotFoundError("no tokenizer.model")
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32"]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
@@ -251,7 +260,8 @@ def test_the_gguf_llama_cpps_converter_writes_imports_and_decodes_as_llama_cpp(f
     logits, and decodes greedily the tokens llama.cpp decodes from the same file."""
     pytest.importorskip("llama_cpp")
     from nanoeuler.infer.session import generate
-    from nanoeuler.interop.gguf_import import load_gguf
+    from nanoeuler.interop.gguf_import import load_gguf, open_gguf
+    from nanoeuler.interop.hf import load_hf_folder
     from nanoeuler.interop.llamacpp import LlamaCpp
     hf, d, want = folders[case]
     path = tmp_path / "converted.gguf"
@@ -259,6 +269,10 @@ def test_the_gguf_llama_cpps_converter_writes_imports_and_decodes_as_llama_cpp(f
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     cfg, params, _, _ = load_gguf(path)
+    if f"{want.spec.gguf.name}.rope.freq_base" not in open_gguf(path).meta:   # a converter that writes no RoPE
+        # parameters (Gemma 2's): llama.cpp, and the import, take base 10000 unscaled; transformers' model of that
+        want = want.replace(rope_theta=10000.0, rope_scaling="none", rope_factor=1.0)   # RoPE, the same weights
+        hf = hf_model(want, load_hf_folder(d)[2])
     assert cfg == want.replace(arch=by_format("gguf", want.spec.gguf.name).name)
     m = Model(cfg, params)
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, T))

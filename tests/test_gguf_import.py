@@ -823,3 +823,17 @@ def test_a_rope_freqs_tensor_of_another_shape_is_refused(tmp_path, model, tok):
     path = write_gguf(tmp_path / "m.gguf", model, tok)
     wrong = rewrite_meta(path, tmp_path / "w.gguf", {}, extra_tensor=("rope_freqs.weight", np.ones((2, 16), np.float32)))
     refused(tmp_path, wrong, r"tensor rope_freqs.weight: shape \[2, 16\] \(head size 64 wants \[32\]")
+
+
+def test_the_gguf_export_refuses_soft_caps_and_heads_llama_cpp_reads_otherwise():
+    """llama.cpp's gemma2 always soft-caps (50 / 30 where the file says none) and takes the embedding as its output
+    head; its other architectures cap nothing: a model they would run otherwise is refused in one line."""
+    from nanoeuler.interop.gguf_export import check_expressible
+    g = tiny_config(arch="gemma2", n_mtp=1, sliding_window=4, attn_softcap=20.0)
+    check_expressible(g)
+    for cfg, message in [(g.replace(attn_softcap=0.0), "llama.cpp's gemma2 always soft-caps .attn_softcap 0"),
+                         (g.replace(tie_embeddings=False), "llama.cpp's gemma2 takes the embedding as its output head"),
+                         (tiny_config(n_mtp=1, logit_softcap=30.0), "llama.cpp's llama has no soft cap .logit_softcap 30")]:
+        with pytest.raises(UserError, match=message) as e:
+            check_expressible(cfg)
+        assert "\n" not in str(e.value)

@@ -22,7 +22,8 @@ from nanoeuler.interop.peft import adapter_config
 SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
           "mistral": dict(sliding_window=4), "starcoder2": dict(sliding_window=4),
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
-          "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0)}
+          "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0),
+          "gemma2": dict(sliding_window=4, attn_softcap=20.0), "gemma2+uncapped": dict(logit_softcap=0.0)}
 
 
 def test_every_architecture_has_a_shape():
@@ -93,6 +94,22 @@ def test_the_window_pattern_is_the_formats_key_else_the_architectures_default(mo
     monkeypatch.setitem(GEMMA3.defaults, "global_every", 2)
     cfg = config_from_hf(c, GEMMA3)
     assert [cfg.window(i) for i in range(4)] == [4, 0, 4, 0]
+
+
+def test_soft_caps_read_as_transformers_reads_them():
+    """Gemma 2's caps: absent, transformers' 50 / 30 (the architecture's defaults); null, none (written back as
+    null); a Llama config.json with a cap is refused in one line (Llama computes none)."""
+    gemma2 = ARCHS["gemma2"]
+    c = llama_config("gemma2", head_dim=4)
+    cfg = config_from_hf(c, gemma2)
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (50.0, 30.0)
+    cfg = config_from_hf(c | {"attn_logit_softcapping": None, "final_logit_softcapping": 10}, gemma2)
+    assert (cfg.attn_softcap, cfg.logit_softcap) == (0.0, 10.0)
+    out = hf_config(cfg, Tokenizer([]), tied=True)
+    assert out["attn_logit_softcapping"] is None and out["final_logit_softcapping"] == 10.0
+    with pytest.raises(UserError, match="attn_logit_softcapping=50.0 is not supported") as e:
+        config_from_hf(llama_config("llama", attn_logit_softcapping=50.0), ARCHS["euler"])
+    assert "\n" not in str(e.value)
 
 
 def test_gpt2s_tensors_carry_its_prefix_and_its_tokenizer_its_files(tmp_path):

@@ -276,11 +276,13 @@ def test_rows_of_several_sequences_equal_the_batched_reference(monkeypatch):
     assert rel_err(k, k2) <= 5e-5 and rel_err(v, v2) <= 5e-5  # the new keys and values where the reference put them
 
 
-def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(monkeypatch):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_a_wide_batch_shares_its_attention_between_threads_and_keeps_every_bit(monkeypatch, softcap):
     """Many rows at long positions (serve's batcher under load): the attention units go to the pool's threads
     (one pooled job more per layer than a short step), the result equals the NumPy reference, and with one
-    thread it is the same bit for bit."""
-    cfg = tiny_config(vocab_size=53, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=256, ffn_hidden=40)
+    thread it is the same bit for bit; soft-capped scores too (the cap travels in the job's descriptor)."""
+    cfg = tiny_config(vocab_size=53, dim=64, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=256, ffn_hidden=40,
+                      attn_softcap=softcap)
     m = model(cfg, seed=3)
     rng = np.random.default_rng(8)
     W = weights(m, True, monkeypatch)

@@ -166,3 +166,24 @@ def test_the_gradient_check_takes_every_small_tensor_whole_and_the_extremes_of_a
     idx = sample_indices(rng, g, 12)
     order = np.argsort(g)
     assert set(order[:EXTREMES]) | set(order[-EXTREMES:]) <= set(idx.tolist()) and 12 < len(idx) <= 12 + 2 * EXTREMES
+
+
+def test_a_backend_without_the_softcap_pair_refuses_a_capped_model():
+    """Gemma 2's soft caps go through the ops' softcap pair (ops/softcap.py) and the attention op's cap, which the
+    GPU's kernels do not compute: it refuses such a model in one line (and its attention a cap), rather than
+    computing another model."""
+    import types
+
+    from nanoeuler import model as M, ops
+    from nanoeuler.gpu.ops import GpuOps
+    assert not hasattr(GpuOps, "softcap_forward")
+    no_cap = types.SimpleNamespace(**{n: getattr(ops, n) for n in ops.__all__ if not n.startswith("softcap")})
+    ids = np.zeros((1, 4), dtype=np.int64)
+    gemma2 = ARCH_CHECK_CONFIGS["gemma2"]
+    for cfg in (gemma2, gemma2.replace(logit_softcap=0.0), gemma2.replace(attn_softcap=0.0)):
+        with pytest.raises(UserError, match="arch gemma2 cannot run on this backend .no softcap_forward") as e:
+            M.forward(cfg, Model.init(cfg).params, ids, ops=no_cap)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="the GPU's attention has no soft-capping"):
+        GpuOps.attention_forward(None, None, None, None, 0, 1.0)
+

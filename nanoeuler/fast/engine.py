@@ -14,7 +14,8 @@ organised for speed:
   caller's buffers are laid out as `grad_buffers` makes them);
 - attention: one kernel applies RoPE and the 1/√hd scale while splitting q/k/v into heads, the four
   products are batched BLAS matmuls over the full T×T square (the G query heads of a kv head stacked, so
-  GQA needs no copies of k and v), and one kernel each does the causal softmax and its backward;
+  GQA needs no copies of k and v), and one kernel each does the causal softmax and its backward (a soft cap
+  on the scores, Gemma 2's, inside the softmax; its backward forms the scores again: one more product);
 - what backward can recompute in one cheap pass is not stored: the normed inputs of the q/k/v and
   gate/up matmuls (from the residual stream and the saved 1/rms), the MLP activation's output (from the
   kept pre-activations); a `lean` workspace (LoRA's) keeps not even those, nor the attention probabilities
@@ -59,7 +60,7 @@ PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "mu1", "mu2", "QK", "rqk", "O
                                                                    # [L, N, ...]: a[:, n0:n1]
 ROWS = ("rf", "muf", "hf", "h", "S", "qkv", "dqkv", "ds", "t", "o", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
-HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS")                        # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
+HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS", "C")                   # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
 LOGITS_BYTES = 64 << 20      # a part's logits buffer: the rows of one chunk of a head's rows (see head_rows)
 EXTRA_GRADS_BYTES = 2 << 30  # every part after the first holds a whole gradient set: at most this much in all
                              # (gpt on 16 cores would otherwise hold 15 × 466 MB)
@@ -116,6 +117,7 @@ class Workspace:
         self.dq, self.dy = e(B * Hkv, G * T, hd), e(B * Hkv, G * T, hd)  # per kv head, like q
         self.dk, self.dv = e(B * Hkv, T, hd), e(B * Hkv, T, hd)
         self.dS = e(B * Hkv, G * T, T)     # score gradients
+        self.C = e(B * Hkv, *((G * T, T) if cfg.attn_softcap else (0, 0)))  # scores before their soft cap (backward)
         # shared by the parts, refreshed from params each step: the stacked weights (float32 products only;
         # bf16 products read the packs, each stack formed only while it is packed: see _stack_weights), the
         # stacked q|k|v biases, a layer's products (arch.Arch.layer_products) and their keys
@@ -353,32 +355,37 @@ def _sum_part_grads(ws: Workspace, grads: dict, names) -> None:
 
 
 # ---- attention of one part: RoPE + head split, BLAS products, causal softmax ------------------------------
-def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_mm, window=0) -> None:
+def attention_forward(qkv, rope, qscale, n_kv_heads, q, k, v, P, y, A, mm=_blas_mm, window=0, cap=0.0) -> None:
     """qkv rows [n, (H + 2·Hkv)·hd] -> A [n, H·hd] (the input of wo). Fills q [b·Hkv, G·T, hd], k, v
     [b·Hkv, T, hd] and P [b·Hkv, G·T, T] (kept for backward); y (like q) is scratch. mm: the products.
-    window: each query sees its last `window` keys (0: all earlier ones)."""
+    window: each query sees its last `window` keys (0: all earlier ones); cap: the scores' soft cap (0: none)."""
     cos, sin = rope
     kernels.attention_split(qkv, cos, sin, qscale, n_kv_heads, q, k, v)
-    attention_probs(q, k, v, P, y, A, n_kv_heads, mm, window)
+    attention_probs(q, k, v, P, y, A, n_kv_heads, mm, window, cap)
 
 
-def attention_probs(q, k, v, P, y, A, n_kv_heads, mm=_blas_mm, window=0) -> None:
+def attention_probs(q, k, v, P, y, A, n_kv_heads, mm=_blas_mm, window=0, cap=0.0) -> None:
     """From the heads q [b·Hkv, G·T, hd], k, v [b·Hkv, T, hd]: P (the attention probabilities) and A [n, H·hd]
     (the attention output, in rows); y (like q) is scratch."""
     mm(q, k.transpose(0, 2, 1), P)                                          # scores
-    kernels.causal_softmax(P, k.shape[1], window)
+    kernels.causal_softmax(P, k.shape[1], window, cap)
+
     mm(P, v, y)                                                             # [b·Hkv, G·T, hd]
     kernels.heads_to_rows(y, n_kv_heads, A)
 
 
 def attention_backward(dA, rope, qscale, n_kv_heads, q, k, v, P, dy, dS, dq, dk, dv, dqkv, mm=_blas_mm,
-                       window=0) -> None:
+                       window=0, cap=0.0, C=None) -> None:
     """dA [n, H·hd] -> dqkv [n, (H + 2·Hkv)·hd], from what attention_forward kept (q, k, v, P);
-    dy, dq (like q), dk, dv (like k) and dS (like P) are scratch. mm: the products."""
+    dy, dq (like q), dk, dv (like k) and dS (like P) are scratch. mm: the products. cap > 0: the scores were
+    soft-capped; they are formed again in C (like P, scratch) for the cap's gradient."""
     cos, sin = rope
     kernels.rows_to_heads(dA, n_kv_heads, dy)                               # [b·Hkv, G·T, hd]
     mm(dy, v.transpose(0, 2, 1), dS)                                        # dP
     kernels.causal_softmax_backward(P, dS, k.shape[1], window)              # dS
+    if cap:
+        mm(q, k.transpose(0, 2, 1), C)                                      # the scores before the cap
+        kernels.softcap_backward(dS, C, k.shape[1], window, cap)
     mm(dS, k, dq)                                                           # [b·Hkv, G·T, hd]
     mm(dS.transpose(0, 2, 1), q, dk)                                        # [b·Hkv, T, hd] (sums the G heads)
     mm(P.transpose(0, 2, 1), dy, dv)
@@ -478,7 +485,7 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
                                     params[p + "attn.k_norm.weight"], H, eps, w.QK[i], w.rqk[i])
         j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
         attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[j], w.dq, w.A[j], ws.mm,
-                          ws.windows[i])
+                          ws.windows[i], cfg.attn_softcap)
         _output(cfg, ws, params, pr["wo"], w.A[j], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
@@ -536,7 +543,7 @@ def _head_part(cfg: Config, params: dict, ws: Workspace, w, grads, k: int, targe
         z, h = w.logits[:r1 - r0], w.hf[r0:r1]
         linear(ws, h, W, name, z)                                           # [rows, V]
         kernels.cross_entropy(z, targets[w.n0 + r0:w.n0 + r1], scales[w.n0 + r0:w.n0 + r1].astype(z.dtype),
-                              w.losses[r0:r1], grads is not None)          # z := dlogits
+                              w.losses[r0:r1], grads is not None, cfg.logit_softcap)   # z := dlogits
         if grads is not None:
             weight_grad(grads, [name], z, h, ws.mm, accumulate=c > 0)     # [V, d]
             linear_dx(ws, z, W, name, dh[r0:r1])                            # [rows, d]
@@ -588,11 +595,12 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
         do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
         if ws.lean:                                                         # P and A formed again from q, k, v
-            attention_probs(w.q[i], w.k[i], w.v[i], P, w.dy, A, Hkv, ws.mm, ws.windows[i])
+            attention_probs(w.q[i], w.k[i], w.v[i], P, w.dy, A, Hkv, ws.mm, ws.windows[i], cfg.attn_softcap)
         _output_backward(cfg, ws, params, pr["wo"], do, A, p + "attn_post_norm", w.O1, w.rp1, i, w, grads,
                          A)                                                 # dA [n, H·hd] (A is spent)
         attention_backward(A, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], P,
-                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm, ws.windows[i])  # [n, (H+2Hkv)·hd]
+                           w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm, ws.windows[i], cfg.attn_softcap,
+                           w.C)                                             # [n, (H+2Hkv)·hd]
         if a.qk_norm:
             kernels.qk_norm_backward(w.dqkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
                                      params[p + "attn.k_norm.weight"], H, w.QK[i], w.rqk[i], w.dwq, w.dwk)

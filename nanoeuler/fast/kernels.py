@@ -213,15 +213,28 @@ def _keys(r, T, window):
     return (max(0, m - window) if window > 0 else 0), m
 
 
+@njit(inline="always", **OPTS)
+def _softcap(x, n, cap, t):
+    """x[:n] := cap·tanh(x / cap) (ops/softcap.py), the tanh kept in t[:n] (for the backward's 1 − t²)."""
+    for j in range(n):
+        t[j] = math.tanh(x[j] / cap)
+        x[j] = t[j] * cap
+
+
 @njit(**OPTS)
-def causal_softmax(S, T, window):
-    """S [I, G·T, T] scores -> in place P = softmax over the keys each row sees (`_keys`), 0 elsewhere."""
+def causal_softmax(S, T, window, cap):
+    """S [I, G·T, T] scores -> in place P = softmax over the keys each row sees (`_keys`), 0 elsewhere; the
+    scores soft-capped first where cap > 0 (Gemma 2)."""
     I, R, _ = S.shape
+    c = S.dtype.type(cap)
+    t = np.empty(T if cap else 0, S.dtype)
     for i in range(I):
         for r in range(R):
             row = S[i, r]
             j0, m = _keys(r, T, window)
             seen, n = row[j0:m], m - j0  # (loops from 0: numba then drops its negative-index check and vectorizes)
+            if cap:
+                _softcap(seen, n, c, t)
             mx = row_max(seen, n)
             for j in range(n):
                 seen[j] = vexp(seen[j] - mx)
@@ -246,6 +259,20 @@ def causal_softmax_backward(P, dP, T, window):
                 d[j] = p[j] * (d[j] - a)
             dP[i, r, :j0] = 0
             dP[i, r, m:] = 0
+
+
+@njit(**OPTS)
+def softcap_backward(dS, C, T, window, cap):
+    """dS [I, G·T, T] (the gradient of the capped scores) *= 1 − tanh²(C / cap) on the keys each row sees, C
+    (like dS) the scores before the cap: the gradient of the raw scores (ops/softcap.py)."""
+    I, R, _ = dS.shape
+    c = dS.dtype.type(cap)
+    for i in range(I):
+        for r in range(R):
+            j0, m = _keys(r, T, window)
+            for j in range(j0, m):
+                t = math.tanh(C[i, r, j] / c)
+                dS[i, r, j] *= 1 - t * t
 
 
 # ---- q/k norms: RMSNorm of each head of q and k, in place on the projected rows (Gemma 3) ----------------
@@ -286,6 +313,38 @@ def qk_norm_backward(dqkv, heads, hd, wq, wk, n_q, raw, r, dwq, dwk):
                 nj = x[j] * ri
                 dw[j] += dy[j] * nj
                 dy[j] = ri * (dy[j] * w[j] - nj * m)
+
+
+@njit(**OPTS)
+def span_norm_forward(qkv, c0, c1, w, eps, raw, r):
+    """Columns c0 .. c1-1 of each row of qkv [N, ...] := their RMSNorm with weight w [c1 - c0], in place (a whole q
+    or k projection's norm, OLMo 2's); raw [N, >= c1] keeps those input columns, r [N] the 1/rms."""
+    n = c1 - c0
+    for i in range(qkv.shape[0]):
+        x = qkv[i, c0:c1]
+        raw[i, c0:c1] = x
+        ri = x.dtype.type(1.0 / math.sqrt(row_dot(x, x, n) / n + eps))
+        r[i] = ri
+        for j in range(n):
+            x[j] = (x[j] * ri) * w[j]
+
+
+@njit(**OPTS)
+def span_norm_backward(dqkv, c0, c1, w, raw, r, dw):
+    """The transpose of span_norm_forward on columns c0 .. c1-1 of dqkv (in place: dy -> dx); dw [c1 - c0]
+    (float64) = Σ over rows of dy·n, accumulated in row order."""
+    n = c1 - c0
+    dw[:] = 0
+    for i in range(dqkv.shape[0]):
+        dy, x, ri = dqkv[i, c0:c1], raw[i, c0:c1], r[i]
+        acc = 0.0
+        for j in range(n):
+            acc += (dy[j] * w[j]) * (x[j] * ri)
+        m = x.dtype.type(acc / n)
+        for j in range(n):
+            nj = x[j] * ri
+            dw[j] += dy[j] * nj
+            dy[j] = ri * (dy[j] * w[j] - nj * m)
 
 
 # ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
@@ -478,10 +537,13 @@ def dropout_scale(g, base, threshold, scale, out):
 
 # ---- cross-entropy (ops/cross_entropy.py) ---------------------------------------------------------------
 @njit(**OPTS)
-def cross_entropy(z, targets, scales, losses, grad):
+def cross_entropy(z, targets, scales, losses, grad, cap):
     """z [N, V] logits, targets int [N] (−1 = no loss) -> losses [N] (float64, 0 on ignored rows); if grad,
-    z is overwritten in place by dz = scales[i]·(softmax(z) − onehot(target)) on row i (0 on ignored rows)."""
+    z is overwritten in place by dz = scales[i]·(softmax(z) − onehot(target)) on row i (0 on ignored rows).
+    cap > 0: the logits are soft-capped first (Gemma 2; ops/softcap.py), and dz is the raw logits' gradient."""
     N, V = z.shape
+    c = z.dtype.type(cap)
+    th = np.empty(V if cap else 0, z.dtype)   # a row's tanh(z / cap)
     for i in range(N):
         row = z[i]
         t = targets[i]
@@ -490,6 +552,8 @@ def cross_entropy(z, targets, scales, losses, grad):
             if grad:
                 row[:] = 0
             continue
+        if cap:
+            _softcap(row, V, c, th)
         m = row_max(row, V)
         zt = row[t] - m
         for j in range(V):
@@ -498,10 +562,13 @@ def cross_entropy(z, targets, scales, losses, grad):
         losses[i] = math.log(tot) - zt
         if grad:
             scale = scales[i]
-            c = z.dtype.type(scale / tot)
+            k = z.dtype.type(scale / tot)
             for j in range(V):
-                row[j] = row[j] * c
+                row[j] = row[j] * k
             row[t] -= scale
+            if cap:
+                for j in range(V):
+                    row[j] *= 1 - th[j] * th[j]
 
 
 # ---- embedding (ops/embedding.py) ---------------------------------------------------------------------------

@@ -302,10 +302,13 @@ class GpuOps:
         return rope_rotate(_f32(dy, "rope gradient"), cos, sin, -1.0)
 
     # attention
-    def attention_forward(self, q, k, v, window=0):
-        """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] -> y [B, H, Tq, hd] (FlashAttention; causal, no window)."""
+    def attention_forward(self, q, k, v, window=0, softcap=0.0):
+        """q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd] -> y [B, H, Tq, hd] (FlashAttention; causal, no window, no
+        soft cap)."""
         if window:
             raise UserError("the GPU's attention has no sliding window (Gemma 3's local layers); use --device cpu")
+        if softcap:
+            raise UserError("the GPU's attention has no soft-capping (Gemma 2's); use --device cpu")
         cp = require_cupy()
         kernel = self.flash_kernel(q.shape[-1])
         if kernel == "f32":

@@ -2,6 +2,8 @@
 
     out = softmax(K[:Tk] q / sqrt(hd)) V[:Tk]        q, out [hd]; K, V [Tk, hd]       (ops/attention.py, one query)
 
+(the scores soft-capped, cap·tanh(s / cap), where the model caps them: Gemma 2).
+
 `_attend` makes the scores LANES positions at a time (`_scores_intrinsic`: LANES dot products summed lane-wise by
 a transposing tree of shuffles, not a horizontal sum each) and the output from a few independent chains of
 multiply-adds in registers (`_mix_intrinsic`), where the head width is LANES x 1, 2, 4 or 8; else one by one.
@@ -179,8 +181,9 @@ def _scores(nv, k, q, s, scale):
 
 
 @njit(**OPTS)
-def _attend(q, K, V, Tk, scale, p, out):
-    """out [hd] = softmax(K[:Tk] q · scale) V[:Tk] (ops/attention.py for one query); p [>= Tk] scratch.
+def _attend(q, K, V, Tk, scale, p, out, cap):
+    """out [hd] = softmax(K[:Tk] q · scale) V[:Tk] (ops/attention.py for one query), the scores soft-capped
+    where cap > 0; p [>= Tk] scratch.
     Where hd is LANES x 1, 2, 4 or 8 scores go LANES positions at a time (`_scores`) and the output a few
     (`_mix`) in vector registers, else one by one."""
     hd = q.shape[0]
@@ -194,6 +197,9 @@ def _attend(q, K, V, Tk, scale, p, out):
             j += LANES
     for jj in range(j, Tk):
         p[jj] = _dot(K[jj], q, hd) * scale
+    if cap > 0:
+        for j in range(Tk):
+            p[j] = np.float32(np.tanh(p[j] / cap)) * cap
     m = np.float32(-np.inf)
     for j in range(Tk):
         m = max(m, p[j])
@@ -214,10 +220,11 @@ def _attend(q, K, V, Tk, scale, p, out):
 
 
 @njit(inline="always", **OPTS)
-def attend_unit(t, a, K, V, pos, slot, H, window, u, p):
+def attend_unit(t, a, K, V, pos, slot, H, window, u, p, cap):
     """Unit u = r·Hkv + g: row r's query heads of group g (hh // G == g) attend to key/value head g of its
     cache row, positions 0 .. pos[r] (a window W > 0: the last W of them). t [n, (H + 2·Hkv)·hd] the row's
-    q (rotated) first; a [n, H·hd] out; K, V [B, Hkv, max_len, hd] one layer's cache; p [>= pos[r] + 1] scratch."""
+    q (rotated) first; a [n, H·hd] out; K, V [B, Hkv, max_len, hd] one layer's cache; p [>= pos[r] + 1] scratch;
+    cap (float32): the scores' soft cap (0: none)."""
     Hkv, hd = K.shape[1], K.shape[3]
     r, g = u // Hkv, u % Hkv
     G = H // Hkv
@@ -225,4 +232,4 @@ def attend_unit(t, a, K, V, pos, slot, H, window, u, p):
     scale = np.float32(1.0 / np.sqrt(hd))
     for hh in range(g * G, (g + 1) * G):
         _attend(t[r, hh * hd:(hh + 1) * hd], K[slot[r], g, j0:], V[slot[r], g, j0:], pos[r] + 1 - j0, scale, p,
-                a[r, hh * hd:(hh + 1) * hd])
+                a[r, hh * hd:(hh + 1) * hd], cap)

@@ -106,11 +106,11 @@ def rows(cache: KVCache, b0: int, n: int) -> KVCache:
 
 
 def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
-                window: int = 0, slots: np.ndarray | None = None) -> np.ndarray:
+                window: int = 0, slots: np.ndarray | None = None, softcap: float = 0.0) -> np.ndarray:
     """Layer i's attention for n rows, one new token each: q [n, H, hd], k and v [n, Hkv, hd] of row r at
     position pos[r] (written into cache row slots[r], default r) -> [n, H·hd]. Row r reads keys 0..pos[r] (a
     window W > 0: pos[r] − W + 1 .. pos[r]); the rest of the [0, max(pos)] block gets -inf scores
-    (probability exactly 0):
+    (probability exactly 0); softcap: the scores' soft cap (0: none; ops/softcap.py):
 
         pos = [3, 1]:  scores row 0: s s s s     row 1: s s -inf -inf       (window 2: row 0: -inf -inf s s)
     """
@@ -127,7 +127,8 @@ def attend_rows(cache: KVCache, i: int, q: np.ndarray, k: np.ndarray, v: np.ndar
         K, V = kc[:n, :, :Lk], vc[:n, :, :Lk]  # [n, Hkv, Lk, hd] (views)
     else:
         K, V = kc[slots, :, :Lk], vc[slots, :, :Lk]  # (copies of the rows)
-    S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc.dtype.type(1.0 / np.sqrt(hd)) + bias
+    S = (q.reshape(n, Hkv, H // Hkv, hd) @ K.swapaxes(-1, -2)) * kc.dtype.type(1.0 / np.sqrt(hd))
+    S = ops.softcap_forward(S, softcap)[0] + bias
     S -= S.max(axis=-1, keepdims=True)  # [n, Hkv, G, Lk]
     P = np.exp(S)
     P /= P.sum(axis=-1, keepdims=True)

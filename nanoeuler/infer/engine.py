@@ -83,7 +83,6 @@ from . import step
 from .cache import kept_on_jump, new_cache, rows
 from .prefix import BLOCK, PrefixCache
 from .sampling import MIN_TEMPERATURE, log_softmax, sample_token, top_logprobs
-from .weights import linear
 
 SEED_LIMIT = 1 << 64  # seeds are integers in [0, 2**64)
 ROWS_BESIDE = 4  # rows of work a step does for the largest request while others hold rows (Batcher._largest)
@@ -425,7 +424,7 @@ class Batcher:
         h = step.forward_hidden(self.cfg, self.W, tokens, view, last_only=s.scored is None)[0]  # [n|1, d]
         done = b == len(s.seq)
         if s.scored is not None:
-            logits = linear(h, self.W["head.0"])  # [n, V]: row i predicts token a+i+1
+            logits = step.head_logits(self.cfg, self.W, h)  # [n, V]: row i predicts token a+i+1
             m = min(b, len(s.seq) - 1) - a
             logp = log_softmax(logits[:m])
             s.scored += [(t, float(logp[i, t]), top_logprobs(logp[i], s.job.logprobs))
@@ -435,7 +434,7 @@ class Batcher:
                 s.job.on_event("prompt", s.scored)
                 s.scored = None
         elif done and s.pending is None:
-            s.logits = linear(h[-1:], self.W["head.0"])[-1]
+            s.logits = step.head_logits(self.cfg, self.W, h[-1:])[-1]
         s.filled = b
         self.prefilled += n
         self._keep(s)

@@ -218,7 +218,7 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
         cache.k[i][:, :, L:L + Tn] = k.transpose(0, 2, 1, 3)
         cache.v[i][:, :, L:L + Tn] = v.transpose(0, 2, 1, 3)
         a, _ = ops.attention_forward(q.transpose(0, 2, 1, 3), cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn],
-                                     cfg.window(i))  # [B, H, Tn, hd]
+                                     cfg.window(i), cfg.attn_softcap)  # [B, H, Tn, hd]
         x = residual_attention(cfg, W, p, x, a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd))
         x = residual_mlp(cfg, W, p, x)
     cache.length = L + Tn
@@ -236,7 +236,7 @@ def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: 
         p = f"layers.{i}."
         cos, sin = cache.tables(i, pos[:, None])  # [n, 1, hd/2] or None
         q, k, v = heads_qkv(cfg, W, p, norm(cfg, W[p + "attn_norm"], x), cos, sin, batched_linear)
-        a = attend_rows(cache, i, q, k, v, pos, cfg.window(i), slots)  # [n, H·hd]
+        a = attend_rows(cache, i, q, k, v, pos, cfg.window(i), slots, cfg.attn_softcap)  # [n, H·hd]
         x = residual_attention(cfg, W, p, x, a, batched_linear)
         x = residual_mlp(cfg, W, p, x, batched_linear)
     return norm(cfg, W["norm"], x)

@@ -10,7 +10,8 @@ record chose read from `Weights` (empty arrays where an architecture has no such
     x = embed[tokens] · scale (+ pos[positions])                 [n, d]
     per layer:  h = norm(x);  qkv = h @ Wqkvᵀ (+ b)  (one GEMV)      [n, (H + 2·Hkv)·hd]
                 q/k norms per head; RoPE on q and k at the layer's base; k, v written at their positions
-                a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r; a window: its last W)
+                a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r; a window: its last W; the
+                    scores soft-capped where the model caps them, Gemma 2's)
                 x += post(a @ Woᵀ + b);  h = norm(x)
                 x += post(act(h @ W_inᵀ + b) @ W_outᵀ + b)     act: SwiGLU, GeGLU or GELU
     h = norm(x)  (all rows, or the last only)                    [n|1, d]
@@ -213,7 +214,8 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
         # Past the last layer's keys and values only the rows returned matter: with last_only, the last
         # row alone goes on (a prompt's or a window refill's other rows skip ~1/layers of their work).
         f = n - 1 if last_only and l == n_layers - 1 else 0
-        pool.attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, D.window[l], p)
+        pool.attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, D.window[l], p,
+                       D.attn_softcap)
         _residual(ctl, pooled, D.mats[l, 1, :D.segments[l, 1]], D.wo_bias[l], a[f:], x[f:], o[f:],
                   D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:])
         _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
@@ -285,6 +287,7 @@ class Weights(NamedTuple):
     window: np.ndarray        # [layers] int64: each layer's window (0: none)
     rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
     forms: np.ndarray         # uint8: the buffer the segments point into (held here: alive as long as these are)
+    attn_softcap: np.float32  # the attention scores' soft cap (0: none; Gemma 2's)
 
 
 MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
@@ -326,7 +329,8 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
     return Weights(mats, counts, cfg.ffn_hidden, biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"),
                    norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
                    MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1), mats[:, 2, 0, 0] >= QUANT,
-                   np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms)
+                   np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms,
+                   np.float32(cfg.attn_softcap))
 
 
 def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,

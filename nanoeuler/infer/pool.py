@@ -238,20 +238,21 @@ def _attend_units(ctl, u0, u1):
     ta, tw, aa, ka, va = ctl[DESC + 1], ctl[DESC + 2], ctl[DESC + 3], ctl[DESC + 4], ctl[DESC + 5]
     pa, sa, H, Hkv = ctl[DESC + 6], ctl[DESC + 7], ctl[DESC + 8], ctl[DESC + 9]
     hd, L, B, n = ctl[DESC + 10], ctl[DESC + 11], ctl[DESC + 12], ctl[DESC + 13]
-    window = ctl[DESC + 14]
+    window, cap = ctl[DESC + 14], ctl[DESC + 15:DESC + 16].view(np.float32)[0]
     t, a = carray(f32_at(ta), (n, tw)), carray(f32_at(aa), (n, H * hd))
     K, V = carray(f32_at(ka), (B, Hkv, L, hd)), carray(f32_at(va), (B, Hkv, L, hd))
     pos, slot = carray(_i64_at(pa), n), carray(_i64_at(sa), n)
     p = np.empty(L, np.float32)
     for u in range(u0, u1):
-        attend_unit(t, a, K, V, pos, slot, H, window, u, p)
+        attend_unit(t, a, K, V, pos, slot, H, window, u, p, cap)
 
 
 @njit(**OPTS)
-def attention(ctl, pooled, t, a, K, V, pos, slot, H, window, p):
-    """Every row's attention of one layer (attention_kernels.attend_unit), units shared with the helpers (as the
-    panels of a matrix product) when there is enough of it: a batch of serve's streams, not one sequence's step.
-    (The claim word counts units in 16 bits: more than 0xFFFF run on the calling thread.)"""
+def attention(ctl, pooled, t, a, K, V, pos, slot, H, window, p, cap):
+    """Every row's attention of one layer (attention_kernels.attend_unit; cap float32: the scores' soft cap, 0
+    none), units shared with the helpers (as the panels of a matrix product) when there is enough of it: a batch
+    of serve's streams, not one sequence's step. (The claim word counts units in 16 bits: more than 0xFFFF run
+    on the calling thread; the cap travels as the bits of the descriptor's last word's first half.)"""
     n, Hkv, hd = t.shape[0], K.shape[1], K.shape[3]
     units = n * Hkv
     work = 0
@@ -264,10 +265,11 @@ def attention(ctl, pooled, t, a, K, V, pos, slot, H, window, p):
             pos.ctypes.data, slot.ctypes.data
         ctl[DESC + 8], ctl[DESC + 9], ctl[DESC + 10], ctl[DESC + 11] = H, Hkv, hd, K.shape[2]
         ctl[DESC + 12], ctl[DESC + 13], ctl[DESC + 14] = K.shape[0], n, window
+        ctl[DESC + 15:DESC + 16].view(np.float32)[0] = cap
         _run_pooled(ctl, units)
         return
     for u in range(units):
-        attend_unit(t, a, K, V, pos, slot, H, window, u, p)
+        attend_unit(t, a, K, V, pos, slot, H, window, u, p, cap)
 
 
 # ---- the threads ---------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from . import step
 from .cache import kept_on_jump, new_cache
 from .sampling import nll_sum, sample_token
 from .speculative import DEPTH, MOST, speculate
-from .weights import linear
 
 MODES = ("full", "cache", "speculative")
 
@@ -71,7 +70,7 @@ class _Window:
     def head0(self) -> np.ndarray:
         """Logits [V] of head 0 at the last position."""
         if self._logits is None:
-            self._logits = linear(self.h, self.W["head.0"])
+            self._logits = step.head_logits(self.cfg, self.W, self.h)
         return self._logits
 
     def argmax(self) -> int:
@@ -237,7 +236,7 @@ def head0_logits(model, ids: Sequence[int], fused: dict | None = None) -> np.nda
     cfg = model.config
     W = fused if fused is not None else step.fuse_weights(cfg, model.params)
     h = step.forward_hidden(cfg, W, np.asarray(ids, dtype=np.int64)[None], new_cache(cfg, 1, dtype=model.dtype))
-    return linear(h[0], W["head.0"])  # [T, V]
+    return step.head_logits(cfg, W, h[0])  # [T, V]
 
 
 def head0_loss_sum(model) -> Callable:

@@ -2,6 +2,7 @@
 
     W = fuse_weights(cfg, P)                       the layout (forward.py); the fused kernels or not
     h = forward_hidden(cfg, W, tokens, cache)      one sequence (or B of equal positions): tokens [B, Tn] -> [B, Tn|1, d]
+    logits = head_logits(cfg, W, h)                head 0's logits of hidden states (soft-capped where the model caps)
     h, logits, best = advance(cfg, W, cache, block)   a speculative round: head 0 and its argmax too
     logits = decode_rows(cfg, W, cache, tok, pos)  one token per cache row, each at its own position -> [n, V]
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from ..config import Config
 from ..errors import UserError
 from ..fast.parallel import PARTS, blas_threads
@@ -60,7 +62,7 @@ def forward_cached(cfg: Config, P: dict, inputs: np.ndarray, cache: KVCache, las
     fused: fuse_weights(cfg, P), when the caller keeps it across calls."""
     W = fused if fused is not None else fuse_weights(cfg, P)
     h = forward_hidden(cfg, W, inputs, cache, last_only)
-    logits = linear(h, W["heads"])  # [B, Tn|1, K·V]
+    logits = head_logits(cfg, W, h, "heads")  # [B, Tn|1, K·V]
     return logits.reshape(*h.shape[:2], cfg.n_mtp, cfg.vocab_size).transpose(2, 0, 1, 3)  # [K, B, Tn|1, V]
 
 
@@ -71,13 +73,16 @@ def advance(cfg: Config, W: dict, cache: KVCache, block: list[int]) -> tuple:
     n, L = len(block), cache.length
     if not runs_fused(W, cache):
         h = forward_hidden(cfg, W, np.asarray(block, dtype=np.int64)[None], cache)[0]  # [n, d]
-        logits = linear(h, W["head.0"])  # [n, V]
+        logits = head_logits(cfg, W, h)  # [n, V]
         return h, logits, [int(i) for i in np.argmax(logits, axis=-1)]
     k, v, b0 = cache.store
     x = forward.embed(cfg, W, np.array(block, np.int64), np.arange(L, L + n))  # [n, d]
     h, logits, best = kernels.round_rows(cfg, W["decode"], x, np.arange(L, L + n), np.full(n, b0, np.int64), k, v,
                                          *cache.rope.upto(L + n), W["head.0"][2])
     cache.length = L + n
+    if cfg.logit_softcap:   # (the cap keeps the order, but float32 may round two logits to one: its argmax)
+        logits = capped_logits(cfg, logits)
+        best = np.argmax(logits, axis=-1)
     return h, logits, best.tolist()
 
 
@@ -94,9 +99,20 @@ def decode_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: n
         slots = np.arange(len(tokens)) if slots is None else slots
         h = kernels.forward_rows(cfg, W["decode"], forward.embed(cfg, W, tokens, pos), pos, b0 + slots,
                                  k, v, *cache.rope.upto(int(pos.max()) + 1 if len(pos) else 0))  # [n, d]
-        return kernels.matvec(W["head.0"][2], h, cfg.vocab_size)
+        return capped_logits(cfg, kernels.matvec(W["head.0"][2], h, cfg.vocab_size))
     with blas_threads(PARTS if len(tokens) >= WIDE_STEP else 1):
-        return batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos, slots), W["head.0"])
+        return capped_logits(cfg, batched_linear(forward.forward_rows(cfg, W, cache, tokens, pos, slots), W["head.0"]))
+
+
+def head_logits(cfg: Config, W: dict, h: np.ndarray, name: str = "head.0") -> np.ndarray:
+    """Hidden states h [..., d] -> head 0's logits [..., V] (name "heads": every head's, [..., K·V]), as the
+    model gives them (`capped_logits`)."""
+    return capped_logits(cfg, linear(h, W[name]))
+
+
+def capped_logits(cfg: Config, logits: np.ndarray) -> np.ndarray:
+    """The head's logits soft-capped where the model caps them (Gemma 2's logit_softcap; ops/softcap.py)."""
+    return ops.softcap_forward(logits, cfg.logit_softcap)[0] if cfg.logit_softcap else logits
 
 
 WIDE_STEP = 8  # BLAS decoding steps of at least this many rows use every core (see engine.Batcher._loop)

@@ -124,13 +124,16 @@ def add_hparams(w, cfg) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern(cfg.global_every)   # llama.cpp: layer i global iff i % n == n - 1 (0: none)
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
+    for ours, (key,) in a.gguf.config.items():   # the Config numbers it reads under `{arch}.` (Granite's multipliers)
+        w.add_float32(f"{a.gguf.name}.{key}", getattr(cfg, ours))
     w.add_vocab_size(cfg.vocab_size)
 
 
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
     has none, per-pair RoPE factors where it reads none, an attention scale it computes otherwise
-    (attention_scale_mismatch)."""
+    (attention_scale_mismatch), a soft cap where it reads none or none where it always caps (its gguf Format's
+    config names the caps: gemma2), a head of its own where it takes the embedding (no `output` in its table)."""
     from ..arch import by_format
     a = cfg.spec
     if cfg.sliding_window and ("sliding_window" not in by_format("gguf", a.gguf.name).defaults   # (mistral: llama)
@@ -142,6 +145,14 @@ def check_expressible(cfg) -> None:
     why = attention_scale_mismatch(cfg)
     if why:
         raise UserError(f"cannot export to GGUF: {why}")
+    for cap in ("attn_softcap", "logit_softcap"):
+        if bool(getattr(cfg, cap)) != (cap in a.gguf.config):
+            raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} "
+                            f"{'always soft-caps' if cap in a.gguf.config else 'has no soft cap'} ({cap} "
+                            f"{getattr(cfg, cap):g})")
+    if not cfg.tie_embeddings and not any("heads.0.weight" in e.ours for e in a.gguf.globals_):
+        raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} takes the embedding as its output head; "
+                        f"this model has a head of its own")
 
 
 def attention_scale_mismatch(cfg) -> str | None:

@@ -512,7 +512,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
     from ..config import Config
     from .gguf_export import attention_scale_mismatch
     a = arch.gguf.name
-    refuse_unsupported(meta, a)
+    read = {key: ours for ours, (key,) in arch.gguf.config.items()}   # Config numbers under `{a}.` (Granite's)
+    refuse_unsupported(meta, a, read)
     window = field(meta, f"{a}.attention.sliding_window", default=0)
     if window and (arch.defaults.get("sliding_window") is None or not arch.gguf.reads_window):  # llama.cpp's
                                                                  # llama / qwen2 / starcoder2 read no window
@@ -530,7 +531,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   n_layers=field(meta, f"{a}.block_count"), ctx_len=field(meta, f"{a}.context_length"),
                   ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch=arch.name,
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
-                  tie_embeddings="output.weight" not in tensors)
+                  tie_embeddings="output.weight" not in tensors   # (gemma2's table has no output: llama.cpp's
+                  or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_))   # head is the embedding)
     for key, ours in read.items():
         value = field(meta, f"{a}.{key}", float, 0.0)   # 0 or absent: llama.cpp's default (1; attention: 1/√hd)
         if value:
@@ -542,7 +544,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
     if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
         fields["sliding_window"] = window
         fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
-        fields["rope_local_theta"] = field(meta, f"{a}.rope.freq_base_swa", float, arch.defaults["rope_local_theta"])
+        fields["rope_local_theta"] = field(meta, f"{a}.rope.freq_base_swa", float,   # (gemma2's default: the base)
+                                           arch.defaults.get("rope_local_theta", fields["rope_theta"]))
     try:
         cfg = Config(**fields)
     except UserError as e:

@@ -12,7 +12,8 @@ each step. A tied head (tie_word_embeddings) has no lm_head; MTP heads 1..K-1 tr
 
 config.json: the architecture's `hf` Format (arch.py) names each Config field's keys, Llama-style (llama, qwen2,
 gemma3_text) or GPT-2's, and what else export writes; `REFUSED` lists the settings that would make the imported
-model compute something else than ours (soft-capping, other activations, ...): each is refused by name.
+model compute something else than ours (soft-capping where the format reads no cap, other activations, ...):
+each is refused by name.
 RoPE scaling (rope_scaling, or transformers 5's rope_parameters) of type linear or llama3 becomes the Config's
 rope_* fields and is written back as rope_scaling; other types (yarn, longrope, dynamic) are refused.
 
@@ -111,16 +112,17 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
     """A config.json -> our Config (one head; the caller sets n_mtp), refusing every setting that would change
     the function (REFUSED, the activation, Gemma's attention scale, GPT-2's untied head)."""
     from ..config import Config
+    keys = arch.hf.config
+    read = {k for names in keys.values() for k in names}
     for key, fine in REFUSED.items():
-        if key in c and c[key] not in fine:
+        if key in c and c[key] not in fine and key not in read:   # (Gemma 2 reads its soft caps)
             raise UserError(f"config.json: {key}={json.dumps(c[key])[:60]} is not supported")
     for key in ("hidden_act", "hidden_activation", "activation_function"):
         act = c.get(key)
         if act is not None and act not in ACTIVATIONS[arch.mlp]:
             raise UserError(f"config.json: {key}={act!r:.40} is not supported for {arch.hf.name} "
                             f"({' or '.join(ACTIVATIONS[arch.mlp])})")
-    keys = arch.hf.config
-    fields = _config_fields(c, keys)
+    fields = _config_fields(c, keys) | _null_softcaps(c, keys)
     fields.update(_rope_fields(c, arch, fields))
     fields = {f: v for f, v in arch.hf.absent.items() if not any(k in c for k in keys[f])} | fields
     if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
@@ -166,6 +168,13 @@ def _config_fields(c: dict, keys: dict) -> dict:
                 raise UserError(f"config.json: {k}={json.dumps(c[k])[:40]} differs from {given[0]} "
                                 f"{json.dumps(fields[ours])[:40]}; not supported")
     return fields
+
+
+def _null_softcaps(c: dict, keys: dict) -> dict:
+    """The soft caps config.json sets to null: none (transformers skips a None cap; an absent key is its default).
+    _null_softcaps({"attn_logit_softcapping": None}, GEMMA2.hf.config) -> {"attn_softcap": 0.0}"""
+    return {f: 0.0 for f in ("attn_softcap", "logit_softcap")
+            if any(k in c and c[k] is None for k in keys.get(f, ()))}
 
 
 def _rope_fields(c: dict, arch: Arch, given: dict) -> dict:
@@ -273,7 +282,8 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     a, fmt = cfg.spec, cfg.spec.hf
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     bos = tok.bos_id if tok.bos_id is not None else eos
-    values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim}
+    values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim,
+                              "attn_softcap": cfg.attn_softcap or None, "logit_softcap": cfg.logit_softcap or None}
     if not cfg.sliding_window:   # (an architecture with windows says it has none: Mistral's default is 4096)
         values = {k: v for k, v in values.items() if k not in ("sliding_window", "rope_local_theta")}
         values |= {"sliding_window": None} if "sliding_window" in a.defaults else {}
@@ -422,6 +432,10 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if cfg.sliding_window and cfg.rope_local_theta != cfg.rope_theta and "rope_local_theta" not in fmt.config:
         raise UserError(f"a {fmt.name} folder has one RoPE base (its config.json names none for the windowed layers); "
                         f"this model's windowed layers use {cfg.rope_local_theta:g}, the others {cfg.rope_theta:g}")
+    for f in ("attn_softcap", "logit_softcap"):
+        if getattr(cfg, f) and f not in fmt.config:
+            raise UserError(f"a {fmt.name} folder has no soft cap (its config.json names none); this model's "
+                            f"{f} is {getattr(cfg, f):g}")
     tensors = to_hf(cfg, {n: p for n, p in P.items() if not (tied and n == "heads.0.weight")})
     tensors = {("" if n == "lm_head.weight" else fmt.prefix) + n: a for n, a in tensors.items()}
     with output_dir(out, force) as tmp:

@@ -18,6 +18,7 @@ from .lora import lora_backward, lora_forward, lora_merge
 from .position import position_backward, position_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import inv_freq, llama3_factors, rope_backward, rope_forward, rope_tables
+from .softcap import softcap_backward, softcap_forward
 from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
     "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "geglu_forward", "geglu_backward",
     "bias_forward", "bias_backward",
-    "position_forward", "position_backward",
+    "position_forward", "position_backward", "softcap_forward", "softcap_backward",
 ]

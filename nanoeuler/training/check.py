@@ -138,6 +138,11 @@ def check_ops(seed: int = 0) -> list[Row]:
                       [r(B, 2, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
     rows += _check_op("attention (window 2)", lambda q, k, v: ops.attention_forward(q, k, v, 2), ops.attention_backward,
                       [r(B, 4, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
+    # soft-capping (Gemma 2): inputs of a few caps' size, where tanh bends
+    rows += _check_op("softcap (cap 2)", lambda x: ops.softcap_forward(x, 2.0), ops.softcap_backward,
+                      [3.0 * r(B, T, d)], rng)
+    rows += _check_op("attention (soft cap 0.5)", lambda q, k, v: ops.attention_forward(q, k, v, 0, 0.5),
+                      ops.attention_backward, [r(B, 4, T, d), r(B, 2, T, d), r(B, 2, T, d)], rng)
     ids = rng.integers(0, V, (B, T))
     emb_fwd = lambda W: ops.embedding_forward(ids, W)
     rows += _check_op("embedding", emb_fwd, ops.embedding_backward, [r(V, d)], rng)
@@ -186,6 +191,9 @@ ARCH_CHECK_CONFIGS = {
     "qwen3": CHECK_CONFIG.replace(arch="qwen3", head_dim=12, rope_scaling="llama3", rope_factor=8.0,
                                   rope_original_ctx=100),
     "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
+    # gemma2 (soft caps on the attention scores and the logits, small enough to bend: 1 and 2; its windowed and
+    # global layers alternate)
+    "gemma2": CHECK_CONFIG.replace(arch="gemma2", sliding_window=5, attn_softcap=1.0, logit_softcap=2.0),
     "starcoder2": CHECK_CONFIG.replace(arch="starcoder2", sliding_window=5),   # LayerNorm, GELU and biases with RoPE
 }
 

@@ -7,8 +7,10 @@ engine's workspace is of the same order). With N = B·T:
                 attention probabilities (B·H·T·T), attention output (N·H·hd); q/k norms: the normed heads
                 and their 1/rms (N·(H + Hkv)·(hd + 1)); post norms: n and 1/rms (N·d + N each);
                 the MLP: SwiGLU's gate, up, σ(gate) and silu·up (4·N·F), GeGLU's gate, up, gelu, its tanh
-                and the product (5·N·F), GPT-2's fc output, its tanh and gelu (3·N·F)
-    once        final norm n, h and 1/rms (2·N·d + N), logits of the K heads (K·N·V)
+                and the product (5·N·F), GPT-2's fc output, its tanh and gelu (3·N·F); soft-capped scores:
+                their tanh (B·H·T·T)
+    once        final norm n, h and 1/rms (2·N·d + N), logits of the K heads (K·N·V), soft-capped: their tanh
+                too (K·N·V)
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ def activation_floats(cfg: Config, B: int, T: int) -> int:
     attention = 2 * N * H * hd + 2 * N * Hkv * hd + B * H * T * T
     if a.qk_norm:
         attention += N * (H + Hkv) * (hd + 1)
+    if cfg.attn_softcap:
+        attention += B * H * T * T
     post = 2 * (N * d + N) if a.post_norms else 0
     per_layer = norm + attention + norm + MLP_FLOATS[a.mlp] * N * F + post
-    return cfg.n_layers * per_layer + norm + cfg.n_mtp * N * cfg.vocab_size
+    return cfg.n_layers * per_layer + norm + (2 if cfg.logit_softcap else 1) * cfg.n_mtp * N * cfg.vocab_size
 
 
 def training_memory(cfg: Config, B: int, T: int, bytes_per_float: int = 4, trained: int | None = None,
