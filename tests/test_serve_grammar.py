@@ -23,6 +23,7 @@ from serve_fixtures import ServerThread, shared_checkpoint  # noqa: E402
 
 from nanoeuler.infer.engine import Batcher, Job  # noqa: E402
 from nanoeuler.infer.grammar import SPECIAL, Grammars, closed, vocabulary  # noqa: E402
+from nanoeuler.serve import tool_calls  # noqa: E402
 
 WORDS = ["Zürich", "日本", "🙂 ok", "naïve", "Ødegaard", "a\"b", "x\\ny"]
 
@@ -286,3 +287,24 @@ def test_closed_objects_keep_to_their_named_keys():
     out = closed(schema)
     assert out["additionalProperties"] is True and out["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in out["properties"]["c"] and "additionalProperties" not in schema["properties"]["a"]
+
+
+@pytest.mark.parametrize("fmt", [*tool_calls.FORMATS, tool_calls.GENERIC], ids=lambda f: f.name)
+def test_a_forced_call_in_each_format_is_what_its_parser_reads(tiny, fmt):
+    """call_grammar's text in each format, fed as the tokenizer encodes it, is allowed to its end, complete
+    there, and parses into the call; a call of a function not offered, or with bad arguments, is refused."""
+    tok = tiny[1]
+    g = Grammars(tok)
+    call = {"name": "add", "arguments": {"a": 4, "b": 51}}
+    before, after = fmt.forced
+    text = before + json.dumps(call) + after
+    c = g.constraint(tool_calls.call_grammar(fmt, TOOLS, g))
+    for i in tok.encode(text):
+        assert c.allowed()[i]
+        c.advance(i)
+    assert c.finished
+    assert tool_calls.parse(fmt, text, {"add", "get_weather"}) == ("", [("add", call["arguments"])])
+    for wrong in ({"name": "launch", "arguments": {}}, {"name": "add", "arguments": {"a": 4, "b": 100}}):
+        c = g.constraint(tool_calls.call_grammar(fmt, TOOLS, g))
+        ids = tok.encode(before + json.dumps(wrong))
+        assert not all(c.allowed()[i] and c.advance(i) is None for i in ids)
