@@ -259,7 +259,7 @@ def test_file_keeps_byte_level_files_as_they_were(vocabularies):
     d = vocabularies["gemma"][2].to_dict()
     assert d["kind"] == "sentencepiece" and "merges" in d and "scores" not in d
     with pytest.raises(UserError, match="unknown \"kind\""):
-        Tokenizer.from_dict(d | {"kind": "wordpiece"})
+        Tokenizer.from_dict(d | {"kind": "rwkv"})
 
 
 def test_replace_shares_the_vocabulary(vocabularies):
