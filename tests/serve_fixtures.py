@@ -1,10 +1,12 @@
-"""Shared by the serve tests: a small trained checkpoint (tokenizer + model) and a server on a thread.
+"""Shared by the serve tests: a small trained checkpoint (tokenizer + model), a server on a thread, and a
+hold on the engine's steps.
 
 The model is trained for a few seconds on Hamlet lines separated by </s>, so greedy text is not a single
 repeated token, logits have clear winners, and replies end with </s> on their own.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -89,3 +91,45 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(20)
+
+
+HOLD_SECONDS = 30   # the longest one step is held, so a test whose expectation fails ends instead of hanging
+
+
+def no_job_starting(batcher) -> bool:
+    """A `hold_engine_steps` condition: hold while no job waits for a row or fills its row's cache (a new
+    request's jobs get in, through their prompts, to their first token; the running ones advance meanwhile)."""
+    return batcher.stats()["queued"] == 0 and batcher.n_dec == sum(s is not None for s in batcher.slots)
+
+
+@contextlib.contextmanager
+def hold_engine_steps(monkeypatch, holding=None):
+    """Within: after each engine step that leaves a row busy, the engine waits while holding(batcher) (default:
+    always) until the yielded Event is set (or for HOLD_SECONDS), so a test sees its jobs running
+    however fast the machine would run them to their end. The tiny model makes hundreds of tokens a second
+    here and more on a faster machine: a test that looks at a job "still running" without a hold races it.
+
+        with hold_engine_steps(monkeypatch) as release, http.stream(...) as stream:
+            next(stream.iter_lines())   # a token made; the engine waits: the job holds its row
+            ... look ...; release.set()
+    """
+    from nanoeuler.infer.engine import Batcher
+    release, step = threading.Event(), Batcher.step
+
+    def held_step(self):
+        busy = step(self)
+        lapse = time.monotonic() + HOLD_SECONDS
+        while busy and any(self.slots) and not release.is_set() and time.monotonic() < lapse:
+            if holding is None:
+                release.wait(max(0.0, lapse - time.monotonic()))
+            elif holding(self):
+                release.wait(0.005)
+            else:
+                break
+        return busy
+    monkeypatch.setattr(Batcher, "step", held_step)
+    try:
+        yield release
+    finally:
+        release.set()
+        monkeypatch.setattr(Batcher, "step", step)
