@@ -132,6 +132,8 @@ def test_charsmap_longest_match_and_damage():
     assert cm.longest_match(b"ABC", 0) == (2, b"x")
     assert cm.longest_match(b"AC", 0) == (1, b"a")
     assert cm.longest_match(b"C", 0) is None and cm.longest_match(b"B", 0) is None
+    assert cm.by_graphemes("ABC\t") == "aBC "         # Hugging Face: grapheme by grapheme, so AB is never seen
+    assert Charsmap(tiny_charsmap({b"e": b"E"})).by_graphemes("e\u0301x") == "Ex"   # a grapheme replaced whole
     for bad in (b"\1\0", b"\x10\0\0\0" + b"\0" * 8, b"\x04\0\0\0\xff\xff\xff\xff"):
         with pytest.raises(UserError):
             Charsmap(bad).longest_match(b"A", 0)
@@ -149,7 +151,12 @@ def test_llama_cpp_normalization_with_a_charsmap():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(normalizer={"type": "Precompiled", "precompiled_charsmap": ""}), "one Unicode normal form"),
+    (lambda d: d.update(normalizer={"type": "Lowercase"}), "Lowercase is not supported for Unigram"),
+    (lambda d: d.update(normalizer={"type": "Precompiled", "precompiled_charsmap": "%%"}), "base64"),
+    (lambda d: d.update(normalizer={"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}), "before a WhitespaceSplit"),
+    (lambda d: d.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "WhitespaceSplit"}, {"type": "Metaspace", "prepend_scheme": "first"}]}), "after a WhitespaceSplit"),
     (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "Metaspace"),
     (lambda d: d["model"].update(unk_id=10 ** 6), "unk_id"),
     (lambda d: d["model"].update(vocab=[["a", "x"]]), "pairs"),
@@ -183,3 +190,31 @@ def test_compiled_cut_equals_the_readable_viterbi(hf, corpus):
     for tok in (ours, gguf_like):
         for t in texts(corpus)[::3]:
             assert tok.encode(t) == tok.encode_reference(t), (tok.normalization, t)
+
+
+def test_a_real_vocabulary_with_its_charsmap_encodes_like_hf_tokenizers():
+    """nomic-embed's (XLM-R's) 250,048 pieces and precompiled charsmap, laid out as XLM-R's tokenizer.json
+    (Precompiled + Replace " {2,}", WhitespaceSplit + Metaspace): ids equal tokenizers' on random text, where
+    Hugging Face's grapheme-wise charsmap differs from llama.cpp's longest match."""
+    from real_models import llama_cpp_models_dir
+
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from test_llama_cpp_vocabs import FRAGMENTS
+    folder = llama_cpp_models_dir()
+    if folder is None:
+        pytest.skip("llama.cpp's vocabulary files are not fetched: run `make llama-src`")
+    from tokenizers import Regex, models, normalizers, pre_tokenizers
+    meta = GGUFFile(folder / "ggml-vocab-nomic-bert-moe.gguf").meta
+    pieces = list(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]))
+    theirs = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=3))
+    charsmap = np.array(meta["tokenizer.ggml.precompiled_charsmap"]).astype(np.uint8).tobytes()
+    theirs.normalizer = normalizers.Sequence([normalizers.Precompiled(charsmap),
+                                              normalizers.Replace(Regex(" {2,}"), " ")])
+    theirs.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()])
+    theirs.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>"])
+    ours = from_hf_json(json.loads(theirs.to_str()))
+    cases = [t.decode("utf-8", "replace") for t in random_texts(seed=9, n=300)] + FRAGMENTS + [
+        "Ａ\u0301 ﬁ\u0301 e\u0301  x\t\ty", "①②③ ＨＥＬＬＯ"]
+    wrong = [(t, ours.encode(t, allow_special=True), theirs.encode(t, add_special_tokens=False).ids) for t in cases]
+    wrong = [w for w in wrong if w[1] != w[2]]
+    assert not wrong, f"{len(wrong)} texts differ, first {wrong[0]}"

@@ -503,26 +503,56 @@ def added_types(d: dict, names: dict[int, str], types: dict[int, int]) -> None:
         types[i] = CONTROL if _flag(t, "special", False, f"added token {t['content']!r:.40}") else USER_DEFINED
 
 
+def unigram_normalizer(norm, whitespace_split: bool) -> tuple[bytes | None, str | None]:
+    """(the precompiled charsmap, the Unicode normal form) of a Unigram tokenizer.json's normalizer: none, or a
+    Sequence of Precompiled, a normal form, and (with a WhitespaceSplit after, where it changes nothing) T5's
+    Replace of " {2,}" by " ", in that order."""
+    import base64
+    import binascii
+    steps = (norm.get("normalizers") if isinstance(norm, dict) and norm.get("type") == "Sequence"
+             else [norm] if norm is not None else [])
+    if not isinstance(steps, list) or not all(isinstance(x, dict) for x in steps):
+        _bad("normalizer: a Sequence needs a list of normalizers")
+    charsmap, form, kinds = None, None, [x.get("type") for x in steps]
+    if kinds[:1] == ["Precompiled"]:
+        try:
+            charsmap = base64.b64decode(steps.pop(0).get("precompiled_charsmap") or "", validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            _bad("normalizer Precompiled: precompiled_charsmap must be base64")
+        kinds.pop(0)
+    if kinds[:1] and kinds[0] in ("NFC", "NFD", "NFKC", "NFKD"):
+        form = kinds.pop(0)
+        steps.pop(0)
+    if kinds == ["Replace"] and whitespace_split and steps[0].get("pattern") == {"Regex": " {2,}"} and \
+            steps[0].get("content") == " ":
+        kinds = []
+    if kinds:
+        _bad(f"normalizer {'+'.join(map(str, kinds))} is not supported for Unigram (Precompiled, a normal form, and "
+             "before a WhitespaceSplit the Replace of \" {2,}\" by \" \")")
+    return charsmap or None, form
+
+
 def unigram_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
-    """A Hugging Face Unigram (a Unicode normal form or none, then Metaspace) -> our UnigramTokenizer with the
-    same ids: model.vocab [piece, score] pairs NORMAL (BYTE for <0x00>..<0xFF> with byte_fallback), added tokens
-    CONTROL when "special", else USER_DEFINED; ids no token names UNUSED; the post_processor's tokens before
-    and after the text the bos and the eos (add_eos). The Precompiled normalizer (SentencePiece's charsmap,
-    which Hugging Face applies grapheme by grapheme) is refused."""
+    """A Hugging Face Unigram (normalizer: unigram_normalizer; pre-tokenizer: Metaspace, or WhitespaceSplit then
+    Metaspace) -> our UnigramTokenizer with the same ids: model.vocab [piece, score] pairs NORMAL (BYTE for
+    <0x00>..<0xFF> with byte_fallback), added tokens CONTROL when "special", else USER_DEFINED; ids no token
+    names UNUSED; the post_processor's tokens before and after the text the bos and the eos (add_eos)."""
     from ..tokenizer.sentencepiece import BYTE, BYTE_PIECES, CONTROL, METASPACE, NORMAL, UNUSED
     from ..tokenizer.unigram import UnigramTokenizer
-    m, norm, pre = d["model"], d.get("normalizer"), d.get("pre_tokenizer")
-    if norm is not None and not (isinstance(norm, dict) and norm.get("type") in ("NFC", "NFD", "NFKC", "NFKD")):
-        _bad(f"normalizer {norm.get('type') if isinstance(norm, dict) else norm!r:.40} is not supported for "
-             "Unigram (none, or one Unicode normal form)")
+    m, pre = d["model"], d.get("pre_tokenizer")
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    whitespace_split = isinstance(steps, list) and len(steps) == 2 and steps[0] == {"type": "WhitespaceSplit"}
+    pre = steps[-1] if whitespace_split or isinstance(steps, list) and len(steps) == 1 else None
     if not (isinstance(pre, dict) and pre.get("type") == "Metaspace" and pre.get("replacement", METASPACE) == METASPACE):
-        _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre!r:.40} is not supported for "
-             "Unigram (Metaspace with \"▁\")")
+        _bad(f"pre_tokenizer {d.get('pre_tokenizer')!r:.60} is not supported for Unigram (Metaspace with \"▁\", "
+             "or WhitespaceSplit then Metaspace)")
+    charsmap, form = unigram_normalizer(d.get("normalizer"), whitespace_split)
     scheme = pre.get("prepend_scheme",
                      "always" if _flag(pre, "add_prefix_space", True, "pre_tokenizer Metaspace") else "never")
     prefix = {"always": "every-unless-space", "first": "first-unless-space", "never": "none"}.get(scheme)
-    if prefix is None:
-        _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported")
+    if prefix is None or whitespace_split and prefix == "first-unless-space":
+        _bad(f"pre_tokenizer Metaspace prepend_scheme {scheme!r:.20} is not supported"
+             + (" after a WhitespaceSplit" if prefix else ""))
     vocab, unk_id = m.get("vocab"), m.get("unk_id")
     byte_fallback = _flag(m, "byte_fallback", False, "model")
     if not isinstance(vocab, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0]
@@ -545,7 +575,7 @@ def unigram_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
         _bad(f"the eos token id {eos_id} is not a special (added) token")
     eos = end_id if end_id is not None else eos_id
     return UnigramTokenizer(tokens, [types.get(i, UNUSED) for i in range(vocab_size)], scores, names[unk_id], "hf",
-                            form=norm["type"] if norm else None, prefix=prefix,
+                            charsmap, merge_spaces=whitespace_split, form=form, prefix=prefix,
                             split=_flag(pre, "split", True, "pre_tokenizer Metaspace"), byte_fallback=byte_fallback,
                             bos=None if bos_id is None else names[bos_id], eos=None if eos is None else names[eos],
                             add_eos=end_id is not None)

@@ -12,12 +12,21 @@ replacement.
 longest source that matches there, as (its length, its replacement), or None:
 
     longest_match("ｈi".encode(), 0) -> (3, b"h")         # FULLWIDTH LATIN SMALL LETTER H
+
+That is how llama.cpp applies the map. Hugging Face's `Precompiled` normalizer applies it otherwise
+(`by_graphemes`): grapheme by grapheme, a grapheme of under 6 bytes that some source starts becomes the
+replacement of the *shortest* such source, whole (its other characters dropped); else each character alone:
+
+    by_graphemes("Ａ\u0301") -> "A"      (llama.cpp: "A\u0301")
 """
 from __future__ import annotations
 
 import numpy as np
+import regex
 
 from ..errors import UserError
+
+GRAPHEME = regex.compile(r"\X")
 
 
 class Charsmap:
@@ -62,8 +71,43 @@ class Charsmap:
                 found = (p - at + 1, self._unit(node) & ((1 << 31) - 1))
         if found is None:
             return None
-        length, offset = found
+        return found[0], self._replacement(found[1])
+
+    def shortest_match(self, data: bytes) -> bytes | None:
+        """The replacement of the shortest source that data starts with (Hugging Face's transform), or None."""
+        if not self.units:
+            return None
+        node = self._base(0)
+        for p, c in enumerate(data):
+            if c == 0:
+                break
+            node ^= c
+            unit = self._unit(node)
+            if unit & ((1 << 31) | 0xFF) != c:
+                break
+            leaf = (unit >> 8) & 1
+            node ^= self._base(node)
+            if leaf:
+                return self._replacement(self._unit(node) & ((1 << 31) - 1))
+        return None
+
+    def _replacement(self, offset: int) -> bytes:
         end = self.replacements.find(b"\0", offset)
         if offset >= len(self.replacements) or end < 0:
             raise UserError("the precompiled charsmap is damaged (a replacement past its end or not ended)")
-        return length, self.replacements[offset:end]
+        return self.replacements[offset:end]
+
+    def by_graphemes(self, text: str) -> str:
+        """Hugging Face's Precompiled normalizer (module docstring)."""
+        out = []
+        for g in GRAPHEME.findall(text):
+            raw = g.encode("utf-8", "surrogatepass")
+            whole = self.shortest_match(raw) if len(raw) < 6 else None
+            if whole is not None:
+                out.append(whole)
+                continue
+            for ch in g:
+                one = ch.encode("utf-8", "surrogatepass")
+                replaced = self.shortest_match(one)
+                out.append(one if replaced is None else replaced)
+        return b"".join(out).decode("utf-8", "surrogatepass")

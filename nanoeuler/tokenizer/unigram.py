@@ -14,8 +14,10 @@ How text becomes ids:
 
          merge_spaces: "  Hello   world " -> "▁Hello▁world"
 
-   - "hf" (Hugging Face): a Unicode normal form if any, then its Metaspace pre-tokenizer: every space "▁", one in
-     front (`prefix`, as sentencepiece.py's), and with `split` a piece begins at each "▁".
+   - "hf" (Hugging Face): the charsmap if any (its Precompiled normalizer: by graphemes, charsmap.py), a Unicode
+     normal form if any; with merge_spaces its WhitespaceSplit (each run of whitespace dropped, each word a
+     piece); then its Metaspace pre-tokenizer: every space "▁", one in front (`prefix`, as sentencepiece.py's),
+     and with `split` a piece begins at each "▁".
 3. Each piece, Viterbi (`viterbi`): of all the ways to cut it into vocabulary tokens, the one whose scores (log
    probabilities) add up highest; a character no token covers alone may be the unknown token, scored the
    lowest score less 10, and unknowns next to each other become one. Ties go to the cut found first (the
@@ -41,6 +43,7 @@ import unicodedata
 from collections.abc import Iterable
 
 import numpy as np
+import regex
 
 from ..errors import UserError
 from . import spm_fast as sf
@@ -57,6 +60,8 @@ HF_PREFIXES = ("none", "every-unless-space", "first-unless-space")
 UNKNOWN_PENALTY = 10.0
 SPACE = METASPACE.encode()
 CACHE_PIECES = 1 << 16
+# Rust's char::is_whitespace (the White_Space property), what Hugging Face's WhitespaceSplit cuts at
+WHITESPACE_RUNS = regex.compile("[\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
 
 
 # ------------------------------------------------------------------------------------ the algorithms
@@ -115,8 +120,8 @@ class UnigramTokenizer(BaseTokenizer):
                  split: bool = True, byte_fallback: bool = False, bos: str | None = None, eos: str | None = None,
                  add_eos: bool = False, chat_template: str | None = None, stops: Iterable[str] = ()):
         """tokens: the piece of each id; types: its GGUF token type; scores: its log probability; unk: the unknown
-        token; normalization: "llama.cpp" (charsmap, add_space_prefix, merge_spaces) or "hf" (form: a Unicode
-        normal form, prefix, split, byte_fallback); bos, eos, add_eos: step 4."""
+        token; normalization: "llama.cpp" (charsmap, add_space_prefix, merge_spaces) or "hf" (charsmap, form: a
+        Unicode normal form, merge_spaces, prefix, split, byte_fallback); bos, eos, add_eos: step 4."""
         if normalization not in NORMALIZATIONS:
             raise UserError(f"tokenizer.json: \"normalization\" must be one of {', '.join(NORMALIZATIONS)}, "
                             f"got {normalization!r:.40}")
@@ -258,14 +263,19 @@ class UnigramTokenizer(BaseTokenizer):
         return merge_spaces_of(out[:k].tobytes(), self.add_space_prefix, self.merge_spaces)
 
     def pieces_hf(self, text: str, first: bool) -> list[str]:
-        """Step 2, Hugging Face's rule: the normal form, then Metaspace."""
+        """Step 2, Hugging Face's rule: Precompiled, the normal form, WhitespaceSplit, then Metaspace."""
+        if self.charsmap is not None:
+            text = self.charsmap.by_graphemes(text)
         if self.form:
             text = unicodedata.normalize(self.form, text)
-        text = text.replace(" ", METASPACE)
-        if text and not text.startswith(METASPACE) and (
-                self.prefix == "every-unless-space" or self.prefix == "first-unless-space" and first):
-            text = METASPACE + text
-        return split_before_metaspace(text) if self.split else [text] if text else []
+        out = []
+        for word in (WHITESPACE_RUNS.split(text) if self.merge_spaces else [text]):
+            word = word.replace(" ", METASPACE)
+            if word and not word.startswith(METASPACE) and (
+                    self.prefix == "every-unless-space" or self.prefix == "first-unless-space" and first):
+                word = METASPACE + word
+            out += split_before_metaspace(word) if self.split else [word] if word else []
+        return out
 
     def _cut(self, piece: bytes) -> list[int]:
         """Step 3 on one piece's bytes, compiled (unigram_fast.viterbi); a short piece is remembered (they recur:
@@ -398,9 +408,9 @@ class UnigramTokenizer(BaseTokenizer):
         return "\n".join(lines) + "\n"
 
     def to_hf_json(self) -> str:
-        """A Hugging Face `tokenizers` JSON string of a tokenizer read from one ("hf" rule, no charsmap): Unigram,
-        its normal form, Metaspace, the framing as a TemplateProcessing. llama.cpp's rule is refused (Hugging
-        Face's Precompiled normalizer cuts by graphemes, llama.cpp by longest match)."""
+        """A Hugging Face `tokenizers` JSON string of a tokenizer read from one ("hf" rule): Unigram, Precompiled
+        and / or its normal form, [WhitespaceSplit,] Metaspace, the framing as a TemplateProcessing. llama.cpp's
+        rule is refused (Hugging Face's Precompiled normalizer cuts by graphemes, llama.cpp by longest match)."""
         if self.normalization != "hf":
             raise UserError("cannot export a Unigram tokenizer read from GGUF (llama.cpp's normalization) to "
                             "Hugging Face's format")
@@ -409,6 +419,10 @@ class UnigramTokenizer(BaseTokenizer):
                  for i in np.flatnonzero(np.isin(self.types, (CONTROL, UNKNOWN, USER_DEFINED))).tolist()]
         scheme = {"none": "never", "every-unless-space": "always", "first-unless-space": "first"}[self.prefix]
         metaspace = {"type": "Metaspace", "replacement": METASPACE, "prepend_scheme": scheme, "split": self.split}
+        pre = metaspace if not self.merge_spaces else {"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"}, metaspace]}
+        norms = ([{"type": "Precompiled", "precompiled_charsmap": base64.b64encode(self.charsmap.blob).decode()}]
+                 if self.charsmap is not None else []) + ([{"type": self.form}] if self.form else [])
         seq = {"Sequence": {"id": "A", "type_id": 0}}
         single = ([{"SpecialToken": {"id": self.bos_token, "type_id": 0}}] if self.bos_token else []) + [seq] + (
             [{"SpecialToken": {"id": self.eos_token, "type_id": 0}}] if self.add_eos else [])
@@ -417,7 +431,9 @@ class UnigramTokenizer(BaseTokenizer):
             "type": "TemplateProcessing", "single": single, "pair": single,
             "special_tokens": {t: {"id": t, "ids": [self.ids[t]], "tokens": [t]} for t in frame}}
         d = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-             "normalizer": {"type": self.form} if self.form else None, "pre_tokenizer": metaspace,
+             "normalizer": None if not norms else norms[0] if len(norms) == 1 else {"type": "Sequence",
+                                                                                      "normalizers": norms},
+             "pre_tokenizer": pre,
              "post_processor": post, "decoder": metaspace,
              "model": {"type": "Unigram", "unk_id": self.ids[self.unk], "byte_fallback": self.byte_fallback,
                        "vocab": [[t, s] for t, s in zip(self.tokens, self.scores.tolist())]}}
