@@ -123,6 +123,30 @@ def test_cli_import_gguf_and_info(tmp_path, model, tok, capsys):
     out = capsys.readouterr().out
     assert "source       gguf m.gguf: Q8_0 x16, F32 x5 tensors" in out  # embedding, 7 x 2 layers, output
     assert "MiB of tensors in the source file" in out and "MiB in memory (float32)" in out
+    # the file itself, without importing it: what the imported checkpoint says (config, tensor types, memory)
+    assert main(["info", str(path)]) == 0 and capsys.readouterr().out == out
+    assert main(["info", str(path), "--json"]) == 0 and main(["info", str(tmp_path / "run"), "--json"]) == 0
+    of_file, of_run = map(json.loads, capsys.readouterr().out.splitlines())
+    del of_run["source"]["weights"]   # (the checkpoint's record of which weights its blocks belong to)
+    assert of_file == of_run and of_file["config"]["n_layers"] == 2 and of_file["source"]["tensor_types"]
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\x97 not text", "config: {path} is not valid JSON"),                         # neither JSON nor GGUF:
+    (b"GGUF\x03\x00", "{path} is not a readable GGUF file: it ends inside a field"),   # a GGUF cut short
+])
+def test_info_of_a_file_it_cannot_read_is_one_line(tmp_path, content, said, capsys):
+    """`info FILE` read any file as a config.json ("is not valid JSON" for a GGUF file): now a GGUF file is
+    described, and any other file is one line saying what info takes."""
+    from nanoeuler.cli import main
+    path = tmp_path / "model.bin"
+    path.write_bytes(content)
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + said.format(path=path)) and err.count("\n") == 1
+    from nanoeuler.config import PRESETS
+    assert err.rstrip().endswith(f"info takes a preset ({', '.join(PRESETS)}), a config.json, a checkpoint directory "
+                                 "or a GGUF file") or content.startswith(b"GGUF")
 
 
 @pytest.mark.parametrize("pre", ["default", None])

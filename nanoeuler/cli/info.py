@@ -1,4 +1,5 @@
-"""`nanoeuler info PRESET|RUN [--lora R [--lora-modules-to-save M,M]]`: config, exact parameter count, memory of one training step."""
+"""`nanoeuler info PRESET|RUN|FILE.gguf [--lora R [--lora-modules-to-save M,M]]`: config, exact parameter count,
+memory of one training step; for an imported checkpoint or a GGUF file also its tensor types."""
 from __future__ import annotations
 
 import json
@@ -7,11 +8,13 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("info", help="config, parameter count and training memory of a preset or run",
-                       description="Show a preset's (small, big, gpt), a config.json's or a checkpoint's config, its "
-                                   "exact parameter count, and the memory one float32 training step needs "
+    p = sub.add_parser("info", help="config, parameter count and training memory of a preset, run or GGUF file",
+                       description="Show a preset's (small, big, gpt), a config.json's, a checkpoint's or a GGUF "
+                                   "file's config (a GGUF file read as `import` reads it: architecture, sizes), its "
+                                   "exact parameter count, the tensor types of a GGUF file or an imported checkpoint "
+                                   "and their size there, and the memory one float32 training step needs "
                                    "(weights, gradients, AdamW moments, activations) at the given batch and context.")
-    p.add_argument("target", help="preset name, config.json, or checkpoint directory")
+    p.add_argument("target", help="preset name, config.json, checkpoint directory, or .gguf file")
     from .args import positive_int
     p.add_argument("--batch", type=positive_int, default=32, help="batch size for the memory estimate (default 32)")
     p.add_argument("--ctx", type=positive_int, default=None,
@@ -22,6 +25,24 @@ def register(sub) -> None:
                    help="with --lora: modules trained whole beside the adapters (lm_head, mtp_heads, norm; see sft --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
+
+
+def resolve(target: str):
+    """info's target -> (Config, source: the tensor types of a GGUF file or an imported checkpoint, else None).
+    A GGUF file is read as `import` reads it (interop.gguf_import.load_gguf: the same refusals), its matrices
+    left in their blocks."""
+    from ..checkpoint import read_source
+    path = Path(target)
+    if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf(path)):
+        from ..interop.gguf_import import load_gguf
+        cfg, _, _, source = load_gguf(path, blocks=True)
+        return cfg, source
+    return resolve_config(target), read_source(target)
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def resolve_config(target: str):
@@ -38,9 +59,13 @@ def resolve_config(target: str):
         from ..checkpoint import check_run_dir, member, read_journal, read_json
         check_run_dir(path, read_only=True)   # info changes nothing; a pending save is read where it lies
         return Config.from_dict(read_json(member(path, "config.json", read_journal(path)), "checkpoint config"))
+    accepted = f"a preset ({', '.join(PRESETS)}), a config.json, a checkpoint directory or a GGUF file"
     if path.is_file():
-        return Config.load(path)
-    raise UserError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a config file or checkpoint directory")
+        try:
+            return Config.load(path)
+        except UserError as e:
+            raise UserError(f"{e}; info takes {accepted}") from None
+    raise UserError(f"{target!r} is not {accepted}")
 
 
 def source_lines(src: dict, n_params: int) -> list[str]:
@@ -71,11 +96,9 @@ def lora_config(args, cfg):
 
 def run(args) -> int:
     from ..adapters import trainable_shapes
-    from ..checkpoint import read_source
     from ..errors import UserError
     from ..training.memory import lora_step_memory, training_memory
-    cfg = resolve_config(args.target)
-    src = read_source(args.target)
+    cfg, src = resolve(args.target)
     T = args.ctx or cfg.ctx_len
     if args.batch < 1 or not 1 <= T <= cfg.ctx_len:
         raise UserError(f"--batch must be >= 1 and --ctx in [1, {cfg.ctx_len}]")
