@@ -26,6 +26,7 @@ Every architecture here is one transformer, differing only in the choices this r
 | gemma2 | rms   | geglu  | RoPE, every other layer windowed, soft caps | none |  | yes   | yes       |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
+| stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
 euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
@@ -300,28 +301,53 @@ _HF_SC2 = (("attn_norm", "input_layernorm"), *((f"attn.w{x}", f"self_attn.{x}_pr
            ("ffn_norm", "post_attention_layernorm"), ("ffn.fc", "mlp.c_fc"), ("ffn.proj", "mlp.c_proj"))
 _GGUF_SC2 = (("attn_norm", "attn_norm"), *((f"attn.w{x}", f"attn_{t}") for x, t in zip("qkvo", ("q", "k", "v", "output"))),
              ("ffn_norm", "ffn_norm"), ("ffn.fc", "ffn_up"), ("ffn.proj", "ffn_down"))
+_HF_SC2_GLOBALS = (_e("model.norm.weight", "norm.weight"), _e("model.norm.bias", "norm.bias"))   # LayerNorm's
+_GGUF_SC2_GLOBALS = (_e("output_norm.weight", "norm.weight"), _e("output_norm.bias", "norm.bias"))
 _HF_SC2_CONFIG = {f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {   # (one RoPE base)
     "norm_eps": ("norm_epsilon",), "head_dim": ("head_dim",)}
 STARCODER2 = Arch(
     "starcoder2", norm="layer", mlp="gelu", qkv_bias=True, out_bias=True,
     defaults={"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": True, "sliding_window": 0, "global_every": 0},
-    hf=Format("starcoder2", (_HF_GLOBALS[0], _e("model.norm.weight", "norm.weight"),
-                             _e("model.norm.bias", "norm.bias"), _HF_GLOBALS[2]),
+    hf=Format("starcoder2", (_HF_GLOBALS[0], *_HF_SC2_GLOBALS, _HF_GLOBALS[2]),
               tuple(_e(f"model.layers.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _HF_SC2
                     for s in ("weight", "bias")),
               aliases=("Starcoder2ForCausalLM",), config=_HF_SC2_CONFIG,
               config_fixed={"use_bias": True, "residual_dropout": 0.0, "embedding_dropout": 0.0,
                             "attention_dropout": 0.0, "pad_token_id": None},
               activation_keys=("hidden_act",)),
-    gguf=Format("starcoder2", (_GGUF_GLOBALS[0], _e("output_norm.weight", "norm.weight"),
-                               _e("output_norm.bias", "norm.bias"), _GGUF_GLOBALS[2]),
+    gguf=Format("starcoder2", (_GGUF_GLOBALS[0], *_GGUF_SC2_GLOBALS, _GGUF_GLOBALS[2]),
                 tuple(_e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _GGUF_SC2
                       for s in ("weight", "bias")), reads_window=False),
     lora={x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | {
         "c_fc": [("ffn.fc", ("ffn.fc",))], "c_proj": [("ffn.proj", ("ffn.proj",))]},
     lora_defaults=("q", "k", "v", "o", "c_fc", "c_proj"))
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, GPT2, STARCODER2)}
+# StableLM 2: LayerNorm (with bias), Llama's SwiGLU, biases on q, k, v only, RoPE on a quarter of each head
+_HF_STABLELM_CONFIG = {f: keys for f, keys in _HF_CONFIG.items()
+                       if f not in ("rope_local_theta", "sliding_window", "head_dim")} | {   # (head: dim / heads)
+    "norm_eps": ("layer_norm_eps",), "partial_rotary_factor": ("partial_rotary_factor",)}
+STABLELM = Arch(
+    "stablelm", norm="layer", qkv_bias=True,
+    defaults={"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "partial_rotary_factor": 0.25},
+    hf=Format("stablelm", (_HF_GLOBALS[0], *_HF_SC2_GLOBALS, _HF_GLOBALS[2]), tuple(
+        _e(f"model.layers.{{i}}.{theirs}.{s}", f"{ours}.{s}")
+        for ours, theirs, sides in (("attn_norm", "input_layernorm", "wb"), *((f"attn.w{x}", f"self_attn.{x}_proj", "wb")
+                                                                             for x in "qkv"),
+                                    ("attn.wo", "self_attn.o_proj", "w"), ("ffn_norm", "post_attention_layernorm", "wb"),
+                                    *((f"ffn.{x}", f"mlp.{x}_proj", "w") for x in ("gate", "up", "down")))
+        for s in ("weight", "bias")[:len(sides)]), aliases=("StableLmForCausalLM",), config=_HF_STABLELM_CONFIG,
+        config_fixed={"use_qkv_bias": True, "qk_layernorm": False, "use_parallel_residual": False,
+                      "hidden_dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": None},
+        activation_keys=("hidden_act",)),
+    gguf=Format("stablelm", (_GGUF_GLOBALS[0], *_GGUF_SC2_GLOBALS, _GGUF_GLOBALS[2]), tuple(
+        _e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}")
+        for ours, theirs, sides in (("attn_norm", "attn_norm", "wb"), *((f"attn.w{x}", f"attn_{x}", "wb") for x in "qkv"),
+                                    ("attn.wo", "attn_output", "w"), ("ffn_norm", "ffn_norm", "wb"),
+                                    *((f"ffn.{x}", f"ffn_{x}", "w") for x in ("gate", "up", "down")))
+        for s in ("weight", "bias")[:len(sides)])),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, GPT2, STARCODER2, STABLELM)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

@@ -48,6 +48,9 @@ class Config:
     rope_high_freq_factor: float | None = None
     rope_original_ctx: int | None = None       # original_max_position_embeddings
     rope_freq_factors: tuple[float, ...] | None = None
+    # partial rotary (StableLM, GPT-NeoX): RoPE turns the first rope_dims = int(head_dim · this) dimensions of each
+    # head (rotate-half pairing within them: i with i + rope_dims/2), the others pass as they are; 1: all of them
+    partial_rotary_factor: float | None = None
     # soft caps (Gemma 2): the attention scores and the final logits x become cap·tanh(x / cap); 0: none
     attn_softcap: float | None = None
     logit_softcap: float | None = None
@@ -89,6 +92,7 @@ class Config:
                 raise UserError(f"config: {name} must be a finite number >= 0 (0: none), got {value!r:.60}")
             object.__setattr__(self, name, float(value))
         self._check_rope_scaling()
+        self._check_partial_rotary()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
                             f"({MAX_PARAMS:,})")
@@ -119,6 +123,48 @@ class Config:
         if kind != "none" and self.sliding_window and not self.global_every and not self.spec.rope_scales_windows:
             raise UserError(f"config: rope_scaling {kind} scales the global layers, and every layer is windowed")
 
+    def _check_partial_rotary(self) -> None:
+        """partial_rotary_factor in (0, 1], turning an even number of dimensions, with no RoPE scaling per pair."""
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise UserError(f"config: partial_rotary_factor must be a number in (0, 1], got {f!r:.60}")
+        object.__setattr__(self, "partial_rotary_factor", float(f))
+        if f == 1:
+            return
+        if "partial_rotary_factor" not in self.spec.defaults:
+            raise UserError(f"config: partial_rotary_factor {f} for arch {self.arch}, whose RoPE turns every "
+                            f"dimension (stablelm's turns part of each head)")
+        if self.rope_dims < 2 or self.rope_dims % 2:
+            raise UserError(f"config: partial_rotary_factor {f} turns {self.rope_dims} of head_dim {self.head_dim} "
+                            f"dimensions; RoPE turns pairs (at least one)")
+        if self.rope_scaling in ("llama3", "factors"):
+            raise UserError(f"config: rope_scaling {self.rope_scaling} with partial_rotary_factor {f} is not supported")
+
+    @property
+    def rope_dims(self) -> int:
+        """The dimensions of each head RoPE turns (int(head_dim · partial_rotary_factor), as transformers)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_freqs(self, theta: float, factors=None) -> np.ndarray:
+        """The inverse frequencies [head_dim/2] of base θ over the turned dimensions (rope_dims: pair i at
+        θ^(−2i/rope_dims), divided by factors[i]), then 0 for the pairs that pass (cos 1, sin 0: unchanged).
+        Config(..., head_dim=8, partial_rotary_factor=0.5).rotary_freqs(100.0) -> [1.0, 0.01, 0.0, 0.0]"""
+        R = self.rope_dims
+        f = inv_freq(R, theta, None if factors is None else np.asarray(factors)[:R // 2])
+        return np.pad(f, (0, (self.head_dim - R) // 2))
+
+    def qk_row_order(self) -> np.ndarray | None:
+        """Where each row of a q / k head sits in the outside formats' order (HF, GGUF), None where all turn.
+        Partial rotary turns pairs (i, i + R/2) of the first R dimensions there; here, where the engines turn
+        pairs (i, i + hd/2), the passing dimensions are moved between the halves so that they form the last pairs
+        (frequency 0, rotary_freqs): head 8, R 4: theirs [r0 r1 r2 r3 p0 p1 p2 p3], ours [r0 r1 p0 p1 r2 r3 p2 p3]
+        -> [0, 1, 4, 5, 2, 3, 6, 7]. The attention is the same: q and k heads are reordered alike."""
+        R, hd = self.rope_dims, self.head_dim
+        if self.spec.positions != "rope" or R == hd:
+            return None
+        p = (hd - R) // 2
+        return np.concatenate([np.arange(R // 2), R + np.arange(p), R // 2 + np.arange(R // 2), R + p + np.arange(p)])
+
     def _defaults(self) -> dict:
         """The value each defaultable field takes when not given: the architecture's, else DEFAULTS."""
         out = DEFAULTS | ARCHS[self.arch].defaults
@@ -148,9 +194,9 @@ class Config:
         if self.spec.positions != "rope":
             return None
         if self.window(layer):
-            return inv_freq(self.head_dim, self.rope_local_theta,
+            return self.rotary_freqs(self.rope_local_theta,
                             self.rope_factors() if self.spec.rope_scales_windows else None)
-        return inv_freq(self.head_dim, self.rope_theta, self.rope_factors())
+        return self.rotary_freqs(self.rope_theta, self.rope_factors())
 
     def rope_factors(self) -> np.ndarray:
         """What the global layers divide each pair's frequency θ^(−2i/hd) by [head_dim/2] (ones: plain RoPE;
@@ -287,10 +333,10 @@ FLOAT_MAX = sys.float_info.max
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_ctx": 8192, "rope_freq_factors": None, "attn_softcap": 0.0, "logit_softcap": 0.0}
+            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "attn_softcap": 0.0, "logit_softcap": 0.0}
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
-            "rope_original_ctx", "rope_freq_factors", "attn_softcap", "logit_softcap")
+            "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap")
 ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)

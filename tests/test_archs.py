@@ -62,6 +62,8 @@ def small_config(case: str, vocab: int) -> Config:
         fields["head_dim"] = 16
     if a.positions == "rope":
         fields |= dict(rope_theta=5000.0, norm_eps=1e-6)
+    if "partial_rotary_factor" in a.defaults:   # two of head 8's four pairs turn
+        fields["partial_rotary_factor"] = 0.5
     if gguf_reads_window(a):
         every = a.defaults["global_every"]
         fields |= dict(sliding_window=5, global_every=every, n_layers=max(3, every))

@@ -19,6 +19,7 @@ ARCHS = {
     "qwen2": dict(n_kv_heads=2, arch="qwen2", tie_embeddings=True),
     "gemma3": dict(n_kv_heads=1, arch="gemma3", head_dim=16, sliding_window=24, global_every=2),
     "starcoder2": dict(n_kv_heads=2, arch="starcoder2"),
+    "stablelm": dict(n_kv_heads=2, arch="stablelm", partial_rotary_factor=0.5),
     "gemma2": dict(n_kv_heads=2, arch="gemma2", sliding_window=24, attn_softcap=2.0, logit_softcap=5.0),
 }
 

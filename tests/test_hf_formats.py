@@ -21,6 +21,7 @@ from nanoeuler.interop.peft import adapter_config
 
 SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
           "mistral": dict(sliding_window=4), "starcoder2": dict(sliding_window=4),
+          "stablelm": dict(partial_rotary_factor=0.5),
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0),
           "gemma2": dict(sliding_window=4, attn_softcap=20.0), "gemma2+uncapped": dict(logit_softcap=0.0)}
@@ -49,7 +50,7 @@ def test_each_format_reads_back_the_config_it_writes(arch):
         assert c["n_ctx"] == c["n_positions"] == cfg.ctx_len and c["activation_function"] == "gelu_new"
         assert "num_key_value_heads" not in c and "hidden_act" not in c and c["attn_pdrop"] == 0.0
     else:
-        assert c["head_dim"] == cfg.head_dim and all(c[k] == cfg.head_dim for k in fmt.config["head_dim"])
+        assert all(c[k] == cfg.head_dim for k in fmt.config.get("head_dim", ()))   # (StableLM's: dim / heads)
         assert c["rope_scaling"] == (None if cfg.rope_scaling == "none" else {
             "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16})

@@ -57,7 +57,9 @@ def gguf_names(cfg) -> dict[str, str]:
 def layer_tensor(cfg, name: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
     """Our weight name ("layers.3.attn.wq.weight") and an array whose rows are that weight's output rows (the
     weight, or a LoRA B) -> llama.cpp's name ("blk.3.attn_q.weight") and the rows as it orders them (q and k
-    of a `llama` file: `permute_qk`)."""
+    of a `llama` file: `permute_qk`; q and k rows of a model turning part of each head: hf.format_rows). A bias too."""
+    from .hf import format_rows
+    rows = format_rows(cfg, name, rows)
     if cfg.spec.gguf.permute_qk and name.endswith(("attn.wq.weight", "attn.wk.weight")):
         rows = permute_qk(rows, cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads)
     return gguf_names(cfg)[name], rows
@@ -75,7 +77,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
         if e.ours == ("heads.0.weight",) and tied:
             continue
-        parts = [layer_tensor(cfg, n, P[n])[1] if P[n].ndim == 2 else P[n] for n in e.ours]
+        parts = [layer_tensor(cfg, n, P[n])[1] if n.startswith("layers.") else P[n] for n in e.ours]
         out[e.name] = np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
     return out
 
@@ -112,7 +114,7 @@ def add_hparams(w, cfg) -> None:
     else:
         w.add_layer_norm_eps(cfg.norm_eps)
     if a.positions == "rope":
-        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.rope_dims)
         w.add_rope_freq_base(cfg.rope_theta)
     if cfg.rope_scaling == "linear":   # (llama3, factors: the tensor rope_freqs, gguf_tensors)
         w.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)

@@ -521,10 +521,11 @@ def gguf_config(meta: dict, arch, tensors: dict):
     heads = field(meta, f"{a}.attention.head_count")
     dim = field(meta, f"{a}.embedding_length")
     hd = field(meta, f"{a}.attention.key_length", default=dim // heads if heads else 0)
-    for key in (f"{a}.attention.value_length", f"{a}.rope.dimension_count"):
-        if arch.positions == "rope" or key.endswith("value_length"):
-            if field(meta, key, default=hd) != hd:
-                raise UserError(f"GGUF metadata {key} = {meta[key]} differs from the head size {hd}; not supported")
+    turned = field(meta, f"{a}.rope.dimension_count", default=hd) if arch.positions == "rope" else hd
+    for key, value in ((f"{a}.attention.value_length", field(meta, f"{a}.attention.value_length", default=hd)),
+                       (f"{a}.rope.dimension_count", turned)):   # (part of each head turns where the family's does)
+        if value != hd and not (key.endswith("dimension_count") and "partial_rotary_factor" in arch.defaults):
+            raise UserError(f"GGUF metadata {key} = {meta[key]} differs from the head size {hd}; not supported")
     eps_key = "layer_norm_rms_epsilon" if arch.norm == "rms" else "layer_norm_epsilon"
     fields = dict(vocab_size=tensors["token_embd.weight"].shape[0], dim=dim, n_heads=heads,
                   n_kv_heads=field(meta, f"{a}.attention.head_count_kv", default=heads),
@@ -538,6 +539,7 @@ def gguf_config(meta: dict, arch, tensors: dict):
         if value:
             fields[ours] = value
     if arch.positions == "rope":
+        fields["partial_rotary_factor"] = turned / hd if hd else 1.0
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, 10000.0)   # llama.cpp's, every architecture
         freqs = tensors.get("rope_freqs.weight") if arch.gguf.rope_freqs else None   # (elsewhere: unexpected)
         fields |= gguf_rope_fields(meta, a, freqs, hd, fields["rope_theta"])
@@ -570,6 +572,7 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     order where it permutes them (`gguf_export.unpermute_qk`). What it reads leaves T; a tensor of the wrong
     shape is a UserError naming it."""
     from .gguf_export import unpermute_qk
+    from .hf import format_rows
     fmt, shapes = cfg.spec.gguf, cfg.param_shapes()
     P, src = {}, {}
     for e in fmt.tensors(cfg.n_layers):
@@ -586,6 +589,7 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
             if fmt.permute_qk and n.endswith(("attn.wq.weight", "attn.wk.weight")):
                 part = unpermute_qk(part, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
+            part = format_rows(cfg, n, part, inverse=True)   # (part of each head turning)
             P[n], src[n] = part, e.name
     return P, src
 

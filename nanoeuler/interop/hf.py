@@ -41,6 +41,7 @@ REFUSED = {
     "attn_logit_softcapping": (None,), "use_bidirectional_attention": (None, False),
     "scale_attn_weights": (None, True), "scale_attn_by_inverse_layer_idx": (None, False),
     "reorder_and_upcast_attn": (None, False), "add_cross_attention": (None, False), "use_bias": (None, True),
+    "qk_layernorm": (None, False), "use_parallel_residual": (None, False), "use_qkv_bias": (None, True),
 }
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers of old saves, not parameters
 
@@ -54,7 +55,7 @@ def to_hf(cfg, P: dict) -> dict[str, np.ndarray]:
     out = {}
     for e in fmt.tensors(cfg.n_layers):
         if all(n in P for n in e.ours):
-            a = np.concatenate([external_value(fmt.norm_offset, n, P[n]) for n in e.ours])
+            a = np.concatenate([external_value(fmt.norm_offset, n, format_rows(cfg, n, P[n])) for n in e.ours])
             out[e.name] = np.ascontiguousarray(a.T if e.transposed else a)
     return out
 
@@ -77,8 +78,22 @@ def from_hf(cfg, W: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             raise UserError(f"tensor {e.name} has shape {list(a.shape)}, expected {list(shown)}")
         a = a.T if e.transposed else a
         for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
-            P[n] = np.ascontiguousarray(internal_value(fmt.norm_offset, n, part), dtype=np.float32)
+            P[n] = np.ascontiguousarray(internal_value(fmt.norm_offset, n, format_rows(cfg, n, part, inverse=True)),
+                                        dtype=np.float32)
     return P
+
+
+def format_rows(cfg, name: str, a: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """A q / k weight's, bias's, gradient's or LoRA B's rows (`name`: ours, "layers.0.attn.wq.weight") in the
+    outside formats' order (HF, GGUF), or with `inverse` back in ours, where only part of each head turns
+    (Config.qk_row_order); any other tensor as it is."""
+    order = cfg.qk_row_order()
+    if order is None or name.rsplit(".", 2)[-2:] not in [[w, s] for w in ("wq", "wk") for s in ("weight", "bias",
+                                                                                                   "lora_B")]:
+        return a
+    within = order if inverse else np.argsort(order)       # theirs[k] = ours[argsort(order)[k]]
+    rows = (np.arange(a.shape[0] // cfg.head_dim)[:, None] * cfg.head_dim + within).ravel()
+    return a[rows]
 
 
 def external_value(offset: float, name: str, a: np.ndarray) -> np.ndarray:
@@ -199,6 +214,8 @@ def _rope_fields(c: dict, arch: Arch, given: dict) -> dict:
         theirs = scaled or ({"rope_scaling": "none"} if kind == "full_attention" else {})
         if params.get("rope_theta") is not None:
             theirs[kinds[kind]] = params["rope_theta"]
+        if params.get("partial_rotary_factor") is not None and kind == "full_attention":
+            theirs["partial_rotary_factor"] = params["partial_rotary_factor"]
         for ours, value in theirs.items():
             earlier, source = ((out[ours], "rope_scaling") if ours in out
                                else (given.get(ours), arch.hf.config.get(ours, ("",))[0]))
@@ -216,7 +233,8 @@ SCALING_KEYS = {"linear": {"factor": "rope_factor"},
                            "high_freq_factor": "rope_high_freq_factor",
                            "original_max_position_embeddings": "rope_original_ctx"}}
 # a scaling field -> its key in rope_scaling / rope_parameters
-PARAMETER_KEYS = {"rope_scaling": "rope_type"} | {ours: k for keys in SCALING_KEYS.values() for k, ours in keys.items()}
+PARAMETER_KEYS = {"rope_scaling": "rope_type", "partial_rotary_factor": "partial_rotary_factor"} | {
+    ours: k for keys in SCALING_KEYS.values() for k, ours in keys.items()}
 
 
 def scaling_fields(params, key: str, arch: Arch) -> dict:
@@ -429,6 +447,9 @@ def export_hf(model, tok, out: str | Path, dtype: str = "float32", force: bool =
     if cfg.n_heads != cfg.n_kv_heads and "n_kv_heads" not in fmt.config:
         raise UserError(f"a {fmt.name} folder has as many key/value heads as query heads (its config.json names no "
                         f"other number); this model groups them (GQA)")
+    if cfg.head_dim * cfg.n_heads != cfg.dim and "head_dim" not in fmt.config:
+        raise UserError(f"a {fmt.name} folder's heads are hidden_size / num_attention_heads = {cfg.dim // cfg.n_heads} "
+                        f"wide (its config.json names no other width); this model's are {cfg.head_dim}")
     if cfg.sliding_window and cfg.rope_local_theta != cfg.rope_theta and "rope_local_theta" not in fmt.config:
         raise UserError(f"a {fmt.name} folder has one RoPE base (its config.json names none for the windowed layers); "
                         f"this model's windowed layers use {cfg.rope_local_theta:g}, the others {cfg.rope_theta:g}")

@@ -60,7 +60,7 @@ def adapter_config(cfg, lcfg, base_path: str) -> dict:
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
     from ..adapters import is_adapter_run, load_adapter_run
-    from .hf import external_value
+    from .hf import external_value, format_rows
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     if not is_adapter_run(run_dir):
@@ -69,7 +69,7 @@ def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     names = peft_names(cfg, lcfg)
     with output_dir(out, force, inputs=[run_dir]) as tmp:
         offset = cfg.spec.hf.norm_offset   # a saved norm is stored as Hugging Face stores it (Gemma: w - 1)
-        write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, a)
+        write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, format_rows(cfg, n, a))
                                                           for n, a in adapters.items() if n in names}, "F32",
                       {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, lcfg, base["path"]), indent=2) + "\n")

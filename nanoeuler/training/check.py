@@ -195,6 +195,7 @@ ARCH_CHECK_CONFIGS = {
     # global layers alternate)
     "gemma2": CHECK_CONFIG.replace(arch="gemma2", sliding_window=5, attn_softcap=1.0, logit_softcap=2.0),
     "starcoder2": CHECK_CONFIG.replace(arch="starcoder2", sliding_window=5),   # LayerNorm, GELU and biases with RoPE
+    "stablelm": CHECK_CONFIG.replace(arch="stablelm", partial_rotary_factor=0.5),   # RoPE on half of each head
 }
 
 
