@@ -89,7 +89,10 @@ class Format:
     width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
     instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar);
     reads_window: where the architecture has windows, its runtime reads them (False: llama.cpp's starcoder2,
-    which attends over every position whatever the model was trained with)."""
+    which attends over every position whatever the model was trained with);
+    heads_fill_dim: its runtime makes q and the attention output dim x dim, so a head is dim / n_heads wide
+    whatever attention.key_length says (llama.cpp's qwen2, gpt2, starcoder2, phi3, stablelm, olmo2; its llama,
+    qwen3, gemma2, gemma3, granite size them by key_length x head_count)."""
     name: str
     globals_: tuple[External, ...]
     layer: tuple[External, ...]
@@ -106,6 +109,7 @@ class Format:
     absent: dict = field(default_factory=dict)
     width_scaled_at: tuple[int, ...] = ()
     reads_window: bool = True
+    heads_fill_dim: bool = False
 
     def tensors(self, n_layers: int) -> list[External]:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
@@ -208,7 +212,7 @@ QWEN2 = Arch(
         aliases=("Qwen2ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED, activation_keys=_HF_ACTIVATION,
         absent={"rope_theta": 10000.0}),
     gguf=Format("qwen2", _GGUF_GLOBALS, EULER.gguf.layer + tuple(
-        _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv")),
+        _e(f"blk.{{i}}.attn_{x}.bias", f"attn.w{x}.bias") for x in "qkv"), heads_fill_dim=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 QWEN3 = Arch(
@@ -292,7 +296,7 @@ GPT2 = Arch(
         _e(f"blk.{{i}}.{theirs}.{s}", *(f"{o}.{s}" for o in ours))
         for ours, theirs in ((("attn_norm",), "attn_norm"), (_GPT2_QKV, "attn_qkv"), (("attn.wo",), "attn_output"),
                              (("ffn_norm",), "ffn_norm"), (("ffn.fc",), "ffn_up"), (("ffn.proj",), "ffn_down"))
-        for s in ("weight", "bias"))),
+        for s in ("weight", "bias")), heads_fill_dim=True),
     lora={"c_attn": [("attn.wqkv", _GPT2_QKV)], "c_proj": [("attn.wo", ("attn.wo",)), ("ffn.proj", ("ffn.proj",))],
           "c_fc": [("ffn.fc", ("ffn.fc",))]},
     lora_defaults=("c_attn", "c_proj", "c_fc"))
@@ -317,7 +321,7 @@ STARCODER2 = Arch(
               activation_keys=("hidden_act",)),
     gguf=Format("starcoder2", (_GGUF_GLOBALS[0], *_GGUF_SC2_GLOBALS, _GGUF_GLOBALS[2]),
                 tuple(_e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _GGUF_SC2
-                      for s in ("weight", "bias")), reads_window=False),
+                      for s in ("weight", "bias")), reads_window=False, heads_fill_dim=True),
     lora={x: [(f"attn.w{x}", (f"attn.w{x}",))] for x in "qkvo"} | {
         "c_fc": [("ffn.fc", ("ffn.fc",))], "c_proj": [("ffn.proj", ("ffn.proj",))]},
     lora_defaults=("q", "k", "v", "o", "c_fc", "c_proj"))
@@ -344,7 +348,7 @@ STABLELM = Arch(
         for ours, theirs, sides in (("attn_norm", "attn_norm", "wb"), *((f"attn.w{x}", f"attn_{x}", "wb") for x in "qkv"),
                                     ("attn.wo", "attn_output", "w"), ("ffn_norm", "ffn_norm", "wb"),
                                     *((f"ffn.{x}", f"ffn_{x}", "w") for x in ("gate", "up", "down")))
-        for s in ("weight", "bias")[:len(sides)])),
+        for s in ("weight", "bias")[:len(sides)]), heads_fill_dim=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, GPT2, STARCODER2, STABLELM)}

@@ -198,6 +198,41 @@ def test_gguf_dtype_takes_our_name_and_llama_cpp_s(exported, tok, tmp_path, ours
     assert r.get_tensor(0).tensor_type == gguf.GGMLQuantizationType[ggml] or r.get_tensor(0).data.ndim == 1
 
 
+@pytest.mark.parametrize("arch, refused", [("qwen2", True), ("qwen3", False)])
+def test_heads_other_than_dim_over_heads_are_refused_where_llama_cpp_fixes_them(tok, tmp_path, arch, refused,
+                                                                              monkeypatch):
+    """llama.cpp's qwen2 makes q and the attention output dim x dim, whatever attention.key_length says: a qwen2
+    whose 4 heads of 8 make 32 of dim 16 was written anyway, and llama.cpp refused the file. Export now refuses
+    it in one line, and import refuses such a file; its qwen3 sizes heads by key_length and loads the export."""
+    pytest.importorskip("gguf")
+    from conftest import tiny_config
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop import gguf_export
+    from nanoeuler.interop.gguf_import import load_gguf
+    m = Model.init(tiny_config(arch=arch, head_dim=8, vocab_size=tok.vocab_size), seed=0)
+    if not refused:
+        assert load_gguf(gguf_export.export_gguf(m, tok, tmp_path / "m.gguf", progress=False))[0].head_dim == 8
+        return
+    with pytest.raises(UserError, match=r"^cannot export to GGUF: llama.cpp's qwen2 makes q and the attention output "
+                                        r"16 x 16 \(heads of dim / n_heads = 4\); this model's 4 heads of 8 make 32$"):
+        gguf_export.export_gguf(m, tok, tmp_path / "m.gguf", progress=False)
+    with monkeypatch.context() as unchecked:   # the file as it was written before: llama.cpp and import refuse it
+        unchecked.setattr(gguf_export, "check_expressible", lambda cfg: None)
+        path = gguf_export.export_gguf(m, tok, tmp_path / "m.gguf", progress=False)
+    with pytest.raises(UserError, match="qwen2.attention.key_length = 8: llama.cpp's qwen2 makes heads dim / "
+                                        "head_count = 16/4 wide; it cannot load this file"):
+        load_gguf(path)
+    try:
+        from nanoeuler.interop.llamacpp import LlamaCpp
+        LlamaCpp(path, n_ctx=8)
+    except UserError:   # (no llama-cpp-python here)
+        return
+    except ValueError as e:
+        assert "Failed to load model" in str(e)
+    else:
+        raise AssertionError("llama.cpp loaded a qwen2 whose heads are not dim / n_heads wide")
+
+
 def test_permute_qk_matches_llama_cpp_convention():
     """Head of 4 rows (hd = 4): rotate-half pairs (0, 2), (1, 3) become adjacent rows."""
     from nanoeuler.interop.gguf_export import permute_qk, unpermute_qk

@@ -133,8 +133,9 @@ def add_hparams(w, cfg) -> None:
 
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
-    has none, per-pair RoPE factors where it reads none, an attention scale it computes otherwise
-    (attention_scale_mismatch), a soft cap where it reads none or none where it always caps (its gguf Format's
+    has none, per-pair RoPE factors where it reads none, heads of another width than dim / n_heads where it
+    makes q and the attention output dim x dim (its Format's heads_fill_dim), an attention scale it computes
+    otherwise (attention_scale_mismatch), a soft cap where it reads none or none where it always caps (its gguf Format's
     config names the caps: gemma2), a head of its own where it takes the embedding (no `output` in its table)."""
     from ..arch import by_format
     a = cfg.spec
@@ -144,6 +145,10 @@ def check_expressible(cfg) -> None:
     if cfg.rope_scaling in ("llama3", "factors") and not a.gguf.rope_freqs:
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} reads no per-pair RoPE factors "
                         f"(rope_freqs), which rope_scaling {cfg.rope_scaling} needs")
+    if a.gguf.heads_fill_dim and cfg.head_dim * cfg.n_heads != cfg.dim:
+        raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} makes q and the attention output "
+                        f"{cfg.dim} x {cfg.dim} (heads of dim / n_heads = {cfg.dim / cfg.n_heads:g}); this model's "
+                        f"{cfg.n_heads} heads of {cfg.head_dim} make {cfg.n_heads * cfg.head_dim}")
     why = attention_scale_mismatch(cfg)
     if why:
         raise UserError(f"cannot export to GGUF: {why}")

@@ -521,6 +521,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
     heads = field(meta, f"{a}.attention.head_count")
     dim = field(meta, f"{a}.embedding_length")
     hd = field(meta, f"{a}.attention.key_length", default=dim // heads if heads else 0)
+    if arch.gguf.heads_fill_dim and heads and hd * heads != dim:   # (llama.cpp: its q, output tensors' shapes)
+        raise UserError(f"GGUF metadata {a}.attention.key_length = {hd}: llama.cpp's {a} makes heads dim / "
+                        f"head_count = {dim}/{heads} wide; it cannot load this file")
     turned = field(meta, f"{a}.rope.dimension_count", default=hd) if arch.positions == "rope" else hd
     for key, value in ((f"{a}.attention.value_length", field(meta, f"{a}.attention.value_length", default=hd)),
                        (f"{a}.rope.dimension_count", turned)):   # (part of each head turns where the family's does)
