@@ -429,3 +429,7 @@ def test_gemma4_newline_runs_are_cut_apart_and_kept_whole():
     assert "newlines" not in plain.to_dict()
     with pytest.raises(UserError, match="newline"):
         tok.to_hf_json()
+    from nanoeuler.tokenizer.sentencepiece import merge_ids      # GGUF's "a b" merge strings, cut as llama.cpp cuts
+    assert merge_ids(tokens, ["a b", "▁ a", "a \n"]).tolist() == [list(m) for m in merges]
+    with pytest.raises(UserError, match="merge 1 'ab' is not two tokens"):
+        merge_ids(tokens, ["a b", "ab"])

@@ -571,6 +571,24 @@ def numbers(values, kinds: str, what: str) -> np.ndarray:
     return arr
 
 
+def merge_ids(tokens: list[str], merges: list[str]) -> np.ndarray:
+    """GGUF's merges ("a b": the first space after the first character cuts it, as llama.cpp reads them) as
+    [merges, 2] token ids; a merge whose sides are not two tokens: UserError.
+    merge_ids(["a", "b", "ab"], ["a b"]) -> [[0, 1]]"""
+    def joined(texts):
+        raw = [t.encode("utf-8", "surrogateescape") for t in texts]
+        ends = np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)))
+        return np.frombuffer(b"".join(raw) or b"\0", np.uint8), ends - np.diff(ends, prepend=0), ends
+    blob, starts, ends = joined(tokens)
+    t_keys, t_vals = sf.table(len(tokens))
+    sf.text_table(blob, starts, ends, t_keys, t_vals)
+    out = np.empty((len(merges), 2), np.int64)
+    bad = sf.merge_texts(*joined(merges), t_keys, t_vals, blob, starts, ends, out)
+    if bad >= 0:
+        raise UserError(f"merge {bad} {merges[bad]!r:.60} is not two tokens")
+    return out
+
+
 def llama_cpp_utf8(data: bytes) -> bytes:
     """data with each byte that starts no UTF-8 character (read by its lead byte's high bits and continuation
     bytes, as llama.cpp's unicode_cpts_from_utf8 reads them) replaced by U+FFFD, one per byte.

@@ -146,6 +146,26 @@ def text_table(blob, starts, ends, t_keys, t_vals):
     return -1
 
 
+@njit(cache=True)
+def merge_texts(mblob, mstarts, mends, t_keys, t_vals, blob, starts, ends, out):
+    """Each merge "a b" (mblob[mstarts[i]:mends[i]], cut at its first space after its first byte, as llama.cpp
+    cuts it) as the ids of a and b, into out [merges, 2]; returns the first merge whose two sides are not both
+    tokens, or -1."""
+    for i in range(mstarts.shape[0]):
+        s, e, cut = mstarts[i], mends[i], -1
+        for j in range(s + 1, e):
+            if mblob[j] == SPACE:
+                cut = j
+                break
+        if cut < 0:
+            return i
+        out[i, 0] = _find_text(t_keys, t_vals, blob, starts, ends, mblob, s, cut)
+        out[i, 1] = _find_text(t_keys, t_vals, blob, starts, ends, mblob, cut + 1, e)
+        if out[i, 0] < 0 or out[i, 1] < 0:
+            return i
+    return -1
+
+
 @njit(inline="always")
 def _one_char(blob, s, e):
     return e > s and min(utf8_len(blob[s]), e - s) == e - s
