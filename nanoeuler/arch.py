@@ -24,6 +24,7 @@ Every architecture here is one transformer, differing only in the choices this r
 | mistral| rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gemma3 | rms   | geglu  | RoPE, local and global| none          | yes      | yes        | yes       |
 | gemma2 | rms   | geglu  | RoPE, every other layer windowed, soft caps | none |  | yes   | yes       |
+| phi3   | rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 | stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
@@ -31,7 +32,8 @@ Every architecture here is one transformer, differing only in the choices this r
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
 euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
 converter writes it as `llama`. `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
-reads no window for it). A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
+reads no window for it). `phi3` is Llama's block again, its q|k|v and gate|up each one tensor in both formats
+(and one LoRA target). A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
 its Config; `defaults` gives the ones a checkpoint's config.json may leave out (config.json names the
 architecture and any field that differs). Parameter names are the same for every entry (Config.param_shapes
 builds them from the record):
@@ -274,6 +276,31 @@ GEMMA2 = Arch(
                                                "logit_softcap": ("final_logit_softcapping",)}),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
+# Phi-3: Llama's block with q|k|v and gate|up each one tensor in both formats (stacked by rows), any window on every
+# layer (Phi-3-mini's 2047; llama.cpp's phi3 reads none); LongRoPE scaling is refused (rope_scaling: linear, llama3)
+_QKV, _GATE_UP = ("attn.wq", "attn.wk", "attn.wv"), ("ffn.gate", "ffn.up")
+PHI3 = Arch(
+    "phi3", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0, "rope_original_ctx": 4096},
+    hf=Format("phi3", _HF_GLOBALS, (
+        _e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"),
+        _e("model.layers.{i}.self_attn.qkv_proj.weight", *(f"{w}.weight" for w in _QKV)),
+        _e("model.layers.{i}.self_attn.o_proj.weight", "attn.wo.weight"),
+        _e("model.layers.{i}.post_attention_layernorm.weight", "ffn_norm.weight"),
+        _e("model.layers.{i}.mlp.gate_up_proj.weight", *(f"{w}.weight" for w in _GATE_UP)),
+        _e("model.layers.{i}.mlp.down_proj.weight", "ffn.down.weight")), aliases=("Phi3ForCausalLM",),
+        config={f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {
+            "rope_original_ctx": ("original_max_position_embeddings",)},
+        config_fixed=_HF_FIXED | {"resid_pdrop": 0.0, "embd_pdrop": 0.0}, activation_keys=_HF_ACTIVATION),
+    gguf=Format("phi3", _GGUF_GLOBALS, (
+        _e("blk.{i}.attn_norm.weight", "attn_norm.weight"), _e("blk.{i}.attn_qkv.weight", *(f"{w}.weight" for w in _QKV)),
+        _e("blk.{i}.attn_output.weight", "attn.wo.weight"), _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"),
+        _e("blk.{i}.ffn_up.weight", *(f"{w}.weight" for w in _GATE_UP)), _e("blk.{i}.ffn_down.weight", "ffn.down.weight")),
+        reads_window=False, config={"rope_original_ctx": ("rope.scaling.original_context_length",)},
+        heads_fill_dim=True),
+    lora={"qkv_proj": [("attn.wqkv", _QKV)], "o_proj": [("attn.wo", ("attn.wo",))],
+          "gate_up_proj": [("ffn.gate_up", _GATE_UP)], "down_proj": [("ffn.down", ("ffn.down",))]},
+    lora_defaults=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+
 _GPT2_QKV = ("attn.wq", "attn.wk", "attn.wv")
 GPT2 = Arch(
     "gpt2", norm="layer", mlp="gelu", positions="learned", qkv_bias=True, out_bias=True,
@@ -351,7 +378,7 @@ STABLELM = Arch(
         for s in ("weight", "bias")[:len(sides)]), heads_fill_dim=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, GPT2, STARCODER2, STABLELM)}
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

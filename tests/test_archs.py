@@ -118,7 +118,8 @@ def folders(tmp_path_factory):
         model = hf_model(cfg, tok)
         model.save_pretrained(d)
         (d / "tokenizer.json").write_text(tok_json)   # as it is (AutoTokenizer would add a family's specials)
-        (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))  # (Phi-3's converter
+                                                     # takes the GPT-2 vocabulary path for it, as for Phi-4)
         out[case] = (model, d, cfg)
     return out
 
@@ -228,7 +229,8 @@ def test_llama_cpp_runs_our_gguf_export(folders, case, tmp_path):
 # tokenizer.model (the converter imports sentencepiece before looking for one; a family whose converter reads
 # nothing else, Gemma 2's, takes the GPT-2 vocabulary path as Gemma 3's does without one), and its tokenizer,
 # trained here with GPT-2's split, splits text as GPT-2's (the converter knows a pre-tokenizer by the hash of a
-# published vocabulary's ids, which a vocabulary trained here does not have)
+# published vocabulary's ids, which a vocabulary trained here does not have). The model is named "tiny": llama.cpp
+# takes a name with "phi3" in it (the folder's, phi30) for Phi-3's and looks for that vocabulary's <s>, </s>, <unk>
 CONVERT = """
 import runpy, sys
 src, folder, out = sys.argv[1:4]
@@ -239,7 +241,7 @@ def no_sentencepiece(self):
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32"]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32", "--model-name", "tiny"]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 

@@ -24,7 +24,8 @@ SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(he
           "stablelm": dict(partial_rotary_factor=0.5),
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0),
-          "gemma2": dict(sliding_window=4, attn_softcap=20.0), "gemma2+uncapped": dict(logit_softcap=0.0)}
+          "gemma2": dict(sliding_window=4, attn_softcap=20.0), "gemma2+uncapped": dict(logit_softcap=0.0),
+          "phi3": dict(sliding_window=4)}
 
 
 def test_every_architecture_has_a_shape():
@@ -111,6 +112,18 @@ def test_soft_caps_read_as_transformers_reads_them():
     with pytest.raises(UserError, match="attn_logit_softcapping=50.0 is not supported") as e:
         config_from_hf(llama_config("llama", attn_logit_softcapping=50.0), ARCHS["euler"])
     assert "\n" not in str(e.value)
+
+
+def test_phi3s_longrope_is_refused_in_one_line():
+    """Phi-3's LongRoPE (short / long per-pair factors, chosen by the sequence's length in transformers and by the
+    context's in llama.cpp, and an attention factor on cos / sin) is not computed yet: refused by name, in either
+    spelling (transformers 4's rope_scaling, 5's rope_parameters)."""
+    longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]}
+    for key in ("rope_scaling", "rope_parameters"):
+        c = llama_config("phi3", head_dim=4, original_max_position_embeddings=8, **{key: longrope | {"rope_theta": 1e4}})
+        with pytest.raises(UserError, match=f"{key} .*longrope.* is not supported") as e:
+            config_from_hf(c, ARCHS["phi3"])
+        assert "\n" not in str(e.value)
 
 
 def test_gpt2s_tensors_carry_its_prefix_and_its_tokenizer_its_files(tmp_path):

@@ -127,7 +127,8 @@ def add_hparams(w, cfg) -> None:
         w.add_sliding_window_pattern(cfg.global_every)   # llama.cpp: layer i global iff i % n == n - 1 (0: none)
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
     for ours, (key,) in a.gguf.config.items():   # the Config numbers it reads under `{arch}.` (Granite's multipliers)
-        w.add_float32(f"{a.gguf.name}.{key}", getattr(cfg, ours))
+        value = getattr(cfg, ours)                # (an integer as llama.cpp reads it: Phi-3's original context)
+        (w.add_uint32 if type(value) is int else w.add_float32)(f"{a.gguf.name}.{key}", value)
     w.add_vocab_size(cfg.vocab_size)
 
 

@@ -40,6 +40,7 @@ than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -263,7 +264,7 @@ def gemma4_tokenizer(meta: dict, vocab_size: int):
     """The tokenizer.ggml.* fields of Gemma 4's BPE (model gemma4) -> our SentencePieceTokenizer, as llama.cpp
     runs it: merges by rank ("a b" strings, each of two tokens making a token), spaces as "▁" with none put in
     front, runs of newlines cut apart (`newlines`), bos always added (llama.cpp overrides add_bos_token)."""
-    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer, merge_ids
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
         raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
@@ -273,10 +274,13 @@ def gemma4_tokenizer(meta: dict, vocab_size: int):
     types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
     types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
-    try:
-        pairs = merge_ids(tokens, merges)
-    except UserError as e:
-        raise UserError(f"GGUF metadata tokenizer.ggml.merges: {e}") from None
+    ids = dict(zip(tokens, range(len(tokens))))
+    cuts = [m.find(" ", 1) for m in merges]                     # "a b": the first space after the first character
+    sides = [[m[:c] for m, c in zip(merges, cuts)], [m[c + 1:] if c > 0 else "" for m, c in zip(merges, cuts)]]
+    pairs = np.stack([np.fromiter(map(ids.get, side, repeat(-1)), np.int64, len(merges)) for side in sides], 1)
+    if (pairs < 0).any():
+        i = int(np.flatnonzero((pairs < 0).any(1))[0])
+        raise UserError(f"GGUF metadata tokenizer.ggml.merges: merge {i} {merges[i]!r:.60} is not two tokens")
     name = {}
     for key in ("bos", "eos"):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -505,7 +509,7 @@ def gguf_config(meta: dict, arch, tensors: dict):
     """The `{arch}.*` hyperparameters -> our Config (one head). What llama.cpp fixes per architecture rather than
     reads (Gemma 3's window pattern and local RoPE base) are the architecture's defaults (arch.py); a depth at
     which it scales attention otherwise than we would is refused (gguf_export.attention_scale_mismatch)."""
-    from ..config import Config
+    from ..config import DEFAULTS, Config
     from .gguf_export import attention_scale_mismatch
     a = arch.gguf.name
     read = {key: ours for ours, (key,) in arch.gguf.config.items()}   # Config numbers under `{a}.` (Granite's)
@@ -533,8 +537,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
                   tie_embeddings="output.weight" not in tensors   # (gemma2's table has no output: llama.cpp's
                   or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_))   # head is the embedding)
-    for key, ours in read.items():
-        value = field(meta, f"{a}.{key}", float, 0.0)   # 0 or absent: llama.cpp's default (1; attention: 1/√hd)
+    for key, ours in read.items():   # (an integer where the Config's is: Phi-3's original context)
+        kind = int if type(DEFAULTS.get(ours)) is int else float
+        value = field(meta, f"{a}.{key}", kind, 0)   # 0 or absent: llama.cpp's default (1; attention: 1/√hd)
         if value:
             fields[ours] = value
     if arch.positions == "rope":

@@ -194,6 +194,7 @@ ARCH_CHECK_CONFIGS = {
     # gemma2 (soft caps on the attention scores and the logits, small enough to bend: 1 and 2; its windowed and
     # global layers alternate)
     "gemma2": CHECK_CONFIG.replace(arch="gemma2", sliding_window=5, attn_softcap=1.0, logit_softcap=2.0),
+    "phi3": CHECK_CONFIG.replace(arch="phi3", sliding_window=5),   # (q|k|v and gate|up fused in its formats only)
     "starcoder2": CHECK_CONFIG.replace(arch="starcoder2", sliding_window=5),   # LayerNorm, GELU and biases with RoPE
     "stablelm": CHECK_CONFIG.replace(arch="stablelm", partial_rotary_factor=0.5),   # RoPE on half of each head
 }
