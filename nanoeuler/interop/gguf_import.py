@@ -40,7 +40,6 @@ than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 
-from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -264,7 +263,7 @@ def gemma4_tokenizer(meta: dict, vocab_size: int):
     """The tokenizer.ggml.* fields of Gemma 4's BPE (model gemma4) -> our SentencePieceTokenizer, as llama.cpp
     runs it: merges by rank ("a b" strings, each of two tokens making a token), spaces as "▁" with none put in
     front, runs of newlines cut apart (`newlines`), bos always added (llama.cpp overrides add_bos_token)."""
-    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer, merge_ids
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
         raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
@@ -274,13 +273,10 @@ def gemma4_tokenizer(meta: dict, vocab_size: int):
     types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
     types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
-    ids = dict(zip(tokens, range(len(tokens))))
-    cuts = [m.find(" ", 1) for m in merges]                     # "a b": the first space after the first character
-    sides = [[m[:c] for m, c in zip(merges, cuts)], [m[c + 1:] if c > 0 else "" for m, c in zip(merges, cuts)]]
-    pairs = np.stack([np.fromiter(map(ids.get, side, repeat(-1)), np.int64, len(merges)) for side in sides], 1)
-    if (pairs < 0).any():
-        i = int(np.flatnonzero((pairs < 0).any(1))[0])
-        raise UserError(f"GGUF metadata tokenizer.ggml.merges: merge {i} {merges[i]!r:.60} is not two tokens")
+    try:
+        pairs = merge_ids(tokens, merges)
+    except UserError as e:
+        raise UserError(f"GGUF metadata tokenizer.ggml.merges: {e}") from None
     name = {}
     for key in ("bos", "eos"):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
