@@ -42,7 +42,8 @@ threads; ours with --threads too, and once more with --prompt-cache-mib 0 (the c
 requests (`ignore_eos`), and `ours / llama-server`: our tok/s ÷ its tok/s at each level.
 --response-format measures the cost of constrained decoding: each level runs four times on the same server,
 without, with, with and without the response_format (ABBA: a drift of the machine's load weighs on both alike),
-and `grammar / plain` is the tok/s with it over the tok/s without (the means of the two runs each). Its
+and `grammar / plain` is the tok/s with it over the tok/s without (the means of the two runs each; the prompt
+cache off, so that no run finds its prompts computed by an earlier one). Its
 default, LONG_TEXT, is a JSON schema whose one string must be longer than any reply (so every reply runs its
 --tokens, as without); any response_format object may be given as JSON instead.
 Bounded: at most --tokens x --requests x 64 tokens per level, and --level-timeout seconds per level.
@@ -731,7 +732,9 @@ def main() -> int:
                 else [(args.dtype, None)]
             for dtype, gguf_type in pairs:
                 ours = name if dtype == "float32" else f"{name} {dtype}"
-                proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), dtype)
+                # --response-format: the prompt cache off, so that no run's prompts come from an earlier one's
+                more = ("--prompt-cache-mib", "0") if args.response_format else ()
+                proc, url = start_server(ckpt, args.max_batch, max(64, max(levels)), dtype, more=more)
                 report["models"][ours] = serve_levels(proc, url, ours, levels, args, prompts)
                 if gguf_type:
                     theirs = f"{name} llama-server {gguf_type}"
