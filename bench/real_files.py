@@ -3,12 +3,12 @@ and by llama.cpp: what a process costs, and how well each predicts. Speed: bench
 
 load     process start to the first generated token (when its text reaches the pipe the process writes to,
          after the prompt's echo: both sides flush each token), the whole process (its exit too), and its peak
-         RSS: `nanoeuler sample --ckpt FILE --max-new-tokens 1` against llama.cpp's `llama-completion -m FILE
-         -n 1` (its own binary, built from llama-cpp-python's source distribution), a fresh process each,
-         alternating, --repeat times (median), after one warm-up run of each (the page cache, numba's and
-         Python's on-disk caches); beside them the file's tensor bytes. Each side's peak includes its runtime
-         and its KV cache (llama.cpp clears a float16 cache of the model's whole context; ours is float32 and
-         takes pages as it fills).
+         RSS: `nanoeuler sample --ckpt FILE --max-new-tokens N` against llama.cpp's `llama-completion -m FILE
+         -n N` (N = --tokens, default 1; its own binary, built from llama-cpp-python's source distribution), a
+         fresh process each, alternating, --repeat times (median), after one warm-up run of each (the page
+         cache, numba's and Python's on-disk caches); beside them the file's tensor bytes. Each side's peak includes its runtime
+         and its KV cache (llama.cpp clears a float16 cache of the model's whole context, or of --ctx
+         positions; ours is float32 and takes pages as it fills).
 quality  bits per byte of the bundled held-out works (bench/heldout.py: windows of --window tokens, the
          model's BOS first where its tokenizer adds one) from ours decoding the file in its own types and from
          llama.cpp's logits on the same ids (llama-cpp-python, float32 KV cache), and their relative difference;
@@ -21,6 +21,8 @@ quality  bits per byte of the bundled held-out works (bench/heldout.py: windows 
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion
     .venv/bin/python bench/real_files.py --files .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --skip-load --json
     .venv/bin/python bench/real_files.py --llama-completion /tmp/llbuild/bin/llama-completion --skip-quality
+    .venv/bin/python bench/real_files.py --llama-completion C --files .cache/llama3-1b/llama3-1b-Q8_0.gguf \
+        --skip-quality --tokens 16 --ctx 256       # a 131,072-position model: llama.cpp's cache for 256 only
 """
 from __future__ import annotations
 
@@ -77,10 +79,13 @@ def tensor_mib(path: Path) -> float:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) / 2**20
 
 
-def load_rows(path: Path, binary: str, repeat: int) -> dict:
+def load_rows(path: Path, binary: str, repeat: int, tokens: int = 1, ctx: int | None = None) -> dict:
+    """Fresh processes of each side, `tokens` greedy tokens after PROMPT; llama.cpp's context `ctx` (its -c:
+    the KV cache it allocates whole; default the file's), ours takes cache pages as positions fill."""
     ours = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(path), "--prompt", PROMPT,
-            "--max-new-tokens", "1", "--temperature", "0"]
-    theirs = [binary, "-m", str(path), "-p", PROMPT, "-n", "1", "--temp", "0", "-no-cnv", "-t", str(os.cpu_count())]
+            "--max-new-tokens", str(tokens), "--temperature", "0"]
+    theirs = [binary, "-m", str(path), "-p", PROMPT, "-n", str(tokens), "--temp", "0", "-no-cnv",
+              "-t", str(os.cpu_count()), *(["-c", str(ctx)] if ctx else [])]
     samples = {"ours": [], "llama.cpp": []}
     run_measured(ours), run_measured(theirs)  # warm-up: the page cache, numba's on-disk cache
     for _ in range(repeat):
@@ -161,6 +166,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="fresh processes of each side (default 3)")
     ap.add_argument("--window", type=int, default=256, help="tokens per scored window (default 256)")
     ap.add_argument("--per-work", type=int, default=4, help="windows from each held-out work (default 4)")
+    ap.add_argument("--tokens", type=int, default=1, help="greedy tokens each load process samples (default 1)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="llama.cpp's context (-c) in the load processes (default: the file's)")
     ap.add_argument("--skip-load", action="store_true", help="quality only")
     ap.add_argument("--skip-quality", action="store_true", help="load only")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -174,7 +182,7 @@ def main() -> None:
             raise SystemExit(f"{path} not found; run `make models`")
         row = {"file": path.name}
         if not args.skip_load:
-            row |= load_rows(path, args.llama_completion, args.repeat)
+            row |= load_rows(path, args.llama_completion, args.repeat, args.tokens, args.ctx)
         if not args.skip_quality:
             row |= quality_row(path, args.window, args.per_work)
         report["rows"].append(row)
