@@ -189,6 +189,19 @@ def test_a_constrained_greedy_reply_is_the_same_from_the_prefix_cache_and_beside
     assert first == cached == beside[0] == beside[1] and valid(tok.decode(first), {"type": "object"})
 
 
+def test_rows_with_grammars_and_without_decode_in_one_step(tiny):
+    """The grammar works in each row's sampling; the decoding step stays one forward over every row."""
+    model, tok = tiny
+    g = Grammars(tok, model.config.vocab_size)
+    grammar = g.constraint(g.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 40}))
+    b = Batcher(model, max_batch=4)
+    for i in range(4):
+        b.submit(Job(tok.encode("Hamlet"), 30, temperature=1.0, seed=i, constraint=grammar.copy() if i % 2 else None))
+    while b.step():
+        pass
+    assert max(b.batch_sizes) == 4 and b.batch_sizes.count(4) >= 25
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                               "unit": {"enum": ["°C", "°F"]}}, "required": ["city", "unit"]}}},
