@@ -332,6 +332,19 @@ def drop_pages(arrays) -> int:
     return dropped
 
 
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). Reading a
+    tokenizer and a model (JSON, a GGUF header's strings, the compiled kernels' loading) frees tens of MB in
+    small pieces that the allocator keeps for reuse, and the large arrays made next never reuse them
+    (docs/benchmarks.md)."""
+    import ctypes
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def file_rows(a: np.ndarray):
     """For a 2-D array of `map_tensors`: rows(table, ids, out), out [n, d] = a[ids] read from its file
     (os.preadv: through the page cache, not into this process's memory), so that rows looked up in an array
@@ -354,6 +367,27 @@ def file_rows(a: np.ndarray):
         for i, r in enumerate(np.asarray(ids, np.int64).tolist()):
             os.preadv(fd, [out[i]], start + r * row)
     return rows
+
+
+def read_out(a: np.ndarray) -> np.ndarray:
+    """A copy of an array of `map_tensors` read from its file (os.preadv: through the page cache, not into this
+    process's memory), any other array as it is. Reading a small tensor through the map would fault in the
+    file's neighbouring pages with it (a whole folio, up to 2 MiB): an import's norms of a few KB each would
+    hold tens of MB of the float32 matrices around them (docs/benchmarks.md).
+
+        norms = {n: read_out(p) for n, p in params.items() if p.ndim == 1}"""
+    m = file_map(a)
+    f = _MAPPED_FILES.get(m) if m is not None else None
+    if f is None or not a.flags.c_contiguous:
+        return a
+    out = np.empty(a.shape, a.dtype)
+    view, at = memoryview(out.reshape(-1).view(np.uint8)), _offset(a, m)
+    while view.nbytes:
+        n = os.preadv(f.fileno(), [view], at)
+        if n <= 0:
+            raise UserError(f"the weights file ended while reading a tensor of {a.nbytes} bytes")
+        view, at = view[n:], at + n
+    return out
 
 
 def _offset(a: np.ndarray, m) -> int:

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import tiny_config
 from nanoeuler import adapters as ad
-from nanoeuler.checkpoint import drop_pages, load_model, map_tensors, save_files
+from nanoeuler.checkpoint import (drop_pages, file_map, load_model, map_tensors, read_out, release_freed_memory,
+                                  save_files)
 from nanoeuler.fast import bf16
 from nanoeuler.fast.engine import copied_weights
 from nanoeuler.training.lora import LoraModel
@@ -129,3 +130,39 @@ def test_mapped_tensors_are_the_files_read_only_and_come_back_after_a_drop(tmp_p
     assert {n: resident(a) for n, a in mapped.items() if a is not w} == others   # only w's pages went
     assert np.array_equal(w, params["layers.0.ffn.up.weight"]) and resident(w) > 0   # read back, the same
     assert drop_pages([params["layers.0.ffn.up.weight"]]) == 0           # an array in memory: left alone
+
+
+def test_read_out_copies_a_mapped_tensor_without_mapping_its_pages(tmp_path):
+    """Decoding an import reads its norms with read_out: the same values, a copy in memory, and none of the map's
+    pages brought in (through the map, each small norm faulted in up to a 2 MiB folio of the file around it)."""
+    base_dir, cfg = base_run(tmp_path, "euler")
+    _, params = load_model(base_dir)
+    mapped = map_tensors(base_dir / "model.safetensors", "weights")
+    w = mapped["layers.0.ffn.up.weight"]
+    drop_pages([w])
+    assert resident(w) == 0
+    got = read_out(w)
+    assert resident(w) == 0 and file_map(got) is None and got.flags.writeable
+    assert np.array_equal(got, params["layers.0.ffn.up.weight"]) and got.dtype == w.dtype and got.shape == w.shape
+    assert all(np.array_equal(read_out(a), params[n]) for n, a in mapped.items())   # every size, 1-D norms too
+    assert read_out(params["norm.weight"]) is params["norm.weight"]                 # in memory already: itself
+
+
+def heap_bytes() -> int:
+    """The C heap's size in this process's memory (/proc/self/smaps' [heap] Rss)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().split("\n")
+    at = next(i for i, line in enumerate(lines) if line.endswith("[heap]"))
+    return next(int(line.split()[1]) for line in lines[at:] if line.startswith("Rss:")) << 10
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
+def test_release_freed_memory_hands_the_heaps_free_pages_back():
+    """Many small allocations freed, with every 16th kept (so the heap cannot shrink from its top): the allocator
+    keeps the freed pages until release_freed_memory hands them back."""
+    arrays = [np.ones(1024) for _ in range(8192)]                 # 64 MiB in 8 KB pieces (malloc's heap)
+    kept = arrays[::16]
+    del arrays
+    before = heap_bytes()
+    release_freed_memory()
+    assert before - heap_bytes() > 32 << 20 and all(a[0] == 1 for a in kept)

@@ -107,7 +107,7 @@ def load_for_decoding(args):
     (weights.QuantizedModel.from_blocks); with --dtype, dequantized and decoded in that type."""
     from pathlib import Path
 
-    from ..checkpoint import check_vocab, load_model, load_tokenizer, source_blocks
+    from ..checkpoint import check_vocab, drop_pages, load_model, load_tokenizer, read_out, source_blocks
     from ..infer import qkernels
     from ..infer.weights import QuantizedModel, for_dtype
     from ..training.memory import check_inference_fits
@@ -123,15 +123,17 @@ def load_for_decoding(args):
                   "float32", file=sys.stderr)
         cfg, params, tok, _ = load_gguf(args.ckpt, blocks=as_file)
         check_inference_fits(cfg)
-        model = QuantizedModel.from_blocks(cfg, params) if as_file else for_dtype(Model(cfg, params), dtype or "float32")
-        return model, tok
+        if as_file:   # (each tensor's pages let go once checked: read back when packed)
+            return QuantizedModel.from_blocks(cfg, params, drop_pages), tok
+        return for_dtype(Model(cfg, params), dtype or "float32"), tok
     tok = load_tokenizer(args.ckpt, read_only=True)
     blocks = source_blocks(args.ckpt) if getattr(args, "dtype", None) is None else None
     if blocks and qkernels.AVAILABLE:  # an import, as its file held it: its blocks, the rest of its weights mapped
         cfg, params = load_model(args.ckpt, read_only=True, mapped=True, finite=False)  # from_blocks checks
         check_vocab(cfg, tok)
         check_inference_fits(cfg)
-        return QuantizedModel.from_blocks(cfg, params | blocks), tok
+        rest = {n: read_out(p) for n, p in params.items() if n not in blocks}  # the norms (none of the matrices)
+        return QuantizedModel.from_blocks(cfg, rest | blocks, drop_pages), tok
     model = Model.load(args.ckpt, read_only=True)
     check_vocab(model.config, tok)
     check_inference_fits(model.config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..checkpoint import release_freed_memory
 from ..config import Config
 from ..errors import UserError
 from ..fast.parallel import PARTS, blas_threads
@@ -26,7 +27,9 @@ from .weights import Forms, batched_linear, linear
 
 def fuse_weights(cfg: Config, P: dict, batched: bool = False) -> dict:
     """The inference layout of a model's parameters P (see forward.fuse_weights): batched keeps [in, out]
-    copies for steps of many rows (the batcher)."""
+    copies for steps of many rows (the batcher). The C heap's freed pages go back to the system first
+    (checkpoint.release_freed_memory): the layout is the largest thing a decoding process makes."""
+    release_freed_memory()
     return forward.fuse_weights(cfg, P, Forms(P, batched))
 
 

@@ -217,16 +217,20 @@ class QuantizedModel:
         self.dtype = np.dtype(np.float32)
 
     @classmethod
-    def from_blocks(cls, config, params: dict) -> "QuantizedModel":
+    def from_blocks(cls, config, params: dict, done=None) -> "QuantizedModel":
         """A model whose matrices are blocks already (void records [out, in / block], as QuantizedModel's own),
         each in its own type as a file holds them (float32 or float16 matrices may be among them), the other
         parameters float32. Every weight must read back finite (a block's float16 scales included), as `import`
-        requires of a file: a NaN or Inf is refused in one line, naming its tensor."""
+        requires of a file: a NaN or Inf is refused in one line, naming its tensor. done(arrays): called with
+        each tensor once checked (`sample` passes checkpoint.drop_pages: a mapped file's pages let go, read back
+        when packed, instead of the whole file resident at once)."""
         bad = sorted({str(p.dtype) for p in params.values() if p.ndim == 2 and of_dtype(p.dtype) is None})
         if bad:
             raise UserError(f"a quantized model's matrices are blocks, float32 or float16; got {', '.join(bad)}")
         for name, p in params.items():
             check_readable(name, p)
+            if done is not None:
+                done([p])
         qkernels.require()
         m = cls.__new__(cls)
         m.config, m.dtype = config, np.dtype(np.float32)
