@@ -433,3 +433,22 @@ def test_gemma4_newline_runs_are_cut_apart_and_kept_whole():
     assert merge_ids(tokens, ["a b", "▁ a", "a \n"]).tolist() == [list(m) for m in merges]
     with pytest.raises(UserError, match="merge 1 'ab' is not two tokens"):
         merge_ids(tokens, ["a b", "ab"])
+
+
+def test_tokens_read_as_the_list_they_were_made_from():
+    """A SentencePiece vocabulary keeps its texts as one blob and offsets (Pieces), each str made when read: it
+    reads as the list it was built from (items from either end, slices, iteration, bytes that are not UTF-8
+    through surrogateescape), writes that list to tokenizer.json, and loads back the same."""
+    pieces = ["▁a", "é", "\udce4x", "▁ab"]         # "\udce4": the byte 0xE4, not UTF-8, kept by surrogateescape
+    tok = tiny_spm(pieces, [-1.0, -2.0, -3.0, -4.0])
+    want = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    assert len(tok.tokens) == len(want) == tok.vocab_size and list(tok.tokens) == want
+    assert [tok.tokens[i] for i in (0, 259, 261, -1, -4)] == ["<unk>", "▁a", "\udce4x", "▁ab", "▁a"]
+    assert tok.tokens[-2:] == want[-2:] and tok.tokens[::100] == want[::100] and "é" in tok.tokens
+    for i in (len(want), -len(want) - 1):
+        with pytest.raises(IndexError):
+            tok.tokens[i]
+    d = tok.to_dict()
+    assert d["tokens"] == want and json.loads(json.dumps(d))["tokens"] == want
+    again = Tokenizer.from_dict(json.loads(json.dumps(d)))
+    assert list(again.tokens) == want and again.fingerprint() == tok.fingerprint()

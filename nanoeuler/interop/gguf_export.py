@@ -202,7 +202,7 @@ def spm_metadata(tok, vocab_size: int):
         for rank, (a, b) in reversed(list(enumerate(tok.merges))):
             scores[tok.find(tok.tokens[a] + tok.tokens[b])] = -rank
     pad = vocab_size - tok.vocab_size
-    return (tok.tokens + [f"[PAD{i}]" for i in range(tok.vocab_size, vocab_size)],
+    return (list(tok.tokens) + [f"[PAD{i}]" for i in range(tok.vocab_size, vocab_size)],
             tok.types.tolist() + [int(TokenType.UNUSED)] * pad, scores.tolist() + [0.0] * pad)
 
 

@@ -35,8 +35,9 @@ hold the two equal.
 from __future__ import annotations
 
 import json
+import operator
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import regex
@@ -117,12 +118,46 @@ def utf8_chars(data: bytes) -> list[bytes]:
 
 # ------------------------------------------------------------------------------------ tokenizer
 
+class Pieces(Sequence):
+    """The tokens' texts, a read-only sequence of str held as one UTF-8 blob and two offset arrays (token i is
+    blob[starts[i] : ends[i]], bytes that are not UTF-8 kept through surrogateescape), each str made when read:
+    a large vocabulary held as one str object per token costs several times its bytes (docs/benchmarks.md).
+
+        p = Pieces.of(["a", "▁b"]); len(p), p[1], list(p) -> (2, '▁b', ['a', '▁b']); p.ends -> array([1, 5])"""
+
+    def __init__(self, blob: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.blob, self.starts, self.ends = blob, starts, ends   # uint8 [bytes], int64 [n], int64 [n]
+
+    @classmethod
+    def of(cls, texts: Iterable[str]) -> "Pieces":
+        if isinstance(texts, Pieces):
+            return texts
+        raw = [t.encode("utf-8", "surrogateescape") for t in texts]
+        ends = np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)))
+        return cls(np.frombuffer(b"".join(raw), np.uint8), ends - np.diff(ends, prepend=0), ends)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError("token index out of range")
+        return self.blob[self.starts[i]:self.ends[i]].tobytes().decode("utf-8", "surrogateescape")
+
+    def __iter__(self):
+        data = self.blob.tobytes()
+        return (data[a:b].decode("utf-8", "surrogateescape") for a, b in zip(self.starts.tolist(), self.ends.tolist()))
+
+
 class SentencePieceTokenizer(BaseTokenizer):
     """A SentencePiece-style BPE vocabulary (see the module docstring); ids are the vocabulary's order."""
 
     kind = KIND
 
-    def __init__(self, tokens: list[str], types: Iterable[int], scores: Iterable[float] | None = None,
+    def __init__(self, tokens: Iterable[str], types: Iterable[int], scores: Iterable[float] | None = None,
                  merges: Iterable[tuple[int, int]] | None = None, prefix: str = "none", split: bool = False,
                  normalizer: str | None = None, eos: str | None = None, bos: str | None = None,
                  chat_template: str | None = None, stops: Iterable[str] = (), newlines: bool = False):
@@ -136,7 +171,7 @@ class SentencePieceTokenizer(BaseTokenizer):
             raise UserError(f"tokenizer.json: \"prefix\" must be one of {', '.join(PREFIXES)}, got {prefix!r:.40}")
         if normalizer not in NORMALIZERS:
             raise UserError(f"unknown normalizer {normalizer!r:.40}; choose one of NFC, NFD, NFKC, NFKD or none")
-        self.tokens = list(tokens)
+        self.tokens = Pieces.of(tokens)
         self.types = np.asarray(types, np.int64)
         self.scores = None if scores is None else np.asarray(scores, np.float32)
         self.given_merges = None if merges is None else np.asarray(merges, np.int64).reshape(-1, 2)
@@ -161,13 +196,10 @@ class SentencePieceTokenizer(BaseTokenizer):
         if not np.isin(self.types, list(TYPE_NAMES)).all():
             bad = self.types[~np.isin(self.types, list(TYPE_NAMES))][0]
             raise UserError(f"tokenizer: token type {bad} is not one of {sorted(TYPE_NAMES)}")
-        raw = [t.encode("utf-8", "surrogateescape") for t in self.tokens]
-        if not all(raw):
-            raise UserError(f"tokenizer: token {next(i for i, r in enumerate(raw) if not r)} is empty")
-        lengths = np.fromiter(map(len, raw), np.int64, n)
-        self._blob = np.frombuffer(b"".join(raw), np.uint8)
-        self._ends = np.cumsum(lengths)
-        self._starts = self._ends - lengths
+        self._blob, self._starts, self._ends = self.tokens.blob, self.tokens.starts, self.tokens.ends
+        lengths = self._ends - self._starts
+        if not lengths.all():
+            raise UserError(f"tokenizer: token {int(np.argmin(lengths))} is empty")
         self._t_keys, self._t_vals = sf.table(n)
         dup = sf.text_table(self._blob, self._starts, self._ends, self._t_keys, self._t_vals)
         if dup >= 0:
@@ -456,7 +488,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         """Our readable format: {"format", "version", "kind": "sentencepiece", "tokens", "types", "scores" or
         "merges" ([left id, right id] in rank order), "prefix", "split", ...}."""
         d = {"format": FORMAT, "version": VERSION, "kind": KIND, "vocab_size": self.vocab_size,
-             "prefix": self.prefix, "split": self.split, "tokens": self.tokens, "types": self.types.tolist()}
+             "prefix": self.prefix, "split": self.split, "tokens": list(self.tokens), "types": self.types.tolist()}
         if self.scores is not None:
             d["scores"] = self.scores.tolist()
         else:
