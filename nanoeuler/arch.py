@@ -277,10 +277,12 @@ GEMMA2 = Arch(
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 # Phi-3: Llama's block with q|k|v and gate|up each one tensor in both formats (stacked by rows), any window on every
-# layer (Phi-3-mini's 2047; llama.cpp's phi3 reads none); LongRoPE scaling is refused (rope_scaling: linear, llama3)
+# layer (Phi-3-mini's 2047; llama.cpp's phi3 reads none), partial rotary (Phi-4-mini's 0.75); LongRoPE scaling is
+# refused (rope_scaling: linear, llama3)
 _QKV, _GATE_UP = ("attn.wq", "attn.wk", "attn.wv"), ("ffn.gate", "ffn.up")
 PHI3 = Arch(
-    "phi3", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0, "rope_original_ctx": 4096},
+    "phi3", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0, "rope_original_ctx": 4096,
+                                        "partial_rotary_factor": 1.0},   # (Phi-4-mini's: 0.75)
     hf=Format("phi3", _HF_GLOBALS, (
         _e("model.layers.{i}.input_layernorm.weight", "attn_norm.weight"),
         _e("model.layers.{i}.self_attn.qkv_proj.weight", *(f"{w}.weight" for w in _QKV)),
@@ -289,7 +291,8 @@ PHI3 = Arch(
         _e("model.layers.{i}.mlp.gate_up_proj.weight", *(f"{w}.weight" for w in _GATE_UP)),
         _e("model.layers.{i}.mlp.down_proj.weight", "ffn.down.weight")), aliases=("Phi3ForCausalLM",),
         config={f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {
-            "rope_original_ctx": ("original_max_position_embeddings",)},
+            "rope_original_ctx": ("original_max_position_embeddings",),
+            "partial_rotary_factor": ("partial_rotary_factor",)},
         config_fixed=_HF_FIXED | {"resid_pdrop": 0.0, "embd_pdrop": 0.0}, activation_keys=_HF_ACTIVATION),
     gguf=Format("phi3", _GGUF_GLOBALS, (
         _e("blk.{i}.attn_norm.weight", "attn_norm.weight"), _e("blk.{i}.attn_qkv.weight", *(f"{w}.weight" for w in _QKV)),
