@@ -2,19 +2,23 @@
 
 Every architecture here is one transformer, differing only in the choices this record makes:
 
-    x = embed[ids] · (√d if embed_scale) (+ pos_embed[t] if positions == "learned")
+    x = embed[ids] · (√d if embed_scale) · m_embed (+ pos_embed[t] if positions == "learned")
     each layer i:
         h = norm(x)                                     norm: "rms" x/rms·w, or "layer" (x − μ)/σ·w + b
         q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (+ biases if qkv_bias), cut into heads of head_dim
         q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm
         q, k = RoPE(q), RoPE(k)                          if positions == "rope", at the layer's frequencies
                                                         (Config.layer_freqs: base θ, any scaling; windowed: local θ)
-        a = softmax(q·kᵀ/√head_dim, causal, the last `window` keys if layer i is windowed) · v
-        x = x + post(a·Woᵀ (+ b))                       post: a norm if post_norms, else nothing
-        x = x + post(mlp(norm(x)))                      mlp: "swiglu" down(silu(gate·h)·up·h)
+        a = softmax(q·kᵀ·s, causal, the last `window` keys if layer i is windowed) · v     s: 1/√head_dim
+        x = x + m_res · post(a·Woᵀ (+ b))               post: a norm if post_norms, else nothing
+        x = x + m_res · post(mlp(norm(x)))              mlp: "swiglu" down(silu(gate·h)·up·h)
                                                              "geglu"  down(gelu_tanh(gate·h)·up·h)
                                                              "gelu"   proj(gelu_tanh(fc·h + b)) + b
-    logits_k = norm(x) · head_kᵀ                        head 0 is the embedding itself when tied
+    logits_k = norm(x) · head_kᵀ / logits_scaling        head 0 is the embedding itself when tied
+
+m_embed, m_res, s and logits_scaling are 1, 1, 1/√head_dim and 1 except where the record says `multipliers`:
+then they are the Config's numbers embedding_multiplier, residual_multiplier, attention_multiplier and
+logits_scaling (Granite's).
 
 | entry  | norm  | mlp    | positions             | biases        | q/k norm | post norms | embed ×√d |
 |--------|-------|--------|-----------------------|---------------|----------|------------|-----------|
@@ -26,6 +30,7 @@ Every architecture here is one transformer, differing only in the choices this r
 | gemma2 | rms   | geglu  | RoPE, every other layer windowed, soft caps | none |  | yes   | yes       |
 | phi3   | rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
+| granite| rms   | swiglu | RoPE, multipliers     | none          |          |            |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 | stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
 
@@ -72,7 +77,7 @@ class Format:
     name: its architecture name there (HF model_type, GGUF general.architecture); aliases: other names read.
     globals_, layer: External entries (layer names under `layers.{i}.` on our side);
     norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
-    order (GGUF `llama` only); rope_freqs: its runtime reads per-pair RoPE factors, the tensor `rope_freqs`
+    order (GGUF `llama`, `granite`); rope_freqs: its runtime reads per-pair RoPE factors, the tensor `rope_freqs`
     (llama.cpp's `llama`, for Llama 3.x; its qwen2, qwen3, gemma3 read none).
     A Hugging Face folder's files, as the format writes them (Llama-style, or GPT-2's):
     config: Config field -> its config.json keys: the first one given is read and any other given must agree
@@ -134,6 +139,8 @@ class Arch:
     qk_norm: bool = False        # RMSNorm of each head of q and k (weights [head_dim]) before RoPE
     post_norms: bool = False     # a norm on the attention's and the MLP's output before the residual add
     embed_scale: bool = False    # the looked-up embedding times √dim (not the tied head)
+    multipliers: bool = False    # the Config's scalar multipliers may differ from 1 (attention: 1/√head_dim):
+                                 # embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
     rope_scales_windows: bool = False   # RoPE scaling applies to the windowed layers too (Gemma 2: one rotary
                                         # embedding; Gemma 3 scales its global layers only)
     defaults: dict = field(default_factory=dict)   # Config fields a config.json may leave out
@@ -381,7 +388,19 @@ STABLELM = Arch(
         for s in ("weight", "bias")[:len(sides)]), heads_fill_dim=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM)}
+# Granite 3: Llama's block with four scalar multipliers, the Config's numbers under its names in both formats
+_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+GRANITE = Arch(
+    "granite", multipliers=True, defaults=_LLAMA_DEFAULTS,
+    hf=Format("granite", _HF_GLOBALS, EULER.hf.layer, aliases=("GraniteForCausalLM",),
+              config=_HF_CONFIG | {f: (f,) for f in _MULTIPLIERS}, config_fixed=_HF_FIXED,
+              activation_keys=_HF_ACTIVATION, absent={"norm_eps": 1e-6, "attention_multiplier": 1.0}),
+    gguf=Format("granite", _GGUF_GLOBALS, EULER.gguf.layer, permute_qk=True, rope_freqs=True,
+                config=dict(zip(_MULTIPLIERS, (("embedding_scale",), ("residual_scale",), ("attention.scale",),
+                                               ("logit_scale",))))),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

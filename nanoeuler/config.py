@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,13 @@ class Config:
     # soft caps (Gemma 2): the attention scores and the final logits x become cap·tanh(x / cap); 0: none
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    # scalar multipliers (Granite's; other values than these defaults only where arch.Arch.multipliers):
+    # x = embed[ids]·embedding_multiplier; x = x + residual_multiplier·(each sub-block's output);
+    # attention softmax(q·kᵀ·attention_multiplier) (default 1/√head_dim); logits = norm(x)·headᵀ / logits_scaling
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     # None: the architecture's default (arch.Arch.defaults), else DEFAULTS below
 
     def __post_init__(self):
@@ -81,7 +89,7 @@ class Config:
         if self.spec.positions == "rope" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} must be even for RoPE")
         for name in ("rope_theta", "norm_eps", "rope_local_theta", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor"):
+                     "rope_high_freq_factor", *MULTIPLIERS):
             value = getattr(self, name)     # (an int compares exactly: 10**400 is beyond every float)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT_MAX:
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
@@ -92,6 +100,7 @@ class Config:
                 raise UserError(f"config: {name} must be a finite number >= 0 (0: none), got {value!r:.60}")
             object.__setattr__(self, name, float(value))
         self._check_rope_scaling()
+        self._check_multipliers()
         self._check_partial_rotary()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
@@ -165,6 +174,16 @@ class Config:
         p = (hd - R) // 2
         return np.concatenate([np.arange(R // 2), R + np.arange(p), R // 2 + np.arange(R // 2), R + p + np.arange(p)])
 
+    def _check_multipliers(self) -> None:
+        """Scalar multipliers other than their defaults only where the architecture has them (Granite)."""
+        if self.spec.multipliers:
+            return
+        defaults = self._defaults()
+        for name in MULTIPLIERS:
+            if getattr(self, name) != defaults[name]:
+                raise UserError(f"config: {name} {getattr(self, name)} for arch {self.arch}, whose block has no "
+                                f"such multiplier (arch granite has)")
+
     def _defaults(self) -> dict:
         """The value each defaultable field takes when not given: the architecture's, else DEFAULTS."""
         out = DEFAULTS | ARCHS[self.arch].defaults
@@ -172,6 +191,8 @@ class Config:
             and self.n_heads > 0 else None
         out["rope_local_theta"] = out.get("rope_local_theta") or (self.rope_theta if self.rope_theta is not None
                                                                   else out["rope_theta"])
+        hd = self.head_dim if self.head_dim is not None else out["head_dim"]
+        out["attention_multiplier"] = 1.0 / math.sqrt(hd) if isinstance(hd, int) and hd > 0 else None
         return out
 
     @property
@@ -197,6 +218,13 @@ class Config:
             return self.rotary_freqs(self.rope_local_theta,
                             self.rope_factors() if self.spec.rope_scales_windows else None)
         return self.rotary_freqs(self.rope_theta, self.rope_factors())
+
+    def query_factor(self) -> float:
+        """What q is multiplied by before an attention that divides q·kᵀ by √head_dim, so that it computes
+        q·kᵀ·attention_multiplier: 1 at the default 1/√head_dim."""
+        if self.attention_multiplier == 1.0 / math.sqrt(self.head_dim):
+            return 1.0
+        return self.attention_multiplier * math.sqrt(self.head_dim)
 
     def rope_factors(self) -> np.ndarray:
         """What the global layers divide each pair's frequency θ^(−2i/hd) by [head_dim/2] (ones: plain RoPE;
@@ -333,10 +361,13 @@ FLOAT_MAX = sys.float_info.max
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "attn_softcap": 0.0, "logit_softcap": 0.0}
+            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "attn_softcap": 0.0, "logit_softcap": 0.0,
+            "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
-            "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap")
+            "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap",
+            *MULTIPLIERS)
 ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)

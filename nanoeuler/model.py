@@ -186,7 +186,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
     B, T = inputs.shape
     dtype = P["embed.weight"].dtype
     x, emb_cache = ops.embedding_forward(inputs, P["embed.weight"])  # [B, T, d]
-    if a.embed_scale:
+    if embed_scale(cfg, dtype) != 1:
         x = x * embed_scale(cfg, dtype)
     pos_cache = None
     if a.positions == "learned":
@@ -199,6 +199,7 @@ def forward(cfg: Config, P: dict, inputs: np.ndarray, ops=reference_ops, dropout
         x, cache = block_forward(cfg, P, i, x, ropes[kinds[i]] if kinds[i] >= 0 else None, ops, masks)
         block_caches.append(cache)
     h, norm_cache = norm_forward(cfg, P, "norm", x, ops)  # [B, T, d]
+    h = scaled(h, 1.0 / cfg.logits_scaling, ops)  # logits / logits_scaling, as (h / logits_scaling)·headᵀ
     logits = np.stack([h @ head_weight(P, k).T for k in range(cfg.n_mtp)])  # [K, B, T, V]
     cap_cache = None
     if cfg.logit_softcap:
@@ -217,12 +218,12 @@ def backward(cfg: Config, P: dict, dlogits: np.ndarray, caches, ops=reference_op
         dhk, grads[f"heads.{k}.weight"] = ops.linear_backward(dlogits[k], (h, head_weight(P, k)))
         dh += dhk
     dhead0 = grads.pop("heads.0.weight") if "heads.0.weight" not in P else 0.0  # [V, d]: the tied head's share
-    dx = norm_backward(cfg, dh, norm_cache, grads, "norm", ops)
+    dx = norm_backward(cfg, scaled(dh, 1.0 / cfg.logits_scaling, ops, backward=True), norm_cache, grads, "norm", ops)
     for i in reversed(range(cfg.n_layers)):
         dx = block_backward(cfg, i, dx, block_caches[i], grads, ops)
     if pos_cache is not None:
         dx, grads["pos_embed.weight"] = ops.position_backward(dx, pos_cache)
-    if cfg.spec.embed_scale:
+    if embed_scale(cfg, dx.dtype) != 1:
         dx = dx * embed_scale(cfg, dx.dtype)
     grads["embed.weight"] = ops.embedding_backward(dx, emb_cache) + dhead0
     return {name: grads[name] for name in P}  # SPEC order
@@ -249,11 +250,13 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     if rope is not None:
         q, c["rope_q"] = ops.rope_forward(q, *rope)
         k, c["rope_k"] = ops.rope_forward(k, *rope)
+    q = scaled(q, cfg.query_factor(), ops)  # the attention's q·kᵀ/√hd is then q·kᵀ·attention_multiplier
     att, c["att"] = ops.attention_forward(q, k, v, cfg.window(i), cfg.attn_softcap)  # [B, H, T, hd]
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     o, c["o"] = affine_forward(att, P, p + "attn.wo", ops)  # [B, T, d]
     if a.post_norms:
         o, c["post1"] = norm_forward(cfg, P, p + "attn_post_norm", o, ops)
+    o = scaled(o, cfg.residual_multiplier, ops)
     if masks is not None:
         o, _ = ops.dropout_forward(o, masks[0])
     x = x + o
@@ -262,6 +265,7 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     f, c["mlp"] = mlp_forward(cfg, P, p, h2, ops)  # [B, T, d]
     if a.post_norms:
         f, c["post2"] = norm_forward(cfg, P, p + "ffn_post_norm", f, ops)
+    f = scaled(f, cfg.residual_multiplier, ops)
     if masks is not None:
         f, _ = ops.dropout_forward(f, masks[1])
     c["masks"] = masks
@@ -275,18 +279,21 @@ def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, op
     B, T, d = dx.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # feed-forward sub-block
-    df = dx if masks is None else ops.dropout_backward(dx, masks[1])
+    df = scaled(dx if masks is None else ops.dropout_backward(dx, masks[1]), cfg.residual_multiplier, ops,
+                backward=True)
     if a.post_norms:
         df = norm_backward(cfg, df, c["post2"], grads, p + "ffn_post_norm", ops)
     dh2 = mlp_backward(cfg, p, df, c["mlp"], grads, ops)
     dx = dx + norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
     # attention sub-block
-    do = dx if masks is None else ops.dropout_backward(dx, masks[0])
+    do = scaled(dx if masks is None else ops.dropout_backward(dx, masks[0]), cfg.residual_multiplier, ops,
+                backward=True)
     if a.post_norms:
         do = norm_backward(cfg, do, c["post1"], grads, p + "attn_post_norm", ops)
     datt = affine_backward(do, c["o"], grads, p + "attn.wo", ops)
     datt = datt.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
     dq, dk, dv = ops.attention_backward(datt, c["att"])
+    dq = scaled(dq, cfg.query_factor(), ops, backward=True)
     if "rope_q" in c:
         dq = ops.rope_backward(dq, c["rope_q"])
         dk = ops.rope_backward(dk, c["rope_k"])
@@ -367,8 +374,18 @@ def affine_backward(dy, cache, grads: dict, name: str, ops=reference_ops):
 
 
 def embed_scale(cfg: Config, dtype) -> np.floating:
-    """The factor of the looked-up embeddings (arch.embed_scale: √dim, rounded to the dtype as Gemma does)."""
-    return np.dtype(dtype).type(np.sqrt(cfg.dim))
+    """The factor of the looked-up embeddings: √dim where arch.embed_scale (rounded to the dtype as Gemma does),
+    times embedding_multiplier (Granite's)."""
+    root = np.dtype(dtype).type(np.sqrt(cfg.dim)) if cfg.spec.embed_scale else 1.0
+    return np.dtype(dtype).type(root * cfg.embedding_multiplier)
+
+
+def scaled(x, factor: float, ops=reference_ops, backward: bool = False):
+    """x · factor by the ops' scale pair (a multiplier, Config.MULTIPLIERS: its forward, or with backward its
+    backward, the same product); x itself when the factor is 1, so a backend without the pair runs the others."""
+    if factor == 1:
+        return x
+    return ops.scale_backward(x, factor) if backward else ops.scale_forward(x, factor)[0]
 
 
 def rope_tables(cfg: Config, T: int, dtype, ops=reference_ops) -> list:
@@ -383,6 +400,8 @@ def required_ops(cfg: Config) -> list[str]:
     need += ["rope"] if a.positions == "rope" else ["position"]
     if a.qkv_bias or a.out_bias:
         need.append("bias")
+    if a.multipliers:
+        need.append("scale")
     if cfg.attn_softcap or cfg.logit_softcap:
         need.append("softcap")
     return [f"{n}_{way}" for n in need for way in ("forward", "backward")]

@@ -47,6 +47,8 @@ FIRST_ROPE = next(a.name for a in ARCHS.values() if a.positions == "rope")
 ROPE_SCALINGS = {"linear": dict(rope_scaling="linear", rope_factor=4.0),
                  "llama3": dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True)}
 # and linear scaling where global layers sit between windowed ones, which keep plain RoPE (Gemma 3 4B's factor 8)
+# Granite 3's multipliers (its 2B: 12, 0.22, 1/64, 8), here each far from its default at dim 32
+MULTIPLIERS = dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
 CASES = list(ARCHS) + [f"{FIRST_ROPE}+{r}" for r in ROPE_SCALINGS] + [
     f"{a.name}+linear" for a in ARCHS.values() if a.defaults.get("global_every")]
 
@@ -71,6 +73,8 @@ def small_config(case: str, vocab: int) -> Config:
             fields["rope_local_theta"] = 1000.0
     if a.defaults.get("attn_softcap"):          # caps that bite (Gemma 2's 50 / 30 barely touch a tiny model)
         fields |= dict(attn_softcap=0.5, logit_softcap=2.0)
+    if a.multipliers:                           # Granite's, each away from its default
+        fields |= MULTIPLIERS
     return Config(**fields | ROPE_SCALINGS.get(rope, {}))
 
 
@@ -155,6 +159,8 @@ def test_import_logits_and_gradients_equal_torch(folders, case):
     for cap in ("attn_softcap", "logit_softcap"):   # so are the soft caps
         if getattr(cfg, cap):
             assert l2(Model(cfg.replace(**{cap: 0.0}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
+    for name in MULTIPLIERS if cfg.spec.multipliers else ():   # each multiplier is seen too
+        assert l2(Model(cfg.replace(**{name: None}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL, name
     loss, _, grads = m.loss_and_grads(ids)
     t_loss = torch_loss_backward(hf, ids)
     assert abs(loss - t_loss) <= 1e-5 * abs(t_loss)

@@ -20,7 +20,9 @@ from nanoeuler.interop.hf import config_from_hf, export_hf, hf_config
 from nanoeuler.interop.peft import adapter_config
 
 SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
-          "mistral": dict(sliding_window=4), "starcoder2": dict(sliding_window=4),
+          "mistral": dict(sliding_window=4),
+          "granite": dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2,
+                          logits_scaling=3.0), "starcoder2": dict(sliding_window=4),
           "stablelm": dict(partial_rotary_factor=0.5),
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0),

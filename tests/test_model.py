@@ -187,3 +187,37 @@ def test_a_backend_without_the_softcap_pair_refuses_a_capped_model():
     with pytest.raises(UserError, match="the GPU's attention has no soft-capping"):
         GpuOps.attention_forward(None, None, None, None, 0, 1.0)
 
+
+def test_a_backend_without_the_scale_pair_refuses_granite_and_runs_the_others():
+    """Granite's multipliers go through the ops' scale pair (ops/scale.py), which the GPU's kernels do not have: a
+    backend without it refuses a granite model in one line, rather than computing another model, and runs every
+    other architecture (their factors are 1, the pair never called)."""
+    import types
+
+    from nanoeuler import model as M, ops
+    from nanoeuler.gpu.ops import GpuOps
+    assert not hasattr(GpuOps, "scale_forward")
+    no_scale = types.SimpleNamespace(**{n: getattr(ops, n) for n in ops.__all__ if not n.startswith("scale")})
+    ids = np.zeros((1, 4), dtype=np.int64)
+    granite = ARCH_CHECK_CONFIGS["granite"]
+    with pytest.raises(UserError, match="arch granite cannot run on this backend .no scale_forward") as e:
+        M.forward(granite, Model.init(granite).params, ids, ops=no_scale)
+    assert "\n" not in str(e.value)
+    euler = ARCH_CHECK_CONFIGS["euler"]
+    assert np.array_equal(M.forward(euler, Model.init(euler).params, ids, ops=no_scale)[0],
+                          M.forward(euler, Model.init(euler).params, ids)[0])
+
+
+def test_multipliers_belong_to_the_architectures_that_have_them():
+    """A config.json giving Granite's multipliers to another architecture is refused in one line (its formats could
+    not carry them); a granite's defaults are 1 and 1/√head_dim, and to_dict writes only those that differ."""
+    with pytest.raises(UserError, match="config: logits_scaling 8.0 for arch euler"):
+        TINY.replace(logits_scaling=8.0)
+    g = TINY.replace(arch="granite")
+    assert (g.embedding_multiplier, g.residual_multiplier, g.logits_scaling) == (1.0, 1.0, 1.0)
+    assert g.attention_multiplier == 1 / 2.0 and g.query_factor() == 1.0   # head_dim 4
+    assert "attention_multiplier" not in g.to_dict()
+    g = g.replace(attention_multiplier=0.25, residual_multiplier=0.22)
+    assert g.query_factor() == 0.5 and Config.from_dict(g.to_dict()) == g
+    with pytest.raises(UserError, match="residual_multiplier must be a finite number > 0"):
+        g.replace(residual_multiplier=float("nan"))

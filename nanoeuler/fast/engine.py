@@ -135,8 +135,9 @@ class Workspace:
             else:
                 self.ropes.append((np.ones((T, hd2), dt), np.zeros((T, hd2), dt)))
         self.windows = [cfg.window(i) for i in range(L)]
-        self.embed_scale = dt.type(np.sqrt(d)) if a.embed_scale else None
-        self.qscale = dt.type(1.0 / np.sqrt(hd))
+        scale = (dt.type(np.sqrt(d)) if a.embed_scale else 1.0) * cfg.embedding_multiplier   # (model.embed_scale)
+        self.embed_scale = dt.type(scale) if scale != 1 else None
+        self.qscale = dt.type(cfg.attention_multiplier)   # 1/√hd, or Granite's attention multiplier
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         cuts = parallel.chunks(B, n_parts)
         self.logits_rows = max(1, min(max(b1 - b0 for b0, b1 in cuts) * T, LOGITS_BYTES // (V * dt.itemsize)))
@@ -409,6 +410,20 @@ def _dropped(g, drop, site: int, row0: int, out):
     return out
 
 
+def _scale(a, factor: float) -> None:
+    """a ·= factor in place (nothing when it is 1): a scalar multiplier (Config.MULTIPLIERS, ops/scale.py)."""
+    if factor != 1:
+        a *= a.dtype.type(factor)
+
+
+def _scaled(g, factor: float, out):
+    """g · factor into out (g itself when the factor is 1): the gradient reaching a multiplied branch."""
+    if factor == 1:
+        return g
+    np.multiply(g, g.dtype.type(factor), out=out)
+    return out
+
+
 def _dropout_args(drop, site: int, row0: int, a):
     return np.uint64(drop.base(site, row0, a.shape[1])), np.uint64(drop.threshold), a.dtype.type(drop.scale)
 
@@ -487,6 +502,7 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[j], w.dq, w.A[j], ws.mm,
                           ws.windows[i], cfg.attn_softcap)
         _output(cfg, ws, params, pr["wo"], w.A[j], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
+        _scale(w.t, cfg.residual_multiplier)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
         _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
@@ -494,8 +510,10 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)  # [n, 2F | F]
         _activation(cfg, params, pr["mlp_in"], GU, w.S, first=True)          # [n, F]
         _output(cfg, ws, params, pr["mlp_out"], w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w, eps)
+        _scale(w.t, cfg.residual_multiplier)
         _residual_add(mid, w.t, drop, 2 * i + 1, w.n0, out=w.X[i + 1])
     _norm_forward(cfg, params, "norm", w.X[cfg.n_layers], eps, w.hf, w.rf, w.muf)
+    _scale(w.hf, 1.0 / cfg.logits_scaling)   # logits / logits_scaling, as (hf / logits_scaling)·headᵀ
 
 
 def _activation(cfg: Config, params: dict, key: str, GU, S, first: bool) -> None:
@@ -568,6 +586,7 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
     eps = ws.X.dtype.type(cfg.norm_eps)
     dx = w.dx
     dx[...] = 0
+    _scale(w.dh, 1.0 / cfg.logits_scaling)
     _norm_backward(cfg, params, "norm", w.dh, w.X[cfg.n_layers], w.rf, w.muf, dx, w, grads)
     _announce_part(w, [n for n in grads if n.startswith("norm.")], grads)
     for i in reversed(range(cfg.n_layers)):
@@ -575,7 +594,7 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
         x, mid, GU, P, A = w.X[i], w.M[i], w.GU[j], w.P[j], w.A[j]
         # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid))))))
-        df = _dropped(dx, drop, 2 * i + 1, w.n0, out=w.t)                  # [n, d]
+        df = _scaled(_dropped(dx, drop, 2 * i + 1, w.n0, out=w.t), cfg.residual_multiplier, w.t)  # [n, d]
         _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
         if ws.lean:                                                         # and the pre-activations (lean)
             linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)
@@ -593,7 +612,7 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         linear_dx(ws, dU, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.dh)  # [n, d]
         _norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
         # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
-        do = _dropped(dx, drop, 2 * i, w.n0, out=w.t)                       # [n, d]
+        do = _scaled(_dropped(dx, drop, 2 * i, w.n0, out=w.t), cfg.residual_multiplier, w.t)      # [n, d]
         if ws.lean:                                                         # P and A formed again from q, k, v
             attention_probs(w.q[i], w.k[i], w.v[i], P, w.dy, A, Hkv, ws.mm, ws.windows[i], cfg.attn_softcap)
         _output_backward(cfg, ws, params, pr["wo"], do, A, p + "attn_post_norm", w.O1, w.rp1, i, w, grads,

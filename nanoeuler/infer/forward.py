@@ -47,7 +47,7 @@ def fuse_weights(cfg: Config, P: dict, forms: Forms) -> dict:
         pool.start_helpers()  # their compiled loop loads while the layers are packed
     drop_pages(parts[1:])
     W = {"embed": P["embed.weight"], "pos": f32(P["pos_embed.weight"]) if a.positions == "learned" else None,
-         "embed_scale": float(np.sqrt(cfg.dim)) if a.embed_scale else None, "norm": norm_pair(P, "norm", f32),
+         "embed_scale": _embed_scale(cfg), "norm": final_norm(cfg, P, f32),
          "heads": pair(tuple(parts) if forms.kernels else heads32, head0 if K == 1 else kernel_form(np.concatenate(parts))),
          "head.0": pair((parts[0],) if forms.kernels else heads32[:V], head0)}
     layers = [f"layers.{i}." for i in range(cfg.n_layers)]
@@ -87,6 +87,23 @@ def _packed_by_rows(forms: Forms, A: np.ndarray) -> np.ndarray | None:
         forms.kernel_form(rows, out[p:p + -(-rows.shape[0] // gemv.PANEL)])
         drop_pages([rows])
     return out
+
+
+def _embed_scale(cfg: Config) -> float | None:
+    """The factor of the looked-up rows (model.embed_scale): √dim where arch.embed_scale, times embedding_multiplier;
+    None: 1."""
+    scale = (float(np.sqrt(cfg.dim)) if cfg.spec.embed_scale else 1.0) * cfg.embedding_multiplier
+    return scale if scale != 1 else None
+
+
+def final_norm(cfg: Config, P: dict, f32) -> tuple:
+    """The final norm's (weight, bias or None), both divided by logits_scaling (Granite's): its output is the heads'
+    input, so every head's logits come out divided by it."""
+    w, b = norm_pair(P, "norm", f32)
+    if cfg.logits_scaling == 1:
+        return w, b
+    s = np.float32(cfg.logits_scaling)
+    return w / w.dtype.type(s), None if b is None else b / b.dtype.type(s)
 
 
 def norm_pair(P: dict, name: str, f32) -> tuple:
@@ -175,6 +192,8 @@ def heads_qkv(cfg: Config, W: dict, p: str, h: np.ndarray, cos, sin, product=Non
         q, k = norm(cfg, W[p + "attn.q_norm"], q), norm(cfg, W[p + "attn.k_norm"], k)
     if cos is not None:
         q, k = ops.rope_forward(q, cos, sin)[0], ops.rope_forward(k, cos, sin)[0]
+    if cfg.query_factor() != 1:   # the attention's q·kᵀ/√hd is then q·kᵀ·attention_multiplier
+        q = ops.scale_forward(q, cfg.query_factor())[0]
     return q, k, v
 
 
@@ -183,7 +202,7 @@ def residual_attention(cfg: Config, W: dict, p: str, x: np.ndarray, a: np.ndarra
     o = affine(a, W, p + "wo", product)
     if cfg.spec.post_norms:
         o = norm(cfg, W[p + "attn_post_norm"], o)
-    return x + o
+    return x + residual(cfg, o)
 
 
 def residual_mlp(cfg: Config, W: dict, p: str, x: np.ndarray, product=None) -> np.ndarray:
@@ -199,7 +218,12 @@ def residual_mlp(cfg: Config, W: dict, p: str, x: np.ndarray, product=None) -> n
     f = affine(s, W, p + "mlp_out", product)
     if cfg.spec.post_norms:
         f = norm(cfg, W[p + "ffn_post_norm"], f)
-    return x + f
+    return x + residual(cfg, f)
+
+
+def residual(cfg: Config, y: np.ndarray) -> np.ndarray:
+    """A sub-block's output y as added to the residual stream: times residual_multiplier (Granite's)."""
+    return y if cfg.residual_multiplier == 1 else ops.scale_forward(y, cfg.residual_multiplier)[0]
 
 
 # ---- the forwards -----------------------------------------------------------------------------------------

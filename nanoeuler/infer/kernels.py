@@ -10,11 +10,13 @@ record chose read from `Weights` (empty arrays where an architecture has no such
     x = embed[tokens] · scale (+ pos[positions])                 [n, d]
     per layer:  h = norm(x);  qkv = h @ Wqkvᵀ (+ b)  (one GEMV)      [n, (H + 2·Hkv)·hd]
                 q/k norms per head; RoPE on q and k at the layer's base; k, v written at their positions
+                q ·= attention_multiplier·√hd  (Granite's; 1 otherwise)
                 a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r; a window: its last W; the
                     scores soft-capped where the model caps them, Gemma 2's)
-                x += post(a @ Woᵀ + b);  h = norm(x)
-                x += post(act(h @ W_inᵀ + b) @ W_outᵀ + b)     act: SwiGLU, GeGLU or GELU
+                x += m·post(a @ Woᵀ + b);  h = norm(x)            m: residual_multiplier (1 but Granite's)
+                x += m·post(act(h @ W_inᵀ + b) @ W_outᵀ + b)   act: SwiGLU, GeGLU or GELU
     h = norm(x)  (all rows, or the last only)                    [n|1, d]
+                (the final norm's weight divided by logits_scaling: forward.final_norm)
 
 and `matvec` is the matrix product of the heads (x [n, in] @ W[out, in]ᵀ) on the same machinery.
 step.py's `forward_hidden` and weights.py's `linear` call them for one sequence of up to ROWS rows (plain
@@ -152,20 +154,20 @@ def _product(ctl, pooled, M, X, Y, add):
 
 
 @njit(**OPTS)
-def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h):
-    """x += post(inp @ Wᵀ + b) (W a segmented matrix, see SEG): a sub-block's output projection added to the
-    residual stream x [n, d], with the architecture's post norm (post: its weight; nb its bias) when it has one
-    (o, h [n, d] scratch)."""
-    if post.shape[0] == 0 and b.shape[0] == 0:
+def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h, m):
+    """x += m·post(inp @ Wᵀ + b) (W a segmented matrix, see SEG): a sub-block's output projection added to the
+    residual stream x [n, d], with the architecture's post norm (post: its weight; nb its bias) when it has one,
+    times the residual multiplier m (o, h [n, d] scratch)."""
+    if post.shape[0] == 0 and b.shape[0] == 0 and m == 1:
         _product(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
         return
     _product(ctl, pooled, W, inp, o, False)
     _add_bias(o, b)
     if post.shape[0]:
         _norm(o, post, nb, eps, h)
-        x += h
+        x += m * h
     else:
-        x += o
+        x += m * o
 
 
 @njit(**OPTS)
@@ -208,6 +210,8 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                 if k_ >= 0:
                     _rope(t[r], base, hd, cos[k_], sin[k_], pos[r], rot)
                     t[r, base:base + hd] = rot
+                if hh < H and D.q_factor != 1:
+                    t[r, base:base + hd] *= D.q_factor
             for g in range(Hkv):
                 kc[l, slot[r], g, pos[r]] = t[r, Hhd + g * hd:Hhd + (g + 1) * hd]
                 vc[l, slot[r], g, pos[r]] = t[r, Hhd + (Hkv + g) * hd:Hhd + (Hkv + g + 1) * hd]
@@ -217,7 +221,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
         pool.attention(ctl, pooled, t[f:], a[f:], kc[l], vc[l], pos[f:], slot[f:], H, D.window[l], p,
                        D.attn_softcap)
         _residual(ctl, pooled, D.mats[l, 1, :D.segments[l, 1]], D.wo_bias[l], a[f:], x[f:], o[f:],
-                  D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:])
+                  D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:], D.residual)
         _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
         _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], h[f:], gu[f:], False)
         _add_bias(gu[f:], D.mlp_in_bias[l])
@@ -231,7 +235,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                     a_ = _gelu_half(g_) if half else _gelu(g_)
                     s[r, j] = a_ * gu[r, F + j] if D.mlp == 1 else a_
         _residual(ctl, pooled, D.mats[l, 3, :D.segments[l, 3]], D.mlp_out_bias[l], s[f:], x[f:], o[f:],
-                  D.norms[l, 3, :D.post], D.norm_biases[l, 3], eps, h[f:])
+                  D.norms[l, 3, :D.post], D.norm_biases[l, 3], eps, h[f:], D.residual)
     first = n - 1 if last_only else 0
     out = np.empty((n - first, d), np.float32)
     _norm(x[first:], D.norm, D.norm_bias, eps, out)
@@ -287,6 +291,8 @@ class Weights(NamedTuple):
     window: np.ndarray        # [layers] int64: each layer's window (0: none)
     rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
     forms: np.ndarray         # uint8: the buffer the segments point into (held here: alive as long as these are)
+    q_factor: np.float32      # q's factor before attention: attention_multiplier·√hd (Config.query_factor; 1)
+    residual: np.float32      # residual_multiplier (1 but Granite's)
     attn_softcap: np.float32  # the attention scores' soft cap (0: none; Gemma 2's)
 
 
@@ -330,7 +336,7 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
                    norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
                    MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1), mats[:, 2, 0, 0] >= QUANT,
                    np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms,
-                   np.float32(cfg.attn_softcap))
+                   np.float32(cfg.query_factor()), np.float32(cfg.residual_multiplier), np.float32(cfg.attn_softcap))
 
 
 def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,

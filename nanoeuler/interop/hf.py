@@ -297,11 +297,13 @@ def _window_pattern(c: dict, arch: Arch, n_layers) -> dict:
 
 def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     """config.json of the transformers model equal to ours."""
+    from ..config import MULTIPLIERS
     a, fmt = cfg.spec, cfg.spec.hf
     eos = tok.eos_id if tok.eos_token in tok.special_tokens else None
     bos = tok.bos_id if tok.bos_id is not None else eos
     values = cfg.to_dict() | {"tie_embeddings": tied, "head_dim": cfg.head_dim,
                               "attn_softcap": cfg.attn_softcap or None, "logit_softcap": cfg.logit_softcap or None}
+    values |= {m: getattr(cfg, m) for m in MULTIPLIERS}   # always (Granite's attention_multiplier: 1 where absent)
     if not cfg.sliding_window:   # (an architecture with windows says it has none: Mistral's default is 4096)
         values = {k: v for k, v in values.items() if k not in ("sliding_window", "rope_local_theta")}
         values |= {"sliding_window": None} if "sliding_window" in a.defaults else {}

@@ -18,6 +18,7 @@ from .lora import lora_backward, lora_forward, lora_merge
 from .position import position_backward, position_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import inv_freq, llama3_factors, rope_backward, rope_forward, rope_tables
+from .scale import scale_backward, scale_forward
 from .softcap import softcap_backward, softcap_forward
 from .swiglu import swiglu_backward, swiglu_forward
 
@@ -31,4 +32,5 @@ __all__ = [
     "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "geglu_forward", "geglu_backward",
     "bias_forward", "bias_backward",
     "position_forward", "position_backward", "softcap_forward", "softcap_backward",
+    "scale_forward", "scale_backward",
 ]

@@ -169,6 +169,8 @@ def check_ops(seed: int = 0) -> list[Row]:
     rows += _check_op("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, [gx], rng)
     rows += _check_op("geglu", ops.geglu_forward, ops.geglu_backward, [gx, r(B, T, d)], rng)
     rows += _check_op("bias", ops.bias_forward, ops.bias_backward, [r(B, T, d), r(d)], rng)
+    rows += _check_op("scale (×0.3; granite)", lambda x: ops.scale_forward(x, 0.3), ops.scale_backward, [r(B, T, d)],
+                      rng)
     rows += _check_op("position (start 3)", lambda x, W: ops.position_forward(x, W, start=3), ops.position_backward,
                       [r(B, T, d), r(T + 4, d)], rng)
     return rows
@@ -191,6 +193,9 @@ ARCH_CHECK_CONFIGS = {
     "qwen3": CHECK_CONFIG.replace(arch="qwen3", head_dim=12, rope_scaling="llama3", rope_factor=8.0,
                                   rope_original_ctx=100),
     "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
+    # granite (every scalar multiplier away from 1 and 1/√hd)
+    "granite": CHECK_CONFIG.replace(arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
+                                    attention_multiplier=0.2, logits_scaling=3.0),
     # gemma2 (soft caps on the attention scores and the logits, small enough to bend: 1 and 2; its windowed and
     # global layers alternate)
     "gemma2": CHECK_CONFIG.replace(arch="gemma2", sliding_window=5, attn_softcap=1.0, logit_softcap=2.0),
