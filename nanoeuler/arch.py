@@ -5,8 +5,9 @@ Every architecture here is one transformer, differing only in the choices this r
     x = embed[ids] · (√d if embed_scale) · m_embed (+ pos_embed[t] if positions == "learned")
     each layer i:
         h = norm(x)                                     norm: "rms" x/rms·w, or "layer" (x − μ)/σ·w + b
+                                                        (h = x where not pre_norms: OLMo 2's)
         q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (+ biases if qkv_bias), cut into heads of head_dim
-        q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm
+        q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm (qk_norm_whole: over the whole projection)
         q, k = RoPE(q), RoPE(k)                          if positions == "rope", at the layer's frequencies
                                                         (Config.layer_freqs: base θ, any scaling; windowed: local θ)
         a = softmax(q·kᵀ·s, causal, the last `window` keys if layer i is windowed) · v     s: 1/√head_dim
@@ -31,6 +32,7 @@ logits_scaling (Granite's).
 | phi3   | rms   | swiglu | RoPE, any window: all | none          |          |            |           |
 | gpt2   | layer | gelu   | learned               | every linear  |          |            |           |
 | granite| rms   | swiglu | RoPE, multipliers     | none          |          |            |           |
+| olmo2  | rms   | swiglu | RoPE                  | none          | whole    | only these |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 | stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
 
@@ -138,6 +140,8 @@ class Arch:
     out_bias: bool = False       # biases on wo and on the MLP's matrices
     qk_norm: bool = False        # RMSNorm of each head of q and k (weights [head_dim]) before RoPE
     post_norms: bool = False     # a norm on the attention's and the MLP's output before the residual add
+    pre_norms: bool = True       # a norm on each sub-block's input (attn_norm, ffn_norm; OLMo 2 has none)
+    qk_norm_whole: bool = False  # the q/k norms over each whole projection (weights [H·hd], [Hkv·hd]; OLMo 2's)
     embed_scale: bool = False    # the looked-up embedding times √dim (not the tied head)
     multipliers: bool = False    # the Config's scalar multipliers may differ from 1 (attention: 1/√head_dim):
                                  # embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
@@ -170,8 +174,9 @@ class Arch:
     @property
     def layer_norms(self) -> tuple[str, ...]:
         """The norms of a layer, in order: ("attn_norm", "ffn_norm") plus post and q/k norms where present."""
-        return (("attn_norm",) + (("attn.q_norm", "attn.k_norm") if self.qk_norm else ())
-                + (("attn_post_norm",) if self.post_norms else ()) + ("ffn_norm",)
+        pre = self.pre_norms
+        return ((("attn_norm",) if pre else ()) + (("attn.q_norm", "attn.k_norm") if self.qk_norm else ())
+                + (("attn_post_norm",) if self.post_norms else ()) + (("ffn_norm",) if pre else ())
                 + (("ffn_post_norm",) if self.post_norms else ()))
 
 
@@ -400,7 +405,24 @@ GRANITE = Arch(
                                                ("logit_scale",))))),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE)}
+# OLMo 2: Llama's block with its norms on the sub-blocks' outputs only and q/k norms over the whole projection
+OLMO2 = Arch(
+    "olmo2", pre_norms=False, post_norms=True, qk_norm=True, qk_norm_whole=True, defaults=_LLAMA_DEFAULTS,
+    hf=Format("olmo2", _HF_GLOBALS, (*_HF_ATTN, *(_e(f"model.layers.{{i}}.self_attn.{x}_norm.weight",
+                                                    f"attn.{x}_norm.weight") for x in "qk"),
+                                     _e("model.layers.{i}.post_attention_layernorm.weight", "attn_post_norm.weight"),
+                                     *_HF_MLP,
+                                     _e("model.layers.{i}.post_feedforward_layernorm.weight", "ffn_post_norm.weight")),
+              aliases=("Olmo2ForCausalLM",), config=_HF_CONFIG, config_fixed=_HF_FIXED,
+              activation_keys=_HF_ACTIVATION),
+    gguf=Format("olmo2", _GGUF_GLOBALS, (*_GGUF_ATTN, *(_e(f"blk.{{i}}.attn_{x}_norm.weight", f"attn.{x}_norm.weight")
+                                                       for x in "qk"),
+                                         _e("blk.{i}.post_attention_norm.weight", "attn_post_norm.weight"),
+                                         *_GGUF_MLP, _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight")),
+                heads_fill_dim=True),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE, OLMO2)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

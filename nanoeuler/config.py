@@ -269,16 +269,18 @@ class Config:
 
         for i in range(self.n_layers):
             p = f"layers.{i}."
-            norm(p + "attn_norm", d)
+            if a.pre_norms:
+                norm(p + "attn_norm", d)
             for w, heads in (("wq", self.n_heads), ("wk", self.n_kv_heads), ("wv", self.n_kv_heads)):
                 linear(p + "attn." + w, heads * hd, d, a.qkv_bias)
-            if a.qk_norm:
-                norm(p + "attn.q_norm", hd)
-                norm(p + "attn.k_norm", hd)
+            if a.qk_norm:   # per head, or over the whole projection (qk_norm_whole)
+                norm(p + "attn.q_norm", hd * (self.n_heads if a.qk_norm_whole else 1))
+                norm(p + "attn.k_norm", hd * (self.n_kv_heads if a.qk_norm_whole else 1))
             linear(p + "attn.wo", d, self.n_heads * hd, a.out_bias)
             if a.post_norms:
                 norm(p + "attn_post_norm", d)
-            norm(p + "ffn_norm", d)
+            if a.pre_norms:
+                norm(p + "ffn_norm", d)
             *ins, out = a.mlp_weights
             for w in ins:
                 linear(p + "ffn." + w, F, d, a.out_bias)

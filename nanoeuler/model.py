@@ -237,14 +237,17 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     c = {}
     # attention sub-block: x = x + post(wo · attention(q, k, v)) with q|k|v = w · norm(x) (+ b)
-    h, c["norm1"] = norm_forward(cfg, P, p + "attn_norm", x, ops)
+    h, c["norm1"] = pre_norm_forward(cfg, P, p + "attn_norm", x, ops)
     q, c["q"] = affine_forward(h, P, p + "attn.wq", ops)  # [B, T, H·hd]
     k, c["k"] = affine_forward(h, P, p + "attn.wk", ops)  # [B, T, Hkv·hd]
     v, c["v"] = affine_forward(h, P, p + "attn.wv", ops)
+    if a.qk_norm and a.qk_norm_whole:  # each row of q (and of k) normed over all its H·hd entries
+        q, c["q_norm"] = norm_forward(cfg, P, p + "attn.q_norm", q, ops)
+        k, c["k_norm"] = norm_forward(cfg, P, p + "attn.k_norm", k, ops)
     q = q.reshape(B, T, H, hd).transpose(0, 2, 1, 3)  # [B, H, T, hd]
     k = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
-    if a.qk_norm:  # each head's vector normed over its hd entries
+    if a.qk_norm and not a.qk_norm_whole:  # each head's vector normed over its hd entries
         q, c["q_norm"] = norm_forward(cfg, P, p + "attn.q_norm", q, ops)
         k, c["k_norm"] = norm_forward(cfg, P, p + "attn.k_norm", k, ops)
     if rope is not None:
@@ -261,7 +264,7 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
         o, _ = ops.dropout_forward(o, masks[0])
     x = x + o
     # feed-forward sub-block: x = x + post(mlp(norm(x)))
-    h2, c["norm2"] = norm_forward(cfg, P, p + "ffn_norm", x, ops)
+    h2, c["norm2"] = pre_norm_forward(cfg, P, p + "ffn_norm", x, ops)
     f, c["mlp"] = mlp_forward(cfg, P, p, h2, ops)  # [B, T, d]
     if a.post_norms:
         f, c["post2"] = norm_forward(cfg, P, p + "ffn_post_norm", f, ops)
@@ -284,7 +287,7 @@ def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, op
     if a.post_norms:
         df = norm_backward(cfg, df, c["post2"], grads, p + "ffn_post_norm", ops)
     dh2 = mlp_backward(cfg, p, df, c["mlp"], grads, ops)
-    dx = dx + norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
+    dx = dx + pre_norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
     # attention sub-block
     do = scaled(dx if masks is None else ops.dropout_backward(dx, masks[0]), cfg.residual_multiplier, ops,
                 backward=True)
@@ -297,16 +300,19 @@ def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, op
     if "rope_q" in c:
         dq = ops.rope_backward(dq, c["rope_q"])
         dk = ops.rope_backward(dk, c["rope_k"])
-    if a.qk_norm:
+    if a.qk_norm and not a.qk_norm_whole:
         dq = norm_backward(cfg, dq, c["q_norm"], grads, p + "attn.q_norm", ops)
         dk = norm_backward(cfg, dk, c["k_norm"], grads, p + "attn.k_norm", ops)
     dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
+    if a.qk_norm and a.qk_norm_whole:
+        dq = norm_backward(cfg, dq, c["q_norm"], grads, p + "attn.q_norm", ops)
+        dk = norm_backward(cfg, dk, c["k_norm"], grads, p + "attn.k_norm", ops)
     dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * hd)
     dh = affine_backward(dq, c["q"], grads, p + "attn.wq", ops)
     dh = dh + affine_backward(dk, c["k"], grads, p + "attn.wk", ops)
     dh = dh + affine_backward(dv, c["v"], grads, p + "attn.wv", ops)
-    return dx + norm_backward(cfg, dh, c["norm1"], grads, p + "attn_norm", ops)
+    return dx + pre_norm_backward(cfg, dh, c["norm1"], grads, p + "attn_norm", ops)
 
 
 def mlp_forward(cfg: Config, P: dict, p: str, h: np.ndarray, ops=reference_ops):
@@ -353,6 +359,16 @@ def norm_backward(cfg: Config, dy, cache, grads: dict, name: str, ops=reference_
     else:
         dx, grads[name + ".weight"], grads[name + ".bias"] = ops.layernorm_backward(dy, cache)
     return dx
+
+
+def pre_norm_forward(cfg: Config, P: dict, name: str, x, ops=reference_ops):
+    """A sub-block's input norm `name` (norm_forward), or x itself where the architecture has none (OLMo 2)."""
+    return norm_forward(cfg, P, name, x, ops) if cfg.spec.pre_norms else (x, None)
+
+
+def pre_norm_backward(cfg: Config, dy, cache, grads: dict, name: str, ops=reference_ops):
+    """The backward of pre_norm_forward: dy [..., n] -> dx [..., n] (dy itself without the norm)."""
+    return norm_backward(cfg, dy, cache, grads, name, ops) if cfg.spec.pre_norms else dy
 
 
 def affine_forward(x, P: dict, name: str, ops=reference_ops):

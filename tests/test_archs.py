@@ -60,7 +60,7 @@ def small_config(case: str, vocab: int) -> Config:
     fields = dict(vocab_size=vocab, dim=32, n_heads=4, n_kv_heads=2 if "n_kv_heads" in a.hf.config else 4,
                   n_layers=3, ctx_len=64, ffn_hidden=48 if a.gated else 128, n_mtp=1, arch=name)  # (GPT-2's: 4·dim,
                                                                    # as llama.cpp's converter writes it, not n_inner)
-    if a.qk_norm:
+    if a.qk_norm and not a.qk_norm_whole:   # (OLMo 2's whole-projection norms: llama.cpp's head width dim / heads)
         fields["head_dim"] = 16
     if a.positions == "rope":
         fields |= dict(rope_theta=5000.0, norm_eps=1e-6)

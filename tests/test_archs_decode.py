@@ -42,6 +42,9 @@ CONFIGS = {
     # llama3 RoPE scaling (the fast / slow bounds 16 / 64 put head 8's pairs at θ 100 in all three regimes)
     "llama3": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                           n_mtp=1, rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
+    # OLMo 2: post norms only, q/k norms over each whole projection
+    "olmo2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                         n_mtp=2, arch="olmo2"),
     # Granite's four multipliers (embedding, residual, attention scale, logits), each away from its default
     "granite": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                            n_mtp=2, arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
@@ -134,7 +137,7 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
 
 
 GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,),
-          "gemma2": (0,), "phi3": (6,), "starcoder2": (9,), "stablelm": (7,), "granite": (6,)}  # seeds whose greedy text varies
+          "gemma2": (0,), "phi3": (6,), "starcoder2": (9,), "stablelm": (7,), "granite": (6,), "olmo2": (6,)}  # seeds whose greedy text varies
 
 
 @pytest.mark.parametrize("arch", CONFIGS)

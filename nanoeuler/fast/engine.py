@@ -162,7 +162,9 @@ class Workspace:
         w.dw, w.db = np.empty(cfg.dim, np.float64), np.empty(cfg.dim, np.float64)  # a norm's or d-wide bias's
         w.dbqkv = np.empty(self.qkv.shape[1], np.float64)              # q|k|v biases' gradients
         w.dbin = np.empty(self.GU.shape[2], np.float64)                # the MLP input's biases'
-        w.dwq, w.dwk = np.empty(cfg.head_dim, np.float64), np.empty(cfg.head_dim, np.float64)  # q/k norms'
+        whole = cfg.spec.qk_norm_whole     # q/k norms' (per head, or over each whole projection)
+        w.dwq = np.empty(cfg.head_dim * (cfg.n_heads if whole else 1), np.float64)
+        w.dwk = np.empty(cfg.head_dim * (cfg.n_kv_heads if whole else 1), np.float64)
         w.grads = grad_buffers(cfg, self.X.dtype) if k else None
         w.single = False  # set below: the only part (its gradients are final as it writes them)
         return w
@@ -446,6 +448,46 @@ def _norm_backward(cfg: Config, params: dict, name: str, dy, x, r, mu, dx, w, gr
     grads[name + ".weight"][...] = w.dw
 
 
+def _pre_norm(cfg: Config, params: dict, name: str, x, eps, h, r, mu):
+    """A sub-block's input norm `name` of x [n, d] into h (r, mu kept: _norm_forward) -> h; x itself where the
+    architecture has no input norms (OLMo 2)."""
+    if not cfg.spec.pre_norms:
+        return x
+    _norm_forward(cfg, params, name, x, eps, h, r, mu)
+    return h
+
+
+def _pre_norm_backward(cfg: Config, params: dict, name: str, dy, x, r, mu, dx, w, grads) -> None:
+    """dx += the gradient of _pre_norm's input for dy (dy itself without the norm)."""
+    if cfg.spec.pre_norms:
+        _norm_backward(cfg, params, name, dy, x, r, mu, dx, w, grads)
+    else:
+        dx += dy
+
+
+def _qk_norms_forward(cfg: Config, params: dict, p: str, w, i: int, eps) -> None:
+    """q and k (the first (H + Hkv)·hd columns of w.qkv) := their RMSNorms, per head or each projection whole
+    (qk_norm_whole: its 1/rms in rqk[i][:, 0] and [:, 1]); their input kept in w.QK[i]."""
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    wq, wk = params[p + "attn.q_norm.weight"], params[p + "attn.k_norm.weight"]
+    if not cfg.spec.qk_norm_whole:
+        kernels.qk_norm_forward(w.qkv, H + Hkv, hd, wq, wk, H, eps, w.QK[i], w.rqk[i])
+        return
+    kernels.span_norm_forward(w.qkv, 0, H * hd, wq, eps, w.QK[i], w.rqk[i][:, 0])
+    kernels.span_norm_forward(w.qkv, H * hd, (H + Hkv) * hd, wk, eps, w.QK[i], w.rqk[i][:, 1])
+
+
+def _qk_norms_backward(cfg: Config, params: dict, p: str, w, i: int) -> None:
+    """The backward of _qk_norms_forward on w.dqkv (in place); the weights' gradients into w.dwq, w.dwk."""
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    wq, wk = params[p + "attn.q_norm.weight"], params[p + "attn.k_norm.weight"]
+    if not cfg.spec.qk_norm_whole:
+        kernels.qk_norm_backward(w.dqkv, H + Hkv, hd, wq, wk, H, w.QK[i], w.rqk[i], w.dwq, w.dwk)
+        return
+    kernels.span_norm_backward(w.dqkv, 0, H * hd, wq, w.QK[i], w.rqk[i][:, 0], w.dwq)
+    kernels.span_norm_backward(w.dqkv, H * hd, (H + Hkv) * hd, wk, w.QK[i], w.rqk[i][:, 1], w.dwk)
+
+
 def _bias(params: dict, key: str):
     """The bias of a product (its weights' biases stacked like them), or None where the architecture has none."""
     biases = [n.removesuffix("weight") + "bias" for n in product_weights(key)]
@@ -491,13 +533,12 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         p, pr = f"layers.{i}.", ws.products[i]
         x, mid = w.X[i], w.M[i]
         # attention sub-block: mid = x + post(wo · attention(q, k, v) + b)
-        _norm_forward(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])
-        linear(ws, w.h, _product(ws, params, pr["qkv"]), pr["qkv"], w.qkv)   # [n, (H+2Hkv)·hd]
+        h = _pre_norm(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])
+        linear(ws, h, _product(ws, params, pr["qkv"]), pr["qkv"], w.qkv)     # [n, (H+2Hkv)·hd]
         if ws.bqkv is not None:
             w.qkv += ws.bqkv[i]
         if a.qk_norm:
-            kernels.qk_norm_forward(w.qkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
-                                    params[p + "attn.k_norm.weight"], H, eps, w.QK[i], w.rqk[i])
+            _qk_norms_forward(cfg, params, p, w, i, eps)
         j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
         attention_forward(w.qkv, ws.ropes[i], ws.qscale, Hkv, w.q[i], w.k[i], w.v[i], w.P[j], w.dq, w.A[j], ws.mm,
                           ws.windows[i], cfg.attn_softcap)
@@ -505,9 +546,9 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         _scale(w.t, cfg.residual_multiplier)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
         # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
-        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
+        h = _pre_norm(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
         GU = w.GU[j]
-        linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)  # [n, 2F | F]
+        linear(ws, h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)  # [n, 2F | F]
         _activation(cfg, params, pr["mlp_in"], GU, w.S, first=True)          # [n, F]
         _output(cfg, ws, params, pr["mlp_out"], w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w, eps)
         _scale(w.t, cfg.residual_multiplier)
@@ -595,9 +636,9 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         x, mid, GU, P, A = w.X[i], w.M[i], w.GU[j], w.P[j], w.A[j]
         # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid))))))
         df = _scaled(_dropped(dx, drop, 2 * i + 1, w.n0, out=w.t), cfg.residual_multiplier, w.t)  # [n, d]
-        _norm_forward(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
+        h = _pre_norm(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
         if ws.lean:                                                         # and the pre-activations (lean)
-            linear(ws, w.h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)
+            linear(ws, h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)
         _activation(cfg, params, pr["mlp_in"], GU, w.S, first=ws.lean)     # and the activation's output
         _output_backward(cfg, ws, params, pr["mlp_out"], df, w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w,
                          grads, w.ds)                                       # ds [n, F]
@@ -607,10 +648,10 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         else:
             (kernels.swiglu_backward if a.mlp == "swiglu" else kernels.geglu_backward)(w.ds, GU)  # GU := [dg | du]
             dU = GU
-        weight_grad(grads, product_weights(pr["mlp_in"]), dU, w.h, ws.mm)
+        weight_grad(grads, product_weights(pr["mlp_in"]), dU, h, ws.mm)
         _bias_grads(grads, product_weights(pr["mlp_in"]), dU, w.dbin)
         linear_dx(ws, dU, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.dh)  # [n, d]
-        _norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
+        _pre_norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
         # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
         do = _scaled(_dropped(dx, drop, 2 * i, w.n0, out=w.t), cfg.residual_multiplier, w.t)      # [n, d]
         if ws.lean:                                                         # P and A formed again from q, k, v
@@ -621,15 +662,14 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
                            w.dy, w.dS, w.dq, w.dk, w.dv, w.dqkv, ws.mm, ws.windows[i], cfg.attn_softcap,
                            w.C)                                             # [n, (H+2Hkv)·hd]
         if a.qk_norm:
-            kernels.qk_norm_backward(w.dqkv, H + Hkv, hd, params[p + "attn.q_norm.weight"],
-                                     params[p + "attn.k_norm.weight"], H, w.QK[i], w.rqk[i], w.dwq, w.dwk)
+            _qk_norms_backward(cfg, params, p, w, i)
             grads[p + "attn.q_norm.weight"][...] = w.dwq
             grads[p + "attn.k_norm.weight"][...] = w.dwk
-        _norm_forward(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])  # recompute the normed input
-        weight_grad(grads, product_weights(pr["qkv"]), w.dqkv, w.h, ws.mm)
+        h = _pre_norm(cfg, params, p + "attn_norm", x, eps, w.h, w.r1[i], w.mu1[i])  # recompute the normed input
+        weight_grad(grads, product_weights(pr["qkv"]), w.dqkv, h, ws.mm)
         _bias_grads(grads, product_weights(pr["qkv"]), w.dqkv, w.dbqkv)
         linear_dx(ws, w.dqkv, _product(ws, params, pr["qkv"]), pr["qkv"], w.dh)
-        _norm_backward(cfg, params, p + "attn_norm", w.dh, x, w.r1[i], w.mu1[i], dx, w, grads)
+        _pre_norm_backward(cfg, params, p + "attn_norm", w.dh, x, w.r1[i], w.mu1[i], dx, w, grads)
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
     if a.positions == "learned" and "pos_embed.weight" in grads:
         kernels.position_backward(dx, ws.T, grads["pos_embed.weight"])

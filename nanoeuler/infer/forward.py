@@ -158,6 +158,11 @@ def norm(cfg: Config, wb: tuple, x: np.ndarray) -> np.ndarray:
     return ops.layernorm_forward(x, w, b, cfg.norm_eps)[0]
 
 
+def pre_norm(cfg: Config, W: dict, name: str, x: np.ndarray) -> np.ndarray:
+    """A sub-block's input norm `name` of x, or x itself where the architecture has none (OLMo 2)."""
+    return norm(cfg, W[name], x) if cfg.spec.pre_norms else x
+
+
 def affine(x: np.ndarray, W: dict, name: str, product=None) -> np.ndarray:
     """x @ W[name]ᵀ (+ W[name.bias]); product: the matrix product (default `linear`, a step's few rows)."""
     y = (product or linear)(x, W[name])
@@ -185,10 +190,12 @@ def heads_qkv(cfg: Config, W: dict, p: str, h: np.ndarray, cos, sin, product=Non
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = affine(h, W, p + "qkv", product)  # [..., (H + 2·Hkv)·hd]
     lead = qkv.shape[:-1]
-    q = qkv[..., :H * hd].reshape(*lead, H, hd)
-    k = qkv[..., H * hd:(H + Hkv) * hd].reshape(*lead, Hkv, hd)
+    q, k = qkv[..., :H * hd], qkv[..., H * hd:(H + Hkv) * hd]
+    if cfg.spec.qk_norm and cfg.spec.qk_norm_whole:   # each projection normed whole (OLMo 2)
+        q, k = norm(cfg, W[p + "attn.q_norm"], q), norm(cfg, W[p + "attn.k_norm"], k)
+    q, k = q.reshape(*lead, H, hd), k.reshape(*lead, Hkv, hd)
     v = qkv[..., (H + Hkv) * hd:].reshape(*lead, Hkv, hd)
-    if cfg.spec.qk_norm:
+    if cfg.spec.qk_norm and not cfg.spec.qk_norm_whole:
         q, k = norm(cfg, W[p + "attn.q_norm"], q), norm(cfg, W[p + "attn.k_norm"], k)
     if cos is not None:
         q, k = ops.rope_forward(q, cos, sin)[0], ops.rope_forward(k, cos, sin)[0]
@@ -207,7 +214,7 @@ def residual_attention(cfg: Config, W: dict, p: str, x: np.ndarray, a: np.ndarra
 
 def residual_mlp(cfg: Config, W: dict, p: str, x: np.ndarray, product=None) -> np.ndarray:
     """x + post(mlp(norm(x))): the feed-forward sub-block."""
-    h = norm(cfg, W[p + "ffn_norm"], x)
+    h = pre_norm(cfg, W, p + "ffn_norm", x)
     u = affine(h, W, p + "mlp_in", product)  # gated: [..., 2F] = [gate | up]; gelu: [..., F]
     mlp = cfg.spec.mlp
     if mlp == "gelu":
@@ -238,7 +245,7 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         cos, sin = cache.tables(i, positions[:, None])  # [Tn, 1, hd/2] or None
-        q, k, v = heads_qkv(cfg, W, p, norm(cfg, W[p + "attn_norm"], x), cos, sin)  # [B, Tn, H|Hkv, hd]
+        q, k, v = heads_qkv(cfg, W, p, pre_norm(cfg, W, p + "attn_norm", x), cos, sin)  # [B, Tn, H|Hkv, hd]
         cache.k[i][:, :, L:L + Tn] = k.transpose(0, 2, 1, 3)
         cache.v[i][:, :, L:L + Tn] = v.transpose(0, 2, 1, 3)
         a, _ = ops.attention_forward(q.transpose(0, 2, 1, 3), cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn],
@@ -259,7 +266,7 @@ def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: 
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         cos, sin = cache.tables(i, pos[:, None])  # [n, 1, hd/2] or None
-        q, k, v = heads_qkv(cfg, W, p, norm(cfg, W[p + "attn_norm"], x), cos, sin, batched_linear)
+        q, k, v = heads_qkv(cfg, W, p, pre_norm(cfg, W, p + "attn_norm", x), cos, sin, batched_linear)
         a = attend_rows(cache, i, q, k, v, pos, cfg.window(i), slots, cfg.attn_softcap)  # [n, H·hd]
         x = residual_attention(cfg, W, p, x, a, batched_linear)
         x = residual_mlp(cfg, W, p, x, batched_linear)

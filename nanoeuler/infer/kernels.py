@@ -80,6 +80,15 @@ def _norm(x, w, b, eps, y):
                 y[r, j] = (x[r, j] * k) * w[j]
 
 
+@njit(**OPTS)
+def _pre_norm(x, pre, w, b, eps, y):
+    """y [n, d] = a sub-block's input norm of x (_norm), or x itself where the architecture has none (pre false)."""
+    if pre:
+        _norm(x, w, b, eps, y)
+    else:
+        y[:] = x
+
+
 @njit(inline="always", **OPTS)
 def _head_norm(x, base, hd, w, eps):
     """x[base : base+hd] := its RMSNorm with weight w [hd] (a q or k head, q/k norms)."""
@@ -198,14 +207,17 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
     p = np.empty(pos.max() + 1, np.float32)         # attention probabilities
     rot = np.empty(hd, np.float32)
     for l in range(n_layers):
-        _norm(x, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
+        _pre_norm(x, D.pre, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
         _product(ctl, pooled, D.mats[l, 0, :D.segments[l, 0]], h, t, False)
         _add_bias(t, D.qkv_bias[l])
         k_ = D.rope[l]
         for r in range(n):  # q/k norms, RoPE; the new keys and values go into the cache
+            if D.qk_norms.shape[2] and D.qk_whole:  # each projection normed whole (OLMo 2)
+                _head_norm(t[r], 0, Hhd, D.qk_norms[l, 0], eps)
+                _head_norm(t[r], Hhd, Hkv * hd, D.qk_norms[l, 1], eps)
             for hh in range(H + Hkv):
                 base = hh * hd
-                if D.qk_norms.shape[2]:
+                if D.qk_norms.shape[2] and not D.qk_whole:
                     _head_norm(t[r], base, hd, D.qk_norms[l, 0 if hh < H else 1], eps)
                 if k_ >= 0:
                     _rope(t[r], base, hd, cos[k_], sin[k_], pos[r], rot)
@@ -222,7 +234,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                        D.attn_softcap)
         _residual(ctl, pooled, D.mats[l, 1, :D.segments[l, 1]], D.wo_bias[l], a[f:], x[f:], o[f:],
                   D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:], D.residual)
-        _norm(x[f:], D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
+        _pre_norm(x[f:], D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
         _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], h[f:], gu[f:], False)
         _add_bias(gu[f:], D.mlp_in_bias[l])
         half = D.gelu_half[l]
@@ -281,7 +293,7 @@ class Weights(NamedTuple):
     mlp_out_bias: np.ndarray  # [layers, d] or [layers, 0]
     norms: np.ndarray         # [layers, 4, d] float32: attn_norm, ffn_norm, attn_post_norm, ffn_post_norm
     norm_biases: np.ndarray   # [layers, 4, d] (LayerNorm) or [layers, 4, 0]
-    qk_norms: np.ndarray      # [layers, 2, hd] or [layers, 2, 0]
+    qk_norms: np.ndarray      # [layers, 2, hd] (whole projections: [layers, 2, H·hd], k's Hkv·hd first) or [layers, 2, 0]
     norm: np.ndarray          # [d] float32
     norm_bias: np.ndarray     # [d] or [0]
     post: int                 # d with post norms, else 0 (norms[:, 2:, :post] is empty)
@@ -294,6 +306,8 @@ class Weights(NamedTuple):
     q_factor: np.float32      # q's factor before attention: attention_multiplier·√hd (Config.query_factor; 1)
     residual: np.float32      # residual_multiplier (1 but Granite's)
     attn_softcap: np.float32  # the attention scores' soft cap (0: none; Gemma 2's)
+    pre: bool                 # sub-blocks' input norms (not OLMo 2's): norms[:, :2] used
+    qk_whole: bool            # q/k norms over each whole projection (OLMo 2's), not per head
 
 
 MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
@@ -329,14 +343,18 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
                 norms[i, j], b = W[q + name]
                 if b is not None:
                     norm_biases[i, j] = b
-    qk = np.array([[W[q + "attn.q_norm"][0], W[q + "attn.k_norm"][0]] for q in p], f32) if a.qk_norm \
-        else np.zeros((L, 2, 0), f32)
+    qk = np.zeros((L, 2, W[p[0] + "attn.q_norm"][0].shape[0] if a.qk_norm else 0), f32)
+    for i, q in enumerate(p):
+        for j, name in enumerate(("attn.q_norm", "attn.k_norm") if a.qk_norm else ()):
+            w = W[q + name][0]
+            qk[i, j, :w.shape[0]] = w
     nw, nb = W["norm"]
     return Weights(mats, counts, cfg.ffn_hidden, biases("qkv"), biases("wo"), biases("mlp_in"), biases("mlp_out"),
                    norms, norm_biases, qk, nw, nb if nb is not None else np.zeros(0, f32), d if a.post_norms else 0,
                    MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1), mats[:, 2, 0, 0] >= QUANT,
                    np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms,
-                   np.float32(cfg.query_factor()), np.float32(cfg.residual_multiplier), np.float32(cfg.attn_softcap))
+                   np.float32(cfg.query_factor()), np.float32(cfg.residual_multiplier), np.float32(cfg.attn_softcap),
+                   a.pre_norms, a.qk_norm_whole)
 
 
 def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,

@@ -193,6 +193,8 @@ ARCH_CHECK_CONFIGS = {
     "qwen3": CHECK_CONFIG.replace(arch="qwen3", head_dim=12, rope_scaling="llama3", rope_factor=8.0,
                                   rope_original_ctx=100),
     "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
+    # olmo2 (no input norms, post norms, q/k norms over each whole projection)
+    "olmo2": CHECK_CONFIG.replace(arch="olmo2"),
     # granite (every scalar multiplier away from 1 and 1/√hd)
     "granite": CHECK_CONFIG.replace(arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
                                     attention_multiplier=0.2, logits_scaling=3.0),

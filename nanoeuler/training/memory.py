@@ -28,12 +28,13 @@ def activation_floats(cfg: Config, B: int, T: int) -> int:
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     norm = 2 * N * d + N
     attention = 2 * N * H * hd + 2 * N * Hkv * hd + B * H * T * T
-    if a.qk_norm:
-        attention += N * (H + Hkv) * (hd + 1)
+    if a.qk_norm:   # normed q|k and 1/rms per head (qk_norm_whole: per projection)
+        attention += N * (H + Hkv) * hd + N * (2 if a.qk_norm_whole else H + Hkv)
     if cfg.attn_softcap:
         attention += B * H * T * T
     post = 2 * (N * d + N) if a.post_norms else 0
-    per_layer = norm + attention + norm + MLP_FLOATS[a.mlp] * N * F + post
+    pre = norm if a.pre_norms else N * d   # without input norms: a sub-block's input itself, kept for its products
+    per_layer = pre + attention + pre + MLP_FLOATS[a.mlp] * N * F + post
     return cfg.n_layers * per_layer + norm + (2 if cfg.logit_softcap else 1) * cfg.n_mtp * N * cfg.vocab_size
 
 
