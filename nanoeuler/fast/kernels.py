@@ -347,38 +347,6 @@ def span_norm_backward(dqkv, c0, c1, w, raw, r, dw):
             dy[j] = ri * (dy[j] * w[j] - nj * m)
 
 
-@njit(**OPTS)
-def span_norm_forward(qkv, c0, c1, w, eps, raw, r):
-    """Columns c0 .. c1-1 of each row of qkv [N, ...] := their RMSNorm with weight w [c1 - c0], in place (a whole q
-    or k projection's norm, OLMo 2's); raw [N, >= c1] keeps those input columns, r [N] the 1/rms."""
-    n = c1 - c0
-    for i in range(qkv.shape[0]):
-        x = qkv[i, c0:c1]
-        raw[i, c0:c1] = x
-        ri = x.dtype.type(1.0 / math.sqrt(row_dot(x, x, n) / n + eps))
-        r[i] = ri
-        for j in range(n):
-            x[j] = (x[j] * ri) * w[j]
-
-
-@njit(**OPTS)
-def span_norm_backward(dqkv, c0, c1, w, raw, r, dw):
-    """The transpose of span_norm_forward on columns c0 .. c1-1 of dqkv (in place: dy -> dx); dw [c1 - c0]
-    (float64) = Σ over rows of dy·n, accumulated in row order."""
-    n = c1 - c0
-    dw[:] = 0
-    for i in range(dqkv.shape[0]):
-        dy, x, ri = dqkv[i, c0:c1], raw[i, c0:c1], r[i]
-        acc = 0.0
-        for j in range(n):
-            acc += (dy[j] * w[j]) * (x[j] * ri)
-        m = x.dtype.type(acc / n)
-        for j in range(n):
-            nj = x[j] * ri
-            dw[j] += dy[j] * nj
-            dy[j] = ri * (dy[j] * w[j] - nj * m)
-
-
 # ---- SwiGLU (ops/swiglu.py) ---------------------------------------------------------------------------
 @njit(**OPTS)
 def swiglu_forward(gu, s):
