@@ -37,8 +37,9 @@ pytest.importorskip("tokenizers")
 # within LOGITS_TOL (conftest.rel_err; gemma3's 6 layers: 1.3e-4, the others up to 4.6e-5). (transformers cannot
 # be the oracle in float64: its norms and RoPE angles are computed in float32 whatever the model's dtype.) A
 # norm's weight gradient sums B·T (q/k norms: B·T·heads) terms that partly cancel: up to 5.4e-4 measured,
-# against 2.6e-4 for the others (gemma3's 6 layers; the 3-layer ones up to 7.7e-5).
-L2_TOL, LOGITS_TOL, GRAD_TOL, NORM_GRAD_TOL = 1e-5, 2e-4, 4e-4, 2e-3
+# against 2.6e-4 for the others (gemma3's 6 layers; the 3-layer ones up to 7.7e-5) - and 4.6e-4 for gemma3+linear's
+# layer-4 q_proj with transformers 5.25 / torch 2.13, so GRAD_TOL leaves 2x over that (a wrong term reads as ~1).
+L2_TOL, LOGITS_TOL, GRAD_TOL, NORM_GRAD_TOL = 1e-5, 2e-4, 1e-3, 2e-3
 T = 24                              # longer than the window (5)
 FIRST_ROPE = next(a.name for a in ARCHS.values() if a.positions == "rope")
 # RoPE scalings of the first architecture with RoPE; llama3: Llama 3.2's (factor 32, low / high freq factors 1 / 4,
