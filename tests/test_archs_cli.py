@@ -20,6 +20,7 @@ ARCHS = {
     "gemma3": dict(n_kv_heads=1, arch="gemma3", head_dim=16, sliding_window=24, global_every=2),
     "granite": dict(n_kv_heads=2, arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=3.0),
+    "olmo2": dict(n_kv_heads=2, arch="olmo2"),
     "starcoder2": dict(n_kv_heads=2, arch="starcoder2"),
     "stablelm": dict(n_kv_heads=2, arch="stablelm", partial_rotary_factor=0.5),
     "gemma2": dict(n_kv_heads=2, arch="gemma2", sliding_window=24, attn_softcap=2.0, logit_softcap=5.0),
