@@ -603,6 +603,65 @@ def numbers(values, kinds: str, what: str) -> np.ndarray:
     return arr
 
 
+class TypedVocab:
+    """What WordPiece and Unigram share: a vocabulary of `tokens` typed by `types` (the constants above), whose
+    user-defined tokens are cut out of text (and its control and unknown ones too when allow_special); encode
+    puts bos first and, with add_eos, eos last. The class defines _encode(data, allow_special) -> ids."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode_array(self, text: str, allow_special: bool = False, add_bos: bool = False) -> np.ndarray:
+        """Like encode, as an int32 array."""
+        if not isinstance(text, str):
+            raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
+        ids = self._encode(text.encode("utf-8", "surrogatepass"), allow_special)
+        if add_bos and self.bos_token is not None:
+            ids = [self.special_tokens[self.bos_token], *ids]
+        if add_bos and self.add_eos:
+            ids = [*ids, self.special_tokens[self.eos_token]]
+        return np.array(ids, np.int32)
+
+    def _splitter(self, allow_special: bool) -> list[tuple[bytes, int]]:
+        """The specials cut out of text, longest first, as (bytes, id)."""
+        if allow_special not in self._splitters:
+            kinds = (USER_DEFINED, CONTROL, UNKNOWN) if allow_special else (USER_DEFINED,)
+            ids = np.flatnonzero(np.isin(self.types, kinds)).tolist()
+            self._splitters[allow_special] = sorted(((self.tokens[i].encode("utf-8", "surrogatepass"), i)
+                                                     for i in ids), key=lambda x: (-len(x[0]), x[1]))
+        return self._splitters[allow_special]
+
+
+def typed_vocab_fields(d, kind: str, name: str, fmt: tuple[str, int], optional: tuple) -> tuple[list, np.ndarray, list]:
+    """The checks a TypedVocab's to_dict() output passes before its own fields are read: its kind (name: how
+    errors call it) and fmt (format, version), tokens (non-empty strings), integer types, an "unk" string, stops,
+    and each optional (key, type) absent, None or of its type -> (tokens, types, stops); else UserError."""
+    if not isinstance(d, dict) or d.get("kind") != kind:
+        raise UserError(f"not a nanoeuler {name} tokenizer (\"kind\": \"{kind}\")")
+    if d.get("format") != fmt[0] or d.get("version") != fmt[1]:
+        raise UserError(f"not a nanoeuler tokenizer (expected \"format\": \"{fmt[0]}\", \"version\": {fmt[1]})")
+    tokens = d.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+        raise UserError("tokenizer.json: \"tokens\" must be a list of non-empty strings")
+    types = numbers(d.get("types"), "iu", "\"types\" must be a list of integer token types")
+    for key, typ in optional:
+        if d.get(key) is not None and (not isinstance(d[key], typ) or typ is int and isinstance(d[key], bool)):
+            raise UserError(f"tokenizer.json: \"{key}\" must be a {typ.__name__}")
+    if not isinstance(d.get("unk"), str):
+        raise UserError("tokenizer.json: \"unk\" (the unknown token) is missing")
+    stops = d.get("stops", [])
+    if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
+        raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
+    return tokens, types, stops
+
+
+def check_vocab_size(d: dict, tok) -> None:
+    """A to_dict() output's vocab_size, when given, is its tokenizer's."""
+    if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
+        raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']!r:.20} disagrees with its {tok.vocab_size} tokens")
+
+
 def merge_ids(tokens: list[str], merges: list[str]) -> np.ndarray:
     """GGUF's merges ("a b": the first space after the first character cuts it, as llama.cpp reads them) as
     [merges, 2] token ids; a merge whose sides are not two tokens: UserError.

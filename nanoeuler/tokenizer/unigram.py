@@ -51,7 +51,8 @@ from . import unigram_fast as uf
 from .base import BaseTokenizer
 from .charsmap import Charsmap
 from .sentencepiece import (BYTE, BYTE_PIECES, CONTROL, METASPACE, NORMAL, NORMALIZERS, TYPE_NAMES, UNKNOWN, UNUSED,
-                            USER_DEFINED, numbers, split_before_metaspace, split_specials, utf8_length)
+                            USER_DEFINED, TypedVocab, check_vocab_size, numbers, split_before_metaspace,
+                            split_specials, typed_vocab_fields, utf8_length)
 
 KIND = "unigram"
 FORMAT, VERSION = "nanoeuler-unigram", 1
@@ -109,7 +110,7 @@ def merge_spaces_of(data: bytes, prefix: bool, merge: bool) -> bytes:
 
 # ------------------------------------------------------------------------------------------ tokenizer
 
-class UnigramTokenizer(BaseTokenizer):
+class UnigramTokenizer(TypedVocab, BaseTokenizer):
     """A Unigram vocabulary (see the module docstring); ids are the vocabulary's order."""
 
     kind = KIND
@@ -189,25 +190,10 @@ class UnigramTokenizer(BaseTokenizer):
         self._splitters: dict[bool, list[tuple[bytes, int]]] = {}
         self._pieces: dict[bytes, list[int]] = {}
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
     def __repr__(self) -> str:
         return f"UnigramTokenizer(vocab_size={self.vocab_size}, normalization={self.normalization!r})"
 
     # -- encoding -----------------------------------------------------------------------------------
-    def encode_array(self, text: str, allow_special: bool = False, add_bos: bool = False) -> np.ndarray:
-        """Like encode, as an int32 array."""
-        if not isinstance(text, str):
-            raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
-        ids = self._encode(text.encode("utf-8", "surrogatepass"), allow_special)
-        if add_bos and self.bos_token is not None:
-            ids = [self.special_tokens[self.bos_token], *ids]
-        if add_bos and self.add_eos:
-            ids = [*ids, self.special_tokens[self.eos_token]]
-        return np.array(ids, np.int32)
-
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (no special tokens): a byte that is not UTF-8 reads as U+FFFD, as in llama.cpp."""
         return self._encode(bytes(data), False)
@@ -224,15 +210,6 @@ class UnigramTokenizer(BaseTokenizer):
                 for piece in self.pieces_hf(f.decode("utf-8", "replace"), first=i == 0):
                     out += self._cut(piece.encode())
         return out
-
-    def _splitter(self, allow_special: bool) -> list[tuple[bytes, int]]:
-        """The specials cut out of text, longest first, as (bytes, id)."""
-        if allow_special not in self._splitters:
-            kinds = (USER_DEFINED, CONTROL, UNKNOWN) if allow_special else (USER_DEFINED,)
-            ids = np.flatnonzero(np.isin(self.types, kinds)).tolist()
-            self._splitters[allow_special] = sorted(((self.tokens[i].encode("utf-8", "surrogatepass"), i)
-                                                     for i in ids), key=lambda x: (-len(x[0]), x[1]))
-        return self._splitters[allow_special]
 
     def normalize_llama_cpp(self, data: bytes) -> bytes:
         """Step 2, llama.cpp's rule: data -> the normalized bytes, spaces as "▁"."""
@@ -367,25 +344,12 @@ class UnigramTokenizer(BaseTokenizer):
     @classmethod
     def from_dict(cls, d) -> UnigramTokenizer:
         """Rebuild from to_dict() output, checking every field (a corrupt file gives a UserError)."""
-        if not isinstance(d, dict) or d.get("kind") != KIND:
-            raise UserError(f"not a nanoeuler Unigram tokenizer (\"kind\": \"{KIND}\")")
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise UserError(f"not a nanoeuler tokenizer (expected \"format\": \"{FORMAT}\", \"version\": {VERSION})")
-        tokens = d.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-            raise UserError("tokenizer.json: \"tokens\" must be a list of non-empty strings")
-        types = numbers(d.get("types"), "iu", "\"types\" must be a list of integer token types")
+        tokens, types, stops = typed_vocab_fields(
+            d, KIND, "Unigram", (FORMAT, VERSION),
+            (("unk", str), ("normalization", str), ("form", str), ("prefix", str), ("bos", str), ("eos", str),
+             ("chat_template", str), ("charsmap", str), ("add_space_prefix", bool), ("merge_spaces", bool),
+             ("split", bool), ("byte_fallback", bool), ("add_eos", bool)))
         scores = numbers(d.get("scores"), "iuf", "\"scores\" must be a list of finite numbers")
-        for key, kind in (("unk", str), ("normalization", str), ("form", str), ("prefix", str), ("bos", str),
-                          ("eos", str), ("chat_template", str), ("charsmap", str), ("add_space_prefix", bool),
-                          ("merge_spaces", bool), ("split", bool), ("byte_fallback", bool), ("add_eos", bool)):
-            if d.get(key) is not None and not isinstance(d[key], kind):
-                raise UserError(f"tokenizer.json: \"{key}\" must be a {kind.__name__}")
-        if not isinstance(d.get("unk"), str):
-            raise UserError("tokenizer.json: \"unk\" (the unknown token) is missing")
-        stops = d.get("stops", [])
-        if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
-            raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
         charsmap = None
         if d.get("charsmap") is not None:
             try:
@@ -396,8 +360,7 @@ class UnigramTokenizer(BaseTokenizer):
                   d.get("add_space_prefix", True), d.get("merge_spaces", True), d.get("form"),
                   d.get("prefix", "every-unless-space"), d.get("split", True), d.get("byte_fallback", False),
                   d.get("bos"), d.get("eos"), d.get("add_eos", False), d.get("chat_template"), stops)
-        if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
-            raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']!r:.20} disagrees with its {tok.vocab_size} tokens")
+        check_vocab_size(d, tok)
         return tok
 
     def vocab_text(self) -> str:

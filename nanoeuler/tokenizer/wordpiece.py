@@ -42,7 +42,8 @@ import regex
 
 from ..errors import UserError
 from .base import BaseTokenizer
-from .sentencepiece import CONTROL, NORMAL, TYPE_NAMES, UNKNOWN, UNUSED, USER_DEFINED, numbers, split_specials
+from .sentencepiece import (CONTROL, NORMAL, TYPE_NAMES, UNKNOWN, UNUSED, USER_DEFINED, TypedVocab, check_vocab_size,
+                            split_specials, typed_vocab_fields)
 
 KIND = "wordpiece"
 FORMAT, VERSION = "nanoeuler-wordpiece", 1
@@ -135,7 +136,7 @@ def wordpiece(word: str, find, word_prefix: str, continuation: str, longest: int
 
 # ------------------------------------------------------------------------------------------ tokenizer
 
-class WordPieceTokenizer(BaseTokenizer):
+class WordPieceTokenizer(TypedVocab, BaseTokenizer):
     """A WordPiece vocabulary (see the module docstring); ids are the vocabulary's order."""
 
     kind = KIND
@@ -178,25 +179,10 @@ class WordPieceTokenizer(BaseTokenizer):
         self._splitters: dict[bool, list[tuple[bytes, int]]] = {}
         self._words: dict[str, list[int]] = {}
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
     def __repr__(self) -> str:
         return f"WordPieceTokenizer(vocab_size={self.vocab_size}, normalization={self.normalization!r})"
 
     # -- encoding -----------------------------------------------------------------------------------
-    def encode_array(self, text: str, allow_special: bool = False, add_bos: bool = False) -> np.ndarray:
-        """Like encode, as an int32 array."""
-        if not isinstance(text, str):
-            raise UserError(f"encode takes str, got {type(text).__name__} (use encode_bytes for bytes)")
-        ids = self._encode(text.encode("utf-8", "surrogatepass"), allow_special)
-        if add_bos and self.bos_token is not None:
-            ids = [self.special_tokens[self.bos_token], *ids]
-        if add_bos and self.add_eos:
-            ids = [*ids, self.special_tokens[self.eos_token]]
-        return np.array(ids, np.int32)
-
     def encode_bytes(self, data: bytes) -> list[int]:
         """Any bytes -> ids (no special tokens): a byte that is not UTF-8 is dropped, as llama.cpp drops the U+FFFD
         it reads it as."""
@@ -210,15 +196,6 @@ class WordPieceTokenizer(BaseTokenizer):
             else:
                 out += self._encode_text(f.decode("utf-8", "replace"))
         return out
-
-    def _splitter(self, allow_special: bool) -> list[tuple[bytes, int]]:
-        """The specials cut out of text, longest first, as (bytes, id)."""
-        if allow_special not in self._splitters:
-            kinds = (USER_DEFINED, CONTROL, UNKNOWN) if allow_special else (USER_DEFINED,)
-            ids = np.flatnonzero(np.isin(self.types, kinds)).tolist()
-            self._splitters[allow_special] = sorted(((self.tokens[i].encode("utf-8", "surrogatepass"), i)
-                                                     for i in ids), key=lambda x: (-len(x[0]), x[1]))
-        return self._splitters[allow_special]
 
     def _encode_text(self, text: str) -> list[int]:
         """Steps 2 and 3 on one text fragment."""
@@ -276,30 +253,16 @@ class WordPieceTokenizer(BaseTokenizer):
     @classmethod
     def from_dict(cls, d) -> WordPieceTokenizer:
         """Rebuild from to_dict() output, checking every field (a corrupt file gives a UserError)."""
-        if not isinstance(d, dict) or d.get("kind") != KIND:
-            raise UserError(f"not a nanoeuler WordPiece tokenizer (\"kind\": \"{KIND}\")")
-        if d.get("format") != FORMAT or d.get("version") != VERSION:
-            raise UserError(f"not a nanoeuler tokenizer (expected \"format\": \"{FORMAT}\", \"version\": {VERSION})")
-        tokens = d.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-            raise UserError("tokenizer.json: \"tokens\" must be a list of non-empty strings")
-        types = numbers(d.get("types"), "iu", "\"types\" must be a list of integer token types")
-        for key, kind in (("unk", str), ("normalization", str), ("word_prefix", str), ("continuation", str),
-                          ("lowercase", bool), ("strip_accents", bool), ("add_eos", bool), ("bos", str),
-                          ("eos", str), ("chat_template", str), ("max_word_chars", int)):
-            if d.get(key) is not None and (not isinstance(d[key], kind) or kind is int and isinstance(d[key], bool)):
-                raise UserError(f"tokenizer.json: \"{key}\" must be a {kind.__name__}")
-        if not isinstance(d.get("unk"), str):
-            raise UserError("tokenizer.json: \"unk\" (the unknown token) is missing")
-        stops = d.get("stops", [])
-        if not isinstance(stops, list) or not all(isinstance(t, str) for t in stops):
-            raise UserError("tokenizer.json: \"stops\" must be a list of special token strings")
+        tokens, types, stops = typed_vocab_fields(
+            d, KIND, "WordPiece", (FORMAT, VERSION),
+            (("unk", str), ("normalization", str), ("word_prefix", str), ("continuation", str), ("lowercase", bool),
+             ("strip_accents", bool), ("add_eos", bool), ("bos", str), ("eos", str), ("chat_template", str),
+             ("max_word_chars", int)))
         tok = cls(tokens, types, d["unk"], d.get("normalization", "llama.cpp"), d.get("word_prefix", ""),
                   d.get("continuation", ""), d.get("lowercase", True), d.get("strip_accents", True),
                   d.get("max_word_chars"), d.get("bos"), d.get("eos"), d.get("add_eos", False),
                   d.get("chat_template"), stops)
-        if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
-            raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']!r:.20} disagrees with its {tok.vocab_size} tokens")
+        check_vocab_size(d, tok)
         return tok
 
     def vocab_text(self) -> str:
