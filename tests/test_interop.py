@@ -613,7 +613,7 @@ def edit_config(d, **changes):
     (dict(vocab_size=0), "vocab_size"),
     (dict(max_position_embeddings=1e400), "ctx_len"),
     (dict(model_type="mistral"), "model_type 'mistral'"),          # architectures still says LlamaForCausalLM
-    (dict(model_type=None, architectures=["Phi3ForCausalLM"]), "Phi3ForCausalLM"),
+    (dict(model_type=None, architectures=["MambaForCausalLM"]), "MambaForCausalLM"),   # (no such record)
     (dict(architectures=["LlamaForCausalLM", "BertModel"]), "BertModel"),
     (dict(architectures="LlamaForCausalLM"), "architectures"),
     (dict(model_type=["llama"]), "model_type"),                       # was: an internal error (unhashable)
