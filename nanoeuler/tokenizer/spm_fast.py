@@ -108,7 +108,12 @@ def _hash(blob, s, e):
 @njit(inline="always")
 def _find_text(t_keys, t_vals, blob, starts, ends, q, s, e):
     """The id of the token whose bytes are q[s:e] (blob[starts[i]:ends[i]] is token i), or -1."""
-    h = _hash(q, s, e)
+    return _find_hashed(t_keys, t_vals, blob, starts, ends, q, s, e, _hash(q, s, e))
+
+
+@njit(inline="always")
+def _find_hashed(t_keys, t_vals, blob, starts, ends, q, s, e, h):
+    """_find_text for a caller that has q[s:e]'s hash h (_hash) already."""
     i = _slot(h, np.uint64(t_keys.shape[0] - 1))
     while t_keys[i] != -1:
         if t_keys[i] == h:

@@ -14,28 +14,9 @@ from numba import njit
 
 from ..numba_cache import install
 from .bpe_fast import FNV_OFFSET, FNV_PRIME
-from .spm_fast import _get, _put, _slot, utf8_len
+from .spm_fast import _find_hashed, _get, _put, utf8_len
 
 install()
-
-
-@njit(inline="always")
-def _lookup(t_keys, t_vals, blob, starts, ends, q, s, e, h):
-    """The id of the token whose bytes are q[s:e] (h: their hash, spm_fast._hash), or -1."""
-    i = _slot(h, np.uint64(t_keys.shape[0] - 1))
-    while t_keys[i] != -1:
-        if t_keys[i] == h:
-            t = t_vals[i]
-            if ends[t] - starts[t] == e - s:
-                same = True
-                for j in range(e - s):
-                    if blob[starts[t] + j] != q[s + j]:
-                        same = False
-                        break
-                if same:
-                    return t
-        i = (i + 1) & (t_keys.shape[0] - 1)
-    return -1
 
 
 @njit(cache=True)
@@ -71,7 +52,7 @@ def viterbi(buf, t_keys, t_vals, blob, starts, ends, p_keys, p_vals, usable, sco
             e += 1
             if _get(p_keys, p_vals, np.int64(h >> np.uint64(1))) < 0:
                 break                                 # no usable token starts with buf[i:e]
-            t = _lookup(t_keys, t_vals, blob, starts, ends, buf, i, e, np.int64(h >> np.uint64(1)))
+            t = _find_hashed(t_keys, t_vals, blob, starts, ends, buf, i, e, np.int64(h >> np.uint64(1)))
             if t >= 0 and usable[t]:
                 if e - i == width:
                     single = True
