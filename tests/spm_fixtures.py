@@ -13,7 +13,8 @@ from tokenizer import varied_text  # noqa: E402
 
 from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES  # noqa: E402
 
-STYLES = ("llama2", "gemma", "metaspace-always-split", "metaspace-first", "metaspace-never-split", "metaspace-always")
+STYLES = ("llama2", "gemma", "gemma4", "metaspace-always-split", "metaspace-first", "metaspace-never-split",
+          "metaspace-always")
 SPECIALS = ["<unk>", "<s>", "</s>"]
 EXTRA = (("<start_of_turn>", True), ("\n", False), ("  ", False))   # added tokens (special or not) besides them
 PROBE_TAIL = " <start_of_turn> x\n\ny  z ▁q 𝄞 \x04 <s>tail xѯy ѯѯѯ"   # added tokens, runs, a pre-escaped ▁,
@@ -30,7 +31,11 @@ def hf_spm_json(style: str, texts: list[str], vocab: int = 600) -> dict:
     vocabulary id); normalizer / pre-tokenizer / decoder as the style's family writes them."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tk = Tokenizer(models.BPE(byte_fallback=True))
-    if style in ("llama2", "gemma"):
+    if style == "gemma4":      # transformers' GemmaTokenizer: one Replace, then a Split at " " that finds none
+        tk.normalizer = normalizers.Replace(" ", "▁")
+        tk.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    elif style in ("llama2", "gemma"):
         steps = ([normalizers.Prepend("▁")] if style == "llama2" else []) + [normalizers.Replace(" ", "▁")]
         tk.normalizer = normalizers.Sequence(steps)
         tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]

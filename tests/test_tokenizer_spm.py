@@ -51,18 +51,18 @@ def test_encodes_like_hf_tokenizers(vocabularies, style):
     for text in probes(25):
         assert ours.encode(text, allow_special=True) == hf.encode(text, add_special_tokens=False).ids, text
     assert ours.kind == "sentencepiece" and ours.prefix == {
-        "llama2": "every", "gemma": "none", "metaspace-always-split": "every-unless-space", "metaspace-always":
+        "llama2": "every", "gemma": "none", "gemma4": "none", "metaspace-always-split": "every-unless-space", "metaspace-always":
         "every-unless-space", "metaspace-first": "first-unless-space", "metaspace-never-split": "none"}[style]
 
 
-@pytest.mark.parametrize("style", ["llama2", "gemma"])
+@pytest.mark.parametrize("style", ["llama2", "gemma", "gemma4"])
 def test_decodes_like_hf_tokenizers(vocabularies, style):
     """Byte-fallback pieces join into UTF-8, "▁" is a space, Llama-2's added first space is dropped."""
     _, hf, ours = vocabularies[style]
     for text in probes(10):
         ids = hf.encode(text, add_special_tokens=False).ids
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
-        if style == "gemma":     # Llama-2's prefix also puts a space after each "\n" (a user-defined token);
+        if style != "llama2":     # Llama-2's prefix also puts a space after each "\n" (a user-defined token);
             text = text.replace("▁", "")       # a "▁" in the text is a space to SentencePiece
             assert ours.decode(ours.encode(text)) == text
 
@@ -239,6 +239,9 @@ def test_hf_folder_import_and_autotokenizer_of_the_export(vocabularies, tmp_path
     (lambda d: d.update(normalizer={"type": "Lowercase"}), "normalizer Lowercase is not supported"),
     (lambda d: d.update(normalizer=None), "leave spaces as they are"),
     (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre_tokenizer Whitespace is not supported"),
+    (lambda d: d.update(normalizer=None, pre_tokenizer={"type": "Split", "pattern": {"String": " "},
+                                                        "behavior": "MergedWithPrevious", "invert": False}),
+     "pre_tokenizer Split is not supported"),      # a Split at " " cuts where no normalizer made spaces "▁"
     (lambda d: d["model"]["merges"].insert(0, ["<0x41>", "<0x42>"]), "does not make a token"),
     (lambda d: d["model"].update(ignore_merges=True), "ignore_merges"),
     (lambda d: d["added_tokens"][0].update(lstrip=True), "lstrip"),
@@ -434,6 +437,56 @@ def test_gemma4_newline_runs_are_cut_apart_and_kept_whole():
     with pytest.raises(UserError, match="merge 1 'ab' is not two tokens"):
         merge_ids(tokens, ["a b", "ab"])
 
+
+
+def gemma4_hf_json(meta: dict) -> str:
+    """Gemma 4's tokenizer.json as transformers makes it from the GGUF's vocabulary (its GGUF tokenizer conversion,
+    fed our reading of the metadata: transformers' own reader takes ~20 s): GemmaTokenizer's BPE with byte_fallback
+    over the file's tokens and merges, normalizer Replace " " -> "▁", pre_tokenizer Split " ", CONTROL tokens as
+    special added tokens and USER_DEFINED ones as plain added tokens, the shape of the published tokenizer.json."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    renames = mapping.GGUF_TOKENIZER_MAPPING["tokenizer"]
+    fields = {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+    return mapping.convert_gguf_tokenizer("gemma4", fields)[0].to_str()
+
+
+def test_gemma4_from_tokenizer_json_encodes_like_hf_tokenizers_and_llama_cpp():
+    """Gemma 4's 262,144 tokens and 514,906 merges from a Hugging Face tokenizer.json (gemma4_hf_json): our ids
+    equal tokenizers' on random text (mixed scripts, digits, whitespace and newline runs, emoji, control
+    characters), and equal llama.cpp's on the same vocabulary (its `gemma4` model: our GGUF reading of the file,
+    and llama.cpp itself when llama-cpp-python is installed). Hugging Face runs BPE over the whole text and
+    llama.cpp over runs of newlines and of other characters: no merge of this vocabulary joins a newline to
+    anything else, and every run of up to 31 newlines is a token both reach, so the two agree."""
+    from real_models import llama_cpp_models_dir
+
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from nanoeuler.interop.gguf_import import gguf_tokenizer
+    from test_llama_cpp_vocabs import FRAGMENTS, random_texts
+    folder = llama_cpp_models_dir()
+    if folder is None:
+        pytest.skip("llama.cpp's vocabulary files are not fetched: run `make llama-src`")
+    path = folder / "ggml-vocab-gemma-4.gguf"
+    meta = GGUFFile(path).meta
+    text = gemma4_hf_json(meta)
+    d = json.loads(text)
+    assert d["pre_tokenizer"]["type"] == "Split" and d["normalizer"]["type"] == "Replace"
+    theirs, ours = tokenizers.Tokenizer.from_str(text), from_hf_json(d)
+    assert ours.kind == "sentencepiece" and not ours.newlines and ours.vocab_size == 262_144
+    cases = ([t.decode("utf-8", "replace") for t in random_texts(seed=48, n=300)] + FRAGMENTS
+             + ["\n" * n for n in range(1, 40)] + ["a\n\n\nb  \n \n\t\n", "<bos>x<|channel>y<turn|>\n<|\"|>"])
+    wrong = [(t, ours.encode(t, allow_special=True), theirs.encode(t, add_special_tokens=False).ids) for t in cases]
+    wrong = [w for w in wrong if w[1] != w[2]]
+    assert not wrong, f"{len(wrong)} of {len(cases)} texts differ from tokenizers', first {wrong[0]}"
+    ids = [ours.encode(t) for t in cases]
+    assert ours.decode(ids[0]) == theirs.decode(ids[0], skip_special_tokens=False)
+    from_gguf = gguf_tokenizer(meta, 262_144)
+    assert from_gguf.newlines and [from_gguf.encode(t) for t in cases] == ids
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    lc = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    assert [lc.tokenize(t.encode(), add_bos=False, special=False) for t in cases] == ids
 
 def test_tokens_read_as_the_list_they_were_made_from():
     """A SentencePiece vocabulary keeps its texts as one blob and offsets (Pieces), each str made when read: it

@@ -1,5 +1,5 @@
 """Hugging Face `tokenizer.json` -> our tokenizer, keeping its token ids exactly: a byte-level BPE as our
-Tokenizer, a BPE with byte_fallback (Llama-2, Gemma) as our SentencePieceTokenizer (`spm_from_hf_json`, at
+Tokenizer, a BPE with byte_fallback (Llama-2, Gemma, Gemma 4) as our SentencePieceTokenizer (`spm_from_hf_json`, at
 the end of this file).
 
 Our BPE engine numbers tokens as bytes 0..255, then the ordinary tokens (those the merges make, in the order
@@ -282,10 +282,18 @@ def from_hf_json(d: dict, vocab_size: int | None = None, eos_id: int | None = No
 
 # ------------------------------------------------------------------------- SentencePiece-style BPE
 
+def is_space_split(pre) -> bool:
+    """Whether a pre-tokenizer is a Split at the string " " (any behavior, not inverted): transformers' GemmaTokenizer
+    writes one (Gemma 4's tokenizer.json), which cuts nothing after a normalizer has made every space "▁"."""
+    return (isinstance(pre, dict) and pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}
+            and not pre.get("invert"))
+
+
 def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
     """(prefix, split, Unicode normal form) of a SentencePiece-style tokenizer.json: its normalizer, one or a
     Sequence of [NFC|NFD|NFKC|NFKD] [Prepend "▁"] [Replace " " -> "▁"] in that order, and its pre-tokenizer,
-    none or Metaspace ("▁", prepend_scheme always / first / never, split). Spaces must become "▁" somewhere."""
+    none, Metaspace ("▁", prepend_scheme always / first / never, split), or after the Replace a Split at " "
+    (Gemma 4's, where no space is left to cut at). Spaces must become "▁" somewhere."""
     from ..tokenizer.sentencepiece import METASPACE
     norm, pre = d.get("normalizer"), d.get("pre_tokenizer")
     steps = (norm.get("normalizers") if isinstance(norm, dict) and norm.get("type") == "Sequence"
@@ -308,6 +316,8 @@ def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
         _bad(f"normalizer {'+'.join(map(str, kinds))} is not supported for a SentencePiece-style BPE "
              "(a normal form, Prepend \"▁\", Replace \" \" -> \"▁\", in that order)")
     prefix, split = "every" if prepend else "none", False
+    if escaped and is_space_split(pre):
+        pre = None      # Gemma 4's Split(" "): the normalizer has left no space for it to cut at
     if pre is not None:
         if not isinstance(pre, dict) or pre.get("type") != "Metaspace" or pre.get("replacement", METASPACE) != METASPACE:
             _bad(f"pre_tokenizer {pre.get('type') if isinstance(pre, dict) else pre} is not supported for a "
