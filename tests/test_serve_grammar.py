@@ -202,6 +202,38 @@ def test_rows_with_grammars_and_without_decode_in_one_step(tiny):
     assert max(b.batch_sizes) == 4 and b.batch_sizes.count(4) >= 25
 
 
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # every value holds itself
+NO_VALUE = [{"$ref": "#"}, LOOP, ENDLESS, {"enum": []}, {"type": "string", "minLength": 3, "maxLength": 2},
+            {"type": "object", "properties": {"a": LOOP}, "required": ["a"]}]
+
+
+def test_a_schema_no_value_satisfies_is_a_400_and_the_rows_beside_go_on(tiny):
+    """A schema without a finite JSON value is the request's error, streamed or not: refused where it compiles
+    to nothing but the empty reply ($ref loops: a 200 with "" before), a 400 (not the engine's 500) where its
+    recursion exhausts the parser at its first tokens; a tool whose parameters are such a schema, forced, too.
+    A plain request decoding beside them is not disturbed."""
+    model, tok = tiny
+    with serve(model, tok, max_batch=4) as srv:
+        client = client_of(srv)
+        hi = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+        with ThreadPoolExecutor(1) as pool:
+            beside = pool.submit(client.chat.completions.create, **{**hi, "max_tokens": 200}, seed=1,
+                                 extra_body={"ignore_eos": True})
+            for schema in NO_VALUE:
+                with pytest.raises(openai.BadRequestError, match="response_format|schema|grammar") as e:
+                    client.chat.completions.create(response_format=schema_format(schema), **hi)
+                assert e.value.status_code == 400, (schema, e.value.body)
+            chunks = client.chat.completions.create(response_format=schema_format(ENDLESS), stream=True, **hi)
+            with pytest.raises(openai.APIError, match="failed while decoding") as e:
+                list(chunks)
+            assert e.value.body["code"] == "invalid_value"
+            tool = {"type": "function", "function": {"name": "f", "parameters": ENDLESS}}
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                client.chat.completions.create(tools=[tool], tool_choice="required", **hi)
+            assert beside.result().usage.completion_tokens == 200
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                               "unit": {"enum": ["°C", "°F"]}}, "required": ["city", "unit"]}}},

@@ -79,6 +79,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import UserError
 from . import step
 from .cache import kept_on_jump, new_cache, rows
 from .prefix import BLOCK, PrefixCache
@@ -109,7 +110,8 @@ class Job:
       ("prompt", [(id, logprob or None, top), ...])  only with echo and logprobs: the prompt scored
       ("token", id, logprob or None, top)             each new token (</s> included when it ends the job)
       ("done", reason)                                reason: "stop" (a stop id), "length", "cancelled", "shutdown"
-      ("error", message)                              the engine failed on this job: it ends here, instead of "done"
+      ("error", message, request_fault)               the job failed: it ends here, instead of "done"; request_fault:
+                                                      its own input's fault (its grammar), not the engine's
     top is a list of (id, logprob) of the `logprobs` most likely tokens, or None. Every job ends with exactly
     one "done" or "error"; on_event must not raise.
     constraint (grammar.py's Constraint, or any object with mask / advance / finished): each token is sampled,
@@ -605,6 +607,10 @@ class Batcher:
 
 
 def _fail(jobs: list[Job], e: Exception) -> None:
-    """End jobs the engine failed on: each gets ("error", message)."""
+    """End jobs the engine failed on: each gets ("error", message, the request's fault). A UserError is the
+    request's own (its grammar failing while decoding: grammar.GrammarError), told by its message alone; any
+    other exception is the engine's."""
+    request_fault = isinstance(e, UserError)
+    message = str(e) if request_fault else f"engine error: {type(e).__name__}: {e}"
     for job in jobs:
-        job.on_event("error", f"engine error: {type(e).__name__}: {e}"[:500])
+        job.on_event("error", message[:500], request_fault)

@@ -63,6 +63,11 @@ def closed(schema):
     return out
 
 
+def first_line(e) -> str:
+    """An error's first line (llguidance's parser errors go on with many lines of its state)."""
+    return str(e).strip().split("\n")[0]
+
+
 class GrammarError(UserError):
     """A grammar (schema) llguidance cannot compile, or the grammar extra is not installed."""
 
@@ -122,6 +127,8 @@ class Grammars:
         self.tokenizer = ll.LLTokenizer(ll.TokenizerWrapper(wrapped), eos_token=list(tok.stop_ids))
         self.specials = {name: i for name, i in tok.special_tokens.items()
                          if wrapped.tokens[i].startswith(SPECIAL)}  # name -> id of the special (not text) tokens
+        self.ends = np.zeros(self.vocab_size, dtype=bool)  # [V]: the tokens that end a reply
+        self.ends[list(tok.stop_ids)] = True
         self.ll = ll
 
     # ---- grammars: llguidance's grammar text ----
@@ -151,15 +158,20 @@ class Grammars:
         before, _, after = text.partition(name)
         return " ".join(p for p in (self.text_rule(before), f"<[{self.specials[name]}]>", self.text_rule(after)) if p)
 
-    def constraint(self, grammar: str) -> Constraint:
-        """A fresh matcher of grammar; GrammarError (its message) when llguidance cannot compile it."""
+    def constraint(self, grammar: str, name: str = "the grammar") -> Constraint:
+        """A fresh matcher of grammar; GrammarError (its message) when llguidance cannot compile it, or when it
+        allows no reply but the empty one (a schema that is only a $ref loop: no JSON value matches it).
+        name: what the request called it (its field), in the errors of its decoding (Constraint)."""
         try:
             m = self.ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         except (ValueError, RuntimeError, TypeError) as e:
             raise GrammarError(f"the grammar does not compile: {e}"[:500])
         if m.is_error():
             raise GrammarError(f"the grammar does not compile: {m.get_error()}"[:500])
-        return Constraint(m, self.vocab_size)
+        c = Constraint(m, self.vocab_size, name)
+        if not (c.allowed() & ~self.ends).any():
+            raise GrammarError("the grammar matches no reply but the empty one (no value satisfies the schema)")
+        return c
 
 
 class Constraint:
@@ -169,14 +181,14 @@ class Constraint:
         c.advance(t)     -> None; c.finished: nothing but an end may follow (the reply is complete)
     """
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, name: str = "the grammar"):
+        self.matcher, self.vocab_size, self.name = matcher, vocab_size, name
         self.bits = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)  # [1, words]: llguidance's mask
         self._allowed: np.ndarray | None = None
 
     def copy(self) -> Constraint:
         """A matcher of the same grammar, in the same state (the n choices of a request: compiled once)."""
-        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+        return Constraint(self.matcher.deep_copy(), self.vocab_size, self.name)
 
     def allowed(self) -> np.ndarray:
         """bool [V]: may each token come next."""
@@ -188,16 +200,23 @@ class Constraint:
         return self._allowed
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
-        """logits [V] with every token that may not come next at -inf (a copy)."""
+        """logits [V] with every token that may not come next at -inf (a copy). GrammarError (the request's
+        fault: its grammar, not the engine) when the grammar has come to a dead end or failed."""
         allowed = self.allowed()
         if not allowed.any():
-            raise RuntimeError(f"the grammar allows no token: {self.matcher.get_error() or 'a dead end'}"[:300])
+            raise self._failed(self.matcher.get_error() or "a dead end: no token may come next")
         return np.where(allowed, logits, -np.inf)
 
     def advance(self, token: int) -> None:
         self._allowed = None
         if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}"[:300])
+            raise self._failed(self.matcher.get_error() or f"token {token} refused")
+
+    def _failed(self, why: str) -> GrammarError:
+        """The error of a grammar that fails while decoding: one that recurses without end (a schema whose
+        every value would contain itself) exhausts llguidance's parser at its first tokens."""
+        return GrammarError(f"{self.name} failed while decoding (a schema with no finite value?): "
+                            f"{first_line(why)}"[:300])
 
     @property
     def finished(self) -> bool:

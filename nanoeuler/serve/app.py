@@ -9,7 +9,8 @@
     GET  /tokenizer_info, POST /tokenize, /detokenize   vLLM-style, so lm-eval can tokenize as we do
 
 Every error is an OpenAI error object {"error": {"message", "type", "param", "code"}} with its status:
-400 bad request (malformed JSON and wrong types included), 401 missing/wrong API key, 404 unknown model
+400 bad request (malformed JSON and wrong types included; a grammar that fails while decoding: in a stream,
+an error event), 401 missing/wrong API key, 404 unknown model
 or route, 413 body over the cap, 429 queue full, 503 shutting down, 500 never shows a stack trace (an engine
 failure on a request: code "engine_error"; in a stream, a `data: {"error": ...}` event, then [DONE]).
 

@@ -91,6 +91,8 @@ class Choice:
             piece = self._finish("stop" if reason in ("stop", "cancelled") else "length")
             self.text += piece
             return piece, len(self.logprobs) - n_lp
+        if len(args) > 1 and args[1]:  # "error", the request's fault: its grammar failed while decoding
+            raise APIError(400, str(args[0]), code="invalid_value")
         raise APIError(500, str(args[0]), "server_error", code="engine_error")  # "error": the engine failed
 
     def _finish(self, reason: str) -> str:
@@ -368,7 +370,7 @@ class Service:
         try:
             grammar = (tool_calls.call_grammar(fmt or tool_calls.GENERIC, forced, g) if forced is not None
                        else g.json_schema(rf.reply_schema()))
-            return g.constraint(grammar)
+            return g.constraint(grammar, param)
         except GrammarError as e:
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value")
 
