@@ -103,20 +103,78 @@ def llama_cpp_vocab(vocab):
     return name, tok, llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
+def as_llama_cpp_reads(tok, data: bytes) -> list[int]:
+    """Our ids of bytes as llama.cpp reads them. A byte that is not UTF-8 is one U+FFFD to llama.cpp's byte-level
+    BPE (unicode_cpts_from_utf8 reads the text as code points), so ours encodes the text decoded that way (our
+    encode_bytes keeps the byte instead); the other kinds' encode_bytes treat it as llama.cpp does (SentencePiece
+    BPE keeps the byte; WordPiece drops it; Unigram and Gemma 4's BPE read U+FFFD for it)."""
+    return tok.encode(data.decode("utf-8", "replace")) if tok.kind == "byte-level" else tok.encode_bytes(data)
+
+
 def test_random_text_equals_llama_cpp(llama_cpp_vocab):
-    """400 random texts per vocabulary: our ids are llama.cpp's. A byte that is not UTF-8 is one U+FFFD to
-    llama.cpp's byte-level BPE (unicode_cpts_from_utf8 reads the text as code points), so ours encodes the text
-    decoded that way (our encode_bytes keeps the byte instead); the other kinds' encode_bytes treat it as llama.cpp
-    does (SentencePiece BPE keeps the byte; WordPiece drops it; Unigram and Gemma 4's BPE read U+FFFD for it)."""
+    """400 random texts per vocabulary: our ids are llama.cpp's (as_llama_cpp_reads)."""
     name, tok, lc = llama_cpp_vocab
     texts = random_texts(seed=sum(map(ord, name)), n=400)
     wrong = []
     for data in texts:
         want = lc.tokenize(data, add_bos=False, special=False)
-        got = tok.encode(data.decode("utf-8", "replace")) if tok.kind == "byte-level" else tok.encode_bytes(data)
+        got = as_llama_cpp_reads(tok, data)
         if got != want:
             wrong.append((data, got, want))
     assert not wrong, f"{name}: {len(wrong)} of {len(texts)} texts differ, first {wrong[0]}"
+
+
+def rewrite_with_our_export(path: Path, tok, out: Path) -> None:
+    """A vocabulary-only GGUF at out: path's other metadata (llama.cpp reads the hyperparameters even with
+    vocab_only) with their value types, and every tokenizer.* field as our GGUF export writes tok
+    (gguf_export.add_tokenizer)."""
+    import struct
+
+    import gguf
+
+    from nanoeuler.interop.gguf_export import add_tokenizer, pre_of
+    from nanoeuler.interop.gguf_file import GGUFFile
+
+    class Typed(GGUFFile):       # keeps each key's value type (and an array's item type)
+        def value(self, vtype, key):
+            item = struct.unpack_from("<I", self.buf, self.at)[0] if vtype == 9 else None
+            self.__dict__.setdefault("types", {})[key] = (vtype, item)
+            return super().value(vtype, key)
+    f = Typed(path)
+    w = gguf.GGUFWriter(str(out), f.meta["general.architecture"])
+    for key, value in f.meta.items():
+        if not key.startswith("tokenizer.") and key != "general.architecture":
+            vtype, item = f.types[key]
+            w.add_key_value(key, value, gguf.GGUFValueType(vtype), None if item is None else gguf.GGUFValueType(item))
+    add_tokenizer(w, tok, tok.vocab_size, pre_of(tok))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def test_our_gguf_export_of_each_vocabulary_reads_back_and_llama_cpp_reads_it_alike(vocab, tmp_path):
+    """Each vocabulary written by our GGUF export (gpt2 with its pre-tokenizer name, llama, gemma4 with its merges,
+    bert and t5 with their fields): our import of the file gives the same ids on 200 random texts and the same
+    bos / eos, and llama.cpp tokenizes our file as it tokenizes its own (when llama-cpp-python is installed)."""
+    from nanoeuler.interop.gguf_file import GGUFFile
+    from nanoeuler.interop.gguf_import import gguf_tokenizer
+    name, path, tok = vocab
+    out = tmp_path / "ours.gguf"
+    rewrite_with_our_export(path, tok, out)
+    meta = GGUFFile(out).meta
+    back = gguf_tokenizer(meta, tok.vocab_size)
+    assert (type(back), back.bos_id, back.eos_token) == (type(tok), tok.bos_id, tok.eos_token)
+    texts = random_texts(seed=7 + sum(map(ord, name)), n=200)
+    ids = [as_llama_cpp_reads(tok, data) for data in texts]
+    assert [as_llama_cpp_reads(back, data) for data in texts] == ids
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    theirs = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    assert [theirs.tokenize(data, add_bos=False, special=False) for data in texts] == ids
+    if tok.bos_id is not None:
+        assert theirs.tokenize(b"hi", add_bos=True, special=False)[0] == tok.bos_id
 
 
 def test_every_pre_tokenizer_name_llama_cpp_reads_is_in_our_table():

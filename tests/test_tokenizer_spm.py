@@ -438,6 +438,32 @@ def test_gemma4_newline_runs_are_cut_apart_and_kept_whole():
         merge_ids(tokens, ["a b", "ab"])
 
 
+def test_gemma4_gguf_export_refuses_what_llama_cpp_would_run_otherwise():
+    """GGUF export writes Gemma 4's kind as llama.cpp's gemma4 (its merges as "left right"; read back by llama.cpp in
+    test_llama_cpp_vocabs.py), and refuses in one line a vocabulary llama.cpp would run otherwise: no bos (llama.cpp
+    always puts one first), or a merge whose left token holds a space (llama.cpp cuts "left right" at the first
+    space after the first character)."""
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import add_vocabulary
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES
+    tokens = ["<pad>", "<eos>", "<bos>", *BYTE_PIECES, "a", "b", "ab", "a b", "a bb"]
+    types = [3, 3, 3] + [6] * 256 + [1] * 5
+    ids = {t: i for i, t in enumerate(tokens)}
+    writer = lambda: gguf.GGUFWriter(None, "gemma4")  # noqa: E731
+    tok = SentencePieceTokenizer(tokens, types, merges=[(ids["a"], ids["b"])], eos="<eos>", bos="<bos>", newlines=True)
+    w = writer()
+    assert add_vocabulary(w, tok, tok.vocab_size + 2, None)[0][-2:] == ["[PAD264]", "[PAD265]"]
+    assert w.kv_data[0]["tokenizer.ggml.model"].value == "gemma4"
+    assert w.kv_data[0]["tokenizer.ggml.merges"].value == ["a b"]
+    no_bos = SentencePieceTokenizer(tokens, types, merges=[(ids["a"], ids["b"])], eos="<eos>", newlines=True)
+    spaced = SentencePieceTokenizer(tokens, types, merges=[(ids["a"], ids["b"]), (ids["a b"], ids["b"])],
+                                    eos="<eos>", bos="<bos>", newlines=True)
+    for bad, message in ((no_bos, "always puts a bos first"), (spaced, "left token holds a space")):
+        with pytest.raises(UserError, match=message) as e:
+            add_vocabulary(writer(), bad, bad.vocab_size, None)
+        assert "\n" not in str(e.value)
+
+
 
 def gemma4_hf_json(meta: dict) -> str:
     """Gemma 4's tokenizer.json as transformers makes it from the GGUF's vocabulary (its GGUF tokenizer conversion,

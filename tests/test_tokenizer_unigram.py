@@ -178,6 +178,16 @@ def test_the_llama_cpp_form_is_not_exported():
         tok.to_hf_json()
 
 
+def test_the_hf_form_is_not_exported_to_gguf(hf):
+    """llama.cpp's t5 normalizes otherwise (its charsmap by longest match, its own whitespace rules): a GGUF export of
+    the Hugging Face form is refused in one line (the llama.cpp form's: test_llama_cpp_vocabs.py)."""
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import add_vocabulary
+    ours = from_hf_json(json.loads(hf.to_str()))
+    with pytest.raises(UserError, match="cannot export to GGUF: this unigram tokenizer normalizes text as Hugging"):
+        add_vocabulary(gguf.GGUFWriter(None, "llama"), ours, ours.vocab_size, None)
+
+
 def test_compiled_cut_equals_the_readable_viterbi(hf, corpus):
     """encode (unigram_fast's byte Viterbi) == encode_reference (the readable one on characters), both rules, on
     a vocabulary with tied scores (the first cut found must win in both)."""

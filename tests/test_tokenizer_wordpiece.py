@@ -122,3 +122,13 @@ def test_the_llama_cpp_form_is_not_exported(hf):
     with pytest.raises(UserError, match="cannot export"):
         gguf_like.to_hf_json()
     assert json.loads(ours.to_hf_json())["model"]["type"] == "WordPiece"
+
+
+def test_the_hf_form_is_not_exported_to_gguf(hf):
+    """llama.cpp's bert normalizes otherwise than BertNormalizer: a GGUF export of the Hugging Face form is refused in
+    one line (the llama.cpp form's export: test_llama_cpp_vocabs.py, read back by llama.cpp)."""
+    gguf = pytest.importorskip("gguf")
+    from nanoeuler.interop.gguf_export import add_vocabulary
+    ours = from_hf_json(json.loads(hf.to_str()))
+    with pytest.raises(UserError, match="cannot export to GGUF: this wordpiece tokenizer normalizes text as Hugging"):
+        add_vocabulary(gguf.GGUFWriter(None, "llama"), ours, ours.vocab_size, None)

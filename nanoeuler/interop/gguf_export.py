@@ -14,8 +14,12 @@ in f32 (as llama.cpp's converter does). The tokenizer goes in the metadata: a by
 pre-tokenizer name), a SentencePiece-style one as `llama` (tokens, scores, token types, add_space_prefix;
 a vocabulary ranked by Hugging Face merges gets scores from the merge ranks, which llama.cpp reads as
 "any two pieces whose join is a token merge, the higher score first": the same merges when the list holds
-every such pair, as SentencePiece's own lists do); then bos, eos, add_bos_token and the checkpoint's chat
-template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
+every such pair, as SentencePiece's own lists do), Gemma 4's BPE (newline runs cut apart) as `gemma4` (tokens,
+types, its merges as "left right"), WordPiece as `bert` (unknown and separator ids, add_sep, the normalizer's
+lowercase / strip_accents) and Unigram as `t5` (scores, the precompiled charsmap, add_space_prefix,
+remove_extra_whitespaces, unknown id, add_eos): those two only in llama.cpp's form, as imported from a GGUF (the
+Hugging Face form normalizes otherwise and is refused by name); then bos, eos, add_bos_token and the checkpoint's
+chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
 RoPE scaling: linear as rope.scaling.type / factor, llama3 (or per-pair factors) as the tensor `rope_freqs`
 [head_dim/2] that llama.cpp's converter writes for Llama 3.x, each pair's frequency divisor.
 
@@ -206,11 +210,84 @@ def spm_metadata(tok, vocab_size: int):
             tok.types.tolist() + [int(TokenType.UNUSED)] * pad, scores.tolist() + [0.0] * pad)
 
 
+def padded(tok, vocab_size: int) -> tuple[list[str], list[int]]:
+    """(tokens, token types) of a vocabulary in id order, padded to the model's vocab_size with UNUSED tokens."""
+    from gguf import TokenType
+    pad = range(tok.vocab_size, vocab_size)
+    return list(tok.tokens) + [f"[PAD{i}]" for i in pad], tok.types.tolist() + [int(TokenType.UNUSED)] * len(pad)
+
+
+def llama_cpp_form(tok, name: str) -> None:
+    """Refuse a WordPiece / Unigram that normalizes text as Hugging Face does: llama.cpp's `name` model normalizes
+    it otherwise (unicode.cpp's own NFD and marks, the charsmap by longest match), so its ids would differ."""
+    if tok.normalization != "llama.cpp":
+        raise UserError(f"cannot export to GGUF: this {tok.kind} tokenizer normalizes text as Hugging Face's does, and "
+                        f"llama.cpp's {name} tokenizer normalizes it otherwise (only one imported from a GGUF exports)")
+
+
+def gemma4_fields(w, tok) -> None:
+    """Gemma 4's BPE (llama.cpp's `gemma4`: merges by rank, runs of newlines cut apart, "▁" for spaces and none
+    put in front, a bos always added) into a gguf.GGUFWriter; refused where llama.cpp would run it otherwise."""
+    from ..tokenizer.sentencepiece import merge_ids
+    if tok.given_merges is None or tok.prefix != "none" or tok.split or tok.normalizer or tok.bos_token is None:
+        raise UserError("cannot export to GGUF: llama.cpp's gemma4 tokenizer ranks merges, adds no \"▁\" in front, "
+                        "splits at no space, has no normal form and always puts a bos first (this one: "
+                        f"{'merges' if tok.scores is None else 'scores'}, prefix {tok.prefix}, split {tok.split}, "
+                        f"normalizer {tok.normalizer}, bos {tok.bos_token})")
+    merges = [f"{tok.tokens[a]} {tok.tokens[b]}" for a, b in tok.given_merges.tolist()]
+    try:
+        same = np.array_equal(merge_ids(list(tok.tokens), merges), tok.given_merges)
+    except UserError:
+        same = False
+    if not same:    # llama.cpp cuts "left right" at the first space after the first character
+        raise UserError("cannot export to GGUF: a merge's left token holds a space, so llama.cpp would read the "
+                        "\"left right\" merge as other tokens")
+    w.add_tokenizer_model("gemma4")
+    w.add_token_merges(merges)
+    w.add_add_space_prefix(False)
+
+
+def wordpiece_fields(w, tok) -> None:
+    """WordPiece in llama.cpp's form (`bert`: "▁" before a word's first piece) into a gguf.GGUFWriter: the unknown
+    and separator ids, add_sep, the normalizer's lowercase and strip_accents."""
+    llama_cpp_form(tok, "bert")
+    w.add_tokenizer_model("bert")
+    w.add_unk_token_id(tok.ids[tok.unk])
+    if tok.eos_token is not None:
+        w.add_sep_token_id(tok.eos_id)
+    w.add_add_sep_token(tok.add_eos)
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", tok.lowercase)
+    w.add_bool("tokenizer.ggml.normalizer.strip_accents", tok.strip_accents)
+
+
+def unigram_fields(w, tok, vocab_size: int) -> None:
+    """Unigram in llama.cpp's form (`t5`) into a gguf.GGUFWriter: scores, the precompiled charsmap, add_space_prefix,
+    remove_extra_whitespaces, the unknown id, add_eos."""
+    llama_cpp_form(tok, "t5")
+    w.add_tokenizer_model("t5")
+    w.add_token_scores(tok.scores.astype(np.float32).tolist() + [0.0] * (vocab_size - tok.vocab_size))
+    if tok.charsmap is not None:
+        w.add_precompiled_charsmap(tok.charsmap.blob)
+    w.add_add_space_prefix(tok.add_space_prefix)
+    w.add_remove_extra_whitespaces(tok.merge_spaces)
+    w.add_unk_token_id(tok.ids[tok.unk])
+    w.add_add_eos_token(tok.add_eos)
+
+
 def add_vocabulary(w, tok, vocab_size: int, pre: str | None) -> tuple[list[str], list]:
     """tokenizer.ggml.model and what that model needs besides the tokens (byte-level: merges and the pre-tokenizer
-    name pre; SentencePiece: scores and add_space_prefix) into a gguf.GGUFWriter; -> (tokens, token types),
-    for the caller to add."""
-    if tok.kind == "sentencepiece":
+    name pre; SentencePiece: scores and add_space_prefix; Gemma 4's, WordPiece's, Unigram's: *_fields) into a
+    gguf.GGUFWriter; -> (tokens, token types), for the caller to add."""
+    if tok.kind == "sentencepiece" and tok.newlines:
+        gemma4_fields(w, tok)
+        tokens, types = padded(tok, vocab_size)
+    elif tok.kind == "wordpiece":
+        wordpiece_fields(w, tok)
+        tokens, types = padded(tok, vocab_size)
+    elif tok.kind == "unigram":
+        unigram_fields(w, tok, vocab_size)
+        tokens, types = padded(tok, vocab_size)
+    elif tok.kind == "sentencepiece":
         tokens, types, scores = spm_metadata(tok, vocab_size)
         w.add_tokenizer_model("llama")
         w.add_token_scores(scores)
@@ -222,6 +299,37 @@ def add_vocabulary(w, tok, vocab_size: int, pre: str | None) -> tuple[list[str],
     if pre is not None:
         w.add_tokenizer_pre(pre)
     return tokens, types
+
+
+def pre_of(tok) -> str | None:
+    """The tokenizer.ggml.pre name of a byte-level BPE's pattern (None for the other kinds, which have none); refused
+    when llama.cpp names no pre-tokenizer that splits as it does (it picks its split by this name)."""
+    from .pretokenizers import pre_name
+    if tok.kind != "byte-level":
+        return None
+    pre = pre_name(tok.pattern, tok.ignore_merges)
+    if pre is None:
+        raise UserError(f"cannot export to GGUF: llama.cpp names no pre-tokenizer that splits as this tokenizer's "
+                        f"pattern does{' and ignores merges' if tok.ignore_merges else ' and applies every merge'} "
+                        f"(interop/pretokenizers.py)")
+    return pre
+
+
+def add_tokenizer(w, tok, vocab_size: int, pre: str | None) -> None:
+    """Every tokenizer.* field of tok into a gguf.GGUFWriter, padded to the model's vocab_size: add_vocabulary's,
+    the tokens and their types, eos, bos (the eos where there is none), add_bos_token and the chat template."""
+    from ..chat_template import template_of
+    tokens, types = add_vocabulary(w, tok, vocab_size, pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if tok.eos_token in tok.special_tokens:
+        w.add_eos_token_id(tok.eos_id)
+    if tok.bos_id is not None:  # an imported Llama-3's <|begin_of_text|>: llama.cpp puts it first, as HF does
+        w.add_bos_token_id(tok.bos_id)
+    elif tok.eos_token in tok.special_tokens:
+        w.add_bos_token_id(tok.eos_id)
+    w.add_add_bos_token(tok.bos_id is not None)
+    w.add_chat_template(template_of(tok))
 
 
 def _gguf():
@@ -241,8 +349,6 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     from tqdm import tqdm
 
     from ..fileio import atomic_path
-    from ..chat_template import template_of
-    from .pretokenizers import pre_name
     from .outputs import check_free
 
     from ..infer.quant import WTYPES, from_float
@@ -256,11 +362,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     check_expressible(cfg)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model {cfg.vocab_size} embeddings")
-    pre = pre_name(tok.pattern, tok.ignore_merges) if tok.kind == "byte-level" else None   # SentencePiece: none
-    if pre is None and tok.kind == "byte-level":  # llama.cpp picks its split by this name: another would differ
-        raise UserError(f"cannot export to GGUF: llama.cpp names no pre-tokenizer that splits as this tokenizer's "
-                        f"pattern does{' and ignores merges' if tok.ignore_merges else ' and applies every merge'} "
-                        f"(interop/pretokenizers.py)")
+    pre = pre_of(tok)
     wtype = WTYPES[dtype]
     qtype = gguf.GGMLQuantizationType(wtype.ggml)
     ftype = gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType[f"MOSTLY_{qtype.name}"]
@@ -277,17 +379,7 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
         w.add_name("nanoeuler")
         add_hparams(w, cfg)
         w.add_file_type(int(ftype))
-        tokens, types = add_vocabulary(w, tok, cfg.vocab_size, pre)
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        if tok.eos_token in tok.special_tokens:
-            w.add_eos_token_id(tok.eos_id)
-        if tok.bos_id is not None:  # an imported Llama-3's <|begin_of_text|>: llama.cpp puts it first, as HF does
-            w.add_bos_token_id(tok.bos_id)
-        elif tok.eos_token in tok.special_tokens:
-            w.add_bos_token_id(tok.eos_id)
-        w.add_add_bos_token(tok.bos_id is not None)
-        w.add_chat_template(template_of(tok))
+        add_tokenizer(w, tok, cfg.vocab_size, pre)
         for name, a in tqdm(tensors.items(), desc="gguf", disable=not progress):
             if name in raw:
                 data, q = raw[name]
