@@ -15,6 +15,9 @@ Every architecture here is one transformer, differing only in the choices this r
         x = x + m_res · post(mlp(norm(x)))              mlp: "swiglu" down(silu(gate·h)·up·h)
                                                              "geglu"  down(gelu_tanh(gate·h)·up·h)
                                                              "gelu"   proj(gelu_tanh(fc·h + b)) + b
+                                                             (gelu_erf: the exact GELU x·Φ(x) instead)
+        (Config.parallel_residual: both sub-blocks read the layer's input, GPT-NeoX's
+         x = x + attn(norm1(x)) + mlp(norm2(x)))
     logits_k = norm(x) · head_kᵀ / logits_scaling        head 0 is the embedding itself when tied
 
 m_embed, m_res, s and logits_scaling are 1, 1, 1/√head_dim and 1 except where the record says `multipliers`:
@@ -35,12 +38,14 @@ logits_scaling (Granite's).
 | olmo2  | rms   | swiglu | RoPE                  | none          | whole    | only these |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 | stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
+| gptneox | layer | gelu (erf) | RoPE on a part of each head, parallel residual | every linear | |   |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
 euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
 converter writes it as `llama`. `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
 reads no window for it). `phi3` is Llama's block again, its q|k|v and gate|up each one tensor in both formats
-(and one LoRA target). A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
+(and one LoRA target). `gptneox` (Pythia) is StarCoder2's block with the exact GELU, partial rotary and, by
+default, the parallel residual; its Hugging Face query_key_value interleaves q, k and v head by head. A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
 its Config; `defaults` gives the ones a checkpoint's config.json may leave out (config.json names the
 architecture and any field that differs). Parameter names are the same for every entry (Config.param_shapes
 builds them from the record):
@@ -71,6 +76,8 @@ class External:
     name: str
     ours: tuple[str, ...]
     transposed: bool = False
+    per_head: bool = False   # ours interleaved head by head: rows [heads, len(ours), head_dim] (GPT-NeoX's
+                             # query_key_value), not one after the other
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,7 @@ class Format:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
         out = list(self.globals_)
         for i in range(n_layers):
-            out += [External(e.name.format(i=i), tuple(f"layers.{i}.{o}" for o in e.ours), e.transposed)
+            out += [External(e.name.format(i=i), tuple(f"layers.{i}.{o}" for o in e.ours), e.transposed, e.per_head)
                     for e in self.layer]
         return out
 
@@ -145,6 +152,7 @@ class Arch:
     embed_scale: bool = False    # the looked-up embedding times √dim (not the tied head)
     multipliers: bool = False    # the Config's scalar multipliers may differ from 1 (attention: 1/√head_dim):
                                  # embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
+    gelu_erf: bool = False       # the "gelu" MLP's activation is the exact GELU x·Φ(x) (erf), not the tanh form
     rope_scales_windows: bool = False   # RoPE scaling applies to the windowed layers too (Gemma 2: one rotary
                                         # embedding; Gemma 3 scales its global layers only)
     defaults: dict = field(default_factory=dict)   # Config fields a config.json may leave out
@@ -422,7 +430,45 @@ OLMO2 = Arch(
                 heads_fill_dim=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE, OLMO2)}
+# GPT-NeoX (Pythia): StarCoder2's block (LayerNorm, GELU MLP, biases on every linear) with the exact (erf) GELU, RoPE
+# on a part of each head (Pythia's rotary_pct 0.25) and the parallel residual (Config.parallel_residual). Its HF
+# query_key_value interleaves q, k, v head by head; llama.cpp's converter writes them stacked (attn_qkv). llama.cpp's
+# gptneox computes the tanh GELU: an imported GGUF keeps the erf the model was trained with (transformers' function;
+# llama.cpp's distance from it is its own)
+_NEOX_QKV = ("attn.wq", "attn.wk", "attn.wv")
+_HF_NEOX = (("attn_norm", "input_layernorm"), ("attn.wo", "attention.dense"), ("ffn_norm", "post_attention_layernorm"),
+            ("ffn.fc", "mlp.dense_h_to_4h"), ("ffn.proj", "mlp.dense_4h_to_h"))
+_GGUF_NEOX = (("attn_norm", "attn_norm"), ("attn.wo", "attn_output"), ("ffn_norm", "ffn_norm"), ("ffn.fc", "ffn_up"),
+              ("ffn.proj", "ffn_down"))
+GPTNEOX = Arch(
+    "gptneox", norm="layer", mlp="gelu", qkv_bias=True, out_bias=True, gelu_erf=True,
+    defaults={"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "partial_rotary_factor": 0.25,
+              "parallel_residual": True},
+    hf=Format("gpt_neox", (_e("gpt_neox.embed_in.weight", "embed.weight"),
+                           _e("gpt_neox.final_layer_norm.weight", "norm.weight"),
+                           _e("gpt_neox.final_layer_norm.bias", "norm.bias"), _e("embed_out.weight", "heads.0.weight")),
+              tuple(External(f"gpt_neox.layers.{{i}}.attention.query_key_value.{s}", tuple(f"{w}.{s}" for w in _NEOX_QKV),
+                             per_head=True) for s in ("weight", "bias"))
+              + tuple(_e(f"gpt_neox.layers.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _HF_NEOX
+                      for s in ("weight", "bias")),
+              aliases=("GPTNeoXForCausalLM",),
+              config={f: keys for f, keys in _HF_CONFIG.items()
+                      if f not in ("rope_local_theta", "sliding_window", "head_dim", "n_kv_heads", "rope_theta")} | {
+                  "norm_eps": ("layer_norm_eps",), "rope_theta": ("rotary_emb_base",),
+                  "partial_rotary_factor": ("rotary_pct",), "parallel_residual": ("use_parallel_residual",)},
+              config_fixed={"attention_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                            "classifier_dropout": 0.0, "pad_token_id": None},
+              activation_keys=("hidden_act",)),
+    gguf=Format("gptneox", (_GGUF_GLOBALS[0], *_GGUF_SC2_GLOBALS, _GGUF_GLOBALS[2]),
+                tuple(_e(f"blk.{{i}}.attn_qkv.{s}", *(f"{w}.{s}" for w in _NEOX_QKV)) for s in ("weight", "bias"))
+                + tuple(_e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _GGUF_NEOX
+                        for s in ("weight", "bias")),
+                config={"parallel_residual": ("use_parallel_residual",)}, heads_fill_dim=True),
+    lora={"query_key_value": [("attn.wqkv", _NEOX_QKV)], "dense": [("attn.wo", ("attn.wo",))],
+          "dense_h_to_4h": [("ffn.fc", ("ffn.fc",))], "dense_4h_to_h": [("ffn.proj", ("ffn.proj",))]},
+    lora_defaults=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"))
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE, OLMO2, GPTNEOX)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

@@ -62,6 +62,9 @@ class Config:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # parallel residual (GPT-NeoX's use_parallel_residual; only where the architecture's defaults name it): both
+    # sub-blocks read the layer's input, x = x + attn(norm1(x)) + mlp(norm2(x)); false: the MLP reads x + attn
+    parallel_residual: bool | None = None
     # None: the architecture's default (arch.Arch.defaults), else DEFAULTS below
 
     def __post_init__(self):
@@ -102,6 +105,7 @@ class Config:
         self._check_rope_scaling()
         self._check_multipliers()
         self._check_partial_rotary()
+        self._check_parallel_residual()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
                             f"({MAX_PARAMS:,})")
@@ -148,6 +152,14 @@ class Config:
                             f"dimensions; RoPE turns pairs (at least one)")
         if self.rope_scaling in ("llama3", "factors"):
             raise UserError(f"config: rope_scaling {self.rope_scaling} with partial_rotary_factor {f} is not supported")
+
+    def _check_parallel_residual(self) -> None:
+        """parallel_residual a bool, true only where the architecture's defaults name it (GPT-NeoX)."""
+        if not isinstance(self.parallel_residual, bool):
+            raise UserError(f"config: parallel_residual must be true or false, got {self.parallel_residual!r:.60}")
+        if self.parallel_residual and "parallel_residual" not in self.spec.defaults:
+            raise UserError(f"config: parallel_residual for arch {self.arch}, whose sub-blocks run one after the "
+                            f"other (gptneox's may run side by side)")
 
     @property
     def rope_dims(self) -> int:
@@ -364,12 +376,12 @@ FLOAT_MAX = sys.float_info.max
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
             "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "attn_softcap": 0.0, "logit_softcap": 0.0,
-            "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
+            "parallel_residual": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
             "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap",
-            *MULTIPLIERS)
+            *MULTIPLIERS, "parallel_residual")
 ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)

@@ -262,9 +262,10 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     o = scaled(o, cfg.residual_multiplier, ops)
     if masks is not None:
         o, _ = ops.dropout_forward(o, masks[0])
-    x = x + o
-    # feed-forward sub-block: x = x + post(mlp(norm(x)))
-    h2, c["norm2"] = pre_norm_forward(cfg, P, p + "ffn_norm", x, ops)
+    x, layer_input = x + o, x
+    mlp_input = layer_input if cfg.parallel_residual else x   # parallel residual: both read the layer's input
+    # feed-forward sub-block: x = x + post(mlp(norm(x))) (parallel: mlp(norm(the layer's input)))
+    h2, c["norm2"] = pre_norm_forward(cfg, P, p + "ffn_norm", mlp_input, ops)
     f, c["mlp"] = mlp_forward(cfg, P, p, h2, ops)  # [B, T, d]
     if a.post_norms:
         f, c["post2"] = norm_forward(cfg, P, p + "ffn_post_norm", f, ops)
@@ -287,7 +288,9 @@ def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, op
     if a.post_norms:
         df = norm_backward(cfg, df, c["post2"], grads, p + "ffn_post_norm", ops)
     dh2 = mlp_backward(cfg, p, df, c["mlp"], grads, ops)
-    dx = dx + pre_norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
+    dmlp_input = pre_norm_backward(cfg, dh2, c["norm2"], grads, p + "ffn_norm", ops)
+    if not cfg.parallel_residual:   # the MLP read x + attn: its input's gradient reaches the attention too
+        dx, dmlp_input = dx + dmlp_input, 0.0
     # attention sub-block
     do = scaled(dx if masks is None else ops.dropout_backward(dx, masks[0]), cfg.residual_multiplier, ops,
                 backward=True)
@@ -312,12 +315,12 @@ def block_backward(cfg: Config, i: int, dx: np.ndarray, c: dict, grads: dict, op
     dh = affine_backward(dq, c["q"], grads, p + "attn.wq", ops)
     dh = dh + affine_backward(dk, c["k"], grads, p + "attn.wk", ops)
     dh = dh + affine_backward(dv, c["v"], grads, p + "attn.wv", ops)
-    return dx + pre_norm_backward(cfg, dh, c["norm1"], grads, p + "attn_norm", ops)
+    return dx + pre_norm_backward(cfg, dh, c["norm1"], grads, p + "attn_norm", ops) + dmlp_input
 
 
 def mlp_forward(cfg: Config, P: dict, p: str, h: np.ndarray, ops=reference_ops):
     """The MLP of the layer under prefix p: h [..., d] -> [..., d]. Gated (swiglu, geglu):
-    down(act(gate·h)·(up·h)); gelu: proj(gelu(fc·h + b)) + b."""
+    down(act(gate·h)·(up·h)); gelu: proj(gelu(fc·h + b)) + b (the exact GELU where the record says gelu_erf)."""
     a = cfg.spec
     if a.gated:
         g, c_g = affine_forward(h, P, p + "ffn.gate", ops)  # [..., F]
@@ -326,7 +329,7 @@ def mlp_forward(cfg: Config, P: dict, p: str, h: np.ndarray, ops=reference_ops):
         y, c_d = affine_forward(s, P, p + "ffn.down", ops)
         return y, (c_g, c_u, c_s, c_d)
     f, c_fc = affine_forward(h, P, p + "ffn.fc", ops)  # [..., F]
-    g, c_gelu = ops.gelu_forward(f)
+    g, c_gelu = (ops.gelu_erf_forward if a.gelu_erf else ops.gelu_forward)(f)
     y, c_proj = affine_forward(g, P, p + "ffn.proj", ops)
     return y, (c_fc, c_gelu, c_proj)
 
@@ -341,7 +344,8 @@ def mlp_backward(cfg: Config, p: str, dy: np.ndarray, cache, grads: dict, ops=re
         return affine_backward(dg, c_g, grads, p + "ffn.gate", ops) + affine_backward(du, c_u, grads, p + "ffn.up", ops)
     c_fc, c_gelu, c_proj = cache
     dg = affine_backward(dy, c_proj, grads, p + "ffn.proj", ops)
-    return affine_backward(ops.gelu_backward(dg, c_gelu), c_fc, grads, p + "ffn.fc", ops)
+    gelu_backward = ops.gelu_erf_backward if a.gelu_erf else ops.gelu_backward
+    return affine_backward(gelu_backward(dg, c_gelu), c_fc, grads, p + "ffn.fc", ops)
 
 
 def norm_forward(cfg: Config, P: dict, name: str, x, ops=reference_ops):
@@ -412,7 +416,7 @@ def rope_tables(cfg: Config, T: int, dtype, ops=reference_ops) -> list:
 def required_ops(cfg: Config) -> list[str]:
     """The forward/backward pairs cfg's architecture needs of an ops namespace (beyond linear, attention...)."""
     a = cfg.spec
-    need = ["rmsnorm" if a.norm == "rms" else "layernorm", a.mlp]
+    need = ["rmsnorm" if a.norm == "rms" else "layernorm", "gelu_erf" if a.gelu_erf else a.mlp]
     need += ["rope"] if a.positions == "rope" else ["position"]
     if a.qkv_bias or a.out_bias:
         need.append("bias")

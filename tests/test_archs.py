@@ -51,7 +51,8 @@ ROPE_SCALINGS = {"linear": dict(rope_scaling="linear", rope_factor=4.0),
 # Granite 3's multipliers (its 2B: 12, 0.22, 1/64, 8), here each far from its default at dim 32
 MULTIPLIERS = dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
 CASES = list(ARCHS) + [f"{FIRST_ROPE}+{r}" for r in ROPE_SCALINGS] + [
-    f"{a.name}+linear" for a in ARCHS.values() if a.defaults.get("global_every")]
+    f"{a.name}+linear" for a in ARCHS.values() if a.defaults.get("global_every")] + [
+    f"{a.name}+sequential" for a in ARCHS.values() if a.defaults.get("parallel_residual")]   # (GPT-NeoX's other block)
 
 
 def small_config(case: str, vocab: int) -> Config:
@@ -76,6 +77,8 @@ def small_config(case: str, vocab: int) -> Config:
         fields |= dict(attn_softcap=0.5, logit_softcap=2.0)
     if a.multipliers:                           # Granite's, each away from its default
         fields |= MULTIPLIERS
+    if rope == "sequential":                    # GPT-NeoX's use_parallel_residual false
+        fields["parallel_residual"] = False
     return Config(**fields | ROPE_SCALINGS.get(rope, {}))
 
 
@@ -162,6 +165,8 @@ def test_import_logits_and_gradients_equal_torch(folders, case):
             assert l2(Model(cfg.replace(**{cap: 0.0}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     for name in MULTIPLIERS if cfg.spec.multipliers else ():   # each multiplier is seen too
         assert l2(Model(cfg.replace(**{name: None}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL, name
+    if cfg.parallel_residual:   # and the parallel residual (the MLP reading x + attn computes other logits)
+        assert l2(Model(cfg.replace(parallel_residual=False), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     loss, _, grads = m.loss_and_grads(ids)
     t_loss = torch_loss_backward(hf, ids)
     assert abs(loss - t_loss) <= 1e-5 * abs(t_loss)

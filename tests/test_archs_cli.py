@@ -25,6 +25,7 @@ ARCHS = {
     "stablelm": dict(n_kv_heads=2, arch="stablelm", partial_rotary_factor=0.5),
     "gemma2": dict(n_kv_heads=2, arch="gemma2", sliding_window=24, attn_softcap=2.0, logit_softcap=5.0),
     "phi3": dict(n_kv_heads=2, arch="phi3"),
+    "gptneox": dict(n_kv_heads=4, arch="gptneox", partial_rotary_factor=0.5),
 }
 
 

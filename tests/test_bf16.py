@@ -181,7 +181,7 @@ def _far_model(arch, seed=4):
 
 
 @needs_bf16
-@pytest.mark.parametrize("arch", ["euler", "gpt2", "gemma2"])
+@pytest.mark.parametrize("arch", ["euler", "gpt2", "gemma2", "gptneox"])
 def test_engine_products_are_the_rounded_operands_products(arch, monkeypatch):
     """The bf16 step with its kernels equals the same step with every product replaced by the float64
     product of the same rounded operands (the twin's, cast back to float32): to float32 accumulation, where

@@ -29,7 +29,9 @@ CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_
            "starcoder2": BASE.replace(arch="starcoder2", sliding_window=5),   # GPT-2's block with RoPE, windowed
            # soft caps that bend (the scores of far_from_init's weights reach a few units, the logits more)
            "gemma2": BASE.replace(arch="gemma2", sliding_window=5, attn_softcap=1.0, logit_softcap=2.0),
-           "phi3": BASE.replace(arch="phi3", sliding_window=5)}   # (its fused q|k|v, gate|up: the formats' only)
+           "phi3": BASE.replace(arch="phi3", sliding_window=5),   # (its fused q|k|v, gate|up: the formats' only)
+           # the parallel residual, the exact GELU, LayerNorm and biases, RoPE on half of each head
+           "gptneox": BASE.replace(arch="gptneox", partial_rotary_factor=0.5)}
 TOL = {np.float32: 2e-5, np.float64: 1e-12}        # losses
 ENTRY_TOL = {np.float32: 3e-4, np.float64: 5e-11}  # every entry of every gradient (conftest.rel_err)
 

@@ -28,7 +28,8 @@ SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(he
           "euler+llama3": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_ctx=16),
           "gemma3": dict(head_dim=8, sliding_window=4, global_every=3, rope_local_theta=10000.0),
           "gemma2": dict(sliding_window=4, attn_softcap=20.0), "gemma2+uncapped": dict(logit_softcap=0.0),
-          "phi3": dict(sliding_window=4)}
+          "phi3": dict(sliding_window=4), "gptneox": dict(n_heads=2, n_kv_heads=2, partial_rotary_factor=0.5),
+          "gptneox+sequential": dict(n_heads=2, n_kv_heads=2, parallel_residual=False)}
 
 
 def test_every_architecture_has_a_shape():

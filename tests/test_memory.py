@@ -42,7 +42,9 @@ def _kept_floats(caches, params) -> int:
     Config(vocab_size=40, dim=16, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2,
            arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2,
            logits_scaling=3.0),
-], ids=["euler", "euler-mha", "gemma3", "qwen2", "gemma2", "olmo2", "granite"])
+    Config(vocab_size=40, dim=16, n_heads=2, n_kv_heads=2, n_layers=2, ctx_len=8, ffn_hidden=24, n_mtp=2,
+           arch="gptneox"),
+], ids=["euler", "euler-mha", "gemma3", "qwen2", "gemma2", "olmo2", "granite", "gptneox"])
 def test_activation_count_matches_the_caches(cfg):
     from nanoeuler.model import rope_tables as tables
     model = Model.init(cfg)

@@ -58,7 +58,7 @@ from .parallel import run_parts, single_threaded_blas
 # Activation arrays of a Workspace, by how a part's rows are cut out of them.
 PER_LAYER_ROWS = ("X", "M", "r1", "r2", "A", "GU", "mu1", "mu2", "QK", "rqk", "O1", "O2", "rp1", "rp2")
                                                                    # [L, N, ...]: a[:, n0:n1]
-ROWS = ("rf", "muf", "hf", "h", "S", "qkv", "dqkv", "ds", "t", "o", "dx", "dh", "losses")  # [N, ...]: a[n0:n1]
+ROWS = ("rf", "muf", "hf", "h", "S", "qkv", "dqkv", "ds", "t", "o", "dx", "dh", "dp", "losses")  # [N, ...]: a[n0:n1]
 PER_LAYER_HEADS = ("q", "k", "v", "P")                             # [L, B·Hkv, ...]: a[:, b0·Hkv:b1·Hkv]
 HEAD_ITEMS = ("dy", "dq", "dk", "dv", "dS", "C")                   # [B·Hkv, ...]: a[b0·Hkv:b1·Hkv]
 LOGITS_BYTES = 64 << 20      # a part's logits buffer: the rows of one chunk of a head's rows (see head_rows)
@@ -113,6 +113,7 @@ class Workspace:
         self.ds = e(N, F)                  # gradient of the activation's output
         self.t, self.o = e(N, d), e(N, d)  # matmul results about to be added somewhere
         self.dx, self.dh = e(N, d), e(N, d)
+        self.dp = e(N, d) if cfg.parallel_residual else e(0, 0)   # the MLP input's gradient, added to the layer input's
         self.losses = np.empty(N, dtype=np.float64)
         self.dq, self.dy = e(B * Hkv, G * T, hd), e(B * Hkv, G * T, hd)  # per kv head, like q
         self.dk, self.dv = e(B * Hkv, T, hd), e(B * Hkv, T, hd)
@@ -545,8 +546,8 @@ def _forward_part(cfg: Config, params: dict, ws: Workspace, w, _grads, inputs, d
         _output(cfg, ws, params, pr["wo"], w.A[j], p + "attn_post_norm", w.O1, w.rp1, i, w, eps)
         _scale(w.t, cfg.residual_multiplier)
         _residual_add(x, w.t, drop, 2 * i, w.n0, out=mid)
-        # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid)))
-        h = _pre_norm(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])
+        # feed-forward sub-block: X[i+1] = mid + post(mlp(norm(mid))) (parallel residual: norm(x))
+        h = _pre_norm(cfg, params, p + "ffn_norm", x if cfg.parallel_residual else mid, eps, w.h, w.r2[i], w.mu2[i])
         GU = w.GU[j]
         linear(ws, h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)  # [n, 2F | F]
         _activation(cfg, params, pr["mlp_in"], GU, w.S, first=True)          # [n, F]
@@ -564,7 +565,7 @@ def _activation(cfg: Config, params: dict, key: str, GU, S, first: bool) -> None
     a = cfg.spec
     if a.mlp == "gelu":
         b = _bias(params, key) if first else None
-        kernels.bias_gelu_forward(GU, np.zeros(GU.shape[1], GU.dtype) if b is None else b, S)   # GU := GU + b
+        kernels.bias_gelu_forward(GU, np.zeros(GU.shape[1], GU.dtype) if b is None else b, S, a.gelu_erf)  # GU += b
         return
     if first:
         _add_bias(params, key, GU)
@@ -634,16 +635,18 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         p, pr = f"layers.{i}.", ws.products[i]
         j = 0 if ws.lean else i                                             # where GU, P, A of layer i are kept
         x, mid, GU, P, A = w.X[i], w.M[i], w.GU[j], w.P[j], w.A[j]
-        # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid))))))
+        # feed-forward sub-block (X[i+1] = mid + post(mlp_out(act(mlp_in(norm(mid)))))); its input's gradient
+        # goes to mid's (dx), or with the parallel residual (the MLP reads x) to dp, added to x's at the end
+        mlp_input, dmlp = (x, w.dp) if cfg.parallel_residual else (mid, dx)
         df = _scaled(_dropped(dx, drop, 2 * i + 1, w.n0, out=w.t), cfg.residual_multiplier, w.t)  # [n, d]
-        h = _pre_norm(cfg, params, p + "ffn_norm", mid, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
+        h = _pre_norm(cfg, params, p + "ffn_norm", mlp_input, eps, w.h, w.r2[i], w.mu2[i])  # recompute the normed input
         if ws.lean:                                                         # and the pre-activations (lean)
             linear(ws, h, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], GU)
         _activation(cfg, params, pr["mlp_in"], GU, w.S, first=ws.lean)     # and the activation's output
         _output_backward(cfg, ws, params, pr["mlp_out"], df, w.S, p + "ffn_post_norm", w.O2, w.rp2, i, w,
                          grads, w.ds)                                       # ds [n, F]
         if a.mlp == "gelu":
-            kernels.gelu_backward(w.ds, GU)                                 # ds := d(fc output)
+            kernels.gelu_backward(w.ds, GU, a.gelu_erf)                     # ds := d(fc output)
             dU = w.ds
         else:
             (kernels.swiglu_backward if a.mlp == "swiglu" else kernels.geglu_backward)(w.ds, GU)  # GU := [dg | du]
@@ -651,7 +654,9 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         weight_grad(grads, product_weights(pr["mlp_in"]), dU, h, ws.mm)
         _bias_grads(grads, product_weights(pr["mlp_in"]), dU, w.dbin)
         linear_dx(ws, dU, _product(ws, params, pr["mlp_in"]), pr["mlp_in"], w.dh)  # [n, d]
-        _pre_norm_backward(cfg, params, p + "ffn_norm", w.dh, mid, w.r2[i], w.mu2[i], dx, w, grads)
+        if cfg.parallel_residual:
+            dmlp[...] = 0
+        _pre_norm_backward(cfg, params, p + "ffn_norm", w.dh, mlp_input, w.r2[i], w.mu2[i], dmlp, w, grads)
         # attention sub-block (mid = x + post(wo(attention(q, k, v)) + b))
         do = _scaled(_dropped(dx, drop, 2 * i, w.n0, out=w.t), cfg.residual_multiplier, w.t)      # [n, d]
         if ws.lean:                                                         # P and A formed again from q, k, v
@@ -670,6 +675,8 @@ def _backward_part(cfg: Config, params: dict, ws: Workspace, w, grads, ids, drop
         _bias_grads(grads, product_weights(pr["qkv"]), w.dqkv, w.dbqkv)
         linear_dx(ws, w.dqkv, _product(ws, params, pr["qkv"]), pr["qkv"], w.dh)
         _pre_norm_backward(cfg, params, p + "attn_norm", w.dh, x, w.r1[i], w.mu1[i], dx, w, grads)
+        if cfg.parallel_residual:
+            dx += w.dp
         _announce_part(w, [n for n in grads if n.startswith(p)], grads)
     if a.positions == "learned" and "pos_embed.weight" in grads:
         kernels.position_backward(dx, ws.T, grads["pos_embed.weight"])

@@ -25,6 +25,8 @@ from numba import njit
 from ..ops import dropout
 from ..ops.gelu import A as GELU_A
 from ..ops.gelu import C as GELU_C
+from ..ops.gelu_erf import INV_SQRT2 as GELU_INV_SQRT2
+from ..ops.gelu_erf import INV_SQRT_2PI as GELU_INV_SQRT_2PI
 from .vmath import vexp
 
 OPTS = dict(cache=True, nogil=True, error_model="numpy")  # numpy: x/0 is inf, no check that blocks SIMD
@@ -444,30 +446,37 @@ def layernorm_backward(dy, x, mu, r, w, dx, dw, db):
 
 
 @njit(**OPTS)
-def bias_gelu_forward(f, b, s):
-    """ops/bias.py + ops/gelu.py. f [N, F] := f + b (the pre-activation, kept for backward); s [N, F] = gelu(f)."""
+def bias_gelu_forward(f, b, s, exact=False):
+    """ops/bias.py + ops/gelu.py (exact: ops/gelu_erf.py). f [N, F] := f + b (the pre-activation, kept for
+    backward); s [N, F] = gelu(f)."""
     N, F = f.shape
-    one, two = s.dtype.type(1.0), s.dtype.type(2.0)
-    c, a = s.dtype.type(GELU_C), s.dtype.type(GELU_A)
+    one, two, half = s.dtype.type(1.0), s.dtype.type(2.0), s.dtype.type(0.5)
+    c, a, r2 = s.dtype.type(GELU_C), s.dtype.type(GELU_A), s.dtype.type(GELU_INV_SQRT2)
     for n in range(N):
         for j in range(F):
             x = f[n, j] + b[j]
             f[n, j] = x
-            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
-            s[n, j] = x * sg
+            if exact:
+                s[n, j] = x * (half * (one + math.erf(x * r2)))
+            else:
+                s[n, j] = x * (one / (one + vexp(-two * (c * (x + a * (x * x * x))))))
 
 
 @njit(**OPTS)
-def gelu_backward(ds, f):
-    """ds, f [N, F] -> in place ds := ds · gelu'(f)."""
+def gelu_backward(ds, f, exact=False):
+    """ds, f [N, F] -> in place ds := ds · gelu'(f) (exact: Φ(f) + f·φ(f), ops/gelu_erf.py)."""
     N, F = f.shape
-    one, two, three = f.dtype.type(1.0), f.dtype.type(2.0), f.dtype.type(3.0)
+    one, two, three, half = f.dtype.type(1.0), f.dtype.type(2.0), f.dtype.type(3.0), f.dtype.type(0.5)
     c, a = f.dtype.type(GELU_C), f.dtype.type(GELU_A)
+    r2, r2pi = f.dtype.type(GELU_INV_SQRT2), f.dtype.type(GELU_INV_SQRT_2PI)
     for n in range(N):
         for j in range(F):
             x = f[n, j]
-            sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
-            ds[n, j] = ds[n, j] * (sg + ((two * x) * (sg * (one - sg))) * (c * (one + three * a * (x * x))))
+            if exact:
+                ds[n, j] = ds[n, j] * (half * (one + math.erf(x * r2)) + x * (r2pi * math.exp(-half * (x * x))))
+            else:
+                sg = one / (one + vexp(-two * (c * (x + a * (x * x * x)))))
+                ds[n, j] = ds[n, j] * (sg + ((two * x) * (sg * (one - sg))) * (c * (one + three * a * (x * x))))
 
 
 @njit(**OPTS)

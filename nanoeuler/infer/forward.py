@@ -141,12 +141,28 @@ def _segments(cfg: Config, P: dict, names: list, forms: Forms) -> tuple[list, np
             out[-1].append([])
             for t, parts in segs:
                 (sh, dt), size = shapes[k], sizes[k]
-                S = np.concatenate(parts) if len(parts) > 1 else parts[0]  # (stacked one segment at a time)
-                Wk = forms.kernel_form(S, buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh))
-                drop_pages(parts)  # a mapped file's matrices (a GGUF's blocks): read, packed, let go of at once
-                out[-1][-1].append((t.kind, Wk, S.shape[0]))
+                Wk = buf[off:off + int(np.prod(sh)) * dt.itemsize].view(dt).reshape(sh)
+                _pack_parts(forms, parts, Wk)
+                out[-1][-1].append((t.kind, Wk, sum(p.shape[0] for p in parts)))
                 off, k = off + size, k + 1
     return out, buf
+
+
+def _pack_parts(forms: Forms, parts: list, out: np.ndarray) -> None:
+    """The kernel form of parts (matrices of one type) stacked along the outputs, written into out: part by part
+    into its own panels where every part but the last fills whole panels (q, k, v of 2048, 512, 512 rows: no
+    stacked copy made), else stacked first. Each part's pages of a mapped file (a GGUF's blocks) are let go of
+    once it is packed, so at most one part of the file is resident at a time."""
+    if any(p.shape[0] % gemv.PANEL for p in parts[:-1]):
+        forms.kernel_form(np.concatenate(parts), out)
+        drop_pages(parts)
+        return
+    at = 0
+    for p in parts:
+        panels = -(-p.shape[0] // gemv.PANEL)
+        forms.kernel_form(p, out[at:at + panels])
+        drop_pages([p])
+        at += panels
 
 
 # ---- the pieces of a block -------------------------------------------------------------------------------
@@ -212,13 +228,14 @@ def residual_attention(cfg: Config, W: dict, p: str, x: np.ndarray, a: np.ndarra
     return x + residual(cfg, o)
 
 
-def residual_mlp(cfg: Config, W: dict, p: str, x: np.ndarray, product=None) -> np.ndarray:
-    """x + post(mlp(norm(x))): the feed-forward sub-block."""
-    h = pre_norm(cfg, W, p + "ffn_norm", x)
+def residual_mlp(cfg: Config, W: dict, p: str, x: np.ndarray, layer_input: np.ndarray, product=None) -> np.ndarray:
+    """x + post(mlp(norm(x))): the feed-forward sub-block; with the parallel residual (GPT-NeoX) the MLP reads
+    the layer's input instead, x + post(mlp(norm(layer_input)))."""
+    h = pre_norm(cfg, W, p + "ffn_norm", layer_input if cfg.parallel_residual else x)
     u = affine(h, W, p + "mlp_in", product)  # gated: [..., 2F] = [gate | up]; gelu: [..., F]
     mlp = cfg.spec.mlp
     if mlp == "gelu":
-        s = ops.gelu_forward(u)[0]
+        s = (ops.gelu_erf_forward if cfg.spec.gelu_erf else ops.gelu_forward)(u)[0]
     else:
         F = cfg.ffn_hidden
         s = (ops.swiglu_forward if mlp == "swiglu" else ops.geglu_forward)(u[..., :F], u[..., F:])[0]
@@ -250,8 +267,8 @@ def forward_hidden(cfg: Config, W: dict, inputs: np.ndarray, cache: KVCache, las
         cache.v[i][:, :, L:L + Tn] = v.transpose(0, 2, 1, 3)
         a, _ = ops.attention_forward(q.transpose(0, 2, 1, 3), cache.k[i][:, :, :L + Tn], cache.v[i][:, :, :L + Tn],
                                      cfg.window(i), cfg.attn_softcap)  # [B, H, Tn, hd]
-        x = residual_attention(cfg, W, p, x, a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd))
-        x = residual_mlp(cfg, W, p, x)
+        mid = residual_attention(cfg, W, p, x, a.transpose(0, 2, 1, 3).reshape(B, Tn, H * hd))
+        x = residual_mlp(cfg, W, p, mid, x)
     cache.length = L + Tn
     if last_only:
         x = x[:, -1:]
@@ -268,6 +285,6 @@ def forward_rows(cfg: Config, W: dict, cache: KVCache, tokens: np.ndarray, pos: 
         cos, sin = cache.tables(i, pos[:, None])  # [n, 1, hd/2] or None
         q, k, v = heads_qkv(cfg, W, p, pre_norm(cfg, W, p + "attn_norm", x), cos, sin, batched_linear)
         a = attend_rows(cache, i, q, k, v, pos, cfg.window(i), slots, cfg.attn_softcap)  # [n, H·hd]
-        x = residual_attention(cfg, W, p, x, a, batched_linear)
-        x = residual_mlp(cfg, W, p, x, batched_linear)
+        mid = residual_attention(cfg, W, p, x, a, batched_linear)
+        x = residual_mlp(cfg, W, p, mid, x, batched_linear)
     return norm(cfg, W["norm"], x)

@@ -14,7 +14,8 @@ record chose read from `Weights` (empty arrays where an architecture has no such
                 a = softmax(q·kᵀ / sqrt(hd)) v over positions 0 .. L0+r (row r; a window: its last W; the
                     scores soft-capped where the model caps them, Gemma 2's)
                 x += m·post(a @ Woᵀ + b);  h = norm(x)            m: residual_multiplier (1 but Granite's)
-                x += m·post(act(h @ W_inᵀ + b) @ W_outᵀ + b)   act: SwiGLU, GeGLU or GELU
+                                          (parallel residual: h = norm(the layer's input), GPT-NeoX's)
+                x += m·post(act(h @ W_inᵀ + b) @ W_outᵀ + b)   act: SwiGLU, GeGLU or GELU (tanh, or exact: erf)
     h = norm(x)  (all rows, or the last only)                    [n|1, d]
                 (the final norm's weight divided by logits_scaling: forward.final_norm)
 
@@ -39,6 +40,7 @@ Shapes: n new rows; L0 tokens already cached; d width; H / Hkv heads; hd head wi
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -47,6 +49,7 @@ from numba import njit
 from ..fast.vmath import vexp
 from ..ops.gelu import A as GELU_A
 from ..ops.gelu import C as GELU_C
+from ..ops.gelu_erf import INV_SQRT2 as GELU_INV_SQRT2
 from . import pool
 from .float16 import through_half
 from .gemv import OPTS, QUANT
@@ -105,6 +108,12 @@ def _gelu(x):
     """GELU, tanh approximation (ops/gelu.py), as x·σ(2u) with u = c·(x + a·x³): no tanh call."""
     u = np.float32(GELU_C) * (x + np.float32(GELU_A) * (x * x * x))
     return x / (np.float32(1.0) + vexp(np.float32(-2.0) * u))
+
+
+@njit(inline="always", **OPTS)
+def _gelu_erf(x):
+    """GELU, exact (ops/gelu_erf.py): x·Φ(x) = ½·x·(1 + erf(x/√2))."""
+    return np.float32(0.5) * x * (np.float32(1.0) + math.erf(x * np.float32(GELU_INV_SQRT2)))
 
 
 @njit(inline="always", **OPTS)
@@ -206,8 +215,11 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
     s = np.empty((n, F), np.float32)
     p = np.empty(pos.max() + 1, np.float32)         # attention probabilities
     rot = np.empty(hd, np.float32)
+    hm = np.empty((n, d), np.float32) if D.parallel else h   # the MLP's normed input (parallel: of the layer's)
     for l in range(n_layers):
         _pre_norm(x, D.pre, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
+        if D.parallel:   # the MLP reads the layer's input, normed before the attention adds to it
+            _pre_norm(x, D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, hm)
         _product(ctl, pooled, D.mats[l, 0, :D.segments[l, 0]], h, t, False)
         _add_bias(t, D.qkv_bias[l])
         k_ = D.rope[l]
@@ -234,8 +246,9 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                        D.attn_softcap)
         _residual(ctl, pooled, D.mats[l, 1, :D.segments[l, 1]], D.wo_bias[l], a[f:], x[f:], o[f:],
                   D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:], D.residual)
-        _pre_norm(x[f:], D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, h[f:])
-        _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], h[f:], gu[f:], False)
+        if not D.parallel:
+            _pre_norm(x[f:], D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, hm[f:])
+        _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], hm[f:], gu[f:], False)
         _add_bias(gu[f:], D.mlp_in_bias[l])
         half = D.gelu_half[l]
         for r in range(f, n):  # the activation: SwiGLU silu(g)·u, GeGLU gelu(g)·u, or GELU
@@ -244,7 +257,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                 if D.mlp == 0:
                     s[r, j] = g_ / (np.float32(1.0) + vexp(-g_)) * gu[r, F + j]
                 else:
-                    a_ = _gelu_half(g_) if half else _gelu(g_)
+                    a_ = _gelu_erf(g_) if D.gelu_erf else _gelu_half(g_) if half else _gelu(g_)
                     s[r, j] = a_ * gu[r, F + j] if D.mlp == 1 else a_
         _residual(ctl, pooled, D.mats[l, 3, :D.segments[l, 3]], D.mlp_out_bias[l], s[f:], x[f:], o[f:],
                   D.norms[l, 3, :D.post], D.norm_biases[l, 3], eps, h[f:], D.residual)
@@ -308,6 +321,8 @@ class Weights(NamedTuple):
     attn_softcap: np.float32  # the attention scores' soft cap (0: none; Gemma 2's)
     pre: bool                 # sub-blocks' input norms (not OLMo 2's): norms[:, :2] used
     qk_whole: bool            # q/k norms over each whole projection (OLMo 2's), not per head
+    parallel: bool            # the parallel residual: the MLP reads the layer's input (GPT-NeoX's)
+    gelu_erf: bool            # GELU exact (erf; GPT-NeoX's), not the tanh form
 
 
 MLP_KINDS = {"swiglu": 0, "geglu": 1, "gelu": 2}
@@ -354,7 +369,7 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
                    MLP_KINDS[a.mlp], cfg.ffn_hidden * (2 if a.gated else 1), mats[:, 2, 0, 0] >= QUANT,
                    np.array([cfg.window(i) for i in range(L)], np.int64), new_cache(cfg, 1, 1).kind, forms,
                    np.float32(cfg.query_factor()), np.float32(cfg.residual_multiplier), np.float32(cfg.attn_softcap),
-                   a.pre_norms, a.qk_norm_whole)
+                   a.pre_norms, a.qk_norm_whole, cfg.parallel_residual, a.gelu_erf)
 
 
 def forward(cfg, D: Weights, x: np.ndarray, k: np.ndarray, v: np.ndarray, L0: int, cos: np.ndarray,

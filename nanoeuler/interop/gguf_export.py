@@ -132,7 +132,8 @@ def add_hparams(w, cfg) -> None:
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
     for ours, (key,) in a.gguf.config.items():   # the Config numbers it reads under `{arch}.` (Granite's multipliers)
         value = getattr(cfg, ours)                # (an integer as llama.cpp reads it: Phi-3's original context)
-        (w.add_uint32 if type(value) is int else w.add_float32)(f"{a.gguf.name}.{key}", value)
+        add = w.add_bool if type(value) is bool else w.add_uint32 if type(value) is int else w.add_float32
+        add(f"{a.gguf.name}.{key}", value)
     w.add_vocab_size(cfg.vocab_size)
 
 

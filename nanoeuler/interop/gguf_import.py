@@ -90,13 +90,15 @@ def metadata(reader, path: Path) -> dict:
 
 
 def field(meta: dict, key: str, kind=int, default=None):
-    """meta[key] checked to be `kind` (int: a non-negative integer; float: a number); default when absent
+    """meta[key] checked to be `kind` (int: a non-negative integer; float: a number; bool); default when absent
     (None: required)."""
     v = meta.get(key, default)
     if v is None:
         raise UserError(f"GGUF metadata {key} is missing")
     if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
         raise UserError(f"GGUF metadata {key} = {v!r:.60} is not a non-negative integer")
+    if kind is bool and not isinstance(v, bool):
+        raise UserError(f"GGUF metadata {key} = {v!r:.60} is not true or false")
     if kind is float:  # GGUF stores float32: its shortest decimal (1e-05, not 9.99999974e-06) is the value meant
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise UserError(f"GGUF metadata {key} = {v!r:.60} is not a number")
@@ -534,6 +536,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   tie_embeddings="output.weight" not in tensors   # (gemma2's table has no output: llama.cpp's
                   or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_))   # head is the embedding)
     for key, ours in read.items():   # (an integer where the Config's is: Phi-3's original context)
+        if type(DEFAULTS.get(ours)) is bool:   # a flag llama.cpp requires (gptneox's use_parallel_residual)
+            fields[ours] = field(meta, f"{a}.{key}", bool)
+            continue
         kind = int if type(DEFAULTS.get(ours)) is int else float
         value = field(meta, f"{a}.{key}", kind, 0)   # 0 or absent: llama.cpp's default (1; attention: 1/√hd)
         if value:

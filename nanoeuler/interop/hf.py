@@ -56,6 +56,7 @@ def to_hf(cfg, P: dict) -> dict[str, np.ndarray]:
     for e in fmt.tensors(cfg.n_layers):
         if all(n in P for n in e.ours):
             a = np.concatenate([external_value(fmt.norm_offset, n, format_rows(cfg, n, P[n])) for n in e.ours])
+            a = head_interleaved(a, len(e.ours), cfg.head_dim) if e.per_head else a
             out[e.name] = np.ascontiguousarray(a.T if e.transposed else a)
     return out
 
@@ -77,6 +78,7 @@ def from_hf(cfg, W: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             shown = want[::-1] if e.transposed else want
             raise UserError(f"tensor {e.name} has shape {list(a.shape)}, expected {list(shown)}")
         a = a.T if e.transposed else a
+        a = head_interleaved(a, len(ours), cfg.head_dim, inverse=True) if e.per_head else a
         for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
             P[n] = np.ascontiguousarray(internal_value(fmt.norm_offset, n, format_rows(cfg, n, part, inverse=True)),
                                         dtype=np.float32)
@@ -94,6 +96,20 @@ def format_rows(cfg, name: str, a: np.ndarray, inverse: bool = False) -> np.ndar
     within = order if inverse else np.argsort(order)       # theirs[k] = ours[argsort(order)[k]]
     rows = (np.arange(a.shape[0] // cfg.head_dim)[:, None] * cfg.head_dim + within).ravel()
     return a[rows]
+
+
+def head_interleaved(a: np.ndarray, parts: int, hd: int, inverse: bool = False) -> np.ndarray:
+    """Rows of `parts` tensors stacked one after the other ([parts, heads, hd, ...]) interleaved head by head
+    ([heads, parts, hd, ...]: GPT-NeoX's query_key_value, External.per_head), or with `inverse` back.
+    head_interleaved(np.arange(8), 2, 2) -> [0, 1, 4, 5, 2, 3, 6, 7]   (q0 k0 q1 k1 of q0 q1 k0 k1)"""
+    lead = (-1, parts) if inverse else (parts, -1)
+    return a.reshape(*lead, hd, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
+def activations(arch: Arch) -> tuple[str, ...]:
+    """The names transformers gives the activation of arch's MLP (hidden_act, ...), export's first: the exact
+    GELU's "gelu" where the record says gelu_erf (GPT-NeoX's)."""
+    return ("gelu",) if arch.gelu_erf else ACTIVATIONS[arch.mlp]
 
 
 def external_value(offset: float, name: str, a: np.ndarray) -> np.ndarray:
@@ -130,13 +146,14 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
     keys = arch.hf.config
     read = {k for names in keys.values() for k in names}
     for key, fine in REFUSED.items():
+        fine = (None, arch.hf.config_fixed[key]) if key in arch.hf.config_fixed else fine   # (GPT-NeoX's biases)
         if key in c and c[key] not in fine and key not in read:   # (Gemma 2 reads its soft caps)
             raise UserError(f"config.json: {key}={json.dumps(c[key])[:60]} is not supported")
     for key in ("hidden_act", "hidden_activation", "activation_function"):
         act = c.get(key)
-        if act is not None and act not in ACTIVATIONS[arch.mlp]:
+        if act is not None and act not in activations(arch):
             raise UserError(f"config.json: {key}={act!r:.40} is not supported for {arch.hf.name} "
-                            f"({' or '.join(ACTIVATIONS[arch.mlp])})")
+                            f"({' or '.join(activations(arch))})")
     fields = _config_fields(c, keys) | _null_softcaps(c, keys)
     fields.update(_rope_fields(c, arch, fields))
     fields = {f: v for f, v in arch.hf.absent.items() if not any(k in c for k in keys[f])} | fields
@@ -315,7 +332,7 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
         out["attention_bias"] = False
     if a.positions == "rope":
         out["rope_scaling"] = rope_scaling_json(cfg)
-    return out | {key: ACTIVATIONS[a.mlp][0] for key in fmt.activation_keys} | fmt.config_fixed | {
+    return out | {key: activations(a)[0] for key in fmt.activation_keys} | fmt.config_fixed | {
         "initializer_range": 0.02, "use_cache": True, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype,
         "nanoeuler_n_mtp": cfg.n_mtp}
 

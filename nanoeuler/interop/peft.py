@@ -57,10 +57,29 @@ def adapter_config(cfg, lcfg, base_path: str) -> dict:
             "init_lora_weights": True, "modules_to_save": saved or None, "use_rslora": False, "use_dora": False}
 
 
+def peft_rows(cfg, lcfg, name: str, a):
+    """An adapter tensor's rows as PEFT's module holds them: a B's rows of each base weight in the format's order
+    (hf.format_rows: part of each head turning), interleaved head by head where the module's Hugging Face tensor
+    is (External.per_head: GPT-NeoX's query_key_value); an A, or a saved module's tensor, as it is."""
+    import numpy as np
+
+    from ..adapters import modules
+    from .hf import format_rows, head_interleaved
+    module = name.removesuffix(".lora_B")
+    if module == name:
+        return format_rows(cfg, name, a)
+    bases, hf_module = modules(cfg, lcfg)[module]
+    shapes = cfg.param_shapes()
+    parts = np.split(a, np.cumsum([shapes[b][0] for b in bases])[:-1])
+    a = np.concatenate([format_rows(cfg, b, p) for b, p in zip(bases, parts)])
+    per_head = {e.name: e.per_head for e in cfg.spec.hf.tensors(cfg.n_layers)}[hf_module + ".weight"]
+    return head_interleaved(a, len(bases), cfg.head_dim) if per_head else a
+
+
 def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the PEFT folder `out` for the adapter run in run_dir (atomically)."""
     from ..adapters import is_adapter_run, load_adapter_run
-    from .hf import external_value, format_rows
+    from .hf import external_value
     from .outputs import output_dir
     from .safetensors_io import write_tensors
     if not is_adapter_run(run_dir):
@@ -69,7 +88,7 @@ def export_peft(run_dir, out: str | Path, force: bool = False) -> Path:
     names = peft_names(cfg, lcfg)
     with output_dir(out, force, inputs=[run_dir]) as tmp:
         offset = cfg.spec.hf.norm_offset   # a saved norm is stored as Hugging Face stores it (Gemma: w - 1)
-        write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, format_rows(cfg, n, a))
+        write_tensors(tmp / "adapter_model.safetensors", {names[n]: external_value(offset, n, peft_rows(cfg, lcfg, n, a))
                                                           for n, a in adapters.items() if n in names}, "F32",
                       {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, lcfg, base["path"]), indent=2) + "\n")

@@ -12,6 +12,7 @@ from .cross_entropy import cross_entropy_backward, cross_entropy_forward, mtp_lo
 from .embedding import embedding_backward, embedding_forward
 from .geglu import geglu_backward, geglu_forward
 from .gelu import gelu_backward, gelu_forward
+from .gelu_erf import gelu_erf_backward, gelu_erf_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward, lora_merge
@@ -29,7 +30,8 @@ __all__ = [
     "linear_forward", "linear_backward", "lora_forward", "lora_backward", "lora_merge",
     "rmsnorm_forward", "rmsnorm_backward", "rope_tables", "inv_freq", "llama3_factors",
     "rope_forward", "rope_backward", "swiglu_forward", "swiglu_backward",
-    "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "geglu_forward", "geglu_backward",
+    "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "gelu_erf_forward", "gelu_erf_backward",
+    "geglu_forward", "geglu_backward",
     "bias_forward", "bias_backward",
     "position_forward", "position_backward", "softcap_forward", "softcap_backward",
     "scale_forward", "scale_backward",

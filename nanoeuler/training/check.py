@@ -167,6 +167,7 @@ def check_ops(seed: int = 0) -> list[Row]:
     gx = 1.5 * r(B, T, d)
     gx[np.abs(gx + 0.752) < 0.25] += 1.0
     rows += _check_op("gelu (tanh)", ops.gelu_forward, ops.gelu_backward, [gx], rng)
+    rows += _check_op("gelu (erf; gptneox)", ops.gelu_erf_forward, ops.gelu_erf_backward, [gx], rng)
     rows += _check_op("geglu", ops.geglu_forward, ops.geglu_backward, [gx, r(B, T, d)], rng)
     rows += _check_op("bias", ops.bias_forward, ops.bias_backward, [r(B, T, d), r(d)], rng)
     rows += _check_op("scale (×0.3; granite)", lambda x: ops.scale_forward(x, 0.3), ops.scale_backward, [r(B, T, d)],
@@ -204,6 +205,8 @@ ARCH_CHECK_CONFIGS = {
     "phi3": CHECK_CONFIG.replace(arch="phi3", sliding_window=5),   # (q|k|v and gate|up fused in its formats only)
     "starcoder2": CHECK_CONFIG.replace(arch="starcoder2", sliding_window=5),   # LayerNorm, GELU and biases with RoPE
     "stablelm": CHECK_CONFIG.replace(arch="stablelm", partial_rotary_factor=0.5),   # RoPE on half of each head
+    # gptneox (the parallel residual, the exact GELU, LayerNorm and biases, RoPE on half of each head)
+    "gptneox": CHECK_CONFIG.replace(arch="gptneox", partial_rotary_factor=0.5),
 }
 
 
