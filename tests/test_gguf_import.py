@@ -63,6 +63,21 @@ def test_weights_equal_gguf_dequantize_and_types_are_recorded(tmp_path, model, t
         assert 0 < err < 0.05
 
 
+def test_blocks_copied_out_of_the_file_let_its_pages_go(tmp_path, model, tok, monkeypatch):
+    """load_gguf(blocks=True) keeps each matrix a view of the mapped file, but q and k, whose rows it reorders
+    into a copy: their pages of the file are let go (nothing reads them again), and no other tensor's are."""
+    import nanoeuler.checkpoint as checkpoint
+    path = write_gguf(tmp_path / "m.gguf", model, tok, "Q8_0")
+    dropped = []
+    monkeypatch.setattr(checkpoint, "drop_pages", lambda arrays: dropped.extend(arrays) or 0)
+    cfg, P, _, _ = load_gguf(path, blocks=True)
+    assert len(dropped) == 2 * cfg.n_layers and all(checkpoint.file_map(a) is not None for a in dropped)
+    for i in range(cfg.n_layers):
+        q, k, v = (P[f"layers.{i}.attn.{w}.weight"] for w in ("wq", "wk", "wv"))
+        assert checkpoint.file_map(v) is not None and checkpoint.file_map(q) is None and checkpoint.file_map(k) is None
+        assert sum(a.shape == q.shape and a.nbytes == q.nbytes for a in dropped) >= 1
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_import_of_export_is_the_checkpoint_bitwise_at_f32(tmp_path, model, tok, tied):
     m = model if not tied else chatml_model(tok, tied=True)

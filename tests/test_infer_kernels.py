@@ -143,6 +143,28 @@ def test_pack_lays_out_panels_input_by_input():
     assert np.array_equal(gemv.pack(np.stack([W, 2 * W]))[1], 2 * Wp)  # leading (layer) axes kept
 
 
+@pytest.mark.parametrize("rows", [(128, 64, 70), (70, 64)])
+@pytest.mark.parametrize("kind", ["float32", "q8_0"])
+def test_parts_packed_into_their_panels_equal_their_stack_packed(rows, kind):
+    """The layout packs q, k, v (gate, up) each into its own panels where every part but the last fills whole
+    panels, else their stacked copy (70 rows first): either way the kernel form of the stacked matrix."""
+    from nanoeuler.infer import qkernels, quant
+    from nanoeuler.infer.forward import _pack_parts
+    from nanoeuler.infer.weights import Forms, of_dtype
+    if kind != "float32" and not qkernels.AVAILABLE:
+        pytest.skip("no integer kernels on this CPU")
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((r, 64)).astype(np.float32) for r in rows]
+    if kind != "float32":
+        t = quant.WTYPES[kind]
+        parts = [t.quantize(p).view(t.dtype) for p in parts]
+    form = of_dtype(parts[0].dtype)
+    want = form.pack(np.concatenate(parts))
+    out = np.full_like(want, 7)
+    _pack_parts(Forms({"w": parts[0]}), parts, out)
+    assert np.array_equal(out, want)
+
+
 def test_a_row_gets_the_same_bits_whichever_rows_share_its_pass():
     """Rows go 4 at a time through a panel, each summed in the same order: a row of a 7-row product equals the
     same row alone, bit for bit (a speculative verification computes exactly what plain steps compute)."""

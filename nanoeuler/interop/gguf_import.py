@@ -574,8 +574,10 @@ def check_vocab_size(meta: dict, arch: str, rows: int) -> None:
 def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """llama.cpp's tensors -> (our params, our name -> GGUF name), by the architecture's `gguf` table: several of
     ours cut out of one of theirs by rows (GPT-2's attn_qkv), q/k rows back from llama.cpp's interleaved RoPE
-    order where it permutes them (`gguf_export.unpermute_qk`). What it reads leaves T; a tensor of the wrong
-    shape is a UserError naming it."""
+    order where it permutes them (`gguf_export.unpermute_qk`; a mapped file's blocks copied so have their pages
+    let go, as nothing reads them again: Llama-3.2-1B's q and k, 85 MiB). What it reads leaves T; a tensor of the
+    wrong shape is a UserError naming it."""
+    from ..checkpoint import drop_pages
     from .gguf_export import unpermute_qk
     from .hf import format_rows
     fmt, shapes = cfg.spec.gguf, cfg.param_shapes()
@@ -596,6 +598,8 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                 part = unpermute_qk(part, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
             part = format_rows(cfg, n, part, inverse=True)   # (part of each head turning)
             P[n], src[n] = part, e.name
+        if any(not np.may_share_memory(P[n], a) for n in ours):
+            drop_pages([a])   # a mapped file's blocks read into a copy (q, k reordered): their pages let go
     return P, src
 
 
