@@ -1,6 +1,7 @@
 """Fuzz the loaders of every file we read (config.json, trainer.json, manifest.json, tokenizer.json):
 a valid file, mutated by hypothesis (a field replaced by any JSON value, deleted, added; nested too),
 must load or raise UserError — never another exception, never an allocation over a bound."""
+import functools
 import json
 import os
 import shutil
@@ -170,6 +171,27 @@ def test_fuzz_tokenizer_json_with_a_cascade(tok, tmp_path_factory, data):
 @given(data=st.data(), ranking=st.sampled_from(["scores", "merges", "merges with newlines"]))
 def test_fuzz_sentencepiece_tokenizer_json(tmp_path_factory, data, ranking):
     """The SentencePiece kind's file: tokens, types, scores or merges, prefix, split, newlines (Gemma 4's), specials."""
+    fuzz_tokenizer(sentencepiece_file(ranking), tmp_path_factory, data)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_wordpiece_tokenizer_json(tmp_path_factory, data):
+    """The WordPiece kind's file: tokens, types, unk, normalization, marks, framing (lossy: lowercased)."""
+    fuzz_tokenizer(wordpiece_file(), tmp_path_factory, data, exact=False)
+
+
+@FUZZ
+@given(data=st.data(), normalization=st.sampled_from(["llama.cpp", "hf"]))
+def test_fuzz_unigram_tokenizer_json(tmp_path_factory, data, normalization):
+    """The Unigram kind's file: tokens, types, scores, unk, normalization, charsmap (base64), framing."""
+    fuzz_tokenizer(unigram_file(normalization), tmp_path_factory, data, exact=False)
+
+
+# the valid files the three tests above mutate: built once per kind (mutated() copies before changing), not once
+# per example
+@functools.cache
+def sentencepiece_file(ranking: str) -> dict:
     from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES, SentencePieceTokenizer
     pieces = ["▁", "T", "o", "b", "e", "▁b", "▁be", "To", "▁o", "r", "▁or", "\n", "<start_of_turn>"]
     tokens = ["<unk>", "<s>", "</s>", *BYTE_PIECES, *pieces]
@@ -182,31 +204,27 @@ def test_fuzz_sentencepiece_tokenizer_json(tmp_path_factory, data, ranking):
         merges = [(ids[a], ids[b]) for a, b in (("▁", "b"), ("▁b", "e"), ("T", "o"), ("▁", "o"), ("▁o", "r"))]
         tok = SentencePieceTokenizer(tokens, types, merges=merges, prefix="first-unless-space", split=True, eos="</s>",
                                      newlines=ranking.endswith("newlines"))
-    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data)
+    return tok.to_dict()
 
 
-@FUZZ
-@given(data=st.data())
-def test_fuzz_wordpiece_tokenizer_json(tmp_path_factory, data):
-    """The WordPiece kind's file: tokens, types, unk, normalization, marks, framing (lossy: lowercased)."""
+@functools.cache
+def wordpiece_file() -> dict:
     from nanoeuler.tokenizer.wordpiece import WordPieceTokenizer
     tokens = ["[UNK]", "[CLS]", "[SEP]", "to", "##be", ",", "or", "##r", "n", "##ot", ":", "4", "##2", "e"]
     tok = WordPieceTokenizer(tokens, [2, 3, 3] + [1] * 11, "[UNK]", "bert", word_prefix="", continuation="##",
                              max_word_chars=100, bos="[CLS]", eos="[SEP]", add_eos=True)
-    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data, exact=False)
+    return tok.to_dict()
 
 
-@FUZZ
-@given(data=st.data(), normalization=st.sampled_from(["llama.cpp", "hf"]))
-def test_fuzz_unigram_tokenizer_json(tmp_path_factory, data, normalization):
-    """The Unigram kind's file: tokens, types, scores, unk, normalization, charsmap (base64), framing."""
+@functools.cache
+def unigram_file(normalization: str) -> dict:
     from nanoeuler.tokenizer.unigram import UnigramTokenizer
     tokens = ["<unk>", "<s>", "</s>", "▁", "▁To", "▁be", ",", "▁or", "▁not", "▁to", ":", "4", "2", "é", "\n"]
     charsmap = (12).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") + bytes(8) + b"x\0"
     tok = UnigramTokenizer(tokens, [2, 3, 3] + [1] * 12, [0, 0, 0] + [-float(i) for i in range(12)], "<unk>",
                            normalization, charsmap if normalization == "llama.cpp" else None, bos="<s>", eos="</s>",
                            add_eos=True)
-    fuzz_tokenizer(tok.to_dict(), tmp_path_factory, data, exact=False)
+    return tok.to_dict()
 
 
 def fuzz_tokenizer(base: dict, tmp_path_factory, data, exact: bool = True):
