@@ -7,7 +7,11 @@ vocabulary in its own form, with the ids compared:
     that tokenizer.json (Hugging Face's rule);
   - nomic-bert-moe (Unigram, 250,048 pieces): a Unigram with the file's precompiled charsmap as XLM-R's
     tokenizer.json lays it out (Precompiled + Replace " {2,}", WhitespaceSplit + Metaspace); ours from the GGUF;
-  - gemma-4 (262,144 tokens, 514,906 merges): ours only (no `tokenizers` form of llama.cpp's newline rule).
+  - gemma-4 (262,144 tokens, 514,906 merges): a BPE with byte_fallback laid out as Gemma 4's tokenizer.json
+    (transformers' GemmaTokenizer: normalizer Replace " " -> "▁", pre-tokenizer Split " ", control tokens special
+    and user-defined ones plain added tokens); ours read from the GGUF (llama.cpp's newline rule, which gives the
+    same ids on this vocabulary) and from that tokenizer.json (load_s: json.loads and the build; tokenizers_load_s:
+    `tokenizers.Tokenizer.from_str` of the same text).
 
     .venv/bin/python bench/tokenizer_kinds.py            # ~1 minute
     .venv/bin/python bench/tokenizer_kinds.py --kb 300 --json
@@ -78,6 +82,21 @@ def hf_unigram(meta):
     return hf
 
 
+def hf_gemma4(meta):
+    """The gemma-4 vocabulary as Gemma 4's tokenizer.json (transformers' GemmaTokenizer, as its GGUF conversion
+    builds it)."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    hf = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token="<unk>", fuse_unk=True,
+                              byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3])
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4])
+    return hf
+
+
 def main() -> None:
     from real_models import llama_cpp_models_dir
 
@@ -114,9 +133,16 @@ def main() -> None:
     seconds, ug, meta = built(folder, "nomic-bert-moe", args.repeat)
     measure("unigram nomic-bert-moe (gguf)", ug, hf_unigram(meta))
     rows["unigram nomic-bert-moe (gguf)"]["build_s"] = round(seconds, 3)
-    seconds, g4, _ = built(folder, "gemma-4", args.repeat)
-    measure("gemma4 gemma-4 (gguf)", g4)
+    seconds, g4, meta = built(folder, "gemma-4", args.repeat)
+    hf = hf_gemma4(meta)
+    measure("gemma4 gemma-4 (gguf)", g4, hf)
     rows["gemma4 gemma-4 (gguf)"]["build_s"] = round(seconds, 3)
+    hf_text = hf.to_str()
+    load_s, from_json = best(lambda: from_hf_json(json.loads(hf_text)), args.repeat)
+    measure("gemma4 gemma-4 (tokenizer.json)", from_json, hf)
+    rows["gemma4 gemma-4 (tokenizer.json)"] |= {
+        "load_s": round(load_s, 3),
+        "tokenizers_load_s": round(best(lambda: hf.from_str(hf_text), args.repeat)[0], 3)}
     out = {"text_mb": round(mb, 3), "load_average": os.getloadavg()[0], "rows": rows}
     if args.json:
         print(json.dumps(out))

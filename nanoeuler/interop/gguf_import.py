@@ -265,15 +265,17 @@ def gemma4_tokenizer(meta: dict, vocab_size: int):
     """The tokenizer.ggml.* fields of Gemma 4's BPE (model gemma4) -> our SentencePieceTokenizer, as llama.cpp
     runs it: merges by rank ("a b" strings, each of two tokens making a token), spaces as "▁" with none put in
     front, runs of newlines cut apart (`newlines`), bos always added (llama.cpp overrides add_bos_token)."""
-    from ..tokenizer.sentencepiece import NORMAL, UNUSED, SentencePieceTokenizer, merge_ids
+    from ..tokenizer.sentencepiece import NORMAL, UNUSED, Pieces, SentencePieceTokenizer, merge_ids
     tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not all(isinstance(s, str) for s in tokens):
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {str}:     # (no Python work per token)
         raise UserError("GGUF metadata tokenizer.ggml.tokens is missing or not a list of strings")
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
         raise UserError("GGUF metadata tokenizer.ggml.merges is missing or not a list of strings")
     n = len(tokens)
     types = per_token(meta, "tokenizer.ggml.token_type", n, "iu", NORMAL)
-    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)] + [f"<|reserved_{i}|>" for i in range(n, vocab_size)]
+    if not all(tokens):
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    tokens = Pieces.of(tokens + [f"<|reserved_{i}|>" for i in range(n, vocab_size)])   # encoded once, shared below
     types = np.concatenate([types, np.full(vocab_size - n, UNUSED)])
     try:
         pairs = merge_ids(tokens, merges)

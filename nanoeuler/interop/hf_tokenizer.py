@@ -36,6 +36,8 @@ than half of them.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..errors import UserError
@@ -335,6 +337,40 @@ def spm_prefix(d: dict) -> tuple[str, bool, str | None]:
     return prefix, split, form
 
 
+def vocab_names(vocab: dict) -> dict[int, str]:
+    """model.vocab (token -> id) as id -> token, its ids checked (non-negative integers below 2**31, each once)
+    with no Python work per token.  vocab_names({"a": 0, "b": 1}) -> {0: 'a', 1: 'b'}"""
+    if set(map(type, vocab.values())) - {int}:
+        s, i = next((s, i) for s, i in vocab.items() if type(i) is not int)
+        _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers")
+    ids = np.fromiter(vocab.values(), np.int64, len(vocab))
+    if ids.size and (ids.min() < 0 or ids.max() >= 1 << 31):
+        s = list(vocab)[int(np.argmax((ids < 0) | (ids >= 1 << 31)))]
+        _bad(f"vocab token {s!r:.40} has id {vocab[s]!r:.20}; ids are non-negative integers")
+    names = dict(zip(vocab.values(), vocab))
+    if len(names) != len(vocab):
+        seen: dict[int, str] = {}
+        s = next(s for s, i in vocab.items() if seen.setdefault(i, s) != s)
+        _bad(f"vocab tokens {seen[vocab[s]]!r:.30} and {s!r:.30} share id {vocab[s]}")
+    return names
+
+
+def merge_pairs(merges: list, vocab: dict) -> np.ndarray:
+    """model.merges ("a b" strings or ["a", "b"] pairs) as [merges, 2] ids of vocab; a merge that is not two vocab
+    tokens: UserError.  merge_pairs(["a b"], {"a": 0, "b": 1, "ab": 2}) -> [[0, 1]]"""
+    sides = [mg.split(" ") if type(mg) is str else mg for mg in merges]
+    if set(map(type, sides)) <= {list}:
+        flat = list(itertools.chain.from_iterable(sides))
+        if len(flat) == 2 * len(sides):
+            try:        # one C loop over the sides (a Python loop per merge takes twice as long)
+                return np.fromiter(map(vocab.__getitem__, flat), np.int64, len(flat)).reshape(-1, 2)
+            except (KeyError, TypeError):
+                pass
+    i = next(i for i, ab in enumerate(sides) if not (type(ab) is list and len(ab) == 2 and
+                                                     all(type(x) is str and x in vocab for x in ab)))
+    _bad(f"merge {i} {merges[i]!r:.60} is not a pair of vocab tokens")
+
+
 def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
     """A Hugging Face BPE with byte_fallback -> our SentencePieceTokenizer with the same ids: model.vocab
     tokens are NORMAL (BYTE for <0x00>..<0xFF>), added tokens CONTROL when "special", else USER_DEFINED (both
@@ -356,15 +392,8 @@ def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
     vocab, merges = m.get("vocab"), m.get("merges")
     if not isinstance(vocab, dict) or not isinstance(merges, list):
         _bad("model.vocab must be an object and model.merges a list")
-    n_ids = 0
-    types: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for s, i in vocab.items():
-        if type(i) is not int or not 0 <= i < (1 << 31):
-            _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers")
-        if i in names:
-            _bad(f"vocab tokens {names[i]!r:.30} and {s!r:.30} share id {i}")
-        names[i], types[i] = s, BYTE if s in BYTE_PIECES else NORMAL
+    names = vocab_names(vocab)
+    types = dict.fromkeys(names, NORMAL) | {vocab[p]: BYTE for p in BYTE_PIECES if p in vocab}
     for t in d.get("added_tokens") or []:
         if not (isinstance(t, dict) and type(t.get("id")) is int and 0 <= t["id"] < (1 << 31)
                 and isinstance(t.get("content"), str) and t["content"]):
@@ -382,13 +411,7 @@ def spm_from_hf_json(d: dict, vocab_size: int | None, eos_id: int | None):
         _bad(f"token id {n_ids - 1} does not fit the model's vocab_size {vocab_size}")
     tokens = [names.get(i, f"<|reserved_{i}|>") for i in range(vocab_size)]
     type_list = [types.get(i, UNUSED) for i in range(vocab_size)]
-    pairs = []
-    for i, mg in enumerate(merges):
-        ab = mg.split(" ") if isinstance(mg, str) else mg
-        if not (isinstance(ab, list) and len(ab) == 2 and all(isinstance(x, str) for x in ab)) or \
-                ab[0] not in vocab or ab[1] not in vocab:
-            _bad(f"merge {i} {mg!r:.60} is not a pair of vocab tokens")
-        pairs.append((vocab[ab[0]], vocab[ab[1]]))
+    pairs = merge_pairs(merges, vocab)
     special_ids = {i for i, ty in types.items() if ty == CONTROL}
     eos = None
     if eos_id is not None:

@@ -662,15 +662,15 @@ def check_vocab_size(d: dict, tok) -> None:
         raise UserError(f"tokenizer.json: vocab_size {d['vocab_size']!r:.20} disagrees with its {tok.vocab_size} tokens")
 
 
-def merge_ids(tokens: list[str], merges: list[str]) -> np.ndarray:
+def merge_ids(tokens: Sequence[str], merges: list[str]) -> np.ndarray:
     """GGUF's merges ("a b": the first space after the first character cuts it, as llama.cpp reads them) as
-    [merges, 2] token ids; a merge whose sides are not two tokens: UserError.
-    merge_ids(["a", "b", "ab"], ["a b"]) -> [[0, 1]]"""
+    [merges, 2] ids of tokens (a list, or Pieces: their blob is used as it is); a merge whose sides are not two
+    tokens: UserError.  merge_ids(["a", "b", "ab"], ["a b"]) -> [[0, 1]]"""
     def joined(texts):
         raw = [t.encode("utf-8", "surrogateescape") for t in texts]
         ends = np.cumsum(np.fromiter(map(len, raw), np.int64, len(raw)))
         return np.frombuffer(b"".join(raw) or b"\0", np.uint8), ends - np.diff(ends, prepend=0), ends
-    blob, starts, ends = joined(tokens)
+    blob, starts, ends = (tokens.blob, tokens.starts, tokens.ends) if isinstance(tokens, Pieces) else joined(tokens)
     t_keys, t_vals = sf.table(len(tokens))
     sf.text_table(blob, starts, ends, t_keys, t_vals)
     out = np.empty((len(merges), 2), np.int64)
