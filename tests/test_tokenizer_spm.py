@@ -244,6 +244,9 @@ def test_hf_folder_import_and_autotokenizer_of_the_export(vocabularies, tmp_path
      "pre_tokenizer Split is not supported"),      # a Split at " " cuts where no normalizer made spaces "▁"
     (lambda d: d["model"]["merges"].insert(0, ["<0x41>", "<0x42>"]), "does not make a token"),
     (lambda d: d["model"].update(ignore_merges=True), "ignore_merges"),
+    (lambda d: d["model"]["vocab"].update(zz=1 << 70), "ids are non-negative integers"),
+    (lambda d: d["model"]["vocab"].update(zz=0), "share id 0"),
+    (lambda d: d["model"]["merges"].append(["<0x41>"]), "is not a pair of vocab tokens"),
     (lambda d: d["added_tokens"][0].update(lstrip=True), "lstrip"),
 ])
 def test_unsupported_hf_files_are_one_line(vocabularies, change, message):

@@ -343,7 +343,10 @@ def vocab_names(vocab: dict) -> dict[int, str]:
     if set(map(type, vocab.values())) - {int}:
         s, i = next((s, i) for s, i in vocab.items() if type(i) is not int)
         _bad(f"vocab token {s!r:.40} has id {i!r:.20}; ids are non-negative integers")
-    ids = np.fromiter(vocab.values(), np.int64, len(vocab))
+    try:
+        ids = np.fromiter(vocab.values(), np.int64, len(vocab))
+    except OverflowError:       # beyond int64: out of range too
+        ids = np.fromiter((min(max(i, -1), 1 << 31) for i in vocab.values()), np.int64, len(vocab))
     if ids.size and (ids.min() < 0 or ids.max() >= 1 << 31):
         s = list(vocab)[int(np.argmax((ids < 0) | (ids >= 1 << 31)))]
         _bad(f"vocab token {s!r:.40} has id {vocab[s]!r:.20}; ids are non-negative integers")
