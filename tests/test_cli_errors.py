@@ -584,3 +584,21 @@ def test_an_empty_value_is_not_the_default(run_dir, text_file, tmp_path, capsys)
     assert "--mix" in one_line_error(["prepare", text_file, "--tokenizer", run_dir, "--mix", "", "--no-progress",
                                       "--out", tmp_path / "d"], capsys)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("arch", ["euler", "phi3"])   # (phi3: q|k|v and gate|up fused in the folder's tensors)
+def test_a_folder_with_non_finite_weights_is_named_not_blamed_on_training(tmp_path, tok, arch, capsys):
+    """Every import path checks the file's weights as the GGUF import does: a NaN in a Hugging Face folder's
+    tensor was reported by the save as 'the training diverged ... the previous checkpoint'."""
+    from safetensors.numpy import load_file, save_file
+
+    from nanoeuler.interop.hf import export_hf
+    model = Model.init(tiny_config(arch=arch, vocab_size=tok.vocab_size, ctx_len=32), seed=0)
+    folder = export_hf(model, tok, tmp_path / "hf", progress=False)
+    tensors = load_file(folder / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("proj.weight"))
+    tensors[name][0, :2] = [np.nan, np.inf]
+    save_file(tensors, folder / "model.safetensors")
+    err = one_line_error(["import", "--from", folder, "--out", tmp_path / "out"], capsys)
+    assert "non-finite" in err and str(folder) in err and "diverged" not in err and "--lr" not in err
+    assert not (tmp_path / "out").exists()

@@ -414,6 +414,7 @@ def with_chat_extras(folder: Path, c: dict, tok):
 
 def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = False):
     """Any supported Hugging Face folder -> (Config, params, Tokenizer), without writing anything."""
+    from ..checkpoint import check_finite
     from ..config import check_params
     folder = Path(src)
     if not folder.is_dir():
@@ -423,6 +424,8 @@ def load_hf_folder(src: str | Path, n_mtp: int | None = None, progress: bool = F
     c = read_hf_config(folder)
     cfg, params = import_weights(folder, c, architecture_of(c), n_mtp, progress)
     check_params(cfg, params)
+    check_finite(params, f"{folder}'s weights", " (as this program names it): the folder's model is damaged; "
+                 "nothing was written")  # (the save's own check would blame a training that never ran)
     tok = read_tokenizer(folder, cfg.vocab_size, eos_id_of(folder, c))
     return cfg, params, with_chat_extras(folder, c, tok)
 
