@@ -125,11 +125,25 @@ def folders(tmp_path_factory):
         cfg = small_config(case, n_tok)
         model = hf_model(cfg, tok)
         model.save_pretrained(d)
+        keep_format_keys(d, cfg, tok)
         (d / "tokenizer.json").write_text(tok_json)   # as it is (AutoTokenizer would add a family's specials)
         (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))  # (Phi-3's converter
                                                      # takes the GPT-2 vocabulary path for it, as for Phi-4)
         out[case] = (model, d, cfg)
     return out
+
+
+def keep_format_keys(d: Path, cfg: Config, tok) -> None:
+    """The format's own names for RoPE's base and rotary fraction where they are not transformers 5's
+    rope_parameters names (GPT-NeoX's rotary_emb_base, rotary_pct), which save_pretrained folds into
+    rope_parameters, put back in d's config.json with our export's values, as a published folder has them
+    (llama.cpp's converter reads rotary_pct)."""
+    from nanoeuler.interop.hf import hf_config
+    c, ours, keys = json.loads((d / "config.json").read_text()), hf_config(cfg, tok, cfg.tie_embeddings), cfg.spec.hf.config
+    missing = {k: ours[k] for f in ("rope_theta", "partial_rotary_factor") for k in keys.get(f, ())
+               if k != f and k in ours and k not in c}
+    if missing:
+        (d / "config.json").write_text(json.dumps(c | missing, indent=2))
 
 
 def torch_logits(model, ids) -> np.ndarray:
@@ -241,7 +255,8 @@ def test_llama_cpp_runs_our_gguf_export(folders, case, tmp_path):
 # tokenizer.model (the converter imports sentencepiece before looking for one; a family whose converter reads
 # nothing else, Gemma 2's, takes the GPT-2 vocabulary path as Gemma 3's does without one), and its tokenizer,
 # trained here with GPT-2's split, splits text as GPT-2's (the converter knows a pre-tokenizer by the hash of a
-# published vocabulary's ids, which a vocabulary trained here does not have). The model is named "tiny": llama.cpp
+# published vocabulary's ids, which a vocabulary trained here does not have); its hparams keep config.json's keys
+# that transformers 5's config drops (GPT-NeoX's rotary_pct). The model is named "tiny": llama.cpp
 # takes a name with "phi3" in it (the folder's, phi30) for Phi-3's and looks for that vocabulary's <s>, </s>, <unk>
 CONVERT = """
 import runpy, sys
@@ -253,6 +268,13 @@ def no_sentencepiece(self):
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+load = base.ModelBase.load_hparams
+def with_raw_keys(dir_model, *args):   # transformers 5's to_dict() drops what it folds into rope_parameters
+    import json, pathlib                  # (GPT-NeoX's rotary_pct, which the converter reads): config.json's back
+    c = load(dir_model, *args)
+    raw = json.loads((pathlib.Path(dir_model) / "config.json").read_text())
+    return c | {k: v for k, v in raw.items() if k not in c}
+base.ModelBase.load_hparams = staticmethod(with_raw_keys)
 sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32", "--model-name", "tiny"]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 """
