@@ -9,7 +9,8 @@ Every architecture here is one transformer, differing only in the choices this r
         q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (+ biases if qkv_bias), cut into heads of head_dim
         q, k = rmsnorm(q), rmsnorm(k) per head          if qk_norm (qk_norm_whole: over the whole projection)
         q, k = RoPE(q), RoPE(k)                          if positions == "rope", at the layer's frequencies
-                                                        (Config.layer_freqs: base θ, any scaling; windowed: local θ)
+                                                        (Config.layer_freqs: base θ, any scaling; windowed: local θ;
+                                                        0, the identity, where Config.no_rope_every skips it)
         a = softmax(q·kᵀ·s, causal, the last `window` keys if layer i is windowed) · v     s: 1/√head_dim
         x = x + m_res · post(a·Woᵀ (+ b))               post: a norm if post_norms, else nothing
         x = x + m_res · post(mlp(norm(x)))              mlp: "swiglu" down(silu(gate·h)·up·h)
@@ -38,11 +39,13 @@ logits_scaling (Granite's).
 | olmo2  | rms   | swiglu | RoPE                  | none          | whole    | only these |           |
 | starcoder2 | layer | gelu | RoPE, any window: all | every linear  |          |            |           |
 | stablelm | layer | swiglu | RoPE on a part of each head | q, k, v |        |            |           |
+| smollm3 | rms  | swiglu | RoPE but every 4th layer | none       |          |            |           |
 | gptneox | layer | gelu (erf) | RoPE on a part of each head, parallel residual | every linear | |   |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
 euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
-converter writes it as `llama`. `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
+converter writes it as `llama`. `smollm3` is Llama's block again where every 4th layer (Config.no_rope_every)
+attends without RoPE (its q and k turned by angle 0). `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
 reads no window for it). `phi3` is Llama's block again, its q|k|v and gate|up each one tensor in both formats
 (and one LoRA target). `gptneox` (Pythia) is StarCoder2's block with the exact GELU, partial rotary and, by
 default, the parallel residual; its Hugging Face query_key_value interleaves q, k and v head by head. A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
@@ -108,7 +111,11 @@ class Format:
     which attends over every position whatever the model was trained with);
     heads_fill_dim: its runtime makes q and the attention output dim x dim, so a head is dim / n_heads wide
     whatever attention.key_length says (llama.cpp's qwen2, gpt2, starcoder2, phi3, stablelm, olmo2; its llama,
-    qwen3, gemma2, gemma3, granite size them by key_length x head_count)."""
+    qwen3, gemma2, gemma3, granite size them by key_length x head_count);
+    no_rope_list: the config.json key listing each layer's RoPE, 1 on and 0 off (SmolLM3's no_rope_layers), which
+    transformers reads rather than the interval: read as the Config's no_rope_every and written beside it;
+    fixed: Config field -> the value its runtime fixes rather than reads (llama.cpp's smollm3: a layer without RoPE
+    every 4th): import takes it, export refuses another."""
     name: str
     globals_: tuple[External, ...]
     layer: tuple[External, ...]
@@ -126,6 +133,8 @@ class Format:
     width_scaled_at: tuple[int, ...] = ()
     reads_window: bool = True
     heads_fill_dim: bool = False
+    no_rope_list: str | None = None
+    fixed: dict = field(default_factory=dict)
 
     def tensors(self, n_layers: int) -> list[External]:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
@@ -468,7 +477,19 @@ GPTNEOX = Arch(
           "dense_h_to_4h": [("ffn.fc", ("ffn.fc",))], "dense_4h_to_h": [("ffn.proj", ("ffn.proj",))]},
     lora_defaults=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"))
 
-ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE, OLMO2, GPTNEOX)}
+# SmolLM3: Llama's block with a layer that turns neither q nor k every no_rope_every-th (4; the Config's number:
+# transformers reads its no_rope_layers list, llama.cpp's smollm3 fixes 4 and its converter writes no key)
+SMOLLM3 = Arch(
+    "smollm3", defaults=_LLAMA_DEFAULTS | {"rope_theta": 2000000.0, "norm_eps": 1e-6, "tie_embeddings": True,
+                                           "no_rope_every": 4},
+    hf=Format("smollm3", _HF_GLOBALS, EULER.hf.layer, aliases=("SmolLM3ForCausalLM",),
+              config={f: keys for f, keys in _HF_CONFIG.items() if f != "rope_local_theta"} | {
+                  "no_rope_every": ("no_rope_layer_interval",)},
+              config_fixed=_HF_FIXED, activation_keys=("hidden_act",), no_rope_list="no_rope_layers"),
+    gguf=Format("smollm3", _GGUF_GLOBALS, EULER.gguf.layer, permute_qk=True, fixed={"no_rope_every": 4}),
+    lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (EULER, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA2, PHI3, GPT2, STARCODER2, STABLELM, GRANITE, OLMO2, SMOLLM3, GPTNEOX)}
 
 
 def by_format(kind: str, name: str) -> Arch | None:

@@ -52,6 +52,9 @@ class Config:
     # partial rotary (StableLM, GPT-NeoX): RoPE turns the first rope_dims = int(head_dim · this) dimensions of each
     # head (rotate-half pairing within them: i with i + rope_dims/2), the others pass as they are; 1: all of them
     partial_rotary_factor: float | None = None
+    # layers without RoPE (SmolLM3's NoPE layers; other values than 0 only where the architecture's defaults name
+    # it): layer i turns neither q nor k iff (i + 1) % this == 0 (layer_freqs: frequency 0); 0: every layer turns
+    no_rope_every: int | None = None
     # soft caps (Gemma 2): the attention scores and the final logits x become cap·tanh(x / cap); 0: none
     attn_softcap: float | None = None
     logit_softcap: float | None = None
@@ -81,10 +84,13 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= LIMITS[name]:
                 raise UserError(f"config: {name} must be a positive integer <= {LIMITS[name]:,}, got {value!r:.60}")
-        for name in ("sliding_window", "global_every"):
+        for name in ("sliding_window", "global_every", "no_rope_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= LIMITS["ctx_len"]:
                 raise UserError(f"config: {name} must be an integer in [0, {LIMITS['ctx_len']:,}], got {value!r:.60}")
+        if self.no_rope_every and "no_rope_every" not in self.spec.defaults:
+            raise UserError(f"config: no_rope_every {self.no_rope_every} for arch {self.arch}, whose layers all turn "
+                            f"q and k (smollm3 has layers without RoPE)")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if not isinstance(self.tie_embeddings, bool):
@@ -223,13 +229,20 @@ class Config:
         """The RoPE inverse frequencies [head_dim/2] (float64) of layer `layer`, None without RoPE: the one place
         every engine's cos/sin tables come from. Windowed layers: RoPE at rope_local_theta, plain unless the
         architecture's rope_scales_windows; the others: rope_theta with the scaling of the rope_* fields (see the
-        fields' comment)."""
+        fields' comment); a layer without RoPE (no_rope_every): zeros (cos 1, sin 0)."""
         if self.spec.positions != "rope":
             return None
+        if not self.turns(layer):   # a rotation by angle 0 is the identity: every engine runs the layer as it is
+            return np.zeros(self.head_dim // 2)
         if self.window(layer):
             return self.rotary_freqs(self.rope_local_theta,
                             self.rope_factors() if self.spec.rope_scales_windows else None)
         return self.rotary_freqs(self.rope_theta, self.rope_factors())
+
+    def turns(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE (positions "rope" and not one of no_rope_every's layers).
+        SmolLM3 (no_rope_every 4): layers 0, 1, 2 turn, layer 3 does not, ..."""
+        return self.spec.positions == "rope" and not (self.no_rope_every and (layer + 1) % self.no_rope_every == 0)
 
     def query_factor(self) -> float:
         """What q is multiplied by before an attention that divides q·kᵀ by √head_dim, so that it computes
@@ -375,12 +388,13 @@ FLOAT_MAX = sys.float_info.max
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "attn_softcap": 0.0, "logit_softcap": 0.0,
+            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "no_rope_every": 0, "attn_softcap": 0.0, "logit_softcap": 0.0,
             "parallel_residual": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
             "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap",
+            "no_rope_every",
             *MULTIPLIERS, "parallel_residual")
 ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32

@@ -77,6 +77,8 @@ def small_config(case: str, vocab: int) -> Config:
         fields |= dict(attn_softcap=0.5, logit_softcap=2.0)
     if a.multipliers:                           # Granite's, each away from its default
         fields |= MULTIPLIERS
+    if a.defaults.get("no_rope_every"):         # deep enough for a layer without RoPE (llama.cpp's smollm3: every 4th)
+        fields["n_layers"] = max(fields["n_layers"], a.defaults["no_rope_every"])
     if rope == "sequential":                    # GPT-NeoX's use_parallel_residual false
         fields["parallel_residual"] = False
     return Config(**fields | ROPE_SCALINGS.get(rope, {}))
@@ -179,6 +181,8 @@ def test_import_logits_and_gradients_equal_torch(folders, case):
             assert l2(Model(cfg.replace(**{cap: 0.0}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     for name in MULTIPLIERS if cfg.spec.multipliers else ():   # each multiplier is seen too
         assert l2(Model(cfg.replace(**{name: None}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL, name
+    if cfg.no_rope_every:   # and the layers without RoPE (every layer turning computes other logits)
+        assert l2(Model(cfg.replace(no_rope_every=0), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     if cfg.parallel_residual:   # and the parallel residual (the MLP reading x + attn computes other logits)
         assert l2(Model(cfg.replace(parallel_residual=False), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     loss, _, grads = m.loss_and_grads(ids)
@@ -344,6 +348,39 @@ def test_a_windowed_model_imports_from_hf_and_is_refused_for_gguf(folders, tmp_p
     refused = f"cannot export to GGUF: llama.cpp's {ARCHS[name].gguf.name} has no sliding window"
     with pytest.raises(UserError, match=refused):
         export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
+
+
+def test_a_no_rope_layers_list_reads_as_transformers_reads_it(folders, tmp_path):
+    """transformers' SmolLM3 reads no_rope_layers (1: the layer turns q and k, 0: it does not), its
+    no_rope_layer_interval only where the list is missing: a list of another pattern than the interval's imports
+    as the list says (every 2nd layer) and computes transformers' logits; a list that is not one layer every n-th
+    is refused in one line naming it; and the GGUF export refuses layers without RoPE other than llama.cpp's
+    (its smollm3 skips every 4th, whatever a file says)."""
+    import shutil
+
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.hf import load_hf_folder
+    _, d, want = folders["smollm3"]
+    assert want.no_rope_every == 4 and want.n_layers == 4
+    shutil.copytree(d, tmp_path / "s")
+    c = json.loads((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "s" / "config.json").write_text(json.dumps(c | {"no_rope_layers": [1, 0, 1, 0],
+                                                               "no_rope_layer_interval": 4}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s", attn_implementation="eager").float().eval()
+    cfg, params, tok = load_hf_folder(tmp_path / "s")
+    assert cfg == want.replace(no_rope_every=2)
+    ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, T))
+    theirs = torch_logits(hf, ids)
+    assert_logits_equal(Model(cfg, params).logits(ids)[0], theirs)
+    assert l2(Model(want, params).logits(ids)[0], theirs) > 10 * L2_TOL
+    with pytest.raises(UserError, match="cannot export to GGUF: llama.cpp's smollm3 fixes no_rope_every at 4 "
+                                        r"\(this model: 2\)"):
+        export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
+    (tmp_path / "s" / "config.json").write_text(json.dumps(c | {"no_rope_layers": [1, 0, 0, 1]}))
+    with pytest.raises(UserError, match=r"no_rope_layers \[1, 0, 0, 1\] is not a layer without RoPE every n-th") as e:
+        load_hf_folder(tmp_path / "s")
+    assert "\n" not in str(e.value)
 
 
 def test_a_query_pre_attn_scalar_other_than_head_dim_is_refused(folders, tmp_path):

@@ -21,6 +21,7 @@ ARCHS = {
     "granite": dict(n_kv_heads=2, arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=3.0),
     "olmo2": dict(n_kv_heads=2, arch="olmo2"),
+    "smollm3": dict(n_kv_heads=2, arch="smollm3", n_layers=4),   # (layer 3 without RoPE: every 4th, as llama.cpp's)
     "starcoder2": dict(n_kv_heads=2, arch="starcoder2"),
     "stablelm": dict(n_kv_heads=2, arch="stablelm", partial_rotary_factor=0.5),
     "gemma2": dict(n_kv_heads=2, arch="gemma2", sliding_window=24, attn_softcap=2.0, logit_softcap=5.0),
@@ -51,8 +52,8 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_command_on_the_architecture(arch, corpus, tmp_path, monkeypatch, capsys):
     d, tok = corpus
-    cfg = tiny_config(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_layers=2, ctx_len=160, ffn_hidden=64, n_mtp=2,
-                      **ARCHS[arch])
+    cfg = tiny_config(**dict(vocab_size=tok.vocab_size, dim=32, n_heads=4, n_layers=2, ctx_len=160, ffn_hidden=64,
+                             n_mtp=2) | ARCHS[arch])
     cfg.save(tmp_path / "cfg.json")
     ok = lambda argv: main(argv) == 0  # noqa: E731
     common = ["train", str(tmp_path / "cfg.json"), "--data", str(d / "data"), "--steps", "4", "--batch-size", "2",

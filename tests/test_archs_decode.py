@@ -45,6 +45,9 @@ CONFIGS = {
     # OLMo 2: post norms only, q/k norms over each whole projection
     "olmo2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                          n_mtp=2, arch="olmo2"),
+    # SmolLM3: layer 1 without RoPE (no_rope_every 2)
+    "smollm3": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                           n_mtp=2, arch="smollm3", no_rope_every=2),
     # Granite's four multipliers (embedding, residual, attention scale, logits), each away from its default
     "granite": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                            n_mtp=2, arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
@@ -140,6 +143,7 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
 
 
 GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,),
+          "smollm3": (4,),
           "gemma2": (0,), "phi3": (6,), "starcoder2": (9,), "stablelm": (7,), "granite": (6,), "olmo2": (6,),
           "gptneox": (8,)}  # seeds whose greedy text varies
 

@@ -23,6 +23,7 @@ CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_
            # 64 (16 / 64 the fast / slow bounds): one pair unscaled, two blended, one divided by the factor
            "llama3": BASE.replace(rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
            "olmo2": BASE.replace(arch="olmo2"),   # post norms only, q/k norms over each whole projection
+           "smollm3": BASE.replace(arch="smollm3", no_rope_every=2),   # layer 1 without RoPE
            "granite": BASE.replace(arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,   # its four
                                    attention_multiplier=0.2, logits_scaling=3.0),                   # multipliers
            "stablelm": BASE.replace(arch="stablelm", partial_rotary_factor=0.5),   # RoPE on half of each head

@@ -21,7 +21,7 @@ from nanoeuler.interop.peft import adapter_config
 
 SHAPES = {"euler": {}, "qwen2": {}, "gpt2": dict(n_kv_heads=4), "qwen3": dict(head_dim=8),
           "mistral": dict(sliding_window=4),
-          "olmo2": {},
+          "olmo2": {}, "smollm3": dict(no_rope_every=2),
           "granite": dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2,
                           logits_scaling=3.0), "starcoder2": dict(sliding_window=4),
           "stablelm": dict(partial_rotary_factor=0.5),

@@ -221,3 +221,21 @@ def test_multipliers_belong_to_the_architectures_that_have_them():
     assert g.query_factor() == 0.5 and Config.from_dict(g.to_dict()) == g
     with pytest.raises(UserError, match="residual_multiplier must be a finite number > 0"):
         g.replace(residual_multiplier=float("nan"))
+
+
+def test_layers_without_rope_belong_to_the_architectures_that_have_them():
+    """no_rope_every for an architecture whose every layer turns q and k is refused in one line (its formats could
+    not carry it); a smollm3's every 4th layer (its default) gets frequency 0, under which RoPE is the identity in
+    every engine, and the others the plain frequencies."""
+    from nanoeuler import ops
+    with pytest.raises(UserError, match="config: no_rope_every 2 for arch euler"):
+        TINY.replace(no_rope_every=2)
+    s = TINY.replace(arch="smollm3", n_layers=5)
+    assert [s.turns(i) for i in range(5)] == [True, True, True, False, True] and "no_rope_every" not in s.to_dict()
+    assert s.rope_kinds()[1] == [0, 0, 0, 1, 0] and not s.layer_freqs(3).any()
+    assert np.array_equal(s.layer_freqs(3 - 1), s.replace(no_rope_every=0).layer_freqs(3))
+    x = np.random.default_rng(0).standard_normal((1, 2, 8, s.head_dim)).astype(np.float32)   # [B, H, T, hd]
+    assert np.array_equal(ops.rope_forward(x, *ops.rope_tables(8, s.layer_freqs(3), np.float32))[0], x)
+    assert Config.from_dict(s.replace(no_rope_every=2).to_dict()).no_rope_every == 2
+    with pytest.raises(UserError, match="no_rope_every must be an integer in"):
+        s.replace(no_rope_every=-1)

@@ -142,7 +142,8 @@ def check_expressible(cfg) -> None:
     has none, per-pair RoPE factors where it reads none, heads of another width than dim / n_heads where it
     makes q and the attention output dim x dim (its Format's heads_fill_dim), an attention scale it computes
     otherwise (attention_scale_mismatch), a soft cap where it reads none or none where it always caps (its gguf Format's
-    config names the caps: gemma2), a head of its own where it takes the embedding (no `output` in its table)."""
+    config names the caps: gemma2), a head of its own where it takes the embedding (no `output` in its table), a
+    setting it fixes otherwise (its Format's fixed: smollm3's layer without RoPE every 4th)."""
     from ..arch import by_format
     a = cfg.spec
     if cfg.sliding_window and ("sliding_window" not in by_format("gguf", a.gguf.name).defaults   # (mistral: llama)
@@ -163,6 +164,10 @@ def check_expressible(cfg) -> None:
             raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} "
                             f"{'always soft-caps' if cap in a.gguf.config else 'has no soft cap'} ({cap} "
                             f"{getattr(cfg, cap):g})")
+    for name, value in a.gguf.fixed.items():
+        if getattr(cfg, name) != value:
+            raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} fixes {name} at {value} (this model: "
+                            f"{getattr(cfg, name)})")
     if not cfg.tie_embeddings and not any("heads.0.weight" in e.ours for e in a.gguf.globals_):
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} takes the embedding as its output head; "
                         f"this model has a head of its own")

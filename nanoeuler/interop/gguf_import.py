@@ -537,6 +537,7 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
                   tie_embeddings="output.weight" not in tensors   # (gemma2's table has no output: llama.cpp's
                   or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_))   # head is the embedding)
+    fields |= arch.gguf.fixed   # what llama.cpp fixes rather than reads (smollm3's layer without RoPE every 4th)
     for key, ours in read.items():   # (an integer where the Config's is: Phi-3's original context)
         if type(DEFAULTS.get(ours)) is bool:   # a flag llama.cpp requires (gptneox's use_parallel_residual)
             fields[ours] = field(meta, f"{a}.{key}", bool)

@@ -164,6 +164,8 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         del fields["sliding_window"]
     if "sliding_window" in fields:
         fields.update(_window_pattern(c, arch, fields.get("n_layers")))
+    if arch.hf.no_rope_list and c.get(arch.hf.no_rope_list) is not None:
+        fields.update(_no_rope_pattern(c[arch.hf.no_rope_list], arch, fields))
     if not arch.gated:
         fields.setdefault("ffn_hidden", 4 * fields["dim"] if isinstance(fields.get("dim"), int) else None)
     if not isinstance(fields.get("tie_embeddings", False), bool):   # a string "false" is not false
@@ -312,6 +314,28 @@ def _window_pattern(c: dict, arch: Arch, n_layers) -> dict:
     return {"global_every": n}
 
 
+def _no_rope_pattern(flags, arch: Arch, fields: dict) -> dict:
+    """SmolLM3's no_rope_layers (layer i turns q and k where flags[i] is 1, not where 0; transformers reads the list,
+    its no_rope_layer_interval only builds a missing one) as our no_rope_every: the interval config.json gives
+    where the list is its pattern, else the pattern the list's first 0 starts; another list: UserError.
+    _no_rope_pattern([1, 0, 1, 0], SMOLLM3, {"n_layers": 4}) -> {"no_rope_every": 2}"""
+    key, n = arch.hf.no_rope_list, fields.get("n_layers")
+    if not isinstance(n, int) or not isinstance(flags, list) or len(flags) < n or any(f not in (0, 1) for f in flags):
+        raise UserError(f"config.json: {key} must give each of the {n!r:.20} layers 1 (RoPE) or 0 (none)")
+    flags = [int(f) for f in flags[:n]]   # (transformers reads the first n)
+
+    def pattern(every: int) -> list[int]:
+        return [int(not every or (i + 1) % every != 0) for i in range(n)]
+    every = fields.get("no_rope_every", arch.defaults["no_rope_every"])
+    if isinstance(every, int) and pattern(every) == flags:
+        return {}
+    every = flags.index(0) + 1 if 0 in flags else 0
+    if pattern(every) != flags:
+        raise UserError(f"config.json: {key} {json.dumps(flags)[:80]} is not a layer without RoPE every n-th; "
+                        f"not supported")
+    return {"no_rope_every": every}
+
+
 def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     """config.json of the transformers model equal to ours."""
     from ..config import MULTIPLIERS
@@ -328,6 +352,8 @@ def hf_config(cfg, tok, tied: bool, dtype: str = "float32") -> dict:
     out |= {key: values[ours] for ours, keys in fmt.config.items() if ours in values for key in keys}
     if cfg.sliding_window:
         out["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
+    if fmt.no_rope_list:   # (what transformers reads; the interval, Format.config, only builds a missing list)
+        out[fmt.no_rope_list] = [int(cfg.turns(i)) for i in range(cfg.n_layers)]
     if not a.qkv_bias:
         out["attention_bias"] = False
     if a.positions == "rope":

@@ -196,6 +196,8 @@ ARCH_CHECK_CONFIGS = {
     "mistral": CHECK_CONFIG.replace(arch="mistral", sliding_window=5),
     # olmo2 (no input norms, post norms, q/k norms over each whole projection)
     "olmo2": CHECK_CONFIG.replace(arch="olmo2"),
+    # smollm3 (layer 1 without RoPE: its q and k turned by angle 0)
+    "smollm3": CHECK_CONFIG.replace(arch="smollm3", no_rope_every=2),
     # granite (every scalar multiplier away from 1 and 1/√hd)
     "granite": CHECK_CONFIG.replace(arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,
                                     attention_multiplier=0.2, logits_scaling=3.0),
