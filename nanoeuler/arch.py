@@ -43,15 +43,15 @@ logits_scaling (Granite's).
 | gptneox | layer | gelu (erf) | RoPE on a part of each head, parallel residual | every linear | |   |           |
 
 `euler` is the SPEC's model, which is Llama's block (Hugging Face `llama`, GGUF `llama`: SmolLM2 imports as
-euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's
-converter writes it as `llama`. `smollm3` is Llama's block again where every 4th layer (Config.no_rope_every)
-attends without RoPE (its q and k turned by angle 0). `starcoder2` is GPT-2's block with RoPE instead of learned positions (llama.cpp
-reads no window for it). `phi3` is Llama's block again, its q|k|v and gate|up each one tensor in both formats
-(and one LoRA target). `gptneox` (Pythia) is StarCoder2's block with the exact GELU, partial rotary and, by
-default, the parallel residual; its Hugging Face query_key_value interleaves q, k and v head by head. A model's own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in
-its Config; `defaults` gives the ones a checkpoint's config.json may leave out (config.json names the
-architecture and any field that differs). Parameter names are the same for every entry (Config.param_shapes
-builds them from the record):
+euler). `mistral` is the same block under Mistral's name, a window (if any) on every layer; llama.cpp's converter
+writes it as `llama`. `smollm3` is Llama's block again where every 4th layer (Config.no_rope_every) attends
+without RoPE (its q and k turned by angle 0). `starcoder2` is GPT-2's block with RoPE instead of learned positions
+(llama.cpp reads no window for it). `phi3` is Llama's block again, its q|k|v and gate|up each one tensor in both
+formats (and one LoRA target). `gptneox` (Pythia) is StarCoder2's block with the exact GELU, partial rotary and,
+by default, the parallel residual; its Hugging Face query_key_value interleaves q, k and v head by head. A model's
+own numbers (widths, θ, ε, window, RoPE scaling, tied head) live in its Config; `defaults` gives the ones a
+checkpoint's config.json may leave out (config.json names the architecture and any field that differs). Parameter
+names are the same for every entry (Config.param_shapes builds them from the record):
 
     layers.i.attn_norm  attn.wq attn.wk attn.wv  attn.q_norm attn.k_norm  attn.wo  attn_post_norm
     layers.i.ffn_norm   ffn.gate ffn.up ffn.down (gated) | ffn.fc ffn.proj (gelu)  ffn_post_norm
@@ -107,8 +107,9 @@ class Format:
     keys, where that is not the architecture's default (Qwen2's rope_theta 10000, Mistral's window 4096);
     width_scaled_at: the depths (layer counts) at which its runtime scales attention by 1/√(dim / n_heads)
     instead of our 1/√head_dim (llama.cpp's Gemma 3 27B, 62 layers: gemma_pytorch's query_pre_attn_scalar);
-    reads_window: where the architecture has windows, its runtime reads them (False: llama.cpp's starcoder2,
-    which attends over every position whatever the model was trained with);
+    reads_window: where the architecture has windows, its runtime reads them (False: llama.cpp's starcoder2 and
+    phi3, which attend over every position whatever the model was trained with: a window such a GGUF states, as
+    Phi-3-mini's 2047, imports as none);
     heads_fill_dim: its runtime makes q and the attention output dim x dim, so a head is dim / n_heads wide
     whatever attention.key_length says (llama.cpp's qwen2, gpt2, starcoder2, phi3, stablelm, olmo2; its llama,
     qwen3, gemma2, gemma3, granite size them by key_length x head_count);

@@ -383,6 +383,37 @@ def test_a_no_rope_layers_list_reads_as_transformers_reads_it(folders, tmp_path)
     assert "\n" not in str(e.value)
 
 
+def test_a_window_the_gguf_states_and_llama_cpp_ignores_imports_as_none(folders, tmp_path):
+    """llama.cpp's converter writes a Phi-3's window (Phi-3-mini's 2047) into the GGUF, and llama.cpp's phi3
+    attends over every position whatever it says (Format.reads_window): the import takes no window, as llama.cpp
+    computes, and decodes llama.cpp's greedy tokens (the window, wider than every sequence here, changes nothing
+    for transformers either)."""
+    import shutil
+
+    from nanoeuler.interop.gguf_import import load_gguf, open_gguf
+    name = "phi3"
+    hf, d, want = folders[name]
+    shutil.copytree(d, tmp_path / "w")
+    c = json.loads((tmp_path / "w" / "config.json").read_text())
+    (tmp_path / "w" / "config.json").write_text(json.dumps(c | {"sliding_window": 2047, "use_sliding_window": True}))
+    path = tmp_path / "converted.gguf"
+    run = subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp_sources()), str(tmp_path / "w"), str(path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert open_gguf(path).meta.get(f"{name}.attention.sliding_window") == 2047
+    cfg, params, _, _ = load_gguf(path)
+    assert cfg == want and cfg.sliding_window == 0
+    m = Model(cfg, params)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, T))
+    assert_logits_equal(m.logits(ids)[0], torch_logits(hf, ids))
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.infer.session import generate
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    prompt = list(ids[0, :5])
+    assert LlamaCpp(path, n_ctx=cfg.ctx_len).greedy(prompt, 16)[0] == generate(m, prompt, 16, temperature=0,
+                                                                                stop_ids=[]).ids
+
+
 def test_a_query_pre_attn_scalar_other_than_head_dim_is_refused(folders, tmp_path):
     """transformers' Gemma 3 divides q·k by √query_pre_attn_scalar (Gemma 3 27B: 168, its head_dim 128), ours by
     √head_dim: a config whose two differ attends otherwise, and is refused in one line naming the key."""

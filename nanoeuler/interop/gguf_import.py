@@ -515,8 +515,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
     read = {key: ours for ours, (key,) in arch.gguf.config.items()}   # Config numbers under `{a}.` (Granite's)
     refuse_unsupported(meta, a, read)
     window = field(meta, f"{a}.attention.sliding_window", default=0)
-    if window and (arch.defaults.get("sliding_window") is None or not arch.gguf.reads_window):  # llama.cpp's
-                                                                 # llama / qwen2 / starcoder2 read no window
+    if not arch.gguf.reads_window:   # llama.cpp's phi3 / starcoder2 attend over every position whatever the file
+        window = 0                   # says (its converter writes Phi-3-mini's 2047): so does the import
+    if window and arch.defaults.get("sliding_window") is None:   # (llama.cpp's llama / qwen2: no window at all)
         raise UserError(f"GGUF metadata {a}.attention.sliding_window = {window} is not supported for {a}")
     heads = field(meta, f"{a}.attention.head_count")
     dim = field(meta, f"{a}.embedding_length")
