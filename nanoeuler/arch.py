@@ -116,7 +116,10 @@ class Format:
     no_rope_list: the config.json key listing each layer's RoPE, 1 on and 0 off (SmolLM3's no_rope_layers), which
     transformers reads rather than the interval: read as the Config's no_rope_every and written beside it;
     fixed: Config field -> the value its runtime fixes rather than reads (llama.cpp's smollm3: a layer without RoPE
-    every 4th): import takes it, export refuses another."""
+    every 4th): import takes it, export refuses another;
+    head_required: its runtime loads `output` and never falls back to the embedding (llama.cpp's olmo2, stablelm,
+    gptneox): export writes a tied head as the embedding's copy, and import reads an `output` equal to
+    token_embd as tied."""
     name: str
     globals_: tuple[External, ...]
     layer: tuple[External, ...]
@@ -136,6 +139,7 @@ class Format:
     heads_fill_dim: bool = False
     no_rope_list: str | None = None
     fixed: dict = field(default_factory=dict)
+    head_required: bool = False
 
     def tensors(self, n_layers: int) -> list[External]:
         """Every tensor of an n-layer model: layer entries expanded, ours prefixed with `layers.{i}.`."""
@@ -408,7 +412,7 @@ STABLELM = Arch(
         for ours, theirs, sides in (("attn_norm", "attn_norm", "wb"), *((f"attn.w{x}", f"attn_{x}", "wb") for x in "qkv"),
                                     ("attn.wo", "attn_output", "w"), ("ffn_norm", "ffn_norm", "wb"),
                                     *((f"ffn.{x}", f"ffn_{x}", "w") for x in ("gate", "up", "down")))
-        for s in ("weight", "bias")[:len(sides)]), heads_fill_dim=True),
+        for s in ("weight", "bias")[:len(sides)]), heads_fill_dim=True, head_required=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 # Granite 3: Llama's block with four scalar multipliers, the Config's numbers under its names in both formats
@@ -437,7 +441,7 @@ OLMO2 = Arch(
                                                        for x in "qk"),
                                          _e("blk.{i}.post_attention_norm.weight", "attn_post_norm.weight"),
                                          *_GGUF_MLP, _e("blk.{i}.post_ffw_norm.weight", "ffn_post_norm.weight")),
-                heads_fill_dim=True),
+                heads_fill_dim=True, head_required=True),
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 # GPT-NeoX (Pythia): StarCoder2's block (LayerNorm, GELU MLP, biases on every linear) with the exact (erf) GELU, RoPE
@@ -473,7 +477,8 @@ GPTNEOX = Arch(
                 tuple(_e(f"blk.{{i}}.attn_qkv.{s}", *(f"{w}.{s}" for w in _NEOX_QKV)) for s in ("weight", "bias"))
                 + tuple(_e(f"blk.{{i}}.{theirs}.{s}", f"{ours}.{s}") for ours, theirs in _GGUF_NEOX
                         for s in ("weight", "bias")),
-                config={"parallel_residual": ("use_parallel_residual",)}, heads_fill_dim=True),
+                config={"parallel_residual": ("use_parallel_residual",)}, heads_fill_dim=True,
+                head_required=True),
     lora={"query_key_value": [("attn.wqkv", _NEOX_QKV)], "dense": [("attn.wo", ("attn.wo",))],
           "dense_h_to_4h": [("ffn.fc", ("ffn.fc",))], "dense_4h_to_h": [("ffn.proj", ("ffn.proj",))]},
     lora_defaults=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"))

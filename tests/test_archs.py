@@ -414,6 +414,29 @@ def test_a_window_the_gguf_states_and_llama_cpp_ignores_imports_as_none(folders,
                                                                                 stop_ids=[]).ids
 
 
+@pytest.mark.parametrize("name", [a.name for a in ARCHS.values() if a.gguf.head_required])
+def test_a_tied_head_is_written_where_llama_cpp_requires_one(folders, tmp_path, name):
+    """llama.cpp's olmo2, stablelm and gptneox load `output` and never fall back to the embedding (it once refused
+    our export of a tied OLMo 2): the GGUF export writes the embedding's copy there, which imports back as the
+    tied model (the same config and tensors), and llama.cpp loads the file and decodes our greedy tokens."""
+    from nanoeuler.interop.gguf_export import export_gguf
+    from nanoeuler.interop.gguf_import import load_gguf, open_gguf
+    from nanoeuler.interop.hf import load_hf_folder
+    cfg, params, tok = load_hf_folder(folders[name][1])
+    cfg = cfg.replace(tie_embeddings=True)
+    m = Model(cfg, {n: params[n] for n in cfg.param_shapes()})
+    path = export_gguf(m, tok, tmp_path / "m.gguf", progress=False)
+    assert "output.weight" in [t.name for t in open_gguf(path).tensors]
+    cfg2, params2, _, _ = load_gguf(path)
+    assert cfg2 == cfg and all(np.array_equal(params2[n], m.params[n]) for n in m.params)
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.infer.session import generate
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    prompt = list(np.random.default_rng(8).integers(0, cfg.vocab_size, 5))
+    assert LlamaCpp(path, n_ctx=cfg.ctx_len).greedy(prompt, 16)[0] == generate(m, prompt, 16, temperature=0,
+                                                                                stop_ids=[]).ids
+
+
 def test_a_query_pre_attn_scalar_other_than_head_dim_is_refused(folders, tmp_path):
     """transformers' Gemma 3 divides q·k by √query_pre_attn_scalar (Gemma 3 27B: 168, its head_dim 128), ours by
     √head_dim: a config whose two differ attends otherwise, and is refused in one line naming the key."""

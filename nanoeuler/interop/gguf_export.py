@@ -72,16 +72,20 @@ def layer_tensor(cfg, name: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """llama.cpp name -> float32 array (q and k permuted where llama.cpp wants it; several of ours stacked by
     rows into one where it fuses them), in the table's order. `output` is left out when head 0 is the
-    embedding (llama.cpp then uses token_embd)."""
+    embedding (llama.cpp then uses token_embd), or written as its copy where llama.cpp requires it
+    (Format.head_required)."""
+    from ..config import head_name
     cfg, P = model.config, model.params
     tied = "heads.0.weight" not in P or np.array_equal(P["heads.0.weight"], P["embed.weight"])
+    required = cfg.spec.gguf.head_required   # (llama.cpp's olmo2, stablelm: the embedding's copy)
     out = {}
     if cfg.rope_scaling in ("llama3", "factors"):   # llama.cpp divides each pair's frequency by these
         out["rope_freqs.weight"] = cfg.rope_factors().astype(np.float32)
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
-        if e.ours == ("heads.0.weight",) and tied:
+        if e.ours == ("heads.0.weight",) and tied and not required:
             continue
-        parts = [layer_tensor(cfg, n, P[n])[1] if n.startswith("layers.") else P[n] for n in e.ours]
+        parts = [layer_tensor(cfg, n, P[n])[1] if n.startswith("layers.") else P[n if n in P else head_name(P, 0)]
+                 for n in e.ours]   # (heads.0 of a tied model: the embedding)
         out[e.name] = np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
     return out
 
@@ -95,7 +99,7 @@ def gguf_blocks(cfg, blocks: dict) -> dict:
     from ..infer.quant import of_dtype
     out = {}
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
-        parts = [blocks.get(n) for n in e.ours]
+        parts = [blocks.get("embed.weight" if n == "heads.0.weight" and cfg.tie_embeddings else n) for n in e.ours]
         if any(p is None for p in parts) or len({p.dtype for p in parts}) != 1:
             continue
         a = np.ascontiguousarray(np.concatenate([layer_tensor(cfg, n, p)[1] for n, p in zip(e.ours, parts)]))

@@ -537,7 +537,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
                   ffn_hidden=field(meta, f"{a}.feed_forward_length"), n_mtp=1, arch=arch.name,
                   norm_eps=field(meta, f"{a}.attention.{eps_key}", float), head_dim=hd,
                   tie_embeddings="output.weight" not in tensors   # (gemma2's table has no output: llama.cpp's
-                  or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_))   # head is the embedding)
+                  or not any(e.ours == ("heads.0.weight",) for e in arch.gguf.globals_)   # head is the embedding)
+                  or arch.gguf.head_required and same_tensor(tensors["output.weight"], tensors["token_embd.weight"]))
     fields |= arch.gguf.fixed   # what llama.cpp fixes rather than reads (smollm3's layer without RoPE every 4th)
     for key, ours in read.items():   # (an integer where the Config's is: Phi-3's original context)
         if type(DEFAULTS.get(ours)) is bool:   # a flag llama.cpp requires (gptneox's use_parallel_residual)
@@ -567,6 +568,12 @@ def gguf_config(meta: dict, arch, tensors: dict):
     return cfg
 
 
+def same_tensor(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two of the file's tensors hold the same values in the same type (an `output` that is the embedding's
+    copy, written where llama.cpp requires one: Format.head_required); the first rows decide most cases unread."""
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a[:1], b[:1]) and np.array_equal(a, b)
+
+
 def check_vocab_size(meta: dict, arch: str, rows: int) -> None:
     """{arch}.vocab_size, where the file states it (llama.cpp sizes the vocabulary by it): an integer, the
     embedding's number of rows. check_vocab_size({"llama.vocab_size": "320"}, "llama", 320) -> UserError"""
@@ -588,8 +595,9 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     P, src = {}, {}
     for e in fmt.tensors(cfg.n_layers):
         ours = [n for n in e.ours if n in shapes]
-        if not ours:
-            continue  # output.weight of a tied model
+        if not ours:   # output.weight of a tied model (where llama.cpp requires it: the embedding's copy)
+            T.pop(e.name, None)
+            continue
         if e.name not in T:
             raise UserError(f"tensor {e.name} is missing from the GGUF file")
         a = T.pop(e.name)
