@@ -534,3 +534,20 @@ def test_tokens_read_as_the_list_they_were_made_from():
     assert d["tokens"] == want and json.loads(json.dumps(d))["tokens"] == want
     again = Tokenizer.from_dict(json.loads(json.dumps(d)))
     assert list(again.tokens) == want and again.fingerprint() == tok.fingerprint()
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_merge_across_a_newline_keeps_the_text_whole(joined):
+    """Fragments are cut at newline runs' edges only where no merge joins a newline to other characters (the cut
+    is then a saving, the ids the same): a vocabulary merging "a" with "\\n" must still make "a\\n" and "\\na"."""
+    from nanoeuler.tokenizer.sentencepiece import BYTE_PIECES
+    pieces = ["a", "b", "\n", "ab", "\n\n"] + (["a\n", "\na"] if joined else [])
+    tokens = ["<unk>", "<s>", *BYTE_PIECES, *pieces]
+    at = {t: i for i, t in enumerate(tokens)}
+    merges = [("a", "b"), ("\n", "\n")] + ([("a", "\n"), ("\n", "a")] if joined else [])
+    tok = SentencePieceTokenizer(tokens, [2, 3] + [6] * 256 + [1] * len(pieces),
+                                 merges=[(at[x], at[y]) for x, y in merges], prefix="none")
+    for text in ("ab\na\n\nab", "a\nb", "b\n\na\n"):   # each makes "a\n" or "\na" when joined
+        ids = tok.encode(text)
+        assert ids == tok.encode_reference(text), text
+        assert any("\n" in tok.tokens[i] and "a" in tok.tokens[i] for i in ids) == joined, text
