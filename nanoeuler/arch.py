@@ -90,7 +90,8 @@ class Format:
     globals_, layer: External entries (layer names under `layers.{i}.` on our side);
     norm_offset: their norm weights are ours − offset; permute_qk: q/k rows in llama.cpp's interleaved RoPE
     order (GGUF `llama`, `granite`); rope_freqs: its runtime reads per-pair RoPE factors, the tensor `rope_freqs`
-    (llama.cpp's `llama`, for Llama 3.x; its qwen2, qwen3, gemma3 read none).
+    (llama.cpp's `llama`, for Llama 3.x; its qwen2, qwen3, gemma3 read none); rope_long_short: it reads LongRoPE's
+    tensors `rope_factors_short` / `rope_factors_long` and rope.scaling.attn_factor (llama.cpp's phi3).
     A Hugging Face folder's files, as the format writes them (Llama-style, or GPT-2's):
     config: Config field -> its config.json keys: the first one given is read and any other given must agree
     (GPT-2's n_ctx beside n_positions; query_pre_attn_scalar beside head_dim); export writes them all
@@ -127,6 +128,7 @@ class Format:
     norm_offset: float = 0.0
     permute_qk: bool = False
     rope_freqs: bool = False
+    rope_long_short: bool = False
     config: dict = field(default_factory=dict)
     config_fixed: dict = field(default_factory=dict)
     activation_keys: tuple[str, ...] = ()
@@ -333,7 +335,7 @@ PHI3 = Arch(
         _e("blk.{i}.attn_output.weight", "attn.wo.weight"), _e("blk.{i}.ffn_norm.weight", "ffn_norm.weight"),
         _e("blk.{i}.ffn_up.weight", *(f"{w}.weight" for w in _GATE_UP)), _e("blk.{i}.ffn_down.weight", "ffn.down.weight")),
         reads_window=False, config={"rope_original_ctx": ("rope.scaling.original_context_length",)},
-        heads_fill_dim=True),
+        heads_fill_dim=True, rope_long_short=True),
     lora={"qkv_proj": [("attn.wqkv", _QKV)], "o_proj": [("attn.wo", ("attn.wo",))],
           "gate_up_proj": [("ffn.gate_up", _GATE_UP)], "down_proj": [("ffn.down", ("ffn.down",))]},
     lora_defaults=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))

@@ -16,7 +16,7 @@ import numpy as np
 
 from .arch import ARCHS, Arch
 from .errors import UserError
-from .ops.rope import inv_freq, llama3_factors
+from .ops.rope import inv_freq, llama3_factors, yarn_factors
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,23 @@ class Config:
     # the architecture's rope_scales_windows: every layer, Gemma 2's):
     # "none"; "linear" (every frequency / rope_factor); "llama3" (transformers' rope_type llama3, from
     # rope_factor, the two freq factors and rope_original_ctx); "factors" (frequency i / rope_freq_factors[i],
-    # llama.cpp's rope_freqs tensor when it is not llama3's). The one entry point: layer_freqs.
+    # llama.cpp's rope_freqs tensor when it is not llama3's); "yarn" (transformers' rope_type yarn: rope_factor,
+    # rope_original_ctx and the ramp's ends rope_beta_fast / rope_beta_slow, ops/rope.yarn_factors); "longrope"
+    # (Phi-3's: frequency i / rope_freq_factors[i], the short factors, where the model runs at a ctx_len up to
+    # rope_original_ctx, else / rope_long_factors[i], as llama.cpp chooses by its context). yarn and longrope
+    # multiply cos and sin of q and k by rope_attn_factor (default as transformers derives it from rope_factor:
+    # yarn 1 + 0.1·ln(factor), longrope √(1 + ln(factor) / ln(rope_original_ctx)); 1 where factor <= 1): the
+    # scores by its square (score_scale). The one entry point: layer_freqs (and score_scale).
     rope_scaling: str | None = None
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
     rope_original_ctx: int | None = None       # original_max_position_embeddings
     rope_freq_factors: tuple[float, ...] | None = None
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_beta_fast: float | None = None
+    rope_beta_slow: float | None = None
+    rope_attn_factor: float | None = None
     # partial rotary (StableLM, GPT-NeoX): RoPE turns the first rope_dims = int(head_dim · this) dimensions of each
     # head (rotate-half pairing within them: i with i + rope_dims/2), the others pass as they are; 1: all of them
     partial_rotary_factor: float | None = None
@@ -98,7 +108,7 @@ class Config:
         if self.spec.positions == "rope" and self.head_dim % 2:
             raise UserError(f"config: head_dim {self.head_dim} must be even for RoPE")
         for name in ("rope_theta", "norm_eps", "rope_local_theta", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor", *MULTIPLIERS):
+                     "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attn_factor", *MULTIPLIERS):
             value = getattr(self, name)     # (an int compares exactly: 10**400 is beyond every float)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT_MAX:
                 raise UserError(f"config: {name} must be a finite number > 0, got {value!r:.60}")
@@ -128,19 +138,37 @@ class Config:
         if kind == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise UserError(f"config: rope_low_freq_factor {self.rope_low_freq_factor} must be below "
                             f"rope_high_freq_factor {self.rope_high_freq_factor}")
-        if (factors is not None) != (kind == "factors"):
-            raise UserError("config: rope_freq_factors goes with rope_scaling \"factors\" and only with it")
-        if factors is not None:
-            ok = isinstance(factors, (list, tuple)) and len(factors) == self.head_dim // 2 and all(
-                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)
-            if not ok:
-                raise UserError(f"config: rope_freq_factors must be {self.head_dim // 2} finite numbers > 0 "
-                                f"(head_dim / 2)")
-            object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in factors))
+        if (factors is not None) != (kind in ("factors", "longrope")):
+            raise UserError("config: rope_freq_factors goes with rope_scaling \"factors\" or \"longrope\" and only "
+                            "with them")
+        if (self.rope_long_factors is not None) != (kind == "longrope"):
+            raise UserError("config: rope_long_factors goes with rope_scaling \"longrope\" and only with it")
+        for name in ("rope_freq_factors", "rope_long_factors"):
+            self._check_pair_factors(name)
+        if kind == "yarn" and not self.rope_beta_slow < self.rope_beta_fast:
+            raise UserError(f"config: rope_beta_slow {self.rope_beta_slow} must be below rope_beta_fast "
+                            f"{self.rope_beta_fast}")
+        if kind == "yarn" and not self.rope_theta > 1:   # (its ramp's ends divide by ln θ)
+            raise UserError(f"config: rope_theta {self.rope_theta} with rope_scaling yarn must be above 1")
         if kind != "none" and self.spec.positions != "rope":
             raise UserError(f"config: rope_scaling {kind} for arch {self.arch}, which has no RoPE")
         if kind != "none" and self.sliding_window and not self.global_every and not self.spec.rope_scales_windows:
             raise UserError(f"config: rope_scaling {kind} scales the global layers, and every layer is windowed")
+        if kind in ("yarn", "longrope") and (self.no_rope_every or self.sliding_window
+                                             and not self.spec.rope_scales_windows):
+            raise UserError(f"config: rope_scaling {kind} beside layers it does not turn (windowed or without RoPE) "
+                            f"is not supported (its attention factor scales the turned layers' scores only)")
+
+    def _check_pair_factors(self, name: str) -> None:
+        """Field `name`, where given, is head_dim / 2 finite numbers > 0; made a tuple of floats."""
+        factors = getattr(self, name)
+        if factors is None:
+            return
+        ok = isinstance(factors, (list, tuple)) and len(factors) == self.head_dim // 2 and all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)
+        if not ok:
+            raise UserError(f"config: {name} must be {self.head_dim // 2} finite numbers > 0 (head_dim / 2)")
+        object.__setattr__(self, name, tuple(float(f) for f in factors))
 
     def _check_partial_rotary(self) -> None:
         """partial_rotary_factor in (0, 1], turning an even number of dimensions, with no RoPE scaling per pair."""
@@ -156,7 +184,7 @@ class Config:
         if self.rope_dims < 2 or self.rope_dims % 2:
             raise UserError(f"config: partial_rotary_factor {f} turns {self.rope_dims} of head_dim {self.head_dim} "
                             f"dimensions; RoPE turns pairs (at least one)")
-        if self.rope_scaling in ("llama3", "factors"):
+        if self.rope_scaling in ("llama3", "factors", "yarn", "longrope"):
             raise UserError(f"config: rope_scaling {self.rope_scaling} with partial_rotary_factor {f} is not supported")
 
     def _check_parallel_residual(self) -> None:
@@ -211,7 +239,21 @@ class Config:
                                                                   else out["rope_theta"])
         hd = self.head_dim if self.head_dim is not None else out["head_dim"]
         out["attention_multiplier"] = 1.0 / math.sqrt(hd) if isinstance(hd, int) and hd > 0 else None
+        out["rope_attn_factor"] = self._derived_attn_factor(out)
         return out
+
+    def _derived_attn_factor(self, defaults: dict) -> float:
+        """transformers' attention factor of yarn / longrope when config.json names none (see the rope fields'
+        comment); 1 for the other scalings, and where the fields it reads are not numbers (refused later)."""
+        kind, factor, ctx = (getattr(self, n) if getattr(self, n) is not None else defaults[n]
+                             for n in ("rope_scaling", "rope_factor", "rope_original_ctx"))
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 1 < v <= FLOAT_MAX
+                      for v in (factor, ctx))
+        if kind == "yarn" and numbers:
+            return 0.1 * math.log(factor) + 1.0
+        if kind == "longrope" and numbers:
+            return math.sqrt(1 + math.log(factor) / math.log(ctx))
+        return 1.0
 
     @property
     def spec(self) -> Arch:
@@ -244,21 +286,35 @@ class Config:
         SmolLM3 (no_rope_every 4): layers 0, 1, 2 turn, layer 3 does not, ..."""
         return self.spec.positions == "rope" and not (self.no_rope_every and (layer + 1) % self.no_rope_every == 0)
 
+    def score_scale(self) -> float:
+        """What the attention multiplies q·kᵀ by: attention_multiplier (default 1/√head_dim), times the square of
+        yarn's / longrope's rope_attn_factor, which multiplies cos and sin of both q and k (transformers'
+        attention_scaling, llama.cpp's mscale). Scaling the scores is the same: q and k meet only in q·kᵀ, and
+        the KV cache keeps k as RoPE turned it, unscaled."""
+        m = self.rope_attn_factor if self.rope_scaling in ("yarn", "longrope") else 1.0
+        return self.attention_multiplier * m * m
+
     def query_factor(self) -> float:
         """What q is multiplied by before an attention that divides q·kᵀ by √head_dim, so that it computes
-        q·kᵀ·attention_multiplier: 1 at the default 1/√head_dim."""
-        if self.attention_multiplier == 1.0 / math.sqrt(self.head_dim):
+        q·kᵀ·score_scale: 1 at the default 1/√head_dim without a RoPE attention factor."""
+        if self.score_scale() == 1.0 / math.sqrt(self.head_dim):
             return 1.0
-        return self.attention_multiplier * math.sqrt(self.head_dim)
+        return self.score_scale() * math.sqrt(self.head_dim)
 
     def rope_factors(self) -> np.ndarray:
         """What the global layers divide each pair's frequency θ^(−2i/hd) by [head_dim/2] (ones: plain RoPE;
-        llama.cpp's rope_freqs tensor holds the same)."""
+        llama.cpp's rope_freqs tensor holds the same). longrope: the short factors at a ctx_len up to
+        rope_original_ctx, the long ones beyond (llama.cpp's choice by n_ctx; `--ctx` sets ctx_len)."""
         plain = inv_freq(self.head_dim, self.rope_theta)
         if self.rope_scaling == "llama3":
             return llama3_factors(plain, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                                   self.rope_original_ctx)
-        if self.rope_scaling == "factors":
+        if self.rope_scaling == "yarn":
+            return yarn_factors(self.head_dim, self.rope_theta, self.rope_factor, self.rope_original_ctx,
+                                self.rope_beta_fast, self.rope_beta_slow)
+        if self.rope_scaling == "longrope" and self.ctx_len > self.rope_original_ctx:
+            return np.array(self.rope_long_factors)
+        if self.rope_scaling in ("factors", "longrope"):
             return np.array(self.rope_freq_factors)
         return np.full_like(plain, self.rope_factor if self.rope_scaling == "linear" else 1.0)
 
@@ -388,15 +444,18 @@ FLOAT_MAX = sys.float_info.max
 # (the llama3 ones: Llama 3.1's rope_scaling, as llama.cpp's converter assumes where a config.json leaves one out)
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": False, "sliding_window": 0, "global_every": 0,
             "rope_scaling": "none", "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-            "rope_original_ctx": 8192, "rope_freq_factors": None, "partial_rotary_factor": 1.0, "no_rope_every": 0, "attn_softcap": 0.0, "logit_softcap": 0.0,
+            "rope_original_ctx": 8192, "rope_freq_factors": None, "rope_long_factors": None, "rope_beta_fast": 32.0,
+            "rope_beta_slow": 1.0, "partial_rotary_factor": 1.0, "no_rope_every": 0, "attn_softcap": 0.0,
+            "logit_softcap": 0.0,
             "parallel_residual": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 OPTIONAL = ("tie_embeddings", "head_dim", "rope_local_theta", "sliding_window", "global_every",  # config.json:
             "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",   # if not default
-            "rope_original_ctx", "rope_freq_factors", "partial_rotary_factor", "attn_softcap", "logit_softcap",
+            "rope_original_ctx", "rope_freq_factors", "rope_long_factors", "rope_beta_fast", "rope_beta_slow",
+            "rope_attn_factor", "partial_rotary_factor", "attn_softcap", "logit_softcap",
             "no_rope_every",
             *MULTIPLIERS, "parallel_residual")
-ROPE_SCALINGS = ("none", "linear", "llama3", "factors")
+ROPE_SCALINGS = ("none", "linear", "llama3", "factors", "yarn", "longrope")
 # of training's matrix products (--precision, trainer.json): float32, or bfloat16 operands with float32
 # accumulation (fast/bf16.py on the CPU, gpu/matmul.py on the GPU)
 PRECISIONS = ("f32", "bf16")

@@ -253,7 +253,7 @@ def block_forward(cfg: Config, P: dict, i: int, x: np.ndarray, rope, ops=referen
     if rope is not None:
         q, c["rope_q"] = ops.rope_forward(q, *rope)
         k, c["rope_k"] = ops.rope_forward(k, *rope)
-    q = scaled(q, cfg.query_factor(), ops)  # the attention's q·kᵀ/√hd is then q·kᵀ·attention_multiplier
+    q = scaled(q, cfg.query_factor(), ops)  # the attention's q·kᵀ/√hd is then q·kᵀ·score_scale
     att, c["att"] = ops.attention_forward(q, k, v, cfg.window(i), cfg.attn_softcap)  # [B, H, T, hd]
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
     o, c["o"] = affine_forward(att, P, p + "attn.wo", ops)  # [B, T, d]

@@ -8,8 +8,9 @@ The cases loop over the registry (ARCHS), each at one small size (`small_config`
 switched on: its own head width (16, not dim / heads) where it has q/k norms (Gemma 3's and Qwen3's real
 models have one; llama.cpp's qwen2 reads none), a window (5, its own RoPE base, the architecture's pattern of
 global layers, which llama.cpp fixes: Gemma 3's every 6th) where its GGUF architecture reads one too, and RoPE scalings
-(ROPE_SCALINGS: linear, and Llama 3.2's llama3 with its tied head) on the first architecture with RoPE, and
-linear where global layers sit between windowed ones (Gemma 3 4B's: the global layers only). The
+(ROPE_SCALINGS: linear, Llama 3.2's llama3 with its tied head, yarn) on the first architecture with RoPE,
+LongRoPE's short and long factors where the GGUF reads them (Phi-3's), and linear where global layers sit
+between windowed ones (Gemma 3 4B's: the global layers only). The
 folder's config.json is the one our export writes for that config (interop.hf.hf_config): transformers, the
 oracle, builds its model from it, so a key both sides misread shows as other logits.
 """
@@ -44,13 +45,25 @@ T = 24                              # longer than the window (5)
 FIRST_ROPE = next(a.name for a in ARCHS.values() if a.positions == "rope")
 # RoPE scalings of the first architecture with RoPE; llama3: Llama 3.2's (factor 32, low / high freq factors 1 / 4,
 # original context 8192, θ 500,000, tied head): head 8's pairs at wavelengths 6.3, 167, 4,444, 118,000 fall in
-# all three regimes (below 2,048 unscaled, between it and 8,192 blended, above divided by 32)
+# all three regimes (below 2,048 unscaled, between it and 8,192 blended, above divided by 32); yarn: Qwen3's
+# factor 4, its ramp over head 8's pairs 0, 0, 1/3, 2/3 at θ 5,000 (ops/rope.py), attention factor 1.14 (llama.cpp
+# reads neither beta_fast nor beta_slow from a GGUF: the defaults; other values: test_rope against transformers)
 ROPE_SCALINGS = {"linear": dict(rope_scaling="linear", rope_factor=4.0),
-                 "llama3": dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True)}
+                 "llama3": dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0, tie_embeddings=True),
+                 "yarn": dict(rope_scaling="yarn", rope_factor=4.0, rope_original_ctx=4096)}
+# LongRoPE where the format reads it (Phi-3's): short and long factors, the long ones where the model runs beyond
+# its original context (16 < ctx_len 64: transformers takes them too, for a sequence of T = 24 > 16; attention
+# factor √(1 + ln 4 / ln 16) from factor 64 / 16), the short ones up to it (original 256, as llama.cpp pads its
+# context to a multiple of 256 and chooses by that: factor 64 / 256, attention 1)
+LONGROPE = dict(rope_scaling="longrope", rope_freq_factors=(1.0, 1.5, 2.0, 3.0),
+                rope_long_factors=(1.0, 2.0, 5.0, 9.0), partial_rotary_factor=1.0)   # (Phi-4-mini's partial: refused)
+LONGROPES = {"longrope": LONGROPE | dict(rope_original_ctx=16, rope_factor=4.0),
+             "shortrope": LONGROPE | dict(rope_original_ctx=256, rope_factor=64 / 256)}
 # and linear scaling where global layers sit between windowed ones, which keep plain RoPE (Gemma 3 4B's factor 8)
 # Granite 3's multipliers (its 2B: 12, 0.22, 1/64, 8), here each far from its default at dim 32
 MULTIPLIERS = dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)
 CASES = list(ARCHS) + [f"{FIRST_ROPE}+{r}" for r in ROPE_SCALINGS] + [
+    f"{a.name}+{r}" for a in ARCHS.values() if a.gguf.rope_long_short for r in LONGROPES] + [
     f"{a.name}+linear" for a in ARCHS.values() if a.defaults.get("global_every")] + [
     f"{a.name}+sequential" for a in ARCHS.values() if a.defaults.get("parallel_residual")]   # (GPT-NeoX's other block)
 
@@ -81,7 +94,7 @@ def small_config(case: str, vocab: int) -> Config:
         fields["n_layers"] = max(fields["n_layers"], a.defaults["no_rope_every"])
     if rope == "sequential":                    # GPT-NeoX's use_parallel_residual false
         fields["parallel_residual"] = False
-    return Config(**fields | ROPE_SCALINGS.get(rope, {}))
+    return Config(**fields | ROPE_SCALINGS.get(rope, {}) | LONGROPES.get(rope, {}))
 
 
 def gguf_reads_window(a) -> bool:
@@ -175,7 +188,8 @@ def test_import_logits_and_gradients_equal_torch(folders, case):
     ours, theirs = m.logits(ids[:, :T])[0], torch_logits(hf, ids[:, :T])
     assert_logits_equal(ours, theirs)
     if cfg.rope_scaling != "none":   # the scaling is seen: plain RoPE computes other logits (llama3: 9e-4)
-        assert l2(Model(cfg.replace(rope_scaling="none"), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
+        plain = cfg.replace(rope_scaling="none", rope_freq_factors=None, rope_long_factors=None)
+        assert l2(Model(plain, params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
     for cap in ("attn_softcap", "logit_softcap"):   # so are the soft caps
         if getattr(cfg, cap):
             assert l2(Model(cfg.replace(**{cap: 0.0}), params).logits(ids[:, :T])[0], theirs) > 10 * L2_TOL
@@ -273,9 +287,9 @@ base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 base.TextModel._set_vocab_sentencepiece = lambda self, *args, **kwargs: self._set_vocab_gpt2()
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 load = base.ModelBase.load_hparams
-def with_raw_keys(dir_model, *args):   # transformers 5's to_dict() drops what it folds into rope_parameters
-    import json, pathlib                  # (GPT-NeoX's rotary_pct, which the converter reads): config.json's back
-    c = load(dir_model, *args)
+def with_raw_keys(dir_model, *args, **kwargs):   # transformers 5's to_dict() drops what it folds into
+    import json, pathlib       # rope_parameters (GPT-NeoX's rotary_pct, which the converter reads): config.json's back
+    c = load(dir_model, *args, **kwargs)
     raw = json.loads((pathlib.Path(dir_model) / "config.json").read_text())
     return c | {k: v for k, v in raw.items() if k not in c}
 base.ModelBase.load_hparams = staticmethod(with_raw_keys)

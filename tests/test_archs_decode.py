@@ -6,7 +6,8 @@ Each architecture at a small size with what makes it itself switched on and nonz
 its own, q/k norms, post norms, GeGLU, √d embedding, windowed layers with their own RoPE base, sequences well
 past the window), qwen2 (q/k/v biases, tied head), gpt2 (LayerNorm with biases, learned positions, GELU,
 every bias), euler (the SPEC's model, MTP heads), qwen3 (q/k norms, a head width of its own, tied head), mistral
-(every layer windowed), llama3 (euler with Llama 3's RoPE scaling), gemma2 (soft-capped attention and logits).
+(every layer windowed), llama3 (euler with Llama 3's RoPE scaling), yarn (with YaRN's), gemma2 (soft-capped
+attention and logits).
 """
 import numpy as np
 import pytest
@@ -42,6 +43,9 @@ CONFIGS = {
     # llama3 RoPE scaling (the fast / slow bounds 16 / 64 put head 8's pairs at θ 100 in all three regimes)
     "llama3": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                           n_mtp=1, rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
+    # yarn (its ramp puts those pairs at 0, 1/3, 2/3, 1 of the way to the factor; the scores times 1.30)
+    "yarn": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
+                        n_mtp=1, rope_theta=100.0, rope_scaling="yarn", rope_factor=4.0, rope_original_ctx=64),
     # OLMo 2: post norms only, q/k norms over each whole projection
     "olmo2": tiny_config(vocab_size=53, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=40, ffn_hidden=40,
                          n_mtp=2, arch="olmo2"),
@@ -143,7 +147,7 @@ def test_rows_at_their_own_positions_equal_the_reference(arch, monkeypatch):
 
 
 GREEDY = {"euler": (6,), "qwen2": (9,), "gemma3": (6,), "gpt2": (16, 1.0), "llama3": (6,), "qwen3": (0,), "mistral": (6,),
-          "smollm3": (4,),
+          "smollm3": (4,), "yarn": (6,),
           "gemma2": (0,), "phi3": (6,), "starcoder2": (9,), "stablelm": (7,), "granite": (6,), "olmo2": (6,),
           "gptneox": (8,)}  # seeds whose greedy text varies
 

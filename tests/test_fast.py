@@ -22,6 +22,9 @@ CONFIGS = {"gqa": BASE, "mha": BASE.replace(n_kv_heads=4), "k1": BASE.replace(n_
            # llama3 RoPE scaling: head 8 at θ 100 has wavelengths 6.3, 20, 63, 199 against an original context of
            # 64 (16 / 64 the fast / slow bounds): one pair unscaled, two blended, one divided by the factor
            "llama3": BASE.replace(rope_theta=100.0, rope_scaling="llama3", rope_factor=4.0, rope_original_ctx=64),
+           # yarn: its ramp over those pairs 0, 1/3, 2/3, 1 (original context 64) and the scores times its
+           # attention factor squared (1 + 0.1·ln 4)² = 1.30, which the fast engine's q scale carries
+           "yarn": BASE.replace(rope_theta=100.0, rope_scaling="yarn", rope_factor=4.0, rope_original_ctx=64),
            "olmo2": BASE.replace(arch="olmo2"),   # post norms only, q/k norms over each whole projection
            "smollm3": BASE.replace(arch="smollm3", no_rope_every=2),   # layer 1 without RoPE
            "granite": BASE.replace(arch="granite", embedding_multiplier=2.5, residual_multiplier=0.5,   # its four

@@ -280,7 +280,8 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
     ({"tokenizer.ggml.model": "mystery"}, r"'mystery' is not supported; supported: gpt2 \(byte-level BPE\), llama"),
     ({"tokenizer.ggml.pre": "kimi-k2"}, "tokenizer.ggml.pre 'kimi-k2' is not supported: llama.cpp cuts"),
     ({"tokenizer.ggml.pre": "no-such-pre"}, "tokenizer.ggml.pre 'no-such-pre' is not a pre-tokenizer llama.cpp knows"),
-    ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type = 'yarn' is not supported"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.yarn_beta_fast": 16.0},
+     "llama.rope.scaling.yarn_beta_fast = 16.0 is not supported"),   # (llama.cpp reads no beta: it computes 32)
     ({"llama.attention.sliding_window": 64}, "sliding_window = 64 is not supported"),
 ])
 def test_unsupported_fields_are_refused_by_name(tmp_path, model, tok, meta, match):
@@ -290,7 +291,7 @@ def test_unsupported_fields_are_refused_by_name(tmp_path, model, tok, meta, matc
 
 
 @pytest.mark.parametrize("key, value", [
-    ("rope.scaling.type", "longrope"), ("rope.scaling.attn_factor", 0.5),
+    ("rope.scaling.type", "dynamic"), ("rope.scaling.attn_factor", 0.5),
     ("rope.scaling.original_context_length", 4096), ("rope.scaling.yarn_ext_factor", 1.0),
     ("rope.scaling.yarn_log_multiplier", 0.1), ("rope.scaling.alpha", 1000.0),
 ])

@@ -118,16 +118,20 @@ def test_soft_caps_read_as_transformers_reads_them():
     assert "\n" not in str(e.value)
 
 
-def test_phi3s_longrope_is_refused_in_one_line():
-    """Phi-3's LongRoPE (short / long per-pair factors, chosen by the sequence's length in transformers and by the
-    context's in llama.cpp, and an attention factor on cos / sin) is not computed yet: refused by name, in either
-    spelling (transformers 4's rope_scaling, 5's rope_parameters)."""
+def test_phi3s_longrope_reads_in_either_spelling_with_transformers_defaults():
+    """Phi-3's LongRoPE (short / long per-pair factors, an attention factor on cos / sin) in transformers 4's
+    rope_scaling or 5's rope_parameters: the factors, the original context from config.json's own key, and where
+    the object names none, the factor max_position_embeddings / original and the attention factor from it, as
+    transformers takes them (its values: test_rope.py; the model against transformers: test_archs.py)."""
     longrope = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]}
     for key in ("rope_scaling", "rope_parameters"):
-        c = llama_config("phi3", head_dim=4, original_max_position_embeddings=8, **{key: longrope | {"rope_theta": 1e4}})
-        with pytest.raises(UserError, match=f"{key} .*longrope.* is not supported") as e:
-            config_from_hf(c, ARCHS["phi3"])
-        assert "\n" not in str(e.value)
+        c = llama_config("phi3", head_dim=4, original_max_position_embeddings=8, max_position_embeddings=32,
+                         **{key: longrope | {"rope_theta": 1e4}})
+        cfg = config_from_hf(c, ARCHS["phi3"])
+        assert (cfg.rope_scaling, cfg.rope_freq_factors, cfg.rope_long_factors) == ("longrope", (1.0, 1.5), (2.0, 4.0))
+        assert (cfg.rope_original_ctx, cfg.rope_factor) == (8, 4.0)
+        assert cfg.rope_attn_factor == pytest.approx((1 + np.log(4) / np.log(8)) ** 0.5)
+        np.testing.assert_allclose(cfg.layer_freqs(0), 1e4 ** -np.array([0.0, 0.5]) / [2.0, 4.0])   # ctx 32 > 8
 
 
 def test_gpt2s_tensors_carry_its_prefix_and_its_tokenizer_its_files(tmp_path):
@@ -201,7 +205,7 @@ def test_fuzzed_rope_and_window_keys_import_or_are_one_userror(data):
     if model_type in ("llama", "qwen3"):
         del c["sliding_window"]
     key = data.draw(st.sampled_from(ROPE_KEYS))
-    kind = data.draw(st.sampled_from(["linear", "llama3", "dynamic", "default"]))
+    kind = data.draw(st.sampled_from(["linear", "llama3", "yarn", "dynamic", "default"]))
     inner = {"rope_type": kind, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192}
     inner[data.draw(st.sampled_from(sorted(inner)))] = data.draw(json_values)

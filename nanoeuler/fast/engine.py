@@ -138,7 +138,7 @@ class Workspace:
         self.windows = [cfg.window(i) for i in range(L)]
         scale = (dt.type(np.sqrt(d)) if a.embed_scale else 1.0) * cfg.embedding_multiplier   # (model.embed_scale)
         self.embed_scale = dt.type(scale) if scale != 1 else None
-        self.qscale = dt.type(cfg.attention_multiplier)   # 1/√hd, or Granite's attention multiplier
+        self.qscale = dt.type(cfg.score_scale())   # 1/√hd, or Granite's multiplier (· yarn's attention factor²)
         n_parts = min(parallel.PARTS, B, 1 + EXTRA_GRADS_BYTES // (cfg.n_params() * dt.itemsize))
         cuts = parallel.chunks(B, n_parts)
         self.logits_rows = max(1, min(max(b1 - b0 for b0, b1 in cuts) * T, LOGITS_BYTES // (V * dt.itemsize)))

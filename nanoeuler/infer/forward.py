@@ -215,7 +215,7 @@ def heads_qkv(cfg: Config, W: dict, p: str, h: np.ndarray, cos, sin, product=Non
         q, k = norm(cfg, W[p + "attn.q_norm"], q), norm(cfg, W[p + "attn.k_norm"], k)
     if cos is not None:
         q, k = ops.rope_forward(q, cos, sin)[0], ops.rope_forward(k, cos, sin)[0]
-    if cfg.query_factor() != 1:   # the attention's q·kᵀ/√hd is then q·kᵀ·attention_multiplier
+    if cfg.query_factor() != 1:   # the attention's q·kᵀ/√hd is then q·kᵀ·score_scale
         q = ops.scale_forward(q, cfg.query_factor())[0]
     return q, k, v
 

@@ -316,7 +316,7 @@ class Weights(NamedTuple):
     window: np.ndarray        # [layers] int64: each layer's window (0: none)
     rope: np.ndarray          # [layers] int64: each layer's RoPE table (cache.KVCache.kind; -1: none)
     forms: np.ndarray         # uint8: the buffer the segments point into (held here: alive as long as these are)
-    q_factor: np.float32      # q's factor before attention: attention_multiplier·√hd (Config.query_factor; 1)
+    q_factor: np.float32      # q's factor before attention: score_scale·√hd (Config.query_factor; 1)
     residual: np.float32      # residual_multiplier (1 but Granite's)
     attn_softcap: np.float32  # the attention scores' soft cap (0: none; Gemma 2's)
     pre: bool                 # sub-blocks' input norms (not OLMo 2's): norms[:, :2] used

@@ -20,7 +20,9 @@ lowercase / strip_accents) and Unigram as `t5` (scores, the precompiled charsmap
 remove_extra_whitespaces, unknown id, add_eos): those two only in llama.cpp's form, as imported from a GGUF (the
 Hugging Face form normalizes otherwise and is refused by name); then bos, eos, add_bos_token and the checkpoint's
 chat template (ours: the Alpaca one). MTP heads 1..K-1 are not exported (llama.cpp uses head 0).
-RoPE scaling: linear as rope.scaling.type / factor, llama3 (or per-pair factors) as the tensor `rope_freqs`
+RoPE scaling: linear as rope.scaling.type / factor, yarn as type / factor / original_context_length (and
+attn_factor where the attention factor is not llama.cpp's own), longrope (phi3) as the tensors rope_factors_short /
+rope_factors_long and rope.scaling.attn_factor, llama3 (or per-pair factors) as the tensor `rope_freqs`
 [head_dim/2] that llama.cpp's converter writes for Llama 3.x, each pair's frequency divisor.
 
 RoPE layout: llama.cpp's `llama` rotates interleaved pairs (2i, 2i+1) of each head, we rotate (i, i+hd/2).
@@ -29,6 +31,7 @@ r = 2i + j (j = 0, 1) of the result is our row i + j·hd/2. For hd = 4: rows [0,
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +84,9 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     out = {}
     if cfg.rope_scaling in ("llama3", "factors"):   # llama.cpp divides each pair's frequency by these
         out["rope_freqs.weight"] = cfg.rope_factors().astype(np.float32)
+    if cfg.rope_scaling == "longrope":              # llama.cpp's phi3 chooses by its context, as we do
+        out["rope_factors_short.weight"] = np.array(cfg.rope_freq_factors, np.float32)
+        out["rope_factors_long.weight"] = np.array(cfg.rope_long_factors, np.float32)
     for e in cfg.spec.gguf.tensors(cfg.n_layers):
         if e.ours == ("heads.0.weight",) and tied and not required:
             continue
@@ -127,6 +133,11 @@ def add_hparams(w, cfg) -> None:
     if cfg.rope_scaling == "linear":   # (llama3, factors: the tensor rope_freqs, gguf_tensors)
         w.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_factor)
+    if cfg.rope_scaling == "yarn":
+        _add_yarn(w, cfg)
+    if cfg.rope_scaling == "longrope":   # (its factors: tensors, gguf_tensors; the original context: phi3's config)
+        w.add_rope_scaling_type(_gguf().RopeScalingType.LONGROPE)
+        w.add_rope_scaling_attn_factors(cfg.rope_attn_factor)
     if cfg.head_dim * cfg.n_heads != cfg.dim:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -141,6 +152,18 @@ def add_hparams(w, cfg) -> None:
     w.add_vocab_size(cfg.vocab_size)
 
 
+def _add_yarn(w, cfg) -> None:
+    """yarn as llama.cpp reads it: type, factor, original context, and where the attention factor is not the one
+    llama.cpp computes (1 + 0.1·ln(factor) above factor 1), rope.scaling.attn_factor, which multiplies it."""
+    w.add_rope_scaling_type(_gguf().RopeScalingType.YARN)
+    w.add_rope_scaling_factor(cfg.rope_factor)
+    if "rope_original_ctx" not in cfg.spec.gguf.config:   # (phi3 writes it with its numbers)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_original_ctx)
+    computed = 1 + 0.1 * math.log(cfg.rope_factor) if cfg.rope_factor > 1 else 1.0
+    if cfg.rope_attn_factor != computed:
+        w.add_rope_scaling_attn_factors(cfg.rope_attn_factor / computed)
+
+
 def check_expressible(cfg) -> None:
     """Refuse what llama.cpp's architecture would read differently from our config: a sliding window where it
     has none, per-pair RoPE factors where it reads none, heads of another width than dim / n_heads where it
@@ -153,6 +176,12 @@ def check_expressible(cfg) -> None:
     if cfg.sliding_window and ("sliding_window" not in by_format("gguf", a.gguf.name).defaults   # (mistral: llama)
                                or not a.gguf.reads_window):
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} has no sliding window")
+    if cfg.rope_scaling == "yarn" and (cfg.rope_beta_fast, cfg.rope_beta_slow) != (32.0, 1.0):
+        raise UserError(f"cannot export to GGUF: llama.cpp computes yarn with beta_fast 32 and beta_slow 1 whatever "
+                        f"the file says (rope_beta_fast {cfg.rope_beta_fast}, rope_beta_slow {cfg.rope_beta_slow})")
+    if cfg.rope_scaling == "longrope" and not a.gguf.rope_long_short:
+        raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} reads no LongRoPE factors "
+                        f"(rope_factors_short / rope_factors_long; its phi3 does)")
     if cfg.rope_scaling in ("llama3", "factors") and not a.gguf.rope_freqs:
         raise UserError(f"cannot export to GGUF: llama.cpp's {a.gguf.name} reads no per-pair RoPE factors "
                         f"(rope_freqs), which rope_scaling {cfg.rope_scaling} needs")

@@ -31,7 +31,9 @@ tokenizer/wordpiece.py) and `t5` (Unigram with its precompiled charsmap, tokeniz
 normalization. All: bos
 (`add_bos_token`, else the family's default), eos, and as stops every end-of-generation token llama.cpp
 knows (eot / eom / fill-in-the-middle ids, EOG_TEXTS); `tokenizer.chat_template` travels with the tokenizer.
-RoPE scaling: a linear factor, or llama.cpp's per-pair `rope_freqs` (llama3's where it is, `gguf_rope_fields`).
+RoPE scaling: a linear factor, or llama.cpp's per-pair `rope_freqs` (llama3's where it is, `gguf_rope_fields`),
+yarn (type, factor, original context; llama.cpp's own attention factor), or phi3's LongRoPE tensors
+`rope_factors_short` / `rope_factors_long` with rope.scaling.attn_factor (`gguf_longrope_fields`).
 Everything the model could not compute the same (other RoPE scalings, a window where the architecture has none,
 soft-capping, experts, an attention scale llama.cpp derives otherwise, another architecture, another
 tokenizer model) is refused by name, and so is any defect of the file
@@ -40,6 +42,7 @@ than the embedding): one line, nothing written.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -440,10 +443,13 @@ def gguf_tokenizer(meta: dict, vocab_size: int):
 # Every other RoPE-scaling key llama.cpp reads (src/llama-arch.cpp LLM_KV_ROPE_*, read in llama-model.cpp and
 # applied in llama-context.cpp), each with the values that leave RoPE as a linear factor scales it (what
 # llama.cpp assumes when the key is absent, or what computes the same): any other value is refused by name.
-# (The linear factor itself, rope.scaling.factor / rope.scale_linear: gguf_rope_fields.)
-# None: the model's own context_length (llama.cpp's default for the original context).
+# (The linear factor itself, rope.scaling.factor / rope.scale_linear, and yarn's: gguf_rope_fields, which reads
+# the keys of YARN_KEYS where the type is yarn.) None: the model's own context_length (llama.cpp's default for
+# the original context). The yarn_* keys are written by llama.cpp's converter but not read by llama.cpp (its
+# defaults: ext factor 1 for yarn, beta_fast 32, beta_slow 1, its own attention factor): other values are refused
+# (yarn_attn_factor: one other than the factor llama.cpp computes, gguf_rope_fields).
 ROPE_SCALING = {
-    "rope.scaling.type": ("none", "linear"),     # linear: llama.cpp's default type
+    "rope.scaling.type": ("none", "linear", "yarn", "longrope"),   # linear: llama.cpp's default type
     "rope.scaling.attn_factor": (1,),
     "rope.scaling.alpha": (0,),
     "rope.scaling.original_context_length": None,
@@ -453,6 +459,8 @@ ROPE_SCALING = {
     "rope.scaling.yarn_beta_fast": (32,),
     "rope.scaling.yarn_beta_slow": (1,),
 }
+YARN_KEYS = ("rope.scaling.attn_factor", "rope.scaling.original_context_length", "rope.scaling.yarn_attn_factor")
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")   # (Format.rope_long_short)
 # what else an architecture's file may say that our model does not compute, with its values that change nothing
 # (a window: gguf_config, by architecture)
 UNSUPPORTED = {"expert_count": (0, 1), "attention.clamp_kqv": (0,), "logit_scale": (1,),
@@ -466,7 +474,8 @@ def refuse_unsupported(meta: dict, arch: str, read=()) -> None:
         refuse_unsupported({"llama.rope.scale_linear": 4.0}, "llama")
         # UserError: GGUF metadata llama.rope.scale_linear = 4.0 is not supported (RoPE scaling; ...)
     """
-    for table, what in ((ROPE_SCALING, " (RoPE scaling: linear or llama3 only)"), (UNSUPPORTED, "")):
+    for table, what in ((ROPE_SCALING, " (RoPE scaling: linear, llama3, yarn, phi3's longrope only)"),
+                        (UNSUPPORTED, "")):
         for key, neutral in table.items():
             if key in read:
                 continue
@@ -484,9 +493,23 @@ def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float
     the divisors of each pair's frequency in a `rope_freqs` tensor [head_dim/2] (what llama.cpp's converter writes
     for Llama 3.x):
     llama3 scaling where they are llama3's of Llama 3.1's parameters (low / high freq factors 1 / 4, original
-    context 8192; the factor: the largest divisor), else the divisors as they are ("factors")."""
+    context 8192; the factor: the largest divisor), else the divisors as they are ("factors"); or yarn (type yarn:
+    the factor, rope.scaling.original_context_length, default context_length, and the attention factor llama.cpp
+    computes, 1 + 0.1·ln(factor) times rope.scaling.attn_factor)."""
     key = f"{a}.rope.scaling.factor" if f"{a}.rope.scaling.factor" in meta else f"{a}.rope.scale_linear"
     factor = field(meta, key, float, 0.0)   # 0: unset
+    if meta.get(f"{a}.rope.scaling.type") == "yarn":
+        if rope_freqs is not None:
+            raise UserError("GGUF: tensor rope_freqs.weight beside yarn RoPE scaling is not supported")
+        if factor in (0.0, 1.0):   # (llama.cpp: a ramp between equal frequencies, attention factor 1)
+            return {}
+        ctx = field(meta, f"{a}.rope.scaling.original_context_length", int, field(meta, f"{a}.context_length"))
+        m = (1 + 0.1 * math.log(factor)) * field(meta, f"{a}.rope.scaling.attn_factor", float, 1.0)
+        stated = field(meta, f"{a}.rope.scaling.yarn_attn_factor", float, m)   # (transformers' attention_factor)
+        if not math.isclose(stated, m, rel_tol=1e-6):
+            raise UserError(f"GGUF metadata {a}.rope.scaling.yarn_attn_factor = {stated} is not supported: "
+                            f"llama.cpp computes {float(np.float32(m)):.7g} whatever the file says")
+        return {"rope_scaling": "yarn", "rope_factor": factor, "rope_original_ctx": ctx, "rope_attn_factor": m}
     linear = {"rope_scaling": "linear", "rope_factor": factor} if factor not in (0.0, 1.0) else {}
     if rope_freqs is None:
         return linear
@@ -505,6 +528,32 @@ def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float
     return {"rope_scaling": "factors", "rope_freq_factors": tuple(f.tolist())}
 
 
+def gguf_longrope_fields(meta: dict, a: str, tensors: dict, head_dim: int, fields: dict) -> dict:
+    """LongRoPE as llama.cpp's phi3 reads it -> the Config's fields ({} without its tensors): the short and long
+    factors [head_dim/2] (chosen by the context the model runs at, Config.rope_factors), the attention factor
+    rope.scaling.attn_factor (default 1) and the factor context_length / original context (what transformers takes
+    where config.json names none, and what llama.cpp's converter derives the attention factor from)."""
+    short, long = (tensors.get(name) for name in LONGROPE_TENSORS)
+    if short is None and long is None:
+        if meta.get(f"{a}.rope.scaling.attn_factor", 1) != 1:
+            raise UserError(f"GGUF metadata {a}.rope.scaling.attn_factor without LongRoPE's factor tensors is "
+                            f"not supported")
+        return {}
+    for name, f in zip(LONGROPE_TENSORS, (short, long)):
+        if f is None or np.shape(f) != (head_dim // 2,):
+            raise UserError(f"tensor {name}: shape {list(np.shape(f)) if f is not None else 'missing'} (head size "
+                            f"{head_dim} wants [{head_dim // 2}]); not supported")
+    ctx = fields["ctx_len"]
+    orig = fields.setdefault("rope_original_ctx", ctx)   # (absent: llama.cpp's original context is context_length)
+    out = {"rope_scaling": "longrope", "rope_freq_factors": tuple(np.asarray(short, np.float64).tolist()),
+           "rope_long_factors": tuple(np.asarray(long, np.float64).tolist()), "rope_factor": ctx / orig}
+    attn = field(meta, f"{a}.rope.scaling.attn_factor", float, 1.0)
+    derived = math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0
+    if np.float32(attn) != np.float32(derived):   # (the converter's, in float32: the Config derives it exactly)
+        out["rope_attn_factor"] = attn
+    return out
+
+
 def gguf_config(meta: dict, arch, tensors: dict):
     """The `{arch}.*` hyperparameters -> our Config (one head). What llama.cpp fixes per architecture rather than
     reads (Gemma 3's window pattern and local RoPE base) are the architecture's defaults (arch.py); a depth at
@@ -513,7 +562,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
     from .gguf_export import attention_scale_mismatch
     a = arch.gguf.name
     read = {key: ours for ours, (key,) in arch.gguf.config.items()}   # Config numbers under `{a}.` (Granite's)
-    refuse_unsupported(meta, a, read)
+    yarn = YARN_KEYS if meta.get(f"{a}.rope.scaling.type") == "yarn" else ()   # (read by gguf_rope_fields)
+    longrope = ("rope.scaling.attn_factor",) if arch.gguf.rope_long_short else ()   # (gguf_longrope_fields)
+    refuse_unsupported(meta, a, {*read, *yarn, *longrope})
     window = field(meta, f"{a}.attention.sliding_window", default=0)
     if not arch.gguf.reads_window:   # llama.cpp's phi3 / starcoder2 attend over every position whatever the file
         window = 0                   # says (its converter writes Phi-3-mini's 2047): so does the import
@@ -553,6 +604,8 @@ def gguf_config(meta: dict, arch, tensors: dict):
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, 10000.0)   # llama.cpp's, every architecture
         freqs = tensors.get("rope_freqs.weight") if arch.gguf.rope_freqs else None   # (elsewhere: unexpected)
         fields |= gguf_rope_fields(meta, a, freqs, hd, fields["rope_theta"])
+        if arch.gguf.rope_long_short:
+            fields |= gguf_longrope_fields(meta, a, tensors, hd, fields)
     if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
         fields["sliding_window"] = window
         fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
@@ -643,6 +696,9 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
     cfg = gguf_config(meta, arch, T)
     if arch.gguf.rope_freqs:
         T.pop("rope_freqs.weight", None)    # read into cfg (gguf_rope_fields)
+    if arch.gguf.rope_long_short:
+        for name in LONGROPE_TENSORS:       # (gguf_longrope_fields)
+            T.pop(name, None)
     params, src_names = gguf_params(cfg, T)
     if T:
         raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {name} model)")

@@ -14,8 +14,8 @@ config.json: the architecture's `hf` Format (arch.py) names each Config field's 
 gemma3_text) or GPT-2's, and what else export writes; `REFUSED` lists the settings that would make the imported
 model compute something else than ours (soft-capping where the format reads no cap, other activations, ...):
 each is refused by name.
-RoPE scaling (rope_scaling, or transformers 5's rope_parameters) of type linear or llama3 becomes the Config's
-rope_* fields and is written back as rope_scaling; other types (yarn, longrope, dynamic) are refused.
+RoPE scaling (rope_scaling, or transformers 5's rope_parameters) of type linear, llama3, yarn or longrope becomes
+the Config's rope_* fields and is written back as rope_scaling; another type (dynamic) is refused in one line.
 
 The folder's tokenizer (tokenizer.json: byte-level BPE, or SentencePiece-style BPE with byte fallback; or
 GPT-2's vocab.json + merges.txt) keeps its token ids; its chat
@@ -24,6 +24,7 @@ template (chat_template.jinja or tokenizer_config.json) and extra end-of-turn id
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +156,7 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
             raise UserError(f"config.json: {key}={act!r:.40} is not supported for {arch.hf.name} "
                             f"({' or '.join(activations(arch))})")
     fields = _config_fields(c, keys) | _null_softcaps(c, keys)
-    fields.update(_rope_fields(c, arch, fields))
+    fields.update(_longrope_defaults(_rope_fields(c, arch, fields), fields, arch))
     fields = {f: v for f, v in arch.hf.absent.items() if not any(k in c for k in keys[f])} | fields
     if "sliding_window" in fields and "sliding_window" not in arch.defaults:  # an architecture without windows
         if c.get("use_sliding_window", True) is not False:                    # (Qwen2 names one it does not use)
@@ -250,10 +251,18 @@ def _rope_fields(c: dict, arch: Arch, given: dict) -> dict:
 SCALING_KEYS = {"linear": {"factor": "rope_factor"},
                 "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                            "high_freq_factor": "rope_high_freq_factor",
-                           "original_max_position_embeddings": "rope_original_ctx"}}
+                           "original_max_position_embeddings": "rope_original_ctx"},
+                "yarn": {"factor": "rope_factor", "original_max_position_embeddings": "rope_original_ctx"},
+                "longrope": {"short_factor": "rope_freq_factors", "long_factor": "rope_long_factors"}}
+# ... and the keys a type may leave out (transformers' defaults: the Config's; longrope's original context and
+# factor: _longrope_defaults; yarn's attention factor from mscale / mscale_all_dim: _yarn_attn_factor)
+OPTIONAL_KEYS = {"yarn": {"beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                          "attention_factor": "rope_attn_factor"},
+                 "longrope": {"factor": "rope_factor", "original_max_position_embeddings": "rope_original_ctx",
+                              "attention_factor": "rope_attn_factor"}}
 # a scaling field -> its key in rope_scaling / rope_parameters
 PARAMETER_KEYS = {"rope_scaling": "rope_type", "partial_rotary_factor": "partial_rotary_factor"} | {
-    ours: k for keys in SCALING_KEYS.values() for k, ours in keys.items()}
+    ours: k for table in (SCALING_KEYS, OPTIONAL_KEYS) for keys in table.values() for k, ours in keys.items()}
 
 
 def scaling_fields(params, key: str, arch: Arch) -> dict:
@@ -269,18 +278,62 @@ def scaling_fields(params, key: str, arch: Arch) -> dict:
     missing = [k for k in SCALING_KEYS[kind] if params.get(k) is None]
     if missing:
         raise UserError(f"config.json: {key} of type {kind} has no {missing[0]}")
-    return {"rope_scaling": kind} | {ours: params[k] for k, ours in SCALING_KEYS[kind].items()}
+    if kind == "yarn" and params.get("truncate", True) is not True:
+        raise UserError(f"config.json: {key} of type yarn with truncate {json.dumps(params['truncate'])[:20]} is "
+                        f"not supported (the ramp's ends at whole pairs only, as llama.cpp's)")
+    keys = SCALING_KEYS[kind] | OPTIONAL_KEYS.get(kind, {})
+    return {"rope_scaling": kind} | _yarn_attn_factor(params, kind) | {
+        ours: params[k] for k, ours in keys.items() if params.get(k) is not None}
+
+
+def _yarn_attn_factor(params: dict, kind: str) -> dict:
+    """yarn's attention factor where rope_scaling gives mscale and mscale_all_dim but no attention_factor (DeepSeek's;
+    transformers: m(factor, mscale) / m(factor, mscale_all_dim), m(s, c) = 0.1·c·ln(s) + 1 above s = 1), else {}."""
+    f, ms, ms_all = params.get("factor"), params.get("mscale"), params.get("mscale_all_dim")
+    if kind != "yarn" or params.get("attention_factor") is not None or not (ms and ms_all):
+        return {}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (f, ms, ms_all)):
+        raise UserError("config.json: rope_scaling's factor, mscale and mscale_all_dim must be numbers")
+
+    def m(scale, c):
+        return 1.0 if scale <= 1 else 0.1 * c * math.log(scale) + 1.0
+    return {"rope_attn_factor": m(f, ms) / m(f, ms_all)}
+
+
+def _longrope_defaults(out: dict, given: dict, arch: Arch) -> dict:
+    """longrope's original context and factor where its object leaves them out, as transformers takes them: the
+    original context from config.json's original_max_position_embeddings, else the model's default (Phi-3's
+    4096), else max_position_embeddings (ctx_len); the factor ctx_len / that."""
+    if out.get("rope_scaling") != "longrope":
+        return out
+    ctx = given.get("ctx_len")
+    orig = out.get("rope_original_ctx", given.get("rope_original_ctx", arch.defaults.get("rope_original_ctx", ctx)))
+    out = out | ({"rope_original_ctx": orig} if orig is not None else {})
+    if out.get("rope_factor") is None and all(isinstance(v, int) and v > 0 for v in (ctx, orig)):
+        out["rope_factor"] = ctx / orig
+    return out
 
 
 def rope_scaling_json(cfg) -> dict | None:
-    """The config's RoPE scaling as transformers' rope_scaling object (None: plain); per-pair factors (a GGUF's
+    """The config's RoPE scaling as transformers' rope_scaling object (None: plain; longrope's with every key, its
+    factor and original context being defaults transformers takes from elsewhere); per-pair factors (a GGUF's
     rope_freqs that is not llama3's) have no transformers form and are refused."""
     if cfg.rope_scaling == "none":
         return None
     if cfg.rope_scaling not in SCALING_KEYS:
         raise UserError(f"cannot export to Hugging Face: transformers has no RoPE scaling of per-pair factors "
                         f"(rope_scaling {cfg.rope_scaling}, from a GGUF's rope_freqs)")
-    return {"rope_type": cfg.rope_scaling} | {k: getattr(cfg, ours) for k, ours in SCALING_KEYS[cfg.rope_scaling].items()}
+    optional = OPTIONAL_KEYS.get(cfg.rope_scaling, {})
+    if cfg.rope_scaling == "yarn":   # where not transformers' defaults (Qwen3's yarn: factor and original context)
+        defaults = cfg.replace(**{ours: None for ours in optional.values()})
+        optional = {k: ours for k, ours in optional.items() if getattr(cfg, ours) != getattr(defaults, ours)}
+    return {"rope_type": cfg.rope_scaling} | {k: _json_value(getattr(cfg, ours))
+                                              for k, ours in (SCALING_KEYS[cfg.rope_scaling] | optional).items()}
+
+
+def _json_value(v):
+    """A Config field's value as config.json writes it (a tuple of factors as a list)."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def neutral_rope(params) -> bool:

@@ -13,7 +13,19 @@ low_freq_factor), and between them a blend. llama.cpp stores such factors as a t
     llama3_factors(2π / np.array([6.3, 4096, 62832]), factor=8, low_freq_factor=1, high_freq_factor=4,
                    original_ctx=8192) -> [1.0, 2.4, 8.0]     (4096: smooth = (8192/4096 − 1) / 3 = 1/3,
                                                               1 / ((1 − 1/3) / 8 + 1/3) = 2.4)
+
+`yarn` (transformers' _compute_yarn_parameters, llama.cpp's rope_yarn) ramps over the pair index instead: the
+pairs that turn more than beta_fast times over original_ctx keep their frequency, those that turn fewer than
+beta_slow times are divided by the factor, a straight line between (its ends floored / ceiled to pairs):
+
+    yarn_factors(8, 5000.0, factor=4, original_ctx=4096, beta_fast=32, beta_slow=1) -> [1.0, 1.0, 1.33, 2.0]
+                        (ramp over pairs 1 .. 4: 0, 0, 1/3, 2/3;  1 / ((1 − 1/3) + (1/3) / 4) = 1.33)
+
+YaRN and LongRoPE also multiply cos and sin by an attention factor m; as both q and k turn, that multiplies the
+scores q·kᵀ by m², which the model folds into q's factor (config.Config.score_scale) rather than into the tables.
 """
+import math
+
 import numpy as np
 
 
@@ -31,6 +43,16 @@ def llama3_factors(freqs, factor, low_freq_factor, high_freq_factor, original_ct
     blend = 1 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < original_ctx / high_freq_factor, 1.0,
                     np.where(wavelen > original_ctx / low_freq_factor, factor, blend))
+
+
+def yarn_factors(head_dim, theta, factor, original_ctx, beta_fast, beta_slow):
+    """The `yarn` divisor of each pair's frequency [hd/2] (see the module docstring)."""
+    def pair_turning(rotations):   # the (fractional) pair whose wavelength fits `rotations` times in original_ctx
+        return head_dim * math.log(original_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low = max(math.floor(pair_turning(beta_fast)), 0)
+    high = min(math.ceil(pair_turning(beta_slow)), head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 0.001), 0, 1)  # [hd/2] 0 keep .. 1 divide
+    return 1 / (ramp / factor + (1 - ramp))
 
 
 def rope_tables(T, freqs, dtype, start=0):
