@@ -43,9 +43,9 @@ from .fileio import LORA_FILE
 from .ops import lora_merge
 
 ADAPTER_FILE = "adapter.safetensors"
-# modules_to_save name -> (the base tensors it trains, a regular expression; its PEFT name or None)
-SAVABLE = {"lm_head": (r"heads\.0\.weight", "lm_head"), "mtp_heads": (r"heads\.[1-9]\d*\.weight", None),
-           "norm": (r"(layers\.\d+\.[\w.]*)?norm\.(weight|bias)", "norm")}
+# modules_to_save name -> the base tensors it trains (a regular expression)
+SAVABLE = {"lm_head": r"heads\.0\.weight", "mtp_heads": r"heads\.[1-9]\d*\.weight",
+           "norm": r"(layers\.\d+\.[\w.]*)?norm\.(weight|bias)"}
 DROPOUT_SITE0 = 1 << 20  # adapter dropout of module j draws the masks of site DROPOUT_SITE0 + j (ops/dropout.py)
 
 
@@ -121,7 +121,7 @@ def saved_names(cfg: Config, lcfg: LoraConfig) -> list[str]:
     """The base tensors trained whole (modules_to_save), in the config's order.
 
         saved_names(small, modules_to_save=("lm_head",)) -> ["heads.0.weight"]"""
-    pattern = "|".join(SAVABLE[m][0] for m in lcfg.modules_to_save)
+    pattern = "|".join(SAVABLE[m] for m in lcfg.modules_to_save)
     return [n for n in cfg.param_shapes() if pattern and re.fullmatch(pattern, n)]
 
 

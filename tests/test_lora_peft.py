@@ -10,7 +10,7 @@ peft = pytest.importorskip("peft")
 
 from conftest import rel_err, tiny_config  # noqa: E402
 from nanoeuler import adapters as ad  # noqa: E402
-from nanoeuler.interop.peft import peft_names  # noqa: E402
+from nanoeuler.interop.peft import adapter_config, peft_names  # noqa: E402
 from nanoeuler.training.lora import LoraModel  # noqa: E402
 from nanoeuler.model import Model  # noqa: E402
 from nanoeuler.optim import AdamW  # noqa: E402
@@ -41,7 +41,7 @@ def setup(arch, tmp_path, save=()):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     pcfg = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, task_type="CAUSAL_LM",
                            target_modules=sorted({p.rsplit(".", 1)[1] for _, p in m.modules.values()}),
-                           modules_to_save=list(save) or None)
+                           modules_to_save=adapter_config(cfg, m.lcfg, "")["modules_to_save"])  # as export writes
     pm = peft.get_peft_model(hf, pcfg)
     theirs = dict(pm.named_parameters())
     names = peft_names(cfg, m.lcfg)

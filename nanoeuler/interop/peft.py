@@ -14,7 +14,8 @@ PEFT's A and B have these shapes for GPT-2's Conv1D too (only the base weight is
 c_attn's output rows are q | k | v as our stacked B's, so no tensor is transposed or reordered.
 
 Modules trained whole (`--lora-modules-to-save`) go in as PEFT saves its `modules_to_save`: listed in
-adapter_config.json ("lm_head"; "norm", which PEFT matches by suffix to every RMSNorm), each tensor under
+adapter_config.json by each module's own Hugging Face name ("lm_head"; "norm" becomes "input_layernorm", "norm",
+... : PEFT matches whole dotted names), each tensor under
 the module's own name (heads.0.weight -> base_model.model.lm_head.weight). The MTP heads (mtp_heads) stay
 out: Hugging Face's Llama has none (the base's hf export keeps them in a file of its own).
 """
@@ -43,13 +44,15 @@ def peft_names(cfg, lcfg) -> dict[str, str]:
 def adapter_config(cfg, lcfg, base_path: str) -> dict:
     """adapter_config.json; fan_in_fan_out: the targets' weights are stored [in, out] (GPT-2's Conv1D, the
     `hf` table's transposed entries), as PEFT must know to apply them."""
-    from ..adapters import SAVABLE, modules
+    from ..adapters import modules, saved_names
+    from .hf import hf_names
     targets = sorted({peft.rsplit(".", 1)[1] for _, peft in modules(cfg, lcfg).values()})  # PEFT matches by suffix
     transposed = {e.name: e.transposed for e in cfg.spec.hf.tensors(cfg.n_layers)}
     fan_in_fan_out = {transposed[f"{peft}.weight"] for _, peft in modules(cfg, lcfg).values()}
     if len(fan_in_fan_out) > 1:
         raise UserError("PEFT holds one fan_in_fan_out for all targets; these mix [in, out] and [out, in] weights")
-    saved = [SAVABLE[m][1] for m in lcfg.modules_to_save if SAVABLE[m][1]]
+    hf = hf_names(cfg)   # PEFT >= 0.22 matches a saved module by its whole dotted name: list each leaf's own
+    saved = sorted({hf[n].rsplit(".", 2)[-2] for n in saved_names(cfg, lcfg) if n in hf})   # input_layernorm, ...
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
             "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": fan_in_fan_out == {True},
