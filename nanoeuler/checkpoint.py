@@ -314,13 +314,35 @@ def map_tensors(path: Path, what: str) -> dict[str, np.ndarray]:
     return out
 
 
+class Reordered:
+    """A matrix whose rows are another's in a different order, not copied: row i is base[order[i]]. A GGUF's q
+    and k come so (llama.cpp's interleaved RoPE order, gguf_export.permute_qk): decoding packs them from the
+    mapped file's rows instead of holding an unpermuted copy beside their kernel form (Llama-3.2-1B: 85 MiB).
+    np.asarray(r) makes the copy where one is needed (the NumPy path's values, a checkpoint's writer);
+    drop_pages(r) lets the base's pages go.
+
+        r = Reordered(np.arange(6.0).reshape(3, 2), np.array([2, 0, 1])); np.asarray(r)[0] -> [4., 5.]"""
+    ndim = 2
+
+    def __init__(self, base: np.ndarray, order: np.ndarray):
+        self.base, self.order = base, order
+        self.shape, self.dtype = (len(order), *base.shape[1:]), base.dtype
+        self.size, self.nbytes = int(np.prod(self.shape)), base.itemsize * int(np.prod(self.shape))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.base[self.order]
+        return a if dtype is None else a.astype(dtype)
+
+
 def drop_pages(arrays) -> int:
     """Let this process's memory drop the pages that arrays of `map_tensors` or of a np.memmap view (other
-    arrays are left alone): each array's whole pages (a page it shares with a neighbouring tensor stays); they
-    are read back from the file, the same bytes, when next read. -> bytes dropped."""
+    arrays are left alone; a Reordered's base) hold: each array's whole pages (a page it shares with a
+    neighbouring tensor stays); they are read back from the file, the same bytes, when next read.
+    -> bytes dropped."""
     import mmap
     dropped = 0
     for a in arrays:
+        a = a.base if isinstance(a, Reordered) else a
         m = file_map(a)
         if m is None:
             continue

@@ -152,7 +152,8 @@ def _pack_parts(forms: Forms, parts: list, out: np.ndarray) -> None:
     """The kernel form of parts (matrices of one type) stacked along the outputs, written into out: part by part
     into its own panels where every part but the last fills whole panels (q, k, v of 2048, 512, 512 rows: no
     stacked copy made), else stacked first. Each part's pages of a mapped file (a GGUF's blocks) are let go of
-    once it is packed, so at most one part of the file is resident at a time."""
+    once it is packed, so at most one part of the file is resident at a time; parts whose rows a file holds in
+    another order (checkpoint.Reordered: a GGUF's q and k) are copied in our order only while packed."""
     if any(p.shape[0] % gemv.PANEL for p in parts[:-1]):
         forms.kernel_form(np.concatenate(parts), out)
         drop_pages(parts)
@@ -160,7 +161,7 @@ def _pack_parts(forms: Forms, parts: list, out: np.ndarray) -> None:
     at = 0
     for p in parts:
         panels = -(-p.shape[0] // gemv.PANEL)
-        forms.kernel_form(p, out[at:at + panels])
+        forms.kernel_form(np.asarray(p), out[at:at + panels])   # (a checkpoint.Reordered's rows: a passing copy)
         drop_pages([p])
         at += panels
 

@@ -91,7 +91,7 @@ def values(W) -> np.ndarray:
         values((np.ones((2, 32), np.float16), np.zeros((1, 32), np.float16))).shape -> (3, 32), float32"""
     if isinstance(W, np.ndarray):
         return W
-    parts = [of_dtype(p.dtype).values(p) for p in W]
+    parts = [of_dtype(p.dtype).values(np.asarray(p)) for p in W]   # (a checkpoint.Reordered's rows copied)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
@@ -115,7 +115,7 @@ class Forms:
     def values(self, a: np.ndarray) -> np.ndarray:
         """The values the NumPy path computes with (float16 widened to float32, blocks dequantized)."""
         t = of_dtype(a.dtype)
-        return a if t is None else t.values(a)
+        return a if t is None else t.values(np.asarray(a))
 
     def kernel_form(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """a as the fused kernels read it (its weight type's pack), or None without kernels."""
@@ -243,6 +243,7 @@ class QuantizedModel:
 
 def check_readable(name: str, p: np.ndarray) -> None:
     """Refuse a weight that would read back NaN or Inf: a float array with one, or blocks with a NaN or Inf scale."""
+    p = np.asarray(p)   # (a checkpoint.Reordered: its rows copied for the check)
     if p.dtype.kind == "V":
         t = of_dtype(p.dtype).name
         bad, what = quant.nonfinite_blocks(p, t), f"block(s) with a NaN/Inf scale ({t})"

@@ -635,13 +635,15 @@ def check_vocab_size(meta: dict, arch: str, rows: int) -> None:
         raise UserError(f"GGUF metadata {arch}.vocab_size = {n} disagrees with the {rows} rows of token_embd.weight")
 
 
-def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def gguf_params(cfg, T: dict, reordered: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """llama.cpp's tensors -> (our params, our name -> GGUF name), by the architecture's `gguf` table: several of
     ours cut out of one of theirs by rows (GPT-2's attn_qkv), q/k rows back from llama.cpp's interleaved RoPE
-    order where it permutes them (`gguf_export.unpermute_qk`; a mapped file's blocks copied so have their pages
-    let go, as nothing reads them again: Llama-3.2-1B's q and k, 85 MiB). What it reads leaves T; a tensor of the
+    order where it permutes them (`gguf_export.unpermute_qk`) and in ours where part of each head turns
+    (hf.format_rows): a copy, or with `reordered` a matrix's rows taken where they lie (checkpoint.Reordered:
+    decoding packs them from the file; Llama-3.2-1B's q and k, 85 MiB, are not held twice). A mapped file's
+    blocks copied have their pages let go, as nothing reads them again. What it reads leaves T; a tensor of the
     wrong shape is a UserError naming it."""
-    from ..checkpoint import drop_pages
+    from ..checkpoint import Reordered, drop_pages
     from .gguf_export import unpermute_qk
     from .hf import format_rows
     fmt, shapes = cfg.spec.gguf, cfg.param_shapes()
@@ -659,11 +661,14 @@ def gguf_params(cfg, T: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise UserError(f"tensor {e.name} has shape {list(logical_shape(a))}, expected {list(want)} from the "
                             "metadata")
         for n, part in zip(ours, np.split(a, np.cumsum([shapes[n][0] for n in ours])[:-1])):
+            rows = np.arange(part.shape[0])[:, None]   # ours[i] = theirs[rows[i]]
             if fmt.permute_qk and n.endswith(("attn.wq.weight", "attn.wk.weight")):
-                part = unpermute_qk(part, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
-            part = format_rows(cfg, n, part, inverse=True)   # (part of each head turning)
+                rows = unpermute_qk(rows, cfg.n_heads if "wq" in n else cfg.n_kv_heads)
+            rows = format_rows(cfg, n, rows, inverse=True)[:, 0]   # (part of each head turning)
+            if np.any(rows != np.arange(len(rows))):
+                part = Reordered(part, rows) if reordered and part.ndim == 2 else part[rows]
             P[n], src[n] = part, e.name
-        if any(not np.may_share_memory(P[n], a) for n in ours):
+        if any(isinstance(P[n], Reordered) or not np.may_share_memory(P[n], a) for n in ours):
             drop_pages([a])   # a mapped file's blocks read into a copy (q, k reordered): their pages let go
     return P, src
 
@@ -674,8 +679,9 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
     """A GGUF file -> (Config, params, Tokenizer, source) without writing anything; source is source.json's
     dict. MTP heads 1..K-1 (n_mtp = K) start as copies of head 0. params are float32 (a model to train, save,
     export), or with `blocks` each matrix as the file holds it where decoding reads its type (tensors_of: a
-    model to decode, weights.QuantizedModel.from_blocks)."""
+    model to decode, weights.QuantizedModel.from_blocks; q and k as a checkpoint.Reordered of the file's rows)."""
     from ..arch import ARCHS, by_format
+    from ..checkpoint import Reordered
     from ..config import check_params, head_weight
     if n_mtp is not None and (not isinstance(n_mtp, int) or n_mtp < 1):
         raise UserError(f"--mtp must be a positive integer, got {n_mtp}")
@@ -699,14 +705,15 @@ def load_gguf(src: str | Path, n_mtp: int | None = None, progress: bool = False,
     if arch.gguf.rope_long_short:
         for name in LONGROPE_TENSORS:       # (gguf_longrope_fields)
             T.pop(name, None)
-    params, src_names = gguf_params(cfg, T)
+    params, src_names = gguf_params(cfg, T, reordered=blocks)
     if T:
         raise UserError(f"unexpected tensor {sorted(T)[0]} in the GGUF file (not part of a {name} model)")
     for k in range(1, n_mtp or 1):
         params[f"heads.{k}.weight"] = head_weight(params, 0).copy()
     cfg = cfg.replace(n_mtp=n_mtp or 1)
     tok = gguf_tokenizer(meta, cfg.vocab_size)
-    params = {n: np.ascontiguousarray(params[n]) for n in cfg.param_shapes()}
+    params = {n: params[n] if isinstance(params[n], Reordered) else np.ascontiguousarray(params[n])
+              for n in cfg.param_shapes()}
     if not blocks:
         check_params(cfg, params)
     source = {"format": "gguf", "file": path.name, "file_tensor_bytes": nbytes,
@@ -723,7 +730,8 @@ def import_gguf(src: str | Path, out: str | Path, n_mtp: int | None = None, forc
     from .outputs import check_free, output_dir
     check_free(out, force, inputs=[src])
     cfg, params, tok, source = load_gguf(src, n_mtp, progress)
-    blocks = {n: a.view(np.uint8) if a.dtype.kind == "V" else a for n, a in load_gguf(src, n_mtp, blocks=True)[1].items()
+    blocks = {n: np.asarray(a).view(np.uint8) if a.dtype.kind == "V" else np.asarray(a)   # (q, k: our row order)
+              for n, a in load_gguf(src, n_mtp, blocks=True)[1].items()
               if n in source["tensor_types"] and (a.dtype.kind == "V" or a.dtype == np.float16)}
     with output_dir(out, force, inputs=[src]) as tmp:
         save_files(tmp, model_writers(cfg, params, tok) | ({SOURCE_BLOCKS: tensors_writer(blocks)} if blocks else {}))
