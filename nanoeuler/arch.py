@@ -313,8 +313,8 @@ GEMMA2 = Arch(
     lora=_LLAMA_LORA, lora_defaults=_LLAMA_LORA_DEFAULTS)
 
 # Phi-3: Llama's block with q|k|v and gate|up each one tensor in both formats (stacked by rows), any window on every
-# layer (Phi-3-mini's 2047; llama.cpp's phi3 reads none), partial rotary (Phi-4-mini's 0.75); LongRoPE scaling is
-# refused (rope_scaling: linear, llama3)
+# layer (Phi-3-mini's 2047; llama.cpp's phi3 reads none), partial rotary (Phi-4-mini's 0.75), LongRoPE's short and
+# long factors (one per turned pair)
 _QKV, _GATE_UP = ("attn.wq", "attn.wk", "attn.wv"), ("ffn.gate", "ffn.up")
 PHI3 = Arch(
     "phi3", defaults=_LLAMA_DEFAULTS | {"sliding_window": 0, "global_every": 0, "rope_original_ctx": 4096,

@@ -118,9 +118,9 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= FLOAT_MAX:
                 raise UserError(f"config: {name} must be a finite number >= 0 (0: none), got {value!r:.60}")
             object.__setattr__(self, name, float(value))
+        self._check_partial_rotary()
         self._check_rope_scaling()
         self._check_multipliers()
-        self._check_partial_rotary()
         self._check_parallel_residual()
         if self.n_params() > MAX_PARAMS:
             raise UserError(f"config: {self.n_params():,} parameters is more than this program handles "
@@ -160,18 +160,21 @@ class Config:
                             f"is not supported (its attention factor scales the turned layers' scores only)")
 
     def _check_pair_factors(self, name: str) -> None:
-        """Field `name`, where given, is head_dim / 2 finite numbers > 0; made a tuple of floats."""
+        """Field `name`, where given, is one finite number > 0 per turned pair (rope_dims / 2: head_dim / 2 unless
+        part of each head turns, Phi-4-mini's); made a tuple of floats."""
         factors = getattr(self, name)
         if factors is None:
             return
-        ok = isinstance(factors, (list, tuple)) and len(factors) == self.head_dim // 2 and all(
+        ok = isinstance(factors, (list, tuple)) and len(factors) == self.rope_dims // 2 and all(
             isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf") for f in factors)
         if not ok:
-            raise UserError(f"config: {name} must be {self.head_dim // 2} finite numbers > 0 (head_dim / 2)")
+            raise UserError(f"config: {name} must be {self.rope_dims // 2} finite numbers > 0 (one per turned pair)")
         object.__setattr__(self, name, tuple(float(f) for f in factors))
 
     def _check_partial_rotary(self) -> None:
-        """partial_rotary_factor in (0, 1], turning an even number of dimensions, with no RoPE scaling per pair."""
+        """partial_rotary_factor in (0, 1], turning an even number of dimensions; per-pair factors (a rope_freqs
+        tensor, LongRoPE's: Phi-4-mini) are the turned pairs', and llama3 / yarn, which derive them over the whole
+        head, are refused with it."""
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise UserError(f"config: partial_rotary_factor must be a number in (0, 1], got {f!r:.60}")
@@ -184,7 +187,7 @@ class Config:
         if self.rope_dims < 2 or self.rope_dims % 2:
             raise UserError(f"config: partial_rotary_factor {f} turns {self.rope_dims} of head_dim {self.head_dim} "
                             f"dimensions; RoPE turns pairs (at least one)")
-        if self.rope_scaling in ("llama3", "factors", "yarn", "longrope"):
+        if self.rope_scaling in ("llama3", "yarn"):
             raise UserError(f"config: rope_scaling {self.rope_scaling} with partial_rotary_factor {f} is not supported")
 
     def _check_parallel_residual(self) -> None:

@@ -53,12 +53,14 @@ ROPE_SCALINGS = {"linear": dict(rope_scaling="linear", rope_factor=4.0),
                  "yarn": dict(rope_scaling="yarn", rope_factor=4.0, rope_original_ctx=4096)}
 # LongRoPE where the format reads it (Phi-3's): short and long factors, the long ones where the model runs beyond
 # its original context (16 < ctx_len 64: transformers takes them too, for a sequence of T = 24 > 16; attention
-# factor √(1 + ln 4 / ln 16) from factor 64 / 16), the short ones up to it (original 256, as llama.cpp pads its
-# context to a multiple of 256 and chooses by that: factor 64 / 256, attention 1)
-LONGROPE = dict(rope_scaling="longrope", rope_freq_factors=(1.0, 1.5, 2.0, 3.0),
-                rope_long_factors=(1.0, 2.0, 5.0, 9.0), partial_rotary_factor=1.0)   # (Phi-4-mini's partial: refused)
-LONGROPES = {"longrope": LONGROPE | dict(rope_original_ctx=16, rope_factor=4.0),
-             "shortrope": LONGROPE | dict(rope_original_ctx=256, rope_factor=64 / 256)}
+# factor √(1 + ln 4 / ln 16) from factor 64 / 16), every pair turning (Phi-3.5-mini's); the short ones up to it
+# (original 256, as llama.cpp pads its context to a multiple of 256 and chooses by that: factor 64 / 256, attention
+# 1), with half of each head turning and a factor for each turned pair only (Phi-4-mini's 0.75: 48 of 64 pairs)
+LONGROPES = {"longrope": dict(rope_scaling="longrope", rope_freq_factors=(1.0, 1.5, 2.0, 3.0),
+                              rope_long_factors=(1.0, 2.0, 5.0, 9.0), partial_rotary_factor=1.0,
+                              rope_original_ctx=16, rope_factor=4.0),
+             "shortrope": dict(rope_scaling="longrope", rope_freq_factors=(1.5, 3.0), rope_long_factors=(2.0, 9.0),
+                               partial_rotary_factor=0.5, rope_original_ctx=256, rope_factor=64 / 256)}
 # and linear scaling where global layers sit between windowed ones, which keep plain RoPE (Gemma 3 4B's factor 8)
 # Granite 3's multipliers (its 2B: 12, 0.22, 1/64, 8), here each far from its default at dim 32
 MULTIPLIERS = dict(embedding_multiplier=2.5, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)

@@ -376,7 +376,7 @@ def test_rope_freqs_import_as_llama3_where_they_are_its_else_as_per_pair_factors
         export_hf(Model(cfg, params), tok, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
     wrong = rewrite_meta(path, tmp_path / "w.gguf", {}, extra_tensor=("rope_freqs.weight", np.ones(3, np.float32)))
-    refused(tmp_path, wrong, r"tensor rope_freqs.weight: 3 factors \(head size 64 wants 32")
+    refused(tmp_path, wrong, r"tensor rope_freqs.weight: 3 factors \(64 turned dimensions want 32")
 
 
 def test_vocab_size_must_be_the_embeddings_rows_as_an_integer(tmp_path, model, tok):
@@ -883,7 +883,7 @@ def test_a_rope_freqs_tensor_of_another_shape_is_refused(tmp_path, model, tok):
     was read as if it were one row (llama.cpp refuses its shape)."""
     path = write_gguf(tmp_path / "m.gguf", model, tok)
     wrong = rewrite_meta(path, tmp_path / "w.gguf", {}, extra_tensor=("rope_freqs.weight", np.ones((2, 16), np.float32)))
-    refused(tmp_path, wrong, r"tensor rope_freqs.weight: shape \[2, 16\] \(head size 64 wants \[32\]")
+    refused(tmp_path, wrong, r"tensor rope_freqs.weight: shape \[2, 16\] \(64 turned dimensions want \[32\]")
 
 
 def test_the_gguf_export_refuses_soft_caps_and_heads_llama_cpp_reads_otherwise():

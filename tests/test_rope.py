@@ -115,6 +115,9 @@ def test_scaling_fields_in_config_json_and_old_configs_unchanged(tmp_path):
         cfg.save(tmp_path / "config.json")
         assert Config.load(tmp_path / "config.json") == cfg
     np.testing.assert_array_equal(factors.layer_freqs(0) * [1, 2, 3, 4], tiny_config().layer_freqs(0))
+    half = tiny_config(arch="phi3", partial_rotary_factor=0.5)   # Phi-4-mini's: a factor per turned pair only
+    short = half.replace(rope_scaling="longrope", rope_freq_factors=[2, 4], rope_long_factors=[3, 5])
+    np.testing.assert_array_equal(short.layer_freqs(0), half.layer_freqs(0) / [2, 4, 1, 1])   # (passing pairs: 0)
     assert json.loads((tmp_path / "config.json").read_text())["rope_freq_factors"] == [1.0, 2.0, 3.0, 4.0]
 
 
@@ -123,6 +126,9 @@ def test_scaling_fields_in_config_json_and_old_configs_unchanged(tmp_path):
     (dict(rope_scaling="yarn", rope_factor=4.0, rope_beta_fast=1.0), "rope_beta_slow 1.0 must be below rope_beta_fast"),
     (dict(rope_scaling="yarn", rope_attn_factor=0.0), "rope_attn_factor must be a finite number > 0"),
     (dict(arch="stablelm", partial_rotary_factor=0.5, rope_scaling="yarn"), "rope_scaling yarn with partial_rotary"),
+    (dict(arch="stablelm", partial_rotary_factor=0.5, rope_scaling="llama3"), "rope_scaling llama3 with partial_rot"),
+    (dict(arch="phi3", partial_rotary_factor=0.5, rope_scaling="longrope", rope_freq_factors=[1.0] * 4,
+          rope_long_factors=[1.0] * 4), "rope_freq_factors must be 2 finite numbers > 0 \\(one per turned pair"),
     (dict(rope_scaling="longrope", rope_freq_factors=[1.0] * 4), "rope_long_factors goes with rope_scaling"),
     (dict(rope_scaling="longrope", rope_freq_factors=[1.0] * 4, rope_long_factors=[1.0, -1.0, 1.0, 1.0]),
      "rope_long_factors must be 4 finite numbers"),

@@ -487,10 +487,10 @@ def refuse_unsupported(meta: dict, arch: str, read=()) -> None:
                 raise UserError(f"GGUF metadata {arch}.{key} = {shown!r:.40} is not supported{what}")
 
 
-def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float) -> dict:
+def gguf_rope_fields(meta: dict, a: str, rope_freqs, rope_dims: int, theta: float) -> dict:
     """The RoPE scaling llama.cpp applies to the file's global layers -> the Config's fields ({} for none): a linear
     factor (rope.scaling.factor, or where it is absent the older rope.scale_linear, as llama.cpp reads them), or
-    the divisors of each pair's frequency in a `rope_freqs` tensor [head_dim/2] (what llama.cpp's converter writes
+    the divisors of each turned pair's frequency in a `rope_freqs` tensor [rope_dims/2] (what llama.cpp's converter writes
     for Llama 3.x):
     llama3 scaling where they are llama3's of Llama 3.1's parameters (low / high freq factors 1 / 4, original
     context 8192; the factor: the largest divisor), else the divisors as they are ("factors"); or yarn (type yarn:
@@ -514,23 +514,23 @@ def gguf_rope_fields(meta: dict, a: str, rope_freqs, head_dim: int, theta: float
     if rope_freqs is None:
         return linear
     if np.ndim(rope_freqs) != 1:   # one row, as llama.cpp creates it
-        raise UserError(f"tensor rope_freqs.weight: shape {list(np.shape(rope_freqs))} (head size {head_dim} wants "
-                        f"[{head_dim // 2}]); not supported")
+        raise UserError(f"tensor rope_freqs.weight: shape {list(np.shape(rope_freqs))} ({rope_dims} turned dimensions "
+                        f"want [{rope_dims // 2}]); not supported")
     f = np.asarray(rope_freqs, np.float64)
-    if linear or f.size != head_dim // 2 or not np.all(np.isfinite(f) & (f > 0)):
-        raise UserError(f"tensor rope_freqs.weight: {f.size} factors (head size {head_dim} wants {head_dim // 2} "
-                        f"finite ones > 0){', beside a linear factor' if linear else ''}; not supported")
+    if linear or f.size != rope_dims // 2 or not np.all(np.isfinite(f) & (f > 0)):
+        raise UserError(f"tensor rope_freqs.weight: {f.size} factors ({rope_dims} turned dimensions want "
+                        f"{rope_dims // 2} finite ones > 0){', beside a linear factor' if linear else ''}; not supported")
     if np.all(f == 1.0):
         return {}
     llama3 = {"rope_scaling": "llama3", "rope_factor": float(str(np.float32(f.max())))}   # as written (8.0)
-    if np.allclose(llama3_factors(inv_freq(head_dim, theta), llama3["rope_factor"], 1.0, 4.0, 8192), f, rtol=1e-6):
+    if np.allclose(llama3_factors(inv_freq(rope_dims, theta), llama3["rope_factor"], 1.0, 4.0, 8192), f, rtol=1e-6):
         return llama3
     return {"rope_scaling": "factors", "rope_freq_factors": tuple(f.tolist())}
 
 
-def gguf_longrope_fields(meta: dict, a: str, tensors: dict, head_dim: int, fields: dict) -> dict:
+def gguf_longrope_fields(meta: dict, a: str, tensors: dict, rope_dims: int, fields: dict) -> dict:
     """LongRoPE as llama.cpp's phi3 reads it -> the Config's fields ({} without its tensors): the short and long
-    factors [head_dim/2] (chosen by the context the model runs at, Config.rope_factors), the attention factor
+    factors [rope_dims/2: one per turned pair] (chosen by the context the model runs at, Config.rope_factors), the attention factor
     rope.scaling.attn_factor (default 1) and the factor context_length / original context (what transformers takes
     where config.json names none, and what llama.cpp's converter derives the attention factor from)."""
     short, long = (tensors.get(name) for name in LONGROPE_TENSORS)
@@ -540,9 +540,9 @@ def gguf_longrope_fields(meta: dict, a: str, tensors: dict, head_dim: int, field
                             f"not supported")
         return {}
     for name, f in zip(LONGROPE_TENSORS, (short, long)):
-        if f is None or np.shape(f) != (head_dim // 2,):
-            raise UserError(f"tensor {name}: shape {list(np.shape(f)) if f is not None else 'missing'} (head size "
-                            f"{head_dim} wants [{head_dim // 2}]); not supported")
+        if f is None or np.shape(f) != (rope_dims // 2,):
+            raise UserError(f"tensor {name}: shape {list(np.shape(f)) if f is not None else 'missing'} ({rope_dims} "
+                            f"turned dimensions want [{rope_dims // 2}]); not supported")
     ctx = fields["ctx_len"]
     orig = fields.setdefault("rope_original_ctx", ctx)   # (absent: llama.cpp's original context is context_length)
     out = {"rope_scaling": "longrope", "rope_freq_factors": tuple(np.asarray(short, np.float64).tolist()),
@@ -603,9 +603,9 @@ def gguf_config(meta: dict, arch, tensors: dict):
         fields["partial_rotary_factor"] = turned / hd if hd else 1.0
         fields["rope_theta"] = field(meta, f"{a}.rope.freq_base", float, 10000.0)   # llama.cpp's, every architecture
         freqs = tensors.get("rope_freqs.weight") if arch.gguf.rope_freqs else None   # (elsewhere: unexpected)
-        fields |= gguf_rope_fields(meta, a, freqs, hd, fields["rope_theta"])
+        fields |= gguf_rope_fields(meta, a, freqs, turned, fields["rope_theta"])
         if arch.gguf.rope_long_short:
-            fields |= gguf_longrope_fields(meta, a, tensors, hd, fields)
+            fields |= gguf_longrope_fields(meta, a, tensors, turned, fields)
     if window:  # the pattern and the windowed layers' RoPE base: the architecture's (llama.cpp's) unless stated
         fields["sliding_window"] = window
         fields["global_every"] = field(meta, f"{a}.attention.sliding_window_pattern", default=arch.defaults["global_every"])
