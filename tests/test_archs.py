@@ -366,6 +366,28 @@ def test_a_windowed_model_imports_from_hf_and_is_refused_for_gguf(folders, tmp_p
         export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("rope") and "sliding_window" in ARCHS[c.split("+")[0]].defaults])
+def test_a_window_wider_than_the_context_is_none_beside_longrope(folders, tmp_path, case):
+    """Phi-3.5-mini's and Phi-4-mini's config.json: a window of 262,144 on every layer over a 131,072-position
+    context, beside LongRoPE. It leaves out no key, so the model imports as one without a window (transformers'
+    logits), not refused as RoPE scaling beside windowed layers; a window one narrower than the context is."""
+    from nanoeuler.errors import UserError
+    from nanoeuler.interop.hf import load_hf_folder
+    hf, d, want = folders[case]
+    c = json.loads((d / "config.json").read_text())
+    (tmp_path / "w").mkdir()
+    for f in d.iterdir():
+        (tmp_path / "w" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "w" / "config.json").write_text(json.dumps(c | {"sliding_window": 2 * want.ctx_len}))
+    cfg, params, _ = load_hf_folder(tmp_path / "w")
+    assert cfg == want and cfg.sliding_window == 0
+    ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, T))
+    assert_logits_equal(Model(cfg, params).logits(ids)[0], torch_logits(hf, ids))
+    (tmp_path / "w" / "config.json").write_text(json.dumps(c | {"sliding_window": want.ctx_len - 1}))
+    with pytest.raises(UserError, match="every layer is windowed"):
+        load_hf_folder(tmp_path / "w")
+
+
 def test_a_no_rope_layers_list_reads_as_transformers_reads_it(folders, tmp_path):
     """transformers' SmolLM3 reads no_rope_layers (1: the layer turns q and k, 0: it does not), its
     no_rope_layer_interval only where the list is missing: a list of another pattern than the interval's imports

@@ -226,7 +226,8 @@ def test_a_key_config_json_leaves_out_is_what_transformers_assumes(model_type):
     defaults (Qwen2's and Qwen3's rope_theta 10000, Mistral's and Gemma 3's window 4096, Qwen3's head_dim 128):
     each was our architecture's own default (1e6; no window, 512; hidden / heads), another model."""
     transformers = pytest.importorskip("transformers")
-    c = llama_config(model_type, hidden_size=64, num_hidden_layers=2) | (
+    c = llama_config(model_type, hidden_size=64, num_hidden_layers=2,   # (a context wider than the default window,
+                     max_position_embeddings=8192) | (                    # which would otherwise leave out no key)
         {"hidden_activation": "gelu_pytorch_tanh"} if model_type == "gemma3_text" else {})
     theirs = transformers.AutoConfig.for_model(**c)
     rope = theirs.rope_parameters

@@ -180,6 +180,8 @@ def config_from_hf(c: dict, arch: Arch, vocab_rows: int | None = None):
         raise UserError(f"config.json: {missing[0]} is missing")
     fields.setdefault("ctx_len", 2048)
     fields.setdefault("n_kv_heads", fields["n_heads"])
+    if _reaches_no_key(fields):
+        fields["sliding_window"] = 0
     try:
         cfg = Config(**fields, n_mtp=1, arch=arch.name)
     except TypeError as e:
@@ -345,6 +347,16 @@ def neutral_rope(params) -> bool:
     kind = params.get("rope_type", params.get("type", "default"))
     return kind == "default" or (kind in ("linear", "dynamic") and params.get("factor") in (1, 1.0)
                                  and not isinstance(params.get("factor"), bool))
+
+
+def _reaches_no_key(fields: dict) -> bool:
+    """Whether a window on every layer is wider than the context, so that it leaves out no key: Phi-3.5-mini's
+    and Phi-4-mini's 262,144 over 131,072 positions. Such a model is one without a window (transformers' mask
+    leaves every key in; so may RoPE scaling then be); a window on some layers only (Gemma's) stays, as those
+    layers turn at their own RoPE base."""
+    window, ctx = fields.get("sliding_window"), fields["ctx_len"]
+    return (type(window) is int and type(ctx) is int and window >= ctx > 0
+            and not fields.get("global_every"))
 
 
 def _window_pattern(c: dict, arch: Arch, n_layers) -> dict:
