@@ -366,7 +366,8 @@ def test_a_windowed_model_imports_from_hf_and_is_refused_for_gguf(folders, tmp_p
         export_gguf(Model(cfg, params), tok, tmp_path / "m.gguf", progress=False)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("rope") and "sliding_window" in ARCHS[c.split("+")[0]].defaults])
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("rope")
+                                  and "sliding_window" in ARCHS[c.split("+")[0]].defaults])
 def test_a_window_wider_than_the_context_is_none_beside_longrope(folders, tmp_path, case):
     """Phi-3.5-mini's and Phi-4-mini's config.json: a window of 262,144 on every layer over a 131,072-position
     context, beside LongRoPE. It leaves out no key, so the model imports as one without a window (transformers'

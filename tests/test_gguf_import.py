@@ -90,11 +90,12 @@ def test_q_and_k_to_decode_are_the_files_rows_reordered_not_a_copy(tmp_path, mod
     assert any(a is P["layers.0.attn.wq.weight"] for a in dropped)   # its file pages let go once packed
     tokens = np.arange(1, 3 * kernels.ROWS, 2)[None] % cfg.vocab_size   # more rows than the kernels' products take
     WF = step.fuse_weights(cfg, F)
-    want = step.head_logits(cfg, WF, forward.forward_hidden(cfg, WF, tokens, new_cache(cfg, 1, tokens.shape[1])))
-    ref = step.head_logits(cfg, W, forward.forward_hidden(cfg, W, tokens, new_cache(cfg, 1, tokens.shape[1])))   # NumPy path
+    cache = lambda: new_cache(cfg, 1, tokens.shape[1])   # noqa: E731
+    want = step.head_logits(cfg, WF, forward.forward_hidden(cfg, WF, tokens, cache()))
+    ref = step.head_logits(cfg, W, forward.forward_hidden(cfg, W, tokens, cache()))   # the NumPy path
     assert rel_err(ref, want) < 1e-5
     if kernels.ENABLED:
-        fused = step.head_logits(cfg, W, step.forward_hidden(cfg, W, tokens, new_cache(cfg, 1, tokens.shape[1])))
+        fused = step.head_logits(cfg, W, step.forward_hidden(cfg, W, tokens, cache()))
         l2 = np.linalg.norm(fused - want) / np.linalg.norm(want)
         assert l2 < 5e-2   # activations rounded to 8 bits per block, as llama.cpp does (q, k misordered: ~1)
 

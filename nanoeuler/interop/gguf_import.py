@@ -530,9 +530,10 @@ def gguf_rope_fields(meta: dict, a: str, rope_freqs, rope_dims: int, theta: floa
 
 def gguf_longrope_fields(meta: dict, a: str, tensors: dict, rope_dims: int, fields: dict) -> dict:
     """LongRoPE as llama.cpp's phi3 reads it -> the Config's fields ({} without its tensors): the short and long
-    factors [rope_dims/2: one per turned pair] (chosen by the context the model runs at, Config.rope_factors), the attention factor
-    rope.scaling.attn_factor (default 1) and the factor context_length / original context (what transformers takes
-    where config.json names none, and what llama.cpp's converter derives the attention factor from)."""
+    factors [rope_dims/2: one per turned pair] (chosen by the context the model runs at, Config.rope_factors), the
+    attention factor rope.scaling.attn_factor (default 1) and the factor context_length / original context (what
+    transformers takes where config.json names none, and what llama.cpp's converter derives the attention factor
+    from)."""
     short, long = (tensors.get(name) for name in LONGROPE_TENSORS)
     if short is None and long is None:
         if meta.get(f"{a}.rope.scaling.attn_factor", 1) != 1:
