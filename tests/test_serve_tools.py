@@ -195,6 +195,22 @@ def test_a_reply_that_is_not_a_call_stays_content_and_tool_choice_none_is_honour
                 {"role": "tool", "tool_call_id": "abc", "content": "x"}], **SAMPLING)
 
 
+@pytest.mark.parametrize("names, ok", [(["get_weather", "web.search", "a-b_9"], True), ([""], False),
+                                       (["get weather"], False), (['x"y'], False), (["f" * 65], False),
+                                       (["get_weather", "get_weather"], False)])
+def test_a_tool_is_named_as_openai_names_one_and_once(names, ok):
+    """An empty name, one with a space or a quote, one past 64 characters, or two tools of one name are refused
+    (400): a call names the function it makes, and could not be told apart or parsed back."""
+    from pydantic import ValidationError
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+    body = {"model": "tiny", "messages": ASK, "tools": tools}
+    if ok:
+        assert [t.function.name for t in ChatRequest.model_validate(body).tools] == names
+    else:
+        with pytest.raises(ValidationError):
+            ChatRequest.model_validate(body)
+
+
 def test_chat_template_kwargs_reach_the_template(tok, model, script):
     with serve(model, tok.replace(chat_template=THINKING)) as srv:
         client = client_of(srv)

@@ -140,9 +140,11 @@ class Message(_Base):
 
 
 class Function(_Base):
-    """A function tool as the client wrote it: fields beyond these (`strict`, ...) reach the template too."""
+    """A function tool as the client wrote it: fields beyond these (`strict`, ...) reach the template too. Its
+    name as OpenAI defines one (letters, digits, _ and -, at most 64; dots too, as MCP tools have them): a call
+    names the function it makes, so an empty name or one with quotes or spaces could not be parsed back."""
     model_config = ConfigDict(strict=True, extra="allow")
-    name: str
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: Optional[str] = None
     parameters: Optional[dict] = None
 
@@ -209,6 +211,13 @@ class ChatRequest(_Generation):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_named_once(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):   # (a call, and tool_choice, name the function they mean)
+            raise ValueError(f"two tools are named {next(n for n in names if names.count(n) > 1)!r}")
         return self
 
 
