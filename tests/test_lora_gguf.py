@@ -9,6 +9,7 @@ import pytest
 from conftest import rel_err
 from nanoeuler import Model, Tokenizer
 from nanoeuler import adapters as ad
+from nanoeuler.arch import ARCHS
 from nanoeuler.cli import main
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.training.lora import LoraModel
@@ -92,3 +93,42 @@ def test_llama_cpp_applies_it_and_gives_our_merged_logits(run):
     plain = LlamaCpp(d / "base.gguf", n_ctx=T, logits_all=True).logits(ids)
     assert rel_err(theirs, ours) <= 1e-4
     assert rel_err(plain, ours) > 1e-2          # the adapter matters: not the base's logits
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architectures_adapter_is_its_merged_model_in_llama_cpp(arch, tmp_path):
+    """Each architecture of the registry: an adapter on every target of its LoRA defaults, exported as gguf-lora,
+    has one A / B pair per llama.cpp tensor it changes, whole where llama.cpp fuses our weights (GPT-2's and
+    GPT-NeoX's attn_qkv, Phi-3's attn_qkv and ffn_up holding gate | up: B's rows stacked as the tensor's, one A);
+    llama.cpp applying it to our GGUF export of the base gives our merged model's logits."""
+    from test_archs_cli import ARCHS as SHAPES
+
+    from nanoeuler.checkpoint import save_files
+    from nanoeuler.config import Config
+    tok = Tokenizer.train([bundled_works()["hamlet"][:20000]], 300, progress=False)
+    cfg = Config(**dict(vocab_size=300, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx_len=32, ffn_hidden=64,
+                        n_mtp=1, arch=arch) | SHAPES.get(arch, {}))
+    base = Model.init(cfg, seed=0)
+    rng = np.random.default_rng(1)
+    for p in base.params.values():
+        p += (rng.standard_normal(p.shape) * 0.05).astype(np.float32)
+    base.save(tmp_path / "base", tokenizer=tok)
+    m = LoraModel.new(tmp_path / "base", ad.LoraConfig(4, 12.0, cfg.spec.lora_defaults), seed=0)
+    for n, a in m.params.items():
+        if n.endswith("lora_B"):
+            a += (rng.standard_normal(a.shape) * 0.1).astype(np.float32)
+    save_files(tmp_path / "run", m.checkpoint_writers(tok))
+    for ckpt, fmt in (("base", "gguf"), ("run", "gguf-lora")):
+        out = str(tmp_path / f"{ckpt}.gguf")
+        assert main(["export", "--ckpt", str(tmp_path / ckpt), "--format", fmt, "--out", out, "--no-progress"]) == 0
+    names = [x.name for x in gguf.GGUFReader(str(tmp_path / "run.gguf")).tensors]
+    assert len(names) == len(set(names))                      # one pair per tensor, none written twice
+    pytest.importorskip("llama_cpp")
+    from nanoeuler.interop.llamacpp import LlamaCpp
+    ids = list(np.random.default_rng(3).integers(0, 300, cfg.ctx_len))
+    lc = LlamaCpp(tmp_path / "base.gguf", n_ctx=cfg.ctx_len, logits_all=True, lora=tmp_path / "run.gguf")
+    theirs = lc.logits(ids)
+    ours = Model.load(tmp_path / "run", read_only=True).logits(np.array([ids]))[0, 0]
+    plain = Model.load(tmp_path / "base", read_only=True).logits(np.array([ids]))[0, 0]
+    l2 = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)   # noqa: E731  (llama.cpp's GELU: float16 tables)
+    assert l2(theirs, ours) <= 1e-3 and l2(plain, ours) > 1e-2

@@ -434,6 +434,18 @@ def export_gguf(model, tok, out: str | Path, dtype: str = "float32", force: bool
     return out
 
 
+def _lora_b_by_tensor(cfg, bases: list[str], parts: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """A module's B rows of each base weight -> llama.cpp's tensor name -> its B [out, r]: the rows of the weights
+    one tensor holds stacked as the tensor stacks them (GPT-2's, Phi-3's, GPT-NeoX's attn_qkv; Phi-3's ffn_up of
+    gate | up: a module adapts such a tensor whole, arch.py's `lora`), as their A is the module's one A: that
+    tensor's update is exactly B·A."""
+    out = {}
+    for name, rows in zip(bases, parts):
+        gname, b = layer_tensor(cfg, name, rows)
+        out.setdefault(gname, []).append(b)
+    return {gname: np.concatenate(bs) for gname, bs in out.items()}
+
+
 def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
     """Write the adapters of the LoRA run in run_dir as a llama.cpp LoRA adapter (one .gguf file, atomically),
     for the base's `--format gguf` export: general.type "adapter", adapter.type "lora", adapter.lora.alpha,
@@ -462,8 +474,7 @@ def export_gguf_lora(run_dir, out: str | Path, force: bool = False) -> Path:
         w.add_name("nanoeuler LoRA")
         for module, (bases, _) in modules(cfg, lcfg).items():
             A, B = adapters[module + ".lora_A"], adapters[module + ".lora_B"]
-            for name, rows in zip(bases, row_slices(cfg, bases)):
-                gname, b = layer_tensor(cfg, name, B[rows])
+            for gname, b in _lora_b_by_tensor(cfg, bases, [B[rows] for rows in row_slices(cfg, bases)]).items():
                 w.add_tensor(gname + ".lora_a", np.ascontiguousarray(A, np.float32))   # [r, in]
                 w.add_tensor(gname + ".lora_b", np.ascontiguousarray(b, np.float32))   # [out, r]
         w.write_header_to_file()
