@@ -221,6 +221,27 @@ def test_the_first_request_after_the_address_is_as_fast_as_a_warm_one():
         proc.stderr.close()
 
 
+@pytest.mark.parametrize("ctx, factors", [(8, "short"), (64, "long")])
+def test_longrope_turns_by_the_factors_of_the_context_served(tmp_path, ctx, factors):
+    """Phi-3.5's and Phi-4-mini's LongRoPE: short factors at a context up to the original one, long beyond (as
+    llama-server chooses by its n_ctx); `serve --ctx` is that context, not the model's 131,072 positions."""
+    from nanoeuler import Model, Tokenizer
+    from nanoeuler.cli import build_parser
+    from nanoeuler.cli.serve import prepare
+    from nanoeuler.config import Config
+    cfg = Config(vocab_size=257, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, ctx_len=64, ffn_hidden=48, n_mtp=1,
+                 arch="phi3", rope_scaling="longrope", rope_freq_factors=(1.0, 2.0), rope_long_factors=(3.0, 5.0),
+                 partial_rotary_factor=0.5, rope_original_ctx=16)
+    Model.init(cfg, seed=0).save(tmp_path / "m", tokenizer=Tokenizer([]))
+    app, sock, banner = prepare(build_parser().parse_args(["serve", "--ckpt", str(tmp_path / "m"), "--port", "0",
+                                                           "--ctx", str(ctx)]))
+    sock.close()
+    served = app.state.service.cfg
+    assert served.rope_factors().tolist() == list(getattr(cfg, {"short": "rope_freq_factors",
+                                                                "long": "rope_long_factors"}[factors]))
+    assert (f"context {ctx} of the model's 64" in banner) == (ctx < 64)
+
+
 def test_a_one_position_window_serves_and_frees_its_rows():
     """`serve --ctx 1`: a window's jump kept ctx // 2 = 0 tokens, i.e. all of them, so a row past its first
     token refilled for ever: the warm-up never ended (no address, ~65 % CPU) and its rows stayed taken. Now

@@ -43,7 +43,8 @@ def register(sub) -> None:
                    help=f"positions of KV cache a request's row holds: a prompt keeps its last CTX tokens and a reply "
                         f"past them slides its window, as `sample` does at the model's context (default: the model's "
                         f"context, at most {DEFAULT_CTX}; the cache takes memory as rows fill, up to --max-batch x "
-                        f"CTX positions, which must fit in RAM)")
+                        f"CTX positions, which must fit in RAM; a LongRoPE model, Phi-3.5 / Phi-4-mini, turns by its "
+                        f"short factors up to its original context, as llama-server at that n_ctx)")
     p.add_argument("--prompt-cache-mib", type=int, default=None, metavar="MIB",
                    help="MiB of keys and values of earlier requests kept (least recently used first out), so a "
                         "request that begins as an earlier one did (a chat's next turn, a shared system prompt, "
@@ -100,7 +101,9 @@ def prepare(args):
     model, tok = load_for_decoding(args)
     tok = with_template_file(tok, args.chat_template)
     name = args.model_name or Path(args.ckpt).resolve().name
-    ctx = check_cache_fits(model.config, args.max_batch, args.ctx)
+    ctx, full = check_cache_fits(model.config, args.max_batch, args.ctx), model.config.ctx_len
+    if model.config.rope_scaling == "longrope" and ctx < full:   # its short / long factors chosen by the context
+        model.config = model.config.replace(ctx_len=ctx)         # served, as llama-server chooses by its n_ctx
     app = create_app(model, tok, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                      max_tokens_cap=args.max_tokens, max_n=args.max_n, body_limit=args.max_body, ctx_len=ctx,
                      prompt_cache_mib=cache_mib)
@@ -111,7 +114,7 @@ def prepare(args):
         print(warning, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     cache_mb = sum(a.nbytes for a in app.state.service.batcher.cache.store[:2]) / 2**20
-    of_model = f" of the model's {model.config.ctx_len}" if ctx < model.config.ctx_len else ""
+    of_model = f" of the model's {full}" if ctx < full else ""
     banner = (f"nanoeuler serve: model {name!r} ({model.n_params():,} parameters, context {ctx}{of_model}) "
               f"on http://{shown}:{port}/  (OpenAI base_url http://{shown}:{port}/v1; Ctrl-C stops)\n"
               f"  {args.max_batch} rows decoded together (shared fairly between requests), KV cache up to "
