@@ -490,8 +490,8 @@ def refuse_unsupported(meta: dict, arch: str, read=()) -> None:
 def gguf_rope_fields(meta: dict, a: str, rope_freqs, rope_dims: int, theta: float) -> dict:
     """The RoPE scaling llama.cpp applies to the file's global layers -> the Config's fields ({} for none): a linear
     factor (rope.scaling.factor, or where it is absent the older rope.scale_linear, as llama.cpp reads them), or
-    the divisors of each turned pair's frequency in a `rope_freqs` tensor [rope_dims/2] (what llama.cpp's converter writes
-    for Llama 3.x):
+    the divisors of each turned pair's frequency in a `rope_freqs` tensor [rope_dims/2] (what llama.cpp's
+    converter writes for Llama 3.x):
     llama3 scaling where they are llama3's of Llama 3.1's parameters (low / high freq factors 1 / 4, original
     context 8192; the factor: the largest divisor), else the divisors as they are ("factors"); or yarn (type yarn:
     the factor, rope.scaling.original_context_length, default context_length, and the attention factor llama.cpp

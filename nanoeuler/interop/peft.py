@@ -15,9 +15,9 @@ c_attn's output rows are q | k | v as our stacked B's, so no tensor is transpose
 
 Modules trained whole (`--lora-modules-to-save`) go in as PEFT saves its `modules_to_save`: listed in
 adapter_config.json by each module's own Hugging Face name ("lm_head"; "norm" becomes "input_layernorm", "norm",
-... : PEFT matches whole dotted names), each tensor under
-the module's own name (heads.0.weight -> base_model.model.lm_head.weight). The MTP heads (mtp_heads) stay
-out: Hugging Face's Llama has none (the base's hf export keeps them in a file of its own).
+...: PEFT matches whole dotted names), each tensor under the module's own name (heads.0.weight ->
+base_model.model.lm_head.weight). The MTP heads (mtp_heads) stay out: Hugging Face's Llama has none (the base's
+hf export keeps them in a file of its own).
 """
 from __future__ import annotations
 
