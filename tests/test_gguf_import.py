@@ -300,7 +300,7 @@ def test_a_vocabulary_that_disagrees_with_the_embedding_is_refused(tmp_path, mod
     ({"tokenizer.ggml.model": "plamo2"}, r"'plamo2' \(PLaMo-2's\) is not supported"),
     ({"tokenizer.ggml.model": "rwkv"}, r"'rwkv' \(RWKV's trie\) is not supported"),
     ({"tokenizer.ggml.model": "mystery"}, r"'mystery' is not supported; supported: gpt2 \(byte-level BPE\), llama"),
-    ({"tokenizer.ggml.pre": "kimi-k2"}, "tokenizer.ggml.pre 'kimi-k2' is not supported: llama.cpp cuts"),
+    ({"tokenizer.ggml.pre": "roberta-bpe"}, "tokenizer.ggml.pre 'roberta-bpe' is not supported: it appends a sep"),
     ({"tokenizer.ggml.pre": "no-such-pre"}, "tokenizer.ggml.pre 'no-such-pre' is not a pre-tokenizer llama.cpp knows"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.yarn_beta_fast": 16.0},
      "llama.rope.scaling.yarn_beta_fast = 16.0 is not supported"),   # (llama.cpp reads no beta: it computes 32)

@@ -21,6 +21,7 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
 from gguf_fixtures import CHATML, SPECIALS, chatml_model, chatml_tokenizer, train_briefly, write_gguf  # noqa: E402
+from test_llama_cpp_vocabs import random_texts  # noqa: E402
 
 from nanoeuler import Model, Tokenizer  # noqa: E402
 from nanoeuler.chat_template import render  # noqa: E402
@@ -56,14 +57,43 @@ def heldout(tok, n, at=0):
 # cuts differently from GPT-2's pattern
 CASCADE_TEXTS = [*TEXTS, "it's JOHN'S 'quoted' we're they'll", "x = 1234567 + 89, 3.14159", "$100+=200 ^~| `a` b<=>c",
                  "...!!?? (a) [b] {c} #e @f", "½ ٣٤٥ ① ²³ Ⅻ 12٣4", "«guillemets» — dash… ¿qué?",
-                 "nbsp\u00a0ideographic\u3000space", "e\u0301 👩‍💻 €"]
+                 "nbsp\u00a0ideographic\u3000space", "e\u0301 👩‍💻 €", "中文字符abc 日本語と한국어 camelCaseWord x12345y",
+                 "ﾃｽﾄ ไทย ញ 4567890123 it'S"]
 
 
 @pytest.fixture(scope="module")
 def cascade_model():
-    tok = Tokenizer.train([bundled_works()["hamlet"][:20000] + " it's 2024, 1999 ... $100 += 42; 'tis" * 40], 600,
-                          specials=SPECIALS, progress=False)  # merges across the cascade's cuts: "'s", " 2", " ..."
+    """A byte-level vocabulary whose merges cross the cuts pre-tokenizers make: merges that build every stretch
+    of up to 8 bytes of each CASCADE_TEXTS entry, left to right and ranked first (a piece of those texts becomes
+    as few tokens as the stretches allow, so a cut in another place gives other ids: a letter after Han
+    characters, digits after letters, case changes), then those trained on Hamlet ("'s", " 2", " ...")."""
+    trained = Tokenizer.train([bundled_works()["hamlet"][:20000] + " it's 2024, 1999 ... $100 += 42; 'tis" * 40], 600,
+                              specials=SPECIALS, progress=False)
+    tok = with_probe_merges(trained, [t for t in CASCADE_TEXTS if len(t) < 200], longest=8)
     return chatml_model(tok), tok
+
+
+def with_probe_merges(tok: Tokenizer, texts: list[str], longest: int) -> Tokenizer:
+    """tok with merges ranked before its own that build each stretch text[i:j] (bytes, j - i <= longest) of
+    texts from text[i:j-1] and its last byte."""
+    import json
+
+    from nanoeuler.interop.hf_tokenizer import from_hf_json
+    from nanoeuler.tokenizer.tokenizer import bytes_to_unicode
+    chars = bytes_to_unicode()
+    d = json.loads(tok.to_hf_json())
+    vocab, own = d["model"]["vocab"], d["model"]["merges"]
+    probes, seen = [], set()
+    for text in texts:
+        b = "".join(chars[x] for x in text.encode())
+        for i in range(len(b)):
+            for j in range(i + 2, min(i + longest, len(b)) + 1):
+                vocab.setdefault(b[i:j], len(vocab))
+                if (b[i:j - 1], b[j - 1]) not in seen:
+                    seen.add((b[i:j - 1], b[j - 1]))
+                    probes.append([b[i:j - 1], b[j - 1]])
+    d["model"]["merges"] = probes + [m for m in own if tuple(m) not in seen]
+    return from_hf_json(d)
 
 
 # every tokenizer.ggml.pre name we read ("gpt2" is no llama.cpp name: it refuses such a file), and none
@@ -73,13 +103,14 @@ PRE_NAMES = [n for names, _, _ in PRE_FAMILIES.values() for n in names if n != "
 @pytest.mark.parametrize("pre", PRE_NAMES)
 def test_every_pre_tokenizer_name_equals_llama_cpp(tmp_path, cascade_model, pre):
     """Each name splits text as llama.cpp splits it for that name (smollm: each digit alone; llama-bpe: digits
-    by threes; default, or no name, as llama.cpp falls back to it: a cascade of 4 regexes)."""
+    by threes; default, or no name, as llama.cpp falls back to it: a cascade of 4 regexes; kimi-k2 and afmoe, which
+    llama.cpp cuts with its own code), on CASCADE_TEXTS and 100 random mixed-script texts."""
     import llama_cpp
     m, tok = cascade_model
     path = write_gguf(tmp_path / "d.gguf", m, tok, "F32", pre=pre)
     _, _, ours, _ = load_gguf(path)
     lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    for text in CASCADE_TEXTS:
+    for text in CASCADE_TEXTS + [t.decode("utf-8", "replace") for t in random_texts(seed=len(str(pre)), n=100)]:
         assert ours.encode(text, allow_special=True) == lc.tokenize(text.encode(), add_bos=False, special=True), text
     if pre in ("default", None):
         _, _, gpt2, _ = load_gguf(write_gguf(tmp_path / "g.gguf", m, tok, "F32"))

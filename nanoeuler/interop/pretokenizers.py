@@ -46,12 +46,31 @@ DEEPSEEK_LETTERS = (r"\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u0
                     r"\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+")
 DEEPSEEK_V3 = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp runs a regex with \p{..} classes on a "collapsed" text (src/unicode.cpp unicode_regex_split: each
+# character above ASCII replaced by one of its category, so \p{Lu}, \p{Ll}, \p{Lt}, \p{Lm}, \p{Lo} are all \p{L}
+# and \d is [0-9]), and one without them on the text with every whitespace above ASCII replaced by U+000B (so
+# a literal range never holds U+3000, U+2003, ...). The rows below are written as Python's `regex` computes what
+# llama.cpp computes: YOUTU's and TINY_AYA's cased words are any run of letters and marks, DeepSeek's ranges
+# lose their spaces.
+WORD_ANY_CASE = r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+" + CONTRACTIONS + "?"  # [\p{Lu}..]*[\p{Ll}..]+|[\p{Lu}..]+[\p{Ll}..]*
+DEEPSEEK_CJK = r"(?:(?!\s)[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff])+"
+# llama.cpp's own splitters for two regexes it names (src/unicode.cpp), each written as the regex that cuts the same:
+# digits grouped by threes from the right (afmoe's "\p{AFMoE_digits}", and tiny_aya's "\d{1,3}(?=(?:\d{3})*\b)",
+# which llama.cpp runs through the same code; it cuts after each group, not before a run, so the text before a run
+# stays with its first digits), and Kimi-K2's pattern, whose words are runs of any letters but Han
+# (llama.cpp's unicode_cpt_is_han ranges) with no case classes and no marks, as its code cuts them.
+DIGITS_BY_THREES = r"\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))|\P{N}+"   # each piece ends after a group (or the text)
+HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+KIMI_K2 = (rf"[{HAN}]+|[^\r\n\p{{L}}\p{{N}}]?[^\P{{L}}{HAN}]+{CONTRACTIONS}?|\p{{N}}{{1,3}}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+AFMOE_SCRIPTS = (r"[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
+                 r"\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
+                 r"\u1100-\u11ff]+")   # llama.cpp's ranges as its source has them (豈 is U+8C48, เ U+0E40)
 IGNORE_MERGES, ADD_BOS = "ignore_merges", "add_bos"
 
-# Every byte-level pre-tokenizer llama.cpp knows, its regexes as llama.cpp writes them (the five this library
-# had before, GPT-2's, Llama-3's, Qwen2's, SmolLM's and `default`, in their Hugging Face form, which cuts the same).
-# Left out, refused by name: those llama.cpp runs through its own code rather than a regex (kimi-k2, afmoe), those
-# that are not byte-level (gemma4, sarvam-moe, whitespace) and those that append a separator (roberta-bpe, ...).
+# Every byte-level pre-tokenizer llama.cpp knows, its regexes as llama.cpp computes them (above; GPT-2's, Llama-3's,
+# Qwen2's, SmolLM's and `default` in their Hugging Face form, which cuts the same). Left out, refused by name: those
+# whose BPE is not byte-level (gemma4, sarvam-moe, whitespace) and those that append a separator (roberta-bpe, ...).
 PRE_FAMILIES: dict[str, PreFamily] = {
     "DEFAULT": PreFamily(("default",), DEFAULT_CASCADE),
     "LLAMA3": PreFamily(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -61,18 +80,16 @@ PRE_FAMILIES: dict[str, PreFamily] = {
     "JAIS2": PreFamily(("jais-2",), (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                                      r"|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)"
                                      r"|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",)),
-    "DEEPSEEK_LLM": PreFamily(("deepseek-llm",), (r"[\r\n]", DEEPSEEK_LETTERS, r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
-                                                  r"\s+$", r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}+")),
-    "DEEPSEEK_CODER": PreFamily(("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
-                                                      r"\p{N}")),
+    "DEEPSEEK_LLM": PreFamily(("deepseek-llm",), (r"[\r\n]", DEEPSEEK_LETTERS,
+                                                  r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3001-\u3002]+",
+                                                  r"\s+$", DEEPSEEK_CJK, r"\p{N}+")),
+    "DEEPSEEK_CODER": PreFamily(("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", DEEPSEEK_CJK, r"\p{N}")),
     "DEEPSEEK3_LLM": PreFamily(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), (r"\p{N}{1,3}", CJK, DEEPSEEK_V3)),
     "SPARK2_5": PreFamily(("spark2_5",), (r"\p{N}{1,3}", CJK, DEEPSEEK_V3.replace(r"[\r\n]*|\s*[\r\n]+", r"|[\r\n]"),
                                           r"\p{N}")),
     "YOUTU": PreFamily(("youtu",), (r"[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + CJK,
-                                    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                                    + CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-                                    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + CONTRACTIONS + r"?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
-                                    r"|\s*[\r\n]+|\s+(?!\S)|\s+"), frozenset({IGNORE_MERGES})),
+                                    WORD_ANY_CASE + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                      frozenset({IGNORE_MERGES})),
     "FALCON": PreFamily(("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]")),
     "STARCODER": PreFamily(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b",
                             "mellum2"), SMOLLM_PATTERN),
@@ -97,11 +114,8 @@ PRE_FAMILIES: dict[str, PreFamily] = {
         "|".join(w.replace(r"[\p{L}]", r"[\p{L}\p{M}]") + CONTRACTIONS + "?" for w in WORD_CASED)
         + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",), frozenset({IGNORE_MERGES})),
     "TINY_AYA": PreFamily(("tiny_aya", "cohere2moe"), (
-        r"\d{1,3}(?=(?:\d{3})*\b)",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + CONTRACTIONS
-        + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + CONTRACTIONS
-        + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")),
-    "SUPERBPE": PreFamily(("superbpe",), (r"\p{N}+", r"(?=(\d{3})+(?!\d))")),
+        DIGITS_BY_THREES, WORD_ANY_CASE + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")),
+    "SUPERBPE": PreFamily(("superbpe",), (r"\p{N}+", r"(?=([0-9]{3})+(?![0-9]))")),   # \d: ASCII digits to std::regex
     "BAILINGMOE": PreFamily(("bailingmoe", "bailingmoe2", "llada-moe"), (
         r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]|\s+(?!\S)|\s+",)),
@@ -109,15 +123,15 @@ PRE_FAMILIES: dict[str, PreFamily] = {
                                               r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",)),
     "UFAKZEKA": PreFamily(("ufakzeka",), (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                                           r"|\s+(?!\S)|\s+",)),
+    "KIMI_K2": PreFamily(("kimi-k2",), KIMI_K2),
+    "AFMOE": PreFamily(("afmoe",), (DIGITS_BY_THREES, AFMOE_SCRIPTS, DEEPSEEK_V3)),
     "LAGUNA": PreFamily(("laguna",), (r"[^\n]+|[\n]+", QWEN2_PATTERN)),
     "EXAONE_MOE": PreFamily(("exaone-moe",), (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+"
                                               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",)),
     "MINICPM5": PreFamily(("minicpm5",), (r"\p{N}{1,3}", CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+"
                                           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), frozenset({IGNORE_MERGES})),
 }
-REFUSED_PRE = {"kimi-k2": "llama.cpp cuts its text with its own code, not a regex",
-               "afmoe": "llama.cpp groups its digits with its own code, not a regex",
-               **dict.fromkeys(("gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"),
+REFUSED_PRE = {**dict.fromkeys(("gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"),
                                "its BPE works on raw UTF-8, not on bytes"),
                **dict.fromkeys(("roberta-bpe", "jina-v1-en", "jina-v2-code"),
                                "it appends a separator token to every text")}
