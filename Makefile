@@ -17,8 +17,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nanoeuler demo
 
+# two worker processes, each given whole test files (--dist loadfile: a file's module fixtures are built once): most
+# of a cold run is numba compiling kernels, one thread per process, so two compile side by side
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # the published models tests and benchmarks run on (SmolLM2-135M-Instruct, Gemma 3 270M), into .cache/models
 models:
