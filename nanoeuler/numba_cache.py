@@ -9,11 +9,13 @@ package is stamped with its own file's hash and a digest of all the package's so
 from (`kernel_sources`); change any of them and every cached kernel of the package is compiled afresh once.
 
 `install()` patches numba's source-file locators (private API, stable since numba 0.4x); if numba changes
-them, it does nothing and caching works as numba's own.
+them, it does nothing and caching works as numba's own. `note_first_compile` says on stderr, before a long
+compile that a cold cache makes (the decoding step: a minute or two), what the wait is and that it happens once.
 """
 from __future__ import annotations
 
 import hashlib
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -61,3 +63,28 @@ def install() -> None:
 
     mixin.get_source_stamp = get_source_stamp
     mixin._nanoeuler = True
+
+
+def compiled_before(dispatcher) -> bool:
+    """Whether numba's cache holds a version of `dispatcher` (an njit function with cache=True) compiled for
+    this CPU from the current sources, so that its first call loads it rather than compiling. True when numba's
+    private cache API is not as expected (nothing is said then)."""
+    try:
+        magic = dispatcher.targetctx.codegen().magic_tuple()
+        return any(key[1] == magic for key in dispatcher._cache._cache_file._load_index())
+    except Exception:   # noqa: BLE001 (numba's internals changed)
+        return True
+
+
+noted: set[str] = set()   # what note_first_compile has looked at in this process
+
+
+def note_first_compile(dispatcher, what: str, minutes: str) -> None:
+    """Once per process and `what`: a stderr line before `dispatcher` compiles on a cold cache (compiled_before
+    false), saying what compiles, about how long it takes, and that later runs load it."""
+    if what in noted:
+        return
+    noted.add(what)
+    if not compiled_before(dispatcher):
+        print(f"note: compiling {what} for this CPU, once (about {minutes} on 2 cores; numba keeps them in its "
+              f"cache for later runs)", file=sys.stderr)

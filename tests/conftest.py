@@ -72,6 +72,15 @@ def _rel_err_fixture():
     return rel_err
 
 
+@pytest.fixture(autouse=True)
+def _kernels_count_as_compiled(monkeypatch):
+    """numba_cache.note_first_compile's line is for a user's first run. On a cold cache (a fresh clone) it would
+    be said in whichever test builds a decoding layout first in its process, among that test's stderr; so tests
+    see every kernel as compiled before (a test of the line itself calls monkeypatch.undo() first)."""
+    from nanoeuler import numba_cache
+    monkeypatch.setattr(numba_cache, "compiled_before", lambda dispatcher: True)
+
+
 # ---- what `make test` did not check, and how to check it ----------------------------------------------------
 # test file -> (what it checks, what it needs: the command that enables it). `make test` installs every other
 # dependency (pyproject's `test` extra); these need root, a compiler run of minutes, or a GPU.

@@ -209,6 +209,7 @@ def run(args) -> int:
     from ..checkpoint import check_vocab, load_tokenizer
     from ..errors import UserError
     from ..infer.session import generate, truncate_left
+    from ..infer.step import fuse_weights
     from ..model import Model
     check_sampling_args(args)
     decoder, tok = load_for_decoding(args)  # (refuses a --dtype the model cannot take: before anything is printed)
@@ -223,12 +224,13 @@ def run(args) -> int:
     if dropped:
         print(f"note: the prompt has {len(ids) + dropped} tokens, more than the context of {model.config.ctx_len}; "
               f"kept the last {len(ids)}", file=sys.stderr)
+    fused = fuse_weights(decoder.config, decoder.params)   # (before the prompt is shown: a first compile's note)
     stream = None
     if not args.json:
         sys.stdout.write(escape_control(tok.decode(shown)))
         stream = StdoutStream(tok)
     g = generate(decoder, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                 stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream)
+                 stop_ids=[tok.eos_id], mode=mode_of(args), on_token=stream, fused=fused)
     if args.json:
         print(json.dumps({"prompt": tok.decode(shown), "text": tok.decode(g.ids), "ids": g.ids, "stopped": g.stopped,
                           "prompt_truncated": dropped, "tokens_per_s": g.tokens_per_s, "mode": mode_of(args)}))

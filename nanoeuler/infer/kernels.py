@@ -50,6 +50,7 @@ from ..fast.vmath import vexp
 from ..ops.gelu import A as GELU_A
 from ..ops.gelu import C as GELU_C
 from ..ops.gelu_erf import INV_SQRT2 as GELU_INV_SQRT2
+from ..numba_cache import note_first_compile
 from . import pool
 from .float16 import through_half
 from .gemv import OPTS, QUANT
@@ -57,6 +58,7 @@ from .gemv import OPTS, QUANT
 ROWS = 8          # most rows `linear` sends to the kernels (a speculative round: t1 + 7 drafts)
 CHUNK = 32        # a prompt's tokens per fused call (step.forward_hidden)
 ENABLED = True    # False: every decoding step takes the NumPy reference path (tests, bench; read by weights.Forms)
+DECODING = "the decoding kernels"   # what note_first_compile says compiles when a layout is built on a cold cache
 
 
 # ---- small pieces (inlined into the step) ----------------------------------------------------------
@@ -337,6 +339,7 @@ def weights(cfg, W: dict, segments: list, forms: np.ndarray) -> Weights:
     """The fused step's weights from the inference layout W (forward.fuse_weights), per layer the four
     matrices' segments (lists of `segment` rows), and the buffer of their kernel forms."""
     from .cache import new_cache
+    note_first_compile(step, DECODING, "a minute or two")   # (decoding's first step compiles it)
     L, d, f32 = cfg.n_layers, cfg.dim, np.float32
     p = [f"layers.{i}." for i in range(L)]
     mats, counts = np.zeros((L, 4, 3, SEG), np.int64), np.zeros((L, 4), np.int64)
