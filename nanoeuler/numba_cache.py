@@ -79,12 +79,12 @@ def compiled_before(dispatcher) -> bool:
 noted: set[str] = set()   # what note_first_compile has looked at in this process
 
 
-def note_first_compile(dispatcher, what: str, minutes: str) -> None:
+def note_first_compile(dispatcher, what: str, how_long: str) -> None:
     """Once per process and `what`: a stderr line before `dispatcher` compiles on a cold cache (compiled_before
     false), saying what compiles, about how long it takes, and that later runs load it."""
     if what in noted:
         return
     noted.add(what)
     if not compiled_before(dispatcher):
-        print(f"note: compiling {what} for this CPU, once (about {minutes} on 2 cores; numba keeps them in its "
+        print(f"note: compiling {what} for this CPU, once (about {how_long} on 2 cores; numba keeps them in its "
               f"cache for later runs)", file=sys.stderr)
