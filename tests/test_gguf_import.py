@@ -214,6 +214,15 @@ def test_export_refuses_a_pattern_llama_cpp_cannot_name(tmp_path, model, tok, pa
     assert not (tmp_path / "m.gguf").exists()
 
 
+@pytest.mark.parametrize("name", ["afmoe", "tiny_aya"])
+def test_digits_by_threes_split_a_long_run_in_linear_time(name):
+    """llama.cpp's digit grouping as a regex looks ahead over the whole run once, at its start: a lookahead at every
+    group made 300,000 digits quadratic, past the pre-tokenizer's time bound (a UserError instead of the pieces)."""
+    from nanoeuler.tokenizer.tokenizer import pretokenize
+    pieces = pretokenize("x" + "1" * 300_001 + "y", PRE_BY_NAME[name].pattern)
+    assert pieces[:3] == ["x", "1", "111"] and pieces[-2:] == ["111", "y"] and len(pieces) == 100_003  # 1 + 3·100,000
+
+
 @pytest.mark.parametrize("family", sorted(PRE_FAMILIES))
 def test_every_pre_tokenizer_family_exports_back_to_itself(tmp_path, model, tok, family):
     """A file of each pre-tokenizer llama.cpp knows, imported then exported, names a pre-tokenizer that splits and

@@ -59,7 +59,10 @@ DEEPSEEK_CJK = r"(?:(?!\s)[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff])+"
 # which llama.cpp runs through the same code; it cuts after each group, not before a run, so the text before a run
 # stays with its first digits), and Kimi-K2's pattern, whose words are runs of any letters but Han
 # (llama.cpp's unicode_cpt_is_han ranges) with no case classes and no marks, as its code cuts them.
-DIGITS_BY_THREES = r"\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))|\P{N}+"   # each piece ends after a group (or the text)
+# Pieces end after a group. A run's first group is sized once, at its start (no digit before it): one or two digits
+# where the rest is whole threes (looked at possessively: no backtracking into them), else three; then threes.
+# (\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N})) at every group cuts the same, in time quadratic in a run's length.)
+DIGITS_BY_THREES = r"\P{N}*(?<!\p{N})(?:\p{N}{1,2}(?=(?:\p{N}{3})*+(?!\p{N}))|\p{N}{3})|\p{N}{3}|\P{N}+"
 HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
 KIMI_K2 = (rf"[{HAN}]+|[^\r\n\p{{L}}\p{{N}}]?[^\P{{L}}{HAN}]+{CONTRACTIONS}?|\p{{N}}{{1,3}}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
