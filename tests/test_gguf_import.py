@@ -4,6 +4,7 @@ reads it, bad files are one line and write nothing."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import struct
 import tracemalloc
@@ -214,13 +215,28 @@ def test_export_refuses_a_pattern_llama_cpp_cannot_name(tmp_path, model, tok, pa
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("name", ["afmoe", "tiny_aya"])
+@pytest.mark.parametrize("name", ["afmoe", "tiny_aya", "superbpe"])
 def test_digits_by_threes_split_a_long_run_in_linear_time(name):
     """llama.cpp's digit grouping as a regex looks ahead over the whole run once, at its start: a lookahead at every
-    group made 300,000 digits quadratic, past the pre-tokenizer's time bound (a UserError instead of the pieces)."""
+    group (superbpe's: at every digit) made 300,000 digits quadratic, past the pre-tokenizer's time bound (a
+    UserError instead of the pieces)."""
     from nanoeuler.tokenizer.tokenizer import pretokenize
     pieces = pretokenize("x" + "1" * 300_001 + "y", PRE_BY_NAME[name].pattern)
     assert pieces[:3] == ["x", "1", "111"] and pieces[-2:] == ["111", "y"] and len(pieces) == 100_003  # 1 + 3·100,000
+
+
+def test_superbpe_cuts_as_its_lookahead_does():
+    """superbpe's cascade as llama.cpp names it (a zero-width cut before every three digits counted from a run's end)
+    and ours (a match from one cut to the next, linear in a run's length) cut every text alike: random mixes of
+    ASCII and other digits, letters and whitespace, where runs end at every length modulo 3."""
+    from nanoeuler.tokenizer.tokenizer import pretokenize
+    rng = random.Random(0)
+    alphabet = list("0123456789" * 3) + ["٣", "½", "Ⅻ", "a", "x", " ", "\n"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
+    zero_width = (r"\p{N}+", r"(?=([0-9]{3})+(?![0-9]))")
+    assert PRE_BY_NAME["superbpe"].pattern != zero_width
+    for text in texts + ["٣1234", "1234٣", "123٣456٣7", "12345٣67", "1234567 89"]:
+        assert pretokenize(text, PRE_BY_NAME["superbpe"].pattern) == pretokenize(text, zero_width), text
 
 
 @pytest.mark.parametrize("family", sorted(PRE_FAMILIES))

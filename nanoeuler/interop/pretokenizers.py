@@ -63,6 +63,15 @@ DEEPSEEK_CJK = r"(?:(?!\s)[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff])+"
 # where the rest is whole threes (looked at possessively: no backtracking into them), else three; then threes.
 # (\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N})) at every group cuts the same, in time quadratic in a run's length.)
 DIGITS_BY_THREES = r"\P{N}*(?<!\p{N})(?:\p{N}{1,2}(?=(?:\p{N}{3})*+(?!\p{N}))|\p{N}{3})|\p{N}{3}|\P{N}+"
+# superbpe's "(?=(\d{3})+(?!\d))" (\d: [0-9] to std::regex) cuts a run of ASCII digits before each three counted
+# from its end, and nowhere else: the last three stay with what follows the run, up to the next cut. As a regex, that
+# lookahead at every position of a run is quadratic in its length; this one matches from a cut to the next instead,
+# looking ahead over a run once, at its start. After three digits that end mid-run the next three begin a cut (no
+# lookahead); after a run's last three, or from a text's start, it takes everything that is not a cut: other
+# characters, runs of one or two digits, and a long run's head of one or two digits before whole threes.
+_UP_TO_A_CUT = r"(?:[^0-9]++|[0-9]{1,2}+(?![0-9]))*+(?:[0-9]{1,2}(?=(?:[0-9]{3})++(?![0-9])))?"
+ASCII_DIGITS_CUT_BY_THREES = (r"(?:(?<![0-9])[0-9]{3}(?=(?:[0-9]{3})*+(?![0-9]))|(?<=[0-9])[0-9]{3})(?:(?![0-9])"
+                              + _UP_TO_A_CUT + ")?|" + _UP_TO_A_CUT)
 HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
 KIMI_K2 = (rf"[{HAN}]+|[^\r\n\p{{L}}\p{{N}}]?[^\P{{L}}{HAN}]+{CONTRACTIONS}?|\p{{N}}{{1,3}}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -118,7 +127,7 @@ PRE_FAMILIES: dict[str, PreFamily] = {
         + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",), frozenset({IGNORE_MERGES})),
     "TINY_AYA": PreFamily(("tiny_aya", "cohere2moe"), (
         DIGITS_BY_THREES, WORD_ANY_CASE + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")),
-    "SUPERBPE": PreFamily(("superbpe",), (r"\p{N}+", r"(?=([0-9]{3})+(?![0-9]))")),   # \d: ASCII digits to std::regex
+    "SUPERBPE": PreFamily(("superbpe",), (r"\p{N}+", ASCII_DIGITS_CUT_BY_THREES)),
     "BAILINGMOE": PreFamily(("bailingmoe", "bailingmoe2", "llada-moe"), (
         r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]|\s+(?!\S)|\s+",)),
