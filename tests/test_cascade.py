@@ -17,7 +17,8 @@ from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
 from nanoeuler.interop.hf_tokenizer import DEFAULT_CASCADE, from_hf_json
 from nanoeuler.tokenizer import Tokenizer
-from nanoeuler.tokenizer.tokenizer import PATTERN_PROBES, bpe
+from nanoeuler.tokenizer.pretokenize import PATTERN_PROBES
+from nanoeuler.tokenizer.tokenizer import bpe
 
 # llama.cpp's unicode_set_whitespace (the Unicode White_Space property)
 WHITESPACE = {*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F,

@@ -256,9 +256,9 @@ def test_tokenizer_pattern_validated(tok, pattern, why):
 
 
 def test_tokenizer_encoding_time_is_bounded(tok, monkeypatch):
-    import nanoeuler.tokenizer.tokenizer as T
+    import nanoeuler.tokenizer.pretokenize as P
     slow = Tokenizer(tok.merges, ("</s>",), r"(?:a|aa)+$|\s+|(?s:.)")   # built directly: not validated
-    monkeypatch.setattr(T, "ENCODE_TIMEOUT_PER_CHAR", 0.0)
+    monkeypatch.setattr(P, "ENCODE_TIMEOUT_PER_CHAR", 0.0)
     t0 = time.perf_counter()
     with pytest.raises(UserError, match="catastrophic backtracking"):
         slow.encode("a" * 60 + "b")

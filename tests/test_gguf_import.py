@@ -220,7 +220,7 @@ def test_digits_by_threes_split_a_long_run_in_linear_time(name):
     """llama.cpp's digit grouping as a regex looks ahead over the whole run once, at its start: a lookahead at every
     group (superbpe's: at every digit) made 300,000 digits quadratic, past the pre-tokenizer's time bound (a
     UserError instead of the pieces)."""
-    from nanoeuler.tokenizer.tokenizer import pretokenize
+    from nanoeuler.tokenizer.pretokenize import pretokenize
     pieces = pretokenize("x" + "1" * 300_001 + "y", PRE_BY_NAME[name].pattern)
     assert pieces[:3] == ["x", "1", "111"] and pieces[-2:] == ["111", "y"] and len(pieces) == 100_003  # 1 + 3·100,000
 
@@ -229,7 +229,7 @@ def test_superbpe_cuts_as_its_lookahead_does():
     """superbpe's cascade as llama.cpp names it (a zero-width cut before every three digits counted from a run's end)
     and ours (a match from one cut to the next, linear in a run's length) cut every text alike: random mixes of
     ASCII and other digits, letters and whitespace, where runs end at every length modulo 3."""
-    from nanoeuler.tokenizer.tokenizer import pretokenize
+    from nanoeuler.tokenizer.pretokenize import pretokenize
     rng = random.Random(0)
     alphabet = list("0123456789" * 3) + ["٣", "½", "Ⅻ", "a", "x", " ", "\n"]
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
@@ -667,7 +667,7 @@ def test_each_pre_family_splits_as_its_hf_pre_tokenizer(family):
     pre-tokenizer does (smollm: each digit alone; llama-bpe: digits by threes; gpt-2: digit runs whole)."""
     pytest.importorskip("tokenizers")
     from nanoeuler.interop.pretokenizers import PRE_FAMILIES, pre_pattern
-    from nanoeuler.tokenizer.tokenizer import pretokenize
+    from nanoeuler.tokenizer.pretokenize import pretokenize
     oracle = hf_pre_tokenizer(family)
     text = ("In 1599, 12345 men  spent $3.50 (or 1,000,000!) in   2 days\t\n 7 it's WE'LL don't\r\n\r\n"
             "ÀÉ 日本語 😀 x1y22z333 ...!? \u00a0nbsp")

@@ -25,8 +25,8 @@ from nanoeuler.cli import main
 from nanoeuler.data.corpus import bundled_works
 from nanoeuler.errors import UserError
 from nanoeuler.tokenizer import tokenizer as tokenizer_module
-from nanoeuler.tokenizer.tokenizer import (Tokenizer, bpe, cut_points, encode_parallel, get_stats, merge, pretokenize,
-                                 train_reference)
+from nanoeuler.tokenizer.pretokenize import pretokenize
+from nanoeuler.tokenizer.tokenizer import Tokenizer, bpe, cut_points, encode_parallel, get_stats, merge, train_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -206,7 +206,7 @@ def hf_dict(meta: dict) -> tuple[dict, int | None]:
         raise UserError("GGUF metadata tokenizer.ggml.tokens / tokenizer.ggml.merges are missing or not string lists")
     if len(types) != len(tokens):
         raise UserError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    from ..tokenizer.tokenizer import hf_splits
+    from ..tokenizer.pretokenize import hf_splits
     pattern, ignore_merges, bos_default = pre_pattern(meta.get("tokenizer.ggml.pre"))
     vocab, added = {}, []
     # the bos / eos the metadata names are specials even where the file types them NORMAL (Aquila's eos), unless

@@ -42,7 +42,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode
-from ..tokenizer.tokenizer import check_pattern, covers_every_character, level_bytes
+from ..tokenizer.pretokenize import check_pattern, covers_every_character
+from ..tokenizer.tokenizer import level_bytes
 
 MIN_BYTES = 128  # byte tokens a byte-level vocabulary must have (SmolLM2's lacks 21 bytes that text rarely holds)
 
