@@ -158,7 +158,9 @@ SEG = 4
 @njit(**OPTS)
 def _product(ctl, pooled, M, X, Y, add):
     """Y (+)= X @ Wᵀ for the segmented matrix M [segments, SEG] (see SEG): one segment straight into Y, several
-    each into a temporary then into its columns of Y."""
+    each into a temporary then into its columns of Y. Callers pass `add` as bool(True) / bool(False): numba
+    compiles a kernel once per literal value a call passes it (True and False: two _product, each with its own
+    copy of every product kernel below it), once for a bool."""
     if M.shape[0] == 1:
         pool.gemv_at(ctl, pooled, M[0, 0], M[0, 1], M[0, 3], X, Y, add)
         return
@@ -166,7 +168,7 @@ def _product(ctl, pooled, M, X, Y, add):
     for s in range(M.shape[0]):
         m = M[s, 2]
         T = np.empty((n, m), np.float32)
-        pool.gemv_at(ctl, pooled, M[s, 0], M[s, 1], M[s, 3], X, T, False)
+        pool.gemv_at(ctl, pooled, M[s, 0], M[s, 1], M[s, 3], X, T, bool(False))
         for r in range(n):
             for j in range(m):
                 Y[r, o + j] = Y[r, o + j] + T[r, j] if add else T[r, j]
@@ -179,9 +181,9 @@ def _residual(ctl, pooled, W, b, inp, x, o, post, nb, eps, h, m):
     residual stream x [n, d], with the architecture's post norm (post: its weight; nb its bias) when it has one,
     times the residual multiplier m (o, h [n, d] scratch)."""
     if post.shape[0] == 0 and b.shape[0] == 0 and m == 1:
-        _product(ctl, pooled, W, inp, x, True)  # x += inp @ Wᵀ, no temporary
+        _product(ctl, pooled, W, inp, x, bool(True))  # x += inp @ Wᵀ, no temporary
         return
-    _product(ctl, pooled, W, inp, o, False)
+    _product(ctl, pooled, W, inp, o, bool(False))
     _add_bias(o, b)
     if post.shape[0]:
         _norm(o, post, nb, eps, h)
@@ -222,7 +224,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
         _pre_norm(x, D.pre, D.norms[l, 0], D.norm_biases[l, 0], eps, h)
         if D.parallel:   # the MLP reads the layer's input, normed before the attention adds to it
             _pre_norm(x, D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, hm)
-        _product(ctl, pooled, D.mats[l, 0, :D.segments[l, 0]], h, t, False)
+        _product(ctl, pooled, D.mats[l, 0, :D.segments[l, 0]], h, t, bool(False))
         _add_bias(t, D.qkv_bias[l])
         k_ = D.rope[l]
         for r in range(n):  # q/k norms, RoPE; the new keys and values go into the cache
@@ -250,7 +252,7 @@ def step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, last_onl
                   D.norms[l, 2, :D.post], D.norm_biases[l, 2], eps, h[f:], D.residual)
         if not D.parallel:
             _pre_norm(x[f:], D.pre, D.norms[l, 1], D.norm_biases[l, 1], eps, hm[f:])
-        _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], hm[f:], gu[f:], False)
+        _product(ctl, pooled, D.mats[l, 2, :D.segments[l, 2]], hm[f:], gu[f:], bool(False))
         _add_bias(gu[f:], D.mlp_in_bias[l])
         half = D.gelu_half[l]
         for r in range(f, n):  # the activation: SwiGLU silu(g)·u, GeGLU gelu(g)·u, or GELU
@@ -277,7 +279,7 @@ def _round(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0,
     h = step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, False)
     n = h.shape[0]
     logits = np.empty((n, V), np.float32)
-    pool.gemv(ctl, pooled, head0, h, logits, False)
+    pool.gemv(ctl, pooled, head0, h, logits, bool(False))
     best = np.empty(n, np.int64)
     for r in range(n):
         best[r] = np.argmax(logits[r])
@@ -289,7 +291,7 @@ def _matvec(ctl, pooled, W, X, out):
     """X [n, in] float32 @ Wᵀ, W [out, in] in kernel form (gemv.pack of float32, or float16 bits as uint16)
     -> [n, out] float32."""
     Y = np.empty((X.shape[0], out), np.float32)
-    pool.gemv(ctl, pooled, W, X, Y, False)
+    pool.gemv(ctl, pooled, W, X, Y, bool(False))
     return Y
 
 

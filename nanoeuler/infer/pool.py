@@ -186,7 +186,7 @@ def gemv(ctl, pooled, W, X, Y, add):
     """Y (+)= X @ Wᵀ: W in kernel form (`pack`: [panels, in, PANEL], or a block type's: qkernels.pack), X [n, in],
     Y [n, out] float32 C-contiguous, out <= panels·PANEL; by the calling thread and whichever helpers are awake
     (`gemv_at`)."""
-    gemv_at(ctl, pooled, form_kind(W), np.int64(W.ctypes.data), W.shape[0], X, Y, add)
+    gemv_at(ctl, pooled, np.int64(form_kind(W)), np.int64(W.ctypes.data), W.shape[0], X, Y, bool(add))   # no literals
 
 
 @njit(**OPTS)
