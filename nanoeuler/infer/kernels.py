@@ -276,7 +276,7 @@ def _round(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, head0,
     """A speculative round's model work in one compiled call: `step` over tokens [n] (hidden states
     h [n, d], all rows), head 0's logits [n, V] and their argmax [n] (the same kernels as a plain step's
     forward + matvec + argmax, so the same numbers) -> (h, logits, best)."""
-    h = step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, False)
+    h = step(ctl, pooled, x0, pos, slot, D, eps, n_heads, kc, vc, cos, sin, bool(False))   # (as forward calls it)
     n = h.shape[0]
     logits = np.empty((n, V), np.float32)
     pool.gemv(ctl, pooled, head0, h, logits, bool(False))

@@ -715,7 +715,7 @@ def bpe_bytes(buf, keys, vals):
     nxt = np.empty(n, np.int32)
     prv = np.empty(n, np.int32)
     heap = np.empty(3 * n + 1, np.int64)
-    k = bpe_piece(buf, 0, n, keys, vals, work, nxt, prv, heap)
+    k = bpe_piece(buf, np.int64(0), n, keys, vals, work, nxt, prv, heap)   # (a literal 0 compiles another bpe_piece)
     return work[:k].copy()
 
 
