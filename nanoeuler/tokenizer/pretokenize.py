@@ -1,4 +1,4 @@
-"""Pre-tokenization: the regex (or cascade of regexes) that cuts text into the pieces BPE merges within.
+r"""Pre-tokenization: the regex (or cascade of regexes) that cuts text into the pieces BPE merges within.
 
 GPT-2's pattern is the default: contractions, letter runs, number runs, punctuation runs, whitespace (one
 leading space sticks to the next word). A pattern read from a file (an imported tokenizer.json or GGUF, one of
